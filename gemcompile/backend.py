@@ -1,0 +1,106 @@
+"""GemBackend: the Dynamo backend behind gem_compile.
+
+It runs gemcompile's pre-grad passes on the Dynamo graph, then hands the rewritten graph to Inductor's
+``compile_fx`` with ``config_patches`` that put gemcompile's joint and post-grad pass managers in
+Inductor's ``joint_custom_pre_pass`` and ``post_grad_custom_pre_pass`` slots for this compile only
+(no global config is touched). A pass the user had installed in one of those slots keeps running,
+chained before ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from gemcompile.config import GemConfig
+from gemcompile.passes import PIPELINE, GemPass, PassManager
+from gemcompile.passes.base import instantiate, run_pre_grad
+from gemcompile.passes.records import PassLog, active_log, recording
+
+log = logging.getLogger(__name__)
+
+# Inductor slot -> the stage gemcompile runs there.
+SLOTS: dict[str, str] = {"joint_custom_pre_pass": "joint", "post_grad_custom_pre_pass": "post_grad"}
+
+
+def _inductor_patches(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
+    """What torch.compile(mode=..., options=...) would have patched into Inductor's config."""
+    if mode is not None and options is not None:
+        raise ValueError("gem_compile: give either mode or options, not both (as torch.compile)")
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode, dynamic))
+    if options:
+        patches.update({k.replace("-", "_"): v for k, v in options.items()})
+    return patches
+
+
+class GemBackend:
+    """A torch.compile backend: ``torch.compile(model, backend=GemBackend(config))``.
+
+    ``passes`` overrides the default pipeline (tests and experiments); ``last_log`` holds what the
+    passes reported during the most recent graph compiled by this backend.
+    """
+
+    def __init__(self, config: GemConfig | None = None, *, passes: Sequence[type[GemPass]] | None = None):
+        if config is None:
+            config = GemConfig()
+        if not isinstance(config, GemConfig):
+            raise TypeError(f"config must be a gemcompile.GemConfig, got {type(config).__name__}")
+        self.config = config
+        self.pass_types = tuple(PIPELINE if passes is None else passes)
+        self.last_log = PassLog()
+
+    def make_passes(self) -> list[GemPass]:
+        return instantiate(self.pass_types, self.config)
+
+    def slot_managers(self, passes: Sequence[GemPass], patches: dict[str, Any]) -> dict[str, PassManager]:
+        """One PassManager per Inductor slot gemcompile uses, chaining what is installed there."""
+        import torch._inductor.config as inductor_config
+
+        managers = {}
+        for slot, stage in SLOTS.items():
+            existing = patches.get(slot, getattr(inductor_config, slot))
+            if existing is not None and not self.config.chain_existing_passes:
+                warnings.warn(f"gemcompile replaces the pass installed in torch._inductor.config.{slot} "
+                              "(GemConfig.chain_existing_passes=False)", stacklevel=3)
+                existing = None
+            manager = PassManager(stage, passes, chained=existing)
+            if manager:
+                managers[slot] = manager
+        return managers
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = _inductor_patches(mode, options, dynamic=None)
+        passes = self.make_passes()
+        # Report into an outer log (explain) when there is one, else into this backend's own.
+        target = active_log() or PassLog()
+        self.last_log = target
+        with recording(target):
+            run_pre_grad(gm, passes)
+            patches.update(self.slot_managers(passes, patches))
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def __repr__(self) -> str:
+        return f"GemBackend({self.config!r})"
+
+
+def _registered_backend(gm: fx.GraphModule, example_inputs, **kwargs):
+    """``torch.compile(model, backend="gemcompile")``: GemBackend with the default config."""
+    return GemBackend()(gm, example_inputs, **kwargs)
+
+
+try:
+    torch._dynamo.register_backend(_registered_backend, name="gemcompile")
+except Exception as e:  # already registered (module reloaded) or a torch without the registry
+    log.debug("backend 'gemcompile' not registered: %s", e)

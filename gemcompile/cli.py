@@ -1,0 +1,79 @@
+"""The `gemcompile` command: explain | train. A thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gem-ref", choices=["gem-ref"], help="the model to explain")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small", "large"], help="GEM-ref size")
+    parser.add_argument("--batch-size", type=int, default=8, help="batch of the example inputs")
+    parser.add_argument("--fill", type=float, default=0.5, help="mean sequence length / max length, in (0, 1]")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disable", action="append", default=[], metavar="PASS",
+                        help="turn a pass off (repeatable), e.g. --disable jagged_attention")
+    parser.add_argument("--graphs", action="store_true", help="also print the Dynamo graph after the passes")
+    parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from gemcompile import GemConfig, explain
+    from gemcompile.models.gem import GemRef, gem_ref_config
+    from gemcompile.models.data import SyntheticData
+
+    sections = {}
+    valid = [name for name in GemConfig.__dataclass_fields__ if name != "chain_existing_passes"]
+    for name in args.disable:
+        if name not in valid:
+            raise ValueError(f"--disable {name}: unknown pass; passes: {', '.join(valid)}")
+        sections[name] = {"enabled": False}
+    config = GemConfig(**sections)
+    model_config = gem_ref_config(args.size)
+    torch.manual_seed(args.seed)
+    model = GemRef(model_config)
+    batch = SyntheticData(model_config.data_config(batch_size=args.batch_size, fill=args.fill,
+                                                   seed=args.seed)).batch(0)
+    report = explain(model, **batch.features(), config=config)
+    console = Console(width=args.width)
+    console.print(f"[bold]GEM-ref {args.size}[/bold]: batch {args.batch_size}, fill {args.fill}, "
+                  f"padding efficiency {batch.padding_efficiency():.2f}")
+    console.print(report)
+    if args.graphs and report.graph_after is not None:
+        console.print(report.graph_after.code, markup=False, highlight=False)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gemcompile.runtime.train import add_train_arguments
+
+    parser = argparse.ArgumentParser(prog="gemcompile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    explain_parser = sub.add_parser("explain", help="show what gemcompile's passes do to a model")
+    _explain_arguments(explain_parser)
+    train_parser = sub.add_parser("train", help="train GEM-ref on synthetic data")
+    add_train_arguments(train_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "explain":
+            return run_explain(args)
+        from gemcompile.runtime.train import run_train_from_args
+
+        return run_train_from_args(args)
+    except (ValueError, TypeError) as e:
+        # Bad input from the command line: one clear line, no traceback from deep inside torch.
+        print(f"gemcompile {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The ops the passes emit: torch.library definitions (schema, fake, autograd, dispatch), their Triton
+kernels and a plain-PyTorch reference for each.
+
+Importing this package registers the ops, e.g. ``torch.ops.gemcompile.jagged_attention``.
+"""
+
+from . import checks
+from . import jagged_attention as jagged_attention_ops  # noqa: F401  registers gemcompile::jagged_attention*
+from .checks import strict_length_checks
+from .jagged_attention import jagged_attention_packed
+
+__all__ = ["checks", "strict_length_checks", "jagged_attention_packed"]

@@ -1,0 +1,208 @@
+"""Input checks shared by the lowering ops, and the switch for length-value checks on CUDA.
+
+Shape, rank, dtype and device checks are cheap host-side metadata checks: they always run, also on
+fake tensors while tracing, so a bad call fails at compile time with a message naming the argument.
+
+Length *values* are data. On CPU they are always checked (a cheap reduction, no device round trip).
+On CUDA a check would need a host sync (`.item()`), which the ops must never do by default: the CUDA
+kernels instead clamp every length into ``[0, L]`` (memory safety; a length above L means "all L
+positions", exactly what the eager padded mask ``arange(L) < length`` means). Turn on
+:func:`strict_length_checks` while debugging to make the CUDA path check the values too (one host
+sync per op call) and raise ``ValueError`` on a length outside ``[0, L]``::
+
+    from gemcompile.lowering.checks import strict_length_checks
+    strict_length_checks(True)             # from now on
+    with strict_length_checks(True): ...   # only inside the block
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "strict_length_checks",
+    "strict_length_checks_enabled",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+    "check_jagged_attention_args",
+    "check_packed_attention_args",
+    "check_length_values",
+    "check_offset_values",
+]
+
+MIN_HEAD_DIM = 16
+"""Smallest head dim the Triton kernels serve (tl.dot needs K >= 16)."""
+MAX_HEAD_DIM = 128
+"""Largest head dim the Triton kernels serve (register and shared-memory budget of one tile)."""
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_strict = False
+
+
+class strict_length_checks:
+    """Turn value checks of lengths/offsets on CUDA on or off.
+
+    Calling it sets the switch for the whole process; used as a context manager it restores the previous
+    value on exit. CPU tensors are always checked, whatever the switch says.
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _strict
+        if not isinstance(enabled, bool):
+            raise TypeError(f"strict_length_checks(enabled) expects a bool, got {type(enabled).__name__}")
+        self.previous = _strict
+        _strict = enabled
+
+    def __enter__(self) -> "strict_length_checks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _strict
+        _strict = self.previous
+
+
+def strict_length_checks_enabled() -> bool:
+    """Whether CUDA calls check length values (with a host sync)."""
+    return _strict
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _should_check_values(t: torch.Tensor) -> bool:
+    if _is_fake(t):
+        return False
+    return t.device.type == "cpu" or _strict
+
+
+def _check_index_vector(name: str, t, size: int, size_text: str, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != size:
+        raise ValueError(f"{name} must be 1-D of size {size_text} = {size}, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; every tensor must be on one device")
+
+
+def _check_qkv(q, k, v, layout_rank: int, layout_text: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != layout_rank:
+            raise ValueError(f"{name} must be {layout_rank}-D {layout_text}, got shape {tuple(t.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    D = q.shape[-1]
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(
+            f"q, k and v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+        )
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"head dim {D} is not supported by the jagged attention kernel (valid: {MIN_HEAD_DIM} <= D <= "
+            f"{MAX_HEAD_DIM})"
+        )
+
+
+def _check_flags(causal, scale) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+
+
+def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale) -> None:
+    """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
+    _check_qkv(q, k, v, 4, "(batch, heads, length, head_dim)")
+    B, H, Lk, _ = k.shape
+    if v.shape != k.shape:
+        raise ValueError(
+            f"k and v must have one shape (B, H, Lk, D), got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[0] not in (1, B):
+        raise ValueError(f"q's batch size must be 1 (shared queries) or k's batch size {B}, got {q.shape[0]}")
+    if q.shape[1] != H:
+        raise ValueError(f"q and k must have the same number of heads, got q {q.shape[1]}, k {H}")
+    Lq = q.shape[2]
+    if q_lengths is not None:
+        _check_index_vector("q_lengths", q_lengths, B, "B", q.device)
+    _check_index_vector("kv_lengths", kv_lengths, B, "B", q.device)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+        target = (B, H, Lq, Lk)
+        if bias.dim() != 4 or any(s not in (1, t) for s, t in zip(bias.shape, target)):
+            raise ValueError(
+                f"bias must be 4-D and broadcastable to (B, H, Lq, Lk) = {target} (each dim equal or 1), "
+                f"got shape {tuple(bias.shape)}"
+            )
+    _check_flags(causal, scale)
+
+
+def check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale) -> None:
+    """Metadata checks of the packed layout: q (Tq, H, D), k/v (Tk, H, D), offsets (B+1,)."""
+    _check_qkv(q, k, v, 3, "(tokens, heads, head_dim)")
+    if v.shape != k.shape:
+        raise ValueError(
+            f"k and v must have one shape (Tk, H, D), got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same number of heads, got q {q.shape[1]}, k {k.shape[1]}")
+    if not isinstance(kv_offsets, torch.Tensor):
+        raise TypeError(f"kv_offsets must be a torch.Tensor, got {type(kv_offsets).__name__}")
+    if kv_offsets.dim() != 1 or kv_offsets.shape[0] < 1:
+        raise ValueError(f"kv_offsets must be 1-D of size B+1 >= 1, got shape {tuple(kv_offsets.shape)}")
+    B = kv_offsets.shape[0] - 1
+    _check_index_vector("kv_offsets", kv_offsets, B + 1, "B+1", q.device)
+    if q_offsets is not None:
+        _check_index_vector("q_offsets", q_offsets, B + 1, "B+1 (kv_offsets' size)", q.device)
+    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if q_offsets is None and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"without q_offsets q shares kv_offsets, so q and k must have the same number of tokens, "
+            f"got {q.shape[0]} and {k.shape[0]}"
+        )
+    _check_flags(causal, scale)
+
+
+def check_length_values(name: str, lengths: torch.Tensor | None, max_len: int) -> None:
+    """Raise ValueError if a length lies outside [0, max_len]; CPU always, CUDA only in strict mode."""
+    if lengths is None or not _should_check_values(lengths):
+        return
+    bad = (lengths < 0) | (lengths > max_len)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{i}] = {int(lengths[i])} is outside [0, {max_len}] (the padded length)")
+
+
+def check_offset_values(name: str, offsets: torch.Tensor | None, total: int, max_len: int) -> None:
+    """Raise ValueError unless offsets start >= 0, never decrease, end <= total and no gap exceeds max_len."""
+    if offsets is None or not _should_check_values(offsets):
+        return
+    if offsets.numel() and (int(offsets[0]) < 0 or int(offsets[-1]) > total):
+        raise ValueError(
+            f"{name} must lie in [0, {total}] (the number of tokens), got {offsets.tolist()[:8]}..."
+        )
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{name} must not decrease")
+    if bool((lengths > max_len).any()):
+        raise ValueError(f"a sequence in {name} is longer than the max length {max_len} that was passed")

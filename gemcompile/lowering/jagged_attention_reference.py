@@ -1,0 +1,233 @@
+"""Plain-PyTorch reference of jagged softmax attention: what runs on CPU (and any non-CUDA device).
+
+Semantics (shared with the Triton kernels, see jagged_attention.py): for batch b, head h and query row
+i < q_len[b], ``out[b,h,i] = softmax_j(scale * q_i . k_j + bias[b,h,i,j]) @ v`` over keys j < kv_len[b]
+(and j <= i when causal, top-left aligned). Rows with no valid key and rows i >= q_len are exactly 0.
+Lengths above the padded length mean "all positions" (the eager ``arange(L) < length`` mask).
+
+The forward returns ``(out, lse)``; ``lse`` is the natural-log sum-exp of each row's scores, and +inf on
+rows without a valid key so that ``exp(s - lse) = 0`` there. The backward is the flash-attention
+backward written densely: it recomputes the scores but takes the softmax normaliser from ``lse``.
+
+Positions outside the valid region are never read (they are zeroed first), so garbage or NaN in
+padding cannot leak into outputs or gradients.
+
+Math runs in float32 for half inputs and in float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "reference_forward",
+    "reference_backward",
+    "reference_packed_forward",
+    "reference_packed_backward",
+    "valid_mask",
+]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_mask(lengths: torch.Tensor | None, B: int, L: int, device) -> torch.Tensor:
+    """(B, L) bool: position < length (all True without lengths)."""
+    pos = torch.arange(L, device=device)
+    if lengths is None:
+        return torch.ones(B, L, dtype=torch.bool, device=device)
+    return pos[None, :] < lengths.to(device)[:, None]
+
+
+def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device) -> torch.Tensor:
+    """(B, 1, Lq, Lk) bool mask of the (i, j) score entries that take part in the softmax."""
+    q_ok = _row_mask(q_lengths, B, Lq, device)
+    kv_ok = _row_mask(kv_lengths, B, Lk, device)
+    valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+    if causal:
+        rows = torch.arange(Lq, device=device)
+        cols = torch.arange(Lk, device=device)
+        valid = valid & (cols[None, :] <= rows[:, None])
+    return valid
+
+
+def _zero_invalid_rows(x: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+    """x (Bx, H, L, D), row_ok (B, L) -> (B, H, L, D) with rows >= length set to 0 (broadcasts Bx=1)."""
+    return torch.where(row_ok[:, None, :, None], x, x.new_zeros(()))
+
+
+def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale):
+    """Returns (probabilities or scores, valid, zeroed q, zeroed k) in the compute dtype."""
+    B, _, Lk, _ = k.shape
+    Lq = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    qf = _zero_invalid_rows(q.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
+    kf = _zero_invalid_rows(k.to(cdt), _row_mask(kv_lengths, B, Lk, k.device))
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(cdt)
+    valid = valid_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, q.device)
+    s = s.masked_fill(~valid, float("-inf"))
+    if lse is None:
+        return s, valid, qf, kf
+    p = torch.exp(s - lse.to(cdt)[..., None]).masked_fill(~valid, 0.0)
+    return p, valid, qf, kf
+
+
+def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+    """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale)
+    lse = torch.logsumexp(s, dim=-1) if Lk > 0 else s.new_full((B, H, Lq), float("-inf"))
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    p = torch.exp(s - lse[..., None])
+    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    out = torch.matmul(p, vf)
+    return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
+
+
+def _reduce_to_shape(x: torch.Tensor, shape) -> torch.Tensor:
+    dims = [d for d, (s, t) in enumerate(zip(shape, x.shape)) if s == 1 and t != 1]
+    if dims:
+        x = x.sum(dim=dims, keepdim=True)
+    return x.reshape(shape)
+
+
+def reference_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_lengths,
+    kv_lengths,
+    bias,
+    causal: bool,
+    scale: float,
+    bias_requires_grad: bool,
+):
+    """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale)
+    q_ok = _row_mask(q_lengths, B, Lq, q.device)
+    do = _zero_invalid_rows(grad_out.to(cdt), q_ok)
+    o = _zero_invalid_rows(out.to(cdt), q_ok)
+    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    delta = (do * o).sum(dim=-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kf) * scale
+    if q.shape[0] == 1 and B != 1:
+        dq = dq.sum(dim=0, keepdim=True)
+    dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
+    if bias is not None and bias_requires_grad:
+        dbias = _reduce_to_shape(ds, bias.shape).to(bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty(0)
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed layout: q (Tq, H, D), k/v (Tk, H, D), sequence b at rows offsets[b] : offsets[b+1], truncated to
+# max_len. lse is (H, Tq). Rows that belong to no sequence (or lie past max_len) are 0 in out and grads.
+
+
+def _gather_index(offsets: torch.Tensor, total: int, max_len: int):
+    """(index (B, max_len) into the packed rows, valid (B, max_len), lengths (B,))."""
+    starts = offsets[:-1].clamp(0, total)
+    ends = torch.maximum(offsets[1:].clamp(0, total), starts)
+    lengths = (ends - starts).clamp(max=max_len)
+    pos = torch.arange(max_len, device=offsets.device)
+    valid = pos[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    return index, valid, lengths
+
+
+def _packed_to_padded(x: torch.Tensor, index, valid) -> torch.Tensor:
+    """x (T, H, ...) -> (B, H, max_len, ...) with rows outside sequences set to 0."""
+    if x.shape[0] == 0:
+        return x.new_zeros((index.shape[0], x.shape[1], index.shape[1], *x.shape[2:]))
+    g = x[index]  # (B, max_len, H, ...)
+    g = torch.where(valid.reshape(*valid.shape, *([1] * (g.dim() - 2))), g, g.new_zeros(()))
+    return g.transpose(1, 2)
+
+
+def _padded_to_packed(y: torch.Tensor, index, valid, total: int, fill: float = 0.0) -> torch.Tensor:
+    """y (B, H, max_len, ...) -> (T, H, ...); rows outside sequences get ``fill``."""
+    y = y.transpose(1, 2)  # (B, max_len, H, ...)
+    out = y.new_full((total, *y.shape[2:]), fill)
+    out[index[valid]] = y[valid]
+    return out
+
+
+def reference_packed_forward(
+    q, k, v, q_offsets, kv_offsets, max_q_len: int, max_kv_len: int, causal: bool, scale: float
+):
+    """Packed layout -> (out (Tq, H, D), lse (H, Tq))."""
+    q_offsets = kv_offsets if q_offsets is None else q_offsets
+    qi, qv, q_len = _gather_index(q_offsets, q.shape[0], max_q_len)
+    ki, kvv, kv_len = _gather_index(kv_offsets, k.shape[0], max_kv_len)
+    out, lse = reference_forward(
+        _packed_to_padded(q, qi, qv),
+        _packed_to_padded(k, ki, kvv),
+        _packed_to_padded(v, ki, kvv),
+        q_len,
+        kv_len,
+        None,
+        causal,
+        scale,
+    )
+    out = _padded_to_packed(out, qi, qv, q.shape[0]).contiguous()
+    lse = _padded_to_packed(lse, qi, qv, q.shape[0], float("inf")).transpose(0, 1).contiguous()
+    return out, lse
+
+
+def reference_packed_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_offsets,
+    kv_offsets,
+    max_q_len: int,
+    max_kv_len: int,
+    causal: bool,
+    scale: float,
+):
+    q_offsets = kv_offsets if q_offsets is None else q_offsets
+    qi, qv, q_len = _gather_index(q_offsets, q.shape[0], max_q_len)
+    ki, kvv, kv_len = _gather_index(kv_offsets, k.shape[0], max_kv_len)
+    lse_padded = _packed_to_padded(lse.transpose(0, 1), qi, qv)  # (B, H, max_q_len)
+    lse_padded = torch.where(qv[:, None, :], lse_padded, torch.full_like(lse_padded, float("inf")))
+    dq, dk, dv, _ = reference_backward(
+        _packed_to_padded(grad_out, qi, qv),
+        _packed_to_padded(q, qi, qv),
+        _packed_to_padded(k, ki, kvv),
+        _packed_to_padded(v, ki, kvv),
+        _packed_to_padded(out, qi, qv),
+        lse_padded,
+        q_len,
+        kv_len,
+        None,
+        causal,
+        scale,
+        False,
+    )
+    return (
+        _padded_to_packed(dq, qi, qv, q.shape[0]).contiguous(),
+        _padded_to_packed(dk, ki, kvv, k.shape[0]).contiguous(),
+        _padded_to_packed(dv, ki, kvv, k.shape[0]).contiguous(),
+    )

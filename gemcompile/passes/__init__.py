@@ -1,0 +1,16 @@
+"""The pass pipeline: every gemcompile pass, in the order it runs within its stage.
+
+One file per pass; add a pass by importing it here and adding it to PIPELINE. Stages run in the order
+pre_grad (Dynamo graph, in GemBackend), joint (AOTAutograd joint graph), post_grad (forward and
+backward graphs); see passes/base.py for why each rewrite sits where it does.
+"""
+
+from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
+from gemcompile.passes.jagged_attention import JaggedAttentionPass
+
+PIPELINE: tuple[type[GemPass], ...] = (
+    JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
+)
+"""The default passes, in order."""
+
+__all__ = ["PIPELINE", "STAGES", "GemPass", "PassManager", "Stage"]

@@ -1,0 +1,173 @@
+"""GemPass and PassManager: how every gemcompile pass plugs into torch.compile.
+
+A pass is a ``CustomGraphPass`` (Inductor's interface for cache-safe custom passes) that rewrites an
+``fx.Graph`` in place at one stage:
+
+- ``pre_grad``: the Dynamo graph (torch-level ops, ``meta["example_value"]``), run by GemBackend
+  before AOTAutograd, so a custom op inserted there gets its own autograd formula;
+- ``joint``: AOTAutograd's joint forward+backward graph (``joint_custom_pre_pass``);
+- ``post_grad``: each of the forward and backward graphs (``post_grad_custom_pre_pass``).
+
+Its ``uuid()`` covers its source files, its config section and the versions of gemcompile, torch and
+triton, so Inductor's FX graph cache stays correct (any change misses) and warm (no change hits).
+Inductor holds one object per slot: a ``PassManager`` per stage runs gemcompile's passes in order,
+after the pass the user had installed in that slot, if any.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from gemcompile.config import GemConfig
+from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
+from gemcompile.version import versions
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["pre_grad", "joint", "post_grad"]
+STAGES: tuple[Stage, ...] = ("pre_grad", "joint", "post_grad")
+
+
+@functools.cache
+def _source_hash(cls: type) -> str:
+    """sha256 of the files that define a pass: its own module and every gemcompile base class's."""
+    files = sorted(
+        {
+            inspect.getsourcefile(k)
+            for k in cls.__mro__
+            if k.__module__.startswith("gemcompile") and inspect.getsourcefile(k)
+        }
+        | {__file__}
+    )
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()
+
+
+class GemPass(CustomGraphPass):
+    """Base class of gemcompile's passes. Subclasses set the class variables and implement ``run``."""
+
+    name: ClassVar[str]
+    """Short name, used in counters, explain and the pipeline table."""
+    stage: ClassVar[Stage]
+    """Where the pass runs (see the module docstring)."""
+    config_section: ClassVar[str | None] = None
+    """The GemConfig field holding this pass's knobs; its ``enabled`` flag turns the pass on and off."""
+
+    def __init__(self, config: GemConfig):
+        self.config = config
+
+    @property
+    def options(self) -> Any:
+        return None if self.config_section is None else self.config.section(self.config_section)
+
+    @property
+    def enabled(self) -> bool:
+        return getattr(self.options, "enabled", True)
+
+    @abstractmethod
+    def run(self, graph: fx.Graph) -> None:
+        """Rewrite ``graph`` in place, reporting each rewrite and refusal."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.enabled:
+            self.run(graph)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for part in (
+            type(self).__qualname__,
+            _source_hash(type(self)),
+            "" if self.config_section is None else self.config.fingerprint(self.config_section),
+            repr(sorted(versions().items())),
+        ):
+            h.update(part.encode())
+        return h.hexdigest()
+
+    # -- reporting -----------------------------------------------------------------------------
+    def rewrote(self, anchor: fx.Node, before: Iterable[fx.Node] | str, after: Iterable[fx.Node] | str,
+                detail: str = "") -> None:
+        """Report one rewrite. Call with the matched nodes *before* erasing them (or their text)."""
+        counters["gemcompile"][self.name] += 1
+        target = active_log()
+        if target is not None:
+            target.rewrites.append(
+                Rewrite(
+                    pass_name=self.name,
+                    stage=self.stage,
+                    location=source_location(anchor),
+                    before=before if isinstance(before, str) else describe_nodes(before),
+                    after=after if isinstance(after, str) else describe_nodes(after),
+                    detail=detail,
+                )
+            )
+        log.debug("%s rewrote %s", self.name, anchor)
+
+    def refused(self, anchor: fx.Node, reason: str) -> None:
+        """Report a candidate the pass left alone, with the reason a user can act on."""
+        counters["gemcompile"][f"{self.name}_refused"] += 1
+        target = active_log()
+        if target is not None:
+            target.refusals.append(
+                Refusal(self.name, self.stage, source_location(anchor), reason, describe_nodes([anchor]))
+            )
+        log.debug("%s refused %s: %s", self.name, anchor, reason)
+
+
+class PassManager(CustomGraphPass):
+    """Runs one stage's passes in pipeline order, after ``chained`` (the pass already in the slot)."""
+
+    def __init__(self, stage: Stage, passes: Sequence[GemPass], chained: Any = None):
+        self.stage = stage
+        self.passes = [p for p in passes if p.stage == stage]
+        self.chained = chained
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+        for p in self.passes:
+            p(graph)
+            if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see rewrite_utils)
+                graph.eliminate_dead_code()
+        graph.lint()
+
+    def uuid(self) -> str | None:
+        chained_uuid = None
+        if self.chained is not None:
+            # A chained pass with no uuid makes the whole slot uncacheable: correct, if slower.
+            chained_uuid = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else None
+            if chained_uuid is None:
+                return None
+        h = hashlib.sha256(self.stage.encode())
+        for p in self.passes:
+            h.update(p.uuid().encode())
+        h.update(repr(chained_uuid).encode())
+        return h.hexdigest()
+
+    def __bool__(self) -> bool:
+        return bool(self.passes) or self.chained is not None
+
+
+def instantiate(pass_types: Iterable[type[GemPass]], config: GemConfig) -> list[GemPass]:
+    return [t(config) for t in pass_types]
+
+
+def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass]) -> None:
+    """Run the pre-grad passes on a Dynamo GraphModule and regenerate its code."""
+    manager = PassManager("pre_grad", passes)
+    if manager:
+        manager(gm.graph)
+        gm.recompile()

@@ -1,0 +1,670 @@
+"""Prove what an attention mask is, by evaluating the graph that builds it over index symbols.
+
+Modelers build masks in many spellings (``arange(L)[None] < lengths[:, None]``, ``~(... >= ...)``,
+``masked_fill`` of zeros, ``(1 - m.float()) * -1e9``, ``torch.where``, ``tril(ones)``...). Rather than
+enumerate spellings, this module interprets the mask's subgraph abstractly: each tensor becomes a
+function of its element index.
+
+- an integer tensor is a sympy expression in index symbols (``arange`` gives the index itself; a
+  per-sample integer tensor the graph does not build from known ops, e.g. a ``lengths`` input, is an
+  opaque function of the batch index);
+- a boolean tensor is a propositional formula over canonical integer comparisons;
+- a float tensor is piecewise constant: a few (value, condition) pieces that partition the index space.
+
+Index symbols are right-aligned (``r0`` is the last dim, ``r1`` the one before...), so broadcasting
+needs no renaming. Comparisons are canonicalized for integers (``a <= b`` is ``a - b - 1 < 0``; a
+negation ``not (e < 0)`` is ``-e - 1 < 0``) and each complementary pair shares one proposition, so two
+masks are equal when their formulas are propositionally equivalent (sound: never equal by mistake).
+Anything the evaluator does not model raises ``Unproven`` with a reason; the caller leaves the attention
+alone and ``explain`` shows the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
+from sympy.logic.inference import satisfiable
+
+NEG_FILL_LIMIT = -1.0e4
+"""Fill values at or below this act as -inf in a softmax (exp underflows to exactly 0 in every float
+dtype for scores of ordinary magnitude); -inf, -1e9 and finfo.min all qualify."""
+
+
+class Unproven(Exception):
+    """The evaluator could not prove what a tensor is; the message says why, for explain."""
+
+
+def index_symbol(k: int) -> sympy.Symbol:
+    """The index along the k-th dim from the right."""
+    return sympy.Symbol(f"r{k}", integer=True, nonnegative=True)
+
+
+@dataclass(frozen=True)
+class IntTensor:
+    """value[idx] = expr(idx), an integer."""
+
+    ndim: int
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class BoolTensor:
+    """value[idx] = pred(idx)."""
+
+    ndim: int
+    pred: Boolean
+
+
+@dataclass(frozen=True)
+class PiecewiseTensor:
+    """value[idx] = v for the one (v, cond) piece whose cond holds at idx."""
+
+    ndim: int
+    pieces: tuple[tuple[float, Boolean], ...]
+
+    def as_bool(self) -> Boolean:
+        return _simplify(sympy.Or(*[c for v, c in self.pieces if v != 0]))
+
+
+Abstract = IntTensor | BoolTensor | PiecewiseTensor
+
+
+def _simplify(pred: Boolean) -> Boolean:
+    if isinstance(pred, (BooleanTrue, BooleanFalse)):
+        return pred
+    return sympy.simplify_logic(pred, force=True) if len(pred.free_symbols) <= 8 else pred
+
+
+def _piecewise(ndim: int, pieces) -> PiecewiseTensor:
+    """Merge pieces with equal values, drop impossible ones."""
+    merged: dict[float, Boolean] = {}
+    for v, c in pieces:
+        if c is sympy.false:
+            continue
+        key = float(v)
+        merged[key] = sympy.Or(merged[key], c) if key in merged else c
+    return PiecewiseTensor(ndim, tuple((v, _simplify(c)) for v, c in merged.items()))
+
+
+# -- canonical comparisons --------------------------------------------------------------------------
+
+@dataclass
+class Atoms:
+    """The propositions of one evaluation: each canonical integer comparison -> its sympy symbol."""
+
+    by_key: dict[tuple[str, sympy.Expr], sympy.Symbol] = field(default_factory=dict)
+    expr_of: dict[sympy.Symbol, tuple[str, sympy.Expr]] = field(default_factory=dict)
+
+    def _symbol(self, kind: str, e: sympy.Expr) -> sympy.Symbol:
+        key = (kind, e)
+        if key not in self.by_key:
+            s = sympy.Symbol(f"A{len(self.by_key)}")
+            self.by_key[key] = s
+            self.expr_of[s] = key
+        return self.by_key[key]
+
+    def lt0(self, e: sympy.Expr) -> Boolean:
+        """The proposition `e < 0` for integer e; `e < 0` and `-e - 1 < 0` share one symbol."""
+        e = sympy.expand(e)
+        if e.is_number:
+            return sympy.true if e < 0 else sympy.false
+        other = sympy.expand(-e - 1)
+        if sympy.default_sort_key(other) < sympy.default_sort_key(e):
+            return sympy.Not(self._symbol("lt", other))
+        return self._symbol("lt", e)
+
+    def eq0(self, e: sympy.Expr) -> Boolean:
+        e = sympy.expand(e)
+        if e.is_number:
+            return sympy.true if e == 0 else sympy.false
+        neg = sympy.expand(-e)
+        if sympy.default_sort_key(neg) < sympy.default_sort_key(e):
+            e = neg
+        return self._symbol("eq", e)
+
+    def compare(self, op: str, a: sympy.Expr, b: sympy.Expr) -> Boolean:
+        d = a - b
+        return {
+            "lt": lambda: self.lt0(d),
+            "le": lambda: self.lt0(d - 1),
+            "gt": lambda: self.lt0(-d),
+            "ge": lambda: self.lt0(-d - 1),
+            "eq": lambda: self.eq0(d),
+            "ne": lambda: sympy.Not(self.eq0(d)),
+        }[op]()
+
+
+def equivalent(a: Boolean, b: Boolean) -> bool:
+    """Propositional equivalence of two formulas over the same Atoms."""
+    return not satisfiable(sympy.Xor(a, b))
+
+
+# -- the evaluator -----------------------------------------------------------------------------------
+
+_COMPARE = {operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq",
+            operator.ne: "ne", torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.eq: "eq",
+            torch.ne: "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
+            "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne"}
+_AND = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "bitwise_and", "__and__"}
+_OR = {operator.or_, torch.logical_or, torch.bitwise_or, "logical_or", "bitwise_or", "__or__"}
+_XOR = {operator.xor, torch.logical_xor, "logical_xor", "__xor__"}
+_NOT = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__"}
+_ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
+          operator.truediv: operator.truediv, operator.floordiv: operator.floordiv,
+          torch.add: operator.add, torch.sub: operator.sub, torch.mul: operator.mul,
+          torch.div: operator.truediv, torch.floor_divide: operator.floordiv, "add": operator.add,
+          "sub": operator.sub, "mul": operator.mul, "div": operator.truediv, "floor_divide": operator.floordiv,
+          "__add__": operator.add, "__sub__": operator.sub, "__mul__": operator.mul,
+          "__truediv__": operator.truediv, "__floordiv__": operator.floordiv}
+_REVERSED_ARITH = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__": operator.mul,
+                   "__rtruediv__": operator.truediv, "__rfloordiv__": operator.floordiv, "rsub": operator.sub}
+_IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "cuda", "cpu", "requires_grad_"}
+_TO_FLOAT = {"float", "half", "bfloat16", "double"}
+_TO_INT = {"long", "int", "short"}
+_FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_INT_DTYPES = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+
+
+def example_value(node: Any):
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def _shape(node: fx.Node) -> tuple:
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise Unproven(f"no shape known for {node.name}")
+    return tuple(value.shape)
+
+
+def _is_one(size) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(size == 1)
+
+
+def _name_of(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+class MaskEvaluator:
+    """Evaluates FX nodes (Dynamo-level torch ops) into abstract tensors; one instance per attention site."""
+
+    def __init__(self):
+        self.atoms = Atoms()
+        self.leaves: dict[str, fx.Node] = {}  # opaque per-sample integer tensors, by function name
+        self._memo: dict[fx.Node, Abstract] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _scalar(self, x) -> sympy.Expr | float | bool:
+        if isinstance(x, bool):
+            return x
+        if isinstance(x, int):
+            return sympy.Integer(x)
+        if isinstance(x, float):
+            return x
+        if isinstance(x, torch.SymInt):
+            return sympy.sympify(x.node.expr)
+        raise Unproven(f"unsupported constant {x!r}")
+
+    def _with_unit_dims_zeroed(self, node: fx.Node, value: Abstract) -> Abstract:
+        """A size-1 dim's index is always 0: substitute it so broadcasting stays exact."""
+        shape = _shape(node)
+        subs = {index_symbol(len(shape) - 1 - d): 0 for d, s in enumerate(shape) if _is_one(s)}
+        return self._subs(value, subs) if subs else value
+
+    def _subs(self, value: Abstract, subs: dict) -> Abstract:
+        if not subs:
+            return value
+        if isinstance(value, IntTensor):
+            return IntTensor(value.ndim, value.expr.subs(subs, simultaneous=True))
+        if isinstance(value, BoolTensor):
+            return BoolTensor(value.ndim, self._subs_pred(value.pred, subs))
+        return _piecewise(value.ndim, [(v, self._subs_pred(c, subs)) for v, c in value.pieces])
+
+    def _subs_pred(self, pred: Boolean, subs: dict) -> Boolean:
+        """Substitute index symbols inside the comparisons a formula's propositions stand for."""
+        replace = {}
+        for atom in pred.free_symbols:
+            kind, e = self.atoms.expr_of[atom]
+            new_e = e.subs(subs, simultaneous=True)
+            replace[atom] = self.atoms.lt0(new_e) if kind == "lt" else self.atoms.eq0(new_e)
+        return _simplify(pred.xreplace(replace)) if replace else pred
+
+    def _relabel(self, value: Abstract, mapping: dict[int, int | None], ndim: int) -> Abstract:
+        """Move right-aligned dim k to dim mapping[k] (None: the dim is gone, its index is 0)."""
+        tmp = {index_symbol(k): sympy.Symbol(f"_t{k}", integer=True) for k in mapping}
+        back = {sympy.Symbol(f"_t{k}", integer=True): (0 if j is None else index_symbol(j))
+                for k, j in mapping.items()}
+        moved = self._subs(self._subs(value, tmp), back)
+        return type(moved)(ndim, *[getattr(moved, f) for f in ("expr", "pred", "pieces") if hasattr(moved, f)])
+
+    def _leaf(self, node: fx.Node) -> IntTensor:
+        value = example_value(node)
+        if value.dim() != 1:
+            raise Unproven(
+                f"{node.name} is an integer tensor of shape {tuple(value.shape)} that the mask builder does not "
+                "derive from arange or per-sample lengths"
+            )
+        fname = f"len_{node.name}"
+        self.leaves[fname] = node
+        return IntTensor(1, sympy.Function(fname)(index_symbol(0)))
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate(self, x: Any) -> Abstract | sympy.Expr | float | bool:
+        if not isinstance(x, fx.Node):
+            return self._scalar(x)
+        if x not in self._memo:
+            value = self._evaluate_node(x)
+            if isinstance(value, (IntTensor, BoolTensor, PiecewiseTensor)):
+                value = self._with_unit_dims_zeroed(x, value)
+            self._memo[x] = value
+        return self._memo[x]
+
+    def tensor(self, x: Any) -> Abstract:
+        v = self.evaluate(x)
+        if not isinstance(v, (IntTensor, BoolTensor, PiecewiseTensor)):
+            raise Unproven(f"expected a tensor, got the constant {v!r}")
+        return v
+
+    def _evaluate_node(self, node: fx.Node):
+        value = example_value(node)
+        if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
+            return sympy.sympify(value.node.expr) if isinstance(value, torch.SymInt) else sympy.Integer(value)
+        if not isinstance(value, torch.Tensor):
+            raise Unproven(f"{node.name} is not a tensor")
+        if node.op in ("placeholder", "get_attr"):
+            if value.dtype in _INT_DTYPES:
+                return self._leaf(node)
+            raise Unproven(f"the mask comes from the input {node.name!r} ({value.dtype}), not from lengths")
+        if node.op not in ("call_function", "call_method"):
+            raise Unproven(f"{node.op} {node.target} in the mask")
+        target = node.target
+        name = _name_of(target)
+        args, kwargs = node.args, node.kwargs
+        ndim = value.dim()
+
+        if target is torch.arange:
+            return self._arange(node)
+        if target in (torch.ones, torch.zeros, torch.full, torch.ones_like, torch.zeros_like, torch.full_like) or \
+                name in ("new_ones", "new_zeros", "new_full"):
+            return self._constant(node, value)
+        if target is operator.getitem:
+            return self._getitem(node)
+        if name in ("unsqueeze",):
+            return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs["dim"], ndim)
+        if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as"):
+            return self._reshape(node, self.tensor(args[0]))
+        if name in ("transpose", "swapaxes", "permute", "mT", "t"):
+            return self._permute(node, self.tensor(args[0]))
+        if name in _COMPARE and len(args) == 2:
+            return self._compare(_COMPARE[name], args[0], args[1], ndim)
+        if target in _COMPARE:
+            return self._compare(_COMPARE[target], args[0], args[1], ndim)
+        if target in _AND or name in _AND:
+            a, b = self._pred(args[0]), self._pred(args[1])
+            return BoolTensor(ndim, _simplify(sympy.And(a, b)))
+        if target in _OR or name in _OR:
+            return BoolTensor(ndim, _simplify(sympy.Or(self._pred(args[0]), self._pred(args[1]))))
+        if target in _XOR or name in _XOR:
+            return BoolTensor(ndim, _simplify(sympy.Xor(self._pred(args[0]), self._pred(args[1]))))
+        if target in _NOT or name in _NOT:
+            return BoolTensor(ndim, _simplify(sympy.Not(self._pred(args[0]))))
+        if name in ("tril", "triu"):
+            return self._tril(node, name)
+        if target is torch.where or name == "where":
+            return self._where(node, ndim)
+        if name in ("masked_fill", "masked_fill_"):
+            return self._masked_fill(node, ndim)
+        if name in _IDENTITY_METHODS or name in _TO_FLOAT or name in _TO_INT or name == "bool":
+            return self._cast(node, value)
+        if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
+            op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]
+            a, b = (args[1], args[0]) if name in _REVERSED_ARITH else (args[0], args[1])
+            return self._arith(op, a, b, ndim, value)
+        if target in (operator.neg, torch.neg) or name in ("neg", "__neg__"):
+            return self._arith(operator.mul, args[0], -1, ndim, value)
+        if value.dtype in _INT_DTYPES and ndim == 1:
+            # A per-sample integer tensor built by ops the evaluator does not model (a sum of a mask,
+            # a column of a feature table...): opaque, but still exactly "one integer per sample".
+            return self._leaf(node)
+        raise Unproven(f"`{name}` ({node.name}) in the mask is not an op the mask prover models")
+
+    def _pred(self, x) -> Boolean:
+        v = self.evaluate(x)
+        if isinstance(v, bool):
+            return sympy.true if v else sympy.false
+        if isinstance(v, BoolTensor):
+            return v.pred
+        if isinstance(v, PiecewiseTensor):
+            return v.as_bool()
+        raise Unproven("an integer tensor is used as a boolean mask")
+
+    def _arange(self, node: fx.Node) -> IntTensor:
+        args = [self._scalar(a) if not isinstance(a, fx.Node) else self.evaluate(a) for a in node.args]
+        if "end" in node.kwargs:
+            args.append(self.evaluate(node.kwargs["end"]))
+        if any(isinstance(a, float) for a in args):
+            raise Unproven("arange over floats")
+        start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+        return IntTensor(1, start + step * index_symbol(0))
+
+    def _constant(self, node: fx.Node, value: torch.Tensor) -> Abstract:
+        name = _name_of(node.target)
+        if name in ("ones", "ones_like", "new_ones"):
+            fill = 1
+        elif name in ("zeros", "zeros_like", "new_zeros"):
+            fill = 0
+        else:
+            fill_arg = node.kwargs.get("fill_value", node.args[1] if name in ("full", "full_like") else node.args[-1])
+            fill = self.evaluate(fill_arg)
+        if value.dtype == torch.bool:
+            return BoolTensor(value.dim(), sympy.true if fill else sympy.false)
+        if value.dtype in _INT_DTYPES:
+            return IntTensor(value.dim(), sympy.Integer(int(fill)))
+        return _piecewise(value.dim(), [(float(fill), sympy.true)])
+
+    def _getitem(self, node: fx.Node) -> Abstract:
+        base, index = node.args
+        src = self.tensor(base)
+        index = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in index):
+            e = index.index(Ellipsis)
+            fill = src.ndim - sum(1 for i in index if i is not None and i is not Ellipsis)
+            index = index[:e] + (slice(None),) * fill + index[e + 1:]
+        consumed = sum(1 for i in index if i is not None)
+        index = index + (slice(None),) * (src.ndim - consumed)
+        out_ndim = example_value(node).dim()
+        mapping: dict[int, int | None] = {}
+        subs = {}
+        src_dim, out_dim = 0, 0  # left-aligned positions
+        for i in index:
+            if i is None:
+                out_dim += 1
+            elif isinstance(i, slice):
+                if not (i.start is None and i.stop is None and i.step is None):
+                    raise Unproven("a sliced mask (only full slices and None are modeled)")
+                mapping[src.ndim - 1 - src_dim] = out_ndim - 1 - out_dim
+                src_dim += 1
+                out_dim += 1
+            elif isinstance(i, int):
+                if i < 0:
+                    raise Unproven("negative index into a mask")
+                subs[index_symbol(src.ndim - 1 - src_dim)] = i
+                src_dim += 1
+            else:
+                raise Unproven("tensor indexing in the mask")
+        return self._relabel(self._subs(src, subs), mapping, out_ndim)
+
+    def _unsqueeze(self, src: Abstract, dim: int, out_ndim: int) -> Abstract:
+        dim = dim if dim >= 0 else dim + out_ndim
+        mapping = {}
+        for left in range(src.ndim):
+            out_left = left if left < dim else left + 1
+            mapping[src.ndim - 1 - left] = out_ndim - 1 - out_left
+        return self._relabel(src, mapping, out_ndim)
+
+    def _reshape(self, node: fx.Node, src: Abstract) -> Abstract:
+        """Only reshapes that add, drop or expand size-1 dims: the non-unit dims keep their order."""
+        in_shape = _shape(node.args[0])
+        out_shape = _shape(node)
+        in_dims = [d for d, s in enumerate(in_shape) if not _is_one(s)]
+        out_dims = [d for d, s in enumerate(out_shape) if not _is_one(s)]
+        name = _name_of(node.target)
+        if name in ("expand", "expand_as", "broadcast_to"):
+            # expand keeps dims right-aligned; new size>1 dims come from size-1 dims whose index is 0
+            return type(src)(len(out_shape), *[getattr(src, f) for f in ("expr", "pred", "pieces")
+                                               if hasattr(src, f)])
+        if len(in_dims) != len(out_dims):
+            raise Unproven(f"{name} merges or splits mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        for a, b in zip(in_dims, out_dims):
+            if not statically_known_true(in_shape[a] == out_shape[b]):
+                raise Unproven(f"{name} reshapes mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
+        mapping = {len(in_shape) - 1 - a: len(out_shape) - 1 - b for a, b in zip(in_dims, out_dims)}
+        return self._relabel(src, mapping, len(out_shape))
+
+    def _permute(self, node: fx.Node, src: Abstract) -> Abstract:
+        n = src.ndim
+        name = _name_of(node.target)
+        if name in ("transpose", "swapaxes"):
+            a, b = (d % n for d in node.args[1:3])
+            order = list(range(n))
+            order[a], order[b] = order[b], order[a]
+        elif name == "permute":
+            dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+            order = [d % n for d in dims]
+        else:  # mT / t: swap the last two
+            order = list(range(n))
+            order[-1], order[-2] = order[-2], order[-1]
+        # output dim p (left) holds input dim order[p]
+        mapping = {n - 1 - order[p]: n - 1 - p for p in range(n)}
+        return self._relabel(src, mapping, n)
+
+    def _compare(self, op: str, a, b, ndim: int) -> BoolTensor:
+        va, vb = self.evaluate(a), self.evaluate(b)
+        if isinstance(va, (BoolTensor, PiecewiseTensor)) or isinstance(vb, (BoolTensor, PiecewiseTensor)):
+            return BoolTensor(ndim, self._compare_values(op, va, vb))
+        ea = va.expr if isinstance(va, IntTensor) else va
+        eb = vb.expr if isinstance(vb, IntTensor) else vb
+        if isinstance(ea, float) or isinstance(eb, float):
+            if isinstance(ea, float) and ea.is_integer():
+                ea = sympy.Integer(int(ea))
+            elif isinstance(eb, float) and eb.is_integer():
+                eb = sympy.Integer(int(eb))
+            else:
+                raise Unproven("an integer index compared with a fractional float")
+        return BoolTensor(ndim, _simplify(self.atoms.compare(op, ea, eb)))
+
+    def _compare_values(self, op: str, va, vb) -> Boolean:
+        """A comparison where one side is a mask (bool or piecewise) and the other a constant."""
+        if not isinstance(va, (BoolTensor, PiecewiseTensor)):
+            va, vb, op = vb, va, {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}.get(op, op)
+        if isinstance(vb, (IntTensor, BoolTensor, PiecewiseTensor)):
+            raise Unproven("two masks compared element-wise")
+        pieces = va.pieces if isinstance(va, PiecewiseTensor) else ((1.0, va.pred), (0.0, sympy.Not(va.pred)))
+        cmp = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+               "ne": operator.ne}[op]
+        c = float(vb)
+        return _simplify(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
+
+    def _tril(self, node: fx.Node, name: str) -> Abstract:
+        src = self.tensor(node.args[0])
+        k = node.kwargs.get("diagonal", node.args[1] if len(node.args) > 1 else 0)
+        row, col = index_symbol(1), index_symbol(0)
+        # tril keeps col <= row + k; triu keeps col >= row + k
+        keep = self.atoms.compare("le" if name == "tril" else "ge", col, row + k)
+        if isinstance(src, BoolTensor):
+            return BoolTensor(src.ndim, _simplify(sympy.And(src.pred, keep)))
+        if isinstance(src, PiecewiseTensor):
+            return _piecewise(src.ndim, [(v, sympy.And(c, keep)) for v, c in src.pieces]
+                              + [(0.0, sympy.Not(keep))])
+        raise Unproven(f"{name} of an integer tensor")
+
+    def _as_pieces(self, v, ndim: int) -> tuple[tuple[float, Boolean], ...]:
+        if isinstance(v, PiecewiseTensor):
+            return v.pieces
+        if isinstance(v, BoolTensor):
+            return ((1.0, v.pred), (0.0, sympy.Not(v.pred)))
+        if isinstance(v, (int, float, bool)) or (isinstance(v, sympy.Expr) and v.is_number):
+            return ((float(v), sympy.true),)
+        raise Unproven("an integer-valued tensor mixed into a float mask")
+
+    def _where(self, node: fx.Node, ndim: int) -> Abstract:
+        cond = self._pred(node.args[0])
+        x, y = self.evaluate(node.args[1]), self.evaluate(node.args[2])
+        if example_value(node).dtype == torch.bool:
+            px = self._pred(node.args[1]) if isinstance(node.args[1], fx.Node) else sympy.true if x else sympy.false
+            py = self._pred(node.args[2]) if isinstance(node.args[2], fx.Node) else sympy.true if y else sympy.false
+            return BoolTensor(ndim, _simplify(sympy.Or(sympy.And(cond, px), sympy.And(sympy.Not(cond), py))))
+        pieces = [(v, sympy.And(cond, c)) for v, c in self._as_pieces(x, ndim)]
+        pieces += [(v, sympy.And(sympy.Not(cond), c)) for v, c in self._as_pieces(y, ndim)]
+        return _piecewise(ndim, pieces)
+
+    def _masked_fill(self, node: fx.Node, ndim: int) -> Abstract:
+        base, mask, fill = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["value"]
+        if _name_of(node.target) == "masked_fill_" and len(base.users) > 1:
+            raise Unproven("an in-place masked_fill_ on a tensor that is used elsewhere")
+        m = self._pred(mask)
+        f = self.evaluate(fill)
+        if example_value(node).dtype == torch.bool:
+            return BoolTensor(ndim, _simplify(sympy.Or(sympy.And(m, sympy.true if f else sympy.false),
+                                                       sympy.And(sympy.Not(m), self._pred(base)))))
+        pieces = [(float(f), m)] + [(v, sympy.And(sympy.Not(m), c)) for v, c in self._as_pieces(self.evaluate(base),
+                                                                                            ndim)]
+        return _piecewise(ndim, pieces)
+
+    def _cast(self, node: fx.Node, value: torch.Tensor) -> Abstract:
+        src = self.tensor(node.args[0])
+        dtype = value.dtype
+        if dtype == torch.bool:
+            if isinstance(src, BoolTensor):
+                return src
+            if isinstance(src, PiecewiseTensor):
+                return BoolTensor(src.ndim, src.as_bool())
+            return BoolTensor(src.ndim, sympy.Not(self.atoms.eq0(src.expr)))
+        if dtype in _FLOAT_DTYPES:
+            if isinstance(src, IntTensor):
+                raise Unproven("an integer index converted to float")
+            return _piecewise(src.ndim, self._as_pieces(src, src.ndim))
+        if dtype in _INT_DTYPES:
+            if isinstance(src, IntTensor):
+                return src
+            pieces = self._as_pieces(src, src.ndim)
+            if all(float(v).is_integer() for v, _ in pieces):
+                return _piecewise(src.ndim, pieces)
+        raise Unproven(f"a cast to {dtype} in the mask")
+
+    def _arith(self, op, a, b, ndim: int, value: torch.Tensor) -> Abstract:
+        va, vb = self.evaluate(a), self.evaluate(b)
+        if value.dtype in _INT_DTYPES and all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)):
+            ea = va.expr if isinstance(va, IntTensor) else va
+            eb = vb.expr if isinstance(vb, IntTensor) else vb
+            if op is operator.floordiv:
+                return IntTensor(ndim, sympy.floor(ea / eb))
+            if op is operator.truediv:
+                raise Unproven("true division of integer indices")
+            return IntTensor(ndim, op(ea, eb))
+        pa, pb = self._as_pieces(va, ndim), self._as_pieces(vb, ndim)
+        pieces = []
+        for x, cx in pa:
+            for y, cy in pb:
+                with_nan = op(x, y) if not (op is operator.truediv and y == 0) else math.nan
+                pieces.append((with_nan, sympy.And(cx, cy)))
+        if any(math.isnan(v) for v, _ in pieces):
+            raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")
+        return _piecewise(ndim, pieces)
+
+
+# -- what the caller wants: "index < lengths" in the frame of the attention scores -------------------
+
+@dataclass(frozen=True)
+class LengthMask:
+    """scores[b, h, i, j] is kept iff j < kv_len[b] [and i < q_len[b]] [and j <= i]."""
+
+    kv_lengths: fx.Node
+    kv_offset: int
+    q_lengths: fx.Node | None
+    q_offset: int
+    causal: bool
+
+
+def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boolean:
+    """The condition under which a score is kept, for a boolean mask ("bool": True keeps) or an additive
+    float mask ("additive": 0 keeps, a large negative value drops)."""
+    if kind == "bool":
+        if isinstance(mask, PiecewiseTensor):
+            return mask.as_bool()
+        if isinstance(mask, BoolTensor):
+            return mask.pred
+        raise Unproven("an integer tensor used as a boolean mask")
+    if not isinstance(mask, PiecewiseTensor):
+        raise Unproven("a non-float tensor used as an additive mask")
+    keep, drop = [], []
+    for v, c in mask.pieces:
+        if v == 0:
+            keep.append(c)
+        elif v <= NEG_FILL_LIMIT:
+            drop.append(c)
+        else:
+            raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
+    return _simplify(sympy.Or(*keep))
+
+
+def classify_length_mask(evaluator: MaskEvaluator, keep: Boolean, batch_is_one: bool = False) -> LengthMask:
+    """Prove ``keep`` (over scores dims r3=b, r2=h, r1=i, r0=j) is a key-length mask, optionally and-ed
+    with a query-length mask and a causal mask; raise Unproven otherwise. With a batch of one the
+    batch index is always 0, so lengths indexed by 0 are per-sample too."""
+    b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
+    atoms = evaluator.atoms
+    if keep is sympy.true:
+        raise Unproven("the mask keeps every score: nothing to skip")
+    if keep is sympy.false:
+        raise Unproven("the mask drops every score")
+    comparisons = [atoms.expr_of[a] for a in keep.free_symbols]
+    if any(h in e.free_symbols for _, e in comparisons):
+        raise Unproven("the mask differs between heads")
+
+    # the opaque per-sample tensors must be indexed by the batch
+    for _, e in comparisons:
+        for f in e.atoms(sympy.Function):
+            if f.func.__name__ in evaluator.leaves:
+                if f.args != (b,) and not (batch_is_one and f.args == (0,)):
+                    raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by "
+                                   "the batch (the lengths are broadcast along the wrong dim)")
+    key_candidates = _length_atoms(evaluator, comparisons, j)
+    query_candidates = _length_atoms(evaluator, comparisons, i)
+    if not key_candidates:
+        raise Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
+    causal_atom = atoms.compare("le", j, i)
+    for kv_node, kv_offset, kv_atom in key_candidates:
+        for q in [None, *query_candidates]:
+            for causal in (False, True):
+                parts = [kv_atom] + ([q[2]] if q else []) + ([causal_atom] if causal else [])
+                if equivalent(keep, sympy.And(*parts)):
+                    return LengthMask(kv_node, kv_offset, q[0] if q else None, q[1] if q else 0, causal)
+    raise Unproven("the mask is not (key index < lengths) [and query index < lengths] [and causal]: "
+                   f"it is {_render(evaluator, keep)}")
+
+
+def _length_atoms(evaluator: MaskEvaluator, comparisons, index: sympy.Symbol):
+    """(lengths node, offset, proposition) for each comparison `index < len[b] + offset`."""
+    found = []
+    for kind, e in comparisons:
+        if kind != "lt":
+            continue
+        for sign in (1, -1):
+            # e < 0 with e = index - len(b) - offset, or its complement form
+            candidate = e if sign == 1 else sympy.expand(-e - 1)
+            rest = sympy.expand(index - candidate)  # = len(b) + offset
+            funcs = [f for f in rest.atoms(sympy.Function) if f.func.__name__ in evaluator.leaves]
+            if len(funcs) != 1:
+                continue
+            offset = sympy.expand(rest - funcs[0])
+            if offset.free_symbols or not offset.is_integer:
+                continue
+            node = evaluator.leaves[funcs[0].func.__name__]
+            found.append((node, int(offset), evaluator.atoms.lt0(candidate)))
+    unique = {}
+    for node, offset, prop in found:
+        unique[(node, offset)] = (node, offset, prop)
+    return list(unique.values())
+
+
+def _render(evaluator: MaskEvaluator, pred: Boolean) -> str:
+    names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
+    replace = {}
+    for atom in pred.free_symbols:
+        kind, e = evaluator.atoms.expr_of[atom]
+        e = e.subs(names)
+        replace[atom] = sympy.Symbol(f"({e} {'< 0' if kind == 'lt' else '== 0'})")
+    return str(pred.xreplace(replace))

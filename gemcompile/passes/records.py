@@ -1,0 +1,149 @@
+"""What passes report: each rewrite and each refusal, with where it came from in the user's source.
+
+A pass calls ``GemPass.rewrote`` / ``GemPass.refused``; they land in the ``PassLog`` active for the
+compile (a context variable, so nested or concurrent compiles keep separate logs) and in
+``torch._dynamo.utils.counters["gemcompile"]``. ``explain`` renders a PassLog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """The user's line a graph node came from (the innermost frame of its stack trace)."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        short = self.file.rsplit("/", 1)[-1]
+        return f"{short}:{self.line} in {self.function}"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n\s*(?P<code>[^\n]*)')
+
+
+def source_location(node: fx.Node) -> SourceLocation | None:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = list(_FRAME.finditer(trace))
+    if not frames:
+        return None
+    last = frames[-1]
+    return SourceLocation(last["file"], int(last["line"]), last["function"], last["code"].strip())
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_module":
+        return f"self.{node.target}"
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    module = getattr(target, "__module__", None) or ""
+    if module.startswith("torch._ops") or str(target).startswith(("aten.", "prims.", "gemcompile.")):
+        return str(target)
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module.startswith("torch"):
+        return f"torch.{name}" if not module.startswith("torch.nn.functional") else f"F.{name}"
+    return name
+
+
+def _arg_text(arg) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg_text(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+    if isinstance(arg, slice):
+        return f"{_arg_text(arg.start) if arg.start is not None else ''}:" + (
+            f"{_arg_text(arg.stop)}" if arg.stop is not None else ""
+        )
+    return repr(arg)
+
+
+def describe_node(node: fx.Node) -> str:
+    """One node as a line of Python-like code: `name = target(args, key=value)`."""
+    if node.op == "placeholder":
+        return f"{node.name} = <input>"
+    if node.op == "get_attr":
+        return f"{node.name} = self.{node.target}"
+    args = [_arg_text(a) for a in node.args] + [f"{k}={_arg_text(v)}" for k, v in node.kwargs.items()]
+    if node.op == "call_method" and args:
+        return f"{node.name} = {args[0]}{_target_name(node)}({', '.join(args[1:])})"
+    return f"{node.name} = {_target_name(node)}({', '.join(args)})"
+
+
+def describe_nodes(nodes: Iterable[fx.Node]) -> str:
+    """The nodes in graph order, one line each."""
+    nodes = list(nodes)
+    if not nodes:
+        return ""
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return "\n".join(describe_node(n) for n in sorted(nodes, key=lambda n: order.get(n, 0)))
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One place a pass changed the graph."""
+
+    pass_name: str
+    stage: str
+    location: SourceLocation | None
+    before: str
+    after: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One place a pass looked at and left alone, and why."""
+
+    pass_name: str
+    stage: str
+    location: SourceLocation | None
+    reason: str
+    code: str = ""
+
+
+@dataclass
+class PassLog:
+    """Everything the passes of one compile reported, in order."""
+
+    rewrites: list[Rewrite] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.rewrites:
+            out[r.pass_name] = out.get(r.pass_name, 0) + 1
+        return out
+
+
+_ACTIVE_LOG: contextvars.ContextVar[PassLog | None] = contextvars.ContextVar("gemcompile_pass_log", default=None)
+
+
+def active_log() -> PassLog | None:
+    return _ACTIVE_LOG.get()
+
+
+@contextlib.contextmanager
+def recording(log: PassLog) -> Iterator[PassLog]:
+    """Route the reports of passes run inside this block into ``log``."""
+    token = _ACTIVE_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _ACTIVE_LOG.reset(token)

@@ -1,0 +1,336 @@
+"""gemcompile::jagged_attention on CUDA (the Triton kernels) against the float64 reference.
+
+Run on the GPU machine:  python -m pytest -q tests/gpu/test_jagged_attention_gpu.py
+Most tests pin one config per kernel (``single_config``) so that they compile few kernel variants;
+``test_every_autotune_config`` checks each config of the autotune lists for the benchmark's variants
+(bf16, D 64 and 128), which also warms the Triton cache for benchmarks/jagged_attention.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import triton  # noqa: E402
+
+import gemcompile.lowering  # noqa: E402,F401
+from gemcompile.lowering import jagged_attention_packed  # noqa: E402
+from gemcompile.lowering import jagged_attention_triton as kernels  # noqa: E402
+from gemcompile.lowering.checks import strict_length_checks  # noqa: E402
+from gemcompile.lowering.jagged_attention_reference import reference_backward, reference_forward  # noqa: E402
+
+ops = torch.ops.gemcompile
+DEV = "cuda"
+# relative-norm error bounds (forward, backward) against float64 math on the same (rounded) inputs
+TOL = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (2e-3, 6e-3),
+    torch.bfloat16: (1.2e-2, 3e-2),
+}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _pin(monkeypatch, fwd, dkdv, dq):
+    for kernel, (m, n, w, s) in (
+        (kernels._fwd_kernel, fwd),
+        (kernels._bwd_dkdv_kernel, dkdv),
+        (kernels._bwd_dq_kernel, dq),
+    ):
+        monkeypatch.setattr(
+            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
+        )
+
+
+@pytest.fixture
+def single_config(monkeypatch):
+    """One mid-size config per kernel (valid for every head dim): few compiles, many partial tiles."""
+    _pin(monkeypatch, (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3))
+
+
+def jagged_lengths(B, L, g):
+    """0, 1, odd, L, then uniform: every special case in every batch."""
+    special = [0, 1, L, (L // 2) | 1, L - 1]
+    rand = torch.randint(0, L + 1, (B,), generator=g)
+    return torch.tensor([special[i] if i < len(special) else int(rand[i]) for i in range(B)])
+
+
+def make_case(B, H, Lq, Lk, D, dtype, shared_q=False, bias_shape=None, q_lengths=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1 if shared_q else B, H, Lq, D, generator=g).to(DEV, dtype)
+    k = torch.randn(B, H, Lk, D, generator=g).to(DEV, dtype)
+    v = torch.randn(B, H, Lk, D, generator=g).to(DEV, dtype)
+    ql = jagged_lengths(B, Lq, g).roll(2).to(DEV) if q_lengths else None
+    kl = jagged_lengths(B, Lk, g).to(DEV)
+    bias = None if bias_shape is None else torch.randn(bias_shape, generator=g).to(DEV, dtype)
+    return q, k, v, ql, kl, bias
+
+
+def run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad=True):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
+    out = ops.jagged_attention(*leaves, ql, kl, b, causal, scale)
+    out.backward(grad_out)
+    grads = [x.grad for x in leaves] + [None if (b is None or not bias_grad) else b.grad]
+    return out.detach(), grads
+
+
+def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1):
+    dtype = q.dtype
+    D = q.shape[-1]
+    scale = 1 / math.sqrt(D)
+    grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=torch.Generator().manual_seed(seed)).to(
+        DEV, dtype
+    )
+    out, grads = run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad)
+    d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale)
+    ref = reference_backward(
+        grad_out.double(),
+        *d64[:3],
+        ref_out,
+        ref_lse,
+        ql,
+        kl,
+        d64[3],
+        causal,
+        scale,
+        bias is not None and bias_grad,
+    )
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert out.dtype == dtype and out.is_contiguous()
+    assert not out.isnan().any()
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    if ql is not None:  # padded query rows are exactly zero
+        pad = torch.arange(q.shape[2], device=DEV)[None, :] >= ql[:, None]
+        assert (out.transpose(1, 2)[pad] == 0).all()
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref):
+        if got is None:
+            continue
+        assert not got.isnan().any(), name
+        assert rel(got, want) < bwd_tol, (name, rel(got, want))
+
+
+CASES = [  # dtype, D, L (q and kv), causal, bias, shared_q, q_lengths
+    (torch.float16, 32, 1024, False, None, False, True),
+    (torch.float16, 96, 517, True, "full", False, True),
+    (torch.float16, 128, 333, False, "heads_keys", True, True),
+    (torch.bfloat16, 32, 301, True, None, True, True),
+    (torch.bfloat16, 64, 1024, False, "heads_keys", False, True),
+    (torch.bfloat16, 96, 640, False, None, False, False),
+    (torch.bfloat16, 128, 1024, True, None, False, True),
+    (torch.bfloat16, 128, 257, False, "full", False, True),
+    (torch.float32, 64, 517, True, "full", False, True),
+    (torch.float32, 128, 300, False, None, True, True),
+    (torch.float32, 32, 1024, False, "batch_keys", False, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{'causal' if c[3] else 'full'}"
+        f"-bias_{c[4]}-{'sharedq' if c[5] else 'q'}"
+    ),
+)
+def test_matches_float64_reference(single_config, case):
+    dtype, D, L, causal, bias_kind, shared_q, with_q_lengths = case
+    B, H = 7, 2
+    bias_shape = {None: None, "full": (B, H, L, L), "heads_keys": (1, H, 1, L), "batch_keys": (B, 1, 1, L)}[
+        bias_kind
+    ]
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, shared_q, bias_shape, with_q_lengths, seed=D + L)
+    check_case(q, k, v, ql, kl, bias, causal)
+
+
+@pytest.mark.parametrize("Lq,Lk,causal", [(16, 1000, False), (1000, 48, True), (1, 513, False)])
+def test_cross_lengths(single_config, Lq, Lk, causal):
+    q, k, v, ql, kl, bias = make_case(6, 2, Lq, Lk, 64, torch.bfloat16, seed=Lq)
+    check_case(q, k, v, ql, kl, bias, causal)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_autotune_config(monkeypatch, D):
+    """Each config the autotuner may pick for the benchmark's variants (bf16, non-causal, no bias)."""
+    head = "small" if D <= 64 else "large"
+    fwd = [c for c, heads in kernels._FWD_SHAPES.items() if head in heads]
+    dkdv = [c for c, heads in kernels._DKDV_SHAPES.items() if head in heads]
+    dq = [c for c, heads in kernels._DQ_SHAPES.items() if head in heads]
+    q, k, v, ql, kl, _ = make_case(6, 2, 512, 512, D, torch.bfloat16, seed=D)
+    ql = kl  # self-attention, as in the benchmark
+    for i in range(max(len(fwd), len(dkdv), len(dq))):
+        _pin(monkeypatch, fwd[i % len(fwd)], dkdv[i % len(dkdv)], dq[i % len(dq)])
+        check_case(q, k, v, ql, kl, None, False)
+
+
+def test_backward_is_deterministic(single_config):
+    q, k, v, ql, kl, bias = make_case(
+        5, 2, 400, 400, 64, torch.bfloat16, shared_q=True, bias_shape=(1, 2, 400, 400)
+    )
+    g = torch.randn(5, 2, 400, 64, device=DEV, dtype=torch.bfloat16)
+    first = run_op(q, k, v, ql, kl, bias, True, 0.125, g)
+    second = run_op(q, k, v, ql, kl, bias, True, 0.125, g)
+    assert torch.equal(first[0], second[0])
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)
+
+
+def test_zero_lengths_give_zeros_not_nan(single_config):
+    q, k, v, _, _, bias = make_case(4, 2, 256, 256, 64, torch.float16, bias_shape=(4, 2, 256, 256))
+    zeros = torch.zeros(4, dtype=torch.int32, device=DEV)
+    g = torch.randn(4, 2, 256, 64, device=DEV, dtype=torch.float16)
+    for causal in (False, True):
+        out, grads = run_op(q, k, v, zeros, zeros, bias, causal, 0.125, g)
+        assert (out == 0).all()
+        assert all((x == 0).all() for x in grads)
+        out, grads = run_op(q, k, v, None, zeros, bias, causal, 0.125, g)
+        assert (out == 0).all() and all(not x.isnan().any() for x in grads)
+
+
+def test_permuted_views_and_expanded_queries(single_config):
+    B, L, H, D = 5, 300, 4, 64
+    x = torch.randn(B, L, 3, H, D, device=DEV, dtype=torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+    kl = torch.tensor([300, 0, 1, 77, 299], device=DEV)
+    check_case(q, k, v, kl, kl, None, True)
+    learned = torch.randn(1, H, 8, D, device=DEV, dtype=torch.bfloat16).expand(B, H, 8, D)
+    check_case(learned, k, v, None, kl, None, False)
+
+
+def test_no_host_sync(single_config):
+    q, k, v, ql, kl, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    offsets = torch.nn.functional.pad(kl.cumsum(0), (1, 0))
+    packed = [torch.randn(int(offsets[-1]), 2, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(3)]
+
+    def step():
+        out = ops.jagged_attention(leaves[0], leaves[1], leaves[2], ql, kl, leaves[3], True, 0.125)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        out = jagged_attention_packed(*packed, None, offsets, 512, 512, False, 0.125)
+        return grads + torch.autograd.grad(out, packed, torch.ones_like(out))
+
+    step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_compile_fullgraph_no_recompile(single_config):
+    B, H, L, D = 6, 2, 256, 64
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, torch.bfloat16, bias_shape=(1, H, L, L))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, bias, ql, kl):
+        return ops.jagged_attention(q, k, v, ql, kl, bias, False, 0.125).float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            ql = torch.randint(0, L + 1, (B,), generator=g).to(DEV)
+            kl = torch.randint(0, L + 1, (B,), generator=g).to(DEV)
+            got = torch.autograd.grad(compiled(*leaves, ql, kl), leaves)
+            want = torch.autograd.grad(f(*leaves, ql, kl), leaves)
+            for a, b in zip(got, want):
+                assert rel(a, b) < 1e-2
+
+
+def test_packed_layout_matches_padded(single_config):
+    B, H, L, D = 6, 2, 384, 64
+    q, k, v, ql, kl, _ = make_case(B, H, L, L, D, torch.bfloat16, seed=3)
+    kl = ql = torch.tensor([384, 0, 1, 100, 383, 7], device=DEV)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=DEV), kl.cumsum(0)])
+
+    def pack(x):
+        return torch.cat([x[b, :, :n].transpose(0, 1) for b, n in enumerate(kl.tolist())])
+
+    pq, pk, pv = (pack(x).requires_grad_(True) for x in (q, k, v))
+    out = jagged_attention_packed(pq, pk, pv, None, offsets, L, L, True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    padded_g = torch.zeros(B, H, L, D, device=DEV, dtype=torch.bfloat16)
+    start = 0
+    for b, n in enumerate(kl.tolist()):
+        padded_g[b, :, :n] = g[start : start + n].transpose(0, 1)
+        start += n
+    ref_out, ref_grads = run_op(q, k, v, ql, kl, None, True, D**-0.5, padded_g)
+    assert rel(out, pack(ref_out)) < 1e-2
+    for a, b in zip((pq.grad, pk.grad, pv.grad), ref_grads[:3]):
+        assert rel(a, pack(b)) < 1e-2
+
+
+def test_int64_addressing_beyond_2_31_elements(single_config):
+    """Tensors with more than 2**31 elements: sequence bases need int64 offsets."""
+    B, H, L, D = 4100, 4, 1024, 128  # 2.15e9 elements per tensor (4.3 GB in bf16)
+    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    kl = torch.randint(0, 9, (B,), device=DEV)
+    kl[-1] = L
+    kl[-2] = 333
+    out, lse = ops.jagged_attention_fwd(q, k, v, kl, kl, None, False, D**-0.5)
+    tail = slice(B - 2, B)
+    ref, ref_lse = reference_forward(
+        q[tail].double(), k[tail].double(), v[tail].double(), kl[tail], kl[tail], None, False, D**-0.5
+    )
+    assert rel(out[tail], ref) < TOL[torch.bfloat16][0]
+    g = torch.randn_like(out)
+    dq, dk, dv, _ = ops.jagged_attention_bwd(g, q, k, v, out, lse, kl, kl, None, False, D**-0.5, False)
+    ref_grads = reference_backward(
+        g[tail].double(),
+        q[tail].double(),
+        k[tail].double(),
+        v[tail].double(),
+        ref,
+        ref_lse,
+        kl[tail],
+        kl[tail],
+        None,
+        False,
+        D**-0.5,
+        False,
+    )
+    for a, b in zip((dq, dk, dv), ref_grads[:3]):
+        assert rel(a[tail], b) < TOL[torch.bfloat16][1]
+
+
+def test_strict_length_checks_on_cuda(single_config):
+    q, k, v, _, _, _ = make_case(3, 2, 64, 64, 64, torch.float16)
+    wild = torch.tensor([70, -3, 64], device=DEV)
+    out = ops.jagged_attention(q, k, v, wild, wild, None, False, 0.125)  # clamped into [0, 64]
+    clamped = ops.jagged_attention(q, k, v, wild.clamp(0, 64), wild.clamp(0, 64), None, False, 0.125)
+    assert torch.equal(out, clamped)
+    with strict_length_checks(True):
+        with pytest.raises(ValueError, match="q_lengths"):
+            ops.jagged_attention(q, k, v, wild, wild, None, False, 0.125)
+
+
+def test_float64_on_cuda_uses_the_reference():
+    q, k, v, ql, kl, bias = make_case(3, 2, 40, 40, 16, torch.float64, bias_shape=(1, 2, 40, 40))
+    check_case(q, k, v, ql, kl, bias, True)
+
+
+def test_flop_counter_on_cuda(single_config):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, ql, kl, _ = make_case(4, 2, 128, 128, 64, torch.bfloat16)
+    q.requires_grad_(True)
+    pairs = int((ql.clamp(0, 128) * kl.clamp(0, 128)).sum())
+    with FlopCounterMode(display=False) as counter:
+        ops.jagged_attention(q, k, v, ql, kl, None, False, 0.125).sum().backward()
+    assert counter.get_total_flops() == int(3.5 * 4 * 2 * 64 * pairs)

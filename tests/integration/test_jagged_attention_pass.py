@@ -1,0 +1,356 @@
+"""The jagged_attention pass: every idiom a modeler writes is rewritten, with eager's outputs and
+gradients at valid positions; every near-miss is left alone with a reason."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from gemcompile import GemConfig, explain, gem_compile
+from gemcompile.backend import GemBackend
+
+B, H, L, D = 4, 2, 12, 16
+LQ = 7  # queries of cross attention
+
+
+def key_mask(lengths, n=L):
+    return torch.arange(n)[None, :] < lengths[:, None]  # (B, n)
+
+
+# -- idioms: (q, k, v, lengths, extra) -> out (B, H, Lq, D) ---------------------------------------------
+
+def sdpa_key(q, k, v, n, x):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :])
+
+
+def sdpa_key_causal_tril(q, k, v, n, x):
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & causal)
+
+
+def sdpa_key_causal_index(q, k, v, n, x):
+    i = torch.arange(L)
+    keep = (i[None, :] <= i[:, None])[None, None] & ~(i[None, :] >= n[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def sdpa_additive(q, k, v, n, x):
+    additive = torch.zeros(q.shape[0], 1, 1, L).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+
+
+def sdpa_key_and_query(q, k, v, n, x):
+    m = key_mask(n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :] & m[:, None, :, None])
+
+
+def hand_masked_fill_inf(q, k, v, n, x):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def hand_masked_fill_large_negative(q, k, v, n, x):
+    s = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(D))
+    s = s.masked_fill(key_mask(n)[:, None, None, :] == 0, -1e9)
+    return s.softmax(-1) @ v
+
+
+def hand_where(q, k, v, n, x):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s = torch.where(key_mask(n)[:, None, None, :], s, torch.finfo(s.dtype).min)
+    return F.softmax(s, dim=-1) @ v
+
+
+def hand_additive(q, k, v, n, x):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s = s + (1 - key_mask(n)[:, None, None, :].float()) * -1e9
+    return torch.softmax(s, -1) @ v
+
+
+def hand_blhd_einsum(q, k, v, n, x):
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))  # the (B, L, H, D) layout
+    s = torch.einsum("bqhd,bkhd->bhqk", qb, kb) / math.sqrt(D)
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vb)
+    return out.transpose(1, 2)
+
+
+def hand_blhd_permute(q, k, v, n, x):
+    qb, kb = q.transpose(1, 2), k.transpose(1, 2)  # stored (B, L, H, D)
+    s = qb.transpose(1, 2) @ kb.permute(0, 2, 3, 1) * 0.25
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return s.softmax(dim=-1) @ v
+
+
+def relative_bias(q, k, v, n, x):
+    table = x["table"]  # learned (2L - 1, H) relative-position bias, needs a gradient
+    i = torch.arange(L)
+    bias = table[(i[None, :] - i[:, None]) + L - 1].permute(2, 0, 1)  # (H, L, L)
+    s = q @ k.transpose(-2, -1) * 0.25 + bias
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def cross_attention_own_query_lengths(q, k, v, n, x):
+    qn = x["q_lengths"]
+    qc = q[:, :, :LQ]
+    keep = key_mask(n)[:, None, None, :] & key_mask(qn, LQ)[:, None, :, None]
+    return F.scaled_dot_product_attention(qc, k, v, attn_mask=keep)
+
+
+def pma_learned_queries(q, k, v, n, x):
+    seeds = x["seeds"]  # (H, n_pma, D) shared by the batch
+    qs = seeds[None].expand(k.shape[0], -1, -1, -1)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=key_mask(n)[:, None, None, :])
+
+
+IDIOMS = [sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query,
+          hand_masked_fill_inf, hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum,
+          hand_blhd_permute, relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
+# eager returns NaN (softmax over all -inf) or an average over padding for a row with no valid key:
+# those rows are the documented exception, so these idioms are checked on lengths >= 1
+NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_masked_fill_large_negative, hand_where, hand_additive,
+                 hand_blhd_einsum, hand_blhd_permute, relative_bias}
+
+
+def _inputs(idiom):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 5, 1, 0]) if idiom not in NO_EMPTY_ROWS else torch.tensor([L, 5, 1, 8])
+    extra = {
+        "table": torch.randn(2 * L - 1, H, generator=g, requires_grad=True),
+        "q_lengths": torch.tensor([LQ, 0, 3, 7]),
+        "seeds": torch.randn(H, 3, D, generator=g, requires_grad=True),
+    }
+    return q, k, v, lengths, extra
+
+
+def _valid_rows(idiom, out, lengths, extra):
+    """(B, 1, Lq, 1) rows whose eager value is defined."""
+    lq = out.shape[2]
+    rows = torch.ones(out.shape[0], lq, dtype=torch.bool)
+    if idiom in (sdpa_key_and_query,):
+        rows = key_mask(lengths, lq)
+    if idiom is cross_attention_own_query_lengths:
+        rows = key_mask(extra["q_lengths"], lq)
+    return rows[:, None, :, None]
+
+
+def _leaves(q, k, v, extra):
+    return [q, k, v, extra["table"], extra["seeds"]]
+
+
+@pytest.mark.parametrize("idiom", IDIOMS, ids=lambda f: f.__name__)
+def test_idiom_is_rewritten_with_eager_outputs_and_gradients(idiom):
+    q, k, v, lengths, extra = _inputs(idiom)
+    report = explain(idiom, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 1, report.refusals
+    counters.clear()
+    compiled = gem_compile(idiom, fullgraph=True)
+    out = compiled(q, k, v, lengths, extra)
+    ref = idiom(q, k, v, lengths, extra)
+    rows = _valid_rows(idiom, ref, lengths, extra)
+    torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(out).all()
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    leaves = [t for t in _leaves(q, k, v, extra)]
+    grads = torch.autograd.grad((torch.where(rows, out, 0) * weights).sum(), leaves, allow_unused=True)
+    grads_ref = torch.autograd.grad((torch.where(rows, ref, 0) * weights).sum(), leaves, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    assert counters["gemcompile"]["jagged_attention"] == 1
+
+
+# -- nn.MultiheadAttention ------------------------------------------------------------------------------
+
+class MHAModel(nn.Module):
+    def __init__(self, need_weights_used=False):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(H * D, H, batch_first=True)
+        self.need_weights_used = need_weights_used
+
+    def forward(self, x, lengths):
+        padding = ~key_mask(lengths)
+        out, weights = self.mha(x, x, x, key_padding_mask=padding)
+        return out + weights.sum() if self.need_weights_used else out
+
+
+def test_multihead_attention_with_key_padding_mask():
+    torch.manual_seed(0)
+    model = MHAModel()
+    x = torch.randn(B, L, H * D, requires_grad=True)
+    lengths = torch.tensor([L, 5, 1, 9])
+    report = explain(model, x, lengths)
+    assert report.counts["jagged_attention"] == 1, report.refusals
+    compiled = gem_compile(model)
+    out, ref = compiled(x, lengths), model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    params = [x, *model.parameters()]
+    g = torch.autograd.grad(out.square().sum(), params)
+    g_ref = torch.autograd.grad(ref.square().sum(), params)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+# -- near-misses: left alone, with a reason ---------------------------------------------------------------
+
+def miss_mask_from_input(q, k, v, n, x):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=x["bool_mask"][:, None, None, :])
+
+
+def miss_softmax_over_queries(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-2) @ v
+
+
+def miss_sliding_window(q, k, v, n, x):
+    i = torch.arange(L)
+    window = (i[None, :] - i[:, None]).abs() <= 2
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & window)
+
+
+def miss_small_fill(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], -10.0)
+    return s.softmax(-1) @ v
+
+
+def miss_dropout_in_training(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return F.dropout(s.softmax(-1), p=0.1, training=True) @ v
+
+
+def miss_weights_returned(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    p = s.softmax(-1)
+    return p @ v, p
+
+
+def miss_lengths_on_the_query_dim_only(q, k, v, n, x):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, :, None])
+
+
+def miss_length_le(q, k, v, n, x):
+    # `<=` keeps one more key than `<`: still a length mask (lengths + 1), so this one IS rewritten
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(torch.arange(L)[None, :] <= n[:, None])[:, None, None])
+
+
+def miss_block_diagonal(q, k, v, n, x):
+    i = torch.arange(L)
+    block = (i[:, None] // 4) == (i[None, :] // 4)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & block)
+
+
+def miss_float_lengths(q, k, v, n, x):
+    keep = torch.arange(L)[None, :] < (n.float() * 0.5)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+NEAR_MISSES = {
+    miss_mask_from_input: "not from lengths",
+    miss_softmax_over_queries: "not over the keys",
+    miss_sliding_window: "abs",
+    miss_small_fill: "large negative",
+    miss_dropout_in_training: "dropout",
+    miss_weights_returned: "used elsewhere",
+    miss_lengths_on_the_query_dim_only: "no key-padding mask",
+    miss_block_diagonal: "floor",
+    miss_float_lengths: "float",
+}
+
+
+@pytest.mark.parametrize("idiom, reason", list(NEAR_MISSES.items()), ids=lambda f: getattr(f, "__name__", ""))
+def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
+    q, k, v, lengths, extra = _inputs(idiom)
+    extra["bool_mask"] = torch.rand(B, L) > 0.3
+    report = explain(idiom, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 0
+    assert len(report.refusals) == 1
+    assert reason in report.refusals[0].reason, report.refusals[0].reason
+
+
+def test_length_le_is_rewritten_with_lengths_plus_one():
+    q, k, v, lengths, extra = _inputs(miss_length_le)
+    report = explain(miss_length_le, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 1
+    assert "+ 1" in report.rewrites[0].detail
+    out = gem_compile(miss_length_le)(q, k, v, lengths, extra)
+    torch.testing.assert_close(out, miss_length_le(q, k, v, lengths, extra), atol=2e-5, rtol=1e-4)
+
+
+def test_multihead_attention_whose_weights_are_used_is_left_alone():
+    report = explain(MHAModel(need_weights_used=True), torch.randn(B, L, H * D), torch.tensor([L, 5, 1, 9]))
+    assert report.counts["jagged_attention"] == 0
+    assert "weights" in report.refusals[0].reason
+
+
+def test_disabled_pass_rewrites_nothing():
+    q, k, v, lengths, extra = _inputs(sdpa_key)
+    report = explain(sdpa_key, q, k, v, lengths, extra, config=GemConfig(jagged_attention={"enabled": False}))
+    assert report.counts["jagged_attention"] == 0 and not report.refusals
+
+
+def test_min_kv_len_leaves_short_attention_alone():
+    q, k, v, lengths, extra = _inputs(sdpa_key)
+    report = explain(sdpa_key, q, k, v, lengths, extra, config=GemConfig(jagged_attention={"min_kv_len": 64}))
+    assert report.counts["jagged_attention"] == 0
+    assert "min_kv_len" in report.refusals[0].reason
+
+
+def test_unsupported_head_dim_is_left_alone():
+    q = torch.randn(B, H, L, 8)
+    report = explain(sdpa_key, q, q, q, torch.tensor([L, 5, 1, 0]), {})
+    assert report.counts["jagged_attention"] == 0
+    assert "head dim" in report.refusals[0].reason
+
+
+def test_twenty_batches_of_different_lengths_compile_once(monkeypatch):
+    calls = []
+    original = GemBackend.__call__
+    monkeypatch.setattr(GemBackend, "__call__", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    compiled = gem_compile(hand_masked_fill_inf)
+    q, k, v, _, extra = _inputs(hand_masked_fill_inf)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        lengths = torch.randint(1, L + 1, (B,), generator=g)
+        out = compiled(q, k, v, lengths, extra)
+        torch.testing.assert_close(out, hand_masked_fill_inf(q, k, v, lengths, extra), atol=2e-5, rtol=1e-4)
+    assert len(calls) == 1
+
+
+def masked_attention_any_length(q, k, v, n):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~(torch.arange(q.shape[2])[None, :] < n[:, None])[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_dynamic_padded_length_compiles_once_and_is_rewritten(monkeypatch):
+    """The padded length marked dynamic: one compile serves every padded size."""
+    calls = []
+    original = GemBackend.__call__
+    monkeypatch.setattr(GemBackend, "__call__", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    counters.clear()
+    compiled = gem_compile(masked_attention_any_length)
+    g = torch.Generator().manual_seed(4)
+    for length in (12, 20, 9):
+        q, k, v = (torch.randn(B, H, length, D, generator=g) for _ in range(3))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        lengths = torch.randint(1, length + 1, (B,), generator=g)
+        torch.testing.assert_close(compiled(q, k, v, lengths), masked_attention_any_length(q, k, v, lengths),
+                                   atol=2e-5, rtol=1e-4)
+    assert len(calls) == 1
+    assert counters["gemcompile"]["jagged_attention"] == 1
+
+
+def test_a_symbolic_scale_is_left_alone():
+    q = torch.randn(B, H, L, D)
+    torch._dynamo.mark_dynamic(q, 3)  # the head dim, hence 1/sqrt(head dim), becomes symbolic
+    report = explain(masked_attention_any_length, q, q, q, torch.tensor([L, 5, 1, 0]))
+    assert report.counts["jagged_attention"] == 0
+    assert "symbolic" in report.refusals[0].reason

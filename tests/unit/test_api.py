@@ -1,0 +1,116 @@
+"""gem_compile's public forms and its errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gemcompile import GemConfig, gem_compile
+from gemcompile.backend import GemBackend
+
+
+class TinyNet(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) * 2
+
+
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """The configs GemBackend compiled graphs with, in order."""
+    calls = []
+    original = GemBackend.__call__
+
+    def recording_call(self, gm, example_inputs, **kwargs):
+        calls.append(self.config)
+        return original(self, gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(GemBackend, "__call__", recording_call)
+    return calls
+
+
+def test_on_a_module_instance_returns_what_torch_compile_returns(backend_calls):
+    model = TinyNet()
+    compiled = gem_compile(model)
+    assert type(compiled) is type(torch.compile(model))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert backend_calls == [GemConfig()]
+
+
+def test_bare_decorator_on_a_function(backend_calls):
+    @gem_compile
+    def f(x):
+        return torch.sin(x) * 2
+
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x), torch.sin(x) * 2)
+    assert backend_calls == [GemConfig()]
+
+
+def test_decorator_with_arguments(backend_calls):
+    config = GemConfig(jagged_attention={"enabled": False})
+
+    @gem_compile(config=config, fullgraph=True)
+    def f(x):
+        return torch.cos(x) + 1
+
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x), torch.cos(x) + 1)
+    assert backend_calls == [config]
+
+
+def test_decorator_on_a_module_class_keeps_state_dict_keys(backend_calls):
+    Compiled = gem_compile(TinyNet)
+    model = Compiled(8)
+    assert Compiled.__name__ == "TinyNet"
+    assert set(model.state_dict()) == {"linear.weight", "linear.bias"}
+    x = torch.randn(2, 8)
+    eager = TinyNet(8)
+    eager.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x), eager(x))
+    assert backend_calls == [GemConfig()]
+
+
+def test_backend_is_registered_by_name():
+    compiled = torch.compile(lambda x: x * 3, backend="gemcompile")
+    torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("bad", [3, "model", None.__class__, [nn.Linear(2, 2)]])
+def test_rejects_what_is_neither_module_nor_callable(bad):
+    with pytest.raises(TypeError, match="gem_compile"):
+        gem_compile(bad)
+
+
+def test_rejects_a_config_of_the_wrong_type():
+    with pytest.raises(TypeError, match="GemConfig"):
+        gem_compile(TinyNet(), config={"jagged_attention": {}})
+
+
+def test_rejects_a_backend_argument():
+    with pytest.raises(TypeError, match="own backend"):
+        gem_compile(TinyNet(), backend="inductor")
+
+
+def test_mode_and_options_together_are_rejected_like_torch_compile():
+    with pytest.raises(RuntimeError, match="mode or options"):
+        gem_compile(TinyNet(), mode="max-autotune-no-cudagraphs", options={"max_autotune": False})
+
+
+def test_options_reach_inductor(monkeypatch):
+    seen = {}
+    import torch._inductor.compile_fx as compile_fx_module
+
+    original = compile_fx_module.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        seen.update(config_patches or {})
+        return original(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    compiled = gem_compile(TinyNet(), options={"epilogue_fusion": False})
+    compiled(torch.randn(2, 8))
+    assert seen.get("epilogue_fusion") is False

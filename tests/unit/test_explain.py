@@ -1,0 +1,81 @@
+"""explain: counts, rewrites with source locations, refusals, graphs, rich rendering."""
+
+import operator
+
+import pytest
+import torch
+
+from gemcompile import ExplainReport, GemConfig, explain
+from gemcompile.explain import explain_with_passes
+
+from tests.toy_passes import TOY_PIPELINE
+
+
+def model(x, w):
+    y = (x @ w) * 2  # rewritten by the toy pass
+    z = y * 3  # refused: not a multiplication by 2
+    return torch.relu(z).sum()
+
+
+def _report() -> ExplainReport:
+    return explain_with_passes(TOY_PIPELINE, model, torch.randn(4, 6), torch.randn(6, 3, requires_grad=True))
+
+
+def test_counts_rewrites_and_refusals():
+    report = _report()
+    assert report.counts == {"mul_by_two_to_add": 1, "count_mm_joint": 0, "count_nodes_post_grad": 0}
+    (rewrite,) = report.rewrites
+    assert rewrite.pass_name == "mul_by_two_to_add" and rewrite.stage == "pre_grad"
+    assert rewrite.location.file.endswith("test_explain.py")
+    assert rewrite.location.code == "y = (x @ w) * 2  # rewritten by the toy pass"
+    assert "operator.mul" in rewrite.before and "operator.add" in rewrite.after
+    (refusal,) = report.refusals
+    assert "not by 2" in refusal.reason and refusal.location.code.startswith("z = y * 3")
+
+
+def test_graphs_before_and_after():
+    report = _report()
+    targets = lambda gm: [n.target for n in gm.graph.nodes]  # noqa: E731
+    assert targets(report.graph_before).count(operator.mul) == 2
+    assert targets(report.graph_after).count(operator.mul) == 1
+    assert operator.add in targets(report.graph_after)
+    assert [kind for kind, _ in report.aot_graphs] == ["forward", "backward"]
+
+
+def test_rendering_shows_summary_and_code():
+    text = str(_report())
+    assert "mul_by_two_to_add" in text and "pre_grad" in text
+    assert "y = (x @ w) * 2" in text
+    assert "operator.add(matmul, matmul)" in text
+    assert "not by 2" in text
+
+
+def test_explain_does_not_touch_gradients_or_parameters():
+    net = torch.nn.Linear(6, 3)
+    before = net.weight.detach().clone()
+    explain(net, torch.randn(2, 6))
+    assert net.weight.grad is None
+    torch.testing.assert_close(net.weight.detach(), before)
+
+
+def test_default_pipeline_report_lists_every_pass():
+    report = explain(lambda x: x.sin(), torch.randn(3))
+    assert set(report.counts) == {name for name, _, _ in report.passes}
+
+
+@pytest.mark.parametrize("bad", [3, "model"])
+def test_explain_rejects_non_callables(bad):
+    with pytest.raises(TypeError, match="explain expects"):
+        explain(bad, torch.randn(2))
+
+
+def test_explain_rejects_a_bad_config():
+    with pytest.raises(TypeError, match="GemConfig"):
+        explain(lambda x: x, torch.randn(2), config={"jagged_attention": {}})
+
+
+def test_inference_graphs_run_the_joint_and_post_grad_stages():
+    with torch.no_grad():
+        report = explain_with_passes(TOY_PIPELINE, model, torch.randn(4, 6), torch.randn(6, 3),
+                                     config=GemConfig())
+    assert [kind for kind, _ in report.aot_graphs] == ["inference"]
