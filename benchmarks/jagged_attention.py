@@ -445,6 +445,12 @@ def main(argv=None):
     args.t0 = time.time()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/jagged_attention.py needs a CUDA GPU")
+    # the compiled peers see a new shape per benchmark shape: never let them fall back to eager silently
+    limits = {"recompile_limit": 64, "cache_size_limit": 64, "accumulated_recompile_limit": 1024,
+              "accumulated_cache_size_limit": 1024}
+    for name, value in limits.items():
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, value)
 
     shapes = (
         QUICK

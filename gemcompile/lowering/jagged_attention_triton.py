@@ -97,7 +97,37 @@ _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_B
                  "DOT_PRECISION"]
 
 
-def _make_prune(shapes):
+SHARED_MEMORY_BUDGET = 227 * 1024
+"""Bytes of shared memory a block may use on Hopper. The tile estimate below matched what Triton asked
+for on an H200 (256 KiB for fp32, D=128, 128x64 tiles, 3 stages: refused)."""
+
+# per kernel: (tiles streamed per pipeline stage, tiles resident) in units of (rows x BLOCK_D) for each
+# of BLOCK_M and BLOCK_N: fwd streams K and V (2 x BLOCK_N) and holds Q (BLOCK_M); dK/dV streams Q and
+# dO (2 x BLOCK_M) and holds K and V (2 x BLOCK_N); dQ streams K and V and holds Q and dO.
+_SMEM_TILES = {"fwd": ((0, 2), (1, 0)), "dkdv": ((2, 0), (0, 2)), "dq": ((0, 2), (2, 0))}
+
+
+def _shared_memory(kind: str, block_m: int, block_n: int, stages: int, block_d: int, element_size: int) -> int:
+    (sm, sn), (rm, rn) = _SMEM_TILES[kind]
+    rows = stages * (sm * block_m + sn * block_n) + rm * block_m + rn * block_n
+    return rows * block_d * element_size
+
+
+def _fit_shared_memory(config, kind: str, args: dict):
+    """Fewer pipeline stages until the tiles fit (fp32 inputs at D=128 need fewer stages than bf16)."""
+    q = args.get("Q")
+    element_size = q.element_size() if hasattr(q, "element_size") else 2
+    block_d = triton.next_power_of_2(int(args.get("HEAD_D", 64)))
+    stages = config.num_stages
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    while stages > 1 and _shared_memory(kind, m, n, stages, block_d, element_size) > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    if stages == config.num_stages:
+        return config
+    return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages)
+
+
+def _make_prune(shapes, kind):
     def prune(configs, named_args, **kwargs):
         """Keep the configs meant for this head dim whose tiles are not far larger than the lengths."""
         args = {**named_args, **kwargs}
@@ -110,8 +140,8 @@ def _make_prune(shapes):
                 continue
             if c.kwargs["BLOCK_M"] > max(lq, 64) or c.kwargs["BLOCK_N"] > max(lk, 64):
                 continue
-            kept.append(c)
-        return kept or configs[:1]
+            kept.append(_fit_shared_memory(c, kind, args))
+        return kept or [_fit_shared_memory(configs[0], kind, args)]
 
     return {"early_config_prune": prune}
 
@@ -218,7 +248,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, offs_m, offs_n, offs
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_FWD_SHAPES))
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_FWD_SHAPES, "fwd"))
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
@@ -366,7 +396,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_DKDV_SHAPES))
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
@@ -486,7 +516,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, o
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
-                 prune_configs_by=_make_prune(_DQ_SHAPES))
+                 prune_configs_by=_make_prune(_DQ_SHAPES, "dq"))
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,

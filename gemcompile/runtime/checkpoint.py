@@ -13,6 +13,7 @@ What makes resume bit-exact: parameters, optimizer moments and step counters (th
 correction depends on the step), the CPU and CUDA RNG states (dropout, sampling), and the training
 step (the synthetic data is a pure function of (seed, step), so nothing about the data needs saving).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["CheckpointState", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
-           "unwrap_model"]
+__all__ = [
+    "CheckpointState",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "unwrap_model",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -103,7 +110,8 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     if not root.is_dir():
         return None
     complete = [
-        (int(m.group(1)), p) for p in root.iterdir()
+        (int(m.group(1)), p)
+        for p in root.iterdir()
         if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()
     ]
     return max(complete)[1] if complete else None
@@ -141,8 +149,11 @@ def save_checkpoint(
     path = checkpoint_path(checkpoint_dir, step)
     path.mkdir(parents=True, exist_ok=True)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state, "meta": _to_bytes(meta)},
-                 checkpoint_id=str(path), no_dist=_no_dist())
+        dcp.save(
+            {"model": model_state, "optim": optim_state, "meta": _to_bytes(meta)},
+            checkpoint_id=str(path),
+            no_dist=_no_dist(),
+        )
     return path
 
 

@@ -27,6 +27,7 @@ masked SDPA the padded model runs) reproduces FlopCounterMode's measurement exac
 (tests/unit/test_runtime_flops.py). With every length full, useful and padded FLOPs differ by the block
 attention term only: sum over blocks of b_j^2 = N_k x block (useful) vs N_k^2 (executed).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,12 +41,12 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 __all__ = [
     "PEAK_BF16_DENSE_TFLOPS",
+    "TRAIN_FLOPS_PER_FORWARD",
     "AttentionTerm",
     "FmTerm",
     "GemFlopFormula",
     "MatmulTerm",
     "PaddedFlopCounter",
-    "TRAIN_FLOPS_PER_FORWARD",
     "block_attention_pairs",
     "count_forward_flops",
     "mfu",
@@ -67,7 +68,9 @@ PEAK_BF16_DENSE_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100"
 def _device_name(device: str | torch.device | None) -> str | None:
     if device is None:
         return None
-    if isinstance(device, torch.device) or (isinstance(device, str) and device.split(":")[0] in ("cpu", "cuda")):
+    if isinstance(device, torch.device) or (
+        isinstance(device, str) and device.split(":")[0] in ("cpu", "cuda")
+    ):
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
@@ -111,8 +114,9 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                            **kwargs) -> int:
+def _cpu_sdpa_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
@@ -122,8 +126,10 @@ def _missing_formulas() -> dict[Any, Any]:
 
     aten = torch.ops.aten
     extra = {}
-    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_flop),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flop)):
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flop),
+    ):
         packet = getattr(aten, name, None)
         if packet is not None and packet not in flop_registry and packet.default not in flop_registry:
             extra[packet] = formula
@@ -257,7 +263,7 @@ def _distinct_primes(count: int, start: int) -> list[int]:
 
 
 def _probe_inputs(cfg: Any, batch: int, lens: Sequence[int], device: torch.device) -> dict[str, Any]:
-    long = dict(dtype=torch.int64, device=device)
+    long = {"dtype": torch.int64, "device": device}
     return {
         "sparse_ids": torch.zeros(batch, cfg.n_tables, cfg.max_hot, **long),
         "dense": torch.zeros(batch, cfg.n_dense, device=device),
@@ -293,7 +299,9 @@ class GemFlopFormula:
         module = unwrap_model(model)
         cfg = getattr(module, "cfg", None)
         if cfg is None or not hasattr(cfg, "seq_max_lens"):
-            raise TypeError(f"GemFlopFormula.from_model needs a GemRef (with .cfg), got {type(module).__name__}")
+            raise TypeError(
+                f"GemFlopFormula.from_model needs a GemRef (with .cfg), got {type(module).__name__}"
+            )
         n_seq = len(cfg.seq_max_lens)
         # Batch size and padded lengths are distinct primes larger than any per-sample row count, so
         # the row count of every matmul factors uniquely into (B, N_k, multiplicity).
@@ -323,14 +331,22 @@ class GemFlopFormula:
                     matmuls.append(MatmulTerm(name, params, "token", per_sample // n, seq=k))
                     return
             if per_sample >= min(probe_lens):
-                raise RuntimeError(f"flop probe: {name} runs on {per_sample} rows per sample, too many to tell "
-                                   f"per-sample from per-token rows")
+                raise RuntimeError(
+                    f"flop probe: {name} runs on {per_sample} rows per sample, too many to tell "
+                    f"per-sample from per-token rows"
+                )
             matmuls.append(MatmulTerm(name, params, "sample", per_sample))
 
         def on_attention(mod: nn.Module, args: tuple) -> None:
             s = args[0]  # (B, N_k, d) for every attention module of GEM-ref
             name, seq = names[mod], seq_from(s.shape[1], names[mod])
-            common = dict(name=name, seq=seq, n_heads=mod.n_heads, d_qk=mod.head_dim, d_v=mod.head_dim)
+            common = {
+                "name": name,
+                "seq": seq,
+                "n_heads": mod.n_heads,
+                "d_qk": mod.head_dim,
+                "d_v": mod.head_dim,
+            }
             if isinstance(mod, PMA):
                 attentions.append(AttentionTerm(kind="pma", n_fixed=mod.queries.shape[0], **common))
             elif isinstance(mod, GDPACrossAttention):
@@ -357,8 +373,9 @@ class GemFlopFormula:
         finally:
             for handle in handles:
                 handle.remove()
-        return cls(matmuls=matmuls, attentions=attentions, fms=fms, n_seq=n_seq,
-                   padded_lens=tuple(cfg.seq_max_lens))
+        return cls(
+            matmuls=matmuls, attentions=attentions, fms=fms, n_seq=n_seq, padded_lens=tuple(cfg.seq_max_lens)
+        )
 
     # -- parameter groups (for reports) -----------------------------------------------------------
 
@@ -368,8 +385,10 @@ class GemFlopFormula:
 
     def params_per_token(self) -> tuple[int, ...]:
         """N_tok per sequence type: matmul parameters applied once per valid token of that type."""
-        return tuple(sum(t.params * t.rows for t in self.matmuls if t.scope == "token" and t.seq == k)
-                     for k in range(self.n_seq))
+        return tuple(
+            sum(t.params * t.rows for t in self.matmuls if t.scope == "token" and t.seq == k)
+            for k in range(self.n_seq)
+        )
 
     # -- the formula ------------------------------------------------------------------------------
 
@@ -401,8 +420,9 @@ class GemFlopFormula:
             length_tensors = [_as_length_tensor(length) for length in seq_lengths]
             for k, length in enumerate(length_tensors):
                 if length.numel() != batch_size:
-                    raise ValueError(f"seq_lengths[{k}] has {length.numel()} entries, expected batch_size "
-                                     f"= {batch_size}")
+                    raise ValueError(
+                        f"seq_lengths[{k}] has {length.numel()} entries, expected batch_size = {batch_size}"
+                    )
             tokens = [_sum_lengths(length) for length in length_tensors]
         out: dict[str, int] = {"linear.step": 0, "linear.sample": 0}
         out.update({f"linear.token.{k}": 0 for k in range(self.n_seq)})
@@ -431,13 +451,14 @@ class GemFlopFormula:
             out["fm"] += t.flops_per_sample * batch_size
         return out
 
-    def forward_flops(self, seq_lengths, batch_size: int, padded: bool = False,
-                      padded_lens: Sequence[int] | None = None) -> int:
+    def forward_flops(
+        self, seq_lengths, batch_size: int, padded: bool = False, padded_lens: Sequence[int] | None = None
+    ) -> int:
         """Forward FLOPs of one step (sum of breakdown())."""
         return sum(self.breakdown(seq_lengths, batch_size, padded=padded, padded_lens=padded_lens).values())
 
-    def train_flops(self, seq_lengths, batch_size: int, padded: bool = False,
-                    padded_lens: Sequence[int] | None = None) -> int:
+    def train_flops(
+        self, seq_lengths, batch_size: int, padded: bool = False, padded_lens: Sequence[int] | None = None
+    ) -> int:
         """Training FLOPs of one step: 3 x forward."""
         return TRAIN_FLOPS_PER_FORWARD * self.forward_flops(seq_lengths, batch_size, padded, padded_lens)
-

@@ -5,13 +5,20 @@ A jagged batch stores the valid tokens of every sample back to back (`values`, s
 (B, N, ...) with sample b's tokens at [b, :lengths[b]]. Small, torch-only helpers; all run on any
 device and keep the dtype of the values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["bucket_length", "jagged_to_padded", "lengths_to_offsets", "offsets_to_lengths", "padded_to_jagged"]
+__all__ = [
+    "bucket_length",
+    "jagged_to_padded",
+    "lengths_to_offsets",
+    "offsets_to_lengths",
+    "padded_to_jagged",
+]
 
 
 def _check_lengths(lengths: torch.Tensor, name: str = "lengths") -> None:
@@ -52,7 +59,8 @@ def padded_to_jagged(padded: torch.Tensor, lengths: torch.Tensor) -> tuple[torch
     _check_lengths(lengths)
     if padded.dim() < 2 or padded.shape[0] != lengths.shape[0]:
         raise ValueError(
-            f"padded must be (B, N, ...) with B = len(lengths) = {lengths.shape[0]}, got {tuple(padded.shape)}"
+            f"padded must be (B, N, ...) with B = len(lengths) = {lengths.shape[0]}, "
+            f"got {tuple(padded.shape)}"
         )
     max_len = padded.shape[1]
     if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > max_len):

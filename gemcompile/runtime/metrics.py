@@ -11,6 +11,7 @@ Conventions (both computed in float64 on the CPU, over the valid labels of one t
 NaN (not None) is used for "undefined" so that every metric is a float and can be printed, averaged
 with nan-aware functions, or compared with math.isnan.
 """
+
 from __future__ import annotations
 
 import io
@@ -28,8 +29,9 @@ def _valid_pairs(
     scores: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if scores.shape != labels.shape:
-        raise ValueError(f"scores and labels must have the same shape, got {tuple(scores.shape)} "
-                         f"and {tuple(labels.shape)}")
+        raise ValueError(
+            f"scores and labels must have the same shape, got {tuple(scores.shape)} and {tuple(labels.shape)}"
+        )
     if mask is not None and mask.shape != labels.shape:
         raise ValueError(f"mask must have the labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}")
     scores = scores.detach().reshape(-1).to("cpu", torch.float64)
@@ -124,11 +126,13 @@ class MetricWindow:
         for name, t in (("logits", logits), ("labels", labels), ("label_mask", label_mask)):
             if t.dim() != 2 or t.shape[1] != self.n_tasks:
                 raise ValueError(f"{name} must be (B, {self.n_tasks}), got {tuple(t.shape)}")
-        self._steps.append((
-            logits.detach().to("cpu", torch.float64),
-            labels.detach().to("cpu", torch.float64),
-            label_mask.detach().to("cpu", torch.bool),
-        ))
+        self._steps.append(
+            (
+                logits.detach().to("cpu", torch.float64),
+                labels.detach().to("cpu", torch.float64),
+                label_mask.detach().to("cpu", torch.bool),
+            )
+        )
 
     def compute(self) -> WindowMetrics:
         if not self._steps:
@@ -156,5 +160,7 @@ class MetricWindow:
     def load_bytes(self, blob: bytes) -> None:
         state = torch.load(io.BytesIO(blob), weights_only=True)
         if state["n_tasks"] != self.n_tasks:
-            raise ValueError(f"checkpointed metric window has {state['n_tasks']} tasks, expected {self.n_tasks}")
+            raise ValueError(
+                f"checkpointed metric window has {state['n_tasks']} tasks, expected {self.n_tasks}"
+            )
         self._steps = deque((tuple(s) for s in state["steps"]), maxlen=self.window)

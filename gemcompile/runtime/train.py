@@ -10,6 +10,7 @@ loss, NE and AUC per task over a window of steps, steps/s and samples/s, useful 
 step (runtime/flops.py) and MFU (None on the CPU). Checkpoints (runtime/checkpoint.py) resume
 bit-exactly: the losses of a resumed run equal those of an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -131,7 +131,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
             if not ok:
-                raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: expected {expected}")
+                raise ValueError(
+                    f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: expected {expected}"
+                )
 
         check(self.size in SIZES, "size", f"one of {', '.join(SIZES)}")
         check(_is_int(self.steps) and self.steps >= 1, "steps", "an int >= 1")
@@ -139,8 +141,11 @@ class TrainConfig:
             object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE[self.size])
         check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an int >= 1 (or None)")
         check(_is_number(self.lr) and math.isfinite(self.lr) and self.lr > 0, "lr", "a finite float > 0")
-        check(_is_number(self.embedding_lr) and math.isfinite(self.embedding_lr) and self.embedding_lr > 0,
-              "embedding_lr", "a finite float > 0")
+        check(
+            _is_number(self.embedding_lr) and math.isfinite(self.embedding_lr) and self.embedding_lr > 0,
+            "embedding_lr",
+            "a finite float > 0",
+        )
         check(self.compile in COMPILE_MODES, "compile", f"one of {', '.join(COMPILE_MODES)}")
         check(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
         check(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
@@ -148,10 +153,17 @@ class TrainConfig:
         check(self.length_dist in LENGTH_DISTS, "length_dist", f"one of {', '.join(LENGTH_DISTS)}")
         check(_is_int(self.seed) and self.seed >= 0, "seed", "an int >= 0")
         check(_is_int(self.log_every) and self.log_every >= 1, "log_every", "an int >= 1")
-        check(self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and self.checkpoint_dir != ""),
-              "checkpoint_dir", "None or a directory path")
-        check(self.save_every is None or (_is_int(self.save_every) and self.save_every >= 1),
-              "save_every", "None or an int >= 1")
+        check(
+            self.checkpoint_dir is None
+            or (isinstance(self.checkpoint_dir, str) and self.checkpoint_dir != ""),
+            "checkpoint_dir",
+            "None or a directory path",
+        )
+        check(
+            self.save_every is None or (_is_int(self.save_every) and self.save_every >= 1),
+            "save_every",
+            "None or an int >= 1",
+        )
         check(isinstance(self.resume, bool), "resume", "a bool")
         check(isinstance(self.deterministic, bool), "deterministic", "a bool")
         check(isinstance(self.explain, bool), "explain", "a bool")
@@ -159,10 +171,14 @@ class TrainConfig:
         if self.save_every is not None and self.checkpoint_dir is None:
             raise ValueError("TrainConfig.save_every needs TrainConfig.checkpoint_dir (where to save)")
         if self.resume and self.checkpoint_dir is None:
-            raise ValueError("TrainConfig.resume = True needs TrainConfig.checkpoint_dir (where to resume from)")
+            raise ValueError(
+                "TrainConfig.resume = True needs TrainConfig.checkpoint_dir (where to resume from)"
+            )
         if self.explain and self.compile != "gem":
-            raise ValueError(f"TrainConfig.explain = True needs compile='gem' (got compile={self.compile!r}): "
-                             "the report describes what gem_compile rewrites")
+            raise ValueError(
+                f"TrainConfig.explain = True needs compile='gem' (got compile={self.compile!r}): "
+                "the report describes what gem_compile rewrites"
+            )
 
     def trajectory_fingerprint(self) -> dict[str, Any]:
         """The fields a resumed run must share with the checkpoint's run to continue it exactly."""
@@ -228,7 +244,11 @@ class TrainResult:
     @property
     def padding_efficiency(self) -> float:
         """Useful / padded FLOPs."""
-        return self.useful_flops_per_step / self.padded_flops_per_step if self.padded_flops_per_step else math.nan
+        return (
+            self.useful_flops_per_step / self.padded_flops_per_step
+            if self.padded_flops_per_step
+            else math.nan
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,7 +265,10 @@ def build_optimizers(model: nn.Module, lr: float, embedding_lr: float) -> list[t
     """
     module = unwrap_model(model)
     embedding_ids = {
-        id(p) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()
+        id(p)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for p in m.parameters()
     }
     embeddings = [p for p in module.parameters() if id(p) in embedding_ids]
     dense = [p for p in module.parameters() if id(p) not in embedding_ids]
@@ -271,10 +294,17 @@ def _autocast(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _summarize_window(first_step: int, last_step: int, losses: list[float], window: MetricWindow) -> WindowSummary:
+def _summarize_window(
+    first_step: int, last_step: int, losses: list[float], window: MetricWindow
+) -> WindowSummary:
     metrics = window.compute()
-    return WindowSummary(first_step=first_step, last_step=last_step, loss=statistics.fmean(losses),
-                         ne=metrics.ne, auc=metrics.auc)
+    return WindowSummary(
+        first_step=first_step,
+        last_step=last_step,
+        loss=statistics.fmean(losses),
+        ne=metrics.ne,
+        auc=metrics.auc,
+    )
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -303,13 +333,19 @@ class _Reporter:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(
-                TextColumn(f"[bold]train {cfg.size} ({cfg.compile})"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[steps_s]} steps/s"), TextColumn("{task.fields[samples_s]} samples/s"),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("NE {task.fields[ne]}"), TimeElapsedColumn(),
+                TextColumn(f"[bold]train {cfg.size} ({cfg.compile})"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[steps_s]} steps/s"),
+                TextColumn("{task.fields[samples_s]} samples/s"),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("NE {task.fields[ne]}"),
+                TimeElapsedColumn(),
                 console=self.console,
             )
-            self.task = self.progress.add_task("train", total=cfg.steps, completed=start_step,
-                                               steps_s="-", samples_s="-", loss="-", ne="-")
+            self.task = self.progress.add_task(
+                "train", total=cfg.steps, completed=start_step, steps_s="-", samples_s="-", loss="-", ne="-"
+            )
 
     def __enter__(self):
         if self.progress is not None:
@@ -328,25 +364,34 @@ class _Reporter:
         rate = "-" if steps_per_s is None else f"{steps_per_s:.2f}"
         samples = "-" if steps_per_s is None else f"{steps_per_s * self.cfg.batch_size:.0f}"
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, steps_s=rate, samples_s=samples, loss=f"{loss:.4f}",
-                                 ne=ne_text)
+            self.progress.update(
+                self.task, completed=step, steps_s=rate, samples_s=samples, loss=f"{loss:.4f}", ne=ne_text
+            )
         elif step % self.cfg.log_every == 0 or step == self.cfg.steps:
-            self.console.print(f"step {step}/{self.cfg.steps}  loss {loss:.4f}  NE {ne_text}  "
-                               f"{rate} steps/s  {samples} samples/s", highlight=False)
+            self.console.print(
+                f"step {step}/{self.cfg.steps}  loss {loss:.4f}  NE {ne_text}  "
+                f"{rate} steps/s  {samples} samples/s",
+                highlight=False,
+            )
 
     def summary(self, result: TrainResult) -> None:
         if self.cfg.quiet:
             return
         from rich.table import Table
 
-        table = Table(title=f"gemcompile train: {self.cfg.size}, {self.cfg.compile}, {self.cfg.device}, "
-                            f"{self.cfg.dtype}, batch {self.cfg.batch_size}", title_justify="left")
+        table = Table(
+            title=f"gemcompile train: {self.cfg.size}, {self.cfg.compile}, {self.cfg.device}, "
+            f"{self.cfg.dtype}, batch {self.cfg.batch_size}",
+            title_justify="left",
+        )
         table.add_column("metric")
         table.add_column("first window", justify="right")
         table.add_column("last window", justify="right")
         first, last = result.first_window, result.last_window
         if first is not None and last is not None:
-            table.add_row("steps", f"{first.first_step}-{first.last_step}", f"{last.first_step}-{last.last_step}")
+            table.add_row(
+                "steps", f"{first.first_step}-{first.last_step}", f"{last.first_step}-{last.last_step}"
+            )
             table.add_row("loss", _fmt(first.loss), _fmt(last.loss))
             for t, name in enumerate(result.task_names[: len(last.ne)]):
                 table.add_row(f"NE {name}", _fmt(first.ne[t]), _fmt(last.ne[t]))
@@ -359,8 +404,11 @@ class _Reporter:
         table.add_row("useful FLOPs / step", "", _fmt_flops(result.useful_flops_per_step))
         table.add_row("padded FLOPs / step", "", _fmt_flops(result.padded_flops_per_step))
         table.add_row("useful / padded", "", _fmt(result.padding_efficiency, ".3f"))
-        table.add_row("MFU (bf16 dense peak)", "", "n/a (no peak for this device)" if result.mfu is None
-                      else f"{100 * result.mfu:.2f}%")
+        table.add_row(
+            "MFU (bf16 dense peak)",
+            "",
+            "n/a (no peak for this device)" if result.mfu is None else f"{100 * result.mfu:.2f}%",
+        )
         self.console.print(table)
 
 
@@ -378,8 +426,10 @@ def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train expects a TrainConfig, got {type(cfg).__name__}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("TrainConfig.device = 'cuda' but no CUDA device is available (torch.cuda.is_available() "
-                         "is False); use device='cpu'")
+        raise ValueError(
+            "TrainConfig.device = 'cuda' but no CUDA device is available (torch.cuda.is_available() "
+            "is False); use device='cpu'"
+        )
     with _deterministic(cfg.deterministic, cfg.device):
         return _train(cfg)
 
@@ -389,7 +439,10 @@ def _deterministic(enabled: bool, device: str):
     if not enabled:
         yield
         return
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     if device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS workspaces
     # warn_only: an op without a deterministic kernel warns instead of stopping the run.
@@ -406,8 +459,9 @@ def _train(cfg: TrainConfig) -> TrainResult:
 
     device = torch.device(cfg.device)
     model_cfg = gem_ref_config(cfg.size)
-    data = SyntheticData(model_cfg.data_config(cfg.batch_size, fill=cfg.fill, length_dist=cfg.length_dist,
-                                               seed=cfg.seed))
+    data = SyntheticData(
+        model_cfg.data_config(cfg.batch_size, fill=cfg.fill, length_dist=cfg.length_dist, seed=cfg.seed)
+    )
     torch.manual_seed(cfg.seed)
     model = GemRef(model_cfg).to(device)
     optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr)
@@ -427,7 +481,9 @@ def _train(cfg: TrainConfig) -> TrainResult:
         else:
             state = load_checkpoint(path, model, optimizers)
             saved = state.extra.get("config", {})
-            mismatched = {k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v}
+            mismatched = {
+                k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v
+            }
             if mismatched:
                 detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
                 raise ValueError(f"cannot resume from {path}: it was written with other settings ({detail})")
@@ -437,7 +493,9 @@ def _train(cfg: TrainConfig) -> TrainResult:
             window.load_bytes(state.extra["metric_window"])
             reporter.print(f"resumed from {path} at step {start_step}")
             if start_step >= cfg.steps:
-                reporter.print(f"the checkpoint is at step {start_step} >= steps = {cfg.steps}: nothing to train")
+                reporter.print(
+                    f"the checkpoint is at step {start_step} >= steps = {cfg.steps}: nothing to train"
+                )
     reporter = _Reporter(cfg, start_step)
 
     runner = _compile(model, cfg.compile)
@@ -463,7 +521,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     step_times: list[float] = []
     compile_time = math.nan
     # Losses of the current, unfinished window (non-empty only when resuming mid-window).
-    window_losses = losses[len(losses) - len(losses) % cfg.log_every:]
+    window_losses = losses[len(losses) - len(losses) % cfg.log_every :]
     model.train()
     with reporter:
         for step in range(start_step, cfg.steps):
@@ -494,7 +552,9 @@ def _train(cfg: TrainConfig) -> TrainResult:
             window.update(logits.detach().float(), batch.labels, batch.label_mask)
             useful_total += formula.train_flops(cpu_batch.seq_lengths, cfg.batch_size)
             # The measuring forward must not shift the RNG streams (bit-exact resume).
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+            with torch.random.fork_rng(
+                devices=[torch.cuda.current_device()] if device.type == "cuda" else []
+            ):
                 padded_total += padded_counter.train_flops(batch.features())
             done = step + 1
             metrics = window.compute()
@@ -548,27 +608,47 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     defaults = TrainConfig()
     parser.add_argument("--size", choices=SIZES, default=defaults.size, help="model and data preset")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="samples per step (default per size: " +
-                        ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items()) + ")")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per step (default per size: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items())
+        + ")",
+    )
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate (dense parameters)")
-    parser.add_argument("--embedding-lr", type=float, default=defaults.embedding_lr,
-                        help="Adagrad learning rate (embedding tables)")
-    parser.add_argument("--compile", choices=COMPILE_MODES, default=defaults.compile, help="how the model runs")
+    parser.add_argument(
+        "--embedding-lr",
+        type=float,
+        default=defaults.embedding_lr,
+        help="Adagrad learning rate (embedding tables)",
+    )
+    parser.add_argument(
+        "--compile", choices=COMPILE_MODES, default=defaults.compile, help="how the model runs"
+    )
     parser.add_argument("--device", choices=DEVICES, default=defaults.device)
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
-                        help="bfloat16 = forward under torch.autocast")
-    parser.add_argument("--fill", type=float, default=defaults.fill, help="mean length / padded length, in (0, 1]")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=defaults.dtype, help="bfloat16 = forward under torch.autocast"
+    )
+    parser.add_argument(
+        "--fill", type=float, default=defaults.fill, help="mean length / padded length, in (0, 1]"
+    )
     parser.add_argument("--length-dist", choices=LENGTH_DISTS, default=defaults.length_dist)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps per metrics window")
     parser.add_argument("--checkpoint-dir", default=None, help="directory of DCP checkpoints")
     parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="torch.use_deterministic_algorithms (bit-exact resume under torch.compile)")
-    parser.add_argument("--explain", action="store_true",
-                        help="print what gemcompile's passes rewrite before training (--compile gem)")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms (bit-exact resume under torch.compile)",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="print what gemcompile's passes rewrite before training (--compile gem)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     return parser
 
@@ -576,10 +656,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from parsed `gemcompile train` flags (ValueError on a bad value)."""
     return TrainConfig(
-        size=args.size, steps=args.steps, batch_size=args.batch_size, lr=args.lr, embedding_lr=args.embedding_lr,
-        compile=args.compile, device=args.device, dtype=args.dtype, fill=args.fill, length_dist=args.length_dist,
-        seed=args.seed, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
-        resume=args.resume, deterministic=args.deterministic, explain=args.explain, quiet=args.quiet,
+        size=args.size,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        embedding_lr=args.embedding_lr,
+        compile=args.compile,
+        device=args.device,
+        dtype=args.dtype,
+        fill=args.fill,
+        length_dist=args.length_dist,
+        seed=args.seed,
+        log_every=args.log_every,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        resume=args.resume,
+        deterministic=args.deterministic,
+        explain=args.explain,
+        quiet=args.quiet,
     )
 
 
@@ -604,7 +698,9 @@ def run_train_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gemcompile.runtime.train ...` (the same flags as `gemcompile train`)."""
-    parser = add_train_arguments(argparse.ArgumentParser(prog="gemcompile train", description=__doc__.splitlines()[0]))
+    parser = add_train_arguments(
+        argparse.ArgumentParser(prog="gemcompile train", description=__doc__.splitlines()[0])
+    )
     return run_train_from_args(parser.parse_args(argv))
 
 

@@ -8,6 +8,7 @@ single host sync; only when something is wrong is more work done, to name the of
 
 Every failure raises ValueError naming the input, the offending sample index and the allowed range.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,8 +24,9 @@ def _fail(message: str) -> None:
     raise ValueError(f"invalid batch: {message}")
 
 
-def _check_tensor(name: str, value: Any, shape: tuple[int | None, ...], integer: bool, device: torch.device | None
-                  ) -> torch.Tensor:
+def _check_tensor(
+    name: str, value: Any, shape: tuple[int | None, ...], integer: bool, device: torch.device | None
+) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
@@ -35,7 +37,9 @@ def _check_tensor(name: str, value: Any, shape: tuple[int | None, ...], integer:
     if not integer and not value.dtype.is_floating_point:
         _fail(f"{name} must be a floating-point tensor, got {value.dtype}")
     if device is not None and value.device != device:
-        _fail(f"{name} is on {value.device}, but the batch is on {device} (every tensor must be on one device)")
+        _fail(
+            f"{name} is on {value.device}, but the batch is on {device} (every tensor must be on one device)"
+        )
     return value
 
 
@@ -69,8 +73,10 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
     n_seq = len(cfg.seq_max_lens)
     dense = batch.dense
     if not isinstance(dense, torch.Tensor) or dense.dim() != 2:
-        _fail(f"dense must be a (B, {cfg.n_dense}) tensor, got "
-              f"{tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__}")
+        _fail(
+            f"dense must be a (B, {cfg.n_dense}) tensor, got "
+            f"{tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__}"
+        )
     b, device = dense.shape[0], dense.device
     if b < 1:
         _fail("the batch is empty (dense.shape[0] == 0)")
@@ -85,12 +91,16 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
     for k in range(n_seq):
         it = items[k]
         if not isinstance(it, torch.Tensor) or it.dim() != 2:
-            _fail(f"seq_items[{k}] must be a (B, N_{k}) tensor, got "
-                  f"{tuple(it.shape) if isinstance(it, torch.Tensor) else type(it).__name__}")
+            _fail(
+                f"seq_items[{k}] must be a (B, N_{k}) tensor, got "
+                f"{tuple(it.shape) if isinstance(it, torch.Tensor) else type(it).__name__}"
+            )
         n_k = it.shape[1]
         if not 1 <= n_k <= cfg.seq_max_lens[k]:
-            _fail(f"seq_items[{k}] has padded length N_{k} = {n_k}, allowed range [1, {cfg.seq_max_lens[k]}] "
-                  f"(the model's seq_max_lens[{k}])")
+            _fail(
+                f"seq_items[{k}] has padded length N_{k} = {n_k}, allowed range [1, {cfg.seq_max_lens[k]}] "
+                f"(the model's seq_max_lens[{k}])"
+            )
         _check_tensor(f"seq_items[{k}]", it, (b, n_k), True, device)
         _check_tensor(f"seq_actions[{k}]", actions[k], (b, n_k), True, device)
         _check_tensor(f"seq_times[{k}]", times[k], (b, n_k), False, device)
@@ -103,8 +113,10 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
         if not isinstance(label_mask, torch.Tensor) or label_mask.dtype != torch.bool:
             _fail(f"label_mask must be a bool tensor of shape ({b}, {cfg.n_tasks})")
         if tuple(label_mask.shape) != (b, cfg.n_tasks) or label_mask.device != device:
-            _fail(f"label_mask must have shape ({b}, {cfg.n_tasks}) on {device}, got {tuple(label_mask.shape)} "
-                  f"on {label_mask.device}")
+            _fail(
+                f"label_mask must have shape ({b}, {cfg.n_tasks}) on {device}, got {tuple(label_mask.shape)} "
+                f"on {label_mask.device}"
+            )
 
     # (name, tensor, low, high, what the range is): value must lie in [low, high].
     ranges: list[tuple[str, torch.Tensor, float, float, str]] = [
@@ -113,12 +125,26 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
     ]
     for k in range(n_seq):
         ranges += [
-            (f"seq_lengths[{k}]", lengths[k], 0, padded[k], f"the padded length N_{k} = seq_items[{k}].shape[1]"),
-            (f"seq_items[{k}]", items[k], 0, cfg.item_vocab - 1, f"item_vocab = {cfg.item_vocab}, 0 = padding"),
+            (
+                f"seq_lengths[{k}]",
+                lengths[k],
+                0,
+                padded[k],
+                f"the padded length N_{k} = seq_items[{k}].shape[1]",
+            ),
+            (
+                f"seq_items[{k}]",
+                items[k],
+                0,
+                cfg.item_vocab - 1,
+                f"item_vocab = {cfg.item_vocab}, 0 = padding",
+            ),
             (f"seq_actions[{k}]", actions[k], 0, cfg.n_actions - 1, f"n_actions = {cfg.n_actions}"),
             (f"seq_times[{k}]", times[k], 0.0, float("inf"), "event age in seconds, finite and >= 0"),
         ]
-    finite: list[tuple[str, torch.Tensor]] = [("dense", dense)] + [(f"seq_times[{k}]", times[k]) for k in range(n_seq)]
+    finite: list[tuple[str, torch.Tensor]] = [("dense", dense)] + [
+        (f"seq_times[{k}]", times[k]) for k in range(n_seq)
+    ]
     if labels is not None:
         ranges.append(("labels", labels, 0.0, 1.0, "a probability"))
         finite.append(("labels", labels))
@@ -129,11 +155,13 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
     failed = torch.stack(flags).tolist()
     if not any(failed):
         return
-    for (name, t), bad in zip(finite, failed[len(ranges):]):
+    for (name, t), bad in zip(finite, failed[len(ranges) :]):
         if bad:
             sample, index = _first_bad_sample(~torch.isfinite(t))
-            _fail(f"{name} has a non-finite value {t[index].item()} at sample {sample} (index {list(index)}); "
-                  f"values must be finite")
+            _fail(
+                f"{name} has a non-finite value {t[index].item()} at sample {sample} (index {list(index)}); "
+                f"values must be finite"
+            )
     for (name, t, low, high, why), bad in zip(ranges, failed[: len(ranges)]):
         if bad:
             sample, index = _first_bad_sample((t < low) | (t > high))

@@ -1,5 +1,6 @@
 """Training end to end on tiny: the loss and NE go down, checkpoints resume bit-exactly, the CLI fails
 cleanly on bad flags, and bad inputs are caught at the model boundary."""
+
 import argparse
 import math
 import os
@@ -20,8 +21,17 @@ BATCH = 64  # the tiny default
 def uninterrupted(tmp_path_factory):
     """One uninterrupted 50-step eager run on tiny that also writes checkpoints at 20 and 40."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-    result = train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, compile="eager",
-                               checkpoint_dir=str(directory), save_every=SAVE_AT, quiet=True))
+    result = train(
+        TrainConfig(
+            size="tiny",
+            steps=STEPS,
+            batch_size=BATCH,
+            compile="eager",
+            checkpoint_dir=str(directory),
+            save_every=SAVE_AT,
+            quiet=True,
+        )
+    )
     return result, directory
 
 
@@ -52,8 +62,17 @@ def test_resume_from_step_20_matches_uninterrupted_run(uninterrupted, tmp_path):
     reference, directory = uninterrupted
     # A directory holding only the step-20 checkpoint (the uninterrupted run also wrote 40 and 50).
     shutil.copytree(checkpoint_path(directory, SAVE_AT), checkpoint_path(tmp_path, SAVE_AT))
-    resumed = train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, compile="eager",
-                                checkpoint_dir=str(tmp_path), resume=True, quiet=True))
+    resumed = train(
+        TrainConfig(
+            size="tiny",
+            steps=STEPS,
+            batch_size=BATCH,
+            compile="eager",
+            checkpoint_dir=str(tmp_path),
+            resume=True,
+            quiet=True,
+        )
+    )
     assert resumed.start_step == SAVE_AT
     assert resumed.losses[SAVE_AT:] == reference.losses[SAVE_AT:]  # steps 21-50, bit-exact
     assert resumed.losses == reference.losses  # steps 1-20 come from the checkpoint
@@ -68,18 +87,38 @@ def _nan_equal(a, b):
 def test_resume_refuses_a_checkpoint_of_another_run(uninterrupted, tmp_path):
     _, directory = uninterrupted
     shutil.copytree(checkpoint_path(directory, SAVE_AT), checkpoint_path(tmp_path, SAVE_AT))
-    with pytest.raises(ValueError, match=r"cannot resume from .*other settings \(seed: checkpoint 0 vs now 1\)"):
-        train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, seed=1, checkpoint_dir=str(tmp_path),
-                          resume=True, quiet=True))
+    with pytest.raises(
+        ValueError, match=r"cannot resume from .*other settings \(seed: checkpoint 0 vs now 1\)"
+    ):
+        train(
+            TrainConfig(
+                size="tiny",
+                steps=STEPS,
+                batch_size=BATCH,
+                seed=1,
+                checkpoint_dir=str(tmp_path),
+                resume=True,
+                quiet=True,
+            )
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("GEMCOMPILE_SLOW_TESTS"),
-                    reason="cold Inductor compile of tiny takes minutes on 2 CPU cores; set GEMCOMPILE_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("GEMCOMPILE_SLOW_TESTS"),
+    reason="cold Inductor compile of tiny takes minutes on 2 CPU cores; set GEMCOMPILE_SLOW_TESTS=1",
+)
 def test_inductor_resume_matches_uninterrupted_run(tmp_path):
     # deterministic=True: Inductor's CPU scatter-adds (embedding backward) are atomic otherwise, and
     # their summation order varies from run to run.
-    common = dict(size="tiny", steps=5, batch_size=16, compile="inductor", deterministic=True, quiet=True)
+    common = {
+        "size": "tiny",
+        "steps": 5,
+        "batch_size": 16,
+        "compile": "inductor",
+        "deterministic": True,
+        "quiet": True,
+    }
     reference = train(TrainConfig(checkpoint_dir=str(tmp_path / "a"), save_every=2, **common))
     shutil.copytree(checkpoint_path(tmp_path / "a", 2), checkpoint_path(tmp_path / "b", 2))
     resumed = train(TrainConfig(checkpoint_dir=str(tmp_path / "b"), resume=True, **common))
@@ -102,8 +141,11 @@ def test_bad_batch_is_caught_at_the_model_boundary(monkeypatch):
 
     monkeypatch.setattr(SyntheticData, "batch", corrupted)
     n = gem_ref_config("tiny").seq_max_lens[0]
-    with pytest.raises(ValueError, match=rf"invalid batch: seq_lengths\[0\] has value 999 at sample 3, "
-                                         rf"allowed range \[0, {n}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"invalid batch: seq_lengths\[0\] has value 999 at sample 3, "
+        rf"allowed range \[0, {n}\]",
+    ):
         train(TrainConfig(size="tiny", steps=3, batch_size=8, quiet=True))
 
 
@@ -111,12 +153,15 @@ def _parser():
     return add_train_arguments(argparse.ArgumentParser(prog="gemcompile train"))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--fill", "1.5"], "TrainConfig.fill = 1.5 is invalid: expected a float in (0, 1]"),
-    (["--steps", "0"], "TrainConfig.steps = 0 is invalid: expected an int >= 1"),
-    (["--save-every", "5"], "TrainConfig.save_every needs TrainConfig.checkpoint_dir"),
-    (["--explain"], "TrainConfig.explain = True needs compile='gem'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fill", "1.5"], "TrainConfig.fill = 1.5 is invalid: expected a float in (0, 1]"),
+        (["--steps", "0"], "TrainConfig.steps = 0 is invalid: expected an int >= 1"),
+        (["--save-every", "5"], "TrainConfig.save_every needs TrainConfig.checkpoint_dir"),
+        (["--explain"], "TrainConfig.explain = True needs compile='gem'"),
+    ],
+)
 def test_cli_bad_flag_value_is_one_error_line(argv, message, capsys):
     assert run_train_from_args(_parser().parse_args(argv)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -130,11 +175,14 @@ def test_cli_cuda_without_gpu_is_one_error_line(capsys):
     assert len(err) == 1 and "no CUDA device is available" in err[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--size", "huge"], "argument --size: invalid choice: 'huge'"),
-    (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
-    (["--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "huge"], "argument --size: invalid choice: 'huge'"),
+        (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+        (["--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
+    ],
+)
 def test_cli_unparsable_flag_is_an_argparse_error(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         _parser().parse_args(argv)
@@ -144,6 +192,9 @@ def test_cli_unparsable_flag_is_an_argparse_error(argv, message, capsys):
 
 
 def test_cli_runs_and_prints_summary(capsys):
-    assert run_train_from_args(_parser().parse_args(["--steps", "2", "--batch-size", "8", "--log-every", "1"])) == 0
+    assert (
+        run_train_from_args(_parser().parse_args(["--steps", "2", "--batch-size", "8", "--log-every", "1"]))
+        == 0
+    )
     out = capsys.readouterr().out
     assert "step 2/2" in out and "useful FLOPs / step" in out and "NE CTR" in out

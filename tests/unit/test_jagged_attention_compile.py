@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
         return kernel
 
     def compile_kernel(kernel, dtype, constexprs, num_warps, num_stages):
-        """Specialise as a launch on contiguous tensors would: d strides 1, other strides and pointers % 16."""
+        """Specialise as a launch on contiguous tensors would: d strides 1, other strides, pointers % 16."""
         fn = jit_fn(kernel)
         signature, constants, attrs = {}, dict(constexprs), {}
         for i, name in enumerate(fn.arg_names):
@@ -52,7 +52,8 @@ SCRIPT = textwrap.dedent(
                 signature[name] = "constexpr"
             else:
                 signature[name] = "i32"
-                if name.startswith("stride_") or name in ("max_q_len", "max_kv_len", "LQ_BUCKET", "LK_BUCKET"):
+                if name.startswith("stride_") or name in ("max_q_len", "max_kv_len", "LQ_BUCKET",
+                                                          "LK_BUCKET"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -87,7 +88,8 @@ SCRIPT = textwrap.dedent(
                                                         BLOCK_M=64), 4, 1)
         results.append(["delta", dtype, D, "compiled", None])
     # the largest tile of each kernel that the autotuner offers at D = 128 must not spill registers
-    flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False, DOT_PRECISION="tf32")
+    flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
+                 DOT_PRECISION="tf32")
     for name, kernel, shapes, extra in (("fwd", T._fwd_kernel, T._FWD_SHAPES, {}),
                                         ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {}),
                                         ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False})):
@@ -105,7 +107,8 @@ def test_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=900)
     if proc.returncode != 0 and ("GPUTarget" in proc.stderr or "ASTSource" in proc.stderr):
         pytest.skip(f"this triton cannot compile ahead of time here: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
 """runtime/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest checkpoint."""
+
 import pytest
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
 """runtime/flops.py: the section-8 formula against FlopCounterMode, useful vs padded, peak table / MFU."""
+
 import math
 
 import pytest
@@ -41,8 +42,16 @@ def test_padded_mode_equals_flop_counter_mode(tiny, batch_size):
 
 def test_padded_mode_equals_flop_counter_mode_other_config():
     # CompSkip layers, three sequence types, no recent tokens, lengths not multiples of the block.
-    cfg = GemRefConfig(n_layers=3, comp_skip=True, seq_max_lens=(40, 24, 7), n_recent=0, n_experts=3,
-                       block_size=8, n_pma=3, n_sum=5)
+    cfg = GemRefConfig(
+        n_layers=3,
+        comp_skip=True,
+        seq_max_lens=(40, 24, 7),
+        n_recent=0,
+        n_experts=3,
+        block_size=8,
+        n_pma=3,
+        n_sum=5,
+    )
     torch.manual_seed(0)
     model = GemRef(cfg)
     formula = GemFlopFormula.from_model(model)
@@ -62,7 +71,7 @@ def test_padded_mode_equals_flop_counter_mode_on_meta(size):
         model = GemRef(cfg)
     formula = GemFlopFormula.from_model(model)
     b = 2
-    meta = dict(device="meta")
+    meta = {"device": "meta"}
     inputs = {
         "sparse_ids": torch.zeros(b, cfg.n_tables, cfg.max_hot, dtype=torch.int64, **meta),
         "dense": torch.zeros(b, cfg.n_dense, **meta),
@@ -103,8 +112,9 @@ def test_useful_at_most_padded_and_full_lengths_differ_by_block_attention_only(t
     padded = formula.breakdown(None, 8, padded=True)
     # Every term is equal at full lengths except block attention: useful counts sum_j b_j^2 = N * block
     # (valid pairs), the padded model computes the dense N x N masked attention.
-    assert {k: v for k, v in useful.items() if k != "attention.block"} == \
-           {k: v for k, v in padded.items() if k != "attention.block"}
+    assert {k: v for k, v in useful.items() if k != "attention.block"} == {
+        k: v for k, v in padded.items() if k != "attention.block"
+    }
     per_pair = 2 * cfg.n_heads * (2 * cfg.head_dim)
     layers = cfg.n_layers
     expected_gap = sum(layers * per_pair * 8 * (n * n - n * cfg.block_size) for n in cfg.seq_max_lens)

@@ -1,4 +1,5 @@
 """runtime/jagged.py: offsets, padded <-> jagged round trips, length bucketing."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -32,8 +33,11 @@ def test_padded_to_jagged_hand_case():
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5), max_len=st.integers(6, 8),
-       feature=st.integers(1, 3))
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    max_len=st.integers(6, 8),
+    feature=st.integers(1, 3),
+)
 def test_round_trip(lengths, max_len, feature):
     lengths_t = torch.tensor(lengths)
     padded = torch.randn(len(lengths), max_len, feature)
@@ -41,7 +45,7 @@ def test_round_trip(lengths, max_len, feature):
     values, offsets = padded_to_jagged(padded, lengths_t)
     assert values.shape == (sum(lengths), feature)
     for b, n in enumerate(lengths):
-        assert torch.equal(values[offsets[b]:offsets[b + 1]], padded[b, :n])
+        assert torch.equal(values[offsets[b] : offsets[b + 1]], padded[b, :n])
     assert torch.equal(jagged_to_padded(values, offsets, max_len), padded)
 
 

@@ -1,4 +1,5 @@
 """runtime/metrics.py: NE against a hand computation, AUC against brute-force pair counting."""
+
 import math
 
 import pytest

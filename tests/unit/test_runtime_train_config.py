@@ -1,4 +1,5 @@
 """runtime/train.py: TrainConfig validation and the `gemcompile train` argument parsing."""
+
 import argparse
 
 import pytest
@@ -8,29 +9,42 @@ from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, TrainConfig, add_train_
 
 def test_defaults():
     cfg = TrainConfig()
-    assert (cfg.size, cfg.steps, cfg.compile, cfg.device, cfg.dtype) == ("tiny", 50, "eager", "cpu", "float32")
+    assert (cfg.size, cfg.steps, cfg.compile, cfg.device, cfg.dtype) == (
+        "tiny",
+        50,
+        "eager",
+        "cpu",
+        "float32",
+    )
     assert cfg.batch_size == DEFAULT_BATCH_SIZE["tiny"] == 64
     assert TrainConfig(size="small").batch_size == 256
     assert TrainConfig(batch_size=8).batch_size == 8
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("size", "huge", r"TrainConfig.size = 'huge' is invalid: expected one of tiny, small, large"),
-    ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
-    ("steps", 2.5, r"TrainConfig.steps = 2.5"),
-    ("batch_size", -4, r"TrainConfig.batch_size = -4"),
-    ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a finite float > 0"),
-    ("lr", float("nan"), r"TrainConfig.lr = nan"),
-    ("compile", "tensorrt", r"TrainConfig.compile = 'tensorrt' is invalid: expected one of eager, inductor, gem"),
-    ("device", "mps", r"TrainConfig.device = 'mps'"),
-    ("dtype", "float16", r"TrainConfig.dtype = 'float16' is invalid: expected one of float32, bfloat16"),
-    ("fill", 1.5, r"TrainConfig.fill = 1.5 is invalid: expected a float in \(0, 1\]"),
-    ("fill", 0, r"TrainConfig.fill = 0"),
-    ("length_dist", "zipf", r"TrainConfig.length_dist = 'zipf'"),
-    ("seed", -1, r"TrainConfig.seed = -1"),
-    ("log_every", 0, r"TrainConfig.log_every = 0"),
-    ("resume", "yes", r"TrainConfig.resume = 'yes' is invalid: expected a bool"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("size", "huge", r"TrainConfig.size = 'huge' is invalid: expected one of tiny, small, large"),
+        ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
+        ("steps", 2.5, r"TrainConfig.steps = 2.5"),
+        ("batch_size", -4, r"TrainConfig.batch_size = -4"),
+        ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a finite float > 0"),
+        ("lr", float("nan"), r"TrainConfig.lr = nan"),
+        (
+            "compile",
+            "tensorrt",
+            r"TrainConfig.compile = 'tensorrt' is invalid: expected one of eager, inductor, gem",
+        ),
+        ("device", "mps", r"TrainConfig.device = 'mps'"),
+        ("dtype", "float16", r"TrainConfig.dtype = 'float16' is invalid: expected one of float32, bfloat16"),
+        ("fill", 1.5, r"TrainConfig.fill = 1.5 is invalid: expected a float in \(0, 1\]"),
+        ("fill", 0, r"TrainConfig.fill = 0"),
+        ("length_dist", "zipf", r"TrainConfig.length_dist = 'zipf'"),
+        ("seed", -1, r"TrainConfig.seed = -1"),
+        ("log_every", 0, r"TrainConfig.log_every = 0"),
+        ("resume", "yes", r"TrainConfig.resume = 'yes' is invalid: expected a bool"),
+    ],
+)
 def test_bad_values_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{field: value})
@@ -49,12 +63,51 @@ def test_combinations():
 
 def test_arguments_round_trip():
     parser = add_train_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--size", "tiny", "--steps", "7", "--batch-size", "16", "--lr", "0.01",
-                              "--compile", "inductor", "--dtype", "bfloat16", "--fill", "0.25",
-                              "--length-dist", "heavy_tail", "--seed", "3", "--log-every", "2",
-                              "--checkpoint-dir", "/tmp/ck", "--save-every", "3", "--resume", "--quiet"])
+    args = parser.parse_args(
+        [
+            "--size",
+            "tiny",
+            "--steps",
+            "7",
+            "--batch-size",
+            "16",
+            "--lr",
+            "0.01",
+            "--compile",
+            "inductor",
+            "--dtype",
+            "bfloat16",
+            "--fill",
+            "0.25",
+            "--length-dist",
+            "heavy_tail",
+            "--seed",
+            "3",
+            "--log-every",
+            "2",
+            "--checkpoint-dir",
+            "/tmp/ck",
+            "--save-every",
+            "3",
+            "--resume",
+            "--quiet",
+        ]
+    )
     cfg = config_from_args(args)
-    assert cfg == TrainConfig(size="tiny", steps=7, batch_size=16, lr=0.01, compile="inductor", dtype="bfloat16",
-                              fill=0.25, length_dist="heavy_tail", seed=3, log_every=2, checkpoint_dir="/tmp/ck",
-                              save_every=3, resume=True, quiet=True)
+    assert cfg == TrainConfig(
+        size="tiny",
+        steps=7,
+        batch_size=16,
+        lr=0.01,
+        compile="inductor",
+        dtype="bfloat16",
+        fill=0.25,
+        length_dist="heavy_tail",
+        seed=3,
+        log_every=2,
+        checkpoint_dir="/tmp/ck",
+        save_every=3,
+        resume=True,
+        quiet=True,
+    )
     assert config_from_args(parser.parse_args([])) == TrainConfig()
