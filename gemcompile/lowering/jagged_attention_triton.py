@@ -109,6 +109,8 @@ _SMEM_TILES = {"fwd": ((0, 2), (1, 0)), "dkdv": ((2, 0), (0, 2)), "dq": ((0, 2),
 
 def _shared_memory(kind: str, block_m: int, block_n: int, stages: int, block_d: int, element_size: int) -> int:
     (sm, sn), (rm, rn) = _SMEM_TILES[kind]
+    if element_size == 4:  # fp32 dots run as 3xTF32: Triton keeps the transposed operands too (measured:
+        sm, sn = 2 * sm, 2 * sn  # the dQ kernel at 64x64, 2 stages, D=128 asked for 256 KiB)
     rows = stages * (sm * block_m + sn * block_n) + rm * block_m + rn * block_n
     return rows * block_d * element_size
 
