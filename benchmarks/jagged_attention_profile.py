@@ -1,12 +1,13 @@
-"""Where the time of one jagged-attention forward+backward goes, kernel by kernel (torch.profiler).
+"""Where the time of one jagged-attention forward+backward goes: the GPU time of each kernel
+(torch.profiler), the eager step time (CPU enqueue and wall) and the same step replayed from a CUDA
+graph (what mode="reduce-overhead" would give: no Python or launch overhead).
 
     python benchmarks/jagged_attention_profile.py [--B 32 --L 2048 --H 8 --D 64 --fill 0.5]
-
-Prints the CUDA time of each kernel over a few steps after warm-up (autotuning excluded).
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -15,33 +16,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gemcompile.lowering  # noqa: E402,F401
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    for name, default in (("B", 32), ("L", 2048), ("H", 8), ("D", 64)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--fill", type=float, default=0.5)
-    p.add_argument("--steps", type=int, default=5)
-    a = p.parse_args()
+def make_step(a):
     g = torch.Generator(device="cuda").manual_seed(0)
-    lengths = torch.randint(1, max(2, int(2 * a.fill * a.L)) + 1, (a.B,), device="cuda", generator=g).clamp(max=a.L)
+    n = torch.randint(1, max(2, int(2 * a.fill * a.L)) + 1, (a.B,), device="cuda", generator=g).clamp(max=a.L)
     q, k, v, do = (torch.randn(a.B, a.H, a.L, a.D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
 
     def step():
-        out = torch.ops.gemcompile.jagged_attention(q, k, v, lengths, lengths, None, False, a.D**-0.5)
-        torch.autograd.grad(out, (q, k, v), do)
+        out = torch.ops.gemcompile.jagged_attention(q, k, v, n, n, None, False, a.D**-0.5)
+        return torch.autograd.grad(out, (q, k, v), do)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    return step
+
+
+def kernel_times(step, steps: int) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.steps):
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    print(f"B{a.B} L{a.L} H{a.H} D{a.D} fill {a.fill}: per step, CUDA time by kernel")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
-        print(f"  {e.device_time_total / a.steps / 1000:8.3f} ms  x{e.count // a.steps:<3d} {e.key[:90]}")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        print(f"  {e.device_time_total / steps / 1000:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}")
+
+
+def step_times(step, reps: int) -> tuple[float, float, float]:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * (t1 - t0) / reps, 1e3 * (t2 - t0) / reps, start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    for name, default in (("B", 32), ("L", 2048), ("H", 8), ("D", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--fill", type=float, default=0.5)
+    a = p.parse_args()
+    step = make_step(a)
+    for _ in range(5):  # autotune and warm up
+        step()
+    torch.cuda.synchronize()
+    print(f"B{a.B} L{a.L} H{a.H} D{a.D} fill {a.fill}: GPU time per step by kernel")
+    kernel_times(step, 5)
+    enqueue, wall, graph = step_times(step, 30)
+    print(f"  eager enqueue {enqueue:.3f} ms/step, eager wall {wall:.3f} ms/step, CUDA graph replay {graph:.3f} ms/step")
 
 
 if __name__ == "__main__":

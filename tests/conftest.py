@@ -24,8 +24,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Each test starts with a fresh Dynamo cache and a fixed seed."""
+    """Each test starts with a fresh Dynamo cache, a fixed seed and one intra-op thread: the tensors of
+    the CPU tests are tiny, and OpenMP threads that spin stall badly on an oversubscribed 2-core machine."""
     torch._dynamo.reset()
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     torch._dynamo.reset()

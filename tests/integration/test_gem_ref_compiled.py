@@ -14,7 +14,6 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     compiles = []
     original = GemBackend.__call__
     monkeypatch.setattr(GemBackend, "__call__", lambda self, *a, **kw: compiles.append(1) or original(self, *a, **kw))
-    torch.set_num_threads(1)  # 2-core CI machines: OpenMP threads spin when oversubscribed
     config = gem_ref_config("tiny")
     torch.manual_seed(0)
     model = GemRef(config)

@@ -29,16 +29,6 @@ BASE = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP threads stall badly when the
-    machine is oversubscribed (other test runs in parallel): run these tests on one thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def make_cfg(**overrides) -> DataConfig:
     return DataConfig(**{**BASE, **overrides})
 

@@ -17,16 +17,6 @@ TINY = gem_ref_config("tiny")
 TINY_COMP_SKIP = dataclasses.replace(TINY, comp_skip=True, n_layers=3)
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP threads stall badly when the
-    machine is oversubscribed (other test runs in parallel): run these tests on one thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_batch(cfg: GemRefConfig = TINY, batch_size: int = 16, step: int = 0, **data_kw) -> GemBatch:
     return SyntheticData(cfg.data_config(batch_size, **data_kw)).batch(step)
 
