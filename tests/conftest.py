@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The CPU tests' tensors are tiny, and OpenMP threads that spin stall badly on an oversubscribed 2-core
+# machine: one intra-op thread for the whole session (fixtures of every scope included, so that runs
+# compared bit for bit use the same reduction order).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -24,12 +29,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Each test starts with a fresh Dynamo cache, a fixed seed and one intra-op thread: the tensors of
-    the CPU tests are tiny, and OpenMP threads that spin stall badly on an oversubscribed 2-core machine."""
+    """Each test starts with a fresh Dynamo cache and a fixed seed."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
     torch._dynamo.reset()

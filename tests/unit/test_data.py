@@ -77,8 +77,12 @@ def test_same_step_is_bit_identical_in_another_process():
         "print(batch_digest(SyntheticData(make_cfg(length_dist='heavy_tail', batch_size=32)).batch(5)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    torch.set_num_threads(2)  # the fixture restores the thread count afterwards
-    assert out.stdout.strip() == batch_digest(SyntheticData(cfg).batch(5))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert out.stdout.strip() == batch_digest(SyntheticData(cfg).batch(5))
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- lengths -------------------------------------------------------------------------------------------
