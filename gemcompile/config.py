@@ -106,10 +106,6 @@ class JaggedAttentionConfig:
     min_kv_len: int = 1
     """Leave attention over fewer padded keys than this alone (tiny attentions gain nothing)."""
 
-    match_joint_graph: bool = True
-    """Also look for hand-written attention in the AOTAutograd joint graph (what Dynamo did not show
-    as one matmul-softmax-matmul chain, e.g. behind a graph break)."""
-
     def __post_init__(self):
         _check_types(self)
         if self.min_kv_len < 1:

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemcompile.runtime.jagged import bucket_length
+
 __all__ = [
     "jagged_attention_forward_triton",
     "jagged_attention_backward_triton",
@@ -59,8 +61,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def length_bucket(n: int) -> int:
-    """Autotune key of a maximum length: the next power of two (at least 16)."""
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
+    """Autotune key of a maximum length: the project's length bucket (next power of two), at least 16."""
+    return bucket_length(max(int(n), 16))
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) -> head dims served ("small": D <= 64, "large": D > 64).

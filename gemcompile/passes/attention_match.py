@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from gemcompile.passes.mask_provenance import NEG_FILL_LIMIT, Unproven, example_value
 
@@ -371,8 +370,3 @@ def _mask_or_bias(term: fx.Node) -> str:
     if isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces):
         return "mask"
     return "bias"
-
-
-SOFTMAX_TARGETS = ("softmax",)
-SDPA_TARGET = F.scaled_dot_product_attention
-MHA_TARGET = F.multi_head_attention_forward

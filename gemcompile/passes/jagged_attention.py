@@ -91,7 +91,7 @@ class JaggedAttentionPass(GemPass):
         for term in site.masks:
             value = evaluator.tensor(term.node)
             if term.dims:
-                value = evaluator._relabel(value, term.dims, 4)
+                value = evaluator.relabel(value, term.dims, 4)
             if term.kind == "additive":
                 pred = keep_predicate(evaluator, value, "additive")
             else:

@@ -239,7 +239,7 @@ class MaskEvaluator:
             replace[atom] = self.atoms.lt0(new_e) if kind == "lt" else self.atoms.eq0(new_e)
         return _simplify(pred.xreplace(replace)) if replace else pred
 
-    def _relabel(self, value: Abstract, mapping: dict[int, int | None], ndim: int) -> Abstract:
+    def relabel(self, value: Abstract, mapping: dict[int, int | None], ndim: int) -> Abstract:
         """Move right-aligned dim k to dim mapping[k] (None: the dim is gone, its index is 0)."""
         tmp = {index_symbol(k): sympy.Symbol(f"_t{k}", integer=True) for k in mapping}
         back = {sympy.Symbol(f"_t{k}", integer=True): (0 if j is None else index_symbol(j))
@@ -402,7 +402,7 @@ class MaskEvaluator:
                 src_dim += 1
             else:
                 raise Unproven("tensor indexing in the mask")
-        return self._relabel(self._subs(src, subs), mapping, out_ndim)
+        return self.relabel(self._subs(src, subs), mapping, out_ndim)
 
     def _unsqueeze(self, src: Abstract, dim: int, out_ndim: int) -> Abstract:
         dim = dim if dim >= 0 else dim + out_ndim
@@ -410,7 +410,7 @@ class MaskEvaluator:
         for left in range(src.ndim):
             out_left = left if left < dim else left + 1
             mapping[src.ndim - 1 - left] = out_ndim - 1 - out_left
-        return self._relabel(src, mapping, out_ndim)
+        return self.relabel(src, mapping, out_ndim)
 
     def _reshape(self, node: fx.Node, src: Abstract) -> Abstract:
         """Only reshapes that add, drop or expand size-1 dims: the non-unit dims keep their order."""
@@ -431,7 +431,7 @@ class MaskEvaluator:
             if not statically_known_true(in_shape[a] == out_shape[b]):
                 raise Unproven(f"{name} reshapes mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
         mapping = {len(in_shape) - 1 - a: len(out_shape) - 1 - b for a, b in zip(in_dims, out_dims)}
-        return self._relabel(src, mapping, len(out_shape))
+        return self.relabel(src, mapping, len(out_shape))
 
     def _permute(self, node: fx.Node, src: Abstract) -> Abstract:
         n = src.ndim
@@ -448,7 +448,7 @@ class MaskEvaluator:
             order[-1], order[-2] = order[-2], order[-1]
         # output dim p (left) holds input dim order[p]
         mapping = {n - 1 - order[p]: n - 1 - p for p in range(n)}
-        return self._relabel(src, mapping, n)
+        return self.relabel(src, mapping, n)
 
     def _compare(self, op: str, a, b, ndim: int) -> BoolTensor:
         va, vb = self.evaluate(a), self.evaluate(b)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map

@@ -57,7 +57,7 @@ def test_changing_a_knob_changes_the_uuid():
     assert base == MulByTwoToAdd(GemConfig()).uuid()
     assert base != MulByTwoToAdd(GemConfig(jagged_attention={"min_kv_len": 3})).uuid()
     manager = lambda config: PassManager("pre_grad", [MulByTwoToAdd(config)]).uuid()  # noqa: E731
-    assert manager(GemConfig()) != manager(GemConfig(jagged_attention={"match_joint_graph": False}))
+    assert manager(GemConfig()) != manager(GemConfig(jagged_attention={"enabled": False}))
 
 
 class _UserPass(CustomGraphPass):
