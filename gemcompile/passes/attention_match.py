@@ -187,13 +187,16 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
             continue
         if is_call(node, *_SCALE_OPS):
             a, b = node.args[:2]
+            divides = _SCALE_OPS[_name(node)] is operator.truediv
+            if divides and not isinstance(a, fx.Node):
+                raise Unproven("a constant divided by the scores")
             c = _constant_float(b) if isinstance(a, fx.Node) else _constant_float(a)
             chain = a if isinstance(a, fx.Node) else b
             if c is None:
                 raise Unproven("the scores are scaled by a tensor or a symbolic value, not a constant")
             if c <= 0:
                 raise Unproven("the scores are scaled by a non-positive constant")
-            ops.append(("scale", c if _SCALE_OPS[_name(node)] is operator.mul else 1.0 / c))
+            ops.append(("scale", 1.0 / c if divides else c))
             node = chain
             continue
         if is_call(node, "add", "__add__", "__radd__"):

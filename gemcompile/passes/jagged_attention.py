@@ -110,6 +110,8 @@ class JaggedAttentionPass(GemPass):
             raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
         if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
             raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
+        if not (q.device == k.device == v.device):
+            raise Unproven(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
         from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
         if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
@@ -138,6 +140,11 @@ class JaggedAttentionPass(GemPass):
 
     def _emit(self, graph: fx.Graph, fake: FakeRunner, site: AttentionSite, q: fx.Node, k: fx.Node, v: fx.Node,
               lengths: LengthMask) -> fx.Node:
+        device = example_value(q).device
+        for node in (lengths.kv_lengths, lengths.q_lengths):
+            if node is not None and example_value(node).device != device:
+                raise Unproven(f"the lengths ({node.name}) are on {example_value(node).device}, the attention on "
+                               f"{device}")
         kv_len = self._lengths_node(graph, fake, lengths.kv_lengths, lengths.kv_offset, _size(graph, fake, k, 2))
         q_len = None if lengths.q_lengths is None else self._lengths_node(
             graph, fake, lengths.q_lengths, lengths.q_offset, _size(graph, fake, q, 2))

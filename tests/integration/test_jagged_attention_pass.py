@@ -251,7 +251,14 @@ def miss_float_lengths(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
 
+def miss_constant_over_scores(q, k, v, n, x):
+    s = 4.0 / (q @ k.transpose(-2, -1))
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return s.softmax(-1) @ v
+
+
 NEAR_MISSES = {
+    miss_constant_over_scores: "divided by the scores",
     miss_mask_from_input: "not from lengths",
     miss_softmax_over_queries: "not over the keys",
     miss_sliding_window: "abs",
@@ -354,3 +361,16 @@ def test_a_symbolic_scale_is_left_alone():
     report = explain(masked_attention_any_length, q, q, q, torch.tensor([L, 5, 1, 0]))
     assert report.counts["jagged_attention"] == 0
     assert "symbolic" in report.refusals[0].reason
+
+
+def scores_in_double_values_in_float(q, k, v, n, x):
+    s = q.double() @ k.double().transpose(-2, -1) * 0.25
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return s.softmax(-1).float() @ v
+
+
+def test_mismatched_dtypes_are_left_alone():
+    q, k, v, lengths, extra = _inputs(scores_in_double_values_in_float)
+    report = explain(scores_in_double_values_in_float, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 0
+    assert "dtypes differ" in report.refusals[0].reason
