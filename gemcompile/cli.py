@@ -35,10 +35,16 @@ def run_explain(args: argparse.Namespace) -> int:
     config = GemConfig(**sections)
     model_config = gem_ref_config(args.size)
     torch.manual_seed(args.seed)
-    model = GemRef(model_config)
     batch = SyntheticData(model_config.data_config(batch_size=args.batch_size, fill=args.fill,
                                                    seed=args.seed)).batch(0)
-    report = explain(model, **batch.features(), config=config)
+    # small and large are explained on the meta device: the graph and the passes need shapes, not the
+    # gigabytes of their embedding tables
+    device = torch.device("cpu" if args.size == "tiny" else "meta")
+    with device:
+        model = GemRef(model_config)
+    features = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
+                for name, value in batch.features().items()}
+    report = explain(model, **features, config=config)
     console = Console(width=args.width)
     console.print(f"[bold]GEM-ref {args.size}[/bold]: batch {args.batch_size}, fill {args.fill}, "
                   f"padding efficiency {batch.padding_efficiency():.2f}")

@@ -1,0 +1,23 @@
+"""The `gemcompile explain` command."""
+
+from gemcompile.cli import main
+
+
+def test_explain_gem_ref_tiny_prints_the_pma_rewrites(capsys):
+    assert main(["explain", "--model", "gem-ref", "--size", "tiny", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "GEM-ref tiny" in out and "jagged_attention" in out
+    assert "F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])" in out
+    assert "gemcompile.jagged_attention.default" in out
+    assert "floor(i/16)" in out  # the block-diagonal self-attention is left alone, with the reason
+
+
+def test_explain_with_the_pass_disabled(capsys):
+    assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--width", "200"]) == 0
+    assert "0 rewrites" in capsys.readouterr().out
+
+
+def test_explain_rejects_an_unknown_pass(capsys):
+    assert main(["explain", "--size", "tiny", "--disable", "jaged_attention"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown pass" in err and "jagged_attention" in err and "Traceback" not in err
