@@ -17,21 +17,16 @@ STEPS, SAVE_AT = 50, 20
 BATCH = 64  # the tiny default
 
 
+def _eager_tiny(directory, **overrides) -> TrainConfig:
+    return TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, compile="eager",
+                       checkpoint_dir=str(directory), quiet=True, **overrides)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """One uninterrupted 50-step eager run on tiny that also writes checkpoints at 20 and 40."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-    result = train(
-        TrainConfig(
-            size="tiny",
-            steps=STEPS,
-            batch_size=BATCH,
-            compile="eager",
-            checkpoint_dir=str(directory),
-            save_every=SAVE_AT,
-            quiet=True,
-        )
-    )
+    result = train(_eager_tiny(directory, save_every=SAVE_AT))
     return result, directory
 
 
@@ -62,17 +57,7 @@ def test_resume_from_step_20_matches_uninterrupted_run(uninterrupted, tmp_path):
     reference, directory = uninterrupted
     # A directory holding only the step-20 checkpoint (the uninterrupted run also wrote 40 and 50).
     shutil.copytree(checkpoint_path(directory, SAVE_AT), checkpoint_path(tmp_path, SAVE_AT))
-    resumed = train(
-        TrainConfig(
-            size="tiny",
-            steps=STEPS,
-            batch_size=BATCH,
-            compile="eager",
-            checkpoint_dir=str(tmp_path),
-            resume=True,
-            quiet=True,
-        )
-    )
+    resumed = train(_eager_tiny(tmp_path, resume=True))
     assert resumed.start_step == SAVE_AT
     assert resumed.losses[SAVE_AT:] == reference.losses[SAVE_AT:]  # steps 21-50, bit-exact
     assert resumed.losses == reference.losses  # steps 1-20 come from the checkpoint
