@@ -61,8 +61,8 @@ class JaggedAttentionPass(GemPass):
 
         fake = FakeRunner(graph)
         for node in list(graph.nodes):
-            if node.graph is not graph or node.op not in ("call_function", "call_method"):
-                continue
+            if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
+                continue  # erased: part of an attention rewritten earlier in this loop
             mark = len(fake.created)
             try:
                 if is_call(node, "scaled_dot_product_attention"):
