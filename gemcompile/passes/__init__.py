@@ -7,9 +7,11 @@ backward graphs); see passes/base.py for why each rewrite sits where it does.
 
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
 from gemcompile.passes.jagged_attention import JaggedAttentionPass
+from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 
 PIPELINE: tuple[type[GemPass], ...] = (
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
+    JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
 )
 """The default passes, in order."""
 

@@ -165,7 +165,8 @@ _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: 
           "__truediv__": operator.truediv, "__floordiv__": operator.floordiv}
 _REVERSED_ARITH = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__": operator.mul,
                    "__rtruediv__": operator.truediv, "__rfloordiv__": operator.floordiv, "rsub": operator.sub}
-_IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "cuda", "cpu", "requires_grad_"}
+_IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "cuda", "cpu", "requires_grad_", "alias",
+                     "_to_copy", "convert_element_type"}
 _TO_FLOAT = {"float", "half", "bfloat16", "double"}
 _TO_INT = {"long", "int", "short"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -192,6 +193,9 @@ def _is_one(size) -> bool:
 
 
 def _name_of(target) -> str:
+    """The op's name without overload: `lt` for operator.lt, Tensor.lt and aten.lt.Tensor alike."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
@@ -294,6 +298,11 @@ class MaskEvaluator:
 
         if target is torch.arange:
             return self._arange(node)
+        if name == "iota":  # what arange is after Inductor's decompositions (joint and post-grad graphs)
+            start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+            return IntTensor(1, self._scalar(start) + self._scalar(step) * index_symbol(0))
+        if name == "scalar_tensor":
+            return self._constant_value(value, self.evaluate(node.args[0]))
         if target in (torch.ones, torch.zeros, torch.full, torch.ones_like, torch.zeros_like, torch.full_like) or \
                 name in ("new_ones", "new_zeros", "new_full"):
             return self._constant(node, value)
@@ -366,6 +375,9 @@ class MaskEvaluator:
         else:
             fill_arg = node.kwargs.get("fill_value", node.args[1] if name in ("full", "full_like") else node.args[-1])
             fill = self.evaluate(fill_arg)
+        return self._constant_value(value, fill)
+
+    def _constant_value(self, value: torch.Tensor, fill) -> Abstract:
         if value.dtype == torch.bool:
             return BoolTensor(value.dim(), sympy.true if fill else sympy.false)
         if value.dtype in _INT_DTYPES:
