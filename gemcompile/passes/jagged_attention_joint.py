@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, joint_fwd_bwd, register_replacement
 
 from gemcompile.passes.base import GemPass
+from gemcompile.passes.jagged_attention import KERNEL_HEAD_DIMS
 from gemcompile.passes.mask_provenance import (
     MaskEvaluator,
     Unproven,
@@ -131,8 +132,9 @@ def _check(mask_name: str, mask_kind: str, scalar: str, match: Match) -> bool:
         if len(shape) != 4 or shape[1] != 1 or shape[2] != 1 or shape[3] != key_len:
             raise Unproven(f"the mask has shape {tuple(shape)}, not (B, 1, 1, L): lengths are read off the key dim")
         query, key = example_value(match.kwargs["query"]), example_value(match.kwargs["key"])
-        if query.dim() != 4 or key.dim() != 4 or not 16 <= query.shape[-1] <= 128:
-            raise Unproven("q, k must be 4-D (B, H, L, D) with a head dim in 16..128")
+        lo, hi = KERNEL_HEAD_DIMS
+        if query.dim() != 4 or key.dim() != 4 or not lo <= query.shape[-1] <= hi:
+            raise Unproven(f"q, k must be 4-D (B, H, L, D) with a head dim in {lo}..{hi}")
         evaluator = MaskEvaluator()
         keep = keep_predicate(evaluator, evaluator.tensor(mask), "bool" if mask_kind == "keep" else "additive")
         lengths = classify_length_mask(evaluator, keep, batch_is_one=shape[0] == 1)
@@ -192,10 +194,8 @@ class JaggedAttentionJointPass(GemPass):
         finally:
             _ACTIVE.pop()
         graph.eliminate_dead_code()
-        inserted = [n for n in graph.nodes if n.target is torch.ops.gemcompile.jagged_attention_fwd.default]
         for anchor, before in recorder.accepted[:matched]:
             self.rewrote(anchor, before, "gemcompile.jagged_attention_fwd / jagged_attention_bwd",
-                         detail=f"mask proven: keys j < lengths[b] ({len(inserted)} jagged attention op(s) in "
-                                "the graph)")
+                         detail="mask proven: keys j < lengths[b]")
         for anchor, reason in dict.fromkeys(recorder.refused):  # a candidate may be checked by several patterns
             self.refused(anchor, reason)

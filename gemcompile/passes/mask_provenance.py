@@ -167,6 +167,8 @@ _REVERSED_ARITH = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__
                    "__rtruediv__": operator.truediv, "__rfloordiv__": operator.floordiv, "rsub": operator.sub}
 _IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "cuda", "cpu", "requires_grad_", "alias",
                      "_to_copy", "convert_element_type"}
+_CONSTANT_MAKERS = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",
+                    "new_full"}
 _TO_FLOAT = {"float", "half", "bfloat16", "double"}
 _TO_INT = {"long", "int", "short"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -303,8 +305,7 @@ class MaskEvaluator:
             return IntTensor(1, self._scalar(start) + self._scalar(step) * index_symbol(0))
         if name == "scalar_tensor":
             return self._constant_value(value, self.evaluate(node.args[0]))
-        if target in (torch.ones, torch.zeros, torch.full, torch.ones_like, torch.zeros_like, torch.full_like) or \
-                name in ("new_ones", "new_zeros", "new_full"):
+        if name in _CONSTANT_MAKERS:  # by name: torch.full and aten.full alike
             return self._constant(node, value)
         if target is operator.getitem:
             return self._getitem(node)
