@@ -1,7 +1,7 @@
 """Jagged softmax self-attention: gemcompile::jagged_attention against the peers a user would pick instead.
 
     python benchmarks/jagged_attention.py [--quick] [--out DIR] [--budget-s 300] [--only anchors|grid]
-                                          [--with-packed]
+                                          [--with-packed] [--cuda-graph]
 
 Side by side in one run, forward only and forward+backward, bf16, non-causal, no bias:
   gemcompile           torch.ops.gemcompile.jagged_attention on padded (B, H, L, D) + lengths
@@ -18,7 +18,9 @@ correctness spot check of gemcompile against padded SDPA at valid rows (output a
 fast wrong kernel cannot go unnoticed. A failing peer records its error and the run goes on. Shapes
 run in order (anchors first, largest last); a shape or peer that would start after --budget-s is
 skipped and recorded as such (run ``--only anchors`` and ``--only grid`` separately to cover both).
-The JSON is rewritten after every shape, so a killed run keeps what it measured.
+The JSON is rewritten after every shape, so a killed run keeps what it measured. ``--cuda-graph`` times
+every method replayed from a CUDA graph: the GPU work alone, with the host's Python and launch costs
+taken out for all methods alike.
 
 Lengths are drawn as in anchors.py: uniform in [1, 2*fill*L] for fill <= 0.5; for fill > 0.5 (which
 that rule cannot reach) uniform in [(2*fill - 1)*L, L]. The realised fill is recorded.
@@ -305,6 +307,21 @@ def correctness(sets, lengths, keymask, shape):
     return result
 
 
+def graphed(fn):
+    """fn captured once into a CUDA graph (call it eagerly first); the replay has no Python, dispatch or
+    launch overhead, as under torch.compile(mode="reduce-overhead"). A method that syncs with the host
+    (NJT's offsets) cannot be captured and reports the error."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def run_shape(shape, args, index):
     B, L, H, D = shape["B"], shape["L"], shape["H"], shape["D"]
     lengths = draw_lengths(B, L, shape["fill"], seed=1000 + index)
@@ -346,6 +363,8 @@ def run_shape(shape, args, index):
     for name, setup in methods.items():
         entry = rec["results"].setdefault(name, {})
         reason = memory_guard(name, shape)
+        if reason is None and args.cuda_graph and name == "njt_sdpa":
+            reason = "not run: NJT syncs with the host, so it cannot be captured in a CUDA graph"
         if reason is None and time.time() - args.t0 > args.budget_s:
             reason = "skipped: time budget"
         if reason:
@@ -358,6 +377,8 @@ def run_shape(shape, args, index):
             for fwd, fwdbwd in closures:  # compile and warm up outside the timing
                 fwd()
                 fwdbwd()
+            if args.cuda_graph:
+                closures = [(graphed(fwd), graphed(fwdbwd)) for fwd, fwdbwd in closures]
             torch.cuda.synchronize()
             entry["setup_and_compile_s"] = round(time.time() - t, 1)
             entry["fwd_ms"] = bench_ms([c[0] for c in closures])
@@ -441,6 +462,11 @@ def main(argv=None):
     )
     parser.add_argument("--with-packed", action="store_true", help="also time jagged_attention_packed")
     parser.add_argument("--only", default="all", choices=["all", "anchors", "grid"], help="which shapes")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time every method replayed from a CUDA graph (no host overhead) instead of eager calls",
+    )
     args = parser.parse_args(argv)
     args.t0 = time.time()
     if not torch.cuda.is_available():
@@ -467,6 +493,7 @@ def main(argv=None):
         flops_convention="fwd = 4*H*D*sum(len^2) over valid pairs; fwd+bwd = 3.5x fwd",
         speedup_convention="peer ms / gemcompile ms",
         budget_s=args.budget_s,
+        timing="CUDA graph replay" if args.cuda_graph else "eager calls",
         shapes=[],
     )
     path = None
@@ -498,7 +525,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         payload["elapsed_s"] = round(time.time() - args.t0, 1)
         if path is None:
-            path = write_json("jagged_attention", payload, args.out)
+            path = write_json("jagged_attention" + ("-cudagraph" if args.cuda_graph else ""), payload, args.out)
         else:
             with open(path, "w") as fh:
                 import json

@@ -1,8 +1,9 @@
 """Where the time of one jagged-attention forward+backward goes: the GPU time of each kernel
 (torch.profiler), the eager step time (CPU enqueue and wall) and the same step replayed from a CUDA
-graph (what mode="reduce-overhead" would give: no Python or launch overhead).
+graph (what mode="reduce-overhead" would give: no Python or launch overhead), and where the CPU time of
+an eager step goes (enqueue time of each layer of the call, and the top functions under cProfile).
 
-    python benchmarks/jagged_attention_profile.py [--B 32 --L 2048 --H 8 --D 64 --fill 0.5]
+    python benchmarks/jagged_attention_profile.py [--B 32 --L 2048 --H 8 --D 64 --fill 0.5] [--cprofile]
 """
 
 import argparse
@@ -16,10 +17,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gemcompile.lowering  # noqa: E402,F401
 
 
-def make_step(a):
+def make_inputs(a):
     g = torch.Generator(device="cuda").manual_seed(0)
     n = torch.randint(1, max(2, int(2 * a.fill * a.L)) + 1, (a.B,), device="cuda", generator=g).clamp(max=a.L)
     q, k, v, do = (torch.randn(a.B, a.H, a.L, a.D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    return n, q, k, v, do
+
+
+def enqueue_us(fn, reps: int = 200) -> float:
+    """CPU microseconds to enqueue one call (the GPU is not waited for inside the timed loop)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / reps
+
+
+def layer_costs(a) -> None:
+    """Enqueue time of each layer: raw launchers, the custom ops, autograd around them."""
+    from gemcompile.lowering import jagged_attention_triton as jt
+
+    n, q, k, v, do = make_inputs(a)
+    s = a.D**-0.5
+    out, lse = jt.jagged_attention_forward_triton(q, k, v, n, n, None, False, s)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    rows = {
+        "launcher forward (3 torch allocs, argsort, 1 Triton launch)":
+            lambda: jt.jagged_attention_forward_triton(q, k, v, n, n, None, False, s),
+        "launcher backward (allocs, argsort, 3 Triton launches)":
+            lambda: jt.jagged_attention_backward_triton(do, q, k, v, out, lse, n, n, None, False, s, False),
+        "op jagged_attention_fwd, no grad":
+            lambda: torch.ops.gemcompile.jagged_attention_fwd(q, k, v, n, n, None, False, s),
+        "op jagged_attention_bwd":
+            lambda: torch.ops.gemcompile.jagged_attention_bwd(do, q, k, v, out, lse, n, n, None, False, s, False),
+        "autograd step, public op (eager autograd.Function path)":
+            lambda: torch.autograd.grad(
+                torch.ops.gemcompile.jagged_attention(qg, kg, vg, n, n, None, False, s), (qg, kg, vg), do),
+        "autograd step through the custom ops (register_autograd)":
+            lambda: torch.autograd.grad(
+                torch.ops.gemcompile.jagged_attention_fwd(qg, kg, vg, n, n, None, False, s)[0], (qg, kg, vg), do),
+        "one torch.empty": lambda: torch.empty(16, device="cuda"),
+        "one argsort": lambda: torch.argsort(n, descending=True),
+    }
+    for name, fn in rows.items():
+        print(f"  {enqueue_us(fn):8.1f} us  {name}")
+
+
+def cprofile_step(step, reps: int = 200) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def make_step(a):
+    n, q, k, v, do = make_inputs(a)
     for t in (q, k, v):
         t.requires_grad_(True)
 
@@ -71,6 +133,7 @@ def main() -> None:
     for name, default in (("B", 32), ("L", 2048), ("H", 8), ("D", 64)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--fill", type=float, default=0.5)
+    p.add_argument("--cprofile", action="store_true", help="also: enqueue cost per layer and a cProfile table")
     a = p.parse_args()
     step = make_step(a)
     for _ in range(5):  # autotune and warm up
@@ -80,6 +143,10 @@ def main() -> None:
     kernel_times(step, 5)
     enqueue, wall, graph = step_times(step, 30)
     print(f"  eager enqueue {enqueue:.3f} ms/step, eager wall {wall:.3f} ms/step, CUDA graph replay {graph:.3f} ms/step")
+    if a.cprofile:
+        print("CPU enqueue time per call, by layer")
+        layer_costs(a)
+        cprofile_step(step)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ the op's own outputs. So there are three ops:
   returns ``jagged_attention_fwd(...)[0]``. Dynamo keeps it as one node in the pre-grad graph (where
   the pass puts it); AOTAutograd decomposes it into the fwd op in the forward graph and the bwd op in
   the backward graph. Its fake behaviour is the fwd op's fake impl. Works with ``fullgraph=True``.
+  A plain eager call on CUDA (no tracing, no dispatch mode) skips the two custom ops and runs the same
+  kernels through one autograd.Function (jagged_attention_eager.py): less host time per step.
 
 ``custom_op`` rather than ``triton_op``: the launchers autotune and argsort on the device; keeping the
 op opaque keeps Inductor out of them and keeps the node name stable across torch 2.11-2.13.
@@ -53,6 +55,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import checks
+from .jagged_attention_eager import EagerJaggedAttention, takes_eager_path
 from .jagged_attention_flops import BACKWARD_FLOPS_RATIO, attention_pairs, forward_flops, padded_pairs
 from .jagged_attention_reference import (
     reference_backward,
@@ -219,6 +222,9 @@ _LIB.define(
 
 
 def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
+    if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
+        checks.check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
     return torch.ops.gemcompile.jagged_attention_fwd(q, k, v, q_lengths, kv_lengths, bias, causal, scale)[0]
 
 

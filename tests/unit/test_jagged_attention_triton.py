@@ -327,3 +327,28 @@ def test_packed_truncates_at_max_len():
 
 def test_length_bucket():
     assert [length_bucket(n) for n in (0, 1, 16, 17, 1000, 1024, 1025)] == [16, 16, 16, 32, 1024, 1024, 2048]
+
+
+def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
+    """The second launch for a tuning key goes straight to the tuned kernel, with the same result; a
+    new key (another length bucket) or a pinned config list goes through the autotuner again."""
+    from gemcompile.lowering import jagged_attention_triton as kernels
+
+    B, H, L, D = 3, 2, 24, 16
+    q, k, v, ql, kl, _ = make_inputs(B, H, L, L, D, torch.float32, seed=12)
+    kernels._BEST_CONFIG.clear()
+    first, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, False, 0.25)
+    tuned = [key for key in kernels._BEST_CONFIG if key[0] is kernels._fwd_kernel]
+    assert len(tuned) == 1
+
+    def autotuner_called(*args, **kwargs):
+        raise AssertionError("the autotuner ran again for a tuned key")
+
+    monkeypatch.setattr(kernels._fwd_kernel, "run", autotuner_called)
+    second, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, False, 0.25)
+    assert torch.equal(first, second)
+    with pytest.raises(AssertionError, match="autotuner ran again"):  # L = 40 is another length bucket
+        jagged_attention_forward_triton(*make_inputs(B, H, 40, 40, D, torch.float32)[:5], None, False, 0.25)
+    monkeypatch.setattr(kernels._fwd_kernel, "configs", list(kernels._fwd_kernel.configs))
+    with pytest.raises(AssertionError, match="autotuner ran again"):  # pinned configs: tuned again
+        jagged_attention_forward_triton(q, k, v, ql, kl, None, False, 0.25)
