@@ -113,11 +113,25 @@ class JaggedAttentionConfig:
 
 
 @config_section
+class GdpaConfig:
+    """Padded pointwise-activation attention (HSTU, GDPA cross-attention, PMA) -> gemcompile::gdpa."""
+
+    enabled: bool = True
+    """Rewrite provable act(q k^T) @ v attention (silu, gelu, relu, relu squared, sigmoid) into the kernel."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
 class GemConfig:
     """Everything gemcompile's passes do. Sections may be given as dicts: GemConfig(jagged_attention={...})."""
 
     jagged_attention: JaggedAttentionConfig = field(default_factory=JaggedAttentionConfig)
     """Padded softmax attention -> jagged flash attention (pre-grad, and joint graph)."""
+
+    gdpa: GdpaConfig = field(default_factory=GdpaConfig)
+    """Padded pointwise-activation attention -> the GDPA kernel (pre-grad)."""
 
     chain_existing_passes: bool = True
     """Run a pass the user installed in an Inductor slot gemcompile also uses (before gemcompile's own).

@@ -6,6 +6,7 @@ Importing this package registers the ops, e.g. ``torch.ops.gemcompile.jagged_att
 
 from . import checks
 from . import jagged_attention as jagged_attention_ops  # noqa: F401  registers gemcompile::jagged_attention*
+from . import gdpa as gdpa_ops  # noqa: F401  registers gemcompile::gdpa*
 from .checks import strict_length_checks
 from .jagged_attention import jagged_attention_packed
 

@@ -6,11 +6,13 @@ backward graphs); see passes/base.py for why each rewrite sits where it does.
 """
 
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
+from gemcompile.passes.gdpa import GdpaPass
 from gemcompile.passes.jagged_attention import JaggedAttentionPass
 from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 
 PIPELINE: tuple[type[GemPass], ...] = (
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
+    GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
 )
 """The default passes, in order."""

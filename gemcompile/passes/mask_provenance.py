@@ -305,6 +305,11 @@ class MaskEvaluator:
             return IntTensor(1, self._scalar(start) + self._scalar(step) * index_symbol(0))
         if name == "scalar_tensor":
             return self._constant_value(value, self.evaluate(node.args[0]))
+        if name == "eye":  # the diagonal: row index == column index
+            diagonal = self.atoms.compare("eq", index_symbol(1), index_symbol(0))
+            if value.dtype == torch.bool:
+                return BoolTensor(2, diagonal)
+            return _piecewise(2, [(1.0, diagonal), (0.0, sympy.Not(diagonal))])
         if name in _CONSTANT_MAKERS:  # by name: torch.full and aten.full alike
             return self._constant(node, value)
         if target is operator.getitem:
@@ -340,6 +345,13 @@ class MaskEvaluator:
             op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]
             a, b = (args[1], args[0]) if name in _REVERSED_ARITH else (args[0], args[1])
             return self._arith(op, a, b, ndim, value)
+        if name in ("clamp", "clip", "clamp_min", "clamp_max", "minimum", "maximum") and value.dtype in _INT_DTYPES:
+            return self._clamp(node, name, ndim)  # clamped position ids: HSTU's target and context masks
+        if target in (abs, torch.abs) or name in ("abs", "__abs__"):  # |i - j|: sliding windows
+            src = self.tensor(args[0])
+            if not isinstance(src, IntTensor):
+                raise Unproven("abs of a mask (only abs of integer index expressions is modeled)")
+            return IntTensor(ndim, sympy.Abs(src.expr))
         if target in (operator.neg, torch.neg) or name in ("neg", "__neg__"):
             return self._arith(operator.mul, args[0], -1, ndim, value)
         if value.dtype in _INT_DTYPES and ndim == 1:
@@ -476,7 +488,54 @@ class MaskEvaluator:
                 eb = sympy.Integer(int(eb))
             else:
                 raise Unproven("an integer index compared with a fractional float")
-        return BoolTensor(ndim, _simplify(self.atoms.compare(op, ea, eb)))
+        return BoolTensor(ndim, _simplify(self._compare_exprs(op, ea, eb)))
+
+    def _compare_exprs(self, op: str, ea, eb) -> Boolean:
+        """ea op eb; an |u|, min(u, w) or max(u, w) inside is split exactly into its two cases."""
+        pieces = sympy.sympify(ea - eb).atoms(sympy.Abs, sympy.Min, sympy.Max)
+        if not pieces:
+            return self.atoms.compare(op, ea, eb)
+        term = sorted(pieces, key=lambda t: (sympy.count_ops(t), sympy.default_sort_key(t)))[0]  # innermost first
+        if isinstance(term, sympy.Abs):
+            u, w = term.args[0], -term.args[0]
+            first = self.atoms.compare("ge", u, 0)  # |u| = u when u >= 0, else -u
+        else:
+            if len(term.args) != 2:
+                raise Unproven("a min/max of more than two index expressions")
+            u, w = term.args
+            first = self.atoms.compare("le" if isinstance(term, sympy.Min) else "ge", u, w)
+        sub = lambda e, r: sympy.sympify(e).xreplace({term: r})  # noqa: E731
+        return sympy.Or(sympy.And(first, self._compare_exprs(op, sub(ea, u), sub(eb, u))),
+                        sympy.And(sympy.Not(first), self._compare_exprs(op, sub(ea, w), sub(eb, w))))
+
+    def _clamp(self, node: fx.Node, name: str, ndim: int) -> IntTensor:
+        """Integer clamp / minimum / maximum (bounds may be per-sample tensors) as sympy Min and Max."""
+        args, kwargs = node.args, node.kwargs
+        if name in ("minimum", "maximum"):
+            lo_or_hi = [self._int_expr(args[1])]
+            x = self._int_expr(args[0])
+            return IntTensor(ndim, (sympy.Min if name == "minimum" else sympy.Max)(x, *lo_or_hi))
+        x = self._int_expr(args[0])
+        if name == "clamp_min":
+            lo, hi = args[1] if len(args) > 1 else kwargs.get("min"), None
+        elif name == "clamp_max":
+            lo, hi = None, args[1] if len(args) > 1 else kwargs.get("max")
+        else:
+            lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+            hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+        if lo is not None:
+            x = sympy.Max(x, self._int_expr(lo))
+        if hi is not None:
+            x = sympy.Min(x, self._int_expr(hi))
+        return IntTensor(ndim, x)
+
+    def _int_expr(self, x) -> sympy.Expr:
+        v = self.evaluate(x)
+        if isinstance(v, IntTensor):
+            return v.expr
+        if isinstance(v, sympy.Expr) and v.is_integer:
+            return v
+        raise Unproven("a clamp of index expressions by a non-integer bound")
 
     def _compare_values(self, op: str, va, vb) -> Boolean:
         """A comparison where one side is a mask (bool or piecewise) and the other a constant."""

@@ -1,5 +1,6 @@
 """gem_compile on GEM-ref tiny: the same outputs and gradients as eager (CPU, float32), with its PMA
-attention rewritten to the jagged kernel and no recompiles across batches of different lengths."""
+attention rewritten to the jagged kernel, its GDPA cross-attention to the GDPA kernel, and no recompiles
+across batches of different lengths."""
 
 import torch
 from torch._dynamo.utils import counters
@@ -7,7 +8,7 @@ from torch._dynamo.utils import counters
 from gemcompile import gem_compile
 from gemcompile.backend import GemBackend
 from gemcompile.models.data import SyntheticData
-from gemcompile.models.gem import PMA, GemRef, gem_ref_config, masked_bce_loss
+from gemcompile.models.gem import PMA, GDPACrossAttention, GemRef, gem_ref_config, masked_bce_loss
 
 
 def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
@@ -35,3 +36,5 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     assert len(compiles) == 1
     n_pma = sum(isinstance(m, PMA) for m in model.modules())  # one SDPA over a padded history each
     assert n_pma >= 2 and counters["gemcompile"]["jagged_attention"] == n_pma
+    n_gdpa = sum(isinstance(m, GDPACrossAttention) for m in model.modules())
+    assert n_gdpa >= 2 and counters["gemcompile"]["gdpa"] == n_gdpa

@@ -261,7 +261,7 @@ NEAR_MISSES = {
     miss_constant_over_scores: "divided by the scores",
     miss_mask_from_input: "not from lengths",
     miss_softmax_over_queries: "not over the keys",
-    miss_sliding_window: "abs",
+    miss_sliding_window: "the mask is not (key index < lengths)",
     miss_small_fill: "large negative",
     miss_dropout_in_training: "dropout",
     miss_weights_returned: "used elsewhere",

@@ -1,0 +1,240 @@
+"""Plain-PyTorch reference of GDPA (generalized dot-product attention): what runs on CPU, on any
+non-CUDA device and for float64 on CUDA. The semantics are spelled out in gdpa.py.
+
+For batch b and a valid pair (i, j) (see :func:`valid_pair_mask`)::
+
+    s_ij = scale * q_i . k_j + bias_ij,   a_ij = act(s_ij)
+    out_i = c_b * sum_j a_ij v_j,         c_b = out_scale (/ kv_len_b when divide_by_kv_length)
+
+Invalid pairs contribute nothing; rows without a valid pair and padded query rows are exactly 0.
+
+The backward is written out (no autograd inside the op, so it also runs below the autograd dispatch
+key): with m the valid mask, dA_ij = c_b m_ij (dO_i . v_j), dS = dA * act'(s), dV = c_b (m a)^T dO,
+dQ = scale dS K (summed over the batch for shared queries), dK = scale dS^T Q, dbias = dS reduced to the
+bias's shape.
+
+Positions outside the valid region are never used (rows are zeroed with ``torch.where`` first and the
+scores of invalid pairs are replaced by 0 before the activation), so garbage or NaN in padding cannot
+leak into outputs or gradients. Math runs in float32 for half inputs and in float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .jagged_attention_reference import _reduce_to_shape, _row_mask, _zero_invalid_rows
+
+__all__ = [
+    "GDPA_ACTIVATIONS",
+    "activation_fn",
+    "activation_grad_fn",
+    "valid_pair_mask",
+    "reference_gdpa_forward",
+    "reference_gdpa_backward",
+]
+
+GDPA_ACTIVATIONS = ("identity", "relu", "relu_squared", "silu", "sigmoid", "gelu", "gelu_tanh")
+"""The pointwise activations GDPA applies to the scores (their index is the kernels' ACT code)."""
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_TANH_C = 0.044715
+
+
+def _check_activation(name) -> None:
+    if not isinstance(name, str) or name not in GDPA_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(GDPA_ACTIVATIONS)}; got {name!r}")
+
+
+def _relu_squared(x: Tensor) -> Tensor:
+    r = torch.relu(x)
+    return r * r
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
+    return x * torch.sigmoid(2.0 * u)
+
+
+_ACT = {
+    "identity": lambda x: x,
+    "relu": torch.relu,
+    "relu_squared": _relu_squared,
+    "silu": lambda x: x * torch.sigmoid(x),
+    "sigmoid": torch.sigmoid,
+    "gelu": lambda x: 0.5 * x * (1.0 + torch.erf(x * _INV_SQRT_2)),
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+def _silu_grad(x: Tensor) -> Tensor:
+    sg = torch.sigmoid(x)
+    return sg * (1.0 + x * (1.0 - sg))
+
+
+def _sigmoid_grad(x: Tensor) -> Tensor:
+    sg = torch.sigmoid(x)
+    return sg * (1.0 - sg)
+
+
+def _gelu_grad(x: Tensor) -> Tensor:
+    return 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _gelu_tanh_grad(x: Tensor) -> Tensor:
+    u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
+    sg = torch.sigmoid(2.0 * u)
+    return sg + 2.0 * x * sg * (1.0 - sg) * du
+
+
+_ACT_GRAD = {
+    "identity": torch.ones_like,
+    "relu": lambda x: (x > 0).to(x.dtype),
+    "relu_squared": lambda x: 2.0 * torch.relu(x),
+    "silu": _silu_grad,
+    "sigmoid": _sigmoid_grad,
+    "gelu": _gelu_grad,
+    "gelu_tanh": _gelu_tanh_grad,
+}
+
+
+def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
+    """The activation ``name`` as a torch function (ValueError on an unknown name)."""
+    _check_activation(name)
+    return _ACT[name]
+
+
+def activation_grad_fn(name: str) -> Callable[[Tensor], Tensor]:
+    """The derivative of activation ``name`` (relu and relu_squared: 0 at 0, as torch's autograd)."""
+    _check_activation(name)
+    return _ACT_GRAD[name]
+
+
+def valid_pair_mask(
+    q_lengths: Optional[Tensor],
+    kv_lengths: Optional[Tensor],
+    B: int,
+    Lq: int,
+    Lk: int,
+    causal: bool,
+    window: int,
+    device,
+) -> Tensor:
+    """(B, 1, Lq, Lk) bool: i < q_len, j < kv_len, j <= i if causal; with window > 0 also i - j <= window
+    (causal) or |i - j| <= window (not causal). Lengths None mean the padded length."""
+    q_ok = _row_mask(q_lengths, B, Lq, device)
+    kv_ok = _row_mask(kv_lengths, B, Lk, device)
+    valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+    rows = torch.arange(Lq, device=device)[:, None]
+    cols = torch.arange(Lk, device=device)[None, :]
+    if causal:
+        valid = valid & (cols <= rows)
+    if window > 0:
+        dist = (rows - cols) if causal else (rows - cols).abs()
+        valid = valid & (dist <= window)
+    return valid
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, dtype, device) -> Tensor:
+    """(B, 1, 1, 1) c_b = out_scale (/ kv_len_b, clamped into [0, Lk]; 0 pairs when kv_len_b = 0)."""
+    c = torch.full((B,), float(out_scale), dtype=dtype, device=device)
+    if divide:
+        if kv_lengths is None:
+            n = torch.full((B,), float(max(Lk, 1)), dtype=dtype, device=device)
+        else:
+            n = kv_lengths.to(device).clamp(0, Lk).clamp_min(1).to(dtype)
+        c = c / n
+    return c.reshape(B, 1, 1, 1)
+
+
+def _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window):
+    """(s with 0 at invalid pairs, valid (B, 1, Lq, Lk), zeroed q (B, H, Lq, D), zeroed k), compute dtype."""
+    B, _, Lk, _ = k.shape
+    Lq = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    qf = _zero_invalid_rows(q.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
+    kf = _zero_invalid_rows(k.to(cdt), _row_mask(kv_lengths, B, Lk, k.device))
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    valid = valid_pair_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, window, q.device)
+    if bias is not None:
+        s = s + torch.where(valid, bias.to(cdt), s.new_zeros(()))
+    s = torch.where(valid, s, s.new_zeros(()))
+    return s, valid, qf, kf
+
+
+def reference_gdpa_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: str,
+    scale: float,
+    out_scale: float,
+    divide_by_kv_length: bool,
+    causal: bool,
+    window: int,
+) -> Tensor:
+    """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype."""
+    act = activation_fn(activation)
+    B, _, Lk, _ = k.shape
+    cdt = _compute_dtype(q.dtype)
+    s, valid, _, _ = _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window)
+    a = torch.where(valid, act(s), s.new_zeros(()))
+    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    c = _output_scale(kv_lengths, B, Lk, out_scale, divide_by_kv_length, cdt, q.device)
+    out = torch.matmul(a, vf) * c
+    return out.to(q.dtype).contiguous()
+
+
+def reference_gdpa_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: str,
+    scale: float,
+    out_scale: float,
+    divide_by_kv_length: bool,
+    causal: bool,
+    window: int,
+    bias_requires_grad: bool,
+):
+    """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad."""
+    act, act_grad = activation_fn(activation), activation_grad_fn(activation)
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    s, valid, qf, kf = _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window)
+    zero = s.new_zeros(())
+    a = torch.where(valid, act(s), zero)
+    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    do = _zero_invalid_rows(grad_out.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
+    c = _output_scale(kv_lengths, B, Lk, out_scale, divide_by_kv_length, cdt, q.device)
+    dv = torch.matmul(a.transpose(-1, -2), do) * c
+    da = torch.where(valid, torch.matmul(do, vf.transpose(-1, -2)) * c, zero)
+    ds = da * act_grad(s)
+    dq = torch.matmul(ds, kf) * scale
+    if q.shape[0] == 1 and B != 1:
+        dq = dq.sum(dim=0, keepdim=True)
+    dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
+    if bias is not None and bias_requires_grad:
+        dbias = _reduce_to_shape(ds, bias.shape).to(bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty(0)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias

@@ -1,0 +1,636 @@
+"""Triton kernels of GDPA (generalized dot-product attention: a pointwise activation, no softmax) and their
+launchers. Semantics: see gdpa.py; plain-PyTorch twin: gdpa_reference.py.
+
+Layout: padded only. q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v
+(B, H, Lk, D), read through their strides (permuted and expanded views are never copied); lengths
+(B,) or None (every row valid), clamped into [0, L] inside the kernels. All element offsets of a
+sequence's base are computed in int64. The device helpers (sequence lookup, program coordinates,
+masked tile loads/stores), the launch helper that bypasses the autotuner after the first tune and the
+shared-memory prune come from jagged_attention_triton.py.
+
+Which key tiles a query tile [m0, m0 + BLOCK_M) visits: j < kv_len; j <= i when causal (stop at the
+diagonal); with a window w > 0, j >= i - w (start at m0 - w, rounded down to a tile) and, when not
+causal, j <= i + w. Fully masked tiles are never visited. The visited range runs in three parts: tiles
+that need the pair mask at its start (window edge), unmasked tiles in the middle (every pair of the tile
+valid: no mask, no masked loads) and masked tiles at its end (kv_len, diagonal, window edge). The
+backward's key tiles visit query tiles by the mirrored rules.
+
+Forward (``_gdpa_fwd_kernel``): one program per (query tile, batch*head), 1-D grid of static size.
+acc = sum_j act(s_ij) v_j in fp32, out = c_b * acc with c_b = out_scale (/ kv_len_b).
+
+Backward, deterministic, no atomics, no delta kernel (no softmax): ``_gdpa_bwd_dkdv_kernel`` runs one
+program per key tile and loops over query tiles (dV = c (m a)^T dO, dK = scale c dS'^T Q, where
+dS' = m (dO V^T) act'(s)); ``_gdpa_bwd_dq_kernel`` runs one program per query tile and loops over key
+tiles (dQ = scale c dS' K). The per-batch c is applied once, at the end of each program. When the bias
+needs a gradient, the dQ kernel writes dS = c dS' once per visited valid pair into a zeroed
+(B, H, Lq, Lk) fp32 buffer that the launcher sums over the bias's broadcast dims with torch.
+
+Programs are mapped to batches longest first (device-side argsort of the lengths that bound their loop:
+kv lengths for the forward and dQ, q lengths for dK/dV; the other side's lengths when one is None);
+with ``causal`` the query tiles of a sequence run from the last (heaviest) to the first.
+
+Precision: scores, activations and accumulators are fp32 (act and act' evaluated in fp32; gelu uses
+tl.math.erf, gelu_tanh is x * sigmoid(2u)); a and dS are cast to the input dtype for the a.V, dS.K and
+dS^T.Q dots, as flash attention does. fp32 inputs follow torch's matmul precision (3xTF32 at
+"highest", TF32 otherwise). Autotuning is keyed on length buckets, the head dim and the flags; under
+TRITON_INTERPRET=1 each kernel has one small config. Only APIs present in triton 3.6 and 3.9 are used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gdpa_reference import GDPA_ACTIVATIONS
+from .jagged_attention_triton import (
+    MODE_FULL,
+    MODE_LENGTHS,
+    _bhld_strides,
+    _block_d,
+    _configs,
+    _dot_precision,
+    _launch,
+    _load_rows,
+    _make_prune,
+    _order,
+    _program_coordinates,
+    _reduce_bias_grad,
+    _sequence,
+    _Side,
+    _store_rows,
+    length_bucket,
+)
+
+__all__ = ["gdpa_forward_triton", "gdpa_backward_triton", "activation_code"]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) -> head dims served ("small": D <= 64, "large": D > 64).
+# Short, Hopper-friendly lists. Each config was compiled for sm_90a (bf16 and fp32, with and without
+# bias/causal/window, gelu_tanh: the heaviest activation) and left out for the head dims where ptxas
+# reported register spills.
+_FWD_SHAPES = {
+    (128, 64, 8, 3): ("small", "large"), (64, 64, 4, 3): ("small", "large"), (128, 128, 8, 3): ("small",),
+}
+# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per inner step.
+_DKDV_SHAPES = {
+    (32, 128, 8, 3): ("small", "large"), (32, 64, 4, 3): ("small", "large"), (64, 64, 4, 3): ("small",),
+    (64, 128, 8, 3): ("small",),
+}
+# dQ: BLOCK_M query rows per program, BLOCK_N keys per inner step.
+_DQ_SHAPES = {
+    (128, 32, 8, 3): ("small", "large"), (128, 64, 8, 3): ("small",), (64, 64, 4, 3): ("small",),
+    (64, 32, 4, 3): ("large",), (64, 64, 8, 3): ("large",),
+}
+
+_FWD_CONFIGS = _configs(_FWD_SHAPES, (32, 16))
+_DKDV_CONFIGS = _configs(_DKDV_SHAPES, (16, 32))
+_DQ_CONFIGS = _configs(_DQ_SHAPES, (32, 16))
+# bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself.
+# DIVIDE (a per-program scalar) does not change the cost: not part of the key.
+_AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL", "HAS_WINDOW",
+                 "ACT", "DOT_PRECISION"]
+
+
+def activation_code(name: str) -> int:
+    """The kernels' ACT constexpr of an activation name."""
+    return GDPA_ACTIVATIONS.index(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device helpers: activations (ACT = index in GDPA_ACTIVATIONS) and loop bounds
+
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_GELU_TANH_C = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """act(x) in fp32."""
+    if ACT == 0:  # identity
+        y = x
+    elif ACT == 1:  # relu
+        y = tl.maximum(x, 0.0)
+    elif ACT == 2:  # relu_squared
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    elif ACT == 3:  # silu
+        y = x * tl.sigmoid(x)
+    elif ACT == 4:  # sigmoid
+        y = tl.sigmoid(x)
+    elif ACT == 5:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT_2))
+    else:  # gelu_tanh: 0.5 x (1 + tanh(u)) = x sigmoid(2u)
+        u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
+        y = x * tl.sigmoid(2.0 * u)
+    return y
+
+
+@triton.jit
+def _act_grad(x, ACT: tl.constexpr):
+    """act'(x) in fp32 (relu, relu_squared: 0 at 0, as torch's autograd)."""
+    if ACT == 0:
+        g = tl.full(x.shape, 1.0, tl.float32)
+    elif ACT == 1:
+        g = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        g = 2.0 * tl.maximum(x, 0.0)
+    elif ACT == 3:
+        sg = tl.sigmoid(x)
+        g = sg * (1.0 + x * (1.0 - sg))
+    elif ACT == 4:
+        sg = tl.sigmoid(x)
+        g = sg * (1.0 - sg)
+    elif ACT == 5:
+        g = 0.5 * (1.0 + tl.math.erf(x * _INV_SQRT_2)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    else:
+        u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
+        sg = tl.sigmoid(2.0 * u)
+        g = sg + 2.0 * x * sg * (1.0 - sg) * du
+    return g
+
+
+@triton.jit
+def _pair_mask(i, j, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Valid pairs, from broadcastable 2-D query indices i and key indices j (e.g. rows[:, None] and
+    cols[None, :]; the dK/dV kernel passes them the other way round, so no transpose is needed)."""
+    valid = (i < q_len) & (j < kv_len)
+    if CAUSAL:
+        valid = valid & (j <= i)
+    if HAS_WINDOW:
+        dist = i - j
+        if CAUSAL:
+            valid = valid & (dist <= window)
+        else:
+            valid = valid & (dist <= window) & (dist >= -window)
+    return valid
+
+
+@triton.jit
+def _key_range(m0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of query tile [m0, m0 + BLOCK_M) (m0 < q_len): (lo, mid_lo, mid_hi, hi); tiles in
+    [mid_lo, mid_hi) need no mask. lo and mid_lo are multiples of BLOCK_N (or mid_lo = hi)."""
+    last_row = tl.minimum(m0 + BLOCK_M, q_len) - 1  # the last valid row of the tile
+    hi = kv_len
+    mid_hi = (kv_len // BLOCK_N) * BLOCK_N
+    lo = m0 * 0
+    mid_lo = lo
+    if CAUSAL:
+        hi = tl.minimum(hi, last_row + 1)
+        mid_hi = tl.minimum(mid_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N)  # cols <= the first row m0
+    if HAS_WINDOW:
+        lo = (tl.maximum(m0 - window, 0) // BLOCK_N) * BLOCK_N
+        # unmasked: the last row of the tile (m0 + BLOCK_M - 1) is within the window of the first col
+        mid_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - window, 0), BLOCK_N) * BLOCK_N
+        if not CAUSAL:
+            hi = tl.minimum(hi, last_row + window + 1)
+            mid_hi = tl.minimum(mid_hi, ((m0 + window + 1) // BLOCK_N) * BLOCK_N)  # cols <= m0 + window
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(n0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query tiles of key tile [n0, n0 + BLOCK_N) (n0 < kv_len): (lo, mid_lo, mid_hi, hi) as above, in
+    multiples of BLOCK_M. No unmasked tiles when the key tile is the last, partial one."""
+    last_col = tl.minimum(n0 + BLOCK_N, kv_len) - 1
+    hi = q_len
+    mid_hi = (q_len // BLOCK_M) * BLOCK_M
+    lo = n0 * 0
+    mid_lo = lo
+    if CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
+        mid_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M  # rows >= the last col of the tile
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, last_col + window + 1)  # rows i <= j + window
+        mid_hi = tl.minimum(mid_hi, ((n0 + window + 1) // BLOCK_M) * BLOCK_M)  # rows <= n0 + window
+        if not CAUSAL:
+            lo = (tl.maximum(n0 - window, 0) // BLOCK_M) * BLOCK_M
+            mid_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - window, 0), BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > kv_len:
+        mid_hi = lo  # the last key tile: every query tile needs the key mask
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _output_scale(out_scale, kv_len, DIVIDE: tl.constexpr):
+    c = out_scale
+    if DIVIDE:
+        c = out_scale / tl.maximum(kv_len, 1).to(tl.float32)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, hi,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    row_ok = offs_m < q_len
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < kv_len
+        k = _load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if MASKED:
+            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+        if HAS_BIAS:
+            z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
+                                  + cols.to(tl.int64)[None, :] * stride_zn)
+            if MASKED:
+                z = tl.load(z_ptrs, mask=valid, other=0.0)
+            else:
+                z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
+            s += z.to(tl.float32)
+        a = _act(s, ACT)
+        if MASKED:
+            a = tl.where(valid, a, 0.0)
+        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_FWD_SHAPES, "fwd"))
+@triton.jit
+def _gdpa_fwd_kernel(
+    Q, K, V, Bias, Out,
+    QLengths, KVLengths, Order,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, max_q_len, max_kv_len, scale, out_scale, window,
+    LQ_BUCKET, LK_BUCKET,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
+    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
+    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
+    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_base = Out + b64 * stride_ob + h64 * stride_oh
+    store_rows = offs_m < max_q_len
+    if m0 >= q_len:
+        _store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
+                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_rows, HEAD_D)
+        return
+
+    row_ok = offs_m < q_len
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
+                   HEAD_D, BLOCK_D, True)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    z_base = Bias + b64 * stride_zb + h64 * stride_zh
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
+        acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                         stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, mid_lo,
+                         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                     stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, mid_lo, mid_hi,
+                     HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, False, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                     stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, mid_hi, hi,
+                     HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_N)
+    c = _output_scale(out_scale, kv_len, DIVIDE)
+    out = tl.where(row_ok[:, None], acc * c, 0.0)
+    _store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_rows, HEAD_D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+                stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, lo, hi,
+                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Transposed tiles: rows are keys (BLOCK_N), columns are queries (BLOCK_M)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q = _load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
+        if MASKED:
+            valid_t = _pair_mask(rows[None, :], offs_n[:, None], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+        if HAS_BIAS:
+            z_ptrs = z_base + (rows.to(tl.int64)[None, :] * stride_zm
+                               + offs_n.to(tl.int64)[:, None] * stride_zn)
+            if MASKED:
+                z = tl.load(z_ptrs, mask=valid_t, other=0.0)
+            else:
+                z = tl.load(z_ptrs)
+            s_t += z.to(tl.float32)
+        a_t = _act(s_t, ACT)
+        da_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = da_t * _act_grad(s_t, ACT)
+        if MASKED:
+            a_t = tl.where(valid_t, a_t, 0.0)
+            ds_t = tl.where(valid_t, ds_t, 0.0)
+        dv += tl.dot(a_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+                 prune_configs_by=_make_prune(_DKDV_SHAPES, "dkdv"))
+@triton.jit
+def _gdpa_bwd_dkdv_kernel(
+    Q, K, V, Bias, DO, DK, DV,
+    QLengths, KVLengths, Order,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    H, max_q_len, max_kv_len, scale, out_scale, window,
+    LQ_BUCKET, LK_BUCKET,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
+    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dK and dV share one layout (both contiguous like k), hence one set of strides
+    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
+    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
+    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    n0 = tile * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dk_base = DK + b64 * stride_dkb + h64 * stride_dkh
+    dv_base = DV + b64 * stride_dkb + h64 * stride_dkh
+    store_rows = offs_n < max_kv_len
+    if n0 >= kv_len:
+        zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_rows, HEAD_D)
+        _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_rows, HEAD_D)
+        return
+
+    col_ok = offs_n < kv_len
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    z_base = Bias + b64 * stride_zb + h64 * stride_zh
+    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, col_ok,
+                   HEAD_D, BLOCK_D, True)
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, offs_d, stride_vn, stride_vd, col_ok,
+                   HEAD_D, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_range(n0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    # masked query tiles before the unmasked ones (the diagonal, the window's edge; empty otherwise)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, lo,
+                         mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION,
+                         BLOCK_M)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, mid_lo,
+                         mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, False, DOT_PRECISION,
+                         BLOCK_M)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, mid_hi, hi,
+                         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_M)
+    c = _output_scale(out_scale, kv_len, DIVIDE)
+    _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_rows, HEAD_D)
+    _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_rows, HEAD_D)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c, lo, hi,
+              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    row_ok = offs_m < q_len
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < kv_len
+        k = _load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if MASKED:
+            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+        if HAS_BIAS:
+            z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
+                               + cols.to(tl.int64)[None, :] * stride_zn)
+            if MASKED:
+                z = tl.load(z_ptrs, mask=valid, other=0.0)
+            else:
+                z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
+            s += z.to(tl.float32)
+        da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = da * _act_grad(s, ACT)
+        if MASKED:
+            ds = tl.where(valid, ds, 0.0)
+        if BIAS_GRAD:
+            s_ptrs = ds_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols.to(tl.int64)[None, :]
+            tl.store(s_ptrs, ds * c, mask=row_ok[:, None] & col_ok[None, :])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
+                 prune_configs_by=_make_prune(_DQ_SHAPES, "dq"))
+@triton.jit
+def _gdpa_bwd_dq_kernel(
+    Q, K, V, Bias, DO, DQ, DS,
+    QLengths, KVLengths, Order,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_sb, stride_sh, stride_sm,
+    H, max_q_len, max_kv_len, scale, out_scale, window,
+    LQ_BUCKET, LK_BUCKET,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
+    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
+    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+    store_rows = offs_m < max_q_len
+    if m0 >= q_len:
+        _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
+                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_rows, HEAD_D)
+        return
+
+    row_ok = offs_m < q_len
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
+                   HEAD_D, BLOCK_D, True)
+    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, offs_m, offs_d, stride_gm, stride_gd, row_ok,
+                    HEAD_D, BLOCK_D, True)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    z_base = Bias + b64 * stride_zb + h64 * stride_zh
+    ds_base = DS + b64 * stride_sb + h64 * stride_sh
+    c = _output_scale(out_scale, kv_len, DIVIDE)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
+        dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
+                       window, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm,
+                       scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT,
+                       True, DOT_PRECISION, BLOCK_N)
+    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c,
+                   mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT, False,
+                   DOT_PRECISION, BLOCK_N)
+    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c,
+                   mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT, True,
+                   DOT_PRECISION, BLOCK_N)
+    dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
+    _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_rows, HEAD_D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _sides(q, k, q_lengths, kv_lengths):
+    Lq, Lk = q.shape[2], k.shape[2]
+    dummy = kv_lengths if kv_lengths is not None else q_lengths
+    if dummy is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    q_side = _Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
+    kv_side = _Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
+    return q_side, kv_side
+
+
+def _order_by(first: _Side, second: _Side, B: int, device) -> torch.Tensor:
+    """Batches longest first by the lengths of ``first`` (``second``'s when first has none)."""
+    return _order(first if first.sort_key() is not None else second, B, device)
+
+
+def _bias_args(bias, q, B, H, Lq, Lk):
+    if bias is None:
+        return q, (0, 0, 0, 0)
+    return bias, bias.expand(B, H, Lq, Lk).stride()
+
+
+def _flags(q, D, q_side, kv_side, has_bias, activation, causal, window, divide):
+    return dict(HEAD_D=D, BLOCK_D=_block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
+                CAUSAL=bool(causal), HAS_WINDOW=int(window) > 0, ACT=activation_code(activation),
+                DIVIDE=bool(divide), DOT_PRECISION=_dot_precision(q.dtype))
+
+
+def _check_window(window) -> int:
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+    return window
+
+
+def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float, out_scale: float,
+                        divide_by_kv_length: bool, causal: bool, window: int):
+    """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype."""
+    window = _check_window(window)
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if Lk == 0:
+        return out.zero_()
+    q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
+    bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
+    order = _order_by(kv_side, q_side, B, q.device)
+    buckets = (length_bucket(Lq), length_bucket(Lk))
+
+    def grid(meta):
+        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+
+    _launch(_gdpa_fwd_kernel, grid, (
+        q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, order,
+        *_bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(),
+        H, Lq, Lk, float(scale), float(out_scale), window, *buckets,
+    ), _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window, divide_by_kv_length),
+        buckets)
+    return out
+
+
+def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float,
+                         out_scale: float, divide_by_kv_length: bool, causal: bool, window: int,
+                         bias_requires_grad: bool):
+    """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics)."""
+    window = _check_window(window)
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    shared_q = q.shape[0] != B
+    bias_grad = bias is not None and bias_requires_grad
+    dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
+    dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
+    ds = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
+    if B * H > 0 and Lq > 0 and Lk > 0:
+        q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
+        bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
+        if ds is None:
+            ds_t, ds_strides = dq_buffer, (0, 0, 0)
+        else:
+            ds_t, ds_strides = ds, ds.stride()[:3]
+        flags = _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window,
+                       divide_by_kv_length)
+        buckets = (length_bucket(Lq), length_bucket(Lk))
+        scalars = (H, Lq, Lk, float(scale), float(out_scale), window, *buckets)
+        q_strides = _bhld_strides(q, shared_q)
+        # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
+        kv_order = _order_by(kv_side, q_side, B, q.device)
+        if q_lengths is kv_lengths or (q_side.mode == MODE_FULL and kv_side.mode == MODE_FULL):
+            q_order = kv_order
+        else:
+            q_order = _order_by(q_side, kv_side, B, q.device)
+        _launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
+            q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, q_order,
+            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(),
+            *scalars), flags, buckets)
+        _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
+            q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, kv_order,
+            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
+            *ds_strides, *scalars), dict(flags, BIAS_GRAD=bias_grad), buckets)
+    else:
+        dk.zero_()
+        dv.zero_()
+        dq_buffer.zero_()
+    dq = dq_buffer.sum(dim=0, keepdim=True).to(q.dtype) if shared_q else dq_buffer
+    dbias = _reduce_bias_grad(ds, bias) if bias_grad else q.new_empty(0)
+    return dq, dk, dv, dbias

@@ -1,0 +1,336 @@
+"""gemcompile::gdpa on CUDA (the Triton kernels) against the float64 reference.
+
+Run on the GPU machine:  python -m pytest -q tests/gpu/test_gdpa_gpu.py
+Most tests pin one config per kernel (``single_config``) so that they compile few kernel variants;
+``test_every_autotune_config`` checks each config of the autotune lists for bf16 at D 64 and 128.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import triton  # noqa: E402
+
+import gemcompile.lowering  # noqa: E402,F401
+from gemcompile.lowering import gdpa_triton as kernels  # noqa: E402
+from gemcompile.lowering.checks import strict_length_checks  # noqa: E402
+from gemcompile.lowering.gdpa import GDPA_ACTIVATIONS  # noqa: E402
+from gemcompile.lowering.gdpa_reference import reference_gdpa_backward, reference_gdpa_forward  # noqa: E402
+
+ops = torch.ops.gemcompile
+DEV = "cuda"
+# relative-norm error bounds (forward, backward) against float64 math on the same (rounded) inputs
+TOL = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (2e-3, 6e-3),
+    torch.bfloat16: (1.2e-2, 3e-2),
+}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _pin(monkeypatch, fwd, dkdv, dq):
+    for kernel, (m, n, w, s) in (
+        (kernels._gdpa_fwd_kernel, fwd),
+        (kernels._gdpa_bwd_dkdv_kernel, dkdv),
+        (kernels._gdpa_bwd_dq_kernel, dq),
+    ):
+        monkeypatch.setattr(
+            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
+        )
+
+
+@pytest.fixture
+def single_config(monkeypatch):
+    """One mid-size config per kernel (the one jagged attention's GPU tests pin, which fits every head dim
+    and dtype): few compiles, many partial tiles."""
+    _pin(monkeypatch, (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+
+
+def jagged_lengths(B, L, g):
+    """0, 1, odd, L, then uniform: every special case in every batch."""
+    special = [0, 1, L, (L // 2) | 1, L - 1]
+    rand = torch.randint(0, L + 1, (B,), generator=g)
+    return torch.tensor([special[i] if i < len(special) else int(rand[i]) for i in range(B)])
+
+
+def make_case(
+    B, H, Lq, Lk, D, dtype, shared_q=False, bias_shape=None, q_lengths=True, kv_lengths=True, seed=0
+):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1 if shared_q else B, H, Lq, D, generator=g).to(DEV, dtype)
+    k = torch.randn(B, H, Lk, D, generator=g).to(DEV, dtype)
+    v = torch.randn(B, H, Lk, D, generator=g).to(DEV, dtype)
+    ql = jagged_lengths(B, Lq, g).roll(2).to(DEV) if q_lengths else None
+    kl = jagged_lengths(B, Lk, g).to(DEV) if kv_lengths else None
+    bias = None if bias_shape is None else (0.5 * torch.randn(bias_shape, generator=g)).to(DEV, dtype)
+    return q, k, v, ql, kl, bias
+
+
+def run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad=True):
+    # detach (not clone): permuted and expanded views must reach the op with their strides
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
+    out = ops.gdpa(*leaves, ql, kl, b, *args)
+    out.backward(grad_out)
+    grads = [x.grad for x in leaves] + [None if (b is None or not bias_grad) else b.grad]
+    return out.detach(), grads
+
+
+def check_case(
+    q,
+    k,
+    v,
+    ql,
+    kl,
+    bias,
+    activation,
+    causal=False,
+    window=0,
+    divide=False,
+    out_scale=1.0,
+    bias_grad=True,
+    seed=1,
+):
+    dtype = q.dtype
+    D = q.shape[-1]
+    args = (activation, 1 / math.sqrt(D), out_scale, divide, causal, window)
+    grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=torch.Generator().manual_seed(seed)).to(
+        DEV, dtype
+    )
+    out, grads = run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad)
+    d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
+    ref = reference_gdpa_backward(
+        grad_out.double(), *d64[:3], ql, kl, d64[3], *args, bias is not None and bias_grad
+    )
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert out.dtype == dtype and out.is_contiguous()
+    assert not out.isnan().any()
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    if ql is not None:  # padded query rows are exactly zero
+        pad = torch.arange(q.shape[2], device=DEV)[None, :] >= ql[:, None]
+        assert (out.transpose(1, 2)[pad] == 0).all()
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref):
+        if got is None:
+            continue
+        assert not got.isnan().any(), name
+        assert rel(got, want) < bwd_tol, (name, rel(got, want))
+
+
+BIAS_SHAPES = {
+    None: lambda B, H, L: None,
+    "full": lambda B, H, L: (B, H, L, L),
+    "heads_keys": lambda B, H, L: (1, H, 1, L),
+    "batch_keys": lambda B, H, L: (B, 1, 1, L),
+}
+CASES = [  # dtype, D, L, activation, causal, window, bias, shared_q, q_lengths, kv_lengths, divide
+    (torch.float16, 32, 1024, "silu", False, 0, None, False, True, True, False),
+    (torch.float16, 64, 517, "gelu", True, 0, "full", False, True, True, True),
+    (torch.float16, 128, 333, "relu_squared", False, 64, "heads_keys", True, True, True, False),
+    (torch.bfloat16, 32, 301, "sigmoid", True, 31, None, True, True, True, True),
+    (torch.bfloat16, 64, 1024, "gelu_tanh", False, 0, "heads_keys", False, True, True, True),
+    (torch.bfloat16, 64, 640, "identity", False, 0, None, False, False, True, False),
+    (torch.bfloat16, 128, 1024, "relu", True, 0, None, False, True, True, False),
+    (torch.bfloat16, 128, 257, "silu", False, 100, "full", False, True, False, True),
+    (torch.bfloat16, 32, 384, "gelu", False, 0, "batch_keys", True, False, False, True),
+    (torch.float32, 64, 517, "gelu", True, 200, "full", False, True, True, True),
+    (torch.float32, 128, 300, "silu", False, 0, None, True, True, True, False),
+    (torch.float32, 32, 1024, "gelu_tanh", False, 0, "batch_keys", False, False, True, True),
+    (torch.float32, 128, 200, "relu_squared", True, 0, "heads_keys", False, True, True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{c[3]}-{'causal' if c[4] else 'full'}-w{c[5]}"
+        f"-bias_{c[6]}-{'sharedq' if c[7] else 'q'}"
+    ),
+)
+def test_matches_float64_reference(single_config, case):
+    dtype, D, L, act, causal, window, bias_kind, shared_q, with_ql, with_kl, divide = case
+    B, H = 7, 2
+    q, k, v, ql, kl, bias = make_case(
+        B, H, L, L, D, dtype, shared_q, BIAS_SHAPES[bias_kind](B, H, L), with_ql, with_kl, seed=D + L
+    )
+    check_case(q, k, v, ql, kl, bias, act, causal, window, divide)
+
+
+@pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+def test_every_activation(single_config, activation, dtype):
+    B, H, L, D = 6, 2, 300, 64
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, bias_shape=(1, H, L, L), seed=len(activation))
+    check_case(q, k, v, ql, kl, bias, activation, causal=True, window=77, divide=True, out_scale=0.5)
+
+
+@pytest.mark.parametrize(
+    "Lq,Lk,causal,window",
+    [(16, 1000, False, 0), (1000, 48, True, 0), (1, 513, False, 0), (600, 400, False, 150)],
+)
+def test_cross_lengths(single_config, Lq, Lk, causal, window):
+    q, k, v, ql, kl, bias = make_case(6, 2, Lq, Lk, 64, torch.bfloat16, seed=Lq)
+    check_case(q, k, v, ql, kl, bias, "silu", causal, window, divide=True)
+
+
+def test_shared_learned_queries_pma(single_config):
+    """PMA: a few learned queries shared by the batch, no q_lengths, divide by the kv length."""
+    B, H, L, D = 8, 4, 700, 64
+    learned = torch.randn(1, H, 16, D, device=DEV, dtype=torch.bfloat16)
+    _, k, v, _, kl, _ = make_case(B, H, 16, L, D, torch.bfloat16, seed=5)
+    check_case(learned, k, v, None, kl, None, "silu", divide=True)
+    check_case(learned.expand(B, H, 16, D), k, v, None, kl, None, "gelu", divide=True)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_autotune_config(monkeypatch, D):
+    """Each config the autotuner may pick (bf16, non-causal, no bias)."""
+    head = "small" if D <= 64 else "large"
+    fwd = [c for c, heads in kernels._FWD_SHAPES.items() if head in heads]
+    dkdv = [c for c, heads in kernels._DKDV_SHAPES.items() if head in heads]
+    dq = [c for c, heads in kernels._DQ_SHAPES.items() if head in heads]
+    q, k, v, ql, kl, _ = make_case(6, 2, 512, 512, D, torch.bfloat16, seed=D)
+    ql = kl
+    for i in range(max(len(fwd), len(dkdv), len(dq))):
+        _pin(monkeypatch, fwd[i % len(fwd)], dkdv[i % len(dkdv)], dq[i % len(dq)])
+        check_case(q, k, v, ql, kl, None, "silu")
+
+
+def test_backward_is_deterministic(single_config):
+    q, k, v, ql, kl, bias = make_case(
+        5, 2, 400, 400, 64, torch.bfloat16, shared_q=True, bias_shape=(1, 2, 400, 400)
+    )
+    g = torch.randn(5, 2, 400, 64, device=DEV, dtype=torch.bfloat16)
+    args = ("gelu", 0.125, 1.0, True, True, 90)
+    first = run_op(q, k, v, ql, kl, bias, args, g)
+    second = run_op(q, k, v, ql, kl, bias, args, g)
+    assert torch.equal(first[0], second[0])
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)
+
+
+def test_zero_lengths_give_zeros_not_nan(single_config):
+    q, k, v, _, _, bias = make_case(4, 2, 256, 256, 64, torch.float16, bias_shape=(4, 2, 256, 256))
+    zeros = torch.zeros(4, dtype=torch.int32, device=DEV)
+    g = torch.randn(4, 2, 256, 64, device=DEV, dtype=torch.float16)
+    for causal, window in ((False, 0), (True, 0), (False, 9)):
+        args = ("sigmoid", 0.125, 1.0, True, causal, window)  # sigmoid(0) = 0.5: dropped pairs must not count
+        out, grads = run_op(q, k, v, zeros, zeros, bias, args, g)
+        assert (out == 0).all()
+        assert all((x == 0).all() for x in grads)
+        out, grads = run_op(q, k, v, None, zeros, bias, args, g)
+        assert (out == 0).all() and all(not x.isnan().any() for x in grads)
+
+
+def test_permuted_views(single_config):
+    B, L, H, D = 5, 300, 4, 64
+    x = torch.randn(B, L, 3, H, D, device=DEV, dtype=torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+    assert not q.is_contiguous()
+    kl = torch.tensor([300, 0, 1, 77, 299], device=DEV)
+    check_case(q, k, v, kl, kl, None, "silu", causal=True, window=40)
+
+
+def test_no_host_sync(single_config):
+    q, k, v, ql, kl, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    shared_q = torch.randn(1, 2, 32, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        out = ops.gdpa(leaves[0], leaves[1], leaves[2], ql, kl, leaves[3], "silu", 0.125, 1.0, True, True, 64)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        out = ops.gdpa(shared_q, leaves[1], leaves[2], None, kl, None, "gelu", 0.125, 1.0, True, False, 0)
+        return grads + torch.autograd.grad(out, [shared_q, leaves[1]], torch.ones_like(out))
+
+    step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_compile_fullgraph_no_recompile(single_config):
+    B, H, L, D = 6, 2, 256, 64
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, torch.bfloat16, bias_shape=(1, H, L, L))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, bias, ql, kl):
+        out = ops.gdpa(q, k, v, ql, kl, bias, "silu", 0.125, 1.0, True, True, 32)
+        return out.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            ql = torch.randint(0, L + 1, (B,), generator=g).to(DEV)
+            kl = torch.randint(0, L + 1, (B,), generator=g).to(DEV)
+            got = torch.autograd.grad(compiled(*leaves, ql, kl), leaves)
+            want = torch.autograd.grad(f(*leaves, ql, kl), leaves)
+            for a, b in zip(got, want):
+                assert rel(a, b) < 1e-2
+
+
+def test_strict_length_checks_on_cuda(single_config):
+    q, k, v, _, _, _ = make_case(3, 2, 64, 64, 64, torch.float16)
+    wild = torch.tensor([70, -3, 64], device=DEV)
+    args = ("silu", 0.125, 1.0, True, False, 0)
+    out = ops.gdpa(q, k, v, wild, wild, None, *args)  # clamped into [0, 64]
+    clamped = ops.gdpa(q, k, v, wild.clamp(0, 64), wild.clamp(0, 64), None, *args)
+    assert torch.equal(out, clamped)
+    with strict_length_checks(True):
+        with pytest.raises(ValueError, match="q_lengths"):
+            ops.gdpa(q, k, v, wild, wild, None, *args)
+
+
+def test_float64_on_cuda_uses_the_reference():
+    q, k, v, ql, kl, bias = make_case(3, 2, 40, 40, 16, torch.float64, bias_shape=(1, 2, 40, 40))
+    check_case(q, k, v, ql, kl, bias, "gelu", causal=True, window=5, divide=True)
+
+
+def test_flop_counter_on_cuda(single_config):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, ql, kl, _ = make_case(4, 2, 128, 128, 64, torch.bfloat16)
+    q.requires_grad_(True)
+    pairs = int((ql.clamp(0, 128) * kl.clamp(0, 128)).sum())
+    with FlopCounterMode(display=False) as counter:
+        ops.gdpa(q, k, v, ql, kl, None, "silu", 0.125, 1.0, False, False, 0).sum().backward()
+    assert counter.get_total_flops() == int(3.5 * 4 * 2 * 64 * pairs)
+
+
+def test_eager_path_and_custom_ops_agree_bitwise(single_config):
+    """Plain eager calls take the autograd.Function fast path; traced calls take the custom ops. Same
+    kernels, deterministic: the results must be identical."""
+    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+
+    q, k, v, ql, kl, bias = make_case(5, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
+    assert takes_eager_path(q)
+    g = torch.randn(5, 2, 300, 64, device=DEV, dtype=torch.bfloat16)
+    args = ("gelu_tanh", 0.125, 2.0, True, True, 50)
+
+    def grads(call):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+        out = call(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = grads(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args))
+    via_ops = grads(lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args))
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)

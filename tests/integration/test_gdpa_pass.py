@@ -1,0 +1,217 @@
+"""The gdpa pass: pointwise-activation attention written the ways modelers write it is rewritten, with
+eager's outputs and gradients at the positions the model uses; near-misses are left alone with a reason."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from gemcompile import GemConfig, explain, gem_compile
+
+B, H, L, D = 4, 2, 12, 16
+LQ = 5  # learned queries (PMA)
+NS = 6  # summary tokens (GDPA cross-attention keys)
+
+
+def valid(lengths, n=L):
+    return torch.arange(n)[None, :] < lengths[:, None]  # (B, n)
+
+
+# -- idioms: (q, k, v, lengths, extra) -> out; "rows" says which output rows the model uses --------------
+
+def hstu_silu_causal(q, k, v, n, x):
+    """HSTU: silu(q k^T + rab) / N with a causal jagged mask, relative bias with a gradient."""
+    i = torch.arange(L)
+    rab = x["rab_table"][(i[:, None] - i[None, :]).clamp(0, L - 1)]  # (L, L), gathered from a learned table
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25 + rab) / L
+    m = valid(n)[:, None, None, :] & valid(n)[:, None, :, None] & (i[None, :] <= i[:, None])
+    return (a * m) @ v
+
+
+def gelu_key_padding_float_mask(q, k, v, n, x):
+    a = F.gelu(q @ k.transpose(-2, -1) / math.sqrt(D))
+    return (a * valid(n)[:, None, None, :].float()) @ v
+
+
+def gelu_tanh_masked_fill(q, k, v, n, x):
+    a = F.gelu(torch.matmul(q, k.transpose(2, 3)), approximate="tanh")
+    return a.masked_fill(~valid(n)[:, None, None, :], 0.0) @ v
+
+
+def relu_squared_where(q, k, v, n, x):
+    a = F.relu(q @ k.transpose(-2, -1) * 0.1) ** 2
+    return torch.where(valid(n)[:, None, None, :], a, 0.0) @ v
+
+
+def sigmoid_mean_over_keys(q, k, v, n, x):
+    """Per-sample normalizer: the mean over each sample's valid keys."""
+    a = torch.sigmoid(q @ k.transpose(-2, -1) * 0.25) * valid(n)[:, None, None, :]
+    return (a / n[:, None, None, None].float()) @ v
+
+
+def relu_local_window(q, k, v, n, x):
+    i = torch.arange(L)
+    near = (i[:, None] - i[None, :]).abs() <= 3
+    a = torch.relu(q @ k.transpose(-2, -1) * 0.25)
+    return (a * (valid(n)[:, None, None, :] & near)) @ v
+
+
+def silu_blhd_einsum(q, k, v, n, x):
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))  # (B, L, H, D)
+    s = torch.einsum("bqhd,bkhd->bhqk", qb, kb) * 0.25
+    a = F.silu(s) * valid(n)[:, None, None, :]
+    return torch.einsum("bhqk,bkhd->bqhd", a, vb).transpose(1, 2)
+
+
+def pma_learned_queries(q, k, v, n, x):
+    """A few learned queries shared by the batch against jagged keys."""
+    a = F.gelu(x["seeds"] @ k.transpose(-2, -1) * 0.25) * valid(n)[:, None, None, :]
+    return a @ v
+
+
+def cross_attention_rows_masked_after(q, k, v, n, x):
+    """GEM-ref's PFFN: long jagged queries, a short all-valid summary as keys, rows masked afterwards."""
+    ks, vs = x["summary_k"], x["summary_v"]
+    o = (F.gelu(q @ ks.transpose(-2, -1)) / L) @ vs  # (B, H, L, D)
+    o = F.linear(o.transpose(1, 2).reshape(q.shape[0], L, H * D), x["w_out"])
+    return o * valid(n)[..., None]
+
+
+IDIOMS = {f.__name__: f for f in (
+    hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
+    sigmoid_mean_over_keys, relu_local_window, silu_blhd_einsum, pma_learned_queries,
+    cross_attention_rows_masked_after,
+)}
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 5, 1, 0])
+    extra = {
+        "rab_table": torch.randn(L, generator=g, requires_grad=True),
+        "seeds": torch.randn(1, H, LQ, D, generator=g, requires_grad=True),
+        "summary_k": torch.randn(B, H, NS, D, generator=g, requires_grad=True),
+        "summary_v": torch.randn(B, H, NS, D, generator=g, requires_grad=True),
+        "w_out": torch.randn(H * D, H * D, generator=g, requires_grad=True),
+    }
+    return q, k, v, lengths, extra
+
+
+def _used(name, out, lengths):
+    """The output positions the model defines: rows of valid queries (all rows for PMA)."""
+    if name == "pma_learned_queries":
+        return torch.ones_like(out, dtype=torch.bool)
+    if name == "cross_attention_rows_masked_after":
+        return torch.ones_like(out, dtype=torch.bool)  # masked by the model itself
+    return valid(lengths)[:, None, :, None].expand_as(out)
+
+
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_idiom_is_rewritten_with_eager_outputs_and_gradients(name):
+    idiom = IDIOMS[name]
+    q, k, v, lengths, extra = _inputs()
+    if name == "sigmoid_mean_over_keys":
+        lengths = torch.tensor([L, 5, 1, 3])  # eager divides 0 by 0 on an empty sample (NaN gradients)
+    report = explain(idiom, q, k, v, lengths, extra)
+    assert report.counts["gdpa"] == 1, report.refusals
+    assert report.counts.get("jagged_attention", 0) == 0
+    counters.clear()
+    compiled = gem_compile(idiom, fullgraph=True)
+    out = compiled(q, k, v, lengths, extra)
+    ref = idiom(q, k, v, lengths, extra)
+    used = _used(name, ref, lengths)
+    torch.testing.assert_close(torch.where(used, out, 0), torch.where(used, ref, 0), atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(torch.where(used, out, 0)).all()
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    leaves = [q, k, v, *extra.values()]
+    grads = torch.autograd.grad((torch.where(used, out, 0) * weights).sum(), leaves, allow_unused=True)
+    grads_ref = torch.autograd.grad((torch.where(used, ref, 0) * weights).sum(), leaves, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+    assert counters["gemcompile"]["gdpa"] == 1
+
+
+def test_explain_describes_the_proven_mask():
+    q, k, v, lengths, extra = _inputs()
+    (rewrite,) = explain(hstu_silu_causal, q, k, v, lengths, extra).rewrites
+    assert "silu" in rewrite.detail and "causal j <= i" in rewrite.detail and "keys j <" in rewrite.detail
+    (rewrite,) = explain(cross_attention_rows_masked_after, q, k, v, lengths, extra).rewrites
+    assert "query rows masked after the attention" in rewrite.detail
+    (rewrite,) = explain(relu_local_window, q, k, v, lengths, extra).rewrites
+    assert "window |i - j| <= 3" in rewrite.detail
+
+
+# -- near-misses ----------------------------------------------------------------------------------------
+
+def miss_mask_inside_the_activation(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~valid(n)[:, None, None, :], 0.0)
+    return torch.sigmoid(s) @ v  # sigmoid(0) = 0.5: the padded keys still contribute
+
+
+def miss_mask_from_input(q, k, v, n, x):
+    return (F.silu(q @ k.transpose(-2, -1)) * x["float_mask"][:, None, None, :]) @ v
+
+
+def miss_weighted_not_masked(q, k, v, n, x):
+    w = valid(n).float() * 0.5 + 0.5  # 0.5 / 1.0 weights: not a mask
+    return (F.silu(q @ k.transpose(-2, -1)) * w[:, None, None, :]) @ v
+
+
+def miss_block_diagonal(q, k, v, n, x):
+    i = torch.arange(L)
+    block = (i[:, None] // 4) == (i[None, :] // 4)
+    return (F.gelu(q @ k.transpose(-2, -1)) * (valid(n)[:, None, None, :] & block)) @ v
+
+
+def miss_scores_used_elsewhere(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1)) * valid(n)[:, None, None, :]
+    return a @ v, a.sum()
+
+
+def miss_divided_by_other_lengths(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1)) * valid(n)[:, None, None, :]
+    return (a / (n + 1)[:, None, None, None].float()) @ v
+
+
+def miss_mask_on_heads(q, k, v, n, x):
+    m = torch.arange(H)[None, :, None, None] < n[:, None, None, None]
+    return (F.silu(q @ k.transpose(-2, -1)) * m) @ v
+
+
+NEAR_MISSES = {
+    miss_mask_inside_the_activation: "not to a matmul with the values|between the scores and the activation",
+    miss_mask_from_input: "mask comes from the input",
+    miss_weighted_not_masked: "values other than 0 and 1",
+    miss_block_diagonal: "not a combination of key padding",
+    miss_scores_used_elsewhere: "also used elsewhere",
+    miss_divided_by_other_lengths: "not the key lengths",
+    miss_mask_on_heads: "differs between heads",
+}
+
+
+@pytest.mark.parametrize("idiom,reason", list(NEAR_MISSES.items()), ids=[f.__name__ for f in NEAR_MISSES])
+def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
+    q, k, v, lengths, extra = _inputs()
+    extra["float_mask"] = valid(lengths).float()
+    report = explain(idiom, q, k, v, lengths, extra)
+    assert report.counts.get("gdpa", 0) == 0
+    messages = " | ".join(r.reason for r in report.refusals)
+    assert any(__import__("re").search(reason, r.reason) for r in report.refusals), messages
+
+
+def test_mlp_activations_are_not_reported():
+    """An activation between two Linears is not attention: no rewrite and no refusal noise."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.GELU(), torch.nn.Linear(32, D))
+    report = explain(mlp, torch.randn(B, L, D))
+    assert report.counts.get("gdpa", 0) == 0 and not [r for r in report.refusals if r.pass_name == "gdpa"]
+
+
+def test_disabled_pass_rewrites_nothing():
+    q, k, v, lengths, extra = _inputs()
+    report = explain(gelu_key_padding_float_mask, q, k, v, lengths, extra, config=GemConfig(gdpa={"enabled": False}))
+    assert report.counts.get("gdpa", 0) == 0

@@ -1,0 +1,672 @@
+"""gemcompile::gdpa on CPU (the plain-PyTorch reference path): semantics against a direct float64
+computation (every activation, causal, window, lengths, shared queries, bias, output scaling), gradients,
+padding hygiene, opcheck, input errors, FLOP counting, the eager autograd.Function and torch.compile."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import gemcompile.lowering  # noqa: F401  (registers the ops)
+from gemcompile.lowering.gdpa import GDPA_ACTIVATIONS, EagerGDPA, gdpa
+from gemcompile.lowering.gdpa_reference import (
+    activation_fn,
+    activation_grad_fn,
+    reference_gdpa_backward,
+    reference_gdpa_forward,
+    valid_pair_mask,
+)
+
+ops = torch.ops.gemcompile
+
+
+# ---------------------------------------------------------------------------------------------------
+# A direct float64 computation: per batch, slice the valid block, build the pair mask with Python loops,
+# apply torch's own activations; gradients come from autograd.
+
+ACTS = {
+    "identity": lambda x: x,
+    "relu": F.relu,
+    "relu_squared": lambda x: F.relu(x) ** 2,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def keeps(i, j, causal, window):
+    if causal and j > i:
+        return False
+    if window > 0:
+        return (i - j <= window) if causal else (abs(i - j) <= window)
+    return True
+
+
+def clamp_len(lengths, b, L):
+    return L if lengths is None else min(max(int(lengths[b]), 0), L)
+
+
+def direct_gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window):
+    """Differentiable float64 oracle, written independently of the reference (slicing and loops)."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    full_bias = None if bias is None else bias.expand(B, H, Lq, Lk)
+    outs = []
+    for b in range(B):
+        ql, kl = clamp_len(q_lengths, b, Lq), clamp_len(kv_lengths, b, Lk)
+        if ql == 0 or kl == 0:
+            outs.append(q.new_zeros(H, Lq, D))
+            continue
+        s = scale * q[b if q.shape[0] > 1 else 0, :, :ql] @ k[b, :, :kl].transpose(-1, -2)
+        if full_bias is not None:
+            s = s + full_bias[b, :, :ql, :kl]
+        keep = torch.tensor(
+            [[keeps(i, j, causal, window) for j in range(kl)] for i in range(ql)], dtype=q.dtype
+        )
+        c = out_scale / kl if divide else out_scale
+        o = c * (ACTS[activation](s) * keep) @ v[b, :, :kl]
+        outs.append(F.pad(o, (0, 0, 0, Lq - ql)))
+    return torch.stack(outs)
+
+
+def make_case(
+    B,
+    H,
+    Lq,
+    Lk,
+    D,
+    dtype=torch.float64,
+    Bq=None,
+    bias_shape=None,
+    q_lengths=True,
+    kv_lengths=True,
+    seed=0,
+    lengths=None,
+):
+    g = torch.Generator().manual_seed(seed)
+    Bq = B if Bq is None else Bq
+    q = torch.randn(Bq, H, Lq, D, generator=g).to(dtype)
+    k = torch.randn(B, H, Lk, D, generator=g).to(dtype)
+    v = torch.randn(B, H, Lk, D, generator=g).to(dtype)
+    if lengths is None:  # 0, 1, odd and full in every case, then random
+        special_q, special_k = [0, 1, Lq, max(1, Lq // 2) | 1], [Lk, 0, 1, max(1, Lk // 3) | 1]
+        ql = torch.tensor(
+            [special_q[i] if i < 4 else int(torch.randint(0, Lq + 1, (1,), generator=g)) for i in range(B)]
+        )
+        kl = torch.tensor(
+            [special_k[i] if i < 4 else int(torch.randint(0, Lk + 1, (1,), generator=g)) for i in range(B)]
+        )
+    else:
+        ql, kl = (torch.tensor(x) for x in lengths)
+    bias = None if bias_shape is None else torch.randn(bias_shape, generator=g).to(dtype)
+    return q, k, v, (ql if q_lengths else None), (kl if kv_lengths else None), bias
+
+
+def grads_of(fn, inputs, grad_out):
+    leaves = [x.detach().requires_grad_(True) if x is not None else None for x in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return out.detach(), [None if x is None else x.grad for x in leaves]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_op_against_direct(q, k, v, ql, kl, bias, activation, scale, out_scale, divide, causal, window):
+    args = (activation, scale, out_scale, divide, causal, window)
+    grad_out = torch.randn(k.shape[0], *q.shape[1:], dtype=torch.float64)
+    out, grads = grads_of(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args), (q, k, v, bias), grad_out)
+    ref, ref_grads = grads_of(
+        lambda q, k, v, b: direct_gdpa(q, k, v, ql, kl, b, *args), (q, k, v, bias), grad_out
+    )
+    assert out.shape == ref.shape and out.is_contiguous() and out.dtype == q.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for name, got, want in zip("q k v bias".split(), grads, ref_grads):
+        if want is None:
+            assert got is None
+            continue
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"grad of {name}")
+    return out, grads
+
+
+MASKS = {"full": (False, 0), "causal": (True, 0), "window": (False, 2), "causal_window": (True, 3)}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
+def test_every_activation_and_mask_matches_direct_float64(activation, mask):
+    causal, window = MASKS[mask]
+    B, H, Lq, Lk, D = 5, 2, 9, 11, 16
+    q, k, v, ql, kl, bias = make_case(B, H, Lq, Lk, D, bias_shape=(B, H, Lq, Lk), seed=len(activation))
+    check_op_against_direct(q, k, v, ql, kl, bias, activation, D**-0.5, 1.0, False, causal, window)
+
+
+# name: (shared_q, q_lengths, kv_lengths, bias shape kind, divide, out_scale, causal, window, activation)
+OPTION_CASES = [
+    ("shared_q", (True, True, True, "heads_keys", False, 1.0, False, 0, "silu")),
+    ("shared_q_causal_window", (True, False, True, "full", True, 0.5, True, 2, "gelu")),
+    ("no_q_lengths", (False, False, True, "batch_rows", False, 2.0, True, 0, "relu_squared")),
+    ("no_kv_lengths", (False, True, False, "scalar", True, 1.0, False, 3, "sigmoid")),
+    ("no_lengths", (False, False, False, None, True, 3.0, True, 1, "gelu_tanh")),
+    ("no_lengths_shared_q", (True, False, False, "heads_keys", False, 1.0, False, 0, "relu")),
+    ("divide", (False, True, True, "full", True, 1.0, False, 0, "identity")),
+    ("divide_out_scale_window", (False, True, True, None, True, 0.25, False, 4, "silu")),
+    ("out_scale_negative", (False, True, True, "full", False, -1.5, True, 0, "gelu")),
+    ("window_wider_than_lengths", (False, True, True, "full", False, 1.0, True, 50, "silu")),
+]
+BIAS_SHAPES = {
+    None: lambda B, H, Lq, Lk: None,
+    "full": lambda B, H, Lq, Lk: (B, H, Lq, Lk),
+    "heads_keys": lambda B, H, Lq, Lk: (1, H, 1, Lk),
+    "batch_rows": lambda B, H, Lq, Lk: (B, 1, Lq, 1),
+    "scalar": lambda B, H, Lq, Lk: (1, 1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=lambda c: c[0])
+def test_options_match_direct_float64(case):
+    shared_q, with_ql, with_kl, bias_kind, divide, out_scale, causal, window, act = case[1]
+    B, H, Lq, Lk, D = 6, 2, 8, 10, 24
+    q, k, v, ql, kl, bias = make_case(
+        B,
+        H,
+        Lq,
+        Lk,
+        D,
+        Bq=1 if shared_q else B,
+        bias_shape=BIAS_SHAPES[bias_kind](B, H, Lq, Lk),
+        q_lengths=with_ql,
+        kv_lengths=with_kl,
+        seed=7,
+    )
+    check_op_against_direct(q, k, v, ql, kl, bias, act, 0.3, out_scale, divide, causal, window)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 12, 16), (4, 2, 12, 3, 32), (5, 1, 7, 7, 16)], ids=str)
+def test_cross_shapes(shape):
+    B, H, Lq, Lk, D = shape
+    q, k, v, ql, kl, bias = make_case(B, H, Lq, Lk, D, bias_shape=(1, H, Lq, Lk), seed=Lq * Lk)
+    for causal, window in ((False, 0), (True, 2)):
+        check_op_against_direct(q, k, v, ql, kl, bias, "silu", 0.4, 1.0, True, causal, window)
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, 2e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)]
+)
+def test_low_precision_dtypes(dtype, tol):
+    q, k, v, ql, kl, bias = make_case(6, 2, 13, 13, 32, dtype=dtype, bias_shape=(1, 2, 13, 13), seed=3)
+    args = ("gelu", 0.2, 1.0, True, True, 4)
+    grad_out = torch.randn(6, 2, 13, 32).to(dtype)
+    out, grads = grads_of(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args), (q, k, v, bias), grad_out)
+    ref, ref_grads = grads_of(
+        lambda q, k, v, b: direct_gdpa(q, k, v, ql, kl, b, *args),
+        [x.double() for x in (q, k, v, bias)],
+        grad_out.double(),
+    )
+    assert out.dtype == dtype and out.is_contiguous()
+    assert rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == dtype
+        assert rel(g, r) < 3 * tol
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations, masks and zeros
+
+
+def test_activations_match_torch_and_their_derivatives():
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
+    for name in GDPA_ACTIVATIONS:
+        torch.testing.assert_close(activation_fn(name)(x), ACTS[name](x), rtol=1e-12, atol=1e-12)
+        xr = x.clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(ACTS[name](xr).sum(), xr)
+        torch.testing.assert_close(activation_grad_fn(name)(x), want, rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="activation must be one of identity, relu"):
+        activation_fn("softmax")
+
+
+def test_valid_pair_mask():
+    ql, kl = torch.tensor([5, 2]), torch.tensor([4, 6])
+    for causal in (False, True):
+        for window in (0, 1, 2):
+            mask = valid_pair_mask(ql, kl, 2, 5, 6, causal, window, "cpu")
+            assert mask.shape == (2, 1, 5, 6)
+            for b in range(2):
+                for i in range(5):
+                    for j in range(6):
+                        want = i < int(ql[b]) and j < int(kl[b]) and keeps(i, j, causal, window)
+                        assert bool(mask[b, 0, i, j]) == want
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "gelu"])
+def test_zero_lengths_give_exact_zeros_and_no_nan(activation):
+    """sigmoid(0) = 0.5: invalid pairs must be dropped, not scored 0; divide by kv_len 0 gives 0."""
+    B, H, L, D = 3, 2, 6, 16
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, bias_shape=(B, H, L, L), seed=2)
+    grad_out = torch.randn(B, H, L, D, dtype=torch.float64)
+    zeros = torch.zeros(B, dtype=torch.long)
+    cases = [  # (q_lengths, kv_lengths, batches without any valid pair)
+        (None, zeros, [True, True, True]),
+        (zeros, None, [True, True, True]),
+        (zeros, zeros, [True, True, True]),
+        (torch.tensor([0, 6, 3]), torch.tensor([6, 0, 4]), [True, True, False]),
+    ]
+    for ql, kl, empty in cases:
+        empty = torch.tensor(empty)
+        for divide in (False, True):
+            out, grads = grads_of(
+                lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, activation, 0.3, 1.0, divide, True, 0),
+                (q, k, v, bias),
+                grad_out,
+            )
+            assert not out.isnan().any() and all(not g.isnan().any() for g in grads)
+            assert (out[empty] == 0).all() and (out[~empty] != 0).any() == bool((~empty).any())
+            for g in grads[1:4]:  # dk, dv, dbias of batches without pairs
+                assert (g[empty] == 0).all()
+            if bool(empty.all()):
+                assert (grads[0] == 0).all()
+    # no keys at all
+    out = ops.gdpa(q, k[:, :, :0], v[:, :, :0], None, None, None, "sigmoid", 0.3, 1.0, True, False, 0)
+    assert out.shape == (B, H, L, D) and (out == 0).all()
+
+
+def test_padding_is_zero_and_never_nan():
+    """Garbage (NaN/inf) at padded positions of q, k, v, bias and grad_out must not leak anywhere."""
+    B, H, L, D = 4, 2, 8, 16
+    q, k, v, ql, kl, bias = make_case(
+        B, H, L, L, D, bias_shape=(B, H, L, L), seed=11, lengths=([0, 3, 8, 5], [2, 0, 8, 5])
+    )
+    clean = [x.clone() for x in (q, k, v, bias)]
+    rows = torch.arange(L)
+    q_pad = rows[None, :] >= ql[:, None]
+    k_pad = rows[None, :] >= kl[:, None]
+    q = q.masked_fill(q_pad[:, None, :, None], float("nan"))
+    k = k.masked_fill(k_pad[:, None, :, None], float("inf"))
+    v = v.masked_fill(k_pad[:, None, :, None], float("nan"))
+    bias = bias.masked_fill(q_pad[:, None, :, None] | k_pad[:, None, None, :], float("nan"))
+    grad_out = torch.randn(B, H, L, D, dtype=torch.float64).masked_fill(q_pad[:, None, :, None], float("nan"))
+    for causal, window, act in ((False, 0, "sigmoid"), (True, 2, "silu")):
+        args = (act, 0.25, 1.0, True, causal, window)
+        out, grads = grads_of(
+            lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args), (q, k, v, bias), grad_out
+        )
+        ref, ref_grads = grads_of(
+            lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args), clean, torch.nan_to_num(grad_out)
+        )
+        assert not out.isnan().any() and all(not g.isnan().any() for g in grads)
+        torch.testing.assert_close(out, ref)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r)
+        assert (out.transpose(1, 2)[q_pad] == 0).all()
+        assert (grads[0].transpose(1, 2)[q_pad] == 0).all()  # dq at padded query rows
+        assert (grads[1].transpose(1, 2)[k_pad] == 0).all()  # dk at padded keys
+        assert (grads[2].transpose(1, 2)[k_pad] == 0).all()  # dv at padded keys
+        assert (grads[3][(q_pad[:, None, :, None] | k_pad[:, None, None, :]).expand_as(grads[3])] == 0).all()
+
+
+def test_strided_and_expanded_views_are_read_in_place():
+    B, L, H, D = 3, 10, 2, 16
+    x = torch.randn(B, L, 3, H, D, dtype=torch.float64)
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(2))  # permuted (B, L, H, D) views
+    shared = torch.randn(1, H, 4, D, dtype=torch.float64).expand(B, H, 4, D)  # expanded learned queries
+    kl = torch.tensor([10, 3, 0])
+    args = ("silu", 0.25, 1.0, True, False, 0)
+    for qq in (q, shared):
+        out = ops.gdpa(qq, k, v, None, kl, None, *args)
+        want = direct_gdpa(qq.contiguous(), k.contiguous(), v.contiguous(), None, kl, None, *args)
+        torch.testing.assert_close(out, want)
+        assert out.is_contiguous()
+
+
+def test_lengths_int32_and_int64_agree():
+    q, k, v, ql, kl, _ = make_case(4, 2, 8, 8, 16, seed=2)
+    args = ("gelu", 0.2, 1.0, True, True, 2)
+    a = ops.gdpa(q, k, v, ql, kl, None, *args)
+    b = ops.gdpa(q, k, v, ql.int(), kl.int(), None, *args)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_python_wrapper_defaults():
+    q, k, v, ql, kl, _ = make_case(2, 2, 5, 5, 16, seed=9)
+    torch.testing.assert_close(
+        gdpa(q, k, v), ops.gdpa(q, k, v, None, None, None, "silu", 0.25, 1.0, False, False, 0)
+    )
+    torch.testing.assert_close(
+        gdpa(
+            q,
+            k,
+            v,
+            ql,
+            kl,
+            activation="relu",
+            scale=0.5,
+            out_scale=2.0,
+            divide_by_kv_length=True,
+            causal=True,
+            window=1,
+        ),
+        ops.gdpa(q, k, v, ql, kl, None, "relu", 0.5, 2.0, True, True, 1),
+    )
+
+
+def test_reference_functions_direct():
+    q, k, v, ql, kl, bias = make_case(3, 2, 6, 7, 16, bias_shape=(3, 1, 6, 7), seed=13)
+    args = ("gelu_tanh", 0.3, 0.7, True, True, 2)
+    out = reference_gdpa_forward(q, k, v, ql, kl, bias, *args)
+    torch.testing.assert_close(out, direct_gdpa(q, k, v, ql, kl, bias, *args))
+    g = torch.randn_like(out)
+    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias, *args, False)
+    assert dbias.numel() == 0 and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+# ---------------------------------------------------------------------------------------------------
+# opcheck, gradcheck, eager Function
+
+
+def _opcheck_cases():
+    q, k, v, ql, kl, bias = make_case(3, 2, 6, 7, 16, bias_shape=(1, 2, 6, 7), seed=4)
+    bias.requires_grad_(True)
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    args = ("silu", 0.3, 1.0, True, True, 2)
+    g = torch.randn(3, 2, 6, 16, dtype=torch.float64)
+    return [
+        ("fwd", ops.gdpa_fwd.default, (qr, kr, vr, ql, kl, bias, *args)),
+        (
+            "fwd_shared_q",
+            ops.gdpa_fwd.default,
+            (qr[:1], kr, vr, None, kl, None, "gelu", 0.3, 2.0, False, False, 0),
+        ),
+        (
+            "fwd_no_lengths",
+            ops.gdpa_fwd.default,
+            (qr, kr, vr, None, None, bias, "sigmoid", 0.3, 1.0, True, False, 3),
+        ),
+        ("bwd", ops.gdpa_bwd.default, (g, q, k, v, ql, kl, bias.detach(), *args, True)),
+        ("bwd_no_bias", ops.gdpa_bwd.default, (g, q[:1], k, v, None, kl, None, *args, False)),
+        ("public", ops.gdpa.default, (qr, kr, vr, ql, kl, bias, "gelu_tanh", 0.3, 1.0, False, False, 1)),
+    ]
+
+
+@pytest.mark.parametrize("case", _opcheck_cases(), ids=lambda c: c[0])
+def test_opcheck(case):
+    _, op, args = case
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
+def test_gradcheck_float64(activation):
+    q, k, v, ql, kl, bias = make_case(3, 1, 5, 6, 16, bias_shape=(3, 1, 1, 6), seed=8)
+    inputs = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    causal, window = (True, 2) if len(activation) % 2 else (False, 1)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, activation, 0.4, 1.3, True, causal, window),
+        inputs,
+        fast_mode=True,
+    )
+
+
+def test_eager_function_matches_the_op_path():
+    """The eager fast path (one autograd.Function, taken for plain CUDA tensors) computes what the custom
+    ops compute; run here on CPU, where it uses the reference."""
+    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+
+    assert not takes_eager_path(torch.zeros(1))  # CPU tensors go through the ops
+    q, k, v, ql, kl, bias = make_case(4, 2, 7, 9, 16, Bq=1, bias_shape=(1, 2, 7, 9), seed=21)
+    args = ("gelu", 0.3, 1.5, True, True, 3)
+    g = torch.randn(4, 2, 7, 16, dtype=torch.float64)
+    out_fn, grads_fn = grads_of(
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, *args), (q, k, v, bias), g
+    )
+    out_op, grads_op = grads_of(
+        lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args), (q, k, v, bias), g
+    )
+    torch.testing.assert_close(out_fn, out_op, rtol=0, atol=0)
+    for a, b in zip(grads_fn, grads_op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    inputs = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, "silu", 0.3, 1.0, False, False, 0),
+        inputs,
+        fast_mode=True,
+    )
+
+
+def test_bias_without_grad_gives_no_bias_grad():
+    q, k, v, ql, kl, bias = make_case(3, 2, 5, 5, 16, bias_shape=(1, 2, 5, 5), seed=5)
+    qr = q.requires_grad_(True)
+    ops.gdpa(qr, k, v, ql, kl, bias, "silu", 0.3, 1.0, False, False, 0).sum().backward()
+    assert bias.grad is None and qr.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks
+
+
+def _good():
+    q, k, v, ql, kl, bias = make_case(3, 2, 5, 6, 16, dtype=torch.float32, bias_shape=(1, 2, 5, 6), seed=1)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        q_lengths=ql,
+        kv_lengths=kl,
+        bias=bias,
+        activation="silu",
+        scale=0.25,
+        out_scale=1.0,
+        divide_by_kv_length=False,
+        causal=False,
+        window=0,
+    )
+
+
+def _call(**kw):
+    return gdpa(**kw)
+
+
+BAD_INPUTS = [
+    ("k dtype", lambda a: a.update(k=a["k"].half()), TypeError, "one dtype"),
+    (
+        "integer q",
+        lambda a: a.update(q=a["q"].long(), k=a["k"].long(), v=a["v"].long()),
+        TypeError,
+        "q must be",
+    ),
+    ("q not a tensor", lambda a: a.update(q=1.0), TypeError, "q must be a torch.Tensor"),
+    ("q rank", lambda a: a.update(q=a["q"][0]), ValueError, "q must be 4-D"),
+    ("v rank", lambda a: a.update(v=a["v"][..., None]), ValueError, "v must be 4-D"),
+    ("batch", lambda a: a.update(q=a["q"][:2]), ValueError, "batch size"),
+    ("heads", lambda a: a.update(q=a["q"][:, :1]), ValueError, "heads"),
+    ("k v shape", lambda a: a.update(v=a["v"][:, :, :3]), ValueError, "k and v"),
+    (
+        "head dim small",
+        lambda a: a.update(**{n: a[n][..., :8] for n in "qkv"}),
+        ValueError,
+        "head dim 8 .*gdpa",
+    ),
+    (
+        "head dim big",
+        lambda a: a.update(**{n: a[n].repeat(1, 1, 1, 9) for n in "qkv"}),
+        ValueError,
+        "head dim 144",
+    ),
+    ("head dim mismatch", lambda a: a.update(q=a["q"][..., :15]), ValueError, "head dim"),
+    ("bias shape", lambda a: a.update(bias=torch.zeros(1, 2, 5, 4)), ValueError, "bias must be 4-D"),
+    ("bias rank", lambda a: a.update(bias=torch.zeros(5, 6)), ValueError, "bias must be 4-D"),
+    (
+        "bias dtype",
+        lambda a: a.update(bias=torch.zeros(1, 2, 5, 6, dtype=torch.long)),
+        TypeError,
+        "bias must be a floa",
+    ),
+    ("bias device", lambda a: a.update(bias=a["bias"].to("meta")), ValueError, "bias is on meta"),
+    (
+        "kv_lengths float",
+        lambda a: a.update(kv_lengths=a["kv_lengths"].float()),
+        TypeError,
+        "kv_lengths must be an int",
+    ),
+    (
+        "kv_lengths size",
+        lambda a: a.update(kv_lengths=a["kv_lengths"][:2]),
+        ValueError,
+        "kv_lengths must be 1-D",
+    ),
+    (
+        "q_lengths size",
+        lambda a: a.update(q_lengths=torch.tensor([1, 2, 3, 4])),
+        ValueError,
+        "q_lengths must be 1-D",
+    ),
+    ("q_lengths 2-D", lambda a: a.update(q_lengths=a["q_lengths"][None]), ValueError, "q_lengths"),
+    (
+        "kv_lengths negative",
+        lambda a: a.update(kv_lengths=torch.tensor([1, -1, 2])),
+        ValueError,
+        "kv_lengths\\[1\\]",
+    ),
+    (
+        "kv_lengths too long",
+        lambda a: a.update(kv_lengths=torch.tensor([1, 7, 2])),
+        ValueError,
+        "outside \\[0, 6\\]",
+    ),
+    (
+        "q_lengths too long",
+        lambda a: a.update(q_lengths=torch.tensor([6, 1, 2])),
+        ValueError,
+        "q_lengths\\[0\\]",
+    ),
+    (
+        "lengths device",
+        lambda a: a.update(kv_lengths=a["kv_lengths"].to("meta")),
+        ValueError,
+        "kv_lengths is on meta",
+    ),
+    ("k device", lambda a: a.update(k=a["k"].to("meta")), ValueError, "one device"),
+    (
+        "activation",
+        lambda a: a.update(activation="softmax"),
+        ValueError,
+        "activation must be one of identity, relu, relu_squared, silu, sigmoid, gelu, gelu_tanh; "
+        "got 'softmax'",
+    ),
+    ("activation type", lambda a: a.update(activation=None), ValueError, "activation must be one of"),
+    ("negative window", lambda a: a.update(window=-1), ValueError, "window must be >= 0"),
+    ("window type", lambda a: a.update(window=1.5), TypeError, "window must be an int"),
+    ("causal type", lambda a: a.update(causal=1), TypeError, "causal must be a bool"),
+    (
+        "divide type",
+        lambda a: a.update(divide_by_kv_length=None),
+        TypeError,
+        "divide_by_kv_length must be a bool",
+    ),
+    ("scale type", lambda a: a.update(scale="0.5"), TypeError, "scale must be a float"),
+    ("out_scale type", lambda a: a.update(out_scale=True), TypeError, "out_scale must be a float"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
+def test_bad_inputs_raise_clear_errors(case):
+    _, mutate, exc, match = case
+    args = _good()
+    _call(**args)  # the good call works
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        _call(**args)
+
+
+def test_the_ops_check_too():
+    a = _good()
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.gdpa(a["q"], a["k"], a["v"], None, None, None, "tanh", 0.3, 1.0, False, False, 0)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        ops.gdpa_fwd(a["q"], a["k"], a["v"], None, None, None, "relu", 0.3, 1.0, False, False, -2)
+
+
+def test_fake_tensors_skip_value_checks_and_give_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.randn(1, 2, 4, 16), torch.randn(3, 2, 6, 16), torch.randn(3, 2, 6, 16)
+        kl = torch.full((3,), 99)  # a fake tensor has no values: nothing to check
+        out = ops.gdpa_fwd(q, k, v, None, kl, None, "silu", 0.1, 1.0, True, False, 0)
+        dq, dk, _, db = ops.gdpa_bwd(out, q, k, v, None, kl, None, "silu", 0.1, 1.0, True, False, 0, False)
+    assert (
+        out.shape == (3, 2, 4, 16) and dq.shape == (1, 2, 4, 16) and dk.shape == k.shape and db.numel() == 0
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOPs and torch.compile
+
+
+def expected_pairs(ql, kl, B, Lq, Lk, causal, window):
+    total = 0
+    for b in range(B):
+        a, c = clamp_len(ql, b, Lq), clamp_len(kl, b, Lk)
+        total += sum(keeps(i, j, causal, window) for i in range(a) for j in range(c))
+    return total
+
+
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (False, 2), (True, 3)])
+def test_flop_counter_counts_valid_pairs(causal, window):
+    B, H, Lq, Lk, D = 3, 2, 8, 9, 16
+    q, k, v, _, _, _ = make_case(B, H, Lq, Lk, D, seed=6)
+    for ql, kl in (
+        (torch.tensor([8, 3, 0]), torch.tensor([5, 9, 4])),
+        (None, torch.tensor([2, 9, 7])),
+        (torch.tensor([1, 8, 5]), None),
+        (None, None),
+    ):
+        pairs = expected_pairs(ql, kl, B, Lq, Lk, causal, window)
+        qr = q.detach().requires_grad_(True)
+        with FlopCounterMode(display=False) as counter:
+            ops.gdpa(qr, k, v, ql, kl, None, "silu", 0.25, 1.0, True, causal, window).sum().backward()
+        counts = {str(k_): v_ for k_, v_ in counter.get_flop_counts()["Global"].items()}
+        assert counts["gemcompile.gdpa_fwd"] == 4 * H * D * pairs
+        assert counts["gemcompile.gdpa_bwd"] == 10 * H * D * pairs
+
+
+def test_flop_counter_falls_back_to_padded_count_on_fake_lengths():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+        kl = torch.zeros(2, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            ops.gdpa(q, k, v, None, kl, None, "relu", 0.25, 1.0, False, True, 2)
+    assert counter.get_total_flops() == 4 * 2 * 16 * expected_pairs(None, None, 2, 8, 8, True, 2)
+
+
+def test_compile_fullgraph_no_recompile_over_lengths():
+    B, H, L, D = 3, 2, 8, 16
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, dtype=torch.float32, bias_shape=(1, H, L, L), seed=10)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, bias, ql, kl):
+        return ops.gdpa(q, k, v, ql, kl, bias, "gelu", 0.25, 1.0, True, True, 3).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            ql, kl = torch.randint(0, L + 1, (B,), generator=g), torch.randint(0, L + 1, (B,), generator=g)
+            got = torch.autograd.grad(compiled(*leaves, ql, kl), leaves)
+            want = torch.autograd.grad(f(*leaves, ql, kl), leaves)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+
+
+def test_scale_default_matches_math():
+    q, k, v, _, _, _ = make_case(2, 1, 4, 4, 16, seed=0)
+    torch.testing.assert_close(
+        gdpa(q, k, v, activation="identity"),
+        ops.gdpa(q, k, v, None, None, None, "identity", 1 / math.sqrt(16), 1.0, False, False, 0),
+    )
