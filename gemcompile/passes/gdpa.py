@@ -155,18 +155,22 @@ class GdpaPass(GemPass):
                 row_mask = self._downstream_rows(site)
                 if row_mask is not None:
                     mask = GdpaMask(mask.kv_lengths, mask.kv_offset, row_mask[0], row_mask[1], mask.causal,
-                                    mask.window)
+                                    mask.window, mask.num_targets, mask.contextual_len)
                     detail = f"{mask.describe()} (query rows masked after the attention)"
-            for node in (mask.kv_lengths, mask.q_lengths):
+            for node in (mask.kv_lengths, mask.q_lengths, mask.num_targets):
                 if node is not None and example_value(node).device != qv.device:
                     raise Unproven(f"the lengths ({node.name}) are on {example_value(node).device}, the attention "
                                    f"on {qv.device}")
             kv_len = self._lengths(graph, fake, mask.kv_lengths, mask.kv_offset, _size(graph, fake, k, 2))
             q_len = self._lengths(graph, fake, mask.q_lengths, mask.q_offset, _size(graph, fake, q, 2))
             bias = self._bias(graph, fake, site)
-            out = fake.call(graph, torch.ops.gemcompile.gdpa.default,
-                            (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale),
-                             float(site.out_scale), divide, mask.causal, int(mask.window)))
+            args = (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale), float(site.out_scale),
+                    divide, mask.causal, int(mask.window))
+            if mask.num_targets is not None or mask.contextual_len:
+                if qv.shape[0] != kv.shape[0] or qv.shape[2] != kv.shape[2]:
+                    raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
+                args += (mask.num_targets, int(mask.contextual_len))
+            out = fake.call(graph, torch.ops.gemcompile.gdpa.default, args)
             out = self._view(graph, fake, out, site.out_perm)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)

@@ -85,7 +85,7 @@ def _order_axioms(evaluator: MaskEvaluator, formula):
     return sympy.And(*axioms)
 
 
-def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int = 64) -> bool:
+def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int = 256) -> bool:
     """A cheap sound rejection: some concrete (b, h, i, j, lengths) where the two masks disagree."""
     atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
     exprs = [evaluator.atoms.expr_of[a] for a in atoms]
@@ -94,8 +94,9 @@ def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int 
     test = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
     rng = __import__("random").Random(0)
     for _ in range(samples):
-        point = {f: rng.randint(0, 24) for f in functions}
-        point.update({s: rng.randint(0, 24) for s in indices})
+        hi = rng.choice((3, 6, 12, 24))  # small ranges too: boundary cases (t == n, i == j) come up often
+        point = {f: rng.randint(0, hi) for f in functions}
+        point.update({s: rng.randint(0, hi) for s in indices})
         truth = []
         for kind, e in exprs:
             value = e.xreplace(point)
@@ -109,7 +110,14 @@ def _equivalent(evaluator: MaskEvaluator, keep, candidate) -> bool:
     if _differs_on_samples(evaluator, keep, candidate):
         return False
     axioms = _order_axioms(evaluator, sympy.And(keep, candidate))
-    return not satisfiable(sympy.And(axioms, sympy.Xor(keep, candidate)))
+    atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
+    if len(atoms) > 20:
+        return not satisfiable(sympy.And(axioms, sympy.Xor(keep, candidate)))
+    # few atoms: a truth table is far faster than sympy's CNF conversion of the Xor of two formulas
+    differs = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
+    consistent = sympy.lambdify(atoms, axioms, "math")
+    return not any(differs(*bits) and consistent(*bits)
+                   for bits in itertools.product((False, True), repeat=len(atoms)))
 
 
 def _window_atoms(evaluator: MaskEvaluator, comparisons) -> tuple[dict[int, object], dict[int, object]]:

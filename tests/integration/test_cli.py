@@ -13,8 +13,12 @@ def test_explain_gem_ref_tiny_prints_the_pma_rewrites(capsys):
 
 
 def test_explain_with_the_pass_disabled(capsys):
-    assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--width", "200"]) == 0
+    assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--disable", "gdpa",
+                 "--width", "200"]) == 0
     assert "0 rewrites" in capsys.readouterr().out
+    assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "gemcompile.gdpa.default" in out and "gemcompile.jagged_attention.default" not in out
 
 
 def test_explain_rejects_an_unknown_pass(capsys):

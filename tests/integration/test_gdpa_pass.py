@@ -79,7 +79,42 @@ def cross_attention_rows_masked_after(q, k, v, n, x):
     return o * valid(n)[..., None]
 
 
+def hstu_valid_mask(n, targets, contextual):
+    """HSTU's causal mask written the way generative-recommenders' reference builds it: position ids clamped
+    so that the last `targets` tokens see the history and themselves, the first `contextual` tokens
+    see (and are seen by) every history token; then the padding of both sides."""
+    ids = torch.arange(L)[None, :]
+    max_ids = n[:, None]
+    if contextual:
+        ids = torch.clamp(ids - contextual + 1, min=0)
+        max_ids = max_ids - contextual + 1
+    if targets is not None:
+        max_ids = max_ids - targets[:, None]
+        ids = torch.clamp(ids, max=max_ids)
+    row, col = ids[..., :, None], ids[..., None, :]
+    keep = torch.eye(L, dtype=torch.bool) | (row - col > 0)
+    if contextual:
+        keep = keep | ((row == 0) & (col < max_ids[..., None]))
+    return keep & valid(n)[:, None, :] & valid(n)[:, :, None]  # (B, L, L)
+
+
+def hstu_targets(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_valid_mask(n, x["targets"], 0)[:, None]) @ v
+
+
+def hstu_contextual(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_valid_mask(n, None, 2)[:, None]) @ v
+
+
+def hstu_targets_and_contextual(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_valid_mask(n, x["targets"], 2)[:, None]) @ v
+
+
 IDIOMS = {f.__name__: f for f in (
+    hstu_targets, hstu_contextual, hstu_targets_and_contextual,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
     sigmoid_mean_over_keys, relu_local_window, silu_blhd_einsum, pma_learned_queries,
     cross_attention_rows_masked_after,
@@ -96,6 +131,7 @@ def _inputs(seed=0):
         "summary_k": torch.randn(B, H, NS, D, generator=g, requires_grad=True),
         "summary_v": torch.randn(B, H, NS, D, generator=g, requires_grad=True),
         "w_out": torch.randn(H * D, H * D, generator=g, requires_grad=True),
+        "targets": torch.tensor([2, 1, 1, 0]),  # at most each sample's length
     }
     return q, k, v, lengths, extra
 
@@ -126,7 +162,7 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(name):
     torch.testing.assert_close(torch.where(used, out, 0), torch.where(used, ref, 0), atol=2e-5, rtol=1e-4)
     assert torch.isfinite(torch.where(used, out, 0)).all()
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-    leaves = [q, k, v, *extra.values()]
+    leaves = [t for t in (q, k, v, *extra.values()) if t.requires_grad]
     grads = torch.autograd.grad((torch.where(used, out, 0) * weights).sum(), leaves, allow_unused=True)
     grads_ref = torch.autograd.grad((torch.where(used, ref, 0) * weights).sum(), leaves, allow_unused=True)
     for g, g_ref in zip(grads, grads_ref):
@@ -144,6 +180,8 @@ def test_explain_describes_the_proven_mask():
     assert "query rows masked after the attention" in rewrite.detail
     (rewrite,) = explain(relu_local_window, q, k, v, lengths, extra).rewrites
     assert "window |i - j| <= 3" in rewrite.detail
+    (rewrite,) = explain(hstu_targets_and_contextual, q, k, v, lengths, extra).rewrites
+    assert "targets" in rewrite.detail and "first 2 tokens are contextual" in rewrite.detail
 
 
 # -- near-misses ----------------------------------------------------------------------------------------
@@ -178,6 +216,12 @@ def miss_divided_by_other_lengths(q, k, v, n, x):
     return (a / (n + 1)[:, None, None, None].float()) @ v
 
 
+def miss_targets_without_the_diagonal(q, k, v, n, x):
+    """Targets that do not see themselves: not HSTU's mask (no kernel serves it)."""
+    m = hstu_valid_mask(n, x["targets"], 0) & ~torch.eye(L, dtype=torch.bool)
+    return (F.silu(q @ k.transpose(-2, -1)) * m[:, None]) @ v
+
+
 def miss_mask_on_heads(q, k, v, n, x):
     m = torch.arange(H)[None, :, None, None] < n[:, None, None, None]
     return (F.silu(q @ k.transpose(-2, -1)) * m) @ v
@@ -191,6 +235,7 @@ NEAR_MISSES = {
     miss_scores_used_elsewhere: "also used elsewhere",
     miss_divided_by_other_lengths: "not the key lengths",
     miss_mask_on_heads: "differs between heads",
+    miss_targets_without_the_diagonal: "nor HSTU's target/contextual mask",
 }
 
 
