@@ -4,7 +4,10 @@ Public op (the signature is fixed)::
 
     torch.ops.gemcompile.gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths,
         Tensor? bias, str activation, float scale, float out_scale, bool divide_by_kv_length,
-        bool causal, int window) -> Tensor
+        bool causal, int window, Tensor? num_targets=None, int contextual_len=0) -> Tensor
+
+The last two arguments (HSTU's target mask and contextual prefix) have defaults: callers that pass the
+first twelve keep the plain causal/window semantics.
 
 Inputs
 ------
@@ -19,12 +22,38 @@ Inputs
 * activation: one of :data:`GDPA_ACTIVATIONS`: "identity", "relu", "relu_squared" (relu(x)**2), "silu",
   "sigmoid", "gelu" (exact, erf), "gelu_tanh" (tanh approximation, as F.gelu(approximate="tanh")).
 * window >= 0; 0 means no window.
+* num_targets: None or int32/int64 (B,) on q's device: the last num_targets[b] of sequence b's kv_len_b
+  positions are targets (HSTU). Values are used as given; on CPU they are checked to lie in
+  [0, kv_len_b] (ValueError otherwise); on CUDA they are checked only under strict_length_checks (no
+  host sync).
+* contextual_len: int >= 0 (TypeError/ValueError otherwise): the first contextual_len positions are a
+  contextual prefix (HSTU), seen by every later position and seeing every non-target position.
+* num_targets or contextual_len > 0 require causal=True, kv_lengths not None, Lq == Lk and Bq == B (no
+  shared queries); ValueError naming the argument otherwise.
 
 Semantics
 ---------
 For batch b, the pair (i, j) is valid when i < q_len_b and j < kv_len_b and (not causal or j <= i,
-top-left aligned) and (window == 0 or (i - j <= window if causal else |i - j| <= window)). With
-s_ij = scale * q_i . k_j + bias_ij::
+top-left aligned) and (window == 0 or (i - j <= window if causal else |i - j| <= window)).
+
+With num_targets or contextual_len > 0 (causal), the visibility uses clamped position ids. With
+n = kv_len_b, t = num_targets[b] (only when given), c = contextual_len::
+
+    ii, jj, m = i, j, n
+    if c > 0:  ii = max(i - c + 1, 0); jj = max(j - c + 1, 0); m = n - c + 1
+    if num_targets is not None:  m = m - t;  ii = min(ii, m);  jj = min(jj, m)
+    d = ii - jj
+    visible = (i == j) or (d > 0)              # causal
+    if window > 0: visible = visible and (d <= window)
+    if c > 0:      visible = visible or (ii == 0 and jj < m)
+    valid(i, j) = visible and i < q_len_b and j < n
+
+so a target sees the non-target history (within the window of its clamped id) and itself, never another
+target; when m >= 1 (n - t >= c) the contextual rows i < c see every non-target key and every row sees
+the contextual keys (within the window). Without num_targets and with c == 0 this is exactly the
+causal/window rule above (d = i - j).
+
+With s_ij = scale * q_i . k_j + bias_ij::
 
     out[b, h, i] = c_b * sum over valid j of act(s_ij) * v_j,
     c_b = out_scale * (1 / kv_len_b if divide_by_kv_length else 1)
@@ -44,8 +73,8 @@ How it is wired (as ``gemcompile::jagged_attention``, see jagged_attention.py)
 -----------------------------------------------------------------------------
 * ``gemcompile::gdpa_fwd(...) -> out``: a ``torch.library.custom_op`` (opaque to Dynamo/Inductor) with a
   fake impl and ``register_autograd``; the backward needs only the inputs (no softmax statistics).
-* ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad) -> (dq, dk, dv, dbias)``: a
-  custom_op with a fake impl (dbias is an empty tensor when not needed).
+* ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0)
+  -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an empty tensor when not needed).
 * ``gemcompile::gdpa``: the public op, ``CompositeImplicitAutograd``, which calls ``gdpa_fwd``. A plain
   eager call on CUDA (no tracing, no dispatch mode) skips the custom ops and runs the same kernels
   through one autograd.Function (:class:`EagerGDPA`): less host time per step.
@@ -54,8 +83,8 @@ Dispatch: CUDA runs the Triton kernels of gdpa_triton.py (float64 falls back to 
 other device runs the plain-PyTorch reference of gdpa_reference.py. Neither path syncs with the host.
 
 FLOPs: ``torch.utils.flop_counter`` formulas on gdpa_fwd / gdpa_bwd count the valid pairs from the real
-lengths (causal and window included; the padded count when the lengths are fake): forward
-4*H*D*pairs, backward 2.5x forward (gdpa_flops.py).
+lengths (causal, window, targets and contextual prefix included; the padded causal/window count when
+the lengths or num_targets are fake): forward 4*H*D*pairs, backward 2.5x forward (gdpa_flops.py).
 """
 
 from __future__ import annotations
@@ -100,7 +129,20 @@ def _check_bias(bias, target: tuple, device) -> None:
 
 
 def check_gdpa_args(
-    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length, causal, window
+    q,
+    k,
+    v,
+    q_lengths,
+    kv_lengths,
+    bias,
+    activation,
+    scale,
+    out_scale,
+    divide_by_kv_length,
+    causal,
+    window,
+    num_targets=None,
+    contextual_len=0,
 ) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
     if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
@@ -137,11 +179,51 @@ def check_gdpa_args(
         raise TypeError(f"window must be an int, got {type(window).__name__}")
     if isinstance(window, int) and window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+    _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len)
 
 
-def _check_values(q, k, q_lengths, kv_lengths) -> None:
+def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> None:
+    """num_targets / contextual_len: types, and what they require (causal, kv_lengths, Lq == Lk, Bq == B)."""
+    if isinstance(contextual_len, bool) or not isinstance(contextual_len, (int, torch.SymInt)):
+        raise TypeError(f"contextual_len must be an int, got {type(contextual_len).__name__}")
+    if isinstance(contextual_len, int) and contextual_len < 0:
+        raise ValueError(f"contextual_len must be >= 0 (0: no contextual prefix), got {contextual_len}")
+    B = k.shape[0]
+    if num_targets is not None:
+        checks._check_index_vector("num_targets", num_targets, B, "B", q.device)
+    used = []
+    if num_targets is not None:
+        used.append("num_targets")
+    if contextual_len != 0:
+        used.append("contextual_len > 0")
+    if not used:
+        return
+    name = " and ".join(used) + (" require" if len(used) > 1 else " requires")
+    if not causal:
+        raise ValueError(f"{name} causal=True")
+    if kv_lengths is None:
+        raise ValueError(f"{name} kv_lengths (the sequence lengths), got None")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{name} self-attention with Lq == Lk, got Lq {q.shape[2]}, Lk {k.shape[2]}")
+    if q.shape[0] != B:
+        raise ValueError(
+            f"{name} q's batch size to be k's batch size {B} (no shared queries), got {q.shape[0]}"
+        )
+
+
+def _check_values(q, k, q_lengths, kv_lengths, num_targets=None) -> None:
     checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
+    if num_targets is None or kv_lengths is None or not checks._should_check_values(num_targets):
+        return
+    n = kv_lengths.clamp(0, k.shape[2])
+    bad = (num_targets < 0) | (num_targets > n)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"num_targets[{i}] = {int(num_targets[i])} is outside [0, {int(n[i])}] (the kv length of "
+            f"sequence {i})"
+        )
 
 
 def _use_triton(q: Tensor) -> bool:
@@ -180,28 +262,56 @@ def gdpa_fwd(
     divide_by_kv_length: bool,
     causal: bool,
     window: int,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ) -> Tensor:
     """out (B, H, Lq, D) contiguous in q's dtype."""
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window)
+    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
-    _check_values(q, k, q_lengths, kv_lengths)
+    _check_values(q, k, q_lengths, kv_lengths, num_targets)
     return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, *args)
 
 
 @gdpa_fwd.register_kernel("cuda")
 def _gdpa_fwd_cuda(
-    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length, causal, window
+    q,
+    k,
+    v,
+    q_lengths,
+    kv_lengths,
+    bias,
+    activation,
+    scale,
+    out_scale,
+    divide_by_kv_length,
+    causal,
+    window,
+    num_targets=None,
+    contextual_len=0,
 ):
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window)
+    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
-    _check_values(q, k, q_lengths, kv_lengths)
+    _check_values(q, k, q_lengths, kv_lengths, num_targets)
     forward, _ = _kernels(q)
     return forward(q, k, v, q_lengths, kv_lengths, bias, *args)
 
 
 @gdpa_fwd.register_fake
 def _gdpa_fwd_fake(
-    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length, causal, window
+    q,
+    k,
+    v,
+    q_lengths,
+    kv_lengths,
+    bias,
+    activation,
+    scale,
+    out_scale,
+    divide_by_kv_length,
+    causal,
+    window,
+    num_targets=None,
+    contextual_len=0,
 ):
     check_gdpa_args(
         q,
@@ -216,6 +326,8 @@ def _gdpa_fwd_fake(
         divide_by_kv_length,
         causal,
         window,
+        num_targets,
+        contextual_len,
     )
     B, H, _, D = k.shape
     return q.new_empty((B, H, q.shape[2], D))
@@ -241,6 +353,8 @@ def gdpa_bwd(
     causal: bool,
     window: int,
     bias_requires_grad: bool,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     return reference_gdpa_backward(
@@ -258,6 +372,8 @@ def gdpa_bwd(
         causal,
         window,
         bias_requires_grad,
+        num_targets,
+        contextual_len,
     )
 
 
@@ -277,6 +393,8 @@ def _gdpa_bwd_cuda(
     causal,
     window,
     bias_requires_grad,
+    num_targets=None,
+    contextual_len=0,
 ):
     _, backward = _kernels(q)
     return backward(
@@ -294,6 +412,8 @@ def _gdpa_bwd_cuda(
         causal,
         window,
         bias_requires_grad,
+        num_targets,
+        contextual_len,
     )
 
 
@@ -313,6 +433,8 @@ def _gdpa_bwd_fake(
     causal,
     window,
     bias_requires_grad,
+    num_targets=None,
+    contextual_len=0,
 ):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
@@ -322,18 +444,21 @@ def _gdpa_bwd_fake(
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window = inputs
-    ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias)
+    (q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window, num_targets,
+     contextual_len) = inputs
+    ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
     ctx.args = (activation, scale, out_scale, divide, causal, window)
+    ctx.contextual_len = contextual_len
     ctx.bias_requires_grad = bias is not None and bool(ctx.needs_input_grad[5])
 
 
 def _fwd_backward(ctx, grad_out):
-    q, k, v, q_lengths, kv_lengths, bias = ctx.saved_tensors
+    q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
     dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(
-        grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, ctx.bias_requires_grad
+        grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, ctx.bias_requires_grad, num_targets,
+        ctx.contextual_len
     )
-    return (dq, dk, dv, None, None, (dbias if ctx.bias_requires_grad else None)) + (None,) * 6
+    return (dq, dk, dv, None, None, (dbias if ctx.bias_requires_grad else None)) + (None,) * 8
 
 
 gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -345,28 +470,47 @@ gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 class EagerGDPA(torch.autograd.Function):
     """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
-    causal, window) in one autograd.Function, calling the same kernels as the custom ops; arguments are
-    checked by the caller. Taken for plain eager CUDA calls; runs the reference elsewhere."""
+    causal, window, num_targets=None, contextual_len=0) in one autograd.Function, calling the same kernels
+    as the custom ops; arguments are checked by the caller. Taken for plain eager CUDA calls; runs the
+    reference elsewhere."""
 
     @staticmethod
     def forward(
-        ctx, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window
+        ctx,
+        q,
+        k,
+        v,
+        q_lengths,
+        kv_lengths,
+        bias,
+        activation,
+        scale,
+        out_scale,
+        divide,
+        causal,
+        window,
+        num_targets=None,
+        contextual_len=0,
     ):
-        _check_values(q, k, q_lengths, kv_lengths)
+        _check_values(q, k, q_lengths, kv_lengths, num_targets)
         forward, _ = _kernels(q)
         args = (activation, scale, out_scale, divide, causal, window)
-        out = forward(q, k, v, q_lengths, kv_lengths, bias, *args)
-        ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias)
+        out = forward(q, k, v, q_lengths, kv_lengths, bias, *args, num_targets, contextual_len)
+        ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
         ctx.args = args
+        ctx.contextual_len = contextual_len
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, q_lengths, kv_lengths, bias = ctx.saved_tensors
+        q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
         bias_grad = bias is not None and ctx.needs_input_grad[5]
         _, backward = _kernels(q)
-        dq, dk, dv, dbias = backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, bias_grad)
-        return (dq, dk, dv, None, None, (dbias if bias_grad else None)) + (None,) * 6
+        dq, dk, dv, dbias = backward(
+            grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, bias_grad, num_targets,
+            ctx.contextual_len,
+        )
+        return (dq, dk, dv, None, None, (dbias if bias_grad else None)) + (None,) * 8
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,14 +519,28 @@ class EagerGDPA(torch.autograd.Function):
 
 _LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
-    "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window) -> Tensor"
+    "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
+    "Tensor? num_targets=None, int contextual_len=0) -> Tensor"
 )
 
 
 def _gdpa_composite(
-    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length, causal, window
+    q,
+    k,
+    v,
+    q_lengths,
+    kv_lengths,
+    bias,
+    activation,
+    scale,
+    out_scale,
+    divide_by_kv_length,
+    causal,
+    window,
+    num_targets=None,
+    contextual_len=0,
 ):
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window)
+    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
         return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, *args)
@@ -405,6 +563,8 @@ def gdpa(
     divide_by_kv_length: bool = False,
     causal: bool = False,
     window: int = 0,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5)."""
     if scale is None:
@@ -423,6 +583,8 @@ def gdpa(
         divide_by_kv_length,
         causal,
         window,
+        num_targets,
+        contextual_len,
     )
     return torch.ops.gemcompile.gdpa(
         q,
@@ -437,6 +599,8 @@ def gdpa(
         divide_by_kv_length,
         causal,
         window,
+        num_targets,
+        contextual_len,
     )
 
 
@@ -450,14 +614,16 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
-def _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window) -> int:
+def _gdpa_forward_flops(
+    q, k, q_lengths, kv_lengths, causal, window, num_targets=None, contextual_len=0
+) -> int:
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     window = int(window)
-    if any(t is not None and _is_fake(t) for t in (q_lengths, kv_lengths)):
+    if any(t is not None and _is_fake(t) for t in (q_lengths, kv_lengths, num_targets)):
         pairs = padded_gdpa_pairs(B, Lq, Lk, causal, window)
     else:
-        pairs = gdpa_pairs(q_lengths, kv_lengths, B, Lq, Lk, causal, window)
+        pairs = gdpa_pairs(q_lengths, kv_lengths, B, Lq, Lk, causal, window, num_targets, int(contextual_len))
     return forward_flops(H, D, pairs)
 
 
@@ -475,11 +641,13 @@ def _fwd_flops(
     divide_by_kv_length=False,
     causal=False,
     window=0,
+    num_targets=None,
+    contextual_len=0,
     *,
     out_val=None,
     **kwargs,
 ) -> int:
-    return _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window)
+    return _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window, num_targets, contextual_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_bwd, get_raw=True)
@@ -498,8 +666,11 @@ def _bwd_flops(
     causal=False,
     window=0,
     bias_requires_grad=False,
+    num_targets=None,
+    contextual_len=0,
     *,
     out_val=None,
     **kwargs,
 ) -> int:
-    return int(BACKWARD_FLOPS_RATIO * _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window))
+    fwd = _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window, num_targets, contextual_len)
+    return int(BACKWARD_FLOPS_RATIO * fwd)

@@ -5,6 +5,10 @@ window w > 0, i - j <= w (causal) or |i - j| <= w (not causal). forward = 4 * H 
 a.v, 2 FLOPs per MAC; the pointwise activation is not counted), backward = 2.5 x forward, the same
 conventions as jagged attention (jagged_attention_flops.py). The lengths are clamped into [0, L]; a
 missing lengths tensor means the padded length.
+
+With HSTU's target mask (num_targets) or contextual prefix (contextual_len > 0) the pairs are those of
+gdpa.py's clamped-id rule; they are counted exactly, row by row, in closed form (:func:`_hstu_keys_per_row`:
+every visible set is the union of at most two key intervals and the diagonal), without building masks.
 """
 
 from __future__ import annotations
@@ -39,6 +43,43 @@ def _pairs(qn: torch.Tensor, kv: torch.Tensor, Lq: int, causal: bool, window: in
     return int((per_row * rows_ok).sum())
 
 
+def _hstu_keys_per_row(
+    Lq: int, kv: torch.Tensor, targets: Optional[torch.Tensor], c: int, window: int
+) -> torch.Tensor:
+    """(B, Lq) int64: how many keys j < n each query row i sees under the clamped-id rule (causal).
+
+    f(x) = min(max(x - off, 0), m) (the min only with targets), off = max(c - 1, 0), is non-decreasing, so
+    P(X) = #{j < n : f(j) < X} gives intervals: the keys with f(i) - window <= f(j) < f(i) are
+    [P(f(i) - window), P(f(i))) (or [0, P(f(i))) without a window); a contextual row (c > 0, f(i) == 0)
+    also sees [0, P(m)); and the diagonal j = i when i < n (and not already counted)."""
+    n = kv[:, None]  # (B, 1)
+    off = max(int(c) - 1, 0)
+    m = n - int(c) + 1 if c > 0 else n
+    if targets is not None:
+        m = m - targets[:, None]
+    i = torch.arange(int(Lq), dtype=torch.int64)[None, :]
+
+    def f(x):
+        y = (x - off).clamp_min(0)
+        return torch.minimum(y, m) if targets is not None else y
+
+    def P(X):
+        below = torch.where(X > 0, torch.minimum((X + off).clamp_min(0), n), torch.zeros_like(X))
+        if targets is not None:
+            below = torch.where(m < X, n.expand_as(below), below)
+        return below
+
+    fi = f(i) + torch.zeros_like(n)  # (B, Lq)
+    count = P(fi) - (P(fi - int(window)) if window > 0 else 0)
+    diagonal = i < n
+    if c > 0:
+        history = P(m).expand_as(fi)  # the contextual rows' extra keys [0, P(m))
+        contextual = fi == 0
+        count = count + torch.where(contextual, history, torch.zeros_like(count))
+        diagonal = diagonal & ~(contextual & (i < history))
+    return count.clamp_min(0) + diagonal.to(torch.int64)
+
+
 def gdpa_pairs(
     q_lengths: Optional[torch.Tensor],
     kv_lengths: Optional[torch.Tensor],
@@ -47,8 +88,11 @@ def gdpa_pairs(
     Lk: int,
     causal: bool,
     window: int,
+    num_targets: Optional[torch.Tensor] = None,
+    contextual_len: int = 0,
 ) -> int:
-    """Sum over the batch of valid (i, j) pairs; lengths clamped to [0, L], None means the padded length."""
+    """Sum over the batch of valid (i, j) pairs; lengths clamped to [0, L], None means the padded length.
+    With num_targets or contextual_len > 0 (causal), HSTU's clamped-id rule of gdpa.py."""
     if kv_lengths is None:
         kv = torch.full((int(B),), int(Lk), dtype=torch.int64)
     else:
@@ -57,7 +101,15 @@ def gdpa_pairs(
         qn = torch.full((int(B),), int(Lq), dtype=torch.int64)
     else:
         qn = q_lengths.detach().to("cpu", torch.int64).clamp(0, int(Lq))
-    return _pairs(qn, kv, int(Lq), causal, int(window))
+    c = int(contextual_len)
+    if num_targets is None and c == 0:
+        return _pairs(qn, kv, int(Lq), causal, int(window))
+    if kv.numel() == 0 or Lq == 0:
+        return 0
+    targets = None if num_targets is None else num_targets.detach().to("cpu", torch.int64)
+    per_row = _hstu_keys_per_row(int(Lq), kv, targets, c, int(window))
+    rows_ok = torch.arange(int(Lq), dtype=torch.int64)[None, :] < qn[:, None]
+    return int((per_row * rows_ok).sum())
 
 
 def padded_gdpa_pairs(B: int, Lq: int, Lk: int, causal: bool, window: int) -> int:

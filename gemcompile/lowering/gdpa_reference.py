@@ -1,5 +1,6 @@
 """Plain-PyTorch reference of GDPA (generalized dot-product attention): what runs on CPU, on any
-non-CUDA device and for float64 on CUDA. The semantics are spelled out in gdpa.py.
+non-CUDA device and for float64 on CUDA. The semantics (HSTU's target mask and contextual prefix
+included) are spelled out in gdpa.py.
 
 For batch b and a valid pair (i, j) (see :func:`valid_pair_mask`)::
 
@@ -126,20 +127,59 @@ def valid_pair_mask(
     causal: bool,
     window: int,
     device,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ) -> Tensor:
-    """(B, 1, Lq, Lk) bool: i < q_len, j < kv_len, j <= i if causal; with window > 0 also i - j <= window
-    (causal) or |i - j| <= window (not causal). Lengths None mean the padded length."""
+    """(B, 1, Lq, Lk) bool: i < q_len and j < kv_len (lengths None mean the padded length), and
+
+    * without num_targets and contextual_len == 0: j <= i if causal; with window > 0 also i - j <= window
+      (causal) or |i - j| <= window (not causal);
+    * with num_targets or contextual_len > 0 (causal only; HSTU's target mask and contextual prefix), with
+      n = kv_len_b, t = num_targets[b], c = contextual_len::
+
+          ii, jj, m = i, j, n
+          if c > 0:  ii = max(i - c + 1, 0); jj = max(j - c + 1, 0); m = n - c + 1
+          if num_targets is not None:  m = m - t;  ii = min(ii, m);  jj = min(jj, m)
+          d = ii - jj
+          visible = (i == j) or (d > 0)
+          if window > 0: visible = visible and (d <= window)
+          if c > 0:      visible = visible or (ii == 0 and jj < m)
+    """
+    c = int(contextual_len)
     q_ok = _row_mask(q_lengths, B, Lq, device)
     kv_ok = _row_mask(kv_lengths, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     rows = torch.arange(Lq, device=device)[:, None]
     cols = torch.arange(Lk, device=device)[None, :]
-    if causal:
-        valid = valid & (cols <= rows)
+    if num_targets is None and c == 0:
+        if causal:
+            valid = valid & (cols <= rows)
+        if window > 0:
+            dist = (rows - cols) if causal else (rows - cols).abs()
+            valid = valid & (dist <= window)
+        return valid
+    if not causal:
+        raise ValueError("num_targets and contextual_len > 0 require causal=True")
+    if c < 0:
+        raise ValueError(f"contextual_len must be >= 0, got {c}")
+    if kv_lengths is None:
+        n = torch.full((B,), int(Lk), dtype=torch.int64, device=device)
+    else:
+        n = kv_lengths.to(device, torch.int64).clamp(0, int(Lk))
+    i, j = rows[None], cols[None]  # (1, Lq, 1), (1, 1, Lk)
+    ii, jj, m = i, j, n[:, None, None]  # m: (B, 1, 1)
+    if c > 0:
+        ii, jj, m = (i - c + 1).clamp_min(0), (j - c + 1).clamp_min(0), m - c + 1
+    if num_targets is not None:
+        m = m - num_targets.to(device, torch.int64)[:, None, None]
+        ii, jj = torch.minimum(ii, m), torch.minimum(jj, m)
+    d = ii - jj
+    visible = (i == j) | (d > 0)
     if window > 0:
-        dist = (rows - cols) if causal else (rows - cols).abs()
-        valid = valid & (dist <= window)
-    return valid
+        visible = visible & (d <= window)
+    if c > 0:
+        visible = visible | ((ii == 0) & (jj < m))
+    return valid & visible[:, None]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -158,7 +198,7 @@ def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, d
     return c.reshape(B, 1, 1, 1)
 
 
-def _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window):
+def _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len):
     """(s with 0 at invalid pairs, valid (B, 1, Lq, Lk), zeroed q (B, H, Lq, D), zeroed k), compute dtype."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
@@ -166,7 +206,9 @@ def _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window):
     qf = _zero_invalid_rows(q.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
     kf = _zero_invalid_rows(k.to(cdt), _row_mask(kv_lengths, B, Lk, k.device))
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    valid = valid_pair_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, window, q.device)
+    valid = valid_pair_mask(
+        q_lengths, kv_lengths, B, Lq, Lk, causal, window, q.device, num_targets, contextual_len
+    )
     if bias is not None:
         s = s + torch.where(valid, bias.to(cdt), s.new_zeros(()))
     s = torch.where(valid, s, s.new_zeros(()))
@@ -186,12 +228,16 @@ def reference_gdpa_forward(
     divide_by_kv_length: bool,
     causal: bool,
     window: int,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ) -> Tensor:
     """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype."""
     act = activation_fn(activation)
     B, _, Lk, _ = k.shape
     cdt = _compute_dtype(q.dtype)
-    s, valid, _, _ = _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window)
+    s, valid, _, _ = _scores(
+        q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len
+    )
     a = torch.where(valid, act(s), s.new_zeros(()))
     vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
     c = _output_scale(kv_lengths, B, Lk, out_scale, divide_by_kv_length, cdt, q.device)
@@ -214,13 +260,17 @@ def reference_gdpa_backward(
     causal: bool,
     window: int,
     bias_requires_grad: bool,
+    num_targets: Optional[Tensor] = None,
+    contextual_len: int = 0,
 ):
     """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad."""
     act, act_grad = activation_fn(activation), activation_grad_fn(activation)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = _compute_dtype(q.dtype)
-    s, valid, qf, kf = _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window)
+    s, valid, qf, kf = _scores(
+        q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len
+    )
     zero = s.new_zeros(())
     a = torch.where(valid, act(s), zero)
     vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))

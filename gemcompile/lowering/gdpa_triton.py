@@ -15,6 +15,17 @@ that need the pair mask at its start (window edge), unmasked tiles in the middle
 valid: no mask, no masked loads) and masked tiles at its end (kv_len, diagonal, window edge). The
 backward's key tiles visit query tiles by the mirrored rules.
 
+HSTU's target mask and contextual prefix (HAS_TARGETS: num_targets (B,) read per sequence, used as given;
+HAS_CONTEXT: contextual_len > 0, a runtime int; both causal) mask pairs on clamped ids (gdpa.py). Let u
+be the number of history keys (u = kv_len - t when kv_len - t >= contextual_len, else 0, clamped into
+[0, kv_len]): a key j < u is seen by every row i > j and by the contextual rows i < contextual_len; a
+target key j >= u only by itself. Hence: keys never exceed the causal bound (j <= the tile's last row)
+except for query tiles holding contextual rows, which also visit [0, u); unmasked tiles lie below u (and
+the diagonal); the dK/dV kernel visits, for a key tile starting below u, the query tiles of the
+contextual rows before its causal start (masked) too. The clamped ids make the window's far bound (the
+start of the key range, the end of the query range) non-trivial: with targets or a prefix it is not
+used to skip tiles (the unmasked window bounds stay valid: the clamped distance never exceeds i - j).
+
 Forward (``_gdpa_fwd_kernel``): one program per (query tile, batch*head), 1-D grid of static size.
 acc = sum_j act(s_ij) v_j in fp32, out = c_b * acc with c_b = out_scale (/ kv_len_b).
 
@@ -88,8 +99,9 @@ _DKDV_CONFIGS = _configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = _configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself.
 # DIVIDE (a per-program scalar) does not change the cost: not part of the key.
+# HAS_TARGETS / HAS_CONTEXT are flags only (never the contextual length nor the number of targets).
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL", "HAS_WINDOW",
-                 "ACT", "DOT_PRECISION"]
+                 "HAS_TARGETS", "HAS_CONTEXT", "ACT", "DOT_PRECISION"]
 
 
 def activation_code(name: str) -> int:
@@ -154,36 +166,92 @@ def _act_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _pair_mask(i, j, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Valid pairs, from broadcastable 2-D query indices i and key indices j (e.g. rows[:, None] and
-    cols[None, :]; the dK/dV kernel passes them the other way round, so no transpose is needed)."""
-    valid = (i < q_len) & (j < kv_len)
-    if CAUSAL:
-        valid = valid & (j <= i)
+def _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW: tl.constexpr,
+                     HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
+    """HSTU's causal visibility on clamped ids (targets, contextual prefix); see gdpa.py."""
+    ii = i
+    jj = j
+    m = kv_len
+    if HAS_CONTEXT:
+        ii = tl.maximum(i - ctx + 1, 0)
+        jj = tl.maximum(j - ctx + 1, 0)
+        m = kv_len - ctx + 1
+    if HAS_TARGETS:
+        m = m - n_targets
+        ii = tl.minimum(ii, m)
+        jj = tl.minimum(jj, m)
+    d = ii - jj
+    visible = (i == j) | (d > 0)
     if HAS_WINDOW:
-        dist = i - j
+        visible = visible & (d <= window)
+    if HAS_CONTEXT:
+        visible = visible | ((ii == 0) & (jj < m))
+    return visible
+
+
+@triton.jit
+def _pair_mask(i, j, q_len, kv_len, window, n_targets, ctx, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
+    """Valid pairs, from broadcastable 2-D query indices i and key indices j (e.g. rows[:, None] and
+    cols[None, :]; the dK/dV kernel passes them the other way round, so no transpose is needed).
+    n_targets (this sequence's targets) and ctx (the contextual length) are read only under their flag."""
+    valid = (i < q_len) & (j < kv_len)
+    # two arms rather than `HAS_TARGETS or HAS_CONTEXT`: no boolean operator on constexprs in device code
+    if HAS_TARGETS:  # (causal implied)
+        valid = valid & _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW, HAS_TARGETS,
+                                         HAS_CONTEXT)
+    elif HAS_CONTEXT:
+        valid = valid & _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW, HAS_TARGETS,
+                                         HAS_CONTEXT)
+    else:
         if CAUSAL:
-            valid = valid & (dist <= window)
-        else:
-            valid = valid & (dist <= window) & (dist >= -window)
+            valid = valid & (j <= i)
+        if HAS_WINDOW:
+            dist = i - j
+            if CAUSAL:
+                valid = valid & (dist <= window)
+            else:
+                valid = valid & (dist <= window) & (dist >= -window)
     return valid
 
 
 @triton.jit
-def _key_range(m0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _history_len(kv_len, n_targets, ctx, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
+    """u in [0, kv_len]: with targets or a contextual prefix (causal), a key j < u is seen by every row
+    i > j and by the contextual rows i < ctx; keys j >= u (the targets) only by themselves. u = kv_len - t
+    when kv_len - t >= ctx (clamped id m >= 1), else 0; kv_len without either."""
+    u = kv_len
+    if HAS_TARGETS:
+        u = kv_len - n_targets
+    if HAS_CONTEXT:
+        u = tl.where(u >= ctx, u, 0)
+    return tl.minimum(tl.maximum(u, 0), kv_len)
+
+
+@triton.jit
+def _key_range(m0, q_len, kv_len, window, u, ctx, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """Key tiles of query tile [m0, m0 + BLOCK_M) (m0 < q_len): (lo, mid_lo, mid_hi, hi); tiles in
-    [mid_lo, mid_hi) need no mask. lo and mid_lo are multiples of BLOCK_N (or mid_lo = hi)."""
+    [mid_lo, mid_hi) need no mask. lo and mid_lo are multiples of BLOCK_N (or mid_lo = hi). u: see
+    _history_len (kv_len without targets and contextual prefix)."""
     last_row = tl.minimum(m0 + BLOCK_M, q_len) - 1  # the last valid row of the tile
     hi = kv_len
-    mid_hi = (kv_len // BLOCK_N) * BLOCK_N
+    mid_hi = (u // BLOCK_N) * BLOCK_N  # target keys (j >= u) always need the mask
     lo = m0 * 0
     mid_lo = lo
     if CAUSAL:
         hi = tl.minimum(hi, last_row + 1)
         mid_hi = tl.minimum(mid_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N)  # cols <= the first row m0
+    if HAS_CONTEXT:  # a tile with contextual rows (i < ctx) sees every history key, also j > i
+        hi = tl.where(m0 < ctx, tl.maximum(hi, u), hi)
     if HAS_WINDOW:
         lo = (tl.maximum(m0 - window, 0) // BLOCK_N) * BLOCK_N
+        # clamped ids: a target or a row after the prefix may see keys j < i - window (no start bound)
+        if HAS_TARGETS:
+            lo = m0 * 0
+        if HAS_CONTEXT:
+            lo = m0 * 0
         # unmasked: the last row of the tile (m0 + BLOCK_M - 1) is within the window of the first col
         mid_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - window, 0), BLOCK_N) * BLOCK_N
         if not CAUSAL:
@@ -196,10 +264,12 @@ def _key_range(m0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.c
 
 
 @triton.jit
-def _query_range(n0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_range(n0, q_len, kv_len, window, u, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """Query tiles of key tile [n0, n0 + BLOCK_N) (n0 < kv_len): (lo, mid_lo, mid_hi, hi) as above, in
-    multiples of BLOCK_M. No unmasked tiles when the key tile is the last, partial one."""
+    multiples of BLOCK_M. No unmasked tiles when the key tile is the last, partial one or holds target
+    keys (j >= u). The contextual rows i < ctx before lo are not in this range (see the dK/dV kernel)."""
     last_col = tl.minimum(n0 + BLOCK_N, kv_len) - 1
     hi = q_len
     mid_hi = (q_len // BLOCK_M) * BLOCK_M
@@ -209,13 +279,19 @@ def _query_range(n0, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl
         lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
         mid_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M  # rows >= the last col of the tile
     if HAS_WINDOW:
-        hi = tl.minimum(hi, last_col + window + 1)  # rows i <= j + window
+        hi_window = tl.minimum(hi, last_col + window + 1)  # rows i <= j + window
+        # clamped ids: a target or a row after the prefix may see keys j < i - window (no end bound)
+        if HAS_TARGETS:
+            hi_window = hi
+        if HAS_CONTEXT:
+            hi_window = hi
+        hi = hi_window
         mid_hi = tl.minimum(mid_hi, ((n0 + window + 1) // BLOCK_M) * BLOCK_M)  # rows <= n0 + window
         if not CAUSAL:
             lo = (tl.maximum(n0 - window, 0) // BLOCK_M) * BLOCK_M
             mid_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - window, 0), BLOCK_M) * BLOCK_M
-    if n0 + BLOCK_N > kv_len:
-        mid_hi = lo  # the last key tile: every query tile needs the key mask
+    if n0 + BLOCK_N > u:
+        mid_hi = lo  # the last key tile or target keys (u <= kv_len): every query tile needs the mask
     hi = tl.maximum(hi, lo)
     mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
@@ -235,11 +311,11 @@ def _output_scale(out_scale, kv_len, DIVIDE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-               stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, hi,
+def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
+               ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, hi,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+               ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -247,7 +323,8 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
         k = _load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
+                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                   + cols.to(tl.int64)[None, :] * stride_zn)
@@ -268,22 +345,26 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
 @triton.jit
 def _gdpa_fwd_kernel(
     Q, K, V, Bias, Out,
-    QLengths, KVLengths, Order,
+    QLengths, KVLengths, NumTargets, Order,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, max_q_len, max_kv_len, scale, out_scale, window,
+    H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
-    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
     _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    n_targets = b * 0
+    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
+        n_targets = tl.load(NumTargets + b).to(tl.int32)
+    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -304,17 +385,21 @@ def _gdpa_fwd_kernel(
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, u, contextual_len, CAUSAL, HAS_WINDOW,
+                                        HAS_TARGETS, HAS_CONTEXT, BLOCK_M, BLOCK_N)
     if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
         acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                         stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, mid_lo,
-                         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_N)
-    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                     stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, mid_lo, mid_hi,
-                     HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, False, DOT_PRECISION, BLOCK_N)
-    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                     stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, mid_hi, hi,
-                     HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_N)
+                         n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
+                         stride_zn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
+                     contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
+                     mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT,
+                     ACT, False, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
+                     contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
+                     mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT,
+                     True, DOT_PRECISION, BLOCK_N)
     c = _output_scale(out_scale, kv_len, DIVIDE)
     out = tl.where(row_ok[:, None], acc * c, 0.0)
     _store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_rows, HEAD_D)
@@ -325,11 +410,11 @@ def _gdpa_fwd_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window, n_targets, ctx,
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Transposed tiles: rows are keys (BLOCK_N), columns are queries (BLOCK_M)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -338,7 +423,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
         do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid_t = _pair_mask(rows[None, :], offs_n[:, None], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+            valid_t = _pair_mask(rows[None, :], offs_n[:, None], q_len, kv_len, window, n_targets, ctx,
+                                 CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = z_base + (rows.to(tl.int64)[None, :] * stride_zm
                                + offs_n.to(tl.int64)[:, None] * stride_zn)
@@ -363,24 +449,28 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
 @triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, DK, DV,
-    QLengths, KVLengths, Order,
+    QLengths, KVLengths, NumTargets, Order,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    H, max_q_len, max_kv_len, scale, out_scale, window,
+    H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
-    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
     _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
     _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    n_targets = b * 0
+    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
+        n_targets = tl.load(NumTargets + b).to(tl.int32)
+    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
@@ -405,19 +495,30 @@ def _gdpa_bwd_dkdv_kernel(
                    HEAD_D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, mid_lo, mid_hi, hi = _query_range(n0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _query_range(n0, q_len, kv_len, window, u, CAUSAL, HAS_WINDOW, HAS_TARGETS,
+                                          HAS_CONTEXT, BLOCK_M, BLOCK_N)
+    if HAS_CONTEXT:
+        # the contextual rows i < ctx see every history key (j < u), also keys j > i: the query tiles
+        # holding them that lie before the causal start lo (masked; none when the tile has no history key)
+        ctx_hi = tl.minimum(tl.cdiv(tl.minimum(q_len, contextual_len), BLOCK_M) * BLOCK_M, lo)
+        ctx_hi = tl.where(n0 < u, ctx_hi, 0)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
+                             n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
+                             stride_zn, scale, lo * 0, ctx_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                             HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
     # masked query tiles before the unmasked ones (the diagonal, the window's edge; empty otherwise)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
-                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, lo,
-                         mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION,
-                         BLOCK_M)
+                         n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
+                         stride_zn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
-                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, mid_lo,
-                         mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, False, DOT_PRECISION,
-                         BLOCK_M)
+                         n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
+                         stride_zn, scale, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                         HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
-                         stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, mid_hi, hi,
-                         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, ACT, True, DOT_PRECISION, BLOCK_M)
+                         n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
+                         stride_zn, scale, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
     c = _output_scale(out_scale, kv_len, DIVIDE)
     _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_rows, HEAD_D)
     _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_rows, HEAD_D)
@@ -425,9 +526,10 @@ def _gdpa_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-              stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c, lo, hi,
-              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+              n_targets, ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm,
+              scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
@@ -437,7 +539,8 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
         v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
+                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                + cols.to(tl.int64)[None, :] * stride_zn)
@@ -462,7 +565,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
 @triton.jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, Bias, DO, DQ, DS,
-    QLengths, KVLengths, Order,
+    QLengths, KVLengths, NumTargets, Order,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -470,16 +573,20 @@ def _gdpa_bwd_dq_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
-    H, max_q_len, max_kv_len, scale, out_scale, window,
+    H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
     _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    n_targets = b * 0
+    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
+        n_targets = tl.load(NumTargets + b).to(tl.int32)
+    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -504,20 +611,22 @@ def _gdpa_bwd_dq_kernel(
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
     c = _output_scale(out_scale, kv_len, DIVIDE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, u, contextual_len, CAUSAL, HAS_WINDOW,
+                                        HAS_TARGETS, HAS_CONTEXT, BLOCK_M, BLOCK_N)
     if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
         dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
-                       window, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm,
-                       scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT,
-                       True, DOT_PRECISION, BLOCK_N)
+                       window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
+                       stride_zm, stride_zn, stride_sm, scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS,
+                       BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION,
+                       BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c,
-                   mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT, False,
-                   DOT_PRECISION, BLOCK_N)
+                   n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
+                   stride_zn, stride_sm, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
+                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, scale, c,
-                   mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, ACT, True,
-                   DOT_PRECISION, BLOCK_N)
+                   n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
+                   stride_zn, stride_sm, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL,
+                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N)
     dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
     _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_rows, HEAD_D)
 
@@ -547,10 +656,11 @@ def _bias_args(bias, q, B, H, Lq, Lk):
     return bias, bias.expand(B, H, Lq, Lk).stride()
 
 
-def _flags(q, D, q_side, kv_side, has_bias, activation, causal, window, divide):
+def _flags(q, D, q_side, kv_side, has_bias, activation, causal, window, divide, has_targets, contextual_len):
     return dict(HEAD_D=D, BLOCK_D=_block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
-                CAUSAL=bool(causal), HAS_WINDOW=int(window) > 0, ACT=activation_code(activation),
-                DIVIDE=bool(divide), DOT_PRECISION=_dot_precision(q.dtype))
+                CAUSAL=bool(causal), HAS_WINDOW=int(window) > 0, HAS_TARGETS=bool(has_targets),
+                HAS_CONTEXT=int(contextual_len) > 0, ACT=activation_code(activation), DIVIDE=bool(divide),
+                DOT_PRECISION=_dot_precision(q.dtype))
 
 
 def _check_window(window) -> int:
@@ -560,10 +670,23 @@ def _check_window(window) -> int:
     return window
 
 
+def _check_hstu(causal, num_targets, contextual_len) -> int:
+    """The contextual length as an int; the loop bounds of targets / a contextual prefix assume causal."""
+    contextual_len = int(contextual_len)
+    if contextual_len < 0:
+        raise ValueError(f"contextual_len must be >= 0, got {contextual_len}")
+    if (num_targets is not None or contextual_len > 0) and not causal:
+        raise ValueError("num_targets and contextual_len > 0 require causal=True")
+    return contextual_len
+
+
 def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float, out_scale: float,
-                        divide_by_kv_length: bool, causal: bool, window: int):
-    """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype."""
+                        divide_by_kv_length: bool, causal: bool, window: int, num_targets=None,
+                        contextual_len: int = 0):
+    """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
+    num_targets (B,) int or None, contextual_len >= 0: HSTU's target mask and contextual prefix (causal)."""
     window = _check_window(window)
+    contextual_len = _check_hstu(causal, num_targets, contextual_len)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
@@ -579,20 +702,22 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
+    targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
     _launch(_gdpa_fwd_kernel, grid, (
-        q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, order,
+        q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order,
         *_bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(),
-        H, Lq, Lk, float(scale), float(out_scale), window, *buckets,
-    ), _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window, divide_by_kv_length),
-        buckets)
+        H, Lq, Lk, float(scale), float(out_scale), window, contextual_len, *buckets,
+    ), _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window, divide_by_kv_length,
+              num_targets is not None, contextual_len), buckets)
     return out
 
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float,
                          out_scale: float, divide_by_kv_length: bool, causal: bool, window: int,
-                         bias_requires_grad: bool):
+                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics)."""
     window = _check_window(window)
+    contextual_len = _check_hstu(causal, num_targets, contextual_len)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     shared_q = q.shape[0] != B
@@ -609,9 +734,10 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
         else:
             ds_t, ds_strides = ds, ds.stride()[:3]
         flags = _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window,
-                       divide_by_kv_length)
+                       divide_by_kv_length, num_targets is not None, contextual_len)
         buckets = (length_bucket(Lq), length_bucket(Lk))
-        scalars = (H, Lq, Lk, float(scale), float(out_scale), window, *buckets)
+        scalars = (H, Lq, Lk, float(scale), float(out_scale), window, contextual_len, *buckets)
+        targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
         q_strides = _bhld_strides(q, shared_q)
         # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
         kv_order = _order_by(kv_side, q_side, B, q.device)
@@ -620,11 +746,11 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
         else:
             q_order = _order_by(q_side, kv_side, B, q.device)
         _launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
-            q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, q_order,
+            q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(),
             *scalars), flags, buckets)
         _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
-            q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, kv_order,
+            q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
             *ds_strides, *scalars), dict(flags, BIAS_GRAD=bias_grad), buckets)
     else:

@@ -77,11 +77,12 @@ def make_case(
     return q, k, v, ql, kl, bias
 
 
-def run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad=True):
+def run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad=True, hstu=(None, 0)):
+    """hstu: (num_targets, contextual_len), the op's two trailing arguments."""
     # detach (not clone): permuted and expanded views must reach the op with their strides
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     b = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
-    out = ops.gdpa(*leaves, ql, kl, b, *args)
+    out = ops.gdpa(*leaves, ql, kl, b, *args, *hstu)
     out.backward(grad_out)
     grads = [x.grad for x in leaves] + [None if (b is None or not bias_grad) else b.grad]
     return out.detach(), grads
@@ -101,18 +102,21 @@ def check_case(
     out_scale=1.0,
     bias_grad=True,
     seed=1,
+    num_targets=None,
+    contextual_len=0,
 ):
     dtype = q.dtype
     D = q.shape[-1]
     args = (activation, 1 / math.sqrt(D), out_scale, divide, causal, window)
+    hstu = (num_targets, contextual_len)
     grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=torch.Generator().manual_seed(seed)).to(
         DEV, dtype
     )
-    out, grads = run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad)
+    out, grads = run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad, hstu)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args, *hstu)
     ref = reference_gdpa_backward(
-        grad_out.double(), *d64[:3], ql, kl, d64[3], *args, bias is not None and bias_grad
+        grad_out.double(), *d64[:3], ql, kl, d64[3], *args, bias is not None and bias_grad, *hstu
     )
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
@@ -334,3 +338,165 @@ def test_eager_path_and_custom_ops_agree_bitwise(single_config):
     via_ops = grads(lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args))
     for a, b in zip(fast, via_ops):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU's target mask (num_targets) and contextual prefix (contextual_len): causal self-attention
+
+
+def hstu_targets(kl, g, dtype=torch.int64):
+    """Per sequence (make_case's kv lengths 0, 1, L, L // 2 | 1, L - 1, ...): 0, all (t == n), 1, all
+    (t == n, a long sequence of targets only), then uniform in [0, n]."""
+    t = []
+    for i, n in enumerate(kl.cpu().tolist()):
+        special = [0, n, min(1, n), n]
+        t.append(special[i] if i < len(special) else int(torch.randint(0, n + 1, (1,), generator=g)))
+    return torch.tensor(t, dtype=dtype, device=DEV)
+
+
+def hstu_case(B, H, L, D, dtype, bias_shape=None, same_lengths=True, seed=0):
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, bias_shape=bias_shape, seed=seed)
+    nt = hstu_targets(kl, torch.Generator().manual_seed(seed + 1))
+    return q, k, v, (kl if same_lengths else ql), kl, bias, nt
+
+
+HSTU_CASES = [  # dtype, D, L, activation, targets, contextual_len, window, bias, same q/kv lengths, divide
+    (torch.bfloat16, 64, 517, "silu", True, 0, 0, None, True, True),
+    (torch.bfloat16, 64, 517, "silu", False, 5, 0, "heads_keys", True, False),
+    (torch.bfloat16, 128, 700, "gelu", True, 1, 0, "full", True, True),
+    (torch.bfloat16, 64, 1024, "relu_squared", True, 150, 0, None, False, False),  # prefix over tiles
+    (torch.bfloat16, 32, 600, "sigmoid", True, 3, 64, "batch_keys", True, True),
+    (torch.bfloat16, 128, 333, "gelu_tanh", False, 90, 40, None, False, True),
+    (torch.bfloat16, 64, 300, "identity", True, 0, 100, "full", True, False),
+    (torch.float16, 64, 517, "silu", True, 7, 0, "heads_keys", True, True),
+    (torch.float32, 64, 400, "gelu", True, 70, 33, "full", False, True),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    HSTU_CASES,
+    ids=lambda c: (
+        f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{c[3]}-{'targets' if c[4] else 'no_targets'}-ctx{c[5]}-w{c[6]}"
+        f"-bias_{c[7]}"
+    ),
+)
+def test_targets_and_contextual(single_config, case):
+    dtype, D, L, act, with_targets, c, window, bias_kind, same_lengths, divide = case
+    B, H = 7, 2
+    q, k, v, ql, kl, bias, nt = hstu_case(
+        B, H, L, D, dtype, BIAS_SHAPES[bias_kind](B, H, L), same_lengths, seed=D + L + c
+    )
+    check_case(
+        q,
+        k,
+        v,
+        ql,
+        kl,
+        bias,
+        act,
+        True,
+        window,
+        divide,
+        num_targets=nt if with_targets else None,
+        contextual_len=c,
+    )
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_targets_and_contextual_every_autotune_config(monkeypatch, D):
+    """The HSTU loop bounds under each config the autotuner may pick (bf16, causal, targets, prefix)."""
+    head = "small" if D <= 64 else "large"
+    fwd = [c for c, heads in kernels._FWD_SHAPES.items() if head in heads]
+    dkdv = [c for c, heads in kernels._DKDV_SHAPES.items() if head in heads]
+    dq = [c for c, heads in kernels._DQ_SHAPES.items() if head in heads]
+    q, k, v, ql, kl, bias, nt = hstu_case(6, 2, 512, D, torch.bfloat16, (1, 2, 512, 512), seed=D)
+    for i in range(max(len(fwd), len(dkdv), len(dq))):
+        _pin(monkeypatch, fwd[i % len(fwd)], dkdv[i % len(dkdv)], dq[i % len(dq)])
+        check_case(q, k, v, ql, kl, bias, "silu", True, 0, True, num_targets=nt, contextual_len=70)
+        check_case(q, k, v, ql, kl, None, "gelu", True, 50, False, num_targets=nt.int(), contextual_len=3)
+
+
+def test_targets_eager_path_and_custom_ops_agree_bitwise(single_config):
+    q, k, v, ql, kl, bias, nt = hstu_case(5, 2, 300, 64, torch.bfloat16, (1, 2, 300, 300), seed=3)
+    g = torch.randn(5, 2, 300, 64, device=DEV, dtype=torch.bfloat16)
+    args = ("gelu_tanh", 0.125, 2.0, True, True, 50, nt, 4)
+
+    def grads(call):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+        out = call(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = grads(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args))
+    via_ops = grads(lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args))
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)
+    again = grads(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args))  # deterministic
+    for a, b in zip(fast, again):
+        assert torch.equal(a, b)
+
+
+def test_targets_no_host_sync(single_config):
+    q, k, v, ql, kl, bias, nt = hstu_case(6, 2, 512, 64, torch.bfloat16, (1, 2, 512, 512))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def step():
+        out = ops.gdpa(*leaves[:3], ql, kl, leaves[3], "silu", 0.125, 1.0, True, True, 64, nt, 8)
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_strict_checks_num_targets_on_cuda(single_config):
+    q, k, v, _, kl, _, _ = hstu_case(3, 2, 64, 64, torch.float16)
+    kl = torch.tensor([64, 10, 0], device=DEV)
+    wild = torch.tensor([3, 11, 0], device=DEV)  # t > n for sequence 1: used as given, no check by default
+    args = ("silu", 0.125, 1.0, True, True, 0)
+    out = ops.gdpa(q, k, v, kl, kl, None, *args, wild, 2)
+    ref = reference_gdpa_forward(q.double(), k.double(), v.double(), kl, kl, None, *args, wild, 2)
+    assert rel(out, ref) < TOL[torch.float16][0]
+    with strict_length_checks(True):
+        with pytest.raises(ValueError, match=r"num_targets\[1\]"):
+            ops.gdpa(q, k, v, kl, kl, None, *args, wild, 2)
+
+
+def test_flop_counter_with_targets_on_cuda(single_config):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gemcompile.lowering.gdpa_reference import valid_pair_mask
+
+    q, k, v, ql, kl, _, nt = hstu_case(4, 2, 128, 64, torch.bfloat16)
+    q.requires_grad_(True)
+    pairs = int(valid_pair_mask(ql, kl, 4, 128, 128, True, 9, DEV, nt, 5).sum())
+    with FlopCounterMode(display=False) as counter:
+        ops.gdpa(q, k, v, ql, kl, None, "silu", 0.125, 1.0, False, True, 9, nt, 5).sum().backward()
+    assert counter.get_total_flops() == int(3.5 * 4 * 2 * 64 * pairs)
+
+
+def test_compile_fullgraph_with_targets(single_config):
+    B, H, L, D = 6, 2, 256, 64
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, torch.bfloat16, bias_shape=(1, H, L, L))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, bias, kl, nt):
+        out = ops.gdpa(q, k, v, kl, kl, bias, "silu", 0.125, 1.0, True, True, 32, nt, 4)
+        return out.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            kl = torch.randint(0, L + 1, (B,), generator=g)
+            nt = (torch.rand(B, generator=g) * (kl + 1)).long().to(DEV)
+            kl = kl.to(DEV)
+            got = torch.autograd.grad(compiled(*leaves, kl, nt), leaves)
+            want = torch.autograd.grad(f(*leaves, kl, nt), leaves)
+            for a, b in zip(got, want):
+                assert rel(a, b) < 1e-2

@@ -670,3 +670,454 @@ def test_scale_default_matches_math():
         gdpa(q, k, v, activation="identity"),
         ops.gdpa(q, k, v, None, None, None, "identity", 1 / math.sqrt(16), 1.0, False, False, 0),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU's target mask (num_targets) and contextual prefix (contextual_len)
+
+
+def hstu_keeps(i, j, n, t, c, window):
+    """The clamped-id rule of gdpa.py for one pair (i < q_len and j < n are checked by the caller);
+    t is None without num_targets."""
+    ii, jj, m = i, j, n
+    if c > 0:
+        ii, jj, m = max(i - c + 1, 0), max(j - c + 1, 0), n - c + 1
+    if t is not None:
+        m = m - t
+        ii, jj = min(ii, m), min(jj, m)
+    d = ii - jj
+    visible = i == j or d > 0
+    if window > 0:
+        visible = visible and d <= window
+    if c > 0:
+        visible = visible or (ii == 0 and jj < m)
+    return visible
+
+
+def direct_hstu_gdpa(
+    q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, window, num_targets, c
+):
+    """Differentiable float64 oracle (causal), independent of the reference: a loop over (b, i, j)."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    full_bias = None if bias is None else bias.expand(B, H, Lq, Lk)
+    outs = []
+    for b in range(B):
+        ql, n = clamp_len(q_lengths, b, Lq), clamp_len(kv_lengths, b, Lk)
+        t = None if num_targets is None else int(num_targets[b])
+        keep = torch.zeros(Lq, Lk, dtype=q.dtype)
+        for i in range(ql):
+            for j in range(n):
+                keep[i, j] = float(hstu_keeps(i, j, n, t, c, window))
+        s = scale * q[b] @ k[b].transpose(-1, -2)
+        if full_bias is not None:
+            s = s + full_bias[b]
+        a = torch.where(keep.bool(), ACTS[activation](torch.where(keep.bool(), s, 0.0)), 0.0)
+        cb = out_scale / max(n, 1) if divide else out_scale
+        outs.append(cb * a @ v[b])
+    return torch.stack(outs)
+
+
+HSTU_LENGTHS = {"kv": [9, 7, 0, 1, 5, 9], "q": [9, 5, 0, 1, 5, 4]}
+HSTU_TARGETS = {
+    None: None,
+    "zero": [0, 0, 0, 0, 0, 0],
+    "one": [1, 1, 0, 1, 1, 1],
+    "several": [3, 7, 0, 1, 2, 9],  # t == n for batches 1, 3 and 5
+}
+
+
+def hstu_case(targets, with_q_lengths, seed, bias_shape=(6, 2, 9, 9), dtype=torch.float64):
+    q, k, v, ql, kl, bias = make_case(
+        6,
+        2,
+        9,
+        9,
+        16,
+        dtype=dtype,
+        bias_shape=bias_shape,
+        seed=seed,
+        lengths=(HSTU_LENGTHS["q"], HSTU_LENGTHS["kv"]),
+    )
+    nt = None if HSTU_TARGETS[targets] is None else torch.tensor(HSTU_TARGETS[targets])
+    return q, k, v, (ql if with_q_lengths else None), kl, bias, nt
+
+
+def check_hstu_against_direct(q, k, v, ql, kl, bias, nt, c, activation, window, divide=False, out_scale=1.0):
+    args = (activation, 0.3, out_scale, divide, True, window)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    out, grads = grads_of(
+        lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args, nt, c), (q, k, v, bias), grad_out
+    )
+    ref, ref_grads = grads_of(
+        lambda q, k, v, b: direct_hstu_gdpa(
+            q, k, v, ql, kl, b, activation, 0.3, out_scale, divide, window, nt, c
+        ),
+        (q, k, v, bias),
+        grad_out,
+    )
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for name, got, want in zip("q k v bias".split(), grads, ref_grads):
+        if want is None:
+            assert got is None
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"grad of {name}")
+    return out
+
+
+HSTU_CASES = [  # (targets, contextual_len): every combination but plain causal (covered above)
+    (t, c) for t in HSTU_TARGETS for c in (0, 1, 3) if not (t is None and c == 0)
+]
+
+
+@pytest.mark.parametrize("with_q_lengths", [False, True], ids=["no_q_lengths", "q_lengths"])
+@pytest.mark.parametrize("window", [0, 2], ids=["no_window", "window2"])
+@pytest.mark.parametrize("targets,contextual_len", HSTU_CASES, ids=lambda x: str(x))
+def test_targets_and_contextual_match_direct_float64(targets, contextual_len, window, with_q_lengths):
+    index = list(HSTU_TARGETS).index(targets) * 12 + contextual_len * 4 + window + with_q_lengths
+    activation = GDPA_ACTIVATIONS[index % len(GDPA_ACTIVATIONS)]
+    q, k, v, ql, kl, bias, nt = hstu_case(targets, with_q_lengths, seed=index)
+    bias.requires_grad_(True)
+    check_hstu_against_direct(
+        q, k, v, ql, kl, bias, nt, contextual_len, activation, window, divide=bool(index % 2), out_scale=1.5
+    )
+
+
+@pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
+def test_targets_and_contextual_every_activation(activation):
+    q, k, v, ql, kl, bias, nt = hstu_case("several", True, seed=len(activation), bias_shape=(1, 2, 9, 9))
+    check_hstu_against_direct(q, k, v, ql, kl, bias, nt, 2, activation, 3, divide=True)
+
+
+def test_contextual_longer_than_sequences_and_int32_targets():
+    """c > n (m <= 0: only the diagonal), int32 num_targets, targets covering the whole sequence."""
+    q, k, v, ql, kl, bias, _ = hstu_case(None, False, seed=3)
+    nt = torch.tensor([9, 0, 0, 1, 5, 2], dtype=torch.int32)
+    for c in (6, 9, 12):
+        out = check_hstu_against_direct(q, k, v, ql, kl, bias, nt, c, "sigmoid", 0)
+        assert not out.isnan().any()
+
+
+def test_valid_pair_mask_targets_and_contextual():
+    g = torch.Generator().manual_seed(0)
+    B, L = 4, 8
+    for trial in range(12):
+        kl = torch.randint(0, L + 1, (B,), generator=g)
+        ql = torch.randint(0, L + 1, (B,), generator=g) if trial % 2 else None
+        nt = (
+            torch.stack([torch.randint(0, int(n) + 1, (1,), generator=g)[0] for n in kl])
+            if trial % 3
+            else None
+        )
+        c, window = trial % 4, (0, 1, 3)[trial % 3]
+        mask = valid_pair_mask(ql, kl, B, L, L, True, window, "cpu", nt, c)
+        assert mask.shape == (B, 1, L, L)
+        for b in range(B):
+            n, qn = int(kl[b]), clamp_len(ql, b, L)
+            t = None if nt is None else int(nt[b])
+            want = [
+                [i < qn and j < n and hstu_keeps(i, j, n, t, c, window) for j in range(L)] for i in range(L)
+            ]
+            assert mask[b, 0].tolist() == want, (trial, b)
+
+
+def test_zero_targets_without_prefix_is_plain_causal():
+    q, k, v, ql, kl, bias, nt = hstu_case("zero", True, seed=12)
+    ql = kl  # (rows past kv_len would clamp under a window)
+    for window in (0, 2):
+        args = ("gelu", 0.3, 1.0, False, True, window)
+        torch.testing.assert_close(
+            ops.gdpa(q, k, v, ql, kl, bias, *args, nt, 0),
+            ops.gdpa(q, k, v, ql, kl, bias, *args),
+            rtol=0,
+            atol=0,
+        )
+    args = ("gelu", 0.3, 1.0, False, True, 0)  # the defaults
+    torch.testing.assert_close(
+        ops.gdpa(q, k, v, ql, kl, bias, *args, None, 0),
+        ops.gdpa(q, k, v, ql, kl, bias, *args),
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        gdpa(q, k, v, ql, kl, bias, "gelu", 0.3, causal=True, num_targets=nt, contextual_len=0),
+        ops.gdpa(q, k, v, ql, kl, bias, *args),
+    )
+
+
+def test_targets_only_see_history_and_themselves():
+    """Changing a target's k/v changes no other row's output; the contextual rows see the whole history."""
+    q, k, v, _, kl, _, nt = hstu_case("several", False, seed=5)
+    args = ("silu", 0.3, 1.0, False, True, 0)
+    out = ops.gdpa(q, k, v, kl, kl, None, *args, nt, 2)
+    b, n, t = 0, int(kl[0]), int(nt[0])  # targets of batch 0: positions 6, 7, 8
+    k2, v2 = k.clone(), v.clone()
+    k2[b, :, n - 1], v2[b, :, n - 1] = 5.0, -3.0
+    out2 = ops.gdpa(q, k2, v2, kl, kl, None, *args, nt, 2)
+    changed = (out2 - out).abs().amax(dim=(1, 3))[b] > 0
+    assert changed.tolist() == [i == n - 1 for i in range(9)]
+    k3 = k.clone()
+    k3[b, :, n - t - 1] = 5.0  # the last history key: seen by the contextual rows 0, 1 and every later row
+    out3 = ops.gdpa(q, k3, v, kl, kl, None, *args, nt, 2)
+    changed = (out3 - out).abs().amax(dim=(1, 3))[b] > 0
+    assert changed.tolist() == [i in (0, 1) or i >= n - t - 1 for i in range(9)]
+
+
+def test_gradcheck_float64_targets_and_contextual():
+    q, k, v, ql, kl, bias, nt = hstu_case("several", True, seed=8, bias_shape=(6, 1, 1, 9))
+    inputs = [x.requires_grad_(True) for x in (q[:4, :1], k[:4, :1], v[:4, :1], bias[:4])]
+    for window, act in ((0, "gelu_tanh"), (2, "silu")):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, b: ops.gdpa(
+                q, k, v, ql[:4], kl[:4], b, act, 0.4, 1.3, True, True, window, nt[:4], 2
+            ),
+            inputs,
+            fast_mode=True,
+        )
+
+
+def _hstu_opcheck_cases():
+    q, k, v, ql, kl, bias, nt = hstu_case("several", True, seed=4, bias_shape=(1, 2, 9, 9))
+    bias.requires_grad_(True)
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    args = ("silu", 0.3, 1.0, True, True, 2)
+    g = torch.randn(6, 2, 9, 16, dtype=torch.float64)
+    return [
+        ("fwd_targets_ctx", ops.gdpa_fwd.default, (qr, kr, vr, ql, kl, bias, *args, nt, 3)),
+        ("fwd_targets_int32", ops.gdpa_fwd.default, (qr, kr, vr, None, kl, None, *args, nt.int(), 0)),
+        ("fwd_ctx", ops.gdpa_fwd.default, (qr, kr, vr, ql, kl, bias, *args, None, 2)),
+        ("bwd_targets_ctx", ops.gdpa_bwd.default, (g, q, k, v, ql, kl, bias.detach(), *args, True, nt, 1)),
+        (
+            "public_targets",
+            ops.gdpa.default,
+            (qr, kr, vr, ql, kl, bias, "gelu", 0.3, 1.0, False, True, 0, nt, 2),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _hstu_opcheck_cases(), ids=lambda c: c[0])
+def test_opcheck_targets_and_contextual(case):
+    _, op, args = case
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_eager_function_and_reference_with_targets():
+    q, k, v, ql, kl, bias, nt = hstu_case("several", True, seed=21)
+    args = ("gelu", 0.3, 1.5, True, True, 3)
+    g = torch.randn(q.shape, dtype=torch.float64)
+    out_fn, grads_fn = grads_of(
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, *args, nt, 2), (q, k, v, bias), g
+    )
+    out_op, grads_op = grads_of(
+        lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args, nt, 2), (q, k, v, bias), g
+    )
+    torch.testing.assert_close(out_fn, out_op, rtol=0, atol=0)
+    for a, b in zip(grads_fn, grads_op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(
+        reference_gdpa_forward(q, k, v, ql, kl, bias, *args, num_targets=nt, contextual_len=2), out_op
+    )
+    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias, *args, True, nt, 2)
+    for a, b in zip((dq, dk, dv, dbias), grads_op):
+        torch.testing.assert_close(a, b)
+
+
+def _good_hstu():
+    args = _good()
+    L = 6
+    q, k, v, ql, kl, bias = make_case(3, 2, L, L, 16, dtype=torch.float32, bias_shape=(1, 2, L, L), seed=1)
+    args.update(q=q, k=k, v=v, q_lengths=ql, kv_lengths=kl, bias=bias, causal=True, window=2)
+    args.update(num_targets=torch.minimum(torch.tensor([2, 0, 1]), kl), contextual_len=1)
+    return args
+
+
+BAD_HSTU_INPUTS = [
+    (
+        "targets not causal",
+        lambda a: a.update(causal=False),
+        ValueError,
+        "num_targets and contextual_len > 0 require causal=True",
+    ),
+    (
+        "contextual not causal",
+        lambda a: a.update(causal=False, num_targets=None),
+        ValueError,
+        "^contextual_len > 0 requires causal=True",
+    ),
+    (
+        "targets without kv_lengths",
+        lambda a: a.update(kv_lengths=None, num_targets=torch.zeros(3, dtype=torch.long)),
+        ValueError,
+        "require kv_lengths",
+    ),
+    (
+        "targets size",
+        lambda a: a.update(num_targets=torch.zeros(2, dtype=torch.long)),
+        ValueError,
+        "num_targets must be 1-D of size B = 3",
+    ),
+    (
+        "targets 2-D",
+        lambda a: a.update(num_targets=torch.zeros(3, 1, dtype=torch.long)),
+        ValueError,
+        "num_targets must be 1-D",
+    ),
+    (
+        "targets dtype",
+        lambda a: a.update(num_targets=torch.zeros(3)),
+        TypeError,
+        "num_targets must be an int32 or int64",
+    ),
+    (
+        "targets not a tensor",
+        lambda a: a.update(num_targets=[0, 0, 0]),
+        TypeError,
+        "num_targets must be a torch.Tensor",
+    ),
+    (
+        "targets device",
+        lambda a: a.update(num_targets=torch.zeros(3, dtype=torch.long, device="meta")),
+        ValueError,
+        "num_targets is on meta",
+    ),
+    (
+        "targets > kv length",
+        lambda a: a.update(num_targets=a["kv_lengths"] + torch.tensor([0, 1, 0])),
+        ValueError,
+        r"num_targets\[1\] = .* is outside \[0, ",
+    ),
+    (
+        "targets negative",
+        lambda a: a.update(num_targets=torch.tensor([0, 0, -1])),
+        ValueError,
+        r"num_targets\[2\] = -1",
+    ),
+    (
+        "negative contextual_len",
+        lambda a: a.update(contextual_len=-1),
+        ValueError,
+        "contextual_len must be >= 0",
+    ),
+    (
+        "contextual_len float",
+        lambda a: a.update(contextual_len=1.0),
+        TypeError,
+        "contextual_len must be an int",
+    ),
+    (
+        "contextual_len bool",
+        lambda a: a.update(contextual_len=True),
+        TypeError,
+        "contextual_len must be an int",
+    ),
+    (
+        "contextual_len None",
+        lambda a: a.update(contextual_len=None),
+        TypeError,
+        "contextual_len must be an int",
+    ),
+    ("shared queries", lambda a: a.update(q=a["q"][:1], q_lengths=None), ValueError, "no shared queries"),
+    (
+        "cross attention",
+        lambda a: a.update(q=a["q"][:, :, :4], q_lengths=None, bias=None),
+        ValueError,
+        "Lq == Lk",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD_HSTU_INPUTS, ids=lambda c: c[0])
+def test_bad_targets_and_contextual_raise_clear_errors(case):
+    _, mutate, exc, match = case
+    args = _good_hstu()
+    _call(**args)  # the good call works
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        _call(**args)
+
+
+def test_the_ops_check_targets_too():
+    a = _good_hstu()
+    base = (a["q"], a["k"], a["v"], a["q_lengths"], a["kv_lengths"], None, "silu", 0.3, 1.0, False)
+    with pytest.raises(ValueError, match="num_targets requires causal=True"):
+        ops.gdpa(*base, False, 0, a["num_targets"], 0)
+    with pytest.raises(ValueError, match="outside"):
+        ops.gdpa_fwd(*base, True, 0, a["num_targets"] + 10, 0)
+    with pytest.raises(ValueError, match="contextual_len must be >= 0"):
+        ops.gdpa_fwd(*base, True, 0, None, -3)
+
+
+def expected_hstu_pairs(ql, kl, B, L, window, nt, c):
+    total = 0
+    for b in range(B):
+        qn, n = clamp_len(ql, b, L), clamp_len(kl, b, L)
+        t = None if nt is None else int(nt[b])
+        total += sum(hstu_keeps(i, j, n, t, c, window) for i in range(qn) for j in range(n))
+    return total
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_flop_counter_counts_targets_and_contextual(window):
+    from gemcompile.lowering.gdpa_flops import gdpa_pairs
+
+    B, H, L, D = 6, 2, 9, 16
+    q, k, v, ql, kl, _, nt = hstu_case("several", True, seed=6)
+    for qls, nts, c in ((ql, nt, 0), (None, nt, 3), (ql, None, 2), (None, nt.int(), 12)):
+        pairs = expected_hstu_pairs(qls, kl, B, L, window, nts, c)
+        assert gdpa_pairs(qls, kl, B, L, L, True, window, nts, c) == pairs
+        qr = q.detach().requires_grad_(True)
+        with FlopCounterMode(display=False) as counter:
+            ops.gdpa(qr, k, v, qls, kl, None, "silu", 0.25, 1.0, True, True, window, nts, c).sum().backward()
+        counts = {str(k_): v_ for k_, v_ in counter.get_flop_counts()["Global"].items()}
+        assert counts["gemcompile.gdpa_fwd"] == 4 * H * D * pairs
+        assert counts["gemcompile.gdpa_bwd"] == 10 * H * D * pairs
+    # the closed-form count against the brute force on random lengths (targets used as given: t > n too)
+    g = torch.Generator().manual_seed(window)
+    for _ in range(20):
+        kl_r = torch.randint(0, L + 1, (B,), generator=g)
+        ql_r = torch.randint(0, L + 1, (B,), generator=g)
+        nt_r = torch.randint(-1, L + 2, (B,), generator=g)
+        c = int(torch.randint(0, 6, (1,), generator=g))
+        for nts in (nt_r, None):
+            if nts is None and c == 0:
+                continue
+            want = expected_hstu_pairs(ql_r, kl_r, B, L, window, nts, c)
+            assert gdpa_pairs(ql_r, kl_r, B, L, L, True, window, nts, c) == want
+
+
+def test_fake_targets_give_padded_count_and_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+        kl = torch.full((2,), 8, dtype=torch.long)
+        nt = torch.ones(2, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            out = ops.gdpa(q, k, v, None, kl, None, "relu", 0.25, 1.0, False, True, 2, nt, 3)
+        dq, dk, _, db = ops.gdpa_bwd(
+            out, q, k, v, None, kl, None, "relu", 0.1, 1.0, True, True, 0, False, nt, 3
+        )
+    assert out.shape == (2, 2, 8, 16) and dq.shape == q.shape and dk.shape == k.shape and db.numel() == 0
+    assert counter.get_total_flops() == 4 * 2 * 16 * expected_pairs(None, None, 2, 8, 8, True, 2)
+
+
+def test_compile_fullgraph_no_recompile_over_targets():
+    B, H, L, D = 3, 2, 8, 16
+    q, k, v, _, _, bias = make_case(B, H, L, L, D, dtype=torch.float32, bias_shape=(1, H, L, L), seed=10)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, bias, kl, nt):
+        return ops.gdpa(q, k, v, kl, kl, bias, "gelu", 0.25, 1.0, True, True, 3, nt, 2).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            kl = torch.randint(0, L + 1, (B,), generator=g)
+            nt = (torch.rand(B, generator=g) * (kl + 1)).long()
+            got = torch.autograd.grad(compiled(*leaves, kl, nt), leaves)
+            want = torch.autograd.grad(f(*leaves, kl, nt), leaves)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)

@@ -69,12 +69,15 @@ def check_against_reference(
     window=0,
     bias_grad=True,
     seed=1,
+    num_targets=None,
+    contextual_len=0,
 ):
     dtype = q.dtype
     args = (activation, scale, out_scale, divide, causal, window)
-    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *args)
+    hstu = (num_targets, contextual_len)
+    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *args, *hstu)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args, *hstu)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and out.shape == ref_out.shape
     assert not out.isnan().any()
@@ -85,8 +88,8 @@ def check_against_reference(
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     want_bias_grad = bias is not None and bias_grad
-    dq, dk, dv, dbias = gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias, *args, want_bias_grad)
-    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3], *args, want_bias_grad)
+    dq, dk, dv, dbias = gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias, *args, want_bias_grad, *hstu)
+    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3], *args, want_bias_grad, *hstu)
     for name, got, want, like in (("dq", dq, ref[0], q), ("dk", dk, ref[1], k), ("dv", dv, ref[2], v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name
@@ -300,3 +303,90 @@ def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     assert torch.equal(first, second)
     with pytest.raises(AssertionError, match="autotuner ran again"):  # another activation: tuned again
         gdpa_forward_triton(q, k, v, ql, kl, None, "relu", 0.25, 1.0, False, False, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU's target mask (num_targets) and contextual prefix (contextual_len): causal, self-attention
+
+HSTU_KV = [40, 33, 0, 17]
+HSTU_TARGETS = {
+    "several": [5, 33, 0, 1],  # t == n for batch 1 (only targets), n = 0 for batch 2
+    "all": HSTU_KV,
+    "zero": [0, 0, 0, 0],
+}
+
+
+def hstu_inputs(dtype, targets, with_q_lengths, seed, L=40):
+    q, k, v, _, _, bias = make_inputs(4, 1, L, L, 16, dtype, bias_shape=(4, 1, L, L), seed=seed)
+    kl = torch.tensor(HSTU_KV)
+    ql = torch.tensor([37, 33, 0, 9]) if with_q_lengths else None
+    nt = None if targets is None else torch.tensor(HSTU_TARGETS[targets])
+    return q, k, v, ql, kl, bias, nt
+
+
+# name: (dtype, targets, contextual_len, window, q_lengths, activation)
+HSTU_CASES = {
+    "targets": (torch.float32, "several", 0, 0, True, "silu"),
+    "contextual": (torch.float32, None, 3, 0, False, "gelu"),
+    "contextual_over_tiles": (torch.float32, None, 20, 0, True, "sigmoid"),  # c spans query/key tiles
+    "contextual_window_over_tiles": (torch.float32, None, 36, 2, False, "gelu"),  # keys j < i - window seen
+    "prefix_over_history": (torch.float32, "several", 36, 0, False, "silu"),  # n - t < c: diagonal only
+    "both": (torch.float16, "several", 3, 0, True, "relu_squared"),
+    "targets_window": (torch.float32, "several", 0, 5, False, "gelu_tanh"),
+    "both_window": (torch.float32, "several", 2, 4, True, "silu"),
+    "all_targets_window_fp16": (torch.float16, "all", 1, 7, False, "identity"),
+    "zero_targets_contextual_window": (torch.float32, "zero", 18, 3, True, "relu"),
+}
+
+
+@pytest.mark.parametrize("case", list(HSTU_CASES))
+def test_targets_and_contextual(case):
+    dtype, targets, c, window, with_ql, act = HSTU_CASES[case]
+    q, k, v, ql, kl, bias, nt = hstu_inputs(dtype, targets, with_ql, seed=len(case))
+    check_against_reference(
+        q, k, v, ql, kl, bias, act, 0.3, 1.5, bool(c % 2), True, window, num_targets=nt, contextual_len=c
+    )
+
+
+@pytest.mark.parametrize(
+    "fwd_tile,dkdv_tile",
+    [((16, 32), (32, 16)), ((16, 16), (16, 16)), ((64, 16), (16, 64))],
+    ids=["wide_keys", "square", "tall_queries"],
+)
+def test_targets_and_contextual_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
+    """The HSTU loop bounds: contextual query tiles up to the history end, the dK/dV kernel's contextual
+    rows before the causal start, no unmasked tile over target keys."""
+    from gemcompile.lowering import gdpa_triton as kernels
+
+    def config(m, n):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
+
+    monkeypatch.setattr(kernels._gdpa_fwd_kernel, "configs", config(*fwd_tile))
+    monkeypatch.setattr(kernels._gdpa_bwd_dq_kernel, "configs", config(*fwd_tile))
+    monkeypatch.setattr(kernels._gdpa_bwd_dkdv_kernel, "configs", config(*dkdv_tile))
+    # (targets, contextual_len, window); square tiles: unmasked dK/dV tiles exist below the history end
+    configs = {
+        (16, 32): [("several", 17, 6)],
+        (16, 16): [("several", 3, 0), (None, 36, 2)],
+        (64, 16): [("several", 5, 0)],
+    }
+    for targets, c, window in configs[fwd_tile]:
+        q, k, v, ql, kl, bias, nt = hstu_inputs(torch.float32, targets, True, seed=31)
+        check_against_reference(
+            q, k, v, ql, kl, bias, "gelu", 0.25, 1.0, True, True, window, num_targets=nt, contextual_len=c
+        )
+
+
+def test_targets_used_as_given_and_launcher_checks():
+    """On CUDA num_targets is not checked (no host sync): out-of-range values shape the mask as the
+    formula says, never memory accesses. Kernels and reference agree on them."""
+    q, k, v, _, kl, bias, _ = hstu_inputs(torch.float32, None, False, seed=4, L=24)
+    kl = torch.tensor([24, 10, 3, 0])
+    wild = torch.tensor([30, -4, 3, 7])
+    check_against_reference(
+        q, k, v, None, kl, bias, "silu", causal=True, window=3, num_targets=wild, contextual_len=2
+    )
+    with pytest.raises(ValueError, match="causal"):
+        gdpa_forward_triton(q, k, v, None, kl, None, "silu", 0.3, 1.0, False, False, 0, wild, 0)
+    with pytest.raises(ValueError, match="contextual_len"):
+        gdpa_backward_triton(q, q, k, v, None, kl, None, "silu", 0.3, 1.0, False, True, 0, False, None, -1)
