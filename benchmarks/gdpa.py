@@ -17,7 +17,8 @@ FlexAttention is not a peer: its score_mod runs before a softmax that it always 
 express attention without a softmax.
 
 Useful FLOPs count valid (i, j) pairs only: forward 4*H*D*pairs, forward+backward 3.5x (the bias's
-gather is not counted). ``speedup`` = peer time / gemcompile time, per direction (forward, backward
+gather is not counted; causal counts the lower triangle, so these TFLOP/s are about half of what the
+anchor table's convention, 4*H*D*sum(len^2), gives for the same time). ``speedup`` = peer time / gemcompile time, per direction (forward, backward
 = fwd+bwd - fwd), so the forward/backward split can be read against Meta's (2x forward, 1.6x backward
 for GDPA over their earlier Triton kernel). Each shape records a correctness check of gemcompile and
 gem_compile against the padded eager code at the positions the model uses.
@@ -75,9 +76,11 @@ def draw_lengths(B: int, L: int, fill: float, seed: int, device) -> torch.Tensor
 
 
 def hstu_padded(q, k, v, n, x):
+    """As ARCHITECTURE.md's anchor (shared/bench/anchors.py) writes it: a relative-position bias gathered
+    from a learned (2L - 1) table, causal, both sides padded, / L."""
     L = q.shape[2]
     i = torch.arange(L, device=q.device)
-    rab = x["rab_table"][:, (i[:, None] - i[None, :]).clamp(0, L - 1)]  # (H, L, L)
+    rab = x["rab_table"][(i[None, :] - i[:, None]) + L - 1]  # (L, L)
     a = F.silu(q @ k.transpose(-2, -1) * x["alpha"] + rab) / L
     valid = i[None, :] < n[:, None]
     m = valid[:, None, None, :] & valid[:, None, :, None] & (i[None, :] <= i[:, None])
@@ -87,8 +90,8 @@ def hstu_padded(q, k, v, n, x):
 def hstu_op(q, k, v, n, x):
     L = q.shape[2]
     i = torch.arange(L, device=q.device)
-    rab = x["rab_table"][:, (i[:, None] - i[None, :]).clamp(0, L - 1)]
-    return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None], "silu", x["alpha"], 1.0 / L, False, True, 0)
+    rab = x["rab_table"][(i[None, :] - i[:, None]) + L - 1]
+    return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None, None], "silu", x["alpha"], 1.0 / L, False, True, 0)
 
 
 def cross_padded(q, k, v, n, x):
@@ -126,7 +129,7 @@ def make_inputs(shape, device, seed):
     x = {"alpha": D**-0.5}
     if shape["case"] == "hstu":
         q, k, v = randn(B, H, L, D), randn(B, H, L, D), randn(B, H, L, D)
-        x["rab_table"] = randn(H, L)
+        x["rab_table"] = randn(2 * L - 1)
         pairs = int((n * (n + 1) // 2).sum())
     elif shape["case"] == "cross":
         q, k, v = randn(B, H, L, D), randn(B, H, shape["keys"], D), randn(B, H, shape["keys"], D)
@@ -246,6 +249,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, correctness only")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip methods that would start later")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
+    parser.add_argument("--only", default=None, choices=sorted(CASES), help="run one case's shapes")
     args = parser.parse_args(argv)
     args.t0 = time.time()
     device = "cpu" if args.smoke else "cuda"
@@ -255,6 +259,7 @@ def main(argv=None):
         torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.cache_size_limit = 64
     shapes = SMOKE if args.smoke else QUICK if args.quick else SHAPES
+    shapes = [sh for sh in shapes if args.only in (None, sh["case"])]
     payload = {"benchmark": "gdpa", "environment": environment(), "dtype": str(DTYPE), "methods": METHODS,
                "command": "python " + " ".join(sys.argv),
                "flops_convention": "fwd = 4*H*D*valid pairs; fwd+bwd = 3.5x fwd",
