@@ -357,64 +357,16 @@ def gdpa_bwd(
     contextual_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
-    return reference_gdpa_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        scale,
-        out_scale,
-        divide_by_kv_length,
-        causal,
-        window,
-        bias_requires_grad,
-        num_targets,
-        contextual_len,
-    )
+    return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
+                                   divide_by_kv_length, causal, window, bias_requires_grad, num_targets,
+                                   contextual_len)
 
 
 @gdpa_bwd.register_kernel("cuda")
-def _gdpa_bwd_cuda(
-    grad_out,
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    bias_requires_grad,
-    num_targets=None,
-    contextual_len=0,
-):
+def _gdpa_bwd_cuda(grad_out, q, *rest):
+    """Same arguments as gdpa_bwd, forwarded to the Triton launcher (the reference for float64)."""
     _, backward = _kernels(q)
-    return backward(
-        grad_out,
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        scale,
-        out_scale,
-        divide_by_kv_length,
-        causal,
-        window,
-        bias_requires_grad,
-        num_targets,
-        contextual_len,
-    )
+    return backward(grad_out, q, *rest)
 
 
 @gdpa_bwd.register_fake
