@@ -273,22 +273,8 @@ def gdpa_fwd(
 
 
 @gdpa_fwd.register_kernel("cuda")
-def _gdpa_fwd_cuda(
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    num_targets=None,
-    contextual_len=0,
-):
+def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
+                   causal, window, num_targets=None, contextual_len=0):
     args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
@@ -297,38 +283,8 @@ def _gdpa_fwd_cuda(
 
 
 @gdpa_fwd.register_fake
-def _gdpa_fwd_fake(
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    num_targets=None,
-    contextual_len=0,
-):
-    check_gdpa_args(
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        scale,
-        out_scale,
-        divide_by_kv_length,
-        causal,
-        window,
-        num_targets,
-        contextual_len,
-    )
+def _gdpa_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, *args):
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
     B, H, _, D = k.shape
     return q.new_empty((B, H, q.shape[2], D))
 
@@ -370,24 +326,8 @@ def _gdpa_bwd_cuda(grad_out, q, *rest):
 
 
 @gdpa_bwd.register_fake
-def _gdpa_bwd_fake(
-    grad_out,
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    bias_requires_grad,
-    num_targets=None,
-    contextual_len=0,
-):
+def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
+                   divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None, contextual_len=0):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
     dv = v.new_empty(v.shape)
@@ -476,23 +416,7 @@ _LIB.define(
 )
 
 
-def _gdpa_composite(
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    num_targets=None,
-    contextual_len=0,
-):
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
+def _gdpa_composite(q, k, v, q_lengths, kv_lengths, bias, *args):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
         return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, *args)
@@ -522,38 +446,11 @@ def gdpa(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    check_gdpa_args(
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        scale,
-        out_scale,
-        divide_by_kv_length,
-        causal,
-        window,
-        num_targets,
-        contextual_len,
-    )
-    return torch.ops.gemcompile.gdpa(
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        float(scale),
-        float(out_scale),
-        divide_by_kv_length,
-        causal,
-        window,
-        num_targets,
-        contextual_len,
-    )
+    flags = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *flags)
+    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, float(scale),
+                                     float(out_scale), divide_by_kv_length, causal, window, num_targets,
+                                     contextual_len)
 
 
 # ---------------------------------------------------------------------------------------------------

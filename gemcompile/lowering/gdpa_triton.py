@@ -229,6 +229,18 @@ def _history_len(kv_len, n_targets, ctx, HAS_TARGETS: tl.constexpr, HAS_CONTEXT:
 
 
 @triton.jit
+def _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, ctx, Q_MODE: tl.constexpr,
+                   KV_MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
+    """Batch b's (q_len, kv_len, number of targets, history length u): what every kernel reads first."""
+    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
+    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
+    n_targets = b * 0
+    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
+        n_targets = tl.load(NumTargets + b).to(tl.int32)
+    return q_len, kv_len, n_targets, _history_len(kv_len, n_targets, ctx, HAS_TARGETS, HAS_CONTEXT)
+
+
+@triton.jit
 def _key_range(m0, q_len, kv_len, window, u, ctx, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
@@ -359,12 +371,8 @@ def _gdpa_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
-    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
-    n_targets = b * 0
-    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
-        n_targets = tl.load(NumTargets + b).to(tl.int32)
-    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
+    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -465,12 +473,8 @@ def _gdpa_bwd_dkdv_kernel(
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
-    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
-    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
-    n_targets = b * 0
-    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
-        n_targets = tl.load(NumTargets + b).to(tl.int32)
-    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
+    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
@@ -581,12 +585,8 @@ def _gdpa_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
-    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
-    n_targets = b * 0
-    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
-        n_targets = tl.load(NumTargets + b).to(tl.int32)
-    u = _history_len(kv_len, n_targets, contextual_len, HAS_TARGETS, HAS_CONTEXT)
+    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M

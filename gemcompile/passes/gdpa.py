@@ -13,6 +13,7 @@ nothing; rows without a valid pair, and skipped query rows, come out as 0.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import sympy
@@ -22,10 +23,18 @@ import torch.fx as fx
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.gdpa_mask import GdpaMask, classify_gdpa_mask, downstream_row_mask
 from gemcompile.passes.gdpa_match import GdpaSite, activation_of, match_gdpa
-from gemcompile.passes.jagged_attention import KERNEL_HEAD_DIMS, _size
+from gemcompile.passes.jagged_attention import KERNEL_HEAD_DIMS
 from gemcompile.passes.mask_provenance import MaskEvaluator, Unproven, example_value, keep_predicate
 from gemcompile.passes.records import describe_nodes
-from gemcompile.passes.rewrite_utils import FakeRunner, erase_dead
+from gemcompile.passes.rewrite_utils import (
+    FakeRunner,
+    check_qkv,
+    clamped_lengths,
+    erase_dead,
+    permuted,
+    size_of,
+    summed_bias,
+)
 
 _LENGTH_VIEWS = ("view", "reshape", "unsqueeze", "to", "float", "double", "half", "bfloat16", "type_as",
                  "getitem", "expand", "expand_as", "contiguous")
@@ -87,83 +96,35 @@ class GdpaPass(GemPass):
             raise Unproven(f"the per-sample normalizer {site.divisor.name} does not have shape (B, 1, 1, 1)")
         return True
 
-    # -- emitting ----------------------------------------------------------------------------------
-    def _check_shapes(self, q, k, v) -> None:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
-        if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-            raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
-        if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
-            raise Unproven("q, k and v head dims differ (the kernel needs one head dim)")
-        if not (known(k.shape[0] == v.shape[0]) and known(k.shape[2] == v.shape[2])):
-            raise Unproven("k and v disagree on batch or length")
-        if not (known(q.shape[0] == k.shape[0]) or known(q.shape[0] == 1)):
-            raise Unproven("q's batch is neither k's nor 1")
-        if not (known(q.shape[1] == k.shape[1]) and known(k.shape[1] == v.shape[1])):
-            raise Unproven("q, k and v have different head counts")
-        lo, hi = KERNEL_HEAD_DIMS
-        if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:
-            raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")
-
-    def _lengths(self, graph, fake, node, offset, padded) -> fx.Node | None:
-        if node is None:
-            return None
-        if offset != 0:
-            node = fake.call(graph, operator.add, (node, offset))
-        return fake.call(graph, torch.clamp, (node, 0, padded))
-
-    def _bias(self, graph, fake, site: GdpaSite) -> fx.Node | None:
-        total = None
-        for node, coefficient in site.bias:
-            term = node if coefficient == 1.0 else fake.call(graph, operator.mul, (node, coefficient))
-            total = term if total is None else fake.call(graph, operator.add, (total, term))
-        if total is None:
-            return None
-        while example_value(total).dim() < 4:
-            total = fake.call(graph, torch.unsqueeze, (total, 0))
-        if example_value(total).dim() > 4:
-            raise Unproven("an additive bias with more than 4 dims")
-        return total
-
-    def _view(self, graph, fake, node, perm):
-        return node if perm is None else fake.call(graph, torch.permute, (node, perm))
-
     def _rewrite(self, graph: fx.Graph, fake: FakeRunner, site: GdpaSite) -> None:
         before = describe_nodes(site.matched)
         start = len(fake.created)
         with graph.inserting_before(site.output):
-            q = self._view(graph, fake, site.q, site.q_perm)
+            q = permuted(graph, fake, site.q, site.q_perm)
             if site.k_is_transposed:
                 k = fake.call(graph, torch.transpose, (site.k, -2, -1))
             else:
-                k = self._view(graph, fake, site.k, site.k_perm)
-            v = self._view(graph, fake, site.v, site.v_perm)
+                k = permuted(graph, fake, site.k, site.k_perm)
+            v = permuted(graph, fake, site.v, site.v_perm)
             qv, kv, vv = (example_value(n) for n in (q, k, v))
-            self._check_shapes(qv, kv, vv)
+            check_qkv(qv, kv, vv, KERNEL_HEAD_DIMS)
             mask = self._prove(site, batch_is_one=qv.shape[0] == 1 and kv.shape[0] == 1)
             divide = self._divides_by_kv_length(site, mask)
             detail = mask.describe()
-            if mask.q_lengths is None and mask.kv_lengths is None and site.divisor is None:
+            if mask.q_lengths is None:
                 row_mask = self._downstream_rows(site)
                 if row_mask is not None:
-                    mask = GdpaMask(q_lengths=row_mask[0], q_offset=row_mask[1], causal=mask.causal,
-                                    window=mask.window)
-                    detail = f"{mask.describe()} (query rows masked after the attention)"
-            elif mask.q_lengths is None:
-                row_mask = self._downstream_rows(site)
-                if row_mask is not None:
-                    mask = GdpaMask(mask.kv_lengths, mask.kv_offset, row_mask[0], row_mask[1], mask.causal,
-                                    mask.window, mask.num_targets, mask.contextual_len)
+                    mask = dataclasses.replace(mask, q_lengths=row_mask[0], q_offset=row_mask[1])
                     detail = f"{mask.describe()} (query rows masked after the attention)"
             for node in (mask.kv_lengths, mask.q_lengths, mask.num_targets):
                 if node is not None and example_value(node).device != qv.device:
                     raise Unproven(f"the lengths ({node.name}) are on {example_value(node).device}, the attention "
                                    f"on {qv.device}")
-            kv_len = self._lengths(graph, fake, mask.kv_lengths, mask.kv_offset, _size(graph, fake, k, 2))
-            q_len = self._lengths(graph, fake, mask.q_lengths, mask.q_offset, _size(graph, fake, q, 2))
-            bias = self._bias(graph, fake, site)
+            kv_len = None if mask.kv_lengths is None else clamped_lengths(
+                graph, fake, mask.kv_lengths, mask.kv_offset, size_of(graph, fake, k, 2))
+            q_len = None if mask.q_lengths is None else clamped_lengths(
+                graph, fake, mask.q_lengths, mask.q_offset, size_of(graph, fake, q, 2))
+            bias = summed_bias(graph, fake, site.bias)
             args = (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale), float(site.out_scale),
                     divide, mask.causal, int(mask.window))
             if mask.num_targets is not None or mask.contextual_len:
@@ -171,7 +132,7 @@ class GdpaPass(GemPass):
                     raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
                 args += (mask.num_targets, int(mask.contextual_len))
             out = fake.call(graph, torch.ops.gemcompile.gdpa.default, args)
-            out = self._view(graph, fake, out, site.out_perm)
+            out = permuted(graph, fake, out, site.out_perm)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         self.rewrote(site.anchor, before, fake.created[start:],

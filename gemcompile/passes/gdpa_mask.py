@@ -197,7 +197,6 @@ def hstu_visible(evaluator: MaskEvaluator, i, j, n, t, contextual: int, window: 
 def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> GdpaMask | None:
     """Key padding [and query padding] and HSTU's causal target/contextual visibility, or None."""
     b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
-    leaves = {name: node for name, node in evaluator.leaves.items()}
     constants = set()
     for a in keep.free_symbols:
         for term in sympy.Add.make_args(evaluator.atoms.expr_of[a][1]):
@@ -208,7 +207,7 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> GdpaMask | 
         if kv_offset != 0:
             continue
         n = sympy.Function(f"len_{kv_node.name}")(b)
-        target_options = [None] + [node for name, node in leaves.items() if node is not kv_node]
+        target_options = [None] + [node for node in evaluator.leaves.values() if node is not kv_node]
         for t_node, contextual in itertools.product(target_options, contextual_options):
             if t_node is None and not contextual:
                 continue  # plain causal: handled above

@@ -39,14 +39,19 @@ from gemcompile.passes.mask_provenance import (
     keep_predicate,
 )
 from gemcompile.passes.records import describe_nodes
-from gemcompile.passes.rewrite_utils import FakeRunner, erase_dead
+from gemcompile.passes.rewrite_utils import (
+    FakeRunner,
+    check_qkv,
+    clamped_lengths,
+    erase_dead,
+    permuted,
+    size_of,
+    summed_bias,
+)
 
 KERNEL_HEAD_DIMS = (16, 128)
 """Head dims the Triton kernel serves (inclusive); other sizes are left to the eager path."""
 
-
-def _static_int(size) -> int | None:
-    return size if isinstance(size, int) else None
 
 
 class JaggedAttentionPass(GemPass):
@@ -106,38 +111,12 @@ class JaggedAttentionPass(GemPass):
 
     # -- shapes ------------------------------------------------------------------------------------
     def _check_shapes(self, q, k, v) -> None:
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
-        if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-            raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
-        if not (q.device == k.device == v.device):
-            raise Unproven(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
-        if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
-            raise Unproven("q, k and v head dims differ (the kernel needs one head dim)")
-        if not (known(k.shape[0] == v.shape[0]) and known(k.shape[2] == v.shape[2])):
-            raise Unproven("k and v disagree on batch or length")
-        if not (known(q.shape[0] == k.shape[0]) or known(q.shape[0] == 1)):
-            raise Unproven("q's batch is neither k's nor 1")
-        if not (known(q.shape[1] == k.shape[1]) and known(k.shape[1] == v.shape[1])):
-            raise Unproven("q, k and v have different head counts (grouped-query attention is not served)")
-        head_dim = _static_int(q.shape[-1])
-        lo, hi = KERNEL_HEAD_DIMS
-        if head_dim is None or not lo <= head_dim <= hi:
-            raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")
-        kv_len = _static_int(k.shape[2])
-        if kv_len is not None and kv_len < self.options.min_kv_len:
+        check_qkv(q, k, v, KERNEL_HEAD_DIMS)
+        kv_len = k.shape[2]
+        if isinstance(kv_len, int) and kv_len < self.options.min_kv_len:
             raise Unproven(f"only {kv_len} keys (< min_kv_len={self.options.min_kv_len})")
 
     # -- emitting ----------------------------------------------------------------------------------
-    def _lengths_node(self, graph: fx.Graph, fake: FakeRunner, node: fx.Node, offset: int, padded) -> fx.Node:
-        """lengths + offset, clamped to [0, padded]: exactly what `arange(padded) < lengths + offset` keeps
-        (a length past the padded size keeps every position, a negative one none)."""
-        if offset != 0:
-            node = fake.call(graph, operator.add, (node, offset))
-        return fake.call(graph, torch.clamp, (node, 0, padded))
-
     def _emit(self, graph: fx.Graph, fake: FakeRunner, site: AttentionSite, q: fx.Node, k: fx.Node, v: fx.Node,
               lengths: LengthMask) -> fx.Node:
         device = example_value(q).device
@@ -145,47 +124,29 @@ class JaggedAttentionPass(GemPass):
             if node is not None and example_value(node).device != device:
                 raise Unproven(f"the lengths ({node.name}) are on {example_value(node).device}, the attention on "
                                f"{device}")
-        kv_len = self._lengths_node(graph, fake, lengths.kv_lengths, lengths.kv_offset, _size(graph, fake, k, 2))
-        q_len = None if lengths.q_lengths is None else self._lengths_node(
-            graph, fake, lengths.q_lengths, lengths.q_offset, _size(graph, fake, q, 2))
-        bias = self._bias_node(graph, fake, site)
+        kv_len = clamped_lengths(graph, fake, lengths.kv_lengths, lengths.kv_offset, size_of(graph, fake, k, 2))
+        q_len = None if lengths.q_lengths is None else clamped_lengths(
+            graph, fake, lengths.q_lengths, lengths.q_offset, size_of(graph, fake, q, 2))
+        bias = summed_bias(graph, fake, site.bias)
         out = fake.call(graph, torch.ops.gemcompile.jagged_attention.default,
                         (q, k, v, q_len, kv_len, bias, lengths.causal, float(site.scale)))
         return out
-
-    def _bias_node(self, graph: fx.Graph, fake: FakeRunner, site: AttentionSite) -> fx.Node | None:
-        total = None
-        for node, coefficient in site.bias:
-            term = node if coefficient == 1.0 else fake.call(graph, operator.mul, (node, coefficient))
-            total = term if total is None else fake.call(graph, operator.add, (total, term))
-        if total is None:
-            return None
-        value = example_value(total)
-        while value.dim() < 4:
-            total = fake.call(graph, torch.unsqueeze, (total, 0))
-            value = example_value(total)
-        if value.dim() > 4:
-            raise Unproven("an additive bias with more than 4 dims")
-        return total
-
-    def _view(self, graph: fx.Graph, fake: FakeRunner, node: fx.Node, perm) -> fx.Node:
-        return node if perm is None else fake.call(graph, torch.permute, (node, perm))
 
     def _rewrite(self, graph: fx.Graph, fake: FakeRunner, site: AttentionSite) -> None:
         before = describe_nodes(site.matched)
         start = len(fake.created)
         with graph.inserting_before(site.output):
-            q = self._view(graph, fake, site.q, site.q_perm)
+            q = permuted(graph, fake, site.q, site.q_perm)
             if site.k_is_transposed:  # scores were q @ kT: kT.transpose(-2, -1) is k as a view, no copy
                 k = fake.call(graph, torch.transpose, (site.k, -2, -1))
             else:
-                k = self._view(graph, fake, site.k, site.k_perm)
-            v = self._view(graph, fake, site.v, site.v_perm)
+                k = permuted(graph, fake, site.k, site.k_perm)
+            v = permuted(graph, fake, site.v, site.v_perm)
             qv, kv, vv = (example_value(n) for n in (q, k, v))
             self._check_shapes(qv, kv, vv)
             lengths = self._prove(site, batch_is_one=qv.shape[0] == 1 and kv.shape[0] == 1)
             out = self._emit(graph, fake, site, q, k, v, lengths)
-            out = self._view(graph, fake, out, site.out_perm)
+            out = permuted(graph, fake, out, site.out_perm)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         self.rewrote(site.anchor, before, fake.created[start:], detail=_describe_mask(lengths))
@@ -231,12 +192,6 @@ class JaggedAttentionPass(GemPass):
                     user.replace_all_uses_with(result)
                 erase_dead([user])
         self.rewrote(node, before, fake.created[start:], detail=_describe_mask(lengths))
-
-
-def _size(graph: fx.Graph, fake: FakeRunner, node: fx.Node, dim: int):
-    """A dim's size: the int when static, a sym_size node when dynamic (a SymInt cannot be a constant)."""
-    size = example_value(node).shape[dim]
-    return size if isinstance(size, int) else fake.call(graph, torch.ops.aten.sym_size.int, (node, dim))
 
 
 def _describe_mask(lengths: LengthMask) -> str:

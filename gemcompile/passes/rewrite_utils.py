@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from gemcompile.passes.mask_provenance import example_value
+from gemcompile.passes.mask_provenance import Unproven, example_value
 
 
 class FakeRunner:
@@ -63,3 +66,61 @@ def erase_dead(nodes: list[fx.Node]) -> None:
         inputs = [a for a in node.all_input_nodes]
         node.graph.erase_node(node)
         work.extend(inputs)
+
+
+# -- what the attention rewrites emit ----------------------------------------------------------------
+
+def size_of(graph: fx.Graph, fake: FakeRunner, node: fx.Node, dim: int):
+    """A dim's size: the int when static, a sym_size node when dynamic (a SymInt cannot be a constant)."""
+    size = example_value(node).shape[dim]
+    return size if isinstance(size, int) else fake.call(graph, torch.ops.aten.sym_size.int, (node, dim))
+
+
+def clamped_lengths(graph: fx.Graph, fake: FakeRunner, node: fx.Node, offset: int, padded) -> fx.Node:
+    """lengths + offset, clamped to [0, padded]: exactly what `arange(padded) < lengths + offset` keeps
+    (a length past the padded size keeps every position, a negative one none)."""
+    if offset != 0:
+        node = fake.call(graph, operator.add, (node, offset))
+    return fake.call(graph, torch.clamp, (node, 0, padded))
+
+
+def summed_bias(graph: fx.Graph, fake: FakeRunner, terms: list[tuple[fx.Node, float]]) -> fx.Node | None:
+    """sum(coefficient * term) as one 4-D node (leading dims of size 1 added), or None without terms."""
+    total = None
+    for node, coefficient in terms:
+        term = node if coefficient == 1.0 else fake.call(graph, operator.mul, (node, coefficient))
+        total = term if total is None else fake.call(graph, operator.add, (total, term))
+    if total is None:
+        return None
+    while example_value(total).dim() < 4:
+        total = fake.call(graph, torch.unsqueeze, (total, 0))
+    if example_value(total).dim() > 4:
+        raise Unproven("an additive bias with more than 4 dims")
+    return total
+
+
+def permuted(graph: fx.Graph, fake: FakeRunner, node: fx.Node, perm) -> fx.Node:
+    return node if perm is None else fake.call(graph, torch.permute, (node, perm))
+
+
+def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
+    """q (B|1, H, Lq, D), k and v (B, H, Lk, D) of one floating dtype and device, D within head_dims."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
+    if not (q.device == k.device == v.device):
+        raise Unproven(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
+        raise Unproven("q, k and v head dims differ (the kernel needs one head dim)")
+    if not (known(k.shape[0] == v.shape[0]) and known(k.shape[2] == v.shape[2])):
+        raise Unproven("k and v disagree on batch or length")
+    if not (known(q.shape[0] == k.shape[0]) or known(q.shape[0] == 1)):
+        raise Unproven("q's batch is neither k's nor 1")
+    if not (known(q.shape[1] == k.shape[1]) and known(k.shape[1] == v.shape[1])):
+        raise Unproven("q, k and v have different head counts (grouped-query attention is not served)")
+    lo, hi = head_dims
+    if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:
+        raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")
