@@ -124,6 +124,42 @@ class GdpaConfig:
 
 
 @config_section
+class BlockAttentionConfig:
+    """Block-diagonal or sliding-window masked attention (+ RoPE just before) -> gemcompile::block_attention."""
+
+    enabled: bool = True
+    """Rewrite provable block-diagonal / windowed padded attention into the block-attention kernel."""
+
+    fuse_rotary: bool = True
+    """Fold a rotary embedding applied to q and k just before the attention into the kernel."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
+class Mxfp8Config:
+    """Block-scaled FP8 casts around qualifying GEMMs of the forward and backward graphs (post-grad)."""
+
+    enabled: bool = False
+    """Insert FP8 quantization and scaled GEMMs (off by default: it changes numerics)."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
+class ParallelConfig:
+    """The 5D parallel plan: sizes of the mesh axes for dense weights, experts and embedding tables."""
+
+    enabled: bool = False
+    """Annotate parameters with their DTensor placements and run the plan (off: single process)."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
 class GemConfig:
     """Everything gemcompile's passes do. Sections may be given as dicts: GemConfig(jagged_attention={...})."""
 
@@ -132,6 +168,15 @@ class GemConfig:
 
     gdpa: GdpaConfig = field(default_factory=GdpaConfig)
     """Padded pointwise-activation attention -> the GDPA kernel (pre-grad)."""
+
+    block_attention: BlockAttentionConfig = field(default_factory=BlockAttentionConfig)
+    """Block-diagonal / sliding-window attention (with fused RoPE) -> the block-attention kernel (pre-grad)."""
+
+    mxfp8: Mxfp8Config = field(default_factory=Mxfp8Config)
+    """FP8 block-scaled GEMMs in the forward and backward graphs (post-grad)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""
 
     chain_existing_passes: bool = True
     """Run a pass the user installed in an Inductor slot gemcompile also uses (before gemcompile's own).
