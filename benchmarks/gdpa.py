@@ -1,6 +1,7 @@
 """Pointwise-activation attention (GDPA): gemcompile::gdpa against what a modeler has without it.
 
-    python benchmarks/gdpa.py [--quick] [--budget-s 420] [--out DIR]
+    python benchmarks/gdpa.py [--quick] [--only hstu|cross|pma] [--cuda-graph] [--profile] [--budget-s 420]
+                              [--out DIR]
     python benchmarks/gdpa.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
 Three GEM/HSTU shapes of attention, bf16, side by side in one run, forward and forward+backward:
@@ -39,7 +40,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, tflops, write_json  # noqa: E402
+from harness import bench_ms, environment, format_table, graphed, tflops, write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
 
@@ -179,6 +180,19 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def kernel_times(fn, reps: int = 5) -> list[dict]:
+    """GPU microseconds per call of each kernel of fn (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:90], "us": e.device_time_total / reps, "calls": e.count / reps}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us"])[:12]
+
+
 def run_shape(shape, args, index, device):
     padded, op = CASES[shape["case"]]
     from gemcompile import GemConfig, explain, gem_compile
@@ -223,6 +237,12 @@ def run_shape(shape, args, index, device):
 
             fwd(), fwdbwd()
             torch.cuda.synchronize()
+            if args.profile:
+                entry["fwdbwd_kernels"] = kernel_times(fwdbwd)
+                for r in entry["fwdbwd_kernels"][:6]:
+                    print(f"      {r['us']:9.1f} us  x{r['calls']:.0f}  {r['kernel']}", flush=True)
+            if args.cuda_graph:
+                fwd, fwdbwd = graphed(fwd), graphed(fwdbwd)
             entry["fwd_ms"] = bench_ms(fwd)
             entry["fwdbwd_ms"] = bench_ms(fwdbwd)
             entry["bwd_ms"] = entry["fwdbwd_ms"] - entry["fwd_ms"]
@@ -250,6 +270,9 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip methods that would start later")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
     parser.add_argument("--only", default=None, choices=sorted(CASES), help="run one case's shapes")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time every method replayed from a CUDA graph (GPU work alone, no host overhead)")
+    parser.add_argument("--profile", action="store_true", help="record the GPU time of each kernel per method")
     args = parser.parse_args(argv)
     args.t0 = time.time()
     device = "cpu" if args.smoke else "cuda"
@@ -263,7 +286,8 @@ def main(argv=None):
     payload = {"benchmark": "gdpa", "environment": environment(), "dtype": str(DTYPE), "methods": METHODS,
                "command": "python " + " ".join(sys.argv),
                "flops_convention": "fwd = 4*H*D*valid pairs; fwd+bwd = 3.5x fwd",
-               "speedup_convention": "peer ms / gemcompile ms; bwd = fwd+bwd - fwd", "shapes": []}
+               "speedup_convention": "peer ms / gemcompile ms; bwd = fwd+bwd - fwd",
+               "timing": "CUDA graph replay" if args.cuda_graph else "eager calls", "shapes": []}
     for i, shape in enumerate(shapes):
         payload["shapes"].append(run_shape(shape, args, i, device))
     if args.smoke:
@@ -271,7 +295,8 @@ def main(argv=None):
         rewrites = [s["gem_compile_rewrites"].get("gdpa", 0) for s in payload["shapes"]]
         print(f"\nsmoke: rewrites per shape {rewrites}; failed checks: {bad or 'none'}")
         sys.exit(1 if bad or 0 in rewrites else 0)
-    path = write_json("gdpa", payload, args.out)
+    path = write_json("gdpa" + (f"-{args.only}" if args.only else "") + ("-cudagraph" if args.cuda_graph else ""),
+                      payload, args.out)
     rows = []
     for s in payload["shapes"]:
         for name, e in s["results"].items():

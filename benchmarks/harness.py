@@ -26,6 +26,7 @@ __all__ = [
     "write_json",
     "tflops",
     "format_table",
+    "graphed",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -134,3 +135,20 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def graphed(fn):
+    """fn captured once into a CUDA graph (call it eagerly first); the replay has no Python, dispatch or
+    launch overhead, as under torch.compile(mode="reduce-overhead"). A method that syncs with the host
+    (NJT's offsets) cannot be captured and reports the error."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

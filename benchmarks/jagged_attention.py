@@ -42,7 +42,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, rotation_count, tflops, write_json  # noqa: E402
+from harness import bench_ms, environment, format_table, graphed, rotation_count, tflops, write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
 from gemcompile.lowering import jagged_attention_packed  # noqa: E402
@@ -305,21 +305,6 @@ def correctness(sets, lengths, keymask, shape):
         and all(result[f"rel_err_{n}"] < 3e-2 for n in ("out", "dq", "dk", "dv"))
     )
     return result
-
-
-def graphed(fn):
-    """fn captured once into a CUDA graph (call it eagerly first); the replay has no Python, dispatch or
-    launch overhead, as under torch.compile(mode="reduce-overhead"). A method that syncs with the host
-    (NJT's offsets) cannot be captured and reports the error."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def run_shape(shape, args, index):

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -137,15 +138,90 @@ class BlockAttentionConfig:
         _check_types(self)
 
 
+MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
+MXFP8_SCALE_RULES = ("floor", "rceil")
+MXFP8_DEFAULT_EXCLUDE = ("*embed*", "*norm*", "*softmax*", "*router*", "*loss*", "*tower*", "*head",
+                         "*logit*", "*classifier*")
+"""Module-name patterns kept in high precision by default (research/mxfp8.md section 5): embedding tables
+and the projections that build tokens from them (GEM-ref ``nonseq_embedding.*``, ``seq_embedding.*``),
+norms, softmax/routing gates, the loss, and the final logit heads (GEM-ref ``heads.towers.*``; the shared
+top MLP ``heads.top.*`` is an ordinary MLP and qualifies). Attention scores and ``p @ v`` are kept by
+structure, not by name: a GEMM of two activations, or one next to a softmax, is never quantized."""
+
+
 @config_section
 class Mxfp8Config:
-    """Block-scaled FP8 casts around qualifying GEMMs of the forward and backward graphs (post-grad)."""
+    """Block-scaled FP8 casts around qualifying GEMMs of the forward and backward graphs (post-grad).
+
+    Each ``mm`` / ``addmm`` / ``bmm`` of a Linear-like layer (one operand a parameter) becomes
+    ``gemcompile::fp8_mm`` with both operands quantized along the GEMM's reduction dim: forward X and W
+    along K, dgrad dY and W along N, wgrad dY and X along the tokens. Shapes are judged as the Linear's
+    (tokens M, in_features K, out_features N), so the three GEMMs of one layer get one decision.
+    """
 
     enabled: bool = False
     """Insert FP8 quantization and scaled GEMMs (off by default: it changes numerics)."""
 
+    recipe: Literal["blockwise", "mxfp8", "mxfp8_emulated"] = "blockwise"
+    """"blockwise": E4M3, power-of-two scales, 1x128 blocks for activations and gradients and 128x128 for
+    weights, cuBLAS blockwise GEMMs on Hopper (the fast recipe on H200). "mxfp8": OCP MX (1x32 blocks,
+    E8M0 scales), native on Blackwell, emulated elsewhere with a warning. "mxfp8_emulated": the same MX
+    numerics always emulated (quantize-dequantize, then a high-precision GEMM), bit-exact to
+    ``mx_numerics.fake_quantize``; for numerics studies and tests."""
+
+    scale_rule: Literal["floor", "rceil"] = "rceil"
+    """How a block's power-of-two scale is chosen: "rceil" (NVIDIA / torchao default: amax / 448 rounded
+    up, never clips) or "floor" (the OCP spec's rule; may clip the block maximum by up to ~12%)."""
+
+    include: tuple[str, ...] = ("*",)
+    """Module-name patterns that may be quantized (default: all). A GEMM's module is the innermost module
+    of its forward call (``layers.0.ffn.1.up``); a pattern matches that module, any module enclosing it,
+    or a module's class name (``Linear``). Patterns are fnmatch globs, case-insensitive, or regular
+    expressions prefixed with ``re:`` (``re:layers\\.[0-3]\\..*``, searched, case-insensitive)."""
+
+    exclude: tuple[str, ...] = MXFP8_DEFAULT_EXCLUDE
+    """Module-name patterns kept in high precision even when included (same syntax as ``include``); the
+    default keeps embeddings, norms, softmax/routing gates, the loss and the final logit heads."""
+
+    min_m: int = 16384
+    """Smallest token count M (rows of the Linear's input) that is quantized. FP8 loses to bf16 on small
+    GEMMs: quantization is memory-bound and costs 23-38% of the FP8 time at K, N <= 2k (research/mxfp8.md
+    section 7.3: a whole Linear wins from M >= 16k with min(K, N) >= 2048)."""
+
+    min_k: int = 2048
+    """Smallest in_features K of a Linear that is quantized (K, N <= 1024 run 0.5-0.9x of bf16 on H200)."""
+
+    min_n: int = 2048
+    """Smallest out_features N of a Linear that is quantized (N = 1..a few: logit heads never gain)."""
+
+    bf16_weight_grad: tuple[str, ...] = ()
+    """Module-name patterns (syntax as ``include``) whose weight-gradient GEMM (wgrad) stays in high
+    precision while their forward and dgrad are quantized (torchao's ``wgrad_with_hp``): wgrad is the
+    GEMM most sensitive to FP8 and the slowest blockwise one."""
+
     def __post_init__(self):
+        for name in ("include", "exclude", "bf16_weight_grad"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif isinstance(value, str):
+                raise ConfigError(f"Mxfp8Config.{name} = {value!r} is invalid: expected a tuple of patterns, "
+                                  f"e.g. ({value!r},)")
         _check_types(self)
+        for name in ("min_m", "min_k", "min_n"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"Mxfp8Config.{name} = {getattr(self, name)} is invalid: expected >= 1")
+        for name in ("include", "exclude", "bf16_weight_grad"):
+            for pattern in getattr(self, name):
+                if not pattern.strip():
+                    raise ConfigError(f"Mxfp8Config.{name} holds an empty pattern: expected module-name "
+                                      "patterns such as '*ffn*' or 're:layers\\.\\d+\\.ffn'")
+                if pattern.startswith("re:"):
+                    try:
+                        re.compile(pattern[3:])
+                    except re.error as e:
+                        raise ConfigError(f"Mxfp8Config.{name}: the regular expression {pattern!r} does not "
+                                          f"compile: {e}") from None
 
 
 @config_section

@@ -7,6 +7,7 @@ Importing this package registers the ops, e.g. ``torch.ops.gemcompile.jagged_att
 from . import checks
 from . import jagged_attention as jagged_attention_ops  # noqa: F401  registers gemcompile::jagged_attention*
 from . import gdpa as gdpa_ops  # noqa: F401  registers gemcompile::gdpa*
+from . import block_attention as block_attention_ops  # noqa: F401  registers gemcompile::block_attention*
 from .checks import strict_length_checks
 from .jagged_attention import jagged_attention_packed
 

@@ -6,14 +6,18 @@ backward graphs); see passes/base.py for why each rewrite sits where it does.
 """
 
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
+from gemcompile.passes.block_attention import BlockAttentionPass
 from gemcompile.passes.gdpa import GdpaPass
 from gemcompile.passes.jagged_attention import JaggedAttentionPass
 from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
+from gemcompile.passes.mxfp8 import Mxfp8Pass
 
 PIPELINE: tuple[type[GemPass], ...] = (
+    BlockAttentionPass,  # pre_grad: block-diagonal / windowed attention (+ RoPE) -> gemcompile::block_attention
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
     GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
+    Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
 )
 """The default passes, in order."""
 

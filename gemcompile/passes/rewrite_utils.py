@@ -124,3 +124,25 @@ def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
     lo, hi = head_dims
     if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:
         raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")
+
+
+def site_keep_predicate(evaluator, site):
+    """The condition under which an attention site (attention_match.AttentionSite) keeps the score
+    (b, h, i, j): every mask term of the site, and SDPA's is_causal, evaluated with ``evaluator``
+    (a mask_provenance.MaskEvaluator) into one formula over the scores' index symbols."""
+    import sympy
+
+    from gemcompile.passes.mask_provenance import index_symbol, keep_predicate
+
+    keep = sympy.true
+    for term in site.masks:
+        value = evaluator.tensor(term.node)
+        if term.dims:
+            value = evaluator.relabel(value, term.dims, 4)
+        pred = keep_predicate(evaluator, value, "additive" if term.kind == "additive" else "bool")
+        keep = sympy.And(keep, sympy.Not(pred) if term.kind == "drop" else pred)
+    if site.causal_flag:
+        keep = sympy.And(keep, evaluator.atoms.compare("le", index_symbol(0), index_symbol(1)))
+    if 0 < len(keep.free_symbols) <= 8:  # exponential in the atoms: simplify small formulas only
+        keep = sympy.simplify_logic(keep, force=True)
+    return keep

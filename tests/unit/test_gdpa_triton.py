@@ -181,6 +181,17 @@ def test_bias_without_grad_and_per_batch_key_bias():
     check_against_reference(q, k, v, ql, kl, bias, "sigmoid", causal=True, window=4, bias_grad=True)
 
 
+@pytest.mark.parametrize("bias_shape", ["1,1,L,L", "B,1,L,L", "1,1,1,L"])
+@pytest.mark.parametrize("causal,window", [(True, 0), (False, 6)], ids=["causal", "window"])
+def test_head_shared_bias_grad_summed_in_program(bias_shape, causal, window):
+    """A bias shared by the heads (HSTU's relative bias): the dQ programs add dS over the heads into one
+    (B, 1, Lq, Lk) buffer (SUM_HEADS); the result equals the float64 reference's reduction."""
+    B, H, L, D = 3, 3, 37, 16
+    shape = tuple(B if d == "B" else L if d == "L" else int(d) for d in bias_shape.split(","))
+    q, k, v, ql, kl, bias = make_inputs(B, H, L, L, D, torch.float32, bias_shape=shape, seed=len(bias_shape))
+    check_against_reference(q, k, v, ql, kl, bias, "silu", 0.3, 1.0 / L, False, causal, window)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_permuted_blhd_views(dtype):
     """q, k, v as permuted views of (B, L, H, D) projections, read through their strides."""

@@ -1,0 +1,366 @@
+"""``gemcompile::block_attention``: block-diagonal and/or sliding-window softmax attention over padded
+sequences, with rotary embeddings on q and k fused into the kernels.
+
+Public op (what the block_attention pass emits; the signature is fixed)::
+
+    torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
+        int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale) -> Tensor
+
+q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
+int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
+eager padded SDPA with the boolean mask computes them) attends key j iff j < len[b], and
+(block > 0) i // block == j // block, and (window >= 0) |i - j| <= window, and (causal) j <= i.
+block = 0 means no block, window = -1 no window; one of them must be given (otherwise this is
+jagged_attention). So padded rows of the last, partial block see that block's valid keys; rows in
+blocks wholly past the length see none. A row with no allowed key is exactly 0 with zero gradients
+(what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
+
+Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
+sin are (L, D), (B, L, D) or (1|B, 1, L, D) (shared tables are read with batch stride 0, never copied),
+of any floating dtype, and q and k are rotated before the scores: x * cos + rot(x) * sin, rot =
+rotate_half (cat(-x[D/2:], x[:D/2])) or rotate-every-two (out[2i] = -x[2i+1], out[2i+1] = x[2i]). v is
+not rotated. The rotation runs in fp32 and is rounded once to q's dtype. cos and sin get no gradient
+(an error if they require one); dq and dk are w.r.t. the un-rotated q and k.
+
+Wiring, as in jagged_attention.py (read its docstring for why there are three ops):
+``block_attention_fwd -> (out, lse)`` and ``block_attention_bwd -> (dq, dk, dv)`` are custom ops with
+fake impls and ``register_autograd``; the public op is ``CompositeImplicitAutograd`` over the fwd op, so
+Dynamo sees one node and AOTAutograd splits it into the fwd and bwd ops. Plain eager CUDA calls take
+one autograd.Function over the same kernels (block_attention_eager.py).
+
+Dispatch: CUDA runs the Triton kernels of block_attention_triton.py when
+:func:`kernel_supports` says so (head dim a power of two in [16, 128]; not
+float64); anything else runs the plain-PyTorch reference of block_attention_reference.py (dense).
+No host syncs; length values are checked on CPU (and on CUDA under ``strict_length_checks``).
+
+FLOPs: the fwd and bwd ops have flop_counter formulas counting useful pairs (i, j < len, allowed) from
+the actual lengths (the padded count when they are fake): forward 4*H*D*pairs, backward 2.5x.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from . import checks
+from .block_attention_eager import EagerBlockAttention, takes_eager_path
+from .block_attention_flops import (
+    BACKWARD_FLOPS_RATIO,
+    block_attention_pairs,
+    forward_flops,
+    padded_block_attention_pairs,
+)
+from .block_attention_reference import ROTARY_MODES, reference_backward, reference_forward
+
+__all__ = ["block_attention", "check_block_attention_args", "kernel_supports"]
+
+_LIB = torch.library.Library("gemcompile", "FRAGMENT")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _triton():
+    # imported lazily: CPU-only installs never need triton
+    from . import block_attention_triton
+
+    return block_attention_triton
+
+
+def kernel_supports(block: int, window: int, head_dim: int) -> str | None:
+    """None when the CUDA kernels serve these static arguments, else the reason they do not (the op then
+    runs the dense reference: correct, slow). For the block_attention pass: refuse what this rejects.
+
+    Any block >= 1 and window >= 0 is served (power-of-two blocks up to the tile size take the fused
+    one-tile-per-block kernels); the head dim must be a power of two in [16, 128] (rotary at D = 16 is
+    applied with torch around the kernels, since the fused rotation needs D/2 >= 16)."""
+    if block < 0 or window < -1:
+        return f"block must be >= 0 and window >= -1, got block={block}, window={window}"
+    if block == 0 and window < 0:
+        return "neither a block nor a window: this is plain jagged attention (use jagged_attention)"
+    if not (checks.MIN_HEAD_DIM <= head_dim <= checks.MAX_HEAD_DIM) or head_dim & (head_dim - 1):
+        return f"head dim {head_dim} is not a power of two in [{checks.MIN_HEAD_DIM}, {checks.MAX_HEAD_DIM}]"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks (metadata only: they run on fake tensors too)
+
+
+def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor when rotary is on, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; every tensor must be on one device")
+    shape = tuple(t.shape)
+    ok = (
+        (t.dim() == 2 and shape == (L, D))
+        or (t.dim() == 3 and shape[0] in (1, B) and shape[1:] == (L, D))
+        or (t.dim() == 4 and shape[0] in (1, B) and shape[1] == 1 and shape[2:] == (L, D))
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be (L, D), (B, L, D) or (B, 1, L, D) with B in {{1, {B}}}, L = {L}, D = {D}; "
+            f"got shape {shape}"
+        )
+
+
+def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale) -> None:
+    """TypeError/ValueError naming the argument for anything the op does not accept."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k and v must have one shape (B, H, L, D) (self-attention), got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, _, L, D = q.shape
+    checks._check_index_vector("lengths", lengths, B, "B", q.device)
+    for name, value in (("block", block), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if block < 0:
+        raise ValueError(f"block must be >= 0 (0: no block constraint), got {block}")
+    if window < -1:
+        raise ValueError(f"window must be >= -1 (-1: no window), got {window}")
+    if block == 0 and window == -1:
+        raise ValueError(
+            "block_attention needs a block (block > 0) or a window (window >= 0); without either it is "
+            "plain jagged attention: use gemcompile::jagged_attention"
+        )
+    checks._check_flags(causal, scale)
+    if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
+        raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
+    if rotary == "none":
+        if cos is not None or sin is not None:
+            raise ValueError("cos and sin must be None when rotary is 'none' (say 'half' or 'interleaved')")
+        return
+    if D % 2:
+        raise ValueError(f"rotary needs an even head dim, got {D}")
+    _check_table("cos", cos, B, L, D, q.device)
+    _check_table("sin", sin, B, L, D, q.device)
+
+
+def _check_tables_need_no_grad(cos, sin) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t is not None and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but block_attention gives the rotary tables no gradient; pass "
+                f"{name}.detach() (or compute it under torch.no_grad())"
+            )
+
+
+def _check_values(q, lengths) -> None:
+    checks.check_length_values("lengths", lengths, q.shape[2])
+
+
+def _use_triton(q: Tensor, block: int, window: int) -> bool:
+    return (
+        q.device.type == "cuda"
+        and q.dtype != torch.float64
+        and kernel_supports(block, window, q.shape[-1]) is None
+    )
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+
+
+@torch.library.custom_op("gemcompile::block_attention_fwd", mutates_args=())
+def block_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    block: int,
+    window: int,
+    causal: bool,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    rotary: str,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key)."""
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    _check_values(q, lengths)
+    return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+
+
+@block_attention_fwd.register_kernel("cuda")
+def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    _check_values(q, lengths)
+    if not _use_triton(q, block, window):
+        return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    return _triton().block_attention_forward_triton(
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
+    )
+
+
+@block_attention_fwd.register_fake
+def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    B, H, L, D = q.shape
+    return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=_lse_dtype(q))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward
+
+
+@torch.library.custom_op("gemcompile::block_attention_bwd", mutates_args=())
+def block_attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    lengths: Tensor,
+    block: int,
+    window: int,
+    causal: bool,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    rotary: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
+    return reference_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
+                              scale)
+
+
+@block_attention_bwd.register_kernel("cuda")
+def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
+                              scale):
+    if not _use_triton(q, block, window):
+        return reference_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin,
+                                  rotary, scale)
+    return _triton().block_attention_backward_triton(
+        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale
+    )
+
+
+@block_attention_bwd.register_fake
+def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
+                              scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale = inputs
+    if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
+        _check_tables_need_no_grad(cos, sin)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, lengths, cos, sin)
+    ctx.args = (block, window, causal, rotary, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    # grad_lse is ignored: lse is an internal, non-differentiable output
+    q, k, v, out, lse, lengths, cos, sin = ctx.saved_tensors
+    block, window, causal, rotary, scale = ctx.args
+    dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
+        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+block_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The public op
+
+
+_LIB.define(
+    "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
+    "Tensor? cos, Tensor? sin, str rotary, float scale) -> Tensor"
+)
+
+
+def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    _check_tables_need_no_grad(cos, sin)
+    if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
+        return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    return torch.ops.gemcompile.block_attention_fwd(
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
+    )[0]
+
+
+_LIB.impl("block_attention", _block_attention_composite, "CompositeImplicitAutograd")
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    block: int = 0,
+    window: int = -1,
+    causal: bool = False,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    rotary: str = "none",
+    scale: float | None = None,
+) -> Tensor:
+    """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
+
+    Example: 64-token blocks with rotate-half RoPE on q and k::
+
+        out = block_attention(q, k, v, lengths, block=64, cos=cos, sin=sin, rotary="half")
+    """
+    if scale is None and isinstance(q, torch.Tensor):
+        scale = q.shape[-1] ** -0.5
+    # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    return torch.ops.gemcompile.block_attention(
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _forward_flops(q, lengths, block, window, causal) -> int:
+    B, H, L, D = q.shape
+    if _is_fake(lengths):
+        pairs = padded_block_attention_pairs(B, L, block, window, causal)
+    else:
+        pairs = block_attention_pairs(lengths, L, block, window, causal)
+    return forward_flops(H, D, pairs)
+
+
+@register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
+def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0, *,
+               out_val=None, **kwargs) -> int:
+    return _forward_flops(q, lengths, block, window, causal)
+
+
+@register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
+def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
+               rotary="none", scale=1.0, *, out_val=None, **kwargs) -> int:
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal))

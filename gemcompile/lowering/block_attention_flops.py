@@ -1,0 +1,45 @@
+"""Useful FLOPs of block attention: the (i, j) pairs with i, j < len[b] that the block/window/causal mask
+allows. Padded query rows that see keys (rows of the last partial block) are computed by the kernels
+but are not useful work, so they do not count.
+
+forward = 4 * H * D * pairs, backward = 2.5 x forward (jagged_attention_flops.py, ARCHITECTURE.md). The
+count is closed-form per sequence (no L x L mask): a sequence of n tokens splits into n // block full
+blocks and one partial block of n % block tokens (block 0: one block of n); within a block of b tokens,
+a window w allows b + 2 * sum_{d=1..m} (b - d) pairs, m = min(w, b - 1) (causal: one side only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .jagged_attention_flops import BACKWARD_FLOPS_RATIO, forward_flops
+
+__all__ = ["BACKWARD_FLOPS_RATIO", "block_attention_pairs", "forward_flops", "padded_block_attention_pairs"]
+
+
+def _pairs_in_span(n: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """Allowed pairs among n consecutive valid positions (elementwise on an int64 tensor)."""
+    if window < 0:
+        return n * (n + 1) // 2 if causal else n * n
+    m = torch.clamp(torch.minimum(n - 1, torch.full_like(n, window)), min=0)
+    one_side = m * n - m * (m + 1) // 2
+    return n + one_side if causal else n + 2 * one_side
+
+
+def _pairs(n: torch.Tensor, block: int, window: int, causal: bool) -> int:
+    if block > 0:
+        full, rest = n // block, n % block
+        per_block = _pairs_in_span(torch.full_like(n, block), window, causal)
+        return int((full * per_block + _pairs_in_span(rest, window, causal)).sum())
+    return int(_pairs_in_span(n, window, causal).sum())
+
+
+def block_attention_pairs(lengths: torch.Tensor, L: int, block: int, window: int, causal: bool) -> int:
+    """Sum over the batch of useful pairs; lengths are clamped into [0, L] as the kernels do."""
+    n = lengths.detach().to("cpu", torch.int64).clamp(0, int(L))
+    return _pairs(n, int(block), int(window), bool(causal))
+
+
+def padded_block_attention_pairs(B: int, L: int, block: int, window: int, causal: bool) -> int:
+    """The count when every sequence has the padded length (lengths unknown, e.g. fake tensors)."""
+    return _pairs(torch.full((int(B),), int(L), dtype=torch.int64), int(block), int(window), bool(causal))

@@ -1,0 +1,137 @@
+"""Plain-PyTorch reference of block attention: what runs on CPU (and on CUDA for what the kernels skip).
+
+Semantics (shared with the Triton kernels, see block_attention.py): every query row i of the padded
+length L (padded rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and
+(window >= 0) |i - j| <= window, and (causal) j <= i. A row with no allowed key is exactly 0 with zero
+gradients. With rotary, q and k are rotated first: x * cos + rot(x) * sin, rot = rotate_half ("half")
+or rotate-every-two ("interleaved"); v is not rotated.
+
+Block attention is jagged attention (q_lengths None: every row is a query; kv_lengths = lengths) with
+an additive 0/-inf bias of the (L, L) block/window/causal pattern, on rotated q and k. So the reference
+rotates, builds that pattern once (not per batch) and calls the jagged-attention reference; its
+backward applies the transposed rotation to dq and dk. Dense: memory O(B*H*L*L). Math in float32 for
+half inputs, float64 for float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .jagged_attention_reference import reference_backward as jagged_reference_backward
+from .jagged_attention_reference import reference_forward as jagged_reference_forward
+
+__all__ = [
+    "ROTARY_MODES",
+    "allowed_mask",
+    "allowed_pattern",
+    "apply_rotary",
+    "apply_rotary_transpose",
+    "reference_backward",
+    "reference_forward",
+    "rotary_tables",
+    "rotate",
+]
+
+ROTARY_MODES = ("none", "half", "interleaved")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rotary_tables(table: Tensor, B: int) -> Tensor:
+    """cos or sin of shape (L, D), (Bc, L, D) or (Bc, 1, L, D), Bc in {1, B} -> a (Bc, L, D) view.
+
+    Views only (no copy): a shared table keeps Bc = 1, which the kernels read with batch stride 0."""
+    if table.dim() == 2:
+        return table.unsqueeze(0)
+    if table.dim() == 4:
+        return table.squeeze(1)
+    return table
+
+
+def rotate(x: Tensor, rotary: str) -> Tensor:
+    """rot(x): "half" = cat(-x2, x1) of the two halves; "interleaved" = (-x1, x0, -x3, x2, ...)."""
+    if rotary == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    if rotary == "interleaved":
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-odd, even), dim=-1).flatten(-2)
+    raise ValueError(f"rotary must be 'half' or 'interleaved' here, got {rotary!r}")
+
+
+def _tables_4d(table: Tensor, B: int, dtype: torch.dtype) -> Tensor:
+    return rotary_tables(table, B).to(dtype).unsqueeze(1)  # (Bc, 1, L, D): broadcasts over heads
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rotary: str) -> Tensor:
+    """x (B, H, L, D) -> x * cos + rot(x) * sin, computed in x's dtype."""
+    B = x.shape[0]
+    return x * _tables_4d(cos, B, x.dtype) + rotate(x, rotary) * _tables_4d(sin, B, x.dtype)
+
+
+def apply_rotary_transpose(g: Tensor, cos: Tensor, sin: Tensor, rotary: str) -> Tensor:
+    """The gradient of apply_rotary w.r.t. x: g * cos + rot^T(g * sin), and rot^T = -rot."""
+    B = g.shape[0]
+    return g * _tables_4d(cos, B, g.dtype) - rotate(g * _tables_4d(sin, B, g.dtype), rotary)
+
+
+def allowed_pattern(L: int, block: int, window: int, causal: bool, device) -> Tensor:
+    """(L, L) bool: query i may attend key j by position alone (the length condition comes on top)."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(L, device=device)[None, :]
+    ok = torch.ones(L, L, dtype=torch.bool, device=device)
+    if block > 0:
+        ok = ok & (i // block == j // block)
+    if window >= 0:
+        ok = ok & ((i - j).abs() <= window)
+    if causal:
+        ok = ok & (j <= i)
+    return ok
+
+
+def allowed_mask(lengths: Tensor, L: int, block: int, window: int, causal: bool) -> Tensor:
+    """(B, 1, L, L) bool: the full mask, what an eager model passes to SDPA."""
+    key_ok = torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
+    return allowed_pattern(L, block, window, causal, lengths.device)[None, None] & key_ok[:, None, None, :]
+
+
+def _pattern_bias(L: int, block: int, window: int, causal: bool, dtype, device) -> Tensor:
+    ok = allowed_pattern(L, block, window, causal, device)
+    return torch.zeros(1, 1, L, L, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
+
+
+def _rotated(q, k, cos, sin, rotary):
+    cdt = _compute_dtype(q.dtype)
+    q, k = q.to(cdt), k.to(cdt)
+    if rotary != "none":
+        q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
+    return q, k
+
+
+def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
+                      scale: float):
+    """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys)."""
+    L = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    qr, kr = _rotated(q, k, cos, sin, rotary)
+    bias = _pattern_bias(L, block, window, causal, cdt, q.device)
+    out, lse = jagged_reference_forward(qr, kr, v.to(cdt), None, lengths, bias, False, scale)
+    return out.to(q.dtype).contiguous(), lse
+
+
+def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window: int, causal: bool, cos,
+                       sin, rotary: str, scale: float):
+    """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
+    L = q.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    qr, kr = _rotated(q, k, cos, sin, rotary)
+    bias = _pattern_bias(L, block, window, causal, cdt, q.device)
+    dq, dk, dv, _ = jagged_reference_backward(
+        grad_out.to(cdt), qr, kr, v.to(cdt), out.to(cdt), lse, None, lengths, bias, False, scale, False
+    )
+    if rotary != "none":
+        dq, dk = apply_rotary_transpose(dq, cos, sin, rotary), apply_rotary_transpose(dk, cos, sin, rotary)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()

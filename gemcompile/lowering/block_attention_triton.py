@@ -1,0 +1,766 @@
+"""Triton kernels of block attention (block-diagonal and/or sliding-window softmax attention over padded
+sequences, optional fused rotary on q and k) and their launchers.
+
+Which rows meet which keys. Query row i (every row < L, padded rows too) attends key j iff j < len[b],
+same block (block > 0), |i - j| <= window (window >= 0), j <= i (causal). The rows that may see keys
+and the keys a tile of rows may see are contiguous ranges, so every program computes its range from
+the static block/window and the length it loads from the device, and touches nothing else:
+- a query tile [m0, m1] meets keys [lo, hi): lo = max(block start of m0, m0 - window), hi = min(len,
+  block end of m1, m1 + window + 1, m1 + 1 if causal); ``lo >= hi`` means no row of the tile has a key
+  (tiles past the length): the program writes zeros (lse +inf) and exits;
+- a key tile [n0, n1] meets query rows [max(block start of n0, n0 - window, n0 if causal),
+  min(L, block end of n1, n1 + window + 1)).
+Time is linear in L: each tile meets O(block + window) keys.
+
+Two families of kernels:
+- "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
+  to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
+  tile's own rows, so the forward is one score tile (no key loop, no online-softmax rescaling, the
+  rotary tables loaded once for q and k), and the backward is ONE fused kernel per tile computing dQ,
+  dK and dV together: every block is independent, so no other program touches these rows (no atomics,
+  deterministic), nothing is read twice, and delta = rowsum(P * dP) comes from the tile itself instead
+  of a separate rowsum(O * dO) pass (O is not even read).
+- "general" kernels for everything else (windows without blocks, blocks larger than the tile, blocks
+  that are not powers of two): a forward with an online-softmax loop over the key range; the backward
+  of jagged_attention_triton.py (delta kernel reused from there, a dK/dV kernel looping over query
+  tiles, a dQ kernel looping over key tiles; deterministic, no atomics).
+
+Rotary is fused into the loads: a q or k tile is loaded as its two halves A and B that the rotation
+mixes (first/second half for "half", even/odd columns for "interleaved"), rotated in fp32
+(A' = A cos_A - B sin_A, B' = B cos_B + A sin_B) and rounded to the input dtype; scores are
+A'_q A'_k^T + B'_q B'_k^T (two dots of K = D/2). Gradients w.r.t. the rotated tiles are accumulated as
+halves too, and the transposed rotation (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A) is applied
+once per program before the store. So no register shuffles and no extra GEMM work; it needs D/2 >= 16
+(tl.dot), so rotary at D = 16 is rotated with torch outside the kernels (see the launchers).
+
+Precision as in jagged_attention_triton.py: fp32 scores, softmax statistics and accumulators; P and dS
+cast to the input dtype for their dots; fp32 inputs use 3xTF32 dots unless torch allows TF32.
+Autotune keys: bucketed length and window (next power of two), never raw values, plus the static flags.
+Under TRITON_INTERPRET=1 each kernel has one small config. No host syncs: grids depend only on shapes
+and the static block/window; lengths are read on the device (clamped into [0, L]).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_attention import kernel_supports
+from .block_attention_reference import apply_rotary, apply_rotary_transpose, rotary_tables
+from .jagged_attention_triton import (
+    _INTERPRET,
+    LN2,
+    LOG2E,
+    MODE_FULL,
+    _bwd_delta_kernel,
+    _dot_precision,
+    _fit_shared_memory,
+    _launch,
+    _load_rows,
+    _store_rows,
+    length_bucket,
+)
+
+__all__ = [
+    "block_attention_backward_triton",
+    "block_attention_forward_triton",
+    "closed_tile_serves",
+    "kernel_supports",
+]
+
+_LOG2E = 1.4426950408889634
+ROTARY_CODES = {"none": 0, "half": 1, "interleaved": 2}
+MIN_FUSED_ROTARY_HEAD_DIM = 32
+"""Rotary is fused when each half of the head dim can feed tl.dot (D/2 >= 16)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configs. Closed kernels: one tile size BLOCK (rows = keys) and the warps. General kernels: (BLOCK_M,
+# BLOCK_N, warps, stages) like jagged_attention_triton.py. Each entry lists the head dims it serves
+# ("small": D <= 64, "large": D > 64); the lists are short so that tuning stays a handful of compiles.
+
+_CLOSED_FWD_SHAPES = {(32, 2): ("small",), (64, 4): ("small", "large"), (64, 8): ("large",),
+                      (128, 8): ("small", "large")}
+_CLOSED_BWD_SHAPES = {(32, 4): ("small",), (64, 4): ("small", "large"), (64, 8): ("small", "large"),
+                      (128, 8): ("small",)}
+_FWD_SHAPES = {(64, 64, 4, 3): ("small", "large"), (128, 64, 8, 3): ("small", "large"),
+               (128, 128, 8, 3): ("small",), (64, 32, 4, 3): ("small", "large")}
+_DKDV_SHAPES = {(32, 64, 4, 3): ("small", "large"), (64, 64, 4, 3): ("small",),
+                (64, 128, 8, 3): ("small",), (32, 128, 8, 3): ("small", "large")}
+_DQ_SHAPES = {(64, 64, 4, 3): ("small", "large"), (128, 64, 8, 3): ("small", "large"),
+              (64, 32, 4, 3): ("small", "large"), (128, 32, 8, 3): ("small",)}
+
+_INTERPRET_CLOSED_TILE = 32
+
+
+def _closed_configs(shapes):
+    if _INTERPRET:
+        return [triton.Config({"BLOCK": _INTERPRET_CLOSED_TILE}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1) for t, w in shapes]
+
+
+def _general_configs(shapes, interpret_shape):
+    if _INTERPRET:
+        m, n = interpret_shape
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+_CLOSED_FWD_CONFIGS = _closed_configs(_CLOSED_FWD_SHAPES)
+_CLOSED_BWD_CONFIGS = _closed_configs(_CLOSED_BWD_SHAPES)
+_FWD_CONFIGS = _general_configs(_FWD_SHAPES, (32, 16))
+_DKDV_CONFIGS = _general_configs(_DKDV_SHAPES, (16, 32))
+_DQ_CONFIGS = _general_configs(_DQ_SHAPES, (32, 16))
+_AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDOW", "CAUSAL", "ROTARY",
+                 "DOT_PRECISION"]
+
+
+def _head_class(args) -> str:
+    return "small" if args.get("HEAD_D", 64) <= 64 else "large"
+
+
+def _closed_prune(shapes):
+    def prune(configs, named_args, **kwargs):
+        """Tiles that hold whole blocks, meant for this head dim, not far larger than the length."""
+        args = {**named_args, **kwargs}
+        block, head = args["ATTN_BLOCK"], _head_class(args)
+        fits = [c for c in configs if c.kwargs["BLOCK"] % block == 0]
+        kept = [c for c in fits
+                if head in shapes.get((c.kwargs["BLOCK"], c.num_warps), (head,))
+                and c.kwargs["BLOCK"] <= max(args.get("L_BUCKET", 1 << 30), 64)]
+        return kept or fits
+
+    return {"early_config_prune": prune}
+
+
+def _general_prune(shapes, kind):
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        head, lb = _head_class(args), args.get("L_BUCKET", 1 << 30)
+        kept = []
+        for c in configs:
+            key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+            if head not in shapes.get(key, (head,)):
+                continue
+            if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) > max(lb, 64):
+                continue
+            kept.append(_fit_shared_memory(c, kind, args))
+        return kept or [_fit_shared_memory(configs[0], kind, args)]
+
+    return {"early_config_prune": prune}
+
+
+def closed_tile_serves(block: int, head_dim: int) -> bool:
+    """Whether some closed-kernel tile holds whole blocks of this size (block a power of two <= tile)."""
+    if block <= 0 or block & (block - 1):
+        return False
+    if _INTERPRET:
+        return block <= _INTERPRET_CLOSED_TILE
+    head = "small" if head_dim <= 64 else "large"
+    fwd = max(t for (t, _), heads in _CLOSED_FWD_SHAPES.items() if head in heads)
+    bwd = max(t for (t, _), heads in _CLOSED_BWD_SHAPES.items() if head in heads)
+    return block <= min(fwd, bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _coordinates(H, num_tiles):
+    """1-D program id -> (tile, batch, head), heads fastest: the heads of one tile run side by side and
+    share the rotary tables' rows in L2 (and, for (B, L, H, D) views, neighbouring memory)."""
+    pid = tl.program_id(0)
+    h = pid % H
+    rest = pid // H
+    return rest % num_tiles, rest // num_tiles, h
+
+
+@triton.jit
+def _kv_length(Lengths, b, L):
+    return tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), L)
+
+
+@triton.jit
+def _key_range(r0, r1, kv_len, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """Keys [lo, hi) that query rows r0..r1 (inclusive) may see; lo >= hi: none."""
+    lo = r0 * 0
+    hi = kv_len
+    if ATTN_BLOCK > 0:
+        lo = (r0 // ATTN_BLOCK) * ATTN_BLOCK
+        hi = tl.minimum(hi, (r1 // ATTN_BLOCK + 1) * ATTN_BLOCK)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, r0 - window)
+        hi = tl.minimum(hi, r1 + window + 1)
+    if CAUSAL:
+        hi = tl.minimum(hi, r1 + 1)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(c0, c1, L, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Query rows [lo, hi) that may see keys c0..c1 (inclusive)."""
+    lo = c0 * 0
+    hi = c0 * 0 + L
+    if ATTN_BLOCK > 0:
+        lo = (c0 // ATTN_BLOCK) * ATTN_BLOCK
+        hi = tl.minimum(hi, (c1 // ATTN_BLOCK + 1) * ATTN_BLOCK)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, c0 - window)
+        hi = tl.minimum(hi, c1 + window + 1)
+    if CAUSAL:
+        lo = tl.maximum(lo, c0)
+    return lo, hi
+
+
+@triton.jit
+def _allowed(i, j, kv_len, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             CAUSAL: tl.constexpr):
+    """Mask of allowed (row i, key j) pairs; i and j are broadcastable 2-D index arrays."""
+    ok = (j < kv_len) & (i >= 0)
+    if ATTN_BLOCK > 0:
+        ok = ok & ((i // ATTN_BLOCK) == (j // ATTN_BLOCK))
+    if HAS_WINDOW:
+        ok = ok & (i - j <= window) & (j - i <= window)
+    if CAUSAL:
+        ok = ok & (j <= i)
+    return ok
+
+
+@triton.jit
+def _pair_columns(HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """Columns of the halves A and B that the rotation mixes: first/second half, or even/odd columns."""
+    offs = tl.arange(0, HEAD_D // 2)
+    if ROTARY == 1:
+        col_a = offs
+        col_b = offs + HEAD_D // 2
+    else:
+        col_a = offs * 2
+        col_b = offs * 2 + 1
+    return col_a, col_b
+
+
+@triton.jit
+def _load_tile(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """A q or k tile as (A, B) halves for rotary; (x, x) full width without."""
+    if ROTARY == 0:
+        x = _load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+        xa = x
+        xb = x
+    else:
+        col_a, col_b = _pair_columns(HEAD_D, ROTARY)
+        xa = _load_rows(base, rows, col_a, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+        xb = _load_rows(base, rows, col_b, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    return xa, xb
+
+
+@triton.jit
+def _load_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
+                 ROTARY: tl.constexpr):
+    """(cos_A, cos_B, sin_A, sin_B) of the rows, fp32."""
+    col_a, col_b = _pair_columns(HEAD_D, ROTARY)
+    ca = _load_rows(cos_base, rows, col_a, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    cb = _load_rows(cos_base, rows, col_b, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    sa = _load_rows(sin_base, rows, col_a, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    sb = _load_rows(sin_base, rows, col_b, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    return ca.to(tl.float32), cb.to(tl.float32), sa.to(tl.float32), sb.to(tl.float32)
+
+
+@triton.jit
+def _rotate(xa, xb, ca, cb, sa, sb):
+    af = xa.to(tl.float32)
+    bf = xb.to(tl.float32)
+    return (af * ca - bf * sa).to(xa.dtype), (bf * cb + af * sb).to(xb.dtype)
+
+
+@triton.jit
+def _rotate_transpose(ga, gb, ca, cb, sa, sb):
+    """Gradient w.r.t. the un-rotated halves from the gradient w.r.t. the rotated ones."""
+    return ga * ca + gb * sb, gb * cb - ga * sa
+
+
+@triton.jit
+def _dot_rows(xa, xb, ya, yb, ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x @ y^T over the head dim (sum of the two half dots with rotary)."""
+    s = tl.dot(xa, tl.trans(ya), input_precision=DOT_PRECISION)
+    if ROTARY != 0:
+        s += tl.dot(xb, tl.trans(yb), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _store_tile(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.constexpr,
+                ROTARY: tl.constexpr):
+    if ROTARY == 0:
+        _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, ga, mask_rows, HEAD_D)
+    else:
+        col_a, col_b = _pair_columns(HEAD_D, ROTARY)
+        _store_rows(base, rows, col_a, stride_r, stride_d, ga, mask_rows, HEAD_D)
+        _store_rows(base, rows, col_b, stride_r, stride_d, gb, mask_rows, HEAD_D)
+
+
+@triton.jit
+def _store_zero_rows(base, rows, mask_rows, stride_r, stride_d, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+    _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, tl.zeros([BLOCK_R, HEAD_D], tl.float32),
+                mask_rows, HEAD_D)
+
+
+@triton.jit
+def _finish_softmax(acc, l_i, m_i):
+    """(out, lse) of the accumulated rows; a row with no allowed key gets out 0 and lse +inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Closed kernels: block | BLOCK, one tile of BLOCK rows holds whole blocks and all their keys
+
+
+@triton.autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
+@triton.jit
+def _closed_fwd_kernel(
+    Q, K, V, Cos, Sin, Out, Lse, Lengths,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_cb, stride_cm, stride_cd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H, L, window, qk_scale,
+    L_BUCKET, WINDOW_BUCKET,
+    HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
+    kv_len = _kv_length(Lengths, b, L)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK
+    rows = m0 + tl.arange(0, BLOCK)
+    row_ok = rows < L
+    o_base = Out + b64 * stride_ob + h64 * stride_oh
+    l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    if m0 >= kv_len:  # the tile's blocks hold no valid key
+        _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK, HEAD_D)
+        tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
+        return
+    col_ok = rows < kv_len
+    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    if ROTARY != 0:  # keys are the tile's own rows: one load of the tables serves q and k
+        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
+                                      stride_cd, HEAD_D, ROTARY)
+        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
+        ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
+                   col_ok, HEAD_D, HEAD_D, True)
+    s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+    ok = _allowed(rows[:, None], rows[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    s = tl.where(ok, s, float("-inf"))
+    m = tl.max(s, 1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m_use[:, None])
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
+    _store_rows(o_base, rows, tl.arange(0, HEAD_D), stride_om, stride_od, out, row_ok, HEAD_D)
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
+@triton.jit
+def _closed_bwd_kernel(
+    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_cb, stride_cm, stride_cd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_xb, stride_xh, stride_xm, stride_xd,
+    H, L, window, qk_scale, scale,
+    L_BUCKET, WINDOW_BUCKET,
+    HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*)
+    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
+    kv_len = _kv_length(Lengths, b, L)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK
+    rows = m0 + tl.arange(0, BLOCK)
+    row_ok = rows < L
+    x_off = b64 * stride_xb + h64 * stride_xh
+    if m0 >= kv_len:
+        _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+        _store_zero_rows(DK + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+        _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+        return
+    col_ok = rows < kv_len
+    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    if ROTARY != 0:
+        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
+                                      stride_cd, HEAD_D, ROTARY)
+        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
+        ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+    offs_d = tl.arange(0, HEAD_D)
+    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D,
+                    HEAD_D, True)
+    lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=float("inf"))
+    s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+    ok = _allowed(rows[:, None], rows[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+    _store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+                   HEAD_D, True)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
+    delta = tl.sum(p * dp, 1)
+    ds = (p * (dp - delta[:, None])).to(qa.dtype)
+    # dQ is finished and stored before dK is computed: fewer live registers. The rotary tables are
+    # loaded again (cache hits) rather than kept live across the whole kernel.
+    dqa = tl.dot(ds, ka, input_precision=DOT_PRECISION) * scale
+    dqb = dqa
+    if ROTARY != 0:
+        dqb = tl.dot(ds, kb, input_precision=DOT_PRECISION) * scale
+        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
+                                      stride_cd, HEAD_D, ROTARY)
+        dqa, dqb = _rotate_transpose(dqa, dqb, ca, cb, sa, sb)
+    _store_tile(DQ + x_off, rows, row_ok, stride_xm, stride_xd, dqa, dqb, HEAD_D, ROTARY)
+    dka = tl.dot(tl.trans(ds), qa, input_precision=DOT_PRECISION) * scale
+    dkb = dka
+    if ROTARY != 0:
+        dkb = tl.dot(tl.trans(ds), qb, input_precision=DOT_PRECISION) * scale
+        dka, dkb = _rotate_transpose(dka, dkb, ca, cb, sa, sb)
+    _store_tile(DK + x_off, rows, row_ok, stride_xm, stride_xd, dka, dkb, HEAD_D, ROTARY)
+
+
+# ---------------------------------------------------------------------------------------------------
+# General kernels: loops over the key range (forward, dQ) or the query range (dK/dV)
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Cos, Sin, Out, Lse, Lengths,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_cb, stride_cm, stride_cd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H, L, window, qk_scale,
+    L_BUCKET, WINDOW_BUCKET,
+    HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
+    kv_len = _kv_length(Lengths, b, L)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < L
+    offs_d = tl.arange(0, HEAD_D)
+    o_base = Out + b64 * stride_ob + h64 * stride_oh
+    l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    if lo >= hi:  # no row of the tile has a key (e.g. a tile past the length)
+        _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK_M, HEAD_D)
+        tl.store(l_ptrs, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)
+        return
+    cos_base = Cos + b64 * stride_cb
+    sin_base = Sin + b64 * stride_cb
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    if ROTARY != 0:
+        ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_len
+        ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+        if ROTARY != 0:
+            kca, kcb, ksa, ksb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D,
+                                              ROTARY)
+            ka, kb = _rotate(ka, kb, kca, kcb, ksa, ksb)
+        s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+        ok = _allowed(rows[:, None], cols[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key so far: avoid inf - inf
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out, lse = _finish_softmax(acc, l_i, m_i)
+    _store_rows(o_base, rows, offs_d, stride_om, stride_od, out, row_ok, HEAD_D)
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_cb, stride_cm, stride_cd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_xb, stride_xh, stride_xm, stride_xd,
+    H, L, window, qk_scale, scale,
+    L_BUCKET, WINDOW_BUCKET,
+    HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
+    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_N))
+    kv_len = _kv_length(Lengths, b, L)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    n0 = tile * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    store_ok = cols < L
+    x_off = b64 * stride_xb + h64 * stride_xh
+    if n0 >= kv_len:  # keys past the length get no gradient
+        _store_zero_rows(DK + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
+        _store_zero_rows(DV + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
+        return
+    col_ok = cols < kv_len
+    offs_d = tl.arange(0, HEAD_D)
+    cos_base = Cos + b64 * stride_cb
+    sin_base = Sin + b64 * stride_cb
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    l_base = Lse + b64 * stride_lb + h64 * stride_lh
+    d_base = Delta + b64 * stride_lb + h64 * stride_lh
+    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    if ROTARY != 0:
+        ca, cb, sa, sb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+        dka = tl.zeros([BLOCK_N, HEAD_D // 2], tl.float32)
+        dkb = tl.zeros([BLOCK_N, HEAD_D // 2], tl.float32)
+    else:
+        dka = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+        dkb = dka
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+                   HEAD_D, True)
+    dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    lo, hi = _query_range(n0, tl.minimum(n0 + BLOCK_N, kv_len) - 1, L, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+        if ROTARY != 0:
+            qca, qcb, qsa, qsb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
+                                              ROTARY)
+            qa, qb = _rotate(qa, qb, qca, qcb, qsa, qsb)
+        do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
+        lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
+        delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
+        s_t = _dot_rows(ka, kb, qa, qb, ROTARY, DOT_PRECISION) * qk_scale
+        ok = _allowed(rows[None, :], cols[:, None], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * LOG2E), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(qa.dtype)
+        dka += tl.dot(ds_t, qa, input_precision=DOT_PRECISION)
+        if ROTARY != 0:
+            dkb += tl.dot(ds_t, qb, input_precision=DOT_PRECISION)
+    dka = dka * scale
+    dkb = dkb * scale
+    if ROTARY != 0:  # tables loaded again rather than kept live through the loop
+        ca, cb, sa, sb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        dka, dkb = _rotate_transpose(dka, dkb, ca, cb, sa, sb)
+    _store_tile(DK + x_off, cols, store_ok, stride_xm, stride_xd, dka, dkb, HEAD_D, ROTARY)
+    _store_rows(DV + x_off, cols, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_cb, stride_cm, stride_cd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_xb, stride_xh, stride_xm, stride_xd,
+    H, L, window, qk_scale, scale,
+    L_BUCKET, WINDOW_BUCKET,
+    HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per query tile; loops over its key range. dQ: contiguous."""
+    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
+    kv_len = _kv_length(Lengths, b, L)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < L
+    x_off = b64 * stride_xb + h64 * stride_xh
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    if lo >= hi:
+        _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK_M, HEAD_D)
+        return
+    offs_d = tl.arange(0, HEAD_D)
+    cos_base = Cos + b64 * stride_cb
+    sin_base = Sin + b64 * stride_cb
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    if ROTARY != 0:
+        ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
+        dqa = tl.zeros([BLOCK_M, HEAD_D // 2], tl.float32)
+        dqb = tl.zeros([BLOCK_M, HEAD_D // 2], tl.float32)
+    else:
+        dqa = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        dqb = dqa
+    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D,
+                    HEAD_D, True)
+    l_rows = b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    lse2 = tl.load(Lse + l_rows, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
+    for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_len
+        ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+        if ROTARY != 0:
+            kca, kcb, ksa, ksb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D,
+                                              ROTARY)
+            ka, kb = _rotate(ka, kb, kca, kcb, ksa, ksb)
+        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+        s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+        ok = _allowed(rows[:, None], cols[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(ka.dtype)
+        dqa += tl.dot(ds, ka, input_precision=DOT_PRECISION)
+        if ROTARY != 0:
+            dqb += tl.dot(ds, kb, input_precision=DOT_PRECISION)
+    dqa = dqa * scale
+    dqb = dqb * scale
+    if ROTARY != 0:  # tables loaded again rather than kept live through the loop
+        ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        dqa, dqb = _rotate_transpose(dqa, dqb, ca, cb, sa, sb)
+    _store_tile(DQ + x_off, rows, row_ok, stride_xm, stride_xd, dqa, dqb, HEAD_D, ROTARY)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _window_bucket(window: int) -> int:
+    return 0 if window < 0 else length_bucket(window + 1)
+
+
+def _tables(cos, sin, q):
+    """(cos, sin, strides (batch, row, col)) as the kernels read them; q stands in without rotary."""
+    if cos is None:
+        return q, q, (0, 0, 0)
+    cos3, sin3 = rotary_tables(cos, q.shape[0]), rotary_tables(sin, q.shape[0])
+    if cos3.shape != sin3.shape or cos3.stride() != sin3.stride():  # the kernels take one set of strides
+        Bc = max(cos3.shape[0], sin3.shape[0])
+        cos3, sin3 = cos3.expand(Bc, -1, -1).contiguous(), sin3.expand(Bc, -1, -1).contiguous()
+    sb, sm, sd = cos3.stride()
+    return cos3, sin3, ((0 if cos3.shape[0] == 1 else sb), sm, sd)
+
+
+def _unfused_rotary(rotary: str, D: int) -> bool:
+    """Rotary at head dims whose halves cannot feed tl.dot is applied with torch around the kernels."""
+    return rotary != "none" and D < MIN_FUSED_ROTARY_HEAD_DIM
+
+
+def _rotated_inputs(q, k, cos, sin, rotary):
+    qr = apply_rotary(q.float(), cos, sin, rotary).to(q.dtype)
+    kr = apply_rotary(k.float(), cos, sin, rotary).to(k.dtype)
+    return qr, kr
+
+
+def _consts(D, block, window, causal, rotary, dtype):
+    return {"HEAD_D": D, "ATTN_BLOCK": int(block), "HAS_WINDOW": window >= 0, "CAUSAL": bool(causal),
+            "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": _dot_precision(dtype)}
+
+
+def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
+                                   rotary: str, scale: float):
+    """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32)."""
+    B, H, L, D = q.shape
+    out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if _unfused_rotary(rotary, D):
+        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        cos = sin = None
+        rotary = "none"
+    cos, sin, c_strides = _tables(cos, sin, q)
+    buckets = (length_bucket(L), _window_bucket(window))
+    args = (q, k, v, cos, sin, out, lse, lengths, *q.stride(), *k.stride(), *v.stride(), *c_strides,
+            *out.stride(), *lse.stride(), H, L, int(window), float(scale) * _LOG2E, *buckets)
+    consts = _consts(D, block, window, causal, rotary, q.dtype)
+    if closed_tile_serves(block, D):
+        _launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts, buckets)
+    else:
+        _launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
+    return out, lse
+
+
+def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
+                                    causal: bool, cos, sin, rotary: str, scale: float):
+    """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
+    B, H, L, D = q.shape
+    lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
+    dq = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, L, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, H, L, D), dtype=v.dtype, device=q.device)
+    if dq.numel() == 0:
+        return dq, dk, dv
+    unfused = _unfused_rotary(rotary, D)
+    if unfused:
+        tables = (cos, sin, rotary)
+        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        cos = sin = None
+        rotary = "none"
+    cos, sin, c_strides = _tables(cos, sin, q)
+    buckets = (length_bucket(L), _window_bucket(window))
+    consts = _consts(D, block, window, causal, rotary, q.dtype)
+    inputs = (q, k, v, cos, sin, grad_out)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
+    scalars = (H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
+    if closed_tile_serves(block, D):
+        _launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
+                (*inputs, lse, dq, dk, dv, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+    else:
+        delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+        delta_block = 32 if _INTERPRET else 64
+        # every row < L is a query row here (MODE_FULL); the lengths arguments are unused in that mode
+        _bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
+            out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
+            H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
+        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
+                (*inputs, lse, delta, dk, dv, lengths, *strides, *dk.stride(), *scalars), consts, buckets)
+        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
+                (*inputs, lse, delta, dq, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+    if unfused:
+        cos0, sin0, rotary0 = tables
+        dq = apply_rotary_transpose(dq.float(), cos0, sin0, rotary0).to(dq.dtype)
+        dk = apply_rotary_transpose(dk.float(), cos0, sin0, rotary0).to(dk.dtype)
+    return dq, dk, dv
