@@ -62,10 +62,11 @@ import triton.language as tl
 from torch import Tensor
 
 __all__ = [
+    "alloc_outputs",
+    "codes_to_descale",
     "mx_quantize_triton",
     "quantize_1x128",
     "quantize_128x128",
-    "codes_to_descale",
     "scale_storage",
     "use_hw_convert",
 ]
@@ -324,6 +325,21 @@ def _col_major(rows: int, cols: int, device) -> Tensor:
     return torch.empty((cols, rows), dtype=torch.float32, device=device).t()
 
 
+def alloc_outputs(R: int, C: int, device, tile: bool, row: bool = True, col: bool = True):
+    """The (x8, s, xt8, st) tensors quantize_1x128 (tile False) / quantize_128x128 (tile True) fill for an
+    (R, C) input, in the layouts documented above (None for a copy not asked for)."""
+    f8 = torch.float8_e4m3fn
+    if tile:
+        s = _tile_scales(R, C, device) if row else None
+        st = _tile_scales(C, R, device) if col else None
+    else:
+        s = _col_major(R, triton.cdiv(C, 128), device) if row else None
+        st = _col_major(C, triton.cdiv(R, 128), device) if col else None
+    x8 = torch.empty((R, C), dtype=f8, device=device) if row else None
+    xt8 = torch.empty((C, R), dtype=f8, device=device) if col else None
+    return x8, s, xt8, st
+
+
 def _launch_block(x, rule, tile, row, col, use_hw, out):
     R, C = x.shape
     x8, s, xt8, st = out
@@ -357,14 +373,9 @@ def quantize_1x128(
     _check(x, rule)
     if not (row or col):
         raise ValueError("quantize_1x128: ask for the row copy, the column copy or both")
-    R, C = x.shape
-    dev = x.device
-    x8 = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=dev) if row else None
-    s = _col_major(R, triton.cdiv(C, 128), dev) if row else None
-    xt8 = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=dev) if col else None
-    st = _col_major(C, triton.cdiv(R, 128), dev) if col else None
-    _launch_block(x, rule, False, row, col, use_hw, (x8, s, xt8, st))
-    return x8, s, xt8, st
+    out = alloc_outputs(*x.shape, x.device, tile=False, row=row, col=col)
+    _launch_block(x, rule, False, row, col, use_hw, out)
+    return out
 
 
 def quantize_128x128(
@@ -376,14 +387,9 @@ def quantize_128x128(
     _check(w, rule)
     if not (row or col):
         raise ValueError("quantize_128x128: ask for the row copy, the column copy or both")
-    R, C = w.shape
-    dev = w.device
-    w8 = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=dev) if row else None
-    s = _tile_scales(R, C, dev) if row else None
-    wt8 = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=dev) if col else None
-    st = _tile_scales(C, R, dev) if col else None
-    _launch_block(w, rule, True, row, col, use_hw, (w8, s, wt8, st))
-    return w8, s, wt8, st
+    out = alloc_outputs(*w.shape, w.device, tile=True, row=row, col=col)
+    _launch_block(w, rule, True, row, col, use_hw, out)
+    return out
 
 
 def codes_to_descale(codes: Tensor) -> Tensor:

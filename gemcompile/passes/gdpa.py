@@ -1,6 +1,7 @@
 """Padded pointwise-activation attention -> gemcompile::gdpa (pre-grad, Dynamo graph).
 
-For each activation that sits between ``q @ k^T`` and ``@ v`` (gdpa_match.py) the pass proves the mask
+For each activation that sits between ``q @ k^T`` and ``@ v`` (gdpa_match.py; for identity attention, the
+first mask op on the raw scores) the pass proves the mask
 (gdpa_mask.py: key padding, query padding, causal, local window, or none), reads the normalizer (a
 constant, or the key lengths per sample), and replaces the chain by one op call. Query rows are
 skipped when the mask says so or when the model multiplies the attention's output by a query-row mask
@@ -22,7 +23,7 @@ import torch.fx as fx
 
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.gdpa_mask import GdpaMask, classify_gdpa_mask, downstream_row_mask
-from gemcompile.passes.gdpa_match import GdpaSite, activation_of, match_gdpa
+from gemcompile.passes.gdpa_match import GdpaSite, activation_of, identity_scores, match_gdpa
 from gemcompile.passes.jagged_attention import KERNEL_HEAD_DIMS
 from gemcompile.passes.mask_provenance import MaskEvaluator, Unproven, example_value, keep_predicate
 from gemcompile.passes.records import describe_nodes
@@ -54,11 +55,15 @@ class GdpaPass(GemPass):
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
                 continue
+            identity = None
             if activation_of(node) is None or not _feeds_from_scores(node):
-                continue  # an activation in an MLP is none of our business
+                identity = identity_scores(node)
+                if identity is None:
+                    continue  # an activation in an MLP is none of our business
             mark = len(fake.created)
             try:
-                self._rewrite(graph, fake, match_gdpa(node))
+                site = match_gdpa(node) if identity is None else match_gdpa(identity, identity=True)
+                self._rewrite(graph, fake, site)
             except Unproven as reason:
                 fake.rollback(mark)
                 self.refused(node, str(reason))

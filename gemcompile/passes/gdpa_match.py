@@ -9,6 +9,10 @@ activated scores going to ``@ v`` through a mask, a normalizer and casts:
 with act one of silu, gelu (exact or tanh), relu, relu squared, sigmoid. The mask must be applied after
 the activation (sigmoid(0) != 0, so a mask inside the activation would not drop a pair). Masks stay
 graph nodes here; gdpa_mask.py proves what they are. Every node of the chain must feed only the next.
+
+Identity (linear attention, ``(q @ k^T * scale [+ bias]) * mask @ v``) has no activation to anchor on:
+its anchor is the raw scores that a mask op takes (``identity_scores``), and it needs that mask: without
+one the chain is two plain matmuls, nothing to gain.
 """
 
 from __future__ import annotations
@@ -83,16 +87,73 @@ def activation_of(node: fx.Node) -> tuple[str, fx.Node] | None:
     return None
 
 
+def _is_raw_scores(node: Any) -> bool:
+    """node is q @ k^T through constant scales, bias additions and casts only (no activation, no mask)."""
+    while isinstance(node, fx.Node):
+        if is_call(node, *_MATMUL, "einsum"):
+            value = node.meta.get("example_value")
+            return getattr(value, "ndim", 0) == 4  # (B, H, Lq, Lk) scores
+        if is_call(node, *_CASTS):
+            node = node.args[0]
+        elif is_call(node, *_SCALE_OPS):
+            a, b = node.args[:2]
+            if isinstance(a, fx.Node) == isinstance(b, fx.Node):
+                return False
+            node = a if isinstance(a, fx.Node) else b
+        elif is_call(node, "add", "__add__", "__radd__", "sub", "__sub__"):
+            a, b = node.args[:2]
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or _leads_to_matmul(a) == _leads_to_matmul(b):
+                return False
+            node = a if _leads_to_matmul(a) else b
+        else:
+            return False
+    return False
+
+
+def identity_scores(node: fx.Node) -> fx.Node | None:
+    """The raw scores when node is the first mask op of an identity attention (its anchor); else None."""
+    if is_call(node, "masked_fill"):
+        data = node.args[0]
+    elif is_call(node, "where") and len(node.args) == 3:
+        _cond, x, y = node.args
+        data = x if isinstance(x, fx.Node) and not isinstance(y, fx.Node) else (
+            y if isinstance(y, fx.Node) and not isinstance(x, fx.Node) else None)
+    elif is_call(node, *_MUL) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        a, b = node.args[:2]
+        data = a if _is_raw_scores(a) and not _is_raw_scores(b) else (b if _is_raw_scores(b) and not _is_raw_scores(a)
+                                                                      else None)
+    else:
+        return None
+    if not isinstance(data, fx.Node) or len(data.users) != 1 or not _is_raw_scores(data):
+        return None
+    # and the masked scores go on to `@ v` (else a softmax or an activation follows: not identity attention,
+    # and not worth a refusal in explain)
+    chain = node
+    while len(chain.users) == 1:
+        (user,) = chain.users
+        if is_call(user, *_MATMUL, "einsum"):
+            return data if user.args[0] is chain or is_call(user, "einsum") else None
+        if not is_call(user, *_CASTS, *_MUL, *_DIV, "masked_fill", "where"):
+            return None
+        chain = user
+    return None
+
+
 def _fill_is_zero(fill: Any) -> None:
     if _constant_float(fill) != 0.0:
         raise Unproven(f"masked pairs are filled with {fill!r}, not 0 (after the activation a mask must zero them)")
 
 
-def match_gdpa(anchor: fx.Node) -> GdpaSite:
-    found = activation_of(anchor)
-    if found is None:
-        raise Unproven(f"{anchor.name} is not a supported activation")
-    activation, act_out = found
+def match_gdpa(anchor: fx.Node, identity: bool = False) -> GdpaSite:
+    """Take apart the attention around ``anchor``: an activation node, or with identity=True the raw
+    scores that identity_scores found."""
+    if identity:
+        activation, act_out = "identity", anchor
+    else:
+        found = activation_of(anchor)
+        if found is None:
+            raise Unproven(f"{anchor.name} is not a supported activation")
+        activation, act_out = found
     matched: list[fx.Node] = []
     info: dict[str, Any] = {}
     out_scale, divisor = 1.0, None
@@ -146,6 +207,8 @@ def match_gdpa(anchor: fx.Node) -> GdpaSite:
             node = user
             continue
         break
+    if identity and not masks:
+        raise Unproven("identity attention without a mask: two plain matmuls, nothing to rewrite")
     if is_call(user, *_MATMUL) and user.args[0] is node:
         info["v"] = user.args[1]
     elif is_call(user, "einsum"):
@@ -156,7 +219,7 @@ def match_gdpa(anchor: fx.Node) -> GdpaSite:
 
     # backward: act input -> scale / bias / casts -> q @ k^T
     ops: list[tuple[str, Any]] = []  # in backward order
-    node = anchor.args[0]
+    node = anchor if identity else anchor.args[0]
     while True:
         _single_user(node, matched)
         if is_call(node, *_MATMUL):

@@ -113,7 +113,21 @@ def hstu_targets_and_contextual(q, k, v, n, x):
     return (a * hstu_valid_mask(n, x["targets"], 2)[:, None]) @ v
 
 
+def identity_linear_attention(q, k, v, n, x):
+    """No activation at all (linear attention), key padding by a float mask, a constant normalizer."""
+    a = q @ k.transpose(-2, -1) * 0.25
+    return (a * valid(n)[:, None, None, :].float() / L) @ v
+
+
+def identity_causal_masked_fill_with_bias(q, k, v, n, x):
+    i = torch.arange(L)
+    s = q @ k.transpose(-2, -1) / math.sqrt(D) + x["rab_table"][(i[:, None] - i[None, :]).clamp(0, L - 1)]
+    keep = valid(n)[:, None, None, :] & (i[None, :] <= i[:, None])
+    return s.masked_fill(~keep, 0.0) @ v
+
+
 IDIOMS = {f.__name__: f for f in (
+    identity_linear_attention, identity_causal_masked_fill_with_bias,
     hstu_targets, hstu_contextual, hstu_targets_and_contextual,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
     sigmoid_mean_over_keys, relu_local_window, silu_blhd_einsum, pma_learned_queries,
@@ -222,6 +236,11 @@ def miss_targets_without_the_diagonal(q, k, v, n, x):
     return (F.silu(q @ k.transpose(-2, -1)) * m[:, None]) @ v
 
 
+def miss_identity_without_a_mask(q, k, v, n, x):
+    """Two plain matmuls: nothing for the kernel to skip, so nothing is rewritten (and nothing reported)."""
+    return (q @ k.transpose(-2, -1) * 0.25) @ v
+
+
 def miss_mask_on_heads(q, k, v, n, x):
     m = torch.arange(H)[None, :, None, None] < n[:, None, None, None]
     return (F.silu(q @ k.transpose(-2, -1)) * m) @ v
@@ -247,6 +266,24 @@ def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
     assert report.counts.get("gdpa", 0) == 0
     messages = " | ".join(r.reason for r in report.refusals)
     assert any(__import__("re").search(reason, r.reason) for r in report.refusals), messages
+
+
+def test_identity_without_a_mask_is_not_reported():
+    q, k, v, lengths, extra = _inputs()
+    report = explain(miss_identity_without_a_mask, q, k, v, lengths, extra)
+    assert report.counts.get("gdpa", 0) == 0 and not [r for r in report.refusals if r.pass_name == "gdpa"]
+
+
+def test_softmax_attention_left_to_jagged_is_not_an_identity_site():
+    """masked_fill on raw scores followed by softmax is softmax attention: gdpa reports nothing."""
+    q, k, v, lengths, extra = _inputs()
+
+    def softmax_attention(q, k, v, n, x):
+        s = (q @ k.transpose(-2, -1)).masked_fill(~valid(n)[:, None, None, :], float("-inf"))
+        return torch.softmax(s, dim=-1).nan_to_num() @ v
+
+    report = explain(softmax_attention, q, k, v, lengths, extra)
+    assert report.counts.get("gdpa", 0) == 0 and not [r for r in report.refusals if r.pass_name == "gdpa"]
 
 
 def test_mlp_activations_are_not_reported():

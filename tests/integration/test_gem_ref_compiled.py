@@ -1,6 +1,10 @@
 """gem_compile on GEM-ref tiny: the same outputs and gradients as eager (CPU, float32), with its PMA
-attention rewritten to the jagged kernel, its GDPA cross-attention to the GDPA kernel, and no recompiles
-across batches of different lengths."""
+attention rewritten to the jagged kernel, its GDPA cross-attention to the GDPA kernel, its block
+self-attention to the block-attention kernel with RoPE fused, and no recompiles across batches of
+different lengths."""
+
+import contextlib
+
 
 import torch
 from torch._dynamo.utils import counters
@@ -8,7 +12,15 @@ from torch._dynamo.utils import counters
 from gemcompile import gem_compile
 from gemcompile.backend import GemBackend
 from gemcompile.models.data import SyntheticData
-from gemcompile.models.gem import PMA, GDPACrossAttention, GemRef, gem_ref_config, masked_bce_loss
+from gemcompile.models.gem import (
+    PMA,
+    BlockSelfAttention,
+    GDPACrossAttention,
+    GemRef,
+    gem_ref_config,
+    masked_bce_loss,
+)
+from gemcompile.passes.records import PassLog, recording
 
 
 def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
@@ -20,12 +32,14 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     model = GemRef(config)
     data = SyntheticData(config.data_config(batch_size=64, length_dist="heavy_tail", fill=0.3))
     counters.clear()
+    log = PassLog()
     compiled = gem_compile(model)
     for step in range(3):  # different lengths every step (zero and full lengths among them)
         batch = data.batch(step)
         lengths = torch.cat(batch.seq_lengths)
         assert step > 0 or (lengths == 0).any()
-        out = compiled(**batch.features())
+        with recording(log) if step == 0 else contextlib.nullcontext():  # the compile's pass reports
+            out = compiled(**batch.features())
         grads = torch.autograd.grad(masked_bce_loss(out, batch.labels, batch.label_mask), list(model.parameters()))
         ref = model(**batch.features())
         ref_grads = torch.autograd.grad(masked_bce_loss(ref, batch.labels, batch.label_mask),
@@ -38,3 +52,9 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     assert n_pma >= 2 and counters["gemcompile"]["jagged_attention"] == n_pma
     n_gdpa = sum(isinstance(m, GDPACrossAttention) for m in model.modules())
     assert n_gdpa >= 2 and counters["gemcompile"]["gdpa"] == n_gdpa
+    n_block = sum(isinstance(m, BlockSelfAttention) for m in model.modules())  # one block-masked SDPA each
+    assert n_block >= 2 and counters["gemcompile"]["block_attention"] == n_block
+    block_rewrites = [r for r in log.rewrites if r.pass_name == "block_attention"]
+    assert len(block_rewrites) == n_block
+    for r in block_rewrites:
+        assert f"block={config.block_size} window=-1 causal=False; rotary half fused" in r.detail, r.detail

@@ -19,8 +19,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 pytest.importorskip("triton")
 
-from gemcompile.lowering.mx_numerics import block_quantize, mx_quantize  # noqa: E402
-from gemcompile.lowering.mx_quantize_triton import (  # noqa: E402
+from gemcompile.lowering.mx_numerics import block_quantize, mx_quantize
+from gemcompile.lowering.mx_quantize_triton import (
     codes_to_descale,
     mx_quantize_triton,
     quantize_1x128,
@@ -221,7 +221,7 @@ def test_128x128_weight_tiles(dtype, rule):
 def test_128x128_partial_tiles_and_hand_made_values():
     hand = torch.cat(list(HAND_MADE.values()))  # (19, 32): one partial tile
     for rule in RULES:
-        w8, s, wt8, st = quantize_128x128(hand, rule)
+        w8, s, _, _ = quantize_128x128(hand, rule)
         assert_blockwise(w8, s, hand, (128, 128), rule)
         # per row: the 1x128 path on the same hand-made rows
         x8, xs, _, _ = quantize_1x128(hand, rule, col=False)
