@@ -1,4 +1,4 @@
-"""The `gemcompile` command: explain | train. A thin layer over the Python API."""
+"""The `gemcompile` command: explain | train | bench. A thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -54,6 +54,45 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    e2e = sub.add_parser("e2e", help="GEM-ref training step: eager, torch.compile, gem_compile with each pass "
+                                     "group on and off")
+    e2e.add_argument("--size", default="small", choices=["tiny", "small", "large"], help="GEM-ref size")
+    e2e.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the size's)")
+    e2e.add_argument("--fill", type=float, default=0.5, help="mean sequence length / max length")
+    e2e.add_argument("--steps", type=int, default=50, help="measured steps (lengths vary per batch)")
+    e2e.add_argument("--warmup", type=int, default=3, help="steps before the measured ones")
+    e2e.add_argument("--methods", default="eager,inductor,gem",
+                     help="comma-separated: eager, inductor, gem, gem-no-<pass>, gem+mxfp8, or 'all'")
+    e2e.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    e2e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e2e.add_argument("--layers", action="store_true", help="also measure each layer's local MFU")
+    e2e.add_argument("--out", default=None, help="directory of the results JSON (default: print only)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
+
+    methods = available_methods() if args.methods == "all" else [m for m in args.methods.split(",") if m]
+    cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
+                         warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
+                         layers=args.layers)
+    payload = run_e2e_bench(cfg)
+    if args.out:
+        import datetime
+
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = Path(args.out) / f"e2e-{args.size}-fill{args.fill}-{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1))
+        print(f"results in {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gemcompile.runtime.train import add_train_arguments
 
@@ -63,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     _explain_arguments(explain_parser)
     train_parser = sub.add_parser("train", help="train GEM-ref on synthetic data")
     add_train_arguments(train_parser)
+    bench_parser = sub.add_parser("bench", help="benchmarks (e2e: the GEM-ref training step, side by side)")
+    _bench_arguments(bench_parser)
     return parser
 
 
@@ -72,9 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "explain":
             return run_explain(args)
+        if args.command == "bench":
+            return run_bench(args)
         from gemcompile.runtime.train import run_train_from_args
 
-        return run_train_from_args(args)
+        try:
+            return run_train_from_args(args)
+        finally:  # `torchrun ... train --parallel`: leave the process group cleanly
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     except (ValueError, TypeError) as e:
         # Bad input from the command line: one clear line, no traceback from deep inside torch.
         print(f"gemcompile {args.command}: error: {e}", file=sys.stderr)

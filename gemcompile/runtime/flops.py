@@ -398,9 +398,11 @@ class GemFlopFormula:
         batch_size: int,
         padded: bool = False,
         padded_lens: Sequence[int] | None = None,
+        prefix: str | None = None,
     ) -> dict[str, int]:
         """Forward FLOPs per term: "linear.step", "linear.sample", "linear.token.{k}", "attention.pma",
-        "attention.gdpa", "attention.block", "fm".
+        "attention.gdpa", "attention.block", "fm". With ``prefix``, only the modules whose name starts
+        with it (e.g. "layers.2." for one layer: its local FLOPs).
 
         Useful mode (padded=False): seq_lengths[k] holds the B valid lengths of sequence k.
         Padded mode (padded=True): every length is the padded length N_k (padded_lens, default the
@@ -427,7 +429,10 @@ class GemFlopFormula:
         out: dict[str, int] = {"linear.step": 0, "linear.sample": 0}
         out.update({f"linear.token.{k}": 0 for k in range(self.n_seq)})
         out.update({"attention.pma": 0, "attention.gdpa": 0, "attention.block": 0, "fm": 0})
-        for t in self.matmuls:
+        def keep(term) -> bool:
+            return prefix is None or term.name.startswith(prefix)
+
+        for t in filter(keep, self.matmuls):
             flops = 2 * t.params * t.rows
             if t.scope == "step":
                 out["linear.step"] += flops
@@ -436,7 +441,7 @@ class GemFlopFormula:
             else:
                 out[f"linear.token.{t.seq}"] += flops * tokens[t.seq]
         block_pairs: dict[tuple[int, int], int] = {}
-        for t in self.attentions:
+        for t in filter(keep, self.attentions):
             if t.kind == "block" and padded:
                 pairs = batch_size * lens[t.seq] * lens[t.seq]  # the dense masked N x N attention
             elif t.kind == "block":
@@ -447,7 +452,7 @@ class GemFlopFormula:
             else:
                 pairs = t.n_fixed * tokens[t.seq]  # PMA: n_pma x n; GDPA: n x n_sum
             out[f"attention.{t.kind}"] += t.flops_per_pair * pairs
-        for t in self.fms:
+        for t in filter(keep, self.fms):
             out["fm"] += t.flops_per_sample * batch_size
         return out
 

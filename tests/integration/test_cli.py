@@ -9,12 +9,13 @@ def test_explain_gem_ref_tiny_prints_the_pma_rewrites(capsys):
     assert "GEM-ref tiny" in out and "jagged_attention" in out
     assert "F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])" in out
     assert "gemcompile.jagged_attention.default" in out
-    assert "floor(i/16)" in out  # the block-diagonal self-attention is left alone, with the reason
+    assert "gemcompile.block_attention.default" in out  # the block-diagonal self-attention, RoPE fused
+    assert "rotary half fused" in out
 
 
 def test_explain_with_the_pass_disabled(capsys):
     assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--disable", "gdpa",
-                 "--width", "200"]) == 0
+                 "--disable", "block_attention", "--width", "200"]) == 0
     assert "0 rewrites" in capsys.readouterr().out
     assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--width", "200"]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,373 @@
+"""`gemcompile bench e2e`: the GEM-ref training step under eager, torch.compile and gem_compile, side by side.
+
+Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths varying per batch) for
+``warmup + steps`` steps and reports, over the measured steps:
+
+- samples/s and useful TFLOP/s (the section-8 formula of runtime/flops.py: valid tokens only, training
+  = 3x forward) and MFU against the GPU's bf16 dense peak;
+- compile time: the wall time of the warm-up steps minus warm-up x the median measured step (what the
+  compilations cost beyond running those steps);
+- recompiles after warm-up: Dynamo's count of compiled graphs, read before and after the measured steps
+  (the warm-up holds at least two batch shapes, so automatic dynamic shapes settle inside it);
+- peak memory (CUDA) and the final NE over the last ``ne_window`` steps, with its relative gap to eager's
+  NE on the same batches;
+- with ``layers=True``, Meta's *local* MFU per layer: each GemLayer alone (its inputs captured from one
+  eager step), forward + backward, compiled the method's way, timed with CUDA events, against its own
+  useful FLOPs; no recomputation, no communication.
+
+Methods: ``eager``, ``inductor`` (torch.compile default), ``gem`` (gem_compile, default GemConfig),
+``gem-no-<pass>`` (one default-on pass group off) and ``gem+<pass>`` (one default-off group on, e.g.
+``gem+mxfp8``). The JSON written by benchmarks/e2e.py feeds benchmarks/render_report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["E2EBenchConfig", "available_methods", "run_e2e_bench"]
+
+PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
+"""GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
+
+
+def available_methods() -> list[str]:
+    """Every method name the bench understands, given the passes GemConfig has."""
+    from gemcompile import GemConfig
+
+    config = GemConfig()
+    methods = ["eager", "inductor", "gem"]
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        if not dataclasses.is_dataclass(section) or not hasattr(section, "enabled"):
+            continue
+        if section.enabled:
+            methods.append(f"gem-no-{f.name}")
+        elif f.name in PASS_GROUPS_OFF_BY_DEFAULT:
+            methods.append(f"gem+{f.name}")
+    return methods
+
+
+@dataclass(frozen=True)
+class E2EBenchConfig:
+    """One e2e benchmark run."""
+
+    size: str = "small"
+    """GEM-ref preset (tiny, small, large)."""
+
+    batch_size: int | None = None
+    """Samples per step; None = the size's training default (runtime/train.py)."""
+
+    fill: float = 0.5
+    """Mean sequence length / padded length of the synthetic data."""
+
+    steps: int = 50
+    """Measured steps (batches of different lengths)."""
+
+    warmup: int = 3
+    """Steps before the measured ones (compilation happens here); at least 2 batch shapes."""
+
+    methods: tuple[str, ...] = ("eager", "inductor", "gem")
+    """Methods to run, in order; see available_methods()."""
+
+    device: str = "cuda"
+    """cuda, or cpu for a smoke run."""
+
+    dtype: str = "bfloat16"
+    """bfloat16 autocast (the GPU default) or float32."""
+
+    ne_window: int = 20
+    """Steps of the final NE window (NE compared against eager's)."""
+
+    layers: bool = False
+    """Also measure the local MFU of each GemLayer alone."""
+
+    layer_reps: int = 20
+    """Timed repetitions per layer (median)."""
+
+    seed: int = 0
+    """Model initialization and data seed, the same for every method."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes copied into the results."""
+
+    def __post_init__(self) -> None:
+        if self.warmup < 2:
+            raise ValueError(f"E2EBenchConfig.warmup = {self.warmup}: need >= 2 (two batch shapes settle "
+                             "dynamic shapes)")
+        if self.steps < 1:
+            raise ValueError(f"E2EBenchConfig.steps = {self.steps}: need >= 1")
+        if not 0.0 < self.fill <= 1.0:
+            raise ValueError(f"E2EBenchConfig.fill = {self.fill}: need a float in (0, 1]")
+        known = available_methods()
+        unknown = [m for m in self.methods if m not in known]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(known)}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"E2EBenchConfig.dtype = {self.dtype!r}: need bfloat16 or float32")
+
+
+def _gem_config(method: str):
+    from gemcompile import GemConfig
+
+    if method == "gem":
+        return GemConfig()
+    if method.startswith("gem-no-"):
+        return GemConfig(**{method[len("gem-no-"):]: {"enabled": False}})
+    if method.startswith("gem+"):
+        return GemConfig(**{method[len("gem+"):]: {"enabled": True}})
+    raise ValueError(method)
+
+
+def _compiled(module: torch.nn.Module, method: str):
+    if method == "eager":
+        return module
+    if method == "inductor":
+        return torch.compile(module)
+    from gemcompile import gem_compile
+
+    return gem_compile(module, config=_gem_config(method))
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _layer_inputs(model, batch) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) each GemLayer receives in one eager forward, detached (leaf copies)."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().requires_grad_(x.is_floating_point())
+        if isinstance(x, (list, tuple)):
+            return type(x)(leaf(v) for v in x)
+        return x
+
+    def hook(_mod, args, kwargs):
+        captured.append((leaf(args), leaf(kwargs)))
+
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.layers]
+    try:
+        with torch.no_grad():
+            model(**batch.features())
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast) -> float:
+    """Median ms of one forward + backward of fn(*args, **kwargs)."""
+    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+
+    def step():
+        with autocast():
+            out = fn(*args, **kwargs)
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        for t in leaves:
+            t.grad = None
+
+    for _ in range(3):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _layer_useful_flops(formula, prefix: str, seq_lengths, batch_size: int) -> int:
+    from gemcompile.runtime.flops import TRAIN_FLOPS_PER_FORWARD
+
+    return TRAIN_FLOPS_PER_FORWARD * sum(formula.breakdown(seq_lengths, batch_size, prefix=prefix).values())
+
+
+def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
+    """Train a fresh GEM-ref under one method and measure it (see the module docstring)."""
+    from gemcompile.models.data import SyntheticData
+    from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
+    from gemcompile.runtime.flops import GemFlopFormula, mfu
+    from gemcompile.runtime.metrics import MetricWindow
+    from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, build_optimizers
+
+    device = torch.device(cfg.device)
+    batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]
+    model_cfg = gem_ref_config(cfg.size)
+    data = SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed))
+    torch.manual_seed(cfg.seed)
+    model = GemRef(model_cfg).to(device)
+    optimizers = build_optimizers(model, 1e-3, 0.01)
+    formula = GemFlopFormula.from_model(model)
+    window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
+
+    def autocast():
+        if cfg.dtype == "bfloat16":
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, enabled=False)
+
+    runner = _compiled(model, method)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step_ms: list[float] = []
+    useful: list[float] = []
+    losses: list[float] = []
+    warmup_s = 0.0
+    graphs_after_warmup = None
+    graphs_before = _graph_count()
+    for step in range(cfg.warmup + cfg.steps):
+        if step == cfg.warmup:
+            graphs_after_warmup = _graph_count()
+        cpu_batch = data.batch(step)
+        batch = cpu_batch.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with autocast():
+            logits = runner(**batch.features())
+        loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        loss_value = loss.item()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        losses.append(loss_value)
+        if step < cfg.warmup:
+            warmup_s += elapsed
+            continue
+        step_ms.append(1e3 * elapsed)
+        useful.append(formula.train_flops(cpu_batch.seq_lengths, batch_size))
+        window.update(logits.detach().float(), batch.labels, batch.label_mask)
+    total_s = sum(step_ms) / 1e3
+    median_ms = statistics.median(step_ms)
+    useful_per_s = sum(useful) / total_s
+    result: dict[str, Any] = {
+        "method": method,
+        "samples_per_s": batch_size * len(step_ms) / total_s,
+        "step_ms_median": median_ms,
+        "step_ms_mean": 1e3 * total_s / len(step_ms),
+        "useful_tflops": useful_per_s / 1e12,
+        "mfu": mfu(useful_per_s, device),
+        "compile_s": max(0.0, warmup_s - cfg.warmup * median_ms / 1e3),
+        "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
+        "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),
+        "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None,
+        "ne": list(window.compute().ne),  # per task
+        "final_loss": losses[-1],
+        "losses": losses,
+        "diverged": not all(math.isfinite(v) for v in losses),
+    }
+    log(f"  {method:22s} {result['samples_per_s']:10.0f} samples/s  {result['useful_tflops']:7.2f} TF/s  "
+        f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
+        f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}")
+    if cfg.layers:
+        result["layers"] = _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log)
+    del runner, model, optimizers
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log) -> list[dict]:
+    from gemcompile.runtime.flops import mfu
+
+    batch = data.batch(cfg.warmup + cfg.steps).to(device)
+    with autocast():
+        inputs = _layer_inputs(model, batch)
+    rows = []
+    for i, (layer, (args, kwargs)) in enumerate(zip(model.layers, inputs)):
+        torch._dynamo.reset()
+        ms = _time_layer(_compiled(layer, method), args, kwargs, cfg.layer_reps, device, autocast)
+        flops = _layer_useful_flops(formula, f"layers.{i}.", batch.seq_lengths, batch_size)
+        rows.append({"layer": i, "ms": ms, "useful_tflops": flops / ms / 1e9,
+                     "local_mfu": mfu(flops / ms * 1e3, device)})
+        log(f"    layer {i}: {ms:8.3f} ms  {flops / ms / 1e9:7.2f} TF/s  local MFU {_pct(rows[-1]['local_mfu'])}")
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "  n/a" if x is None else f"{100 * x:5.1f}%"
+
+
+def run_e2e_bench(cfg: E2EBenchConfig, log=print) -> dict[str, Any]:
+    """Every method of cfg, one after the other in this process; ratios against inductor and eager."""
+    from gemcompile.runtime.flops import peak_flops
+
+    device = torch.device(cfg.device)
+    results = []
+    for method in cfg.methods:
+        torch._dynamo.reset()
+        log(f"-- {method}")
+        try:
+            results.append(run_method(cfg, method, log))
+        except Exception as e:  # a method that fails (OOM, a compile error) is recorded; the others still run
+            results.append({"method": method, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            log(f"  {method} failed: {results[-1]['error'][:200]}")
+    by_name = {r["method"]: r for r in results if "error" not in r}
+    for r in results:
+        if "error" in r:
+            continue
+        for peer in ("inductor", "eager"):
+            if peer in by_name:
+                r[f"speedup_vs_{peer}"] = r["samples_per_s"] / by_name[peer]["samples_per_s"]
+        if "inductor" in by_name and by_name["inductor"]["compile_s"] > 0:
+            r["compile_time_vs_inductor"] = r["compile_s"] / by_name["inductor"]["compile_s"]
+        if "eager" in by_name:  # the largest relative gap over the tasks
+            gaps = [abs(a - b) / abs(b) for a, b in zip(r["ne"], by_name["eager"]["ne"]) if b]
+            r["ne_rel_diff_vs_eager"] = max(gaps) if gaps else None
+    batch_size = cfg.batch_size
+    if batch_size is None:
+        from gemcompile.runtime.train import DEFAULT_BATCH_SIZE
+
+        batch_size = DEFAULT_BATCH_SIZE[cfg.size]
+    return {
+        "benchmark": "e2e",
+        "config": {**dataclasses.asdict(cfg), "batch_size": batch_size},
+        "peak_bf16_dense_tflops": (peak_flops(device) or 0) / 1e12 or None,
+        "conventions": {
+            "useful_flops": "runtime/flops.py section-8 formula: valid tokens only, training = 3x forward",
+            "compile_s": "warm-up wall time minus warm-up steps x the median measured step",
+            "recompiles_after_warmup": "Dynamo graphs compiled during the measured steps",
+            "ne_rel_diff_vs_eager": "max over tasks of |NE - NE_eager| / NE_eager over the last ne_window "
+                                    "steps, same batches",
+        },
+        "results": results,
+    }

@@ -1,0 +1,53 @@
+"""`gemcompile bench e2e` (runtime/e2e_bench.py) on the CPU: the method list, config errors, and one eager
+run whose numbers are checked against what they must be; and the report renderer on its JSON."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
+
+
+def test_methods_follow_the_config_sections():
+    methods = available_methods()
+    assert methods[:3] == ["eager", "inductor", "gem"]
+    assert "gem-no-jagged_attention" in methods and "gem-no-gdpa" in methods
+    assert "gem+mxfp8" in methods  # off by default: offered switched on
+    assert not any("parallel" in m for m in methods)  # needs torchrun
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"warmup": 1}, "warmup"), ({"steps": 0}, "steps"), ({"fill": 0.0}, "fill"),
+    ({"methods": ("eager", "fast")}, "unknown method"), ({"dtype": "float16"}, "dtype"),
+])
+def test_bad_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        E2EBenchConfig(**kwargs)
+
+
+def test_eager_run_reports_consistent_numbers(tmp_path):
+    cfg = E2EBenchConfig(size="tiny", batch_size=64, steps=3, warmup=2, methods=("eager",), device="cpu",
+                         dtype="float32", ne_window=3, layers=True, layer_reps=2)
+    payload = run_e2e_bench(cfg, log=lambda *a: None)
+    (r,) = payload["results"]
+    assert "error" not in r, r
+    assert len(r["losses"]) == 5 and not r["diverged"]
+    # samples/s is batch x measured steps / their total time: consistent with the mean step time
+    assert r["samples_per_s"] == pytest.approx(64 / (r["step_ms_mean"] / 1e3), rel=1e-9)
+    assert r["useful_tflops"] > 0 and r["mfu"] is None  # no GPU peak on the CPU
+    assert r["recompiles_after_warmup"] == 0 and r["graphs_compiled"] == 0  # eager compiles nothing
+    assert len(r["ne"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["ne"])
+    assert r["speedup_vs_eager"] == pytest.approx(1.0) and r["ne_rel_diff_vs_eager"] == 0.0
+    assert [row["layer"] for row in r["layers"]] == [0, 1] and all(row["ms"] > 0 for row in r["layers"])
+
+    # the renderer turns the JSON into a markdown row per method
+    spec = importlib.util.spec_from_file_location(
+        "render_report", Path(__file__).resolve().parents[2] / "benchmarks" / "render_report.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    (tmp_path / "e2e-tiny-20261130-000000.json").write_text(json.dumps(payload))
+    markdown = render.render_markdown(render.latest_results(tmp_path))
+    assert "| eager |" in markdown and "samples/s" in markdown
