@@ -55,7 +55,9 @@ def _scale_exponent(amax: Tensor, rule: str) -> Tensor:
         return (e - 1 - E4M3_EMAX).to(torch.int32)
     descale = amax / E4M3_MAX  # the fp32 division NVIDIA's rule starts from
     m, e = torch.frexp(descale)
-    return torch.where(m == 0.5, e - 1, e).to(torch.int32)  # ceil(log2): exact powers of two stay
+    e = torch.where(m == 0.5, e - 1, e)  # ceil(log2): exact powers of two stay
+    # amax < 448 * 2^-150 underflows the division to 0 (frexp gives e = 0): the scale is E8M0's smallest
+    return torch.where(m == 0, -E8M0_BIAS, e).to(torch.int32)
 
 
 def block_quantize(x: Tensor, block: tuple[int, int] = (1, 32), rule: str = "floor") -> tuple[Tensor, Tensor]:

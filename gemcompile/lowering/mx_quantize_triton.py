@@ -24,10 +24,14 @@ GEMM wants (aten/src/ATen/native/cuda/ScaledBlas.cpp, ``is_blockwise_1x128_scali
 
 * 1x128 operand X (rows, K): scales (rows, K/128) "outer-dim-major", strides (1, rows). Both APIs.
 * 128x128 operand X (rows, K): stored row-major as (rows/128, L4) with L4 = round_up(K/128, 4), i.e. 16-byte
-  aligned rows. F.scaled_mm (v2) wants the view ``storage.t()`` of shape (L4, rows/128), strides (1, L4)
-  (the padding rows exist: torchao pads them with 1.0, we too); torch._scaled_mm (v1) wants
-  (rows/128, K/128) with strides (K/128, 1) exactly, which is the same memory only when K/128 % 4 == 0.
-  The kernels return the unpadded view ``storage[:, :K/128]``; ``scale_storage(s)`` gives the padded one.
+  aligned rows. F.scaled_mm (v2) wants the view ``storage.t()`` of shape (L4, rows/128), strides (1, L4),
+  padding included (filled with 1.0, as torchao does); torch._scaled_mm (v1) wants (rows/128, K/128) with
+  strides (K/128, 1) exactly, which is the same memory only when K/128 % 4 == 0. The kernels return the
+  unpadded view ``storage[:, :K/128]``; ``scale_storage(s)`` gives the padded one.
+
+One pass: a program owns a (128 or 32) x 128 tile and walks it in CHUNK-row slices (few live registers,
+no spills on sm_90); the slices it needs twice (the transposed copy waits for the column amax) are
+re-read from L1/L2, so HBM sees x once.
 
 Shapes that are not multiples of the block: the kernels mask the tails, which is exactly the reference
 applied to the tensor zero-padded to the next block multiple (zeros do not change a block's amax) and
@@ -40,12 +44,12 @@ Scale exponent, from the block amax's fp32 bits (integer arithmetic, so no round
 floor: e = floor(log2 amax) - 8; rceil: e = ceil(log2(fl32(amax / 448))), which is floor(log2 amax) - 8,
 plus 1 when amax's mantissa exceeds 1.75 (fl32(amax / 448) is a power of two only for mantissa 1.75), with
 one fp32-subnormal special case at the bottom of the range; clamped to [-127, 127].
-Elements: on GPUs with FP8 conversion (sm_89+), x * 2^-e (exact: a power-of-two multiply of a normal
-number), clamped to +-448 and converted by the hardware's round-to-nearest-even cvt; a tile that holds an
-fp32-subnormal input takes the integer path instead (so a flush-to-zero multiply could never change a
-result). The integer path (always used by the interpreter and selectable for tests) rounds the
-significand to E4M3 with integer shifts. NaN elements become 0x7F | sign, +-Inf saturate to +-448 (the
-reference clamps before the cast).
+Elements: on GPUs with FP8 conversion (sm_89+), x * 2^-e in fp32 (exact: a power-of-two multiply, and
+PTX mul.rn.f32 without .ftz keeps subnormals; Triton emits no .ftz here, checked in the sm_90 PTX),
+clamped to +-448 and converted by the hardware's round-to-nearest-even ``cvt.rn.satfinite.e4m3x2.f32``;
+a zero result takes x's sign. The integer path (the interpreter's, selectable with use_hw=False or
+GEMCOMPILE_FP8_INT_CONVERT=1) rounds the significand to E4M3 with integer shifts, no float instruction at
+all. NaN elements become 0x7F | sign, +-Inf saturate to +-448 (the reference clamps before the cast).
 
 Known difference from mx_numerics (reference bug, reported): with the rceil rule and an fp32 block whose
 amax < 448 * 2^-150 (about 2.6e-43, fp32 subnormal inputs only), the reference's fp32 division amax / 448
@@ -55,6 +59,8 @@ code 0, which is what the spec's clamp gives.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -80,17 +86,28 @@ _IN_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _load_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
+def _load_bits(ptr, offs, mask, IN_KIND: tl.constexpr, MASKED: tl.constexpr = True):
     """fp32 bit pattern (int32) of each element. fp32 and bf16 arrive as int32 / int16 views so that no
     float instruction (and no flush-to-zero) touches a subnormal; fp16 widens exactly to a normal fp32."""
-    if IN_KIND == 0:
-        u = tl.load(ptr + offs, mask=mask, other=0)
-    elif IN_KIND == 1:
-        h = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        u = (h & 0xFFFF) << 16
+    if MASKED:
+        raw = tl.load(ptr + offs, mask=mask, other=0)
     else:
-        u = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        raw = tl.load(ptr + offs)
+    if IN_KIND == 0:
+        u = raw
+    elif IN_KIND == 1:
+        u = (raw.to(tl.int32) & 0xFFFF) << 16
+    else:
+        u = raw.to(tl.float32).to(tl.int32, bitcast=True)
     return u
+
+
+@triton.jit
+def _store(ptrs, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.store(ptrs, values)
 
 
 @triton.jit
@@ -145,17 +162,16 @@ def _quantize(u, e, USE_HW: tl.constexpr):
     a = u & 0x7FFFFFFF
     sign = (u >> 31) & 1
     if USE_HW:
-        any_subnormal = tl.max(((a < 0x800000) & (a > 0)).to(tl.int32))
-        if any_subnormal > 0:
-            b = _e4m3_exact(tl.minimum(a, 0x7F800000), e) | (sign << 7)
-        else:
-            inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, normal for e in [-127, 127]
-            v = u.to(tl.float32, bitcast=True) * inv
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-            b = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        # x * 2^-e is exact (mul.rn.f32 keeps subnormals; a product below 2^-126 is far below E4M3's
+        # 2^-10 rounding threshold, so its own rounding cannot matter), then the hardware's RNE cvt
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, a normal fp32 for e in [-127, 127]
+        v = u.to(tl.float32, bitcast=True) * inv
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        b = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        b = tl.where((b & 0x7F) == 0, sign << 7, b)  # zeros keep x's sign, whatever the cvt did with tiny inputs
     else:
         b = _e4m3_exact(tl.minimum(a, 0x7F800000), e) | (sign << 7)
-    b = tl.where(a == 0x7F800000, 0x7E | (sign << 7), b)  # +-Inf saturate (the reference clamps them)
+        b = tl.where(a == 0x7F800000, 0x7E | (sign << 7), b)  # +-Inf saturate (the reference clamps them)
     return tl.where(a > 0x7F800000, 0x7F | (sign << 7), b)
 
 
@@ -163,6 +179,22 @@ def _quantize(u, e, USE_HW: tl.constexpr):
 # Kernels
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# memory-bound kernels: tune only the tile height / warps; one config under the interpreter
+_MX_CONFIGS = (
+    [triton.Config({"BLOCK_R": 32}, num_warps=4)]
+    if _INTERPRET
+    else [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((16, 4), (32, 8))]  # 86-94 registers
+)
+# (CHUNK, warps) without register spills on sm_90 (checked with cuobjdump -res-usage: 63-172 registers)
+_BLOCK_CONFIGS = (
+    [triton.Config({"CHUNK": 32}, num_warps=4)]
+    if _INTERPRET
+    else [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((16, 4), (16, 8), (32, 8))]
+)
+
+
+@triton.autotune(configs=_MX_CONFIGS, key=["C", "IN_KIND", "BLOCK_C"])
 @triton.jit
 def _mx_kernel(
     x_ptr, y_ptr, code_ptr, R, C, sxr, sxc,
@@ -175,7 +207,7 @@ def _mx_kernel(
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
-    u = _load_bits(x_ptr, rows[:, None].to(tl.int64) * sxr + cols[None, :] * sxc, mask, IN_KIND)
+    u = _load_bits(x_ptr, rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask, IN_KIND)
     u3 = tl.reshape(u, (BLOCK_R, G, 32))
     a3 = u3 & 0x7FFFFFFF
     nonfinite = a3 >= 0x7F800000
@@ -191,54 +223,75 @@ def _mx_kernel(
     tl.store(code_ptr + rows[:, None].to(tl.int64) * n_groups + groups[None, :], codes.to(tl.uint8), mask=gmask)
 
 
+@triton.autotune(configs=_BLOCK_CONFIGS, key=["C", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
 @triton.jit
 def _block_kernel(
     x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, sxr, sxc, s_s0, s_s1, st_s0, st_s1,
     IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr, TILE: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One (BLOCK_R, BLOCK_C = 128) tile of x (R, C). TILE: one 128x128 block (BLOCK_R = 128). Otherwise
     1x128 blocks along C for the row copy y (R, C) and 128x1 blocks along R for the transposed copy
     yt (C, R) (BLOCK_R = 128 when WRITE_COL). Scales: s[r or r-block, c-block], st[c or c-block, r-block]
-    through the given strides."""
+    through the given strides. EVEN: the tile is inside x (no masks).
+
+    The tile is walked in CHUNK-row slices so that few registers are live: pass 1 reduces (and writes
+    the row copy, whose 1x128 blocks lie inside a slice); pass 2 re-reads the slices (from L1/L2) to
+    write the copies that need the whole tile's reduction (the transposed copy, the 128x128 tile)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask = rows < R
-    cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    u = _load_bits(x_ptr, rows[:, None].to(tl.int64) * sxr + cols[None, :] * sxc, mask, IN_KIND)
-    a = u & 0x7FFFFFFF
-    nonfinite = a >= 0x7F800000
-    am = tl.where(nonfinite, 0, a)
-    nf = nonfinite.to(tl.int32)
-    y_offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-    yt_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
-    tmask = cmask[:, None] & rmask[None, :]
-    if TILE:
-        e = _scale_exponent(tl.max(am), RCEIL)
-        sbits = _descale_bits(e, tl.max(nf) == 0)
-        b = _quantize(u, e, USE_HW).to(tl.uint8)
-        if WRITE_ROW:
-            tl.store(y_ptr + y_offs, b, mask=mask)
-            tl.store(s_ptr + pid_r * s_s0 + pid_c * s_s1, sbits)
-        if WRITE_COL:
-            tl.store(yt_ptr + yt_offs, tl.trans(b), mask=tmask)
-            tl.store(st_ptr + pid_c * st_s0 + pid_r * st_s1, sbits)
-    else:
-        if WRITE_ROW:
+    r0 = pid_r * BLOCK_R
+    c0 = pid_c * BLOCK_C
+    lr = tl.arange(0, CHUNK)
+    lc = tl.arange(0, BLOCK_C)
+    cols = c0 + lc
+    # 64-bit tile bases, 32-bit offsets inside the tile (128x128 int64 offset tiles cost registers)
+    x_tile = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    y_tile = y_ptr + r0.to(tl.int64) * C + c0
+    yt_tile = yt_ptr + c0.to(tl.int64) * R + r0
+    col_amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    col_max = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    for i in range(BLOCK_R // CHUNK):
+        rl = i * CHUNK + lr
+        mask = ((r0 + rl) < R)[:, None] & (cols < C)[None, :]
+        u = _load_bits(x_tile, rl[:, None] * sxr + lc[None, :] * sxc, mask, IN_KIND, not EVEN)
+        a = u & 0x7FFFFFFF
+        am = tl.where(a >= 0x7F800000, 0, a)  # amax over finite values; max(a) >= Inf flags a non-finite
+        if TILE or WRITE_COL:
+            col_amax = tl.maximum(col_amax, tl.max(am, axis=0))
+            col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        if WRITE_ROW and not TILE:
             e_r = _scale_exponent(tl.max(am, axis=1), RCEIL)
             b = _quantize(u, e_r[:, None], USE_HW).to(tl.uint8)
-            tl.store(y_ptr + y_offs, b, mask=mask)
-            sbits = _descale_bits(e_r, tl.max(nf, axis=1) == 0)
-            tl.store(s_ptr + rows.to(tl.int64) * s_s0 + pid_c * s_s1, sbits, mask=rmask)
-        if WRITE_COL:
-            e_c = _scale_exponent(tl.max(am, axis=0), RCEIL)
-            bt = _quantize(u, e_c[None, :], USE_HW).to(tl.uint8)
-            tl.store(yt_ptr + yt_offs, tl.trans(bt), mask=tmask)
-            sbits = _descale_bits(e_c, tl.max(nf, axis=0) == 0)
-            tl.store(st_ptr + cols.to(tl.int64) * st_s0 + pid_r * st_s1, sbits, mask=cmask)
+            _store(y_tile + rl[:, None] * C + lc[None, :], b, mask, not EVEN)
+            rows = r0 + rl
+            tl.store(s_ptr + rows.to(tl.int64) * s_s0 + pid_c * s_s1, _descale_bits(e_r, tl.max(a, axis=1) < 0x7F800000),
+                     mask=rows < R)
+    if TILE or WRITE_COL:
+        if TILE:
+            e_c = _scale_exponent(tl.max(col_amax), RCEIL)  # one exponent for the tile (a scalar)
+            sbits = _descale_bits(e_c, tl.max(col_max) < 0x7F800000)
+            if WRITE_ROW:
+                tl.store(s_ptr + pid_r * s_s0 + pid_c * s_s1, sbits)
+            if WRITE_COL:
+                tl.store(st_ptr + pid_c * st_s0 + pid_r * st_s1, sbits)
+            e_q = e_c
+        else:
+            e_c = _scale_exponent(col_amax, RCEIL)
+            sbits = _descale_bits(e_c, col_max < 0x7F800000)
+            tl.store(st_ptr + cols.to(tl.int64) * st_s0 + pid_r * st_s1, sbits, mask=cols < C)
+            e_q = e_c[None, :]
+        for j in range(BLOCK_R // CHUNK):  # fresh names: a name of pass 1 would become loop-carried here
+            rl2 = j * CHUNK + lr
+            mask2 = ((r0 + rl2) < R)[:, None] & (cols < C)[None, :]
+            u2 = _load_bits(x_tile, rl2[:, None] * sxr + lc[None, :] * sxc, mask2, IN_KIND, not EVEN)
+            b2 = _quantize(u2, e_q, USE_HW).to(tl.uint8)
+            if TILE and WRITE_ROW:
+                _store(y_tile + rl2[:, None] * C + lc[None, :], b2, mask2, not EVEN)
+            if WRITE_COL:
+                tmask = (cols < C)[:, None] & ((r0 + rl2) < R)[None, :]
+                _store(yt_tile + lc[:, None] * R + rl2[None, :], tl.trans(b2), tmask, not EVEN)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,10 +299,9 @@ def _block_kernel(
 
 
 def use_hw_convert(device: torch.device) -> bool:
-    """The hardware FP8 conversion path: CUDA sm_89+ and not the interpreter."""
-    import os
-
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """The hardware FP8 conversion path: CUDA sm_89+, not the interpreter, and not switched off with
+    GEMCOMPILE_FP8_INT_CONVERT=1 (the integer path: bit-exact everywhere, slower)."""
+    if device.type != "cuda" or _INTERPRET or os.environ.get("GEMCOMPILE_FP8_INT_CONVERT") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -288,12 +340,14 @@ def mx_quantize_triton(x: Tensor, rule: str = "floor", use_hw: bool | None = Non
     y = torch.empty((R, C), dtype=torch.uint8, device=x.device)
     codes = torch.empty((R, C // 32), dtype=torch.uint8, device=x.device)
     if R and C:
-        BLOCK_R, BLOCK_C = 32, 128 if C % 128 == 0 else 32
-        grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
+        BLOCK_C = 128 if C % 128 == 0 else 32
+
+        def grid(meta):
+            return (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(C, BLOCK_C))
+
         _mx_kernel[grid](
             _as_loadable(x2), y, codes, R, C, x2.stride(0), x2.stride(1),
-            IN_KIND=_IN_KIND[x.dtype], RCEIL=rule == "rceil", USE_HW=_hw(x, use_hw),
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
+            IN_KIND=_IN_KIND[x.dtype], RCEIL=rule == "rceil", USE_HW=_hw(x, use_hw), BLOCK_C=BLOCK_C,
         )
     shape = tuple(x.shape)
     return y.view(torch.float8_e4m3fn).reshape(shape), codes.reshape(*shape[:-1], C // 32)
@@ -306,12 +360,7 @@ def _round4(n: int) -> int:
 def _tile_scales(rows: int, cols: int, device) -> Tensor:
     """(ceil(rows/128), ceil(cols/128)) fp32 view of a row-major (.., L4) buffer, L4 = round_up(., 4)."""
     nr, nc = triton.cdiv(rows, 128), triton.cdiv(cols, 128)
-    ld = _round4(nc)
-    if ld == nc:
-        buf = torch.empty((nr, ld), dtype=torch.float32, device=device)
-    else:
-        buf = torch.ones((nr, ld), dtype=torch.float32, device=device)  # the padding cuBLAS may read
-    return buf[:, :nc]
+    return torch.empty((nr, _round4(nc)), dtype=torch.float32, device=device).narrow(1, 0, nc)
 
 
 def scale_storage(s: Tensor) -> Tensor:
@@ -343,6 +392,10 @@ def alloc_outputs(R: int, C: int, device, tile: bool, row: bool = True, col: boo
 def _launch_block(x, rule, tile, row, col, use_hw, out):
     R, C = x.shape
     x8, s, xt8, st = out
+    if tile:  # the padding columns of the scale rows: never used for real blocks, but cuBLAS may read them
+        for scale in (s, st):
+            if scale is not None and scale.shape[1] % 4:
+                scale_storage(scale)[:, scale.shape[1]:].fill_(1.0)
     if R == 0 or C == 0:
         return
     dummy8 = x8 if x8 is not None else xt8
@@ -359,7 +412,7 @@ def _launch_block(x, rule, tile, row, col, use_hw, out):
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
         st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
         IN_KIND=_IN_KIND[x.dtype], RCEIL=rule == "rceil", USE_HW=_hw(x, use_hw), TILE=tile,
-        WRITE_ROW=row, WRITE_COL=col, BLOCK_R=block_r, BLOCK_C=128, num_warps=8 if block_r == 128 else 4,
+        WRITE_ROW=row, WRITE_COL=col, BLOCK_R=block_r, BLOCK_C=128, EVEN=R % block_r == 0 and C % 128 == 0,
     )
 
 

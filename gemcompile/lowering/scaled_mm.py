@@ -37,6 +37,27 @@ Recipes
     torch refuses the call, or both operands are weights: cuBLAS has no 128x128 x 128x128) it emulates
     and warns once.
 
+Which torch API runs the blockwise GEMM (from aten/src/ATen/native/cuda/ScaledBlas.cpp, current and an
+older revision, and torch 2.13's _meta_registrations.py, whose checks tests/unit/test_scaled_mm.py runs on
+fake CUDA tensors; torch 2.11's own build is not checked here, hence the runtime detection below):
+* ``torch.nn.functional.scaled_mm(a8, b8, scale_a=, scale_recipe_a=ScalingType.BlockWise1x128 |
+  BlockWise128x128, scale_b=, scale_recipe_b=, output_dtype=)`` (``aten::_scaled_mm_v2``, torch >= 2.10,
+  so on 2.11 and 2.13; torchao's Float8BlockwiseLinear uses it). 1x128 scales (rows, K/128) with strides
+  (1, rows) for a and b alike; 128x128 scales (round_up(K/128, 4), rows/128) with strides (1, L4).
+  Preferred.
+* ``torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=)`` (v1) infers the recipe from the scale
+  shapes/strides (``get_joint_scaling``): scale_b is checked transposed, and a 128x128 scale has no L4
+  padding (so K is padded to a multiple of 512 there). Fallback.
+Both need sm_90 exactly and cuBLASLt >= 12.9 (``_check_deepseek_support``) and a row-major a8 with a
+column-major b8. The first call per output dtype tries them in that order (and, if cuBLAS refuses the
+output dtype, asks for fp32 / bf16 and casts) and remembers what worked (:func:`blockwise_api`).
+
+Weights: one 128x128 quantization serves forward and dgrad, but the op itself quantizes both operands on
+every call (a cache inside the op would go stale under CUDA-graph replay). Reusing W8 / W8^T (and x8^T,
+dY8^T) across the three GEMMs of a Linear takes the pre-quantized API: ``mx_quantize_triton.quantize_1x128``
+/ ``quantize_128x128`` (one pass writes both layouts) and :func:`scaled_mm_blockwise`, as
+benchmarks/mxfp8_linear.py does.
+
 Shapes that are not block multiples: K (and the weight's rows) are zero-padded to the block multiple,
 which is exact for a GEMM (a zero-padded block has the amax of its real elements, padded products are
 0); the native GEMMs also pad M, N to multiples of 16 (cuBLAS) and slice the result.
@@ -202,9 +223,11 @@ def blockwise_api() -> str | None:
     """Which torch API serves blockwise GEMMs: "F.scaled_mm" (torch.nn.functional.scaled_mm with
     ScalingType.BlockWise1x128 / BlockWise128x128, i.e. aten::_scaled_mm_v2; torch 2.10+, so both 2.11 and
     2.13), else "torch._scaled_mm" (v1, recipe inferred from the scale shapes), else None. Once a call
-    has run, the one that worked (or "emulated" if neither did)."""
+    has run, the one that worked (or "emulated" if torch refused every call tried)."""
     if _BLOCKWISE_STATE["api"] is not None:
         return _BLOCKWISE_STATE["api"]
+    if _BLOCKWISE_STATE["choice"]:  # tried, and nothing worked
+        return "emulated"
     if _has_v2():
         return "F.scaled_mm"
     return "torch._scaled_mm" if hasattr(torch, "_scaled_mm") else None
@@ -215,7 +238,8 @@ def _has_v2() -> bool:
     return hasattr(F, "scaled_mm") and st is not None and hasattr(st, "BlockWise128x128")
 
 
-_BLOCKWISE_STATE: dict = {"api": None, "error": None}
+# api: the first API that worked; choice: output dtype -> (api, dtype requested from cuBLAS) or None (refused)
+_BLOCKWISE_STATE: dict = {"api": None, "error": None, "choice": {}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,28 +292,43 @@ def scaled_mm_blockwise(qa, sa, a_weight: bool, qb, sb, b_weight: bool, out_dtyp
         return F.scaled_mm(
             qa,
             qb.t(),
-            sa_arg,
-            st.BlockWise128x128 if a_weight else st.BlockWise1x128,
-            sb_arg,
-            st.BlockWise128x128 if b_weight else st.BlockWise1x128,
+            scale_a=sa_arg,
+            scale_recipe_a=st.BlockWise128x128 if a_weight else st.BlockWise1x128,
+            scale_b=sb_arg,
+            scale_recipe_b=st.BlockWise128x128 if b_weight else st.BlockWise1x128,
             output_dtype=out_dtype,
         )
     return torch._scaled_mm(qa, qb.t(), sa, sb.t(), out_dtype=out_dtype)
 
 
-def _blockwise_2d(a: Tensor, b: Tensor, a_w: bool, b_w: bool, rule: str, api: str) -> Tensor:
+def _blockwise_2d(a: Tensor, b: Tensor, a_w: bool, b_w: bool, rule: str, api: str, request) -> Tensor:
     M, K = a.shape
     N = b.shape[1]
     kmult = 512 if (api == "torch._scaled_mm" and (a_w or b_w)) else 128
     Mp, Kp, Np = _round_up(M, 16), _round_up(K, kmult), _round_up(N, 16)
     qa, sa = _quantize_operand(_pad2(a, Mp, Kp), a_w, rule)
     qb, sb = _quantize_operand(_pad2(b.t(), Np, Kp), b_w, rule)
-    out = scaled_mm_blockwise(qa, sa, a_w, qb, sb, b_w, a.dtype, api)
-    return out if (Mp, Np) == (M, N) else out[:M, :N].contiguous()
+    out = scaled_mm_blockwise(qa, sa, a_w, qb, sb, b_w, request, api)
+    out = out if (Mp, Np) == (M, N) else out[:M, :N]
+    return out.to(a.dtype).contiguous()
+
+
+def _blockwise_run(a, b, a_w, b_w, rule, api, request) -> Tensor:
+    if a.dim() == 2:
+        return _blockwise_2d(a, b, a_w, b_w, rule, api, request)
+    return torch.stack([_blockwise_2d(x, y, a_w, b_w, rule, api, request) for x, y in zip(a.unbind(0), b.unbind(0))])
+
+
+def _request_dtypes(dtype: torch.dtype) -> list:
+    """Output dtypes to ask cuBLAS for, best first (a refused one is replaced by a wider one, then cast)."""
+    wider = {torch.float16: [torch.float32, torch.bfloat16], torch.float32: [torch.bfloat16]}
+    return [dtype, *wider.get(dtype, [])]
 
 
 def _blockwise_cuda(a, b, a_w, b_w, rule) -> Tensor | None:
-    """The native path, or None when it cannot run (the caller emulates and warns)."""
+    """The native path, or None when it cannot run (the caller emulates; this warns when torch refuses).
+    The first call per output dtype tries the APIs (and output dtypes) until one works and remembers it;
+    later calls use it, and their errors propagate."""
     if a_w and b_w:
         _warn_once(
             ("blockwise", "two-weights"),
@@ -300,31 +339,29 @@ def _blockwise_cuda(a, b, a_w, b_w, rule) -> Tensor | None:
         return None
     if not native_blockwise_supported(a.device):
         return None
-    candidates = [_BLOCKWISE_STATE["api"]] if _BLOCKWISE_STATE["api"] else []
-    if not candidates:
-        candidates = (["F.scaled_mm"] if _has_v2() else []) + ["torch._scaled_mm"]
-    if candidates == ["emulated"]:
-        return None
+    choice = _BLOCKWISE_STATE["choice"]
+    if a.dtype in choice:
+        return None if choice[a.dtype] is None else _blockwise_run(a, b, a_w, b_w, rule, *choice[a.dtype])
+    apis = [_BLOCKWISE_STATE["api"]] if _BLOCKWISE_STATE["api"] else (
+        ["F.scaled_mm"] if _has_v2() else []) + ["torch._scaled_mm"]
     errors = []
-    for api in candidates:
-        try:
-            if a.dim() == 2:
-                out = _blockwise_2d(a, b, a_w, b_w, rule, api)
-            else:
-                out = torch.stack([_blockwise_2d(x, y, a_w, b_w, rule, api) for x, y in zip(a.unbind(0), b.unbind(0))])
-        except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:  # torch refused this layout
-            if _BLOCKWISE_STATE["api"]:  # it worked before: a real error
-                raise
-            errors.append(f"{api}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            continue
-        _BLOCKWISE_STATE["api"] = api
-        return out
-    _BLOCKWISE_STATE.update(api="emulated", error="; ".join(errors))
+    for request in _request_dtypes(a.dtype):
+        for api in apis:
+            try:
+                out = _blockwise_run(a, b, a_w, b_w, rule, api, request)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:  # torch refused this call
+                errors.append(f"{api} -> {request}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                continue
+            choice[a.dtype] = (api, request)
+            _BLOCKWISE_STATE["api"] = _BLOCKWISE_STATE["api"] or api
+            return out
+    choice[a.dtype] = None
+    _BLOCKWISE_STATE["error"] = "; ".join(errors)
     _warn_once(
-        ("blockwise", "refused"),
-        "fp8_mm: recipe 'blockwise' asked for cuBLAS blockwise scaled GEMMs, which torch refused here "
-        f"({_BLOCKWISE_STATE['error']}); running the same blocks emulated (quantize-dequantize + matmul in "
-        f"{a.dtype}) instead",
+        ("blockwise", "refused", a.dtype),
+        f"fp8_mm: recipe 'blockwise' asked for cuBLAS blockwise scaled GEMMs ({a.dtype} output), which torch "
+        f"refused here ({_BLOCKWISE_STATE['error']}); running the same blocks emulated (quantize-dequantize + "
+        f"matmul in {a.dtype}) instead",
     )
     return None
 
