@@ -534,7 +534,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
               scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
               BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, accumulate_ds):
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -559,29 +559,47 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
             ds = tl.where(valid, ds, 0.0)
         if BIAS_GRAD:
             s_ptrs = ds_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols.to(tl.int64)[None, :]
-            pair_ok = row_ok[:, None] & col_ok[None, :]
-            ds_out = ds * c
-            if accumulate_ds:  # this program wrote these pairs for the previous head: add, in head order
-                ds_out += tl.load(s_ptrs, mask=pair_ok, other=0.0)
-            tl.store(s_ptrs, ds_out, mask=pair_ok)
+            tl.store(s_ptrs, ds * c, mask=row_ok[:, None] & col_ok[None, :])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
 
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
+                 prune_configs_by=_make_prune(_DQ_SHAPES, "dq"))
 @triton.jit
-def _dq_head(Q, K, V, Bias, DO, DQ, DS, b64, h64, m0, q_len, kv_len, n_targets, u,
-             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-             stride_vb, stride_vh, stride_vn, stride_vd, stride_zb, stride_zh, stride_zm, stride_zn,
-             stride_gb, stride_gh, stride_gm, stride_gd, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-             stride_sb, stride_sh, stride_sm, max_q_len, scale, out_scale, window, contextual_len, accumulate_ds,
-             HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
-             HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ of one (batch, head, query tile) whose tile starts before q_len."""
+def _gdpa_bwd_dq_kernel(
+    Q, K, V, Bias, DO, DQ, DS,
+    QLengths, KVLengths, NumTargets, Order,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_sb, stride_sh, stride_sm,
+    H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
+    LQ_BUCKET, LK_BUCKET,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
+    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    m0 = tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+    store_rows = offs_m < max_q_len
+    if m0 >= q_len:
+        _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
+                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_rows, HEAD_D)
+        return
+
     row_ok = offs_m < q_len
     q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
                    HEAD_D, BLOCK_D, True)
@@ -600,70 +618,17 @@ def _dq_head(Q, K, V, Bias, DO, DQ, DS, b64, h64, m0, q_len, kv_len, n_targets, 
                        window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
                        stride_zm, stride_zn, stride_sm, scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS,
                        BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION,
-                       BLOCK_N, accumulate_ds)
+                       BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                    n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                    stride_zn, stride_sm, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
-                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_N,
-                   accumulate_ds)
+                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                    n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                    stride_zn, stride_sm, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL,
-                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N, accumulate_ds)
+                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N)
     dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd, dq,
-                offs_m < max_q_len, HEAD_D)
-
-
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD", "SUM_HEADS"],
-                 prune_configs_by=_make_prune(_DQ_SHAPES, "dq"))
-@triton.jit
-def _gdpa_bwd_dq_kernel(
-    Q, K, V, Bias, DO, DQ, DS,
-    QLengths, KVLengths, NumTargets, Order,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_zb, stride_zh, stride_zm, stride_zn,
-    stride_gb, stride_gh, stride_gm, stride_gd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_sb, stride_sh, stride_sm,
-    H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
-    LQ_BUCKET, LK_BUCKET,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SUM_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # SUM_HEADS (a bias shared by the heads needs its gradient): one program serves every head of its
-    # (batch, query tile) in order and adds their dS into one (B, 1, Lq, Lk) buffer (stride_sh = 0):
-    # a head-reduced bias gradient without atomics and with H times less fp32 traffic.
-    if SUM_HEADS:
-        tile, b, h_first = _program_coordinates(Order, 1, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-        h_last = H
-    else:
-        tile, b, h_first = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-        h_last = h_first + 1
-    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
-    b64 = b.to(tl.int64)
-    m0 = tile * BLOCK_M
-    if m0 >= q_len:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        for h in range(h_first, h_last):
-            _store_rows(DQ + b64 * stride_dqb + (b64 * 0 + h) * stride_dqh, offs_m, offs_d, stride_dqm,
-                        stride_dqd, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), offs_m < max_q_len, HEAD_D)
-    else:
-        for h in range(h_first, h_last):
-            # (b64 * 0 + h: the head as an int64 tensor, also where the interpreter's loop gives an int)
-            _dq_head(Q, K, V, Bias, DO, DQ, DS, b64, b64 * 0 + h, m0, q_len, kv_len, n_targets, u,
-                     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                     stride_vb, stride_vh, stride_vn, stride_vd, stride_zb, stride_zh, stride_zm, stride_zn,
-                     stride_gb, stride_gh, stride_gm, stride_gd, stride_dqb, stride_dqh, stride_dqm,
-                     stride_dqd, stride_sb, stride_sh, stride_sm, max_q_len, scale, out_scale, window,
-                     contextual_len, h > h_first, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW,
-                     HAS_TARGETS, HAS_CONTEXT, ACT, DIVIDE, DOT_PRECISION, BLOCK_M, BLOCK_N)
+    _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_rows, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -760,16 +725,14 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
     dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
     dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
-    # a bias shared by the heads: the dQ programs sum dS over the heads themselves (SUM_HEADS)
-    sum_heads = bias_grad and bias.shape[1] == 1 and H > 1
-    ds = torch.zeros((B, 1 if sum_heads else H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
+    ds = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
     if B * H > 0 and Lq > 0 and Lk > 0:
         q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
         bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
         if ds is None:
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
         else:
-            ds_t, ds_strides = ds, (ds.stride(0), 0 if sum_heads else ds.stride(1), ds.stride(2))
+            ds_t, ds_strides = ds, ds.stride()[:3]
         flags = _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window,
                        divide_by_kv_length, num_targets is not None, contextual_len)
         buckets = (length_bucket(Lq), length_bucket(Lk))
@@ -786,10 +749,10 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
             q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(),
             *scalars), flags, buckets)
-        _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * (1 if sum_heads else H),), (
+        _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
-            *ds_strides, *scalars), dict(flags, BIAS_GRAD=bias_grad, SUM_HEADS=sum_heads), buckets)
+            *ds_strides, *scalars), dict(flags, BIAS_GRAD=bias_grad), buckets)
     else:
         dk.zero_()
         dv.zero_()

@@ -335,7 +335,11 @@ def mx_quantize_triton(x: Tensor, rule: str = "floor", use_hw: bool | None = Non
     if x.dim() == 0 or x.shape[-1] % 32:
         raise ValueError(f"MXFP8 needs the last dim to be a multiple of 32, got shape {tuple(x.shape)}")
     C = x.shape[-1]
-    x2 = x.reshape(-1, C)  # a view for the usual layouts; the kernel reads any 2-D strides
+    x2 = x.reshape(-1, C)  # a view for the usual layouts
+    if x2.stride(1) != 1:
+        # rows must be contiguous: on the H200 (triton 3.6) a transposed view read through its strides gave
+        # wrong blocks (the interpreter reads it right), so it is copied first
+        x2 = x2.contiguous()
     R = x2.shape[0]
     y = torch.empty((R, C), dtype=torch.uint8, device=x.device)
     codes = torch.empty((R, C // 32), dtype=torch.uint8, device=x.device)

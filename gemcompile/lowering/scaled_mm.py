@@ -408,7 +408,9 @@ def _fake_quantize_mx_cuda(x: Tensor, dim: int, rule: str) -> Tensor:
     """fake_quantize along ``dim`` with the Triton MX kernel (bit-exact) and an exact dequantization; the
     same values as mx_numerics.fake_quantize."""
     k = _triton_kernels()
-    moved = x.movedim(dim, -1)
+    # contiguous: on the H200 (triton 3.6) the kernel's strided read of a transposed view gave wrong
+    # blocks (the interpreter reads it right); one copy of the operand is the emulated recipe's price
+    moved = x.movedim(dim, -1).contiguous()
     K = moved.shape[-1]
     if K % 32:
         moved = F.pad(moved, (0, -K % 32))

@@ -310,3 +310,12 @@ def test_mxfp8_emulated_compiled_matches_eager_on_cuda():
         return ops.fp8_mm(x, w, "mxfp8_emulated", False, True, "rceil")
 
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(a, b), f(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_mx_kernel_on_a_transposed_view(rule):
+    """A column-major operand (b of a @ b quantized along K): the same bytes as its contiguous copy."""
+    b = torch.randn(2048, 512, device=DEV, dtype=torch.bfloat16)
+    e, c = k.mx_quantize_triton(b.t(), rule)
+    e2, c2 = k.mx_quantize_triton(b.t().contiguous(), rule)
+    assert torch.equal(e.view(torch.uint8), e2.view(torch.uint8)) and torch.equal(c, c2)

@@ -184,8 +184,9 @@ def test_bias_without_grad_and_per_batch_key_bias():
 @pytest.mark.parametrize("bias_shape", ["1,1,L,L", "B,1,L,L", "1,1,1,L"])
 @pytest.mark.parametrize("causal,window", [(True, 0), (False, 6)], ids=["causal", "window"])
 def test_head_shared_bias_grad_summed_in_program(bias_shape, causal, window):
-    """A bias shared by the heads (HSTU's relative bias): the dQ programs add dS over the heads into one
-    (B, 1, Lq, Lk) buffer (SUM_HEADS); the result equals the float64 reference's reduction."""
+    """A bias shared by the heads (HSTU's relative bias): its gradient is dS reduced over the broadcast dims,
+    equal to the float64 reference's. (Summing the heads inside the dQ programs was tried and measured
+    on the H200: the dQ kernel went from 104 to 336 us for 71 us saved on the fp32 buffer; reverted.)"""
     B, H, L, D = 3, 3, 37, 16
     shape = tuple(B if d == "B" else L if d == "L" else int(d) for d in bias_shape.split(","))
     q, k, v, ql, kl, bias = make_inputs(B, H, L, L, D, torch.float32, bias_shape=shape, seed=len(bias_shape))
