@@ -224,15 +224,81 @@ class Mxfp8Config:
                                           f"compile: {e}") from None
 
 
+PARALLEL_AXES = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner")
+"""The five mesh axes of the plan, in the order ParallelConfig lists them."""
+
+
 @config_section
 class ParallelConfig:
-    """The 5D parallel plan: sizes of the mesh axes for dense weights, experts and embedding tables."""
+    """The 5D parallel plan: sizes of the mesh axes for dense weights, experts and embedding tables.
+
+    All axes are views of the same world (ranks node-major, as torchrun numbers them): dense weights
+    use the mesh (dp_replicate, dp_shard) = HSDP; experts use (dp_replicate, dp_shard / ep, ep) with
+    ep inside a node; embedding tables use (emb_outer, emb_inner). An axis left None is derived from
+    the world size and gpus_per_node when the plan is built (runtime/parallel_plan.py).
+    """
 
     enabled: bool = False
     """Annotate parameters with their DTensor placements and run the plan (off: single process)."""
 
+    dp_replicate: int | None = None
+    """Replicas of the dense weights, across nodes (gradients all-reduced once per step). None:
+    world_size / dp_shard."""
+
+    dp_shard: int | None = None
+    """Ranks a dense weight is sharded over (FSDP), inside a node. None: gpus_per_node (the whole world
+    when dp_replicate is given: world_size / dp_replicate). dp_replicate * dp_shard = world_size."""
+
+    ep: int | None = None
+    """Expert-parallel ranks (must divide dp_shard and the expert count): each holds expert_count / ep
+    experts; activations are all-gathered and outputs reduce-scattered over this axis. None: the
+    largest size dividing both (gcd)."""
+
+    emb_outer: int | None = None
+    """Column groups of each embedding table ("grid"), or replicas of the row-sharded tables
+    ("replicated_groups"); across nodes. None: world_size / emb_inner."""
+
+    emb_inner: int | None = None
+    """Row ranges of each embedding table, inside a node. None: gpus_per_node (world_size / emb_outer
+    when emb_outer is given). emb_outer * emb_inner = world_size."""
+
+    gpus_per_node: int | None = None
+    """Ranks per node, for the defaults above. None: $LOCAL_WORLD_SIZE (set by torchrun), else the
+    whole world on one node."""
+
+    embedding_sharding: Literal["grid", "replicated_groups"] = "grid"
+    """"grid": each table fully sharded, columns over emb_outer and rows over emb_inner (placements
+    (Shard(1), Shard(0))); lookups move ids and pooled outputs by all-to-all. "replicated_groups":
+    rows sharded over emb_inner and the table replicated over emb_outer ((Replicate(), Shard(0)), the
+    TorchRec 2D / DMPCollection layout); gradients all-reduced over emb_outer."""
+
+    dense_table_max_rows: int = 64
+    """Embedding tables with at most this many rows (action types, time buckets) are trained as dense
+    weights (HSDP) instead of being sharded."""
+
+    expert_modules: tuple[str, ...] = ("WukongExpert",)
+    """Modules whose parameters are experts: class names or fnmatch patterns of module paths
+    (``layers.*.interaction.experts.*``); each must sit in a ModuleList of sibling experts."""
+
     def __post_init__(self):
+        if isinstance(self.expert_modules, list):
+            object.__setattr__(self, "expert_modules", tuple(self.expert_modules))
+        elif isinstance(self.expert_modules, str):
+            raise ConfigError(f"ParallelConfig.expert_modules = {self.expert_modules!r} is invalid: expected a "
+                              f"tuple of names or patterns, e.g. ({self.expert_modules!r},)")
         _check_types(self)
+        for name in (*PARALLEL_AXES, "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"ParallelConfig.{name} = {value} is invalid: expected an int >= 1 or None")
+        if self.dense_table_max_rows < 0:
+            raise ConfigError(f"ParallelConfig.dense_table_max_rows = {self.dense_table_max_rows} is invalid: "
+                              "expected >= 0")
+        if self.dp_shard is not None and self.ep is not None and self.dp_shard % self.ep:
+            raise ConfigError(f"ParallelConfig.ep = {self.ep} is invalid: it must divide dp_shard = "
+                              f"{self.dp_shard} (experts live inside the dense shard group)")
+        if not all(p.strip() for p in self.expert_modules):
+            raise ConfigError("ParallelConfig.expert_modules holds an empty pattern")
 
 
 @config_section

@@ -78,9 +78,16 @@ class ExplainReport:
         if not self.passes:
             summary.add_row("(no passes in the pipeline)", "", "", "", "")
         yield summary
+        plan = self.parallel_plan  # the sharding pass's plan: a table, not one panel per parameter
+        if plan is not None:
+            from gemcompile.passes.sharding import plan_tables
+
+            yield from plan_tables(plan)
         # the same source line rewritten the same way (a layer repeated L times) renders once, counted
         groups: dict[tuple, list[Rewrite]] = {}
         for r in self.rewrites:
+            if r.pass_name == "sharding" and plan is not None:
+                continue
             groups.setdefault((r.pass_name, r.stage, r.location, r.detail.split(":")[0]), []).append(r)
         for i, rewrites in enumerate(groups.values(), 1):
             r = rewrites[0]
@@ -107,6 +114,13 @@ class ExplainReport:
             for (name, where, reason), n in seen.items():
                 table.add_row(escape(name), escape(where + (f" (x{n})" if n > 1 else "")), escape(reason))
             yield table
+
+    @property
+    def parallel_plan(self) -> Any:
+        """The ParallelPlan the sharding pass computed (GemConfig.parallel.enabled), else None."""
+        from gemcompile.passes.sharding import plan_of
+
+        return next((p for _, after in self.graphs if (p := plan_of(after)) is not None), None)
 
     def render(self, width: int = 120, color: bool = False) -> str:
         buffer = io.StringIO()

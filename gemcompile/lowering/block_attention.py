@@ -112,7 +112,9 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}"
+            )
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:

@@ -15,8 +15,8 @@ Time is linear in L: each tile meets O(block + window) keys.
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
   to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
-  tile's own rows, so the forward is one score tile (no key loop, no online-softmax rescaling, the
-  rotary tables loaded once for q and k), and the backward is ONE fused kernel per tile computing dQ,
+  tile's own rows, so the forward is one score tile (no key loop, no online-softmax rescaling, q and
+  k rotated with the same table rows), and the backward is ONE fused kernel per tile computing dQ,
   dK and dV together: every block is independent, so no other program touches these rows (no atomics,
   deterministic), nothing is read twice, and delta = rowsum(P * dP) comes from the tile itself instead
   of a separate rowsum(O * dO) pass (O is not even read).
@@ -25,13 +25,14 @@ Two families of kernels:
   of jagged_attention_triton.py (delta kernel reused from there, a dK/dV kernel looping over query
   tiles, a dQ kernel looping over key tiles; deterministic, no atomics).
 
-Rotary is fused into the loads: a q or k tile is loaded as its two halves A and B that the rotation
-mixes (first/second half for "half", even/odd columns for "interleaved"), rotated in fp32
-(A' = A cos_A - B sin_A, B' = B cos_B + A sin_B) and rounded to the input dtype; scores are
-A'_q A'_k^T + B'_q B'_k^T (two dots of K = D/2). Gradients w.r.t. the rotated tiles are accumulated as
-halves too, and the transposed rotation (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A) is applied
-once per program before the store. So no register shuffles and no extra GEMM work; it needs D/2 >= 16
-(tl.dot), so rotary at D = 16 is rotated with torch outside the kernels (see the launchers).
+Rotary is fused into the loads: a q or k tile is loaded full width (one vectorized load) and split in
+registers into the halves A and B that the rotation mixes (first/second half for "half", even/odd
+columns for "interleaved"), rotated in fp32 (A' = A cos_A - B sin_A, B' = B cos_B + A sin_B) and
+rounded to the input dtype; scores are A'_q A'_k^T + B'_q B'_k^T (two dots of K = D/2). Gradients
+w.r.t. the rotated tiles are accumulated as halves too (dQ_A = dS K'_A, ...), and the transposed
+rotation (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A) is applied once per program before the
+store. No extra GEMM work: the half dots add up to the full ones. It needs D/2 >= 16 (tl.dot), so
+rotary at D = 16 is rotated with torch around the kernels (see the launchers).
 
 Precision as in jagged_attention_triton.py: fp32 scores, softmax statistics and accumulators; P and dS
 cast to the input dtype for their dots; fp32 inputs use 3xTF32 dots unless torch allows TF32.
@@ -76,26 +77,27 @@ MIN_FUSED_ROTARY_HEAD_DIM = 32
 
 # ---------------------------------------------------------------------------------------------------
 # Configs. Closed kernels: one tile size BLOCK (rows = keys) and the warps. General kernels: (BLOCK_M,
-# BLOCK_N, warps, stages) like jagged_attention_triton.py. Each entry lists the head dims it serves
-# ("small": D <= 64, "large": D > 64); the lists are short so that tuning stays a handful of compiles.
+# BLOCK_N, warps, stages) like jagged_attention_triton.py. Each entry lists the variants it serves:
+# "small" (D <= 64) or "large" (D > 64), with "_rot" when rotary is fused. Configs that spill registers
+# for a variant (ptxas for sm_90a, bf16 inputs and tables) are left out of it, so tuning stays a handful
+# of compiles. fp32 inputs (3xTF32 dots) and fp32 rotary tables need more registers and spill in some of
+# these configs: they are served for accuracy, not speed.
 
-_CLOSED_FWD_SHAPES = {(32, 2): ("small",), (64, 4): ("small", "large"), (64, 8): ("large",),
-                      (128, 8): ("small", "large")}
-_CLOSED_BWD_SHAPES = {(32, 4): ("small",), (64, 4): ("small", "large"), (64, 8): ("small", "large"),
-                      (128, 8): ("small",)}
-_FWD_SHAPES = {(64, 64, 4, 3): ("small", "large"), (128, 64, 8, 3): ("small", "large"),
-               (128, 128, 8, 3): ("small",), (64, 32, 4, 3): ("small", "large")}
-_DKDV_SHAPES = {(32, 64, 4, 3): ("small", "large"), (64, 64, 4, 3): ("small",),
-                (64, 128, 8, 3): ("small",), (32, 128, 8, 3): ("small", "large")}
-_DQ_SHAPES = {(64, 64, 4, 3): ("small", "large"), (128, 64, 8, 3): ("small", "large"),
-              (64, 32, 4, 3): ("small", "large"), (128, 32, 8, 3): ("small",)}
-
-_INTERPRET_CLOSED_TILE = 32
+_S, _L, _SR, _LR = "small", "large", "small_rot", "large_rot"
+_CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR), (128, 8): (_S, _SR, _L)}
+_CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR, _L, _LR),
+                      (128, 8): (_S, _SR)}
+_FWD_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L, _LR), (128, 128, 8, 3): (_S,),
+               (64, 32, 4, 3): (_S, _SR, _L, _LR)}
+_DKDV_SHAPES = {(32, 64, 4, 3): (_S, _SR, _L), (64, 64, 4, 3): (_S,), (64, 128, 8, 3): (_S,),
+                (32, 128, 8, 3): (_S, _SR, _L), (32, 64, 8, 2): (_LR,), (32, 64, 8, 3): (_LR,)}
+_DQ_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L), (64, 32, 4, 3): (_S, _SR, _L),
+              (128, 32, 8, 3): (_S, _SR), (64, 32, 8, 2): (_LR,), (64, 64, 8, 2): (_LR,)}
 
 
 def _closed_configs(shapes):
     if _INTERPRET:
-        return [triton.Config({"BLOCK": _INTERPRET_CLOSED_TILE}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1) for t, w in shapes]
 
 
@@ -115,8 +117,13 @@ _AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDO
                  "DOT_PRECISION"]
 
 
+def _variant(head_dim: int, rotary: int) -> str:
+    """The config class of a kernel variant (see the shape tables)."""
+    return ("small" if head_dim <= 64 else "large") + ("_rot" if rotary else "")
+
+
 def _head_class(args) -> str:
-    return "small" if args.get("HEAD_D", 64) <= 64 else "large"
+    return _variant(args.get("HEAD_D", 64), args.get("ROTARY", 0))
 
 
 def _closed_prune(shapes):
@@ -148,18 +155,6 @@ def _general_prune(shapes, kind):
         return kept or [_fit_shared_memory(configs[0], kind, args)]
 
     return {"early_config_prune": prune}
-
-
-def closed_tile_serves(block: int, head_dim: int) -> bool:
-    """Whether some closed-kernel tile holds whole blocks of this size (block a power of two <= tile)."""
-    if block <= 0 or block & (block - 1):
-        return False
-    if _INTERPRET:
-        return block <= _INTERPRET_CLOSED_TILE
-    head = "small" if head_dim <= 64 else "large"
-    fwd = max(t for (t, _), heads in _CLOSED_FWD_SHAPES.items() if head in heads)
-    bwd = max(t for (t, _), heads in _CLOSED_BWD_SHAPES.items() if head in heads)
-    return block <= min(fwd, bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,16 +225,39 @@ def _allowed(i, j, kv_len, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.cons
 
 
 @triton.jit
-def _pair_columns(HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
-    """Columns of the halves A and B that the rotation mixes: first/second half, or even/odd columns."""
-    offs = tl.arange(0, HEAD_D // 2)
-    if ROTARY == 1:
-        col_a = offs
-        col_b = offs + HEAD_D // 2
+def _closed_allowed(rows, kv_len, window, ATTN_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """_allowed for a closed tile (keys = the tile's rows); a tile that is one block needs no block test."""
+    if ATTN_BLOCK < BLOCK:
+        ok = _allowed(rows[:, None], rows[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
     else:
-        col_a = offs * 2
-        col_b = offs * 2 + 1
-    return col_a, col_b
+        ok = _allowed(rows[:, None], rows[None, :], kv_len, window, 0, HAS_WINDOW, CAUSAL)
+    return ok
+
+
+@triton.jit
+def _load_halves(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """The halves (A, B) of a [rows, HEAD_D] tile that the rotation mixes: one contiguous (vectorized)
+    load split in registers. (Two half-width loads, or stride-2 loads for "interleaved", needed more
+    registers in ptxas for sm_90a.)"""
+    x = _load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+    if ROTARY == 1:  # [A_0 .. A_{D/2-1} | B_0 .. B_{D/2-1}]
+        xa, xb = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, HEAD_D // 2)), (0, 2, 1)))
+    else:  # [A_0, B_0, A_1, B_1, ...]
+        xa, xb = tl.split(tl.reshape(x, (x.shape[0], HEAD_D // 2, 2)))
+    return xa, xb
+
+
+@triton.jit
+def _store_halves(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.constexpr,
+                  ROTARY: tl.constexpr):
+    if ROTARY == 1:
+        offs = tl.arange(0, HEAD_D // 2)
+        _store_rows(base, rows, offs, stride_r, stride_d, ga, mask_rows, HEAD_D)
+        _store_rows(base, rows, offs + HEAD_D // 2, stride_r, stride_d, gb, mask_rows, HEAD_D)
+    else:
+        g = tl.reshape(tl.join(ga, gb), (ga.shape[0], HEAD_D))
+        _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, g, mask_rows, HEAD_D)
 
 
 @triton.jit
@@ -250,9 +268,7 @@ def _load_tile(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr, 
         xa = x
         xb = x
     else:
-        col_a, col_b = _pair_columns(HEAD_D, ROTARY)
-        xa = _load_rows(base, rows, col_a, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-        xb = _load_rows(base, rows, col_b, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+        xa, xb = _load_halves(base, rows, mask_rows, stride_r, stride_d, HEAD_D, ROTARY)
     return xa, xb
 
 
@@ -260,11 +276,8 @@ def _load_tile(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr, 
 def _load_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
                  ROTARY: tl.constexpr):
     """(cos_A, cos_B, sin_A, sin_B) of the rows, fp32."""
-    col_a, col_b = _pair_columns(HEAD_D, ROTARY)
-    ca = _load_rows(cos_base, rows, col_a, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    cb = _load_rows(cos_base, rows, col_b, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    sa = _load_rows(sin_base, rows, col_a, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    sb = _load_rows(sin_base, rows, col_b, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
+    ca, cb = _load_halves(cos_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
+    sa, sb = _load_halves(sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
     return ca.to(tl.float32), cb.to(tl.float32), sa.to(tl.float32), sb.to(tl.float32)
 
 
@@ -273,6 +286,16 @@ def _rotate(xa, xb, ca, cb, sa, sb):
     af = xa.to(tl.float32)
     bf = xb.to(tl.float32)
     return (af * ca - bf * sa).to(xa.dtype), (bf * cb + af * sb).to(xb.dtype)
+
+
+@triton.jit
+def _rotate_both(qa, qb, ka, kb, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd,
+                 HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """Rotate q and k tiles of the same rows (closed tiles) with one load of the table rows."""
+    ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
+    qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
+    ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+    return qa, qb, ka, kb
 
 
 @triton.jit
@@ -296,9 +319,7 @@ def _store_tile(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.co
     if ROTARY == 0:
         _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, ga, mask_rows, HEAD_D)
     else:
-        col_a, col_b = _pair_columns(HEAD_D, ROTARY)
-        _store_rows(base, rows, col_a, stride_r, stride_d, ga, mask_rows, HEAD_D)
-        _store_rows(base, rows, col_b, stride_r, stride_d, gb, mask_rows, HEAD_D)
+        _store_halves(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D, ROTARY)
 
 
 @triton.jit
@@ -321,7 +342,8 @@ def _finish_softmax(acc, l_i, m_i):
 # Closed kernels: block | BLOCK, one tile of BLOCK rows holds whole blocks and all their keys
 
 
-@triton.autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
+@triton.autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
+                 prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @triton.jit
 def _closed_fwd_kernel(
     Q, K, V, Cos, Sin, Out, Lse, Lengths,
@@ -350,17 +372,17 @@ def _closed_fwd_kernel(
         tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
         return
     col_ok = rows < kv_len
-    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
-    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
-    if ROTARY != 0:  # keys are the tile's own rows: one load of the tables serves q and k
-        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
-                                      stride_cd, HEAD_D, ROTARY)
-        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
-        ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    if ROTARY != 0:
+        qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
+                                      row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
     v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
                    col_ok, HEAD_D, HEAD_D, True)
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-    ok = _allowed(rows[:, None], rows[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     s = tl.where(ok, s, float("-inf"))
     m = tl.max(s, 1)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -371,7 +393,8 @@ def _closed_fwd_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
+@triton.autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
+                 prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @triton.jit
 def _closed_bwd_kernel(
     Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths,
@@ -402,19 +425,19 @@ def _closed_bwd_kernel(
         _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         return
     col_ok = rows < kv_len
-    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
-    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
     if ROTARY != 0:
-        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
-                                      stride_cd, HEAD_D, ROTARY)
-        qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
-        ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
+        qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
+                                      row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
     offs_d = tl.arange(0, HEAD_D)
-    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D,
-                    HEAD_D, True)
+    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=float("inf"))
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-    ok = _allowed(rows[:, None], rows[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
     _store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
@@ -480,7 +503,8 @@ def _fwd_kernel(
     sin_base = Sin + b64 * stride_cb
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
-    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
         qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
@@ -511,7 +535,8 @@ def _fwd_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+                 prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths,
@@ -548,7 +573,8 @@ def _bwd_dkdv_kernel(
     do_base = DO + b64 * stride_gb + h64 * stride_gh
     l_base = Lse + b64 * stride_lb + h64 * stride_lh
     d_base = Delta + b64 * stride_lb + h64 * stride_lh
-    ka, kb = _load_tile(K + b64 * stride_kb + h64 * stride_kh, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
         ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
@@ -624,7 +650,8 @@ def _bwd_dq_kernel(
     sin_base = Sin + b64 * stride_cb
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
-    qa, qb = _load_tile(Q + b64 * stride_qb + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
         qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
@@ -633,8 +660,8 @@ def _bwd_dq_kernel(
     else:
         dqa = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         dqb = dqa
-    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D,
-                    HEAD_D, True)
+    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
     l_rows = b64 * stride_lb + h64 * stride_lh + rows * stride_lm
     lse2 = tl.load(Lse + l_rows, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
@@ -665,6 +692,26 @@ def _bwd_dq_kernel(
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers
+
+
+def _closed_tiles(kernel, shapes, variant: str) -> list[int]:
+    """Tile sizes of a closed kernel's configs meant for this variant (configs missing from the table,
+    e.g. pinned by tests, serve every variant)."""
+    return [c.kwargs["BLOCK"] for c in kernel.configs
+            if variant in shapes.get((c.kwargs["BLOCK"], c.num_warps), (variant,))]
+
+
+def closed_tile_serves(block: int, head_dim: int, rotary: str = "none") -> bool:
+    """Whether both closed kernels have a config whose tile holds whole blocks of this size (block a power
+    of two dividing the tile) for this variant; otherwise the general kernels run."""
+    if block <= 0 or block & (block - 1):
+        return False
+    variant = _variant(head_dim, 0 if _unfused_rotary(rotary, head_dim) else ROTARY_CODES[rotary])
+    return all(
+        any(t % block == 0 for t in _closed_tiles(kernel, shapes, variant))
+        for kernel, shapes in ((_closed_fwd_kernel, _CLOSED_FWD_SHAPES),
+                               (_closed_bwd_kernel, _CLOSED_BWD_SHAPES))
+    )
 
 
 def _window_bucket(window: int) -> int:
@@ -716,8 +763,9 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     args = (q, k, v, cos, sin, out, lse, lengths, *q.stride(), *k.stride(), *v.stride(), *c_strides,
             *out.stride(), *lse.stride(), H, L, int(window), float(scale) * _LOG2E, *buckets)
     consts = _consts(D, block, window, causal, rotary, q.dtype)
-    if closed_tile_serves(block, D):
-        _launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts, buckets)
+    if closed_tile_serves(block, D, rotary):
+        _launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
+                buckets)
     else:
         _launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
     return out, lse
@@ -728,12 +776,13 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
     B, H, L, D = q.shape
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
-    dq = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, L, D), dtype=k.dtype, device=q.device)
+    unfused = _unfused_rotary(rotary, D)
+    # unfused rotary: the kernels' dq, dk stay fp32 until the transposed rotation (one rounding)
+    dq = torch.empty((B, H, L, D), dtype=torch.float32 if unfused else q.dtype, device=q.device)
+    dk = torch.empty((B, H, L, D), dtype=torch.float32 if unfused else k.dtype, device=q.device)
     dv = torch.empty((B, H, L, D), dtype=v.dtype, device=q.device)
     if dq.numel() == 0:
-        return dq, dk, dv
-    unfused = _unfused_rotary(rotary, D)
+        return dq.to(q.dtype), dk.to(k.dtype), dv
     if unfused:
         tables = (cos, sin, rotary)
         q, k = _rotated_inputs(q, k, cos, sin, rotary)
@@ -745,7 +794,7 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     inputs = (q, k, v, cos, sin, grad_out)
     strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
     scalars = (H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
-    if closed_tile_serves(block, D):
+    if closed_tile_serves(block, D, rotary):
         _launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
                 (*inputs, lse, dq, dk, dv, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
     else:
@@ -761,6 +810,6 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
                 (*inputs, lse, delta, dq, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
-        dq = apply_rotary_transpose(dq.float(), cos0, sin0, rotary0).to(dq.dtype)
-        dk = apply_rotary_transpose(dk.float(), cos0, sin0, rotary0).to(dk.dtype)
+        dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)
+        dk = apply_rotary_transpose(dk, cos0, sin0, rotary0).to(out.dtype)
     return dq, dk, dv

@@ -206,9 +206,11 @@ class BlockAttentionPass(GemPass):
         if not _op_available():
             raise Unproven("the gemcompile::block_attention op is not available")
         rows_note = self._check_rows(site, mask)
-        before = describe_nodes(site.matched)
         start = len(fake.created)
         pair, not_fused = self._rotary(site)
+        # what explain shows as replaced: the attention, and the rotations the kernel now applies
+        rotations = [] if pair is None else [m.node for m in pair if len(m.node.users) == 1]
+        before = describe_nodes(site.matched + rotations)
         with graph.inserting_before(site.output):
             if pair is not None:
                 qm, km = pair
@@ -226,13 +228,18 @@ class BlockAttentionPass(GemPass):
             v = permuted(graph, fake, site.v, site.v_perm)
             qv, kv, vv = (example_value(n) for n in (q, k, v))
             self._check_shapes(qv, kv, vv, mask)
-            if example_value(mask.lengths).device != qv.device:
-                raise Unproven(f"the lengths ({mask.lengths.name}) are on {example_value(mask.lengths).device}, "
-                               f"the attention on {qv.device}")
+            lv = example_value(mask.lengths)
+            if lv.device != qv.device:
+                raise Unproven(f"the lengths ({mask.lengths.name}) are on {lv.device}, the attention on {qv.device}")
+            if lv.dtype not in (torch.int32, torch.int64):
+                raise Unproven(f"the lengths ({mask.lengths.name}) are {lv.dtype}, not int32 or int64")
             lengths = clamped_lengths(graph, fake, mask.lengths, mask.offset, size_of(graph, fake, k, 2))
-            out = fake.call(graph, torch.ops.gemcompile.block_attention.default,
-                            (q, k, v, lengths, int(mask.block), int(mask.window), bool(mask.causal), cos, sin,
-                             rotary, float(site.scale)))
+            try:  # the op's own argument checks run on the fake tensors: what they reject is not rewritten
+                out = fake.call(graph, torch.ops.gemcompile.block_attention.default,
+                                (q, k, v, lengths, int(mask.block), int(mask.window), bool(mask.causal), cos, sin,
+                                 rotary, float(site.scale)))
+            except (TypeError, ValueError) as error:
+                raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
             out = permuted(graph, fake, out, site.out_perm)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)

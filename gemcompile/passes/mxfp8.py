@@ -46,7 +46,11 @@ How a GEMM is identified (what survives into the post-grad graphs on torch 2.13;
   and attention probabilities stay in high precision.
 
 Known limits: the pass judges each graph on its own (no state crosses from the forward to the backward
-graph); a GEMM whose operands are both parameters is labelled by its first matching rule.
+graph), so the two can only disagree where their metadata does. A Linear applied to a parameter (PMA's
+learned queries) has two backward GEMMs that both take a parameter and both feed a parameter gradient;
+the one on dY^T is taken as the wgrad. A frozen Linear (no wgrad) under autocast has its dgrad found only
+through ``fwd_source_fn_stack`` (``F.linear``); a frozen raw-parameter ``matmul`` under autocast is
+left alone ("no weight operand").
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ ROLES = ("fwd", "dgrad", "wgrad")
 # decision kinds: one counter each, counters["gemcompile"]["mxfp8_<kind>"]
 QUANTIZED = ("fp8_fwd", "fp8_dgrad", "fp8_wgrad")
 KEPT = ("unknown_module", "no_weight_operand", "softmax", "not_included", "excluded", "bf16_weight_grad",
-        "below_min_size", "not_block_multiple", "dtype", "unsupported", "op_unavailable")
+        "below_min_size", "dtype", "unsupported", "op_unavailable")
 
 
 # -- module names and patterns --------------------------------------------------------------------------
@@ -171,6 +175,14 @@ def _divisible(size: Any, block: int) -> bool:
     return bool(statically_known_true(size % block == 0))
 
 
+def _same_shape(a: Any, b: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(
+        x == y if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y))
+        for x, y in zip(a, b))
+
+
 def _fmt(size: Any) -> str:
     return str(size) if isinstance(size, int) else f"{size}"
 
@@ -241,6 +253,19 @@ def root(node: Any) -> Any:
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _TRANSPARENT:
         node = node.args[0]
     return node
+
+
+def _transposed(node: Any) -> bool:
+    """Whether a transpose (t, permute of the last two dims, transpose) lies on the view chain of node."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _TRANSPARENT:
+        if node.target in (aten.t.default, aten.transpose.int):
+            return True
+        if node.target is aten.permute.default:
+            perm = list(node.args[1])
+            if len(perm) >= 2 and perm[-2:] == [len(perm) - 1, len(perm) - 2]:
+                return True
+        node = node.args[0]
+    return False
 
 
 def reaches_param_grad(node: fx.Node, facts: GraphFacts) -> bool:
@@ -316,7 +341,9 @@ class Gemm:
     k: Any = None
     n: Any = None
     batch: Any = None
-    linear_form: bool = True  # wgrad orientation known (F.linear / the pairing told which operand is dY)
+    wgrad_dy: str | None = None
+    """Which operand of a wgrad holds dY: "a" (F.linear's dW = dY^T @ X, M = out_features), "b"
+    (matmul's dW = X^T @ dY, M = in_features), None when unknown."""
 
     @property
     def module(self) -> str:
@@ -341,18 +368,20 @@ class Gemm:
             return [(n, k, m)] if self.a_is_weight and not self.b_is_weight else [(m, k, n)]
         if self.role == "dgrad":
             return [(n, m, k)] if self.a_is_weight and not self.b_is_weight else [(m, n, k)]
-        if self.linear_form:  # dW = dY^T @ X: M = out_features
+        if self.wgrad_dy == "a":  # dW = dY^T @ X: M = out_features
             return [(k, n, m)]
+        if self.wgrad_dy == "b":  # dW = X^T @ dY: M = in_features
+            return [(k, m, n)]
         return [(k, n, m), (k, m, n)]
 
 
 def _is_linear_source(node: fx.Node) -> bool:
+    """Whether the GEMM comes from F.linear / nn.Linear (source_fn_stack, fwd_source_fn_stack backward)."""
     for key in ("fwd_source_fn_stack", "source_fn_stack"):
         stack = node.meta.get(key)
         if stack:
             name, fn = stack[-1]
-            fn_name = getattr(fn, "__name__", str(fn)).lower()
-            return fn_name in ("linear", "linear.forward") or "linear" in fn_name or str(name).startswith("linear")
+            return "linear" in getattr(fn, "__name__", str(fn)).lower() or str(name).startswith("linear")
     return False
 
 
@@ -373,10 +402,10 @@ class Mxfp8Pass(GemPass):
         self._roles(sites, facts)
         for site in sites:
             kind, reason = self._decide(site, facts, op is not None)
-            counters["gemcompile"][f"mxfp8_{kind}"] += 1
             if kind in QUANTIZED:
-                self._rewrite(graph, site, op)
-            else:
+                kind, reason = self._rewrite(graph, site, op)
+            counters["gemcompile"][f"mxfp8_{kind}"] += 1
+            if kind not in QUANTIZED:
                 self.refused(site.node, f"{site.header()}: {reason}")
 
     # -- analysis ----------------------------------------------------------------------------------------
@@ -405,11 +434,24 @@ class Mxfp8Pass(GemPass):
                 site.role = "fwd" if (site.a_is_weight or site.b_is_weight) else None
             elif site.a_is_weight or site.b_is_weight:
                 site.role = "dgrad"
+                # F.linear applied to a parameter (PMA's learned queries): both backward GEMMs have a
+                # parameter operand and feed a parameter gradient; the wgrad is the one on dY^T
+                if (_is_linear_source(site.node) and _transposed(site.a) and site.b_is_weight
+                        and reaches_param_grad(site.node, facts)):
+                    site.role, site.b_is_weight, site.wgrad_dy = "wgrad", False, "a"
             elif reaches_param_grad(site.node, facts):
                 site.role = "wgrad"
-                site.linear_form = _is_linear_source(site.node)
+                site.wgrad_dy = "a" if _is_linear_source(site.node) else None
         if not facts.backward:
             return
+        # F.linear applied to a parameter under autocast: two "wgrads" of one forward op (both outputs are
+        # parameter gradients); the one that is not on dY^T is the dgrad of the parameter input
+        for site in sites:
+            seq = site.node.meta.get("seq_nr")
+            if (site.role == "wgrad" and seq is not None and _is_linear_source(site.node) and not _transposed(site.a)
+                    and any(o.role == "wgrad" and o is not site and o.node.meta.get("seq_nr") == seq
+                            and _transposed(o.a) and root(o.a) == root(site.a) for o in sites)):
+                site.role, site.b_is_weight = "dgrad", True
         # dgrad whose weight is a saved copy (autocast): paired with the wgrad of the same forward op
         wgrads = [s for s in sites if s.role == "wgrad"]
         for site in sites:
@@ -424,8 +466,8 @@ class Mxfp8Pass(GemPass):
                 if len(shared) == 1 and len(mine) == 2:
                     site.role = "dgrad"
                     site.a_is_weight, site.b_is_weight = shared[0] == "b", shared[0] == "a"
-                    if not w.linear_form:  # the shared operand is dY: it tells the wgrad's orientation
-                        w.linear_form = (root(w.a) == root(site.a if shared[0] == "a" else site.b))
+                    if w.wgrad_dy is None:  # the shared operand is dY: it tells the wgrad's orientation
+                        w.wgrad_dy = "a" if root(w.a) == root(site.a if shared[0] == "a" else site.b) else "b"
                     break
             if site.role is None and site.op == "mm" and _is_linear_source(site.node) and not any(
                     seq is not None and w.node.meta.get("seq_nr") == seq and w.node is not site.node
@@ -441,7 +483,8 @@ class Mxfp8Pass(GemPass):
         if va.dtype not in _FLOAT_DTYPES or vb.dtype != va.dtype:
             return "dtype", f"kept: dtype {va.dtype} x {vb.dtype} (quantizes float32/bfloat16/float16 only)"
         if not site.modules:
-            return "unknown_module", "kept: source module unknown (no nn_module_stack metadata on the node)"
+            return "unknown_module", ("kept: source module unknown (no nn_module_stack metadata: a plain function, "
+                                      "or code in the compiled module's own forward; move it into a submodule)")
         if site.role is None:
             if not facts.knows_parameters:
                 return "no_weight_operand", ("kept: cannot tell parameters in this graph (no AOTAutograd "
@@ -464,27 +507,14 @@ class Mxfp8Pass(GemPass):
         small = self._below_min(site)
         if small is not None:
             return "below_min_size", f"kept: {small}"
-        misfit = self._not_block_multiple(site)
-        if misfit is not None:
-            return "not_block_multiple", f"kept: {misfit}"
+        if cfg.recipe == "blockwise" and site.a_is_weight and site.b_is_weight:
+            return "unsupported", ("kept: both operands are weights (blockwise would need a 128x128 x 128x128 "
+                                   "GEMM, which cuBLAS does not offer)")
         if site.op == "addmm" and (site.node.kwargs.get("beta", 1) != 1 or site.node.kwargs.get("alpha", 1) != 1):
             return "unsupported", "kept: addmm with alpha or beta != 1"
         if not have_op:
             return "op_unavailable", "kept: gemcompile::fp8_mm is not available (gemcompile.lowering.scaled_mm)"
         return f"fp8_{site.role}", ""
-
-    def _not_block_multiple(self, site: Gemm) -> str | None:
-        """Each GEMM of the layer quantizes along its own K (tokens, in_features or out_features), and the
-        blockwise recipe blocks weights 128x128: every dim of the layer must be a multiple of the block,
-        so that a layer is quantized in all three GEMMs or in none (only the wgrad, for instance, when
-        in_features is 16, would be a layer half in FP8 for no gain)."""
-        recipe = self.options.recipe
-        block = _BLOCK[recipe]
-        for shape in site.layer_shape():
-            for value, what in zip(shape, ("tokens M", "in_features K", "out_features N")):
-                if not _divisible(value, block):
-                    return f"layer {what} = {_fmt(value)} is not a multiple of the {recipe} block {block}"
-        return None
 
     def _below_min(self, site: Gemm) -> str | None:
         """Why the layer is too small, or None; with two possible orientations both must pass."""
@@ -507,7 +537,8 @@ class Mxfp8Pass(GemPass):
         return "; ".join(dict.fromkeys(reasons)) + " (narrow layers lose to bf16)"
 
     # -- rewrite -----------------------------------------------------------------------------------------
-    def _rewrite(self, graph: fx.Graph, site: Gemm, op: Any) -> None:
+    def _rewrite(self, graph: fx.Graph, site: Gemm, op: Any) -> tuple[str, str]:
+        """Replace the GEMM by fp8_mm (+ bias); returns the decision kind (and a reason if it could not)."""
         cfg = self.options
         node = site.node
         before = describe_nodes([node])
@@ -528,20 +559,21 @@ class Mxfp8Pass(GemPass):
                 out = added
         expected = _val(node)
         got = out.meta["val"]
-        if tuple(got.shape) != tuple(expected.shape) or got.dtype != expected.dtype:
+        if not _same_shape(got.shape, expected.shape) or got.dtype != expected.dtype:
             for n in reversed(created):
                 graph.erase_node(n)
-            counters["gemcompile"]["mxfp8_unsupported"] += 1
-            self.refused(node, f"{site.header()}: kept: fp8_mm would give {got.dtype} {tuple(got.shape)}, "
-                               f"the GEMM gives {expected.dtype} {tuple(expected.shape)}")
-            return
+            return "unsupported", (f"kept: fp8_mm would give {got.dtype} {tuple(got.shape)}, the GEMM gives "
+                                   f"{expected.dtype} {tuple(expected.shape)}")
         node.replace_all_uses_with(out)
         after = describe_nodes(created)
         weight = " and ".join(x for x, w in (("a", site.a_is_weight), ("b", site.b_is_weight)) if w) or "none"
+        block = _BLOCK[cfg.recipe]
+        padded = "" if _divisible(site.k, block) else f", K zero-padded to a multiple of {block} for the blocks"
         self.rewrote(out, before, after,
                      detail=f"{site.header()}: fp8 {cfg.recipe} ({cfg.scale_rule}), both operands along K, "
-                            f"weight operand: {weight}")
+                            f"weight operand: {weight}{padded}")
         graph.erase_node(node)
+        return f"fp8_{site.role}", ""
 
 
 def _fake_mode(value: Any):

@@ -234,7 +234,10 @@ def _describe(src: torch.Tensor, sign: torch.Tensor, limit: int = 6) -> str:
 
 def rotation_style(x: fx.Node, rotated: fx.Node, sign: int = 1) -> str:
     """"half" or "interleaved" when ``sign * rotated`` is exactly that rotation of x; Unproven otherwise."""
-    moved = _RotationInterpreter(x)._tensor(rotated)
+    try:
+        moved = _RotationInterpreter(x)._tensor(rotated)
+    except (RuntimeError, IndexError, TypeError, ValueError, KeyError) as error:  # an op we model wrongly
+        raise Unproven(f"the rotation of {x.name} could not be read: {error}") from None
     d = example_value(x).shape[-1]
     if tuple(moved.src.shape) != (d,):
         raise Unproven(f"{rotated.name} does not have x's head dim")
@@ -246,6 +249,12 @@ def rotation_style(x: fx.Node, rotated: fx.Node, sign: int = 1) -> str:
             return style
     raise Unproven(f"the rotation of {x.name} is neither rotate-half [-x[D/2:], x[:D/2]] nor interleaved "
                    f"[-x[1::2], x[::2]]: it computes {_describe(src, signs)}")
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two nodes' shapes are provably equal (symbolic sizes too, without adding guards)."""
+    sa, sb = example_value(a).shape, example_value(b).shape
+    return len(sa) == len(sb) and all(statically_known_true(x == y) for x, y in zip(sa, sb))
 
 
 def _products(node: Any) -> tuple[Any, Any] | None:
@@ -265,7 +274,6 @@ def match_rotary(node: Any) -> RotaryMatch | None:
     terms = (_products(node.args[0]), _products(node.args[1]))
     if terms[0] is None or terms[1] is None:
         return None
-    out_shape = tuple(example_value(node).shape)
     reasons = []
     orders = [(0, 1)] if name in _SUB else [(0, 1), (1, 0)]  # a - b: the cos term must come first
     for cos_side, sin_side in orders:
@@ -273,7 +281,7 @@ def match_rotary(node: Any) -> RotaryMatch | None:
         for x, cos in (terms[cos_side], terms[cos_side][::-1]):
             if not isinstance(x, fx.Node) or not isinstance(cos, fx.Node):
                 continue
-            if tuple(example_value(x).shape) != out_shape:
+            if not _same_shape(x, node):
                 continue  # x has the full (B, H, L, D) shape; cos/sin broadcast onto it
             for rotated, sin in (terms[sin_side], terms[sin_side][::-1]):
                 if not isinstance(rotated, fx.Node) or not isinstance(sin, fx.Node):
@@ -376,7 +384,7 @@ def match_rotary_pair(q: fx.Node, k: fx.Node) -> tuple[RotaryMatch, RotaryMatch]
                 raise Unproven(f"{table.name} is on {tv.device}, {which} on {xv.device}")
         if example_value(m.node).dtype != xv.dtype:
             raise Unproven(f"the rotated {which} has another dtype than {which}")
-        if tuple(example_value(m.cos).shape) != tuple(example_value(m.sin).shape):
+        if not _same_shape(m.cos, m.sin):
             raise Unproven("cos and sin have different shapes")
         for n in (m.x, m.cos, m.sin):
             if _mutated(n):

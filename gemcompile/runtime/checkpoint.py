@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = [
     "CheckpointState",
@@ -135,16 +135,21 @@ def save_checkpoint(
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     extra: Mapping[str, Any] | None = None,
+    *,
+    flatten_optimizer: bool = False,
 ) -> Path:
     """Write the checkpoint of `step` completed steps; returns its directory.
 
     `model` may be compiled (torch.compile or gem_compile): the original module's state is saved.
     `extra` holds small Python objects (lists, dicts, numbers, strings, bytes, tensors) saved as-is.
+    `flatten_optimizer` keys the optimizer state and hyperparameters by parameter name (needed when ranks
+    hold different parameters, e.g. expert parallelism; load with the same flag).
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     module = unwrap_model(model)
-    model_state, optim_state = get_state_dict(module, _as_optimizer_list(optimizers))
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer)
+    model_state, optim_state = get_state_dict(module, _as_optimizer_list(optimizers), options=options)
     meta = {"step": step, "rng": _rng_state(), "extra": dict(extra or {})}
     path = checkpoint_path(checkpoint_dir, step)
     path.mkdir(parents=True, exist_ok=True)
@@ -162,6 +167,8 @@ def load_checkpoint(
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     restore_rng: bool = True,
+    *,
+    flatten_optimizer: bool = False,
 ) -> CheckpointState:
     """Load a checkpoint directory into `model` and `optimizers` (in place) and restore the RNG state.
 
@@ -172,12 +179,15 @@ def load_checkpoint(
         raise FileNotFoundError(f"no complete DCP checkpoint at {path} (missing .metadata)")
     module = unwrap_model(model)
     optimizer_list = _as_optimizer_list(optimizers)
-    # get_state_dict gives templates with the right FQNs, shapes and dtypes; DCP loads into them.
-    model_state, optim_state = get_state_dict(module, optimizer_list)
+    # get_state_dict gives templates with the right FQNs, shapes and dtypes; DCP loads into them (and
+    # reshards DTensors saved at another world size).
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer)
+    model_state, optim_state = get_state_dict(module, optimizer_list, options=options)
     state = {"model": model_state, "optim": optim_state, "meta": b""}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
-    set_state_dict(module, optimizer_list, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(module, optimizer_list, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)
     if restore_rng:
         _set_rng_state(meta["rng"])

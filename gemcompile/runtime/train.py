@@ -9,6 +9,10 @@ the model -> backward -> Adam on dense parameters, Adagrad on embedding tables. 
 loss, NE and AUC per task over a window of steps, steps/s and samples/s, useful and padded FLOPs per
 step (runtime/flops.py) and MFU (None on the CPU). Checkpoints (runtime/checkpoint.py) resume
 bit-exactly: the losses of a resumed run equal those of an uninterrupted one.
+
+With ``parallel=ParallelConfig(enabled=True, ...)`` the same loop runs under torchrun, one process per
+rank, with the 5D plan applied (runtime/parallel.py): every rank draws the same global batch and trains
+on its slice; the logged loss and metrics are those of the global batch.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ DEFAULT_BATCH_SIZE = {"tiny": 64, "small": 256, "large": 512}
 """Batch size per size preset when TrainConfig.batch_size is None."""
 
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
-_TRAJECTORY_FIELDS = ("size", "batch_size", "lr", "embedding_lr", "dtype", "fill", "length_dist", "seed")
+_TRAJECTORY_FIELDS = ("size", "batch_size", "lr", "embedding_lr", "dtype", "fill", "length_dist", "seed",
+                      "mxfp8", "mxfp8_min_dim", "grad_clip")
+MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
 
 
 def _is_int(value: Any) -> bool:
@@ -128,6 +134,23 @@ class TrainConfig:
     quiet: bool = False
     """Print nothing: no progress bar, no log lines, no summary table."""
 
+    mxfp8: Literal["blockwise", "mxfp8", "mxfp8_emulated"] | None = None
+    """Run qualifying GEMMs (forward, dgrad, wgrad) in block-scaled FP8 with this recipe: gemcompile's
+    mxfp8 pass (GemConfig.mxfp8); needs compile="gem". None: no FP8."""
+
+    mxfp8_min_dim: int | None = None
+    """With mxfp8: the smallest tokens / in_features / out_features of a quantized layer (sets
+    Mxfp8Config.min_m, min_k and min_n). None keeps the config's defaults, which leave layers under 2048
+    wide or under 16384 tokens in high precision (where FP8 loses to bf16 on H200)."""
+
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value (over every mesh when parallel); None = no clipping."""
+
+    parallel: Any = None
+    """A gemcompile.config.ParallelConfig (or a dict of its fields) with enabled=True: train with the 5D
+    plan under torchrun (gloo on the CPU, NCCL on GPUs); batch_size is then the global batch. None or
+    enabled=False: one process."""
+
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
             if not ok:
@@ -168,6 +191,23 @@ class TrainConfig:
         check(isinstance(self.deterministic, bool), "deterministic", "a bool")
         check(isinstance(self.explain, bool), "explain", "a bool")
         check(isinstance(self.quiet, bool), "quiet", "a bool")
+        check(self.grad_clip is None or (_is_number(self.grad_clip) and math.isfinite(self.grad_clip)
+                                         and self.grad_clip > 0), "grad_clip", "None or a finite float > 0")
+        from gemcompile.config import ParallelConfig
+
+        if isinstance(self.parallel, dict):
+            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+        check(self.parallel is None or isinstance(self.parallel, ParallelConfig), "parallel",
+              "None, a ParallelConfig or a dict of its fields")
+        check(self.mxfp8 is None or self.mxfp8 in MXFP8_RECIPES, "mxfp8",
+              f"None or one of {', '.join(MXFP8_RECIPES)}")
+        check(self.mxfp8_min_dim is None or (_is_int(self.mxfp8_min_dim) and self.mxfp8_min_dim >= 1),
+              "mxfp8_min_dim", "None or an int >= 1")
+        if self.mxfp8 is not None and self.compile != "gem":
+            raise ValueError(f"TrainConfig.mxfp8 = {self.mxfp8!r} needs compile='gem' (got compile="
+                             f"{self.compile!r}): the FP8 casts are a gem_compile pass")
+        if self.mxfp8_min_dim is not None and self.mxfp8 is None:
+            raise ValueError("TrainConfig.mxfp8_min_dim needs TrainConfig.mxfp8 (a recipe)")
         if self.save_every is not None and self.checkpoint_dir is None:
             raise ValueError("TrainConfig.save_every needs TrainConfig.checkpoint_dir (where to save)")
         if self.resume and self.checkpoint_dir is None:
@@ -278,14 +318,24 @@ def build_optimizers(model: nn.Module, lr: float, embedding_lr: float) -> list[t
     return optimizers
 
 
-def _compile(model: nn.Module, mode: str) -> Any:
-    if mode == "eager":
-        return model
-    if mode == "inductor":
-        return torch.compile(model)
-    from gemcompile import GemConfig, gem_compile  # lazy: the runtime does not need the compiler otherwise
+def gem_config(cfg: TrainConfig) -> Any:
+    """The GemConfig a compile="gem" run uses (the mxfp8 section from TrainConfig.mxfp8*)."""
+    from gemcompile import GemConfig  # lazy: the runtime does not need the compiler otherwise
 
-    return gem_compile(model, config=GemConfig())
+    if cfg.mxfp8 is None:
+        return GemConfig()
+    sizes = {} if cfg.mxfp8_min_dim is None else dict.fromkeys(("min_m", "min_k", "min_n"), cfg.mxfp8_min_dim)
+    return GemConfig(mxfp8={"enabled": True, "recipe": cfg.mxfp8, **sizes})
+
+
+def _compile(model: nn.Module, cfg: TrainConfig) -> Any:
+    if cfg.compile == "eager":
+        return model
+    if cfg.compile == "inductor":
+        return torch.compile(model)
+    from gemcompile import gem_compile
+
+    return gem_compile(model, config=gem_config(cfg))
 
 
 def _autocast(cfg: TrainConfig) -> contextlib.AbstractContextManager:
@@ -457,16 +507,26 @@ def _train(cfg: TrainConfig) -> TrainResult:
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 
-    device = torch.device(cfg.device)
     model_cfg = gem_ref_config(cfg.size)
     data = SyntheticData(
         model_cfg.data_config(cfg.batch_size, fill=cfg.fill, length_dist=cfg.length_dist, seed=cfg.seed)
     )
+    runtime = None
+    if cfg.parallel is not None and cfg.parallel.enabled:
+        from gemcompile.runtime.parallel import ParallelTraining
+
+        runtime = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
+        cfg = runtime.cfg
+    device = torch.device(cfg.device) if runtime is None else runtime.device
     torch.manual_seed(cfg.seed)
     model = GemRef(model_cfg).to(device)
-    optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr)
     formula = GemFlopFormula.from_model(model)
     padded_counter = PaddedFlopCounter(model)
+    if runtime is None:
+        optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr)
+    else:  # the plan is checked against the model before any collective; then the model is sharded
+        padded_counter = runtime.apply(model)  # FLOPs counted on a meta-device copy
+        optimizers = runtime.build_optimizers(cfg.lr, cfg.embedding_lr)
     n_tasks = model_cfg.n_tasks
     window = MetricWindow(n_tasks, window=cfg.log_every)
 
@@ -479,7 +539,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
         if path is None:
             reporter.print(f"no checkpoint in {cfg.checkpoint_dir}: starting from step 0")
         else:
-            state = load_checkpoint(path, model, optimizers)
+            state = load_checkpoint(path, model, optimizers, flatten_optimizer=runtime is not None)
             saved = state.extra.get("config", {})
             mismatched = {
                 k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v
@@ -498,13 +558,13 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 )
     reporter = _Reporter(cfg, start_step)
 
-    runner = _compile(model, cfg.compile)
+    runner = _compile(model, cfg) if runtime is None else runtime.compile(gem_config(cfg))
     if cfg.explain and start_step < cfg.steps:
         from gemcompile import explain
 
         example = data.batch(start_step).to(device)
         validate_batch(example, model_cfg)
-        reporter.print(explain(model, **example.features()))
+        reporter.print(explain(model, **example.features(), config=gem_config(cfg)))
 
     checkpoints: list[str] = []
 
@@ -515,7 +575,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
             "windows": [dataclasses.asdict(w) for w in windows],
             "metric_window": window.to_bytes(),
         }
-        checkpoints.append(str(save_checkpoint(cfg.checkpoint_dir, step, model, optimizers, extra)))
+        checkpoints.append(str(save_checkpoint(cfg.checkpoint_dir, step, model, optimizers, extra,
+                                               flatten_optimizer=runtime is not None)))
 
     useful_total = padded_total = 0.0
     step_times: list[float] = []
@@ -529,15 +590,24 @@ def _train(cfg: TrainConfig) -> TrainResult:
             cpu_batch = data.batch(step)
             batch = cpu_batch.to(device)
             validate_batch(batch, model_cfg)
+            step_batch = batch if runtime is None else runtime.local_batch(batch)  # this rank's samples
             with _autocast(cfg):
-                logits = runner(**batch.features())
-            loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
+                logits = runner(**step_batch.features())
+            if runtime is None:
+                loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
+            else:  # world size x this rank's share of the global batch's loss
+                loss = runtime.loss(logits.float(), step_batch.labels, step_batch.label_mask)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if runtime is not None:
+                runtime.finish_gradients(cfg.grad_clip)
+            elif cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             for optimizer in optimizers:
                 optimizer.step()
-            loss_value = loss.item()  # the step's one device sync besides validation
+            # the step's one device sync besides validation
+            loss_value = loss.item() if runtime is None else runtime.global_loss(loss)
             elapsed = time.perf_counter() - start
             if step == start_step:
                 compile_time = elapsed
@@ -549,6 +619,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 raise ValueError(f"training diverged: the loss of step {step + 1} is {loss_value}")
             losses.append(loss_value)
             window_losses.append(loss_value)
+            if runtime is not None:  # the global batch's logits, in sample order
+                logits = runtime.gather_logits(logits)
             window.update(logits.detach().float(), batch.labels, batch.label_mask)
             useful_total += formula.train_flops(cpu_batch.seq_lengths, cfg.batch_size)
             # The measuring forward must not shift the RNG streams (bit-exact resume).
@@ -590,7 +662,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
         compile_time_s=compile_time,
         useful_flops_per_step=useful,
         padded_flops_per_step=padded,
-        mfu=mfu(useful * steps_per_s, device) if steps_run else None,
+        mfu=mfu(useful * steps_per_s / (1 if runtime is None else runtime.world), device) if steps_run else None,
         checkpoints=checkpoints,
         task_names=TASK_NAMES[:n_tasks],
     )
@@ -650,11 +722,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="print what gemcompile's passes rewrite before training (--compile gem)",
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
+    parser.add_argument("--mxfp8", choices=MXFP8_RECIPES, default=None, metavar="RECIPE",
+                        help="block-scaled FP8 GEMMs with this recipe (" + ", ".join(MXFP8_RECIPES)
+                        + "; --compile gem)")
+    parser.add_argument("--mxfp8-min-dim", type=int, default=None, metavar="N",
+                        help="with --mxfp8: quantize layers whose tokens, in and out features are all >= N "
+                        "(default: the pass's 16384 tokens / 2048 features)")
+    parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                        help="clip the global gradient norm (all meshes when --parallel)")
+    from gemcompile.runtime.parallel import add_parallel_arguments
+
+    add_parallel_arguments(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from parsed `gemcompile train` flags (ValueError on a bad value)."""
+    from gemcompile.runtime.parallel import parallel_config_from_args
+
     return TrainConfig(
         size=args.size,
         steps=args.steps,
@@ -674,6 +759,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         deterministic=args.deterministic,
         explain=args.explain,
         quiet=args.quiet,
+        mxfp8=args.mxfp8,
+        mxfp8_min_dim=args.mxfp8_min_dim,
+        grad_clip=getattr(args, "grad_clip", None),
+        parallel=parallel_config_from_args(args),
     )
 
 

@@ -154,6 +154,13 @@ def sdpa_block_and_window(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def hand_blhd_einsum_blocks(q, k, v, n, x):
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))  # the (B, L, H, D) layout
+    s = torch.einsum("bqhd,bkhd->bhqk", qb, kb) / math.sqrt(D)
+    s = s.masked_fill(~(blocks(16) & key_mask(n)[:, None, None, :]), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vb).transpose(1, 2)
+
+
 def sdpa_rope_half_positions(q, k, v, n, x):
     cos, sin = half_tables(position_angles())  # (L, D)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -218,14 +225,14 @@ def sdpa_block_query_rows_masked_after(q, k, v, n, x):
 # still rewritten (rotary "none" is always exact), the rotation is not fused.
 def rope_wrong_sign(q, k, v, n, x):
     cos, sin = half_tables(position_angles())
-    wrong = lambda t: torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1)  # noqa: E731  (x2, x1): no minus
+    wrong = lambda t: torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1)  # (x2, x1): the minus is missing
     q, k = rope(q, cos, sin, wrong), rope(k, cos, sin, wrong)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16) & key_mask(n)[:, None, None, :])
 
 
 def rope_wrong_split(q, k, v, n, x):
     cos, sin = half_tables(position_angles())
-    wrong = lambda t: torch.cat((-t[..., 6:], t[..., :6]), dim=-1)  # noqa: E731  split at 6, not D/2
+    wrong = lambda t: torch.cat((-t[..., 6:], t[..., :6]), dim=-1)  # split at 6, not at D/2
     q, k = rope(q, cos, sin, wrong), rope(k, cos, sin, wrong)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16) & key_mask(n)[:, None, None, :])
 
@@ -255,6 +262,7 @@ IDIOMS = {
     sdpa_window_tril_triu: (0, 5, True, "none"),
     hand_window_band_additive: (0, 2, False, "none"),
     sdpa_block_and_window: (16, 4, False, "none"),
+    hand_blhd_einsum_blocks: (16, -1, False, "none"),
     sdpa_rope_half_positions: (16, -1, False, "half"),
     sdpa_rope_half_slices_4d_tables: (0, 3, False, "half"),
     sdpa_rope_half_minus_spelling: (32, -1, False, "half"),
@@ -275,8 +283,8 @@ NOT_FUSED = {rope_wrong_sign: "neither rotate-half", rope_wrong_split: "neither 
 # rows i >= len[b] without an allowed key: eager's additive / finite-fill / -inf softmax gives an average or
 # NaN there, the kernel 0 (the documented exception); every other idiom is compared on every row
 ROWS_PAST_THE_LENGTH_DIFFER = {sdpa_block32_additive, hand_block64_div_floor_masked_fill, hand_block16_where_causal,
-                               hand_window_band_additive, hand_rope_interleaved_time_gaps}
-NO_EMPTY_ROWS = {hand_block64_div_floor_masked_fill, hand_rope_interleaved_time_gaps}
+                               hand_window_band_additive, hand_rope_interleaved_time_gaps, hand_blhd_einsum_blocks}
+NO_EMPTY_ROWS = {hand_block64_div_floor_masked_fill, hand_rope_interleaved_time_gaps, hand_blhd_einsum_blocks}
 
 
 def _inputs(idiom=None, seed=0):

@@ -5,7 +5,6 @@ different lengths."""
 
 import contextlib
 
-
 import torch
 from torch._dynamo.utils import counters
 

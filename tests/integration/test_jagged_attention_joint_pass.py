@@ -85,4 +85,5 @@ def test_the_default_pipeline_rewrites_pre_grad_first():
 
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
     report = explain(masked_fill_div, q, k, v, torch.tensor([L, 5, 1]))
-    assert report.counts == {"jagged_attention": 1, "gdpa": 0, "jagged_attention_joint": 0}
+    assert report.counts["jagged_attention"] == 1 and report.counts["jagged_attention_joint"] == 0
+    assert sum(report.counts.values()) == 1  # and no other pass took it

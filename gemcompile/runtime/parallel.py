@@ -1,0 +1,492 @@
+"""The plan runtime: apply a ParallelPlan to GEM-ref on torch.distributed and run its training step.
+
+    plan = plan_for_model(model, config.parallel, world_size)        # pure; errors before any collective
+    runtime = ParallelRuntime.setup(model, plan, device)              # meshes, sharding, FSDP
+    batch = runtime.local_batch(global_batch)                         # this rank's samples
+    loss, reported = runtime.loss(logits, labels, label_mask)         # normalized over the global batch
+    loss.backward(); runtime.finish_gradients(); runtime.clip_grad_norm_(max_norm)
+
+What it does to the model (in place; parameter names never change, so checkpoints move between
+world sizes and between parallel and single-process runs):
+- embedding tables -> ShardedTable modules with DTensor weights on the embedding mesh, looked up by
+  the all-to-all exchange of parallel_embedding.py (one fused exchange per owning module);
+- each expert group (Interaction) -> ExpertParallelMixture holding E / ep experts, whose FSDP unit
+  lives on the (dp_replicate, efsdp) mesh (parallel_experts.py);
+- dense weights -> ``fully_shard`` (FSDP2) per unit on the (dp_replicate, dp_shard) mesh = HSDP,
+  the tables and local experts ignored / managed by their own units.
+
+Gradient scale: each rank's share of the global masked mean is its masked sum over the global label
+count; each rank backpropagates world_size x its share, FSDP averages over its mesh, experts and
+table rows rescale their own gradients (see their modules), so every gradient equals the
+single-process gradient of the global batch (up to summation order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gemcompile.runtime.collectives import CollectiveCounter
+from gemcompile.runtime.parallel_embedding import (
+    EmbeddingGroups,
+    ShardedCollection,
+    ShardedTable,
+    install_prefetch,
+    shard_table_weight,
+)
+from gemcompile.runtime.parallel_experts import ExpertParallelMixture
+from gemcompile.runtime.parallel_plan import ParallelPlan, ParallelPlanError, _collection_of
+
+__all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
+
+
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """init_process_group from torchrun's environment (gloo on CPUs, NCCL on GPUs); (rank, world)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        kwargs = {}
+        if device == "cuda":
+            import os
+
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            kwargs["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend, **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class ParallelMeshes:
+    """The three meshes of the plan over one world (all ranks node-major)."""
+
+    dense: object
+    """DeviceMesh (dp_replicate, dp_shard)."""
+    expert: object
+    """DeviceMesh (dp_replicate, efsdp, ep)."""
+    embedding: object
+    """DeviceMesh (emb_outer, emb_inner)."""
+    world_group: object = None
+    """A group of all ranks of its own (loss normalization, gradient norm, metrics), so that the
+    counter tells it from a mesh axis that spans the world."""
+    axis_of_group: dict[str, str] = field(default_factory=dict)
+    """Process group name -> mesh axis (for CollectiveCounter)."""
+    single_rank_groups: set[str] = field(default_factory=set)
+
+    def counter(self) -> CollectiveCounter:
+        return CollectiveCounter(self.axis_of_group, self.single_rank_groups)
+
+
+def build_meshes(plan: ParallelPlan, device_type: str) -> ParallelMeshes:
+    """Create the meshes (collective: every rank calls this, in the same order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    a = plan.axes
+    world = dist.get_world_size()
+    if world != a.world_size:
+        raise ParallelPlanError(f"the plan is for world size {a.world_size}, torch.distributed runs {world}")
+    ranks = torch.arange(world)
+    dense = DeviceMesh(device_type, ranks.view(a.dp_replicate, a.dp_shard),
+                       mesh_dim_names=("dp_replicate", "dp_shard"))
+    expert = DeviceMesh(device_type, ranks.view(a.dp_replicate, a.efsdp, a.ep),
+                        mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    embedding = DeviceMesh(device_type, ranks.view(a.emb_outer, a.emb_inner),
+                           mesh_dim_names=("emb_outer", "emb_inner"))
+    meshes = ParallelMeshes(dense, expert, embedding, world_group=dist.new_group(list(range(world))))
+    for mesh in (dense, expert, embedding):
+        for axis in mesh.mesh_dim_names:
+            group = mesh.get_group(axis)
+            name = group.group_name
+            meshes.axis_of_group.setdefault(name, axis)
+            if mesh.size(mesh.mesh_dim_names.index(axis)) == 1:
+                meshes.single_rank_groups.add(name)
+    meshes.axis_of_group[meshes.world_group.group_name] = "world"
+    return meshes
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, module) if not name.isdigit() else parent.__setitem__(int(name), module)
+
+
+def _replication(grad: Tensor) -> int:
+    """Ranks holding an identical copy of this gradient shard (product of the Replicate mesh dims)."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return 1
+    mesh = grad.device_mesh
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_replicate())
+
+
+def grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None = None, group=None) -> Tensor:
+    """Total 2-norm of the gradients of parameters that live on different meshes (dense, expert,
+    embedding DTensors and plain tensors), with one scalar all-reduce over the world; scales the
+    gradients in place by min(1, max_norm / norm) when max_norm is given (clip_grad_norm_ semantics)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, t in zip(grads, local):
+        if t.numel():
+            total = total + t.detach().float().pow(2).sum() / _replication(g)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    norm = total.sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for t in local:
+            t.mul_(coef.to(t.dtype))
+    return norm
+
+
+class ParallelRuntime:
+    """A GEM-ref model with the plan applied, and the pieces of a parallel training step."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, device: torch.device):
+        self.model = model
+        self.plan = plan
+        self.meshes = meshes
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.collections: list[ShardedCollection] = []
+        self.fsdp_modules: list[nn.Module] = []
+        self.table_params: list[nn.Parameter] = []
+        self.expert_params: list[nn.Parameter] = []
+
+    # -- setup --------------------------------------------------------------------------------------
+    @classmethod
+    def setup(cls, model: nn.Module, plan: ParallelPlan, device: torch.device | str,
+              mp_policy=None) -> ParallelRuntime:
+        """Build the meshes and apply the plan to `model` (already on `device`, identically initialized
+        on every rank)."""
+        device = torch.device(device)
+        meshes = build_meshes(plan, device.type)
+        runtime = cls(model, plan, meshes, device)
+        runtime._shard_embeddings()
+        runtime._parallelize_experts(mp_policy)
+        runtime._shard_dense(mp_policy)
+        return runtime
+
+    def _embedding_groups(self) -> EmbeddingGroups:
+        mesh = self.meshes.embedding
+        return EmbeddingGroups(
+            outer_group=mesh.get_group("emb_outer"), inner_group=mesh.get_group("emb_inner"),
+            outer_size=mesh.size(0), inner_size=mesh.size(1),
+            outer_rank=mesh.get_local_rank("emb_outer"), inner_rank=mesh.get_local_rank("emb_inner"),
+            grid=self.plan.config.embedding_sharding == "grid", world_size=self.world)
+
+    def _shard_embeddings(self) -> None:
+        groups = self._embedding_groups()
+        for name in self.plan.embedding_collections:
+            owner = self.model.get_submodule(name) if name else self.model
+            tables = []
+            for p in self.plan.by_kind("embedding"):
+                if _collection_of(p.name) != name:
+                    continue
+                path = p.name.rpartition(".")[0]
+                source = self.model.get_submodule(path)
+                weight = shard_table_weight(source.weight, groups, self.meshes.embedding)
+                if isinstance(source, nn.EmbeddingBag) and source.mode != "sum":
+                    raise ParallelPlanError(f"{path}: only sum-pooled EmbeddingBags can be sharded, got "
+                                            f"mode={source.mode!r}")
+                table = ShardedTable(source, weight, pooled=isinstance(source, nn.EmbeddingBag))
+                _set_submodule(self.model, path, table)
+                tables.append(table)
+                self.table_params.append(weight)
+            collection = ShardedCollection(name, tables, groups)
+            collection.fused = install_prefetch(owner, collection)
+            self.collections.append(collection)
+
+    def _parallelize_experts(self, mp_policy) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.meshes.expert
+        ep_rank, ep_size = mesh.get_local_rank("ep"), mesh.size(2)
+        dp_mesh = mesh["dp_replicate", "efsdp"]
+        for group_path in self.plan.expert_groups:
+            parent_path, _, attr = group_path.rpartition(".")
+            parent = self.model.get_submodule(parent_path)
+            if attr != "experts" or not hasattr(parent, "gate"):
+                raise ParallelPlanError(f"expert group {group_path}: expert parallelism needs a module with "
+                                        "`experts` (ModuleList) and a per-sample `gate` (GEM-ref Interaction)")
+            mixture = ExpertParallelMixture(parent, ep_rank, ep_size, mesh.get_group("ep"))
+            _set_submodule(self.model, parent_path, mixture)
+            local = list(mixture.experts.values())
+            if dp_mesh.size() > 1:
+                kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+                self.fsdp_modules.append(fully_shard(local, mesh=dp_mesh, **kwargs))
+            # after fully_shard: FSDP replaces the parameters by sharded DTensor parameters
+            self.expert_params.extend(p for m in local for p in m.parameters())
+
+    def _shard_dense(self, mp_policy) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.meshes.dense
+        if mesh.size() == 1:
+            return
+        ignored = set(self.table_params)
+        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.expert_params):
+            ignored |= set(self.expert_params)  # experts not data parallel: each held by one rank
+        kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+        for unit in self.plan.dense_units:
+            module = self.model.get_submodule(unit) if unit else self.model
+            fully_shard(module, mesh=mesh, ignored_params=ignored, **kwargs)
+            self.fsdp_modules.append(module)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def local_batch(self, batch):
+        """This rank's contiguous slice of a global GemBatch (rank r: samples [r b, (r+1) b))."""
+        size = batch.batch_size
+        if size % self.world:
+            raise ValueError(f"batch size {size} is not divisible by the world size {self.world}: every rank "
+                             "needs the same number of samples")
+        b = size // self.world
+        return batch.select(torch.arange(self.rank * b, (self.rank + 1) * b, device=batch.dense.device))
+
+    def loss(self, logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
+        """The loss this rank backpropagates: world_size x its share of the global masked BCE mean (the
+        shares sum to masked_bce_loss of the global batch); one all-reduce of the label count."""
+        per_element = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+        mask = label_mask.to(logits.dtype)
+        count = mask.sum().detach().clone()
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.meshes.world_group)
+        return (per_element * mask).sum() * (self.world / count.clamp(min=1.0))
+
+    def global_loss(self, loss: Tensor) -> float:
+        """The global batch's loss from the ranks' `loss()` values (bookkeeping, outside the counted
+        step)."""
+        total = loss.detach().clone() / self.world
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.meshes.world_group)
+        return total.item()
+
+    def gather(self, *tensors: Tensor) -> list[Tensor]:
+        """Every rank's tensors concatenated in rank order (= global batch order), for metrics."""
+        out = []
+        for t in tensors:
+            buffer = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+            dist.all_gather_into_tensor(buffer, t.contiguous(), group=self.meshes.world_group)
+            out.append(buffer)
+        return out
+
+    def finish_gradients(self) -> None:
+        """After backward: the replicated-groups table gradients summed over emb_outer."""
+        for collection in self.collections:
+            collection.all_reduce_replicated_grads()
+
+    def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
+        """Gradient norm over all meshes (one scalar all-reduce); clips when max_norm is given."""
+        return grad_norm_(self.model.parameters(), max_norm, group=self.meshes.world_group)
+
+    def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
+        """runtime/train.py's split (Adam on dense weights, Adagrad on every embedding table, small
+        tables included), with one optimizer per mesh: a foreach step must not mix DTensors of different
+        meshes. Order: dense Adam, expert Adam, table-shard Adagrad, small-table Adagrad (empty ones
+        left out; the same list at every world size, so checkpoints load across world sizes)."""
+        tables = {id(p) for p in self.table_params}
+        experts = {id(p) for p in self.expert_params}
+        small = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+        groups: list[tuple[type, list[nn.Parameter], float]] = [
+            (torch.optim.Adam, [p for p in self.model.parameters()
+                                if id(p) not in tables | experts | small], lr),
+            (torch.optim.Adam, list(self.expert_params), lr),
+            (torch.optim.Adagrad, list(self.table_params), embedding_lr),
+            (torch.optim.Adagrad, [p for p in self.model.parameters() if id(p) in small], embedding_lr),
+        ]
+        return [cls(params, lr=rate) for cls, params, rate in groups if params]
+
+    def expected_collectives(self) -> dict[tuple[str, str], int]:
+        """The plan's collectives per step, keyed the way CollectiveCounter reports them: axes whose
+        process groups coincide (the same ranks, e.g. dp_shard, ep and emb_inner on one node of 2)
+        count under the name the counter gives their common group."""
+        m = self.meshes
+        mesh_of = {"dp_replicate": m.dense, "dp_shard": m.dense, "efsdp": m.expert, "ep": m.expert,
+                   "emb_outer": m.embedding, "emb_inner": m.embedding}
+        out: dict[tuple[str, str], int] = {}
+        for (op, axis), n in self.plan.collective_counts().items():
+            label = "world" if axis == "world" else m.axis_of_group[mesh_of[axis].get_group(axis).group_name]
+            out[(op, label)] = out.get((op, label), 0) + n
+        return out
+
+    def describe(self) -> str:
+        a = self.plan.axes
+        return (f"world {a.world_size}: dense (dp_replicate={a.dp_replicate}, dp_shard={a.dp_shard}), experts "
+                f"(ep={a.ep}, efsdp={a.efsdp}), embeddings {self.plan.config.embedding_sharding} "
+                f"(emb_outer={a.emb_outer}, emb_inner={a.emb_inner})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training under torchrun (runtime/train.py's loop calls these when TrainConfig.parallel is enabled)
+# ---------------------------------------------------------------------------------------------------
+
+
+def compile_units(runtime: ParallelRuntime, mode: str, gem_config=None, parallel=None) -> nn.Module:
+    """"eager": the model. "inductor" / "gem": each dense FSDP unit that looks no table up (the GEM layers,
+    the final summary, the heads) compiled in place (per-block compile, as torchtitan does); the embedding
+    exchanges (data-dependent all-to-all splits) and FSDP's hooks stay eager. Under "gem" each unit's
+    sharding pass annotates with the plan the runtime applied.
+
+    Known cost: the attention masks are built in GemRef.forward, outside the compiled layers, so the
+    attention passes see them as graph inputs and cannot prove them (they refuse, explain says why)."""
+    import dataclasses
+
+    model = runtime.model
+    if mode == "eager":
+        return model
+    owners = set(runtime.plan.embedding_collections)
+    for unit in runtime.plan.dense_units:
+        if not unit or unit in owners:
+            continue
+        if mode == "inductor":
+            backend = "inductor"
+        else:
+            from gemcompile.backend import GemBackend
+            from gemcompile.config import GemConfig
+            from gemcompile.passes import PIPELINE
+            from gemcompile.passes.sharding import ShardingPass
+
+            config = gem_config if gem_config is not None else GemConfig()
+            if parallel is not None:
+                config = dataclasses.replace(config, parallel=parallel)
+            passes = tuple(ShardingPass.bound(runtime.plan, unit) if p is ShardingPass else p for p in PIPELINE)
+            backend = GemBackend(config, passes=passes)
+        model.get_submodule(unit).compile(backend=backend)
+    return model
+
+
+class _MetaPaddedFlops:
+    """PaddedFlopCounter on a meta-device copy of the unsharded model (the sharded one would run
+    collectives inside FlopCounterMode)."""
+
+    def __init__(self, model_cfg) -> None:
+        from gemcompile.models.gem import GemRef
+        from gemcompile.runtime.flops import PaddedFlopCounter
+
+        with torch.device("meta"):
+            self.counter = PaddedFlopCounter(GemRef(model_cfg))
+
+    def train_flops(self, inputs) -> int:
+        def meta(v):
+            return [t.to("meta") for t in v] if isinstance(v, list) else v.to("meta")
+
+        return self.counter.train_flops({k: meta(v) for k, v in inputs.items()})
+
+
+class ParallelTraining:
+    """The parallel side of `gemcompile train --parallel`: process group, plan, sharded model, step."""
+
+    def __init__(self, cfg, plan_template: ParallelPlan) -> None:
+        self.cfg = cfg
+        self.template = plan_template
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.runtime: ParallelRuntime | None = None
+
+    @classmethod
+    def start(cls, cfg) -> ParallelTraining:
+        """Check the plan against GEM-ref (on the meta device) for torchrun's WORLD_SIZE, then join the
+        process group. Errors in the plan or the batch size are raised before any collective."""
+        import dataclasses
+        import os
+
+        from gemcompile.models.gem import GemRef, gem_ref_config
+
+        world = int(os.environ.get("WORLD_SIZE", "0") or 0) or (dist.get_world_size() if dist.is_initialized()
+                                                                else 0)
+        if world < 1:
+            raise ValueError("TrainConfig.parallel is enabled but this process was not started by torchrun "
+                             "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "
+                             "--parallel ...`")
+        if cfg.batch_size % world:
+            raise ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world size "
+                             f"{world}: batch_size is the global batch, split evenly over the ranks")
+        with torch.device("meta"):
+            template = GemRef(gem_ref_config(cfg.size))
+        from gemcompile.runtime.parallel_plan import plan_for_model
+
+        plan = plan_for_model(template, cfg.parallel, world)  # ParallelPlanError before any collective
+        init_distributed(cfg.device)
+        if dist.get_rank() != 0 and not cfg.quiet:
+            cfg = dataclasses.replace(cfg, quiet=True)
+        return cls(cfg, plan)
+
+    def apply(self, model: nn.Module) -> _MetaPaddedFlops:
+        from gemcompile.runtime.parallel_plan import plan_for_model
+
+        plan = plan_for_model(model, self.cfg.parallel, self.world)  # = the template's, on the real model
+        self.runtime = ParallelRuntime.setup(model, plan, self.device)
+        if not self.cfg.quiet:
+            from rich.console import Console
+
+            Console().print(f"parallel plan: {self.runtime.describe()}", highlight=False)
+        return _MetaPaddedFlops(model.cfg)
+
+    def compile(self, gem_config) -> nn.Module:
+        return compile_units(self.runtime, self.cfg.compile, gem_config, self.cfg.parallel)
+
+    def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
+        return self.runtime.build_optimizers(lr, embedding_lr)
+
+    def local_batch(self, batch):
+        return self.runtime.local_batch(batch)
+
+    def loss(self, logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
+        return self.runtime.loss(logits, labels, label_mask)
+
+    def finish_gradients(self, grad_clip: float | None) -> Tensor:
+        self.runtime.finish_gradients()
+        return self.runtime.clip_grad_norm_(grad_clip)
+
+    def global_loss(self, loss: Tensor) -> float:
+        return self.runtime.global_loss(loss)
+
+    def gather_logits(self, logits: Tensor) -> Tensor:
+        return self.runtime.gather(logits.detach().float())[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# `gemcompile train --parallel ...`
+# ---------------------------------------------------------------------------------------------------
+
+
+def add_parallel_arguments(parser) -> None:
+    """The --parallel flags of `gemcompile train` (sizes left out are derived from the world size)."""
+    group = parser.add_argument_group("parallel (run under torchrun)")
+    group.add_argument("--parallel", action="store_true",
+                       help="train with the 5D plan: one process per rank, started by torchrun")
+    for axis, what in (("dp-replicate", "replicas of the dense weights (across nodes)"),
+                       ("dp-shard", "FSDP shards of the dense weights (inside a node)"),
+                       ("ep", "expert-parallel ranks (divides dp-shard and the expert count)"),
+                       ("emb-outer", "embedding column groups / replica groups (across nodes)"),
+                       ("emb-inner", "embedding row shards (inside a node)"),
+                       ("gpus-per-node", "ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")):
+        group.add_argument(f"--{axis}", type=int, default=None, metavar="N", help=what)
+    group.add_argument("--embedding-sharding", choices=("grid", "replicated_groups"), default="grid",
+                       help="grid: tables fully sharded (columns x rows); replicated_groups: rows sharded, "
+                       "replicated over emb-outer")
+
+
+def parallel_config_from_args(args):
+    """ParallelConfig from the flags (None without --parallel); a flag given without --parallel is an
+    error."""
+    from gemcompile.config import ParallelConfig
+
+    names = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner", "gpus_per_node")
+    sizes = {n: getattr(args, n, None) for n in names}
+    sharding = getattr(args, "embedding_sharding", "grid")
+    if not getattr(args, "parallel", False):
+        given = [n for n, v in sizes.items() if v is not None] + (["embedding_sharding"] if sharding != "grid"
+                                                                   else [])
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --parallel")
+        return None
+    return ParallelConfig(enabled=True, embedding_sharding=sharding, **sizes)

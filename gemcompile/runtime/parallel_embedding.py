@@ -1,0 +1,287 @@
+"""2D-sharded embedding tables and their lookup by all-to-all of ids and outputs.
+
+Layout on the embedding mesh (emb_outer, emb_inner), rank (c, i):
+- "grid": columns [c * D/O, (c+1) * D/O) of rows [i * ceil(R/I), (i+1) * ceil(R/I)) of every sharded
+  table: placements (Shard(1), Shard(0)), every parameter byte on exactly one rank;
+- "replicated_groups": all columns of row range i, replicated over emb_outer ((Replicate(), Shard(0)),
+  TorchRec's 2D / DMPCollection layout); gradients are all-reduced over emb_outer after backward.
+
+The weights are DTensors with these placements (global shapes, so DCP reshards a checkpoint to another
+world size); the lookup works on the local shards. One fused exchange serves every lookup of a
+*collection* (the tables of one module, e.g. all sparse tables of NonSeqEmbedding, or the item table
+called once per sequence type). For rank (c, i) with its B samples and F lookups ("features"):
+
+1. ids all-gather over emb_outer (grid only): every column group needs every sample's ids; rank (c, i)
+   now serves the samples of ranks (*, i);
+2. padding ids dropped; each id goes to the row owner (i' = id // ceil(R/I)) of the inner group:
+   all-to-all of the counts, then of (position, local row, table) triples (row-wise bucketization);
+3. the owner looks its rows up in its local shard;
+4. outputs back over emb_inner by all-to-all: pooled partial sums per (sample, feature) for bags
+   (EmbeddingBag, mode "sum": fixed size), one row per id for sequences (nn.Embedding);
+5. outputs back over emb_outer by all-to-all (grid only): rank (c, i) returns columns c of the samples
+   of rank (c', i) to it; each rank concatenates the column groups.
+Backward runs 5 and 4 transposed (all-to-all); 1-3 move ids, which have no gradient. Row gradients are
+local to each shard: no gradient collective at all for "grid". Each rank backpropagates world_size x
+its share of the loss (so that FSDP's average is the global gradient, runtime/parallel.py), and the
+rows a shard serves carry the whole world's samples, so looked-up rows scale their gradient by
+1 / world_size.
+
+A table's module is replaced by a ShardedTable that holds the DTensor weight under the original name
+(``tables.3.weight``) and returns the output its collection prefetched in a forward pre-hook of the
+owning module. Modules without a known prefetch (``PREFETCH``) look each call up on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gemcompile.runtime.collectives import all_gather, all_to_all, scale_grad
+
+__all__ = ["PREFETCH", "EmbeddingGroups", "ShardedCollection", "ShardedTable", "shard_table_weight"]
+
+
+@dataclass(frozen=True)
+class EmbeddingGroups:
+    """The process groups and coordinates of this rank on the embedding mesh."""
+
+    outer_group: object
+    inner_group: object
+    outer_size: int
+    inner_size: int
+    outer_rank: int
+    inner_rank: int
+    grid: bool
+    """True: columns sharded over emb_outer; False: replicated groups."""
+    world_size: int = 1
+    """Ranks in the world: the gradient of looked-up rows is scaled by 1 / world_size."""
+
+
+def row_chunk(rows: int, shards: int) -> int:
+    """Rows per shard (torch.chunk / DTensor Shard semantics: ceil, the last shards may be short)."""
+    return -(-rows // shards)
+
+
+def shard_table_weight(weight: Tensor, groups: EmbeddingGroups, mesh) -> nn.Parameter:
+    """This rank's shard of a full table weight, as a DTensor parameter with the plan's placements."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    rows, dim = weight.shape
+    chunk = row_chunk(rows, groups.inner_size)
+    start = min(rows, groups.inner_rank * chunk)
+    stop = min(rows, start + chunk)
+    local = weight.detach()[start:stop]
+    if groups.grid:
+        cols = dim // groups.outer_size
+        local = local[:, groups.outer_rank * cols:(groups.outer_rank + 1) * cols]
+        placements = (Shard(1), Shard(0))
+    else:
+        placements = (Replicate(), Shard(0))
+    local = local.contiguous().clone()
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape,
+                            stride=weight.stride())
+    return nn.Parameter(dt, requires_grad=weight.requires_grad)
+
+
+class ShardedTable(nn.Module):
+    """Stands in for an nn.Embedding / nn.EmbeddingBag whose weight is sharded (see module docstring)."""
+
+    embedding_table = True
+    """Marks the weight as an embedding table for the optimizer split (Adagrad) in runtime/train.py."""
+
+    def __init__(self, source: nn.Module, weight: nn.Parameter, pooled: bool) -> None:
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = source.weight.shape
+        self.padding_idx = source.padding_idx
+        self.pooled = pooled
+        self.collection: ShardedCollection | None = None
+        self._pending: list[Tensor] = []
+
+    def forward(self, ids: Tensor, *args, **kwargs) -> Tensor:
+        if args or kwargs:
+            raise NotImplementedError("a sharded embedding takes padded ids only (no offsets / per-sample "
+                                      "weights)")
+        if self._pending:
+            out = self._pending.pop(0)
+            expected = (*ids.shape[:1], self.embedding_dim) if self.pooled else (*ids.shape, self.embedding_dim)
+            if tuple(out.shape) != expected:
+                raise RuntimeError(f"prefetched lookup of shape {tuple(out.shape)} does not fit ids of shape "
+                                   f"{tuple(ids.shape)}: the prefetch read the wrong input")
+            return out
+        assert self.collection is not None
+        return self.collection.lookup([(self, ids)])[0]
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {'pooled sum' if self.pooled else 'rows'}, "
+                f"padding_idx={self.padding_idx}")
+
+
+class ShardedCollection:
+    """The sharded tables of one module, looked up together in one exchange per call."""
+
+    def __init__(self, name: str, tables: Sequence[ShardedTable], groups: EmbeddingGroups) -> None:
+        self.name = name
+        self.tables = list(tables)
+        self.groups = groups
+        for t in self.tables:
+            t.collection = self
+        self.exchanges = 0
+        self.fused = False
+        """True when the owner's forward pre-hook prefetches all lookups in one exchange."""
+
+    def prefetch(self, features: Sequence[tuple[ShardedTable, Tensor]]) -> None:
+        """Look every (table, ids) up now; each table returns its outputs in call order."""
+        for table in self.tables:
+            table._pending.clear()
+        for pooled in (True, False):
+            group = [(t, ids) for t, ids in features if t.pooled == pooled]
+            if group:
+                for (table, _), out in zip(group, self.lookup(group)):
+                    table._pending.append(out)
+
+    def lookup(self, features: Sequence[tuple[ShardedTable, Tensor]]) -> list[Tensor]:
+        """Outputs of the lookups: (B, D) per pooled feature, (B, L, D) per sequence feature."""
+        g = self.groups
+        pooled = features[0][0].pooled
+        if any(t.pooled != pooled for t, _ in features):
+            raise ValueError("one exchange serves pooled or sequence lookups, not both")
+        tables = list(dict.fromkeys(t for t, _ in features))
+        dims = {t.embedding_dim for t in tables}
+        if len(dims) != 1:
+            raise ValueError(f"collection {self.name}: tables of one exchange need one dim, got {sorted(dims)}")
+        self.exchanges += 1
+        ids_list = [ids.reshape(ids.shape[0], -1) for _, ids in features]
+        b = ids_list[0].shape[0]
+        device = ids_list[0].device
+        widths = [x.shape[1] for x in ids_list]
+        total = sum(widths)
+        n_feat = len(features)
+        col_table = torch.cat([torch.full((w,), tables.index(t), dtype=torch.long, device=device)
+                               for (t, _), w in zip(features, widths)])
+        col_feature = torch.cat([torch.full((w,), f, dtype=torch.long, device=device)
+                                 for f, w in enumerate(widths)])
+        chunks = torch.tensor([row_chunk(t.num_embeddings, g.inner_size) for t in tables], device=device)
+        pads = torch.tensor([-1 if t.padding_idx is None else t.padding_idx for t in tables], device=device)
+
+        packed = torch.cat(ids_list, dim=1)  # (B, total)
+        if g.grid and g.outer_size > 1:
+            packed = all_gather(packed, g.outer_group)  # (O * B, total), block c' = rank (c', i)'s samples
+        s = packed.shape[0]
+        flat = packed.reshape(-1)
+        position = torch.arange(flat.numel(), device=device)
+        table_of = col_table.repeat(s)
+        keep = flat != pads[table_of]
+        position, ids, table_of = position[keep], flat[keep], table_of[keep]
+        owner = torch.div(ids, chunks[table_of], rounding_mode="floor")
+        local_row = ids - owner * chunks[table_of]
+
+        # 2. bucketize by row owner and exchange (position, local row, table)
+        if g.inner_size > 1:
+            order = torch.argsort(owner, stable=True)
+            send = torch.stack([position, local_row, table_of], dim=1)[order]
+            position_sent = position[order]
+            send_counts = torch.bincount(owner, minlength=g.inner_size)
+            recv_counts = all_to_all(send_counts, g.inner_group)
+            send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+            recv = all_to_all(send, g.inner_group, recv_splits, send_splits)
+        else:
+            position_sent = position
+            send_splits = recv_splits = [position.numel()]
+            recv = torch.stack([position, local_row, table_of], dim=1)
+        r_position, r_row, r_table = recv.unbind(1)
+
+        # 3. local lookup, grouped by table
+        rows = scale_grad(self._local_rows(tables, r_row, r_table), 1.0 / g.world_size)  # (n_recv, Dc)
+        dc = rows.shape[1]
+
+        # 4. back to the inner-group source ranks
+        if pooled:
+            source = torch.repeat_interleave(torch.arange(len(recv_splits), device=device),
+                                             torch.tensor(recv_splits, device=device))
+            bag = (source * s + torch.div(r_position, total, rounding_mode="floor")) * n_feat \
+                + col_feature[r_position % total]
+            partial = rows.new_zeros((len(recv_splits) * s * n_feat, dc)).index_add(0, bag, rows)
+            back = all_to_all(partial, g.inner_group) if g.inner_size > 1 else partial
+            out = back.view(-1, s, n_feat, dc).sum(0)  # (S, F, Dc): summed over the row owners
+        else:
+            back = all_to_all(rows, g.inner_group, send_splits, recv_splits) if g.inner_size > 1 else rows
+            out = rows.new_zeros((s * total, dc)).index_add(0, position_sent, back).view(s, total, dc)
+
+        # 5. columns back to the samples' ranks (grid)
+        if g.grid and g.outer_size > 1:
+            out = all_to_all(out.reshape(g.outer_size * b, -1), g.outer_group)  # block c'' = column group c''
+            out = out.view(g.outer_size, b, -1, dc).permute(1, 2, 0, 3).reshape(b, -1, g.outer_size * dc)
+        if pooled:
+            return [out[:, f] for f in range(n_feat)]
+        return [piece.view(*ids.shape, -1) for piece, (_, ids) in zip(out.split(widths, dim=1), features)]
+
+    @staticmethod
+    def _local_rows(tables: Sequence[ShardedTable], r_row: Tensor, r_table: Tensor) -> Tensor:
+        weights = [t.weight.to_local() for t in tables]
+        if len(tables) == 1:
+            return F.embedding(r_row, weights[0])
+        order = torch.argsort(r_table, stable=True)
+        counts = torch.bincount(r_table, minlength=len(tables)).tolist()
+        parts = [F.embedding(rows, w) for rows, w in zip(r_row[order].split(counts), weights)]
+        sorted_rows = torch.cat(parts)
+        return sorted_rows.new_zeros(sorted_rows.shape).index_add(0, order, sorted_rows)
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Replicated groups: sum the gradients of the row shards over emb_outer (the replicas)."""
+        g = self.groups
+        if g.grid or g.outer_size == 1:
+            return
+        for t in self.tables:
+            grad = t.weight.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=g.outer_group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused lookups per owning module: which of its forward inputs feed which table
+# ---------------------------------------------------------------------------------------------------
+
+
+def _nonseq_features(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[ShardedTable, Tensor]]:
+    sparse_ids = kwargs["sparse_ids"] if "sparse_ids" in kwargs else args[0]  # (B, n_tables, max_hot)
+    return [(table, sparse_ids[:, t]) for t, table in enumerate(module.tables) if isinstance(table, ShardedTable)]
+
+
+def _seq_features(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[ShardedTable, Tensor]]:
+    seq_items = kwargs["seq_items"] if "seq_items" in kwargs else args[0]  # [(B, N_k)]
+    if not isinstance(module.item, ShardedTable):
+        return []
+    return [(module.item, items) for items in seq_items]
+
+
+PREFETCH: dict[str, Callable[[nn.Module, tuple, dict], list[tuple[ShardedTable, Tensor]]]] = {
+    "NonSeqEmbedding": _nonseq_features,
+    "SeqEmbedding": _seq_features,
+}
+"""Class name of a module owning sharded tables -> the (table, ids) lookups of one forward, in call
+order (GEM-ref's two embedding modules). Other owners fall back to one exchange per table call."""
+
+
+def install_prefetch(owner: nn.Module, collection: ShardedCollection) -> bool:
+    """Register the fused lookup as a forward pre-hook of `owner`; False if its class is unknown."""
+    features_of = PREFETCH.get(type(owner).__name__)
+    if features_of is None:
+        for cls in type(owner).__mro__:  # FSDP wraps the class in a subclass
+            features_of = PREFETCH.get(cls.__name__)
+            if features_of is not None:
+                break
+    if features_of is None:
+        return False
+
+    def hook(module, args, kwargs):
+        collection.prefetch(features_of(module, args, kwargs))
+
+    owner.register_forward_pre_hook(hook, with_kwargs=True)
+    return True

@@ -1,0 +1,117 @@
+"""The 5D plan trains GEM-ref tiny under torchrun on gloo (CPU) like one process does.
+
+Each run trains 5 steps of the same global batch (16 samples) from the same initialization; the losses
+must equal single-process training within LOSS_TOL (float32; observed differences are ~3e-8, summation
+order). World 2 = one node of 2 (dp_shard, ep, emb_inner = 2); world 4 = 2 nodes of 2 (every axis 2:
+dp_replicate, dp_shard, ep, emb_outer, emb_inner), grid embeddings and, separately, replicated groups
+with experts FSDP-sharded over efsdp = 2. A checkpoint saved at world 4 resumes at world 2. One step's
+collectives per (op, axis) equal the plan's. Eager mode, except one compiled case (gem_compile of each GEM layer under the plan, world 2), which
+takes ~5 minutes on 2 shared cores and runs only with GEMCOMPILE_SLOW_TESTS=1.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemcompile.runtime.checkpoint import checkpoint_path
+from gemcompile.runtime.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
+STEPS, BATCH = 5, 16
+LOSS_TOL = 1e-5
+"""Absolute tolerance on each step's loss against single-process training."""
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+
+
+def _run(tmp_path: Path, nproc: int, spec: dict, name: str, timeout: int = 240) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = _torchrun(nproc, [str(WORKER), str(out), json.dumps(spec)], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process losses: plain, and with gradient clipping."""
+    plain = train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, quiet=True)).losses
+    clipped = train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, quiet=True, grad_clip=0.5)).losses
+    return {"plain": plain, "clipped": clipped}
+
+
+def _assert_close(losses, expected):
+    assert len(losses) == len(expected)
+    for step, (a, b) in enumerate(zip(losses, expected), 1):
+        assert abs(a - b) <= LOSS_TOL, f"step {step}: parallel {a} vs single process {b}"
+
+
+def test_world_2_matches_single_process_with_clipping(tmp_path, reference):
+    run = _run(tmp_path, 2, {"steps": STEPS, "batch_size": BATCH, "grad_clip": 0.5, "count": True}, "w2")
+    _assert_close(run["losses"], reference["clipped"])
+    assert run["observed"] == run["expected"]
+    # one node of 2: dp_shard, ep and emb_inner are the same two ranks, counted under one group
+    assert run["observed"]["all_to_all@dp_shard"] == 8 and run["observed"]["all_reduce@world"] == 2
+
+
+def test_world_4_grid_matches_and_resumes_at_world_2(tmp_path, reference):
+    saved = tmp_path / "saved"
+    spec = {"steps": STEPS, "batch_size": BATCH, "checkpoint_dir": str(saved), "save_every": 3, "count": True,
+            "parallel": {"gpus_per_node": 2}}
+    run = _run(tmp_path, 4, spec, "w4")
+    _assert_close(run["losses"], reference["plain"])
+    assert run["observed"] == run["expected"]
+    assert {"all_to_all@emb_outer", "all_gather@emb_outer", "all_reduce@dp_replicate", "all_gather@ep"} <= set(
+        run["observed"])
+    # resume the step-3 checkpoint of world 4 at world 2 (DCP reshards the DTensors)
+    resumed_dir = tmp_path / "resume"
+    shutil.copytree(checkpoint_path(saved, 3), checkpoint_path(resumed_dir, 3))
+    resumed = _run(tmp_path, 2, {"steps": STEPS, "batch_size": BATCH, "checkpoint_dir": str(resumed_dir),
+                                 "resume": True}, "w2-resumed")
+    assert resumed["start_step"] == 3
+    _assert_close(resumed["losses"], reference["plain"])
+
+
+def test_world_4_replicated_groups_and_expert_fsdp(tmp_path, reference):
+    spec = {"steps": STEPS, "batch_size": BATCH, "count": True,
+            "parallel": {"dp_replicate": 1, "dp_shard": 4, "ep": 2, "emb_outer": 2, "emb_inner": 2,
+                         "embedding_sharding": "replicated_groups"}}
+    run = _run(tmp_path, 4, spec, "w4-replicated")
+    _assert_close(run["losses"], reference["plain"])
+    assert run["observed"] == run["expected"]
+    assert run["observed"]["all_reduce@emb_outer"] == 5  # one per table (4 sparse + item)
+    assert run["observed"]["all_gather@efsdp"] == 4  # the local experts' FSDP unit, per layer
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("GEMCOMPILE_SLOW_TESTS"),
+                    reason="compiling GEM-ref tiny in two processes takes ~5 minutes on 2 CPU cores; set "
+                    "GEMCOMPILE_SLOW_TESTS=1")
+def test_world_2_gem_compile_matches_eager(tmp_path, reference):
+    run = _run(tmp_path, 2, {"steps": 3, "batch_size": BATCH, "compile": "gem"}, "w2-gem", timeout=900)
+    for a, b in zip(run["losses"], reference["plain"][:3]):
+        assert abs(a - b) <= 1e-4
+    assert run["pass_counts"]["sharding"] > 0  # each compiled layer annotated with the runtime's plan
+
+
+def test_bad_plan_fails_before_any_collective():
+    proc = _torchrun(2, ["-m", "gemcompile.cli", "train", "--parallel", "--ep", "4", "--steps", "1",
+                         "--batch-size", "16"], timeout=120)
+    assert proc.returncode != 0
+    assert "gemcompile train: error: ep=4 does not divide dp_shard=2" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("gemcompile train: error")[0]
