@@ -14,6 +14,8 @@ def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disable", action="append", default=[], metavar="PASS",
                         help="turn a pass off (repeatable), e.g. --disable jagged_attention")
+    parser.add_argument("--enable", action="append", default=[], metavar="PASS",
+                        help="turn on a pass that is off by default (repeatable), e.g. --enable mxfp8")
     parser.add_argument("--graphs", action="store_true", help="also print the Dynamo graph after the passes")
     parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
 
@@ -28,10 +30,11 @@ def run_explain(args: argparse.Namespace) -> int:
 
     sections = {}
     valid = [name for name in GemConfig.__dataclass_fields__ if name != "chain_existing_passes"]
-    for name in args.disable:
-        if name not in valid:
-            raise ValueError(f"--disable {name}: unknown pass; passes: {', '.join(valid)}")
-        sections[name] = {"enabled": False}
+    for flag, names, enabled in (("--disable", args.disable, False), ("--enable", args.enable, True)):
+        for name in names:
+            if name not in valid:
+                raise ValueError(f"{flag} {name}: unknown pass; passes: {', '.join(valid)}")
+            sections[name] = {"enabled": enabled}
     config = GemConfig(**sections)
     model_config = gem_ref_config(args.size)
     torch.manual_seed(args.seed)

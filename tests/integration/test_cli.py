@@ -26,3 +26,13 @@ def test_explain_rejects_an_unknown_pass(capsys):
     assert main(["explain", "--size", "tiny", "--disable", "jaged_attention"]) == 2
     err = capsys.readouterr().err
     assert "unknown pass" in err and "jagged_attention" in err and "Traceback" not in err
+
+
+def test_explain_with_a_default_off_pass_enabled(capsys):
+    """--enable mxfp8: the post-grad pass reports every GEMM of GEM-ref (tiny: all below the size gates)."""
+    assert main(["explain", "--size", "tiny", "--enable", "mxfp8", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("│ mxfp8"))
+    assert "yes" in row and int(row.split("│")[-2]) > 0  # refusals, each a GEMM with its reason
+    assert "below" in out or "min" in out
+    assert main(["explain", "--size", "tiny", "--enable", "mxfp9"]) == 2
