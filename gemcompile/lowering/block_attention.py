@@ -52,11 +52,11 @@ from .block_attention_flops import (
     padded_block_attention_pairs,
 )
 from .block_attention_reference import ROTARY_MODES, reference_backward, reference_forward
+from .jagged_attention import _lse_dtype  # (one rule for the log-sum-exp dtype of both attention ops)
 
 __all__ = ["block_attention", "check_block_attention_args", "kernel_supports"]
 
 _LIB = torch.library.Library("gemcompile", "FRAGMENT")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _triton():
@@ -108,19 +108,7 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
 
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}"
-            )
-    if q.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    checks._check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"q, k and v must have one shape (B, H, L, D) (self-attention), got q {tuple(q.shape)}, "
@@ -172,10 +160,6 @@ def _use_triton(q: Tensor, block: int, window: int) -> bool:
         and q.dtype != torch.float64
         and kernel_supports(block, window, q.shape[-1]) is None
     )
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------------

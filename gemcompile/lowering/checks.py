@@ -91,6 +91,22 @@ def _check_index_vector(name: str, t, size: int, size_text: str, device: torch.d
 
 
 def _check_qkv(q, k, v, layout_rank: int, layout_text: str) -> None:
+    _check_qkv_tensors(q, k, v, layout_rank, layout_text)
+    D = q.shape[-1]
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(
+            f"q, k and v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+        )
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"head dim {D} is not supported by the jagged attention kernel (valid: {MIN_HEAD_DIM} <= D <= "
+            f"{MAX_HEAD_DIM})"
+        )
+
+
+def _check_qkv_tensors(q, k, v, layout_rank: int, layout_text: str) -> None:
+    """q, k, v are tensors of the layout's rank, one float dtype, on one device (no head-dim rule: ops
+    that fall back to their reference for other head dims check only this)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -102,16 +118,6 @@ def _check_qkv(q, k, v, layout_rank: int, layout_text: str) -> None:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    D = q.shape[-1]
-    if k.shape[-1] != D or v.shape[-1] != D:
-        raise ValueError(
-            f"q, k and v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
-        )
-    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
-        raise ValueError(
-            f"head dim {D} is not supported by the jagged attention kernel (valid: {MIN_HEAD_DIM} <= D <= "
-            f"{MAX_HEAD_DIM})"
-        )
 
 
 def _check_flags(causal, scale) -> None:
