@@ -25,8 +25,8 @@ def run_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gemcompile import GemConfig, explain
-    from gemcompile.models.gem import GemRef, gem_ref_config
     from gemcompile.models.data import SyntheticData
+    from gemcompile.models.gem import GemRef, gem_ref_config
 
     sections = {}
     valid = [name for name in GemConfig.__dataclass_fields__ if name != "chain_existing_passes"]
@@ -52,9 +52,40 @@ def run_explain(args: argparse.Namespace) -> int:
     console.print(f"[bold]GEM-ref {args.size}[/bold]: batch {args.batch_size}, fill {args.fill}, "
                   f"padding efficiency {batch.padding_efficiency():.2f}")
     console.print(report)
+    savings = unpad_savings_table(report, batch.seq_lengths)
+    if savings is not None:
+        console.print(savings)
     if args.graphs and report.graph_after is not None:
         console.print(report.graph_after.code, markup=False, highlight=False)
     return 0
+
+
+def unpad_savings_table(report, seq_lengths):
+    """A rich Table: for each unpad region, the GEMM FLOPs one training step skips at this batch's lengths
+    (6 x MACs per token x padding tokens: forward, and the backward's two GEMMs per forward GEMM)."""
+    import re
+
+    from rich.table import Table
+
+    rewrites = [r for r in report.rewrites if r.pass_name == "unpad" and r.metrics]
+    if not rewrites:
+        return None
+    table = Table(title="unpad: GEMM FLOPs skipped per training step at this batch", title_justify="left")
+    for col in ("region (lengths)", "B x N", "valid tokens T", "MACs/token", "FLOPs saved/step", "of region's"):
+        table.add_column(col, justify="left" if col.startswith("region") else "right")
+    for r in rewrites:
+        m = r.metrics
+        found = re.search(r"seq_lengths_(\d+)_", m["lengths"])
+        k = int(found.group(1)) if found else None
+        if k is None or k >= len(seq_lengths):
+            table.add_row(m["lengths"], f"{m['batch']} x {m['seq']}", "?", str(m["macs_per_token"]), "?", "?")
+            continue
+        padded = m["batch"] * m["seq"]
+        valid = int(seq_lengths[k].clamp(0, m["seq"]).sum())
+        saved = 6 * m["macs_per_token"] * (padded - valid)
+        table.add_row(m["lengths"], f"{m['batch']} x {m['seq']}", f"{valid} ({valid / padded:.0%})",
+                      f"{m['macs_per_token']:,}", f"{saved / 1e9:,.3f} GFLOP", f"{(padded - valid) / padded:.0%}")
+    return table
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:

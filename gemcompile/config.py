@@ -138,6 +138,29 @@ class BlockAttentionConfig:
         _check_types(self)
 
 
+@config_section
+class UnpadConfig:
+    """Token-wise regions of padded sequences (projections, norms, FFN) run on packed tokens (pre-grad)."""
+
+    enabled: bool = True
+    """Pack each provable token-wise region between a length mask's entry and exit points."""
+
+    min_gemms: int = 1
+    """Leave a region with fewer linear layers than this padded: its gathers and scatters would cost
+    more than the padding rows it skips."""
+
+    expected_fill: float = 0.5
+    """The share of valid tokens Inductor tunes packed kernels for (its size hint for T = B * N * this);
+    any fill runs correctly and nothing recompiles, only kernel choices depend on it."""
+
+    def __post_init__(self):
+        _check_types(self)
+        if not 0.0 < self.expected_fill <= 1.0:
+            raise ConfigError(f"UnpadConfig.expected_fill = {self.expected_fill} is invalid: expected (0, 1]")
+        if self.min_gemms < 0:
+            raise ConfigError(f"UnpadConfig.min_gemms = {self.min_gemms} is invalid: expected >= 0")
+
+
 MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
 MXFP8_SCALE_RULES = ("floor", "rceil")
 MXFP8_DEFAULT_EXCLUDE = ("*embed*", "*norm*", "*softmax*", "*router*", "*loss*", "*tower*", "*head",
@@ -313,6 +336,9 @@ class GemConfig:
 
     block_attention: BlockAttentionConfig = field(default_factory=BlockAttentionConfig)
     """Block-diagonal / sliding-window attention (with fused RoPE) -> the block-attention kernel (pre-grad)."""
+
+    unpad: UnpadConfig = field(default_factory=UnpadConfig)
+    """Token-wise regions of padded sequences -> packed tokens, so GEMMs skip padding (pre-grad)."""
 
     mxfp8: Mxfp8Config = field(default_factory=Mxfp8Config)
     """FP8 block-scaled GEMMs in the forward and backward graphs (post-grad)."""

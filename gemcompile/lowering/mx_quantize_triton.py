@@ -954,7 +954,9 @@ def _bench(argv=None) -> None:
     parser.add_argument("--N", type=int, default=4096, help="rows of W")
     parser.add_argument("--rule", default="rceil", choices=_RULES)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--json", default=None, help="also write the timings to this JSON file")
     args = parser.parse_args(argv)
+    rows = []
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -986,10 +988,24 @@ def _bench(argv=None) -> None:
                 torch.cuda.synchronize()
                 ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
                 print(f"  {name:32s} {impl:4s} {ms:8.3f} ms {nbytes / ms / 1e6:7.0f} GB/s", flush=True)
-            print(f"  {'':32s} same bytes: {_same_outputs(outs['old'], outs['tile'])}", flush=True)
+                rows.append({"case": name, "impl": impl, "ms": ms, "GB_per_s": nbytes / ms / 1e6})
+            same = _same_outputs(outs['old'], outs['tile'])
+            print(f"  {'':32s} same bytes: {same}", flush=True)
+            for row in rows[-2:]:
+                row["same_bytes_as_other_impl"] = same
             del outs
         for kernel in (_tile_kernel, _block_kernel):
             print(f"  last autotune pick of {kernel.fn.__name__}: {getattr(kernel, 'best_config', None)}")
+        if args.json:
+            import json
+            import sys
+
+            payload = {"command": "python -m gemcompile.lowering.mx_quantize_triton " + " ".join(sys.argv[1:]),
+                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "shape": {"M": M, "K": K, "N": N}, "dtype": args.dtype,
+                       "rule": rule, "results": rows}
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=1)
     finally:
         if before is None:
             os.environ.pop("GEMCOMPILE_DUAL_QUANT_IMPL", None)

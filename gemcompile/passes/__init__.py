@@ -12,15 +12,17 @@ from gemcompile.passes.jagged_attention import JaggedAttentionPass
 from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
+from gemcompile.passes.unpad import UnpadPass
 
 PIPELINE: tuple[type[GemPass], ...] = (
     ShardingPass,  # pre_grad: each parameter's mesh and DTensor placements -> node.meta["custom"] (no rewrite)
     BlockAttentionPass,  # pre_grad: block-diagonal / windowed attention (+ RoPE) -> gemcompile::block_attention
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
     GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
+    UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
 )
 """The default passes, in order."""
 
-__all__ = ["PIPELINE", "STAGES", "GemPass", "PassManager", "Stage"]
+__all__ = ["PIPELINE", "STAGES", "GemPass", "PassManager", "Stage", "UnpadPass"]

@@ -99,7 +99,7 @@ class GemPass(CustomGraphPass):
 
     # -- reporting -----------------------------------------------------------------------------
     def rewrote(self, anchor: fx.Node, before: Iterable[fx.Node] | str, after: Iterable[fx.Node] | str,
-                detail: str = "") -> None:
+                detail: str = "", metrics: dict | None = None) -> None:
         """Report one rewrite. Call with the matched nodes *before* erasing them (or their text)."""
         counters["gemcompile"][self.name] += 1
         target = active_log()
@@ -112,6 +112,7 @@ class GemPass(CustomGraphPass):
                     before=before if isinstance(before, str) else describe_nodes(before),
                     after=after if isinstance(after, str) else describe_nodes(after),
                     detail=detail,
+                    metrics=dict(metrics or {}),
                 )
             )
         log.debug("%s rewrote %s", self.name, anchor)

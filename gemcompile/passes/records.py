@@ -105,6 +105,8 @@ class Rewrite:
     before: str
     after: str
     detail: str = ""
+    metrics: dict = field(default_factory=dict, compare=False, hash=False)
+    """Numbers a pass reports with the rewrite (e.g. unpad's MACs per padding token), for tools."""
 
 
 @dataclass(frozen=True)

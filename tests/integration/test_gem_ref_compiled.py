@@ -1,7 +1,7 @@
 """gem_compile on GEM-ref tiny: the same outputs and gradients as eager (CPU, float32), with its PMA
 attention rewritten to the jagged kernel, its GDPA cross-attention to the GDPA kernel, its block
-self-attention to the block-attention kernel with RoPE fused, and no recompiles across batches of
-different lengths."""
+self-attention to the block-attention kernel with RoPE fused, each sequence's token-wise layers run on
+packed tokens (unpad), and no recompiles across 20 batches of different lengths."""
 
 import contextlib
 
@@ -33,7 +33,7 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     counters.clear()
     log = PassLog()
     compiled = gem_compile(model)
-    for step in range(3):  # different lengths every step (zero and full lengths among them)
+    for step in range(20):  # different lengths every step (zero and full lengths among them)
         batch = data.batch(step)
         lengths = torch.cat(batch.seq_lengths)
         assert step > 0 or (lengths == 0).any()
@@ -57,3 +57,9 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     assert len(block_rewrites) == n_block
     for r in block_rewrites:
         assert f"block={config.block_size} window=-1 causal=False; rotary half fused" in r.detail, r.detail
+    # one packed region per sequence type: embeddings, every layer's projections, norms and FFN
+    unpad = [r for r in log.rewrites if r.pass_name == "unpad"]
+    assert len(unpad) == config.n_seq == counters["gemcompile"]["unpad"]
+    assert sorted(r.metrics["seq"] for r in unpad) == sorted(config.seq_max_lens)
+    for r in unpad:
+        assert r.metrics["gemms"] >= 1 + config.n_layers * 4, r.detail  # input proj + per layer q/out/up/down

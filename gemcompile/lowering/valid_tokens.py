@@ -1,0 +1,74 @@
+"""gemcompile::valid_token_index: where the valid tokens of a padded batch are, as flat row indices.
+
+The unpad pass packs a token-wise region of a padded model: ``packed = x[index // N, index % N]`` and
+back ``zeros(B, N, ...).index_put((index // N, index % N), packed)``. ``index`` lists the positions
+``b * N + n`` with ``n < lengths[b]`` in row-major order, which is exactly the jagged order.
+
+Its length T = sum(clamp(lengths, 0, N)) changes with every batch. Under torch.compile it is an unbacked
+SymInt (the fake implementation allocates one), so one compiled graph serves every T with no recompile:
+Inductor sizes the packed kernels at run time. The price is one device-to-host read of T per call (the
+index's size must be known to allocate it), the same as ``torch.nonzero``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_LIB = torch.library.Library("gemcompile", "FRAGMENT")
+_LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
+
+
+def _check(lengths: Tensor, max_len) -> None:
+    if lengths.dim() != 1:
+        raise ValueError(f"valid_token_index: lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"valid_token_index: lengths must be an integer tensor, got {lengths.dtype}")
+    if isinstance(max_len, int) and max_len < 0:
+        raise ValueError(f"valid_token_index: max_len must be >= 0, got {max_len}")
+
+
+def valid_token_index_reference(lengths: Tensor, max_len: int) -> Tensor:
+    """int64 (T,) flat positions b * max_len + n of the tokens with n < lengths[b], in row-major order."""
+    _check(lengths, max_len)
+    valid = torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+    return valid.flatten().nonzero().squeeze(1)
+
+
+@torch.library.impl(_LIB, "valid_token_index", "CompositeExplicitAutograd")
+def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
+    return valid_token_index_reference(lengths, max_len)
+
+
+@torch.library.register_fake("gemcompile::valid_token_index")
+def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Tensor:
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    _check(lengths, max_len)
+    if not is_fake(lengths):
+        # plain meta tensors hold no lengths: a shape-only run (explain on the meta device) sees every row
+        return lengths.new_empty((lengths.shape[0] * max_len,), dtype=torch.int64)
+    ctx = torch.library.get_ctx()
+    # ctx.new_dynamic_size() insists on the shape env's capture_dynamic_output_shape_ops flag, which Dynamo
+    # leaves off by default; the size is data-dependent either way, so allocate the unbacked SymInt directly.
+    shape_env = getattr(ctx, "_shape_env", None)
+    if shape_env is None:
+        raise RuntimeError("valid_token_index needs a shape environment to trace (its size depends on the data)")
+    count = shape_env.create_unbacked_symint()
+    bound = lengths.shape[0] * max_len
+    _constrain_range_for_size(count, min=0, max=bound if isinstance(bound, int) else None)
+    # Without a hint Inductor will not split a reduction over the packed rows (a bias or norm-weight
+    # gradient sums T rows): one program per column walks all T, ~4x slower on the H200. The hint only
+    # tunes kernels; any T runs correctly. (torch builds without the override table just skip it.)
+    overrides = getattr(shape_env, "var_to_hint_override", None)
+    if size_hint > 0 and isinstance(overrides, dict):
+        overrides[count.node.expr] = size_hint
+    return lengths.new_empty((count,), dtype=torch.int64)
+
+
+def valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
+    """Flat row-major positions (int64, (T,)) of the tokens n < lengths[b] of a (B, max_len) padded batch.
+
+    ``size_hint`` is the expected T, for compilers only (Inductor sizes reductions over T with it)."""
+    return torch.ops.gemcompile.valid_token_index(lengths, max_len, size_hint)

@@ -1,0 +1,555 @@
+"""UnpadPass: run the token-wise region of a padded sequence on packed tokens, so GEMMs skip padding.
+
+A padded model computes its projections, norms and token FFNs on B x N rows, a (1 - fill) share of them
+padding. This pass finds, for each length mask ``arange(N) < lengths[:, None]``, the connected region
+of token-wise ops over its (B, N) rows (token_wise.py has the table) and rewrites the region onto the
+packed (T, ...) layout:
+
+    index = gemcompile.valid_token_index(lengths, N)      # (T,), T = valid tokens, data-dependent
+    b, n = index // N, index % N
+    entry:  x_packed = x[b, n]                            # one gather per tensor entering the region
+    inside: the same ops on (T, ...) rows
+    exit:   zeros(B, N, ...).index_put((b, n), y_packed)  # one scatter per tensor leaving it
+
+Why it is exact. Packing commutes with a token-wise op, so every packed value holds exactly the valid
+rows of the padded one. What packing loses is the padded rows: an exit writes zeros there. An exit is
+therefore allowed only where that cannot change the answer, proven by one of two analyses:
+- *pad-zero*: the value is zero at every padded row in the eager model too (a product with the mask,
+  sums of such values, a bias-free linear or a zero-preserving activation of one);
+- *pad-blind*: every reader ignores the padded rows (a product with the mask; the keys and values of
+  a gemcompile attention op with these lengths; a token-wise op or attention query whose own result
+  is pad-blind, through views and transposes).
+A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.
+
+T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
+so one compiled graph serves every batch (no recompiles, no capacity to overflow, no rows wasted on a
+bucket's slack). The price is one device-to-host read of T per region per step, measured in the
+unpad benchmark. A capacity would need T on the host just the same (to pick the bucket) and would
+recompile once per bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_map
+
+import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
+from gemcompile.passes.base import GemPass
+from gemcompile.passes.mask_provenance import (
+    MaskEvaluator,
+    Unproven,
+    classify_length_mask,
+    example_value,
+    keep_predicate,
+)
+from gemcompile.passes.rewrite_utils import erase_dead
+from gemcompile.passes.token_wise import (
+    TokenWise,
+    classify,
+    dtype_of,
+    has_rows,
+    op_name,
+    same_size,
+    shape_of,
+    zero_preserving,
+)
+
+# gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
+# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b].
+ATTENTION_ARGS: dict[str, dict[str, int | None]] = {
+    "block_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": None, "kv_lengths": 3},
+    "gdpa": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
+    "jagged_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
+}
+ATTENTION_ROWS = (0, 2)
+"""(B, H, N, D): the batch and sequence dims of an attention op's q, k, v and output."""
+
+
+@dataclass(frozen=True)
+class LengthMask:
+    """valid[b, n] = n < lengths[b] + offset over (batch, seq) rows."""
+
+    lengths: fx.Node
+    offset: int
+    batch: Any
+    seq: Any
+
+    def same(self, other: LengthMask | None) -> bool:
+        return (other is not None and other.lengths is self.lengths and other.offset == self.offset
+                and same_size(other.batch, self.batch) and same_size(other.seq, self.seq))
+
+
+@dataclass
+class Region:
+    """The nodes of one length mask's token-wise region that run packed."""
+
+    mask: LengthMask
+    nodes: list[fx.Node]
+    rules: dict[fx.Node, TokenWise]
+    stays_padded: dict[fx.Node, str] = field(default_factory=dict)
+
+
+def _attention_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+            target.namespace == "gemcompile":
+        name = target.overloadpacket.__name__
+        return name if name in ATTENTION_ARGS else None
+    return None
+
+
+def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
+    """(lengths, offset) when ``arg`` is lengths, or clamp(lengths [+ offset], 0, seq) as the passes emit."""
+    if not isinstance(arg, fx.Node):
+        return None
+    if op_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and same_size(arg.args[2], seq):
+        inner = arg.args[0]
+        if isinstance(inner, fx.Node) and op_name(inner) == "add" and isinstance(inner.args[1], int):
+            return inner.args[0], inner.args[1]
+        return (inner, 0) if isinstance(inner, fx.Node) else None
+    return arg, 0
+
+
+class PadAnalysis:
+    """The pad-blind analysis over the original graph, for one length mask."""
+
+    def __init__(self, mask: LengthMask, masks: dict[fx.Node, LengthMask]):
+        self.mask = mask
+        self.masks = masks
+        self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
+
+    def is_mask(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
+
+    def blind(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> bool:
+        """Every reader of ``node`` ignores its padded rows (rows = the positions of its B and N dims)."""
+        key = (node, rows)
+        if key not in self._memo:
+            self._memo[key] = False  # a cycle cannot occur in a DAG; this guards recursion anyway
+            self._memo[key] = bool(node.users) and all(self.reader_blind(user, node, rows) for user in node.users)
+        return self._memo[key]
+
+    def reader_blind(self, user: fx.Node, node: fx.Node, rows: tuple[int, int]) -> bool:
+        """Whether ``user`` ignores the padded rows of its input ``node``."""
+        if user.op == "output":
+            return False
+        shape = shape_of(node)
+        if shape is None:
+            return False
+        rank = len(shape)
+        name = op_name(user)
+        attention = _attention_name(user)
+        if attention is not None:
+            return self._attention_blind(user, node, rows, attention)
+        if name == "mul" and rows == (0, 1):
+            others = [a for a in user.args if a is not node]
+            if len(user.args) == 2 and len(others) == 1 and self.is_mask(others[0]):
+                return True
+        out_shape = shape_of(user)
+        if out_shape is None:
+            return False
+        if name == "transpose":
+            a, b = (d % rank if isinstance(d, int) else None for d in user.args[1:3])
+            if a is None or b is None:
+                return False
+            swap = {a: b, b: a}
+            return self.blind(user, tuple(swap.get(r, r) for r in rows))
+        if name in ("unflatten", "flatten"):
+            return self._reshape_blind(user, rows, rank, name)
+        if rows == (0, 1):
+            rule = classify(user, self.mask.batch, self.mask.seq)
+            if rule is not None and node in rule.rows:
+                return self.blind(user, rows)
+            return False
+        # B and N elsewhere (an attention layout): elementwise ops and norms over the last dims keep rows
+        if len(out_shape) != rank or not all(same_size(out_shape[r], shape[r]) for r in rows):
+            return False
+        if name in ("rms_norm", "layer_norm"):
+            normalized = user.args[1]
+            n = 1 if isinstance(normalized, int) else len(normalized)
+            return user.args[0] is node and max(rows) < rank - n and self.blind(user, rows)
+        from gemcompile.passes.token_wise import ELEMENTWISE
+
+        if name in ELEMENTWISE and all(
+            len(shape_of(a) or ()) < rank - min(rows) or a is node
+            for a in user.all_input_nodes
+        ):
+            return self.blind(user, rows)
+        return False
+
+    def _reshape_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
+        if name == "unflatten":
+            dim, sizes = user.args[1], user.args[2]
+            dim = dim % rank if isinstance(dim, int) else None
+            if dim is None or dim in rows:
+                return False
+            grow = len(sizes) - 1
+            return self.blind(user, tuple(r + grow if r > dim else r for r in rows))
+        start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
+        end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
+        start, end = start % rank, end % rank
+        if any(start <= r <= end for r in rows) and start != end:
+            return False
+        shrink = end - start
+        return self.blind(user, tuple(r - shrink if r > end else r for r in rows))
+
+    def _attention_blind(self, user: fx.Node, node: fx.Node, rows: tuple[int, int], attention: str) -> bool:
+        if rows != ATTENTION_ROWS:
+            return False
+        spec = ATTENTION_ARGS[attention]
+        roles = [role for role in ("q", "k", "v") if len(user.args) > spec[role] and user.args[spec[role]] is node]
+        if len(roles) != sum(1 for a in user.args if a is node) or not roles:
+            return False  # read through an argument we do not model (cos, sin, bias, ...)
+        shape = shape_of(node)
+        for role in roles:
+            if role == "q":
+                if not self.blind(user, ATTENTION_ROWS):
+                    return False
+                continue
+            index = spec["kv_lengths"]
+            found = _lengths_arg_mask(user.args[index], shape[2]) if index is not None and \
+                len(user.args) > index else None
+            if found is None or found[0] is not self.mask.lengths or found[1] != self.mask.offset:
+                return False
+            if not (same_size(shape[0], self.mask.batch) and same_size(shape[2], self.mask.seq)):
+                return False
+        return True
+
+
+class UnpadPass(GemPass):
+    name = "unpad"
+    stage = "pre_grad"
+    config_section = "unpad"
+
+    # -- finding --------------------------------------------------------------------------------
+    def length_masks(self, graph: fx.Graph) -> dict[fx.Node, LengthMask]:
+        """Every boolean (B, N, 1...) node proven to be ``n < lengths[b] + offset``."""
+        found: dict[fx.Node, LengthMask] = {}
+        evaluator = MaskEvaluator()
+        for node in graph.nodes:
+            value = example_value(node)
+            if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+                continue
+            if value.dtype != torch.bool or value.dim() < 2:
+                continue
+            shape = tuple(value.shape)
+            if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
+                continue
+            rank = len(shape)
+            mapping = {rank - 1: 3, rank - 2: 0, **{k: None for k in range(rank - 2)}}
+            try:
+                keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4), "bool")
+                lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
+            except Unproven:
+                continue
+            if lm.q_lengths is None and not lm.causal:
+                found[node] = LengthMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1])
+        return found
+
+    def regions(self, graph: fx.Graph, masks: dict[fx.Node, LengthMask]) -> list[Region]:
+        claimed: set[fx.Node] = set()
+        regions: list[Region] = []
+        distinct: list[LengthMask] = []
+        for m in masks.values():
+            if not any(m.same(d) for d in distinct):
+                distinct.append(m)
+        for mask in distinct:
+            rules = {}
+            for node in graph.nodes:
+                if node in claimed or node in masks or dtype_of(node) == torch.bool:
+                    continue
+                rule = classify(node, mask.batch, mask.seq)
+                if rule is not None:
+                    rules[node] = rule
+            analysis = PadAnalysis(mask, masks)
+            for component in _components(rules):
+                anchored = any(op_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args) for n in component)
+                if not anchored:
+                    continue
+                region = Region(mask, component, {n: rules[n] for n in component})
+                self._shrink_to_safe_exits(region, analysis)
+                if region.nodes:
+                    claimed.update(region.nodes)
+                    regions.append(region)
+        return regions
+
+    def _shrink_to_safe_exits(self, region: Region, analysis: PadAnalysis) -> None:
+        """Drop nodes whose exit would change the answer, until every exit is pad-zero or pad-blind."""
+        while True:
+            packed = set(region.nodes)
+            zero = self._pad_zero(region, analysis)
+            unsafe = None
+            for node in region.nodes:
+                for user in node.users:
+                    if user in packed or zero[node] or analysis.reader_blind(user, node, (0, 1)):
+                        continue
+                    unsafe = (node, user)
+                    break
+                if unsafe:
+                    break
+            if unsafe is None:
+                return
+            node, user = unsafe
+            region.stays_padded[node] = (
+                f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
+                f"({op_name(user) if user.op != 'output' else 'the graph output'}) reads them"
+            )
+            region.nodes = [n for n in region.nodes if n is not node]
+
+    @staticmethod
+    def _pad_zero(region: Region, analysis: PadAnalysis) -> dict[fx.Node, bool]:
+        zero: dict[fx.Node, bool] = {}
+        for node in region.nodes:  # graph order: inputs first
+            zero[node] = zero_preserving(region.rules[node], lambda a: zero.get(a, False), analysis.is_mask)
+        return zero
+
+    # -- rewriting --------------------------------------------------------------------------------
+    def run(self, graph: fx.Graph) -> None:
+        masks = self.length_masks(graph)
+        if not masks:
+            return
+        for region in self.regions(graph, masks):
+            gemms = [n for n in region.nodes if op_name(n) == "linear"]
+            for reason in region.stays_padded.values():
+                self.refused(region.mask.lengths, reason)
+            if not gemms:
+                continue  # a product with a mask and nothing else: nothing for packing to skip
+            if len(gemms) < self.options.min_gemms:
+                self.refused(region.nodes[0], f"a token-wise region over {region.mask.lengths.name} with "
+                             f"{len(gemms)} GEMM(s) (min_gemms={self.options.min_gemms}): packing would cost "
+                             "more than it saves")
+                continue
+            emit = _Emitter(graph)
+            try:
+                self._rewrite(graph, region, gemms, masks, emit)
+            except Unproven as e:
+                emit.rollback()  # nothing was rewired yet: the region stays as it was
+                self.refused(region.nodes[0], str(e))
+
+    def _rewrite(self, graph: fx.Graph, region: Region, gemms: list[fx.Node],
+                 masks: dict[fx.Node, LengthMask], emit: _Emitter) -> None:
+        mask = region.mask
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(region.nodes, key=order.__getitem__)
+        if order[mask.lengths] > order[first]:
+            raise Unproven(f"the lengths {mask.lengths.name} are computed after the region starts")
+        seq = mask.seq
+        if not isinstance(seq, int):
+            raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
+        with graph.inserting_before(first):
+            lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
+            hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) \
+                if isinstance(mask.batch, int) else 0
+            index = emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
+            batch_index = emit.call(operator.floordiv, (index, seq))
+            seq_index = emit.call(operator.mod, (index, seq))
+        packed: dict[fx.Node, fx.Node] = {}
+        entries: dict[tuple, fx.Node] = {}
+        members = set(region.nodes)
+        snapshot = _describe(region.nodes)
+        macs = sum(_macs_per_token(n) for n in gemms)
+        n_exits = 0
+        for node in sorted(region.nodes, key=order.__getitem__):
+            rule = region.rules[node]
+            operand = functools.partial(self._operand, node=node, rule=rule, members=members, packed=packed,
+                                        entries=entries, emit=emit, batch_index=batch_index,
+                                        seq_index=seq_index, mask=mask)
+            with graph.inserting_before(node):
+                identity = _mask_product_identity(node, rule, mask, masks)
+                if identity is not None:
+                    packed[node] = operand(identity)
+                    continue
+                translated = rule.translate(node.args, node.kwargs)
+                if translated is None:
+                    raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
+                args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
+                packed[node] = emit.node(node.op, node.target, args, kwargs)
+        for node in region.nodes:
+            outside = [u for u in node.users if u not in members]
+            if not outside:
+                continue
+            with graph.inserting_before(node):
+                zeros = emit.call(torch.ops.aten.new_zeros.default,
+                                  (packed[node], [*example_value(node).shape]))
+                scattered = emit.call(torch.ops.aten.index_put.default, (zeros, [batch_index, seq_index],
+                                                                          packed[node]))
+            n_exits += 1
+            for user in outside:
+                user.replace_input_with(node, scattered)
+        dropped_inputs = {a for n in region.nodes for a in n.all_input_nodes if a not in members}
+        for node in sorted(region.nodes, key=order.__getitem__, reverse=True):
+            if not node.users:
+                graph.erase_node(node)
+        erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
+        ops: dict[str, int] = {}
+        for n in region.nodes:
+            ops[op_name(n)] = ops.get(op_name(n), 0) + 1
+        op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+        detail = (f"region over {mask.lengths.name} rows (B, N) = ({mask.batch}, {mask.seq}): "
+                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {len(entries)} gathers in, "
+                  f"{n_exits} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
+                  f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
+        self.rewrote(first, "\n".join(snapshot), (
+            f"index = gemcompile.valid_token_index({mask.lengths.name}, {seq})  # T valid tokens\n"
+            f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
+            f"zeros(B, {seq}, ...).index_put(...) out"), detail,
+            metrics={"lengths": mask.lengths.name, "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
+                     "gemms": len(gemms), "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
+
+    def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
+        if a in packed:
+            return packed[a]
+        shape = shape_of(a)
+        if shape is None:
+            return a
+        out_rank = len(shape_of(node))
+        if a in rule.rows or (rule.kind == "structural" and has_rows(shape, mask.batch, mask.seq)):
+            key = ("rows", a)
+            if key not in entries:
+                entries[key] = emit.call(torch.ops.aten.index.Tensor, (a, [batch_index, seq_index]))
+            return entries[key]
+        if rule.kind != "elementwise":
+            return a  # a parameter of a structural op (weight, bias, table)
+        rank = len(shape)
+        if rank <= out_rank - 2:
+            return a
+        if rank == out_rank - 1:  # right-aligned: its dim 0 is the sequence dim
+            if same_size(shape[0], 1):
+                return a
+            if same_size(shape[0], mask.seq):
+                return _cached(entries, ("pos", a), lambda: emit.call(torch.ops.aten.index.Tensor, (a, [seq_index])))
+            raise Unproven(f"{a.name} broadcasts against the sequence dim with size {shape[0]}")
+        b1, n1 = same_size(shape[0], 1), same_size(shape[1], 1)
+        if b1 and n1:
+            return _cached(entries, ("one", a), lambda: emit.call(torch.ops.aten.select.int, (a, 0, 0)))
+        if b1 and same_size(shape[1], mask.seq):
+            return _cached(entries, ("pos", a), lambda: emit.call(
+                torch.ops.aten.index.Tensor, (emit.call(torch.ops.aten.select.int, (a, 0, 0)), [seq_index])))
+        if n1 and same_size(shape[0], mask.batch):
+            return _cached(entries, ("batch", a), lambda: emit.call(
+                torch.ops.aten.index.Tensor, (emit.call(torch.ops.aten.select.int, (a, 1, 0)), [batch_index])))
+        raise Unproven(f"{a.name} of shape {shape} does not broadcast over the (B, N) rows")
+
+
+def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: LengthMask,
+                           masks: dict[fx.Node, LengthMask]) -> fx.Node | None:
+    """x * mask on packed rows is x (every packed row is valid): the operand to forward, or None."""
+    if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    for x, m in ((a, b), (b, a)):
+        if isinstance(m, fx.Node) and mask.same(masks.get(m)) and x in rule.rows and \
+                dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
+            return x
+    return None
+
+
+def _map_node(fn, a: Any) -> Any:
+    return fn(a) if isinstance(a, fx.Node) else a
+
+
+def _cached(cache: dict, key: tuple, make) -> fx.Node:
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _macs_per_token(node: fx.Node) -> int:
+    """Multiply-adds of one token row through a linear (its extra dims included)."""
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    w = shape_of(weight)
+    x = shape_of(node.args[0])
+    if w is None or x is None or len(w) != 2:
+        return 0
+    extra = 1
+    for s in x[2:-1]:
+        extra *= int(s)
+    return int(w[0]) * int(w[1]) * extra
+
+
+def _describe(nodes: Iterable[fx.Node]) -> list[str]:
+    from gemcompile.passes.records import describe_node
+
+    nodes = list(nodes)
+    lines = [describe_node(n) for n in nodes[:12]]
+    if len(nodes) > 12:
+        lines.append(f"... and {len(nodes) - 12} more ops on (B, N, ...) rows")
+    return lines
+
+
+def _components(rules: dict[fx.Node, TokenWise]) -> list[list[fx.Node]]:
+    """Connected components of token-wise nodes linked through row operands, each in graph order."""
+    parent = {n: n for n in rules}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node, rule in rules.items():
+        for a in rule.rows:
+            if a in rules:
+                parent[find(a)] = find(node)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in rules:  # rules is in graph order
+        groups.setdefault(find(node), []).append(node)
+    return list(groups.values())
+
+
+class _Emitter:
+    """Inserts nodes with ``meta["example_value"]`` computed in the graph's fake mode."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.created: list[fx.Node] = []
+
+    def rollback(self) -> None:
+        for node in reversed(self.created):
+            if not node.users:
+                self.graph.erase_node(node)
+        self.created.clear()
+
+    def call(self, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        return self.node("call_function", target, args, kwargs or {})
+
+    def node(self, op: str, target, args: tuple, kwargs: dict) -> fx.Node:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+        node = self.graph.create_node(op, target, args, kwargs)
+        self.created.append(node)
+        to_value = lambda a: example_value(a) if isinstance(a, fx.Node) else a
+        fake_args, fake_kwargs = tree_map(to_value, args), tree_map(to_value, kwargs)
+        leaves = [*_flat(fake_args), *_flat(fake_kwargs)]
+        mode = next((a.fake_mode for a in leaves if isinstance(a, FakeTensor)), None)
+        if mode is None:
+            return node
+        try:
+            with mode:
+                if op == "call_method":
+                    value = getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
+                else:
+                    value = target(*fake_args, **fake_kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise Unproven(f"{node.name} does not trace on packed rows: {e}") from e
+        if mode.shape_env is not None:
+            # bind a fresh data-dependent size (valid_token_index's T) so later tracing does not trip on it
+            bindings = compute_unbacked_bindings(mode.shape_env, value)
+            if bindings:
+                node.meta["unbacked_bindings"] = bindings
+        node.meta["example_value"] = value
+        return node
+
+
+def _flat(x):
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(x)

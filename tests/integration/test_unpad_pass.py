@@ -1,0 +1,248 @@
+"""The unpad pass: token-wise regions of padded models run on packed tokens with eager's outputs and
+gradients at every position (padded ones included); token-mixing ops, values whose padding a reader
+sees, and masks of other lengths are left padded, with a reason."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from gemcompile import GemConfig, explain, gem_compile
+
+B, N, D_IN, D = 4, 9, 6, 8
+LENGTH_SETS = ([9, 0, 3, 5], [9, 9, 9, 9], [0, 0, 0, 0], [1, 2, 8, 4], [4, 7, 0, 9])
+
+
+def valid_mask(lengths, n=N):
+    return torch.arange(n)[None, :] < lengths[:, None]
+
+
+class Ffn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, 2 * D)
+        self.down = nn.Linear(2 * D, D)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class MaskedResidualFfn(nn.Module):
+    """The common form: a masked input projection, residual FFN blocks re-masked, masked mean pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.ffn1, self.ffn2 = Ffn(), Ffn()
+
+    def forward(self, x, lengths):
+        valid = valid_mask(lengths)
+        h = self.inp(x) * valid[..., None]
+        h = h + self.ffn1(h) * valid[..., None]
+        h = h + self.ffn2(h) * valid[..., None]
+        return h.sum(1) / lengths.clamp(min=1)[:, None]
+
+
+class ReturnsPaddedRows(nn.Module):
+    """Near-miss: the last FFN is not re-masked and the (B, N, D) result is returned: its padded rows
+    are bias values the caller sees, so everything after the masked projection must stay padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.ffn = Ffn()
+
+    def forward(self, x, lengths):
+        h = self.inp(x) * valid_mask(lengths)[..., None]
+        return h + self.ffn(h)
+
+
+class TokenMixingInside(nn.Module):
+    """A cumulative sum over the sequence sits between token-wise blocks: it mixes tokens, so it runs
+    padded on a scattered copy and the next block gathers its result back."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.ffn = Ffn()
+
+    def forward(self, x, lengths):
+        valid = valid_mask(lengths)[..., None]
+        h = self.inp(x) * valid
+        h = h + torch.cumsum(h, dim=1) * valid
+        h = h + self.ffn(h) * valid
+        return h.amax(1)
+
+
+class PositionAndSampleTerms(nn.Module):
+    """Broadcast operands: a (N, D) position table, a (B, 1, D) per-sample context, a (1, 1, D) scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.pos = nn.Parameter(torch.randn(N, D))
+        self.ctx = nn.Linear(3, D)
+        self.scale = nn.Parameter(torch.randn(1, 1, D))
+        self.ffn = Ffn()
+
+    def forward(self, x, lengths, c):
+        valid = valid_mask(lengths)[..., None]
+        h = (self.inp(x) + self.pos + self.ctx(c)[:, None, :]) * self.scale * valid
+        h = h + self.ffn(h) * valid
+        return (h * h).sum((1, 2))
+
+
+class Pooling(nn.Module):
+    """Learned queries attend over projected keys/values of the padded sequence (SDPA with the key mask):
+    the key/value projections are pad-blind exits into the jagged attention kernel."""
+
+    def __init__(self, key_lengths_offset: int = 0, width: int = 32):  # 2 heads of 16: the kernel's range
+        super().__init__()
+        self.inp = nn.Linear(D_IN, width)
+        self.queries = nn.Parameter(torch.randn(1, 2, 3, width // 2))
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.key_lengths_offset = key_lengths_offset
+
+    def forward(self, x, lengths):
+        h = self.inp(x) * valid_mask(lengths)[..., None]
+        k = self.k(h).unflatten(-1, (2, -1)).transpose(1, 2)
+        v = self.v(h).unflatten(-1, (2, -1)).transpose(1, 2)
+        keys = valid_mask(lengths - self.key_lengths_offset if self.key_lengths_offset else lengths)
+        o = F.scaled_dot_product_attention(self.queries.expand(x.shape[0], -1, -1, -1), k, v,
+                                           attn_mask=keys[:, None, None, :])
+        return o.flatten(1)
+
+
+class OffsetMask(nn.Module):
+    """The mask holds one token fewer than lengths (e.g. a trailing target token excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.ffn = Ffn()
+
+    def forward(self, x, lengths):
+        valid = (torch.arange(N)[None, :] < (lengths[:, None] - 1))[..., None]
+        h = self.inp(x) * valid
+        h = h + self.ffn(h) * valid
+        return h.sum(1)
+
+
+class SequenceFirst(nn.Module):
+    """Near-miss: (N, B, D) layout, mask transposed: no (B, N) rows to pack, nothing rewritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.ffn = Ffn()
+
+    def forward(self, x, lengths):
+        valid = valid_mask(lengths).t()[..., None]
+        h = self.inp(x.transpose(0, 1)) * valid
+        h = h + self.ffn(h) * valid
+        return h.sum(0)
+
+
+def run_and_compare(model, make_inputs, expected_unpad: int, expected_gemms: int | None = None):
+    """gem_compile(model) over every length set: eager's outputs and gradients, one compile."""
+    torch.manual_seed(0)
+    counters.clear()
+    compiled = gem_compile(model)
+    for lengths in LENGTH_SETS:
+        inputs = make_inputs(torch.tensor(lengths))
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        for t in leaves:
+            t.requires_grad_(True)
+        params = list(model.parameters())
+        out = compiled(*inputs)
+        grads = torch.autograd.grad(out.square().sum(), params + leaves)
+        ref = model(*inputs)
+        ref_grads = torch.autograd.grad(ref.square().sum(), params + leaves)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        for g, g_ref in zip(grads, ref_grads):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1, "a new token count recompiled"
+    assert counters["gemcompile"]["unpad"] == expected_unpad
+    report = explain(model, *make_inputs(torch.tensor(LENGTH_SETS[0])))
+    rewrites = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert len(rewrites) == expected_unpad
+    if expected_gemms is not None:
+        assert sum(r.metrics["gemms"] for r in rewrites) == expected_gemms
+    return report
+
+
+def x_only(lengths):
+    torch.manual_seed(1)
+    return (torch.randn(B, N, D_IN), lengths)
+
+
+def test_masked_residual_ffn_runs_packed():
+    report = run_and_compare(MaskedResidualFfn(), x_only, expected_unpad=1, expected_gemms=5)
+    (rewrite,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert rewrite.metrics["macs_per_token"] == D_IN * D + 2 * (D * 2 * D + 2 * D * D)
+    assert rewrite.metrics["gathers"] == 1 and rewrite.metrics["scatters"] == 1
+    assert "valid_token_index" in report.graph_after.code
+    assert "layer_norm" in rewrite.detail and "saves 6 x" in rewrite.detail
+
+
+def test_padded_rows_a_caller_sees_stay_padded():
+    report = run_and_compare(ReturnsPaddedRows(), x_only, expected_unpad=1, expected_gemms=1)
+    reasons = [r.reason for r in report.refusals if r.pass_name == "unpad"]
+    assert any("stays padded" in r and "graph output" in r for r in reasons), reasons
+
+
+def test_token_mixing_op_runs_padded_between_packed_blocks():
+    report = run_and_compare(TokenMixingInside(), x_only, expected_unpad=1, expected_gemms=3)
+    code = report.graph_after.code
+    assert "cumsum" in code and "index_put" in code
+
+
+def test_position_and_sample_operands_are_gathered():
+    def inputs(lengths):
+        torch.manual_seed(2)
+        return (torch.randn(B, N, D_IN), lengths, torch.randn(B, 3))
+
+    run_and_compare(PositionAndSampleTerms(), inputs, expected_unpad=1, expected_gemms=3)
+
+
+def test_key_value_projections_feed_jagged_attention_packed():
+    report = run_and_compare(Pooling(), x_only, expected_unpad=1, expected_gemms=3)
+    assert report.counts["jagged_attention"] == 1
+
+
+def test_attention_over_other_lengths_is_not_pad_blind():
+    """The attention keeps one key fewer than the projection's mask: zeroing the projection's padded
+    rows is not provably harmless there, so the key/value projections stay padded."""
+    report = run_and_compare(Pooling(key_lengths_offset=1), x_only, expected_unpad=1, expected_gemms=1)
+    reasons = [r.reason for r in report.refusals if r.pass_name == "unpad"]
+    assert sum("stays padded" in r for r in reasons) >= 2, reasons
+
+
+def test_offset_mask():
+    run_and_compare(OffsetMask(), x_only, expected_unpad=1, expected_gemms=3)
+
+
+def test_sequence_first_layout_is_left_alone():
+    run_and_compare(SequenceFirst(), x_only, expected_unpad=0)
+
+
+def test_min_gemms_and_disabled():
+    model = MaskedResidualFfn()
+    inputs = x_only(torch.tensor(LENGTH_SETS[0]))
+    report = explain(model, *inputs, config=GemConfig(unpad={"min_gemms": 6}))
+    assert report.counts["unpad"] == 0
+    assert any("min_gemms=6" in r.reason for r in report.refusals if r.pass_name == "unpad")
+    assert explain(model, *inputs, config=GemConfig(unpad={"enabled": False})).counts["unpad"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtypes(dtype):
+    model = MaskedResidualFfn().to(dtype)
+    compiled = gem_compile(model)
+    x = torch.randn(B, N, D_IN, dtype=dtype)
+    lengths = torch.tensor(LENGTH_SETS[3])
+    tol = {} if dtype == torch.float64 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(compiled(x, lengths), model(x, lengths), **tol)
