@@ -40,6 +40,12 @@ def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Ten
     return valid_token_index_reference(lengths, max_len)
 
 
+def _inductor_reads_unbacked_hints() -> bool:
+    from torch._inductor.sizevars import SizeVarAllocator
+
+    return hasattr(SizeVarAllocator, "all_unbacked_explicitly_hinted")
+
+
 @torch.library.register_fake("gemcompile::valid_token_index")
 def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Tensor:
     from torch._subclasses.fake_tensor import is_fake
@@ -60,9 +66,10 @@ def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Ten
     _constrain_range_for_size(count, min=0, max=bound if isinstance(bound, int) else None)
     # Without a hint Inductor will not split a reduction over the packed rows (a bias or norm-weight
     # gradient sums T rows): one program per column walks all T, ~4x slower on the H200. The hint only
-    # tunes kernels; any T runs correctly. (torch builds without the override table just skip it.)
+    # tunes kernels; any T runs correctly. Only where Inductor reads such hints (torch 2.11 has the table
+    # but its reductions then fail with "Cannot convert symbols to int", seen on the H200).
     overrides = getattr(shape_env, "var_to_hint_override", None)
-    if size_hint > 0 and isinstance(overrides, dict):
+    if size_hint > 0 and isinstance(overrides, dict) and _inductor_reads_unbacked_hints():
         overrides[count.node.expr] = size_hint
     return lengths.new_empty((count,), dtype=torch.int64)
 
