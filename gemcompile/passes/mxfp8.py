@@ -61,6 +61,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 from torch._dynamo.utils import counters
@@ -162,8 +163,25 @@ def _hint(size: Any) -> int | None:
         hint = size.node.hint
         if hint is None:
             hint = size.node.shape_env.size_hint(size.node.expr)
-        return int(hint) if hint is not None else None
+        if hint is not None:
+            return int(hint)
     except (AttributeError, TypeError, ValueError, RuntimeError):
+        pass
+    return _unbacked_hint(size)
+
+
+def _unbacked_hint(size: Any) -> int | None:
+    """A data-dependent size (unpad's packed token count): its explicit hint where the shape env keeps one,
+    else its upper bound (B * N for packed tokens)."""
+    try:
+        env, expr = size.node.shape_env, size.node.expr
+        overrides = getattr(env, "var_to_hint_override", {}) or {}
+        value = sympy.sympify(expr.xreplace({s: overrides[s] for s in expr.free_symbols if s in overrides}))
+        if not value.free_symbols:
+            return int(value)
+        upper = env.bound_sympy(expr).upper
+        return int(upper) if upper.is_finite else None
+    except (AttributeError, TypeError, ValueError, RuntimeError, KeyError):
         return None
 
 

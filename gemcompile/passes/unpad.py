@@ -343,6 +343,8 @@ class UnpadPass(GemPass):
         seq = mask.seq
         if not isinstance(seq, int):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
+        if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
+            raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
         with graph.inserting_before(first):
             lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
             hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) \
@@ -371,6 +373,7 @@ class UnpadPass(GemPass):
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
                 packed[node] = emit.node(node.op, node.target, args, kwargs)
+                _copy_source_meta(node, packed[node])
         for node in region.nodes:
             outside = [u for u in node.users if u not in members]
             if not outside:
@@ -380,6 +383,8 @@ class UnpadPass(GemPass):
                                   (packed[node], [*example_value(node).shape]))
                 scattered = emit.call(torch.ops.aten.index_put.default, (zeros, [batch_index, seq_index],
                                                                           packed[node]))
+            _copy_source_meta(node, zeros)
+            _copy_source_meta(node, scattered)
             n_exits += 1
             for user in outside:
                 user.replace_input_with(node, scattered)
@@ -449,6 +454,17 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: LengthMask,
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
+
+
+SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "custom", "from_node")
+"""Where a node came from in the user's model: later passes (mxfp8's module patterns, explain's source
+lines) read these, so a packed copy carries its original's."""
+
+
+def _copy_source_meta(original: fx.Node, copy: fx.Node) -> None:
+    for key in SOURCE_META:
+        if key in original.meta and key not in copy.meta:
+            copy.meta[key] = original.meta[key]
 
 
 def _map_node(fn, a: Any) -> Any:

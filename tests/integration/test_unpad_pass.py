@@ -246,3 +246,25 @@ def test_dtypes(dtype):
     lengths = torch.tensor(LENGTH_SETS[3])
     tol = {} if dtype == torch.float64 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(compiled(x, lengths), model(x, lengths), **tol)
+
+
+def test_packed_gemms_still_get_mxfp8_casts():
+    """The mxfp8 pass judges a packed GEMM by its token count's hint or upper bound (B * N), not 'unknown'."""
+    model = MaskedResidualFfn()
+    inputs = x_only(torch.tensor(LENGTH_SETS[0]))
+    mx = {"enabled": True, "recipe": "mxfp8_emulated", "min_m": 1, "min_k": 1, "min_n": 1}
+    with_unpad = explain(model, *inputs, config=GemConfig(mxfp8=mx))
+    without = explain(model, *inputs, config=GemConfig(mxfp8=mx, unpad={"enabled": False}))
+    assert with_unpad.counts["unpad"] == 1
+    assert with_unpad.counts["mxfp8"] == without.counts["mxfp8"] > 0
+
+
+def test_dynamic_batch_is_refused_with_a_reason():
+    model = MaskedResidualFfn()
+    compiled = gem_compile(model, dynamic=True)
+    counters.clear()
+    for batch in (3, 5):
+        x, lengths = torch.randn(batch, N, D_IN), torch.randint(0, N + 1, (batch,))
+        torch.testing.assert_close(compiled(x, lengths), model(x, lengths), atol=1e-5, rtol=1e-4)
+    assert counters["gemcompile"]["unpad"] == 0
+    assert counters["gemcompile"]["unpad_refused"] >= 1
