@@ -20,6 +20,8 @@ therefore allowed only where that cannot change the answer, proven by one of two
   a gemcompile attention op with these lengths; a token-wise op or attention query whose own result
   is pad-blind, through views and transposes).
 A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.
+Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
+zeros there instead (the convention the attention rewrites follow for fully masked rows).
 
 T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
 so one compiled graph serves every batch (no recompiles, no capacity to overflow, no rows wasted on a
@@ -54,7 +56,6 @@ from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
     dtype_of,
-    has_rows,
     op_name,
     same_size,
     shape_of,
@@ -156,6 +157,8 @@ class PadAnalysis:
         if out_shape is None:
             return False
         if name == "transpose":
+            if len(user.args) != 3 or user.kwargs:
+                return False
             a, b = (d % rank if isinstance(d, int) else None for d in user.args[1:3])
             if a is None or b is None:
                 return False
@@ -415,7 +418,7 @@ class UnpadPass(GemPass):
         if shape is None:
             return a
         out_rank = len(shape_of(node))
-        if a in rule.rows or (rule.kind == "structural" and has_rows(shape, mask.batch, mask.seq)):
+        if a in rule.rows:
             key = ("rows", a)
             if key not in entries:
                 entries[key] = emit.call(torch.ops.aten.index.Tensor, (a, [batch_index, seq_index]))
