@@ -409,7 +409,7 @@ class UnpadPass(GemPass):
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
             f"zeros(B, {seq}, ...).index_put(...) out"), detail,
             metrics={"lengths": mask.lengths.name, "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
-                     "gemms": len(gemms), "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
+                     "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
 
     def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
         if a in packed:

@@ -1,0 +1,99 @@
+"""Each op of the unpad pass's token-wise table (passes/token_wise.py), run packed inside a region:
+eager's outputs and gradients at every position, and the op really inside the packed region; ops that
+mix tokens (or name the B / N dims) stay outside it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemcompile import explain, gem_compile
+
+B, N, D = 3, 7, 8
+LENGTHS = torch.tensor([7, 0, 4])
+
+# name -> (op on h (B, N, D) -> (B, N, D), the op's name: expected among the packed ops, or, for an op that
+# mixes tokens, expected NOT among them)
+OPS = {
+    "gelu": (lambda h: F.gelu(h), "gelu"),
+    "silu_tanh_approx_gelu": (lambda h: F.silu(h) + F.gelu(h, approximate="tanh"), "silu"),
+    "sigmoid_mul": (lambda h: h * torch.sigmoid(h), "sigmoid"),
+    "clamp_where": (lambda h: torch.where(h > 0, h, 0.1 * h).clamp(-2, 2), "where"),
+    "softmax_last": (lambda h: torch.softmax(h, dim=-1), "softmax"),
+    "sum_keepdim": (lambda h: h - h.mean(-1, keepdim=True), "mean"),
+    "unflatten_flatten": (lambda h: h.unflatten(-1, (2, 4)).flatten(2), "unflatten"),
+    "transpose_trailing": (lambda h: h.unflatten(-1, (2, 4)).transpose(2, 3).flatten(2), "transpose"),
+    "getitem_slice_cat": (lambda h: torch.cat([h[..., 4:], h[..., :4]], dim=-1), "cat"),
+    "getitem_full_slices": (lambda h: torch.cat([h[:, :, 4:], h[:, :, :4]], dim=2), "getitem"),
+    "rms_norm": (lambda h: F.rms_norm(h, (D,)), "rms_norm"),
+    "masked_fill": (lambda h: h.masked_fill(h < -1, 0.0), "masked_fill"),
+    "pow_exp": (lambda h: torch.exp(-h.pow(2)), "exp"),
+    "to_dtype": (lambda h: h.double().float(), "double"),
+    # mixing tokens: must stay out of the packed region, result still exact
+    "cumsum_over_tokens": (lambda h: torch.cumsum(h, dim=1), "-cumsum"),
+    "mean_over_tokens": (lambda h: h - h.mean(1, keepdim=True), "-mean"),
+    "roll_over_tokens": (lambda h: torch.roll(h, 1, dims=1), "-roll"),
+}
+
+
+class OneOp(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.inp = nn.Linear(5, D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x, lengths):
+        valid = (torch.arange(N)[None, :] < lengths[:, None])[..., None]
+        h = self.inp(x) * valid
+        h = h + self.out(self.op(h)) * valid
+        return h
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_token_wise_op_packed_exactly(name):
+    op, expected = OPS[name]
+    torch.manual_seed(0)
+    model = OneOp(op)
+    x = torch.randn(B, N, 5, requires_grad=True)
+    report = explain(model, x, LENGTHS)
+    (rewrite,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    packed_ops = rewrite.metrics["op_counts"]  # op name -> how many run packed
+    if not expected.startswith("-"):
+        assert expected in packed_ops, packed_ops
+        assert rewrite.metrics["gemms"] == 2
+    else:
+        assert expected[1:] not in packed_ops, packed_ops
+    compiled = gem_compile(model)
+    out = compiled(x, LENGTHS)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    ref = model(x, LENGTHS)
+    (rx,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(gx, rx, atol=1e-5, rtol=1e-4)
+
+
+def test_embedding_lookup_of_padded_ids_is_packed():
+    class Ids(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(11, D, padding_idx=0)
+            self.proj = nn.Linear(D, D)
+
+        def forward(self, ids, lengths):
+            valid = (torch.arange(N)[None, :] < lengths[:, None])[..., None]
+            return (self.proj(self.table(ids)) * valid).sum(1)
+
+    model = Ids()
+    ids = torch.randint(0, 11, (B, N))
+    report = explain(model, ids, LENGTHS)
+    (rewrite,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert rewrite.metrics["op_counts"].get("embedding") == 1
+    compiled = gem_compile(model)
+    out = compiled(ids, LENGTHS)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    ref = model(ids, LENGTHS)
+    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
