@@ -12,7 +12,6 @@ without a hint are what costs time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,11 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, write_json  # noqa: E402
-from unpad import build_tower, make_x_sums  # noqa: E402
+from harness import environment, write_json
+from unpad import build_tower, make_x_sums
 
-from gemcompile import GemConfig, gem_compile  # noqa: E402
-from gemcompile.models.data import SyntheticData  # noqa: E402
+from gemcompile import GemConfig, gem_compile
+from gemcompile.models.data import SyntheticData
 
 
 def main(argv=None) -> int:
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
         runner = gem_compile(tower, config=config)
         patches = {"unbacked_symint_fallback": int(padded * args.fill)} if variant == "gem-hint" else {}
 
-        def step(batch):
+        def step(batch, runner=runner):
             tower.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = runner(batch.seq_items, batch.seq_actions, batch.seq_times, batch.seq_lengths, x_sums)
@@ -91,7 +90,6 @@ def main(argv=None) -> int:
                                        "compile_s": compile_s, "top_kernels_ms_per_step": top}
     path = write_json("unpad-profile", report, out_dir=args.out)
     print(f"wrote {path}")
-    json.dumps(report)
     return 0
 
 

@@ -42,6 +42,10 @@ ELEMENTWISE = ZERO_PRESERVING_UNARY | frozenset({
     "logical_or", "hardsigmoid", "sign", "radd", "rsub", "rmul", "rtruediv",
 })
 NORMS = frozenset({"layer_norm", "rms_norm"})
+TAKES_SEQUENCE_ARGS = frozenset({"cat", "unflatten", "getitem", "layer_norm", "rms_norm", "sum", "mean", "amax",
+                                 "amin", "to"})
+"""Ops whose list/tuple arguments the rules below understand (sizes, dims, an index); any other op with
+one is not classified."""
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "logsumexp"})
 SOFTMAX = frozenset({"softmax", "log_softmax"})
 
@@ -149,12 +153,9 @@ def _getitem_translator(index: Any, rank: int) -> Callable | None:
     full = slice(None)
     if len(index) >= 2 and index[0] == full and index[1] == full:
         rest = index[2:]
-        if Ellipsis in rest:
-            rest = tuple(i for i in rest if i is not Ellipsis) if rest.count(Ellipsis) == 1 and rest[0] is Ellipsis \
-                else None
-            if rest is None:
-                return None
-        if not all(simple(i) for i in rest):
+        if rest and rest[0] is Ellipsis:  # x[:, :, ..., i] is x[:, :, i] on the trailing dims
+            rest = rest[1:]
+        if not all(simple(i) for i in rest):  # (an Ellipsis anywhere else is not simple)
             return None
         packed_index = (full, *index[2:])
         return lambda args, kwargs: ((args[0], packed_index), kwargs)
@@ -170,9 +171,7 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
         return None
     name = op_name(node)
     tensors = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
-    if any(isinstance(a, (list, tuple)) for a in node.args[1:]) and name not in ("cat", "unflatten", "getitem",
-                                                                                 "layer_norm", "rms_norm", "sum",
-                                                                                 "mean", "amax", "amin", "to"):
+    if any(isinstance(a, (list, tuple)) for a in node.args[1:]) and name not in TAKES_SEQUENCE_ARGS:
         return None
     if name in ELEMENTWISE:
         if name == "dropout" and _arg(node, 3, "inplace", False):

@@ -53,6 +53,7 @@ from gemcompile.passes.mask_provenance import (
 )
 from gemcompile.passes.rewrite_utils import erase_dead
 from gemcompile.passes.token_wise import (
+    ELEMENTWISE,
     TokenWise,
     classify,
     dtype_of,
@@ -74,15 +75,16 @@ ATTENTION_ROWS = (0, 2)
 
 
 @dataclass(frozen=True)
-class LengthMask:
-    """valid[b, n] = n < lengths[b] + offset over (batch, seq) rows."""
+class RowMask:
+    """(The mask a region packs by; mask_provenance.LengthMask is the attention-score mask.)
+    valid[b, n] = n < lengths[b] + offset over (batch, seq) rows."""
 
     lengths: fx.Node
     offset: int
     batch: Any
     seq: Any
 
-    def same(self, other: LengthMask | None) -> bool:
+    def same(self, other: RowMask | None) -> bool:
         return (other is not None and other.lengths is self.lengths and other.offset == self.offset
                 and same_size(other.batch, self.batch) and same_size(other.seq, self.seq))
 
@@ -91,7 +93,7 @@ class LengthMask:
 class Region:
     """The nodes of one length mask's token-wise region that run packed."""
 
-    mask: LengthMask
+    mask: RowMask
     nodes: list[fx.Node]
     rules: dict[fx.Node, TokenWise]
     stays_padded: dict[fx.Node, str] = field(default_factory=dict)
@@ -121,7 +123,7 @@ def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
 class PadAnalysis:
     """The pad-blind analysis over the original graph, for one length mask."""
 
-    def __init__(self, mask: LengthMask, masks: dict[fx.Node, LengthMask]):
+    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask]):
         self.mask = mask
         self.masks = masks
         self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
@@ -178,8 +180,6 @@ class PadAnalysis:
             normalized = user.args[1]
             n = 1 if isinstance(normalized, int) else len(normalized)
             return user.args[0] is node and max(rows) < rank - n and self.blind(user, rows)
-        from gemcompile.passes.token_wise import ELEMENTWISE
-
         if name in ELEMENTWISE and all(
             len(shape_of(a) or ()) < rank - min(rows) or a is node
             for a in user.all_input_nodes
@@ -232,9 +232,9 @@ class UnpadPass(GemPass):
     config_section = "unpad"
 
     # -- finding --------------------------------------------------------------------------------
-    def length_masks(self, graph: fx.Graph) -> dict[fx.Node, LengthMask]:
+    def length_masks(self, graph: fx.Graph) -> dict[fx.Node, RowMask]:
         """Every boolean (B, N, 1...) node proven to be ``n < lengths[b] + offset``."""
-        found: dict[fx.Node, LengthMask] = {}
+        found: dict[fx.Node, RowMask] = {}
         evaluator = MaskEvaluator()
         for node in graph.nodes:
             value = example_value(node)
@@ -253,13 +253,13 @@ class UnpadPass(GemPass):
             except Unproven:
                 continue
             if lm.q_lengths is None and not lm.causal:
-                found[node] = LengthMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1])
+                found[node] = RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1])
         return found
 
-    def regions(self, graph: fx.Graph, masks: dict[fx.Node, LengthMask]) -> list[Region]:
+    def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask]) -> list[Region]:
         claimed: set[fx.Node] = set()
         regions: list[Region] = []
-        distinct: list[LengthMask] = []
+        distinct: list[RowMask] = []
         for m in masks.values():
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
@@ -337,7 +337,7 @@ class UnpadPass(GemPass):
                 self.refused(region.nodes[0], str(e))
 
     def _rewrite(self, graph: fx.Graph, region: Region, gemms: list[fx.Node],
-                 masks: dict[fx.Node, LengthMask], emit: _Emitter) -> None:
+                 masks: dict[fx.Node, RowMask], emit: _Emitter) -> None:
         mask = region.mask
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(region.nodes, key=order.__getitem__)
@@ -446,8 +446,8 @@ class UnpadPass(GemPass):
         raise Unproven(f"{a.name} of shape {shape} does not broadcast over the (B, N) rows")
 
 
-def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: LengthMask,
-                           masks: dict[fx.Node, LengthMask]) -> fx.Node | None:
+def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,
+                           masks: dict[fx.Node, RowMask]) -> fx.Node | None:
     """x * mask on packed rows is x (every packed row is valid): the operand to forward, or None."""
     if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
         return None
