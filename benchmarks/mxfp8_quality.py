@@ -292,6 +292,11 @@ def parse_args(argv=None):
                         help="train the bf16 baseline this many times (>1 shows the run-to-run noise floor)")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="train the runs concurrently, one process per GPU (CUDA_VISIBLE_DEVICES=i); the "
+                        "losses are those of sequential runs, the step times share the host's CPUs")
+    parser.add_argument("--only-run", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny, a few steps, emulated recipes")
     parser.add_argument("--out", default=None, help="directory of the JSON (and PNG); $OUT wins")
     parser.add_argument("--plot", default=None, metavar="FROM_JSON", help="only render the PNG of a results JSON")
@@ -319,6 +324,37 @@ def _dump(path: Path, payload: dict) -> None:
         json.dump(payload, fh, indent=1, default=str)
 
 
+def _run_concurrently(plan, args, argv) -> list[dict]:
+    """Each run of the plan in its own process on its own GPU, `args.gpus` at a time; results in plan order.
+    Every process trains from the same seed on the same batches, so the comparison is the sequential one."""
+    import os
+    import subprocess
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    results: list[dict | None] = [None] * len(plan)
+    with tempfile.TemporaryDirectory() as tmp:
+        pending = list(range(len(plan)))
+        while pending:
+            batch, pending = pending[: args.gpus], pending[args.gpus:]
+            procs = []
+            for gpu, index in enumerate(batch):
+                part = Path(tmp) / f"run{index}.json"
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+                cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only-run", str(index),
+                       "--part", str(part)]
+                print(f"run {plan[index][0]} on GPU {gpu} ...", flush=True)
+                procs.append((index, part, subprocess.Popen(cmd, env=env)))
+            for index, part, proc in procs:
+                if proc.wait() != 0 or not part.exists():
+                    raise SystemExit(f"run {plan[index][0]} failed (exit {proc.returncode})")
+                results[index] = json.loads(part.read_text())
+                r = results[index]
+                print(f"  {r['name']} done: final loss {r['final_loss']:.5f}, step {r['step_ms']:.2f} ms, "
+                      f"fp8 GEMMs {r['quantized_gemms']}", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
@@ -343,19 +379,32 @@ def main(argv=None) -> int:
     payload = {
         "benchmark": "mxfp8_quality",
         "environment": environment(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("plot", "png", "out")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("plot", "png", "out", "only_run", "part")},
         "runs": runs,
     }
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for name, recipe in plan:
-            print(f"run {name} ...", flush=True)
-            runs.append(run_one(name, recipe, args, device))
-            print(f"  done: final loss {runs[-1]['final_loss']:.5f}, step {runs[-1]['step_ms']:.2f} ms, "
-                  f"fp8 GEMMs {runs[-1]['quantized_gemms']}, {time.perf_counter() - started:.0f} s so far",
-                  flush=True)
-            _dump(path, payload)  # what is done so far survives a run cut short by a time limit
-    fallbacks = sorted({str(w.message) for w in caught if type(w.message).__name__ == "Fp8FallbackWarning"})
+    if args.only_run is not None:  # a worker of --gpus: one run, its result and warnings to --part
+        name, recipe = plan[args.only_run]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = run_one(name, recipe, args, device)
+        run["fallback_warnings"] = sorted({str(w.message) for w in caught
+                                           if type(w.message).__name__ == "Fp8FallbackWarning"})
+        _dump(Path(args.part), run)
+        return 0
+    if args.gpus > 1:  # (on the CPU: concurrent processes, a check of this path)
+        runs.extend(_run_concurrently(plan, args, argv))
+        fallbacks = sorted({m for r in runs for m in r.pop("fallback_warnings", [])})
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name, recipe in plan:
+                print(f"run {name} ...", flush=True)
+                runs.append(run_one(name, recipe, args, device))
+                print(f"  done: final loss {runs[-1]['final_loss']:.5f}, step {runs[-1]['step_ms']:.2f} ms, "
+                      f"fp8 GEMMs {runs[-1]['quantized_gemms']}, {time.perf_counter() - started:.0f} s so far",
+                      flush=True)
+                _dump(path, payload)  # what is done so far survives a run cut short by a time limit
+        fallbacks = sorted({str(w.message) for w in caught if type(w.message).__name__ == "Fp8FallbackWarning"})
     rows = summarize(runs)
     n_tasks = len(runs[0]["train_ne"])
     text = table(rows, n_tasks)

@@ -2,7 +2,7 @@
 world N (the plan under torchrun, NCCL), with the same per-GPU batch; the ratio is Meta's "scaling ratio".
 
     python benchmarks/parallel_scaling.py [--out DIR] [--size small] [--batch-per-gpu 256] [--nproc 2]
-                                          [--steps 20] [--warmup 5] [--compile eager|gem]
+                                          [--steps 20] [--warmup 5] [--compile eager|gem] [--profile]
     python benchmarks/parallel_scaling.py --smoke      # CPU, gloo, GEM-ref tiny, a few steps
 
 The launcher runs `torchrun --standalone --nproc_per_node=1` and then `--nproc_per_node=N` of this file
@@ -11,7 +11,10 @@ are set unless already set, and recorded). Each step: forward under bf16 autocas
 of the global batch, backward, Adam (dense, experts) / Adagrad (tables). Timed: `--steps` steps after
 `--warmup`, pre-drawn batches rotated (data generation is not timed), the slowest rank's time. One more
 step runs under CollectiveCounter: the collectives per (op, mesh axis), observed and planned, go to the
-JSON with the plan's axes and bytes per rank. Target (issue 8): scaling ratio >= 0.9 at N = 2.
+JSON with the plan's axes and bytes per rank. Then 3 steps synchronized at each phase boundary
+(forward + loss, backward, gradient norm, optimizer) give `phase_ms_synchronized`, and with --profile
+2 steps under torch.profiler give the top operators by device time. World 1 computes no gradient norm
+(nothing to reduce across meshes), which favours it. Target (issue 8): scaling ratio >= 0.9 at N = 2.
 Results: `parallel_scaling-<stamp>.json` via harness.write_json ($OUT, else --out, else results/).
 """
 
@@ -82,7 +85,18 @@ def _worker(args: argparse.Namespace) -> None:
 
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
-    def step(i: int) -> float:
+    def step(i: int, marks: list | None = None) -> float:
+        """One training step; with `marks`, synchronizes and appends (phase, seconds) at each boundary."""
+        t0 = time.perf_counter()
+
+        def mark(phase: str) -> None:
+            nonlocal t0
+            if marks is not None:
+                sync()
+                now = time.perf_counter()
+                marks.append((phase, now - t0))
+                t0 = now
+
         batch = batches[i % len(batches)]
         local = batch if runtime is None else runtime.local_batch(batch)
         with autocast:
@@ -91,14 +105,18 @@ def _worker(args: argparse.Namespace) -> None:
             loss = masked_bce_loss(logits.float(), local.labels, local.label_mask)
         else:
             loss = runtime.loss(logits.float(), local.labels, local.label_mask)
+        mark("forward")
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
+        mark("backward")
         if runtime is not None:  # as runtime/train.py: table gradients, the global norm (no clipping)
             runtime.finish_gradients()
             runtime.clip_grad_norm_(None)
+        mark("gradients")
         for opt in optimizers:
             opt.step()
+        mark("optimizer")
         return loss
 
     def sync() -> None:
@@ -138,6 +156,15 @@ def _worker(args: argparse.Namespace) -> None:
         plan = runtime.plan
         plan_info = {"axes": plan.axes.as_dict(), "embedding_sharding": plan.config.embedding_sharding,
                      "param_bytes_total": plan.total_bytes(), "param_bytes_per_rank": plan.bytes_per_rank()}
+    # Where a step's time goes: the phases of 3 steps, synchronized at each boundary (slower than the
+    # timed steps; for the split, not the total), and with --profile the top operators by device time.
+    phases: dict[str, float] = {}
+    for i in range(3):
+        marks: list = []
+        step(args.warmup + args.steps + 1 + i, marks)
+        for phase, seconds in marks:
+            phases[phase] = phases.get(phase, 0.0) + 1e3 * seconds / 3
+    profile = _profile(lambda i: step(args.warmup + args.steps + 4 + i), sync, device_type) if args.profile else None
     peak = torch.cuda.max_memory_allocated() if device_type == "cuda" else None
     peaks = [peak]
     if world > 1 and peak is not None:
@@ -164,10 +191,35 @@ def _worker(args: argparse.Namespace) -> None:
         "collectives_as_planned": observed == expected,
         "plan": plan_info,
         "compile": args.compile,
+        "phase_ms_synchronized": {k: round(v, 2) for k, v in phases.items()},
+        "profile_top_ops": profile,
     }
     if rank == 0:
         Path(args.part).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _profile(run_step, sync, device_type: str, steps: int = 2, top: int = 25) -> list[dict]:
+    """The operators with the most device time (self) over `steps` steps under torch.profiler, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            run_step(i)
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0.0)
+        rows.append({"name": e.key[:120], "calls_per_step": e.count / steps,
+                     "self_device_ms_per_step": device_us / 1e3 / steps,
+                     "cpu_total_ms_per_step": e.cpu_time_total / 1e3 / steps})
+    key = "self_device_ms_per_step" if device_type == "cuda" else "cpu_total_ms_per_step"
+    rows.sort(key=lambda r: -r[key])
+    total = sum(r["self_device_ms_per_step"] for r in rows)
+    return [{"name": "(all operators: device ms per step)", "self_device_ms_per_step": total}] + rows[:top]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,8 +234,16 @@ def _launch(nproc: int, args: argparse.Namespace, part: Path, env: dict) -> dict
            "--batches", str(args.batches), "--fill", str(args.fill), "--compile", args.compile]
     if args.smoke:
         cmd.append("--smoke")
+    if args.profile:
+        cmd.append("--profile")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"")[-3000:].decode(errors="replace") + "\n"
+                + (e.stderr or b"")[-3000:].decode(errors="replace")).strip()
+        return {"world": nproc, "error": f"timed out after {args.timeout_s} s", "log_tail": tail,
+                "wall_s": round(time.perf_counter() - start, 1)}
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not part.exists():
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
@@ -206,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill", type=float, default=0.5)
     parser.add_argument("--compile", choices=["eager", "gem"], default="eager")
     parser.add_argument("--timeout-s", type=int, default=170, help="limit per torchrun job")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record the top operators by device time of 2 steps (torch.profiler)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

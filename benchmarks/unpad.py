@@ -22,6 +22,9 @@ Per (method, fill): ``--warmup`` steps (the first one compiles; ``compile_s`` = 
 a median step), then ``--steps`` timed steps rotating ``--batches`` pre-generated batches, each timed
 with CUDA events (median ms; ``wall_ms_per_step`` is the host-side mean of the same loop, which also
 carries the host syncs unpad adds: one device-to-host read of the token count per region per step).
+``kernel_ms_per_step``: the GPU time of the kernels of ``--kernel-steps`` more steps under
+torch.profiler, per step, so that a host-bound step (CUDA-event time = host time) still shows what
+each method costs the GPU; the ratios come both ways.
 ``first_loss`` is the loss of the first step, always the fill's batch 0, so methods can be compared
 for correctness. ``ratios`` per fill: peer ms / gem ms (> 1: gem is faster). ``--budget-s`` is a soft
 wall-clock budget: (method, fill) pairs not started by then are recorded as skipped. The JSON is
@@ -152,6 +155,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _kernel_ms_per_step(step, batches, steps: int) -> float:
+    """GPU time of the kernels (and copies) of `steps` train steps under torch.profiler, per step: what the
+    step costs the GPU, without the host gaps that CUDA-event time of a host-bound step includes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.key_averages():
+        total_us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    return total_us / 1e3 / steps
+
+
 def run_fill(runner, tower, batches, x_sums, args, device, autocast, first_fill: bool) -> dict:
     """Warm-up then timed train steps of one (method, fill); the method is already wrapped (runner)."""
 
@@ -196,6 +214,9 @@ def run_fill(runner, tower, batches, x_sums, args, device, autocast, first_fill:
             times_ms.append(1e3 * (time.perf_counter() - s0))
     wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     median_ms = statistics.median(times_ms)
+    kernel_ms = None
+    if device.type == "cuda" and args.kernel_steps > 0:
+        kernel_ms = _kernel_ms_per_step(step, batches, args.kernel_steps)
     graphs_end = _counter("stats", "unique_graphs")
     return {
         "ms_per_step": median_ms,
@@ -203,6 +224,7 @@ def run_fill(runner, tower, batches, x_sums, args, device, autocast, first_fill:
         "ms_per_step_max": max(times_ms),
         "step_ms": [round(t, 4) for t in times_ms],  # in order: shows a slow tail (late compiles, pools)
         "wall_ms_per_step": wall_ms,
+        "kernel_ms_per_step": kernel_ms,
         "samples_per_s": args.batch_size / median_ms * 1e3,
         "first_step_s": first_step_s,
         "compile_s": max(0.0, first_step_s - median_ms / 1e3),
@@ -219,9 +241,13 @@ def ratios(results: list[dict], fills: list[float]) -> dict:
     out = {}
     for fill in fills:
         ms = {r["method"]: r["ms_per_step"] for r in results if r["fill"] == fill and "ms_per_step" in r}
+        kernel_ms = {r["method"]: r["kernel_ms_per_step"] for r in results
+                     if r["fill"] == fill and r.get("kernel_ms_per_step")}
         losses = {r["method"]: r["first_loss"] for r in results if r["fill"] == fill and "first_loss" in r}
         entry = {name: ms[peer] / ms[ours] if peer in ms and ours in ms else None
                  for name, (peer, ours) in RATIOS.items()}
+        entry.update({f"{name}_kernel_time": kernel_ms[peer] / kernel_ms[ours]
+                      for name, (peer, ours) in RATIOS.items() if peer in kernel_ms and ours in kernel_ms})
         ref = "eager" if "eager" in losses else next(iter(losses), None)
         if ref is not None and losses[ref]:
             entry["first_loss_reference"] = ref
@@ -246,6 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     parser.add_argument("--batches", type=int, default=8, help="pre-generated batches rotated per fill")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel-steps", type=int, default=3,
+                        help="steps profiled for the GPU kernel time per step (CUDA only; 0: skip)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="do not start a (method, fill) pair after this many seconds (default 420)")
@@ -357,14 +385,15 @@ def main(argv=None) -> int:
     print()
     print(format_table(results, [
         ("method", "method", "s"), ("fill", "fill", "g"), ("padding_efficiency", "pad eff", ".3f"),
-        ("ms_per_step", "ms/step", ".3f"), ("samples_per_s", "samples/s", ".0f"),
-        ("compile_s", "compile s", ".1f"), ("recompiles", "recompiles", "d"),
+        ("ms_per_step", "ms/step", ".3f"), ("kernel_ms_per_step", "kernel ms", ".3f"),
+        ("samples_per_s", "samples/s", ".0f"), ("compile_s", "compile s", ".1f"), ("recompiles", "recompiles", "d"),
         ("unpad_rewrites", "unpad rewrites", "d"), ("first_loss", "first loss", ".6g"),
         ("peak_memory_gib", "peak GiB", ".2f"),
     ]))
     rows = [{"fill": fill, **entry} for fill, entry in payload["ratios"].items()]
     print()
-    print(format_table(rows, [("fill", "fill", "s"), *[(name, name, ".3f") for name in RATIOS]]))
+    print(format_table(rows, [("fill", "fill", "s"), *[(name, name, ".3f") for name in RATIOS],
+                              *[(f"{name}_kernel_time", f"{name} (kernel time)", ".3f") for name in RATIOS]]))
     skipped = [f"{r['method']}@{r['fill']}: {r.get('skipped') or r.get('error')}" for r in results
                if "ms_per_step" not in r]
     if skipped:

@@ -153,6 +153,12 @@ class UnpadConfig:
     """The share of valid tokens Inductor tunes packed kernels for (its size hint for T = B * N * this);
     any fill runs correctly and nothing recompiles, only kernel choices depend on it."""
 
+    pad_reductions: bool | None = False
+    """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
+    (bias and norm-weight gradients); see passes/unpad_reductions.py. None: only where Inductor cannot
+    size a reduction over T from its hint (torch < 2.13). Off by default: exact, but its one H200 A/B
+    (torch 2.11, benchmarks/results/unpad-20261130-082656.json) showed no gain above the run's noise."""
+
     def __post_init__(self):
         _check_types(self)
         if not 0.0 < self.expected_fill <= 1.0:

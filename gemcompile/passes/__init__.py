@@ -13,6 +13,7 @@ from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.unpad import UnpadPass
+from gemcompile.passes.unpad_reductions import UnpadReductionsPass
 
 PIPELINE: tuple[type[GemPass], ...] = (
     ShardingPass,  # pre_grad: each parameter's mesh and DTensor placements -> node.meta["custom"] (no rewrite)
@@ -21,8 +22,9 @@ PIPELINE: tuple[type[GemPass], ...] = (
     GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
+    UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
 )
 """The default passes, in order."""
 
-__all__ = ["PIPELINE", "STAGES", "GemPass", "PassManager", "Stage", "UnpadPass"]
+__all__ = ["PIPELINE", "STAGES", "GemPass", "PassManager", "Stage", "UnpadPass", "UnpadReductionsPass"]

@@ -38,6 +38,11 @@ PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
 
 
+VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
+            "gem-unpad-pad-reductions": {"unpad": {"pad_reductions": True}}}
+"""Named GemConfig variants beyond one pass group on or off (A/B of a pass's option)."""
+
+
 def available_methods() -> list[str]:
     """Every method name the bench understands, given the passes GemConfig has."""
     from gemcompile import GemConfig
@@ -52,6 +57,7 @@ def available_methods() -> list[str]:
             methods.append(f"gem-no-{f.name}")
         elif f.name in PASS_GROUPS_OFF_BY_DEFAULT:
             methods.append(f"gem+{f.name}")
+    methods += list(VARIANTS)
     return methods
 
 
@@ -119,6 +125,8 @@ def _gem_config(method: str):
 
     if method == "gem":
         return GemConfig()
+    if method in VARIANTS:
+        return GemConfig(**VARIANTS[method])
     if method.startswith("gem-no-"):
         return GemConfig(**{method[len("gem-no-"):]: {"enabled": False}})
     if method.startswith("gem+"):

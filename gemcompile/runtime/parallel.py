@@ -131,17 +131,25 @@ def grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None = None, gr
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, t in zip(grads, local):
+    # One fused norm kernel per (device, dtype, replication) group instead of a few small kernels per parameter: the
+    # per-parameter loop cost ~37 ms of host time per step for GEM-ref small on the H200.
+    groups: dict[tuple, list[int]] = {}  # (device, dtype, replication) -> indices
+    for i, t in enumerate(local):
         if t.numel():
-            total = total + t.detach().float().pow(2).sum() / _replication(g)
+            groups.setdefault((t.device, t.dtype, _replication(grads[i])), []).append(i)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, _, replication), indices in groups.items():
+        norms = torch._foreach_norm([local[i].detach() for i in indices], 2)
+        squares = torch.stack([n.float() for n in norms]).pow(2).sum()
+        total = total + (squares / replication).to(device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     norm = total.sqrt()
     if max_norm is not None:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for t in local:
-            t.mul_(coef.to(t.dtype))
+        for indices in groups.values():
+            tensors = [local[i] for i in indices]
+            torch._foreach_mul_(tensors, coef.to(device=tensors[0].device, dtype=tensors[0].dtype))
     return norm
 
 

@@ -319,3 +319,37 @@ def test_mx_kernel_on_a_transposed_view(rule):
     e, c = k.mx_quantize_triton(b.t(), rule)
     e2, c2 = k.mx_quantize_triton(b.t().contiguous(), rule)
     assert torch.equal(e.view(torch.uint8), e2.view(torch.uint8)) and torch.equal(c, c2)
+
+
+def _mismatch(ours, ref) -> str:
+    """Where two uint8/int32 views differ: count and the first few (row, col) positions."""
+    diff = (ours != ref).nonzero()
+    return f"{diff.shape[0]} of {ours.numel()} differ, first at {diff[:4].tolist()}"
+
+
+@pytest.mark.parametrize("impl", ["old", "tile"])
+@pytest.mark.parametrize("shape", [(65536, 4096), (8192, 2048), (1000, 1960)])
+def test_transposed_only_copy_against_the_reference_autotuned(shape, impl, monkeypatch):
+    """The transposed-only 1x128 copy (row=False: the wgrad operand) of each implementation, autotuned as in
+    the A/B benchmark, against the reference quantization of x.T run on CUDA, and against the same
+    implementation's dual call. (The A/B of stop 14 saw old and tile disagree here at 65536 x 4096.)"""
+    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", impl)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(*shape, device=DEV, generator=g).to(torch.bfloat16)
+    R, C = shape
+    _, _, xt8, st = k.quantize_1x128(x, "rceil", row=False)
+    _, _, dual_t8, dual_st = k.quantize_1x128(x, "rceil")
+    pad = torch.nn.functional.pad(x, (0, -C % 128, 0, -R % 128))
+    re, rc = block_quantize(pad.t().contiguous(), (1, 128), "rceil")
+    want8, want_s = u8(re[:C, :R]), k.codes_to_descale(rc[:C]).view(torch.int32)
+    got8, got_s = u8(xt8), st.float().contiguous().view(torch.int32)
+    problems = []
+    if not torch.equal(got8, want8):
+        problems.append(f"{impl} row=False bytes vs reference: {_mismatch(got8, want8)}")
+    if not torch.equal(got_s, want_s):
+        problems.append(f"{impl} row=False scales vs reference: {_mismatch(got_s, want_s)}")
+    if not torch.equal(u8(dual_t8), want8):
+        problems.append(f"{impl} dual bytes vs reference: {_mismatch(u8(dual_t8), want8)}")
+    if not torch.equal(dual_st.float().contiguous().view(torch.int32), want_s):
+        problems.append(f"{impl} dual scales vs reference")
+    assert not problems, "; ".join(problems)
