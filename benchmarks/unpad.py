@@ -115,7 +115,7 @@ class SequenceTower(nn.Module):
         seqs = self.seq_embedding(seq_items, seq_actions, seq_times, valids)  # [(B, N_k, d)]
         for layer, x_sum in zip(self.layers, x_sums):
             seqs = layer(seqs, valids, x_sum)
-        return self.final_summary(seqs, valids, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
+        return self.final_summary(seqs, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
 
 
 def build_tower(size: str, seed: int, device: torch.device) -> tuple[SequenceTower, object]:

@@ -3,7 +3,8 @@
 Plain PyTorch on padded tensors with boolean masks (gem_model.md section 6); nothing here knows about
 gemcompile. The compiler pattern-matches the attention idioms below, so they are written plainly:
 
-- sequence mask:        valid = torch.arange(N)[None, :] < lengths[:, None]             (B, N) bool
+- sequence mask:        valid = torch.arange(N)[None, :] < lengths[:, None]             (B, N) bool,
+                         built from the lengths in each layer (a layer compiled alone sees where it comes from)
 - PMA (short Q, long KV): F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
 - GDPA (long Q, short KV): a = F.gelu(q @ k.transpose(-2, -1)) / N; o = a @ v; o * valid[..., None]
 - block self-attention:  SDPA with mask (i // b)[:, None] == (j // b)[None, :] & valid[:, None, None, :],
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 __all__ = [
     "GemRefConfig",
     "gem_ref_config",
+    "length_mask",
     "GemRef",
     "NonSeqEmbedding",
     "SeqEmbedding",
@@ -289,6 +291,11 @@ def gate(x: Tensor, proj: nn.Linear) -> Tensor:
     return x * torch.sigmoid(proj(x))
 
 
+def length_mask(lengths: Tensor, n: int) -> Tensor:
+    """valid[b, t] = t < lengths[b]: the (B, n) bool mask of a padded sequence batch."""
+    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+
+
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
     """(B, N, H * Dh) -> (B, H, N, Dh)."""
     return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
@@ -421,9 +428,10 @@ class SeqSummary(nn.Module):
         self.pma = nn.ModuleList(PMA(cfg) for _ in range(cfg.n_seq))
         self.gate = nn.ModuleList(nn.Linear(cfg.d, cfg.d) for _ in range(cfg.n_seq))
 
-    def forward(self, seqs: list[Tensor], valids: list[Tensor], seq_lengths: list[Tensor]) -> Tensor:
+    def forward(self, seqs: list[Tensor], seq_lengths: list[Tensor]) -> Tensor:
         summaries = []
-        for k, (s, valid, lengths) in enumerate(zip(seqs, valids, seq_lengths)):
+        for k, (s, lengths) in enumerate(zip(seqs, seq_lengths)):
+            valid = length_mask(lengths, s.shape[1])
             pooled = self.pma[k](s, valid)  # (B, n_pma, d)
             # The n_recent most recent valid tokens (most recent first); zero where the sequence is shorter.
             arange = torch.arange(self.n_recent, device=s.device)
@@ -574,14 +582,15 @@ class GemLayer(nn.Module):
         self,
         x: Tensor,
         seqs: list[Tensor],
-        valids: list[Tensor],
         seq_lengths: list[Tensor],
         s_sum_cache: Tensor | None,
     ) -> tuple[Tensor, list[Tensor], Tensor]:
-        # x (B, N_x, d); seqs[k] (B, N_k, d)
+        # x (B, N_x, d); seqs[k] (B, N_k, d). The layer builds its masks from the lengths itself, so that a
+        # layer compiled alone (per-FSDP-unit compile, local MFU) shows the compiler where they come from.
+        valids = [length_mask(lengths, s.shape[1]) for s, lengths in zip(seqs, seq_lengths)]
         x_sum = self.summary(x) if self.summary is not None else None  # (B, n_sum, d)
         if self.seq_summary is not None:
-            s_sum = self.seq_summary(seqs, valids, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
+            s_sum = self.seq_summary(seqs, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
         else:
             assert s_sum_cache is not None, "a CompSkip layer needs the previous layer's sequence summary"
             s_sum = s_sum_cache
@@ -642,16 +651,13 @@ class GemRef(nn.Module):
         seq_lengths: list[Tensor],
         domain: Tensor,
     ) -> Tensor:
-        valids = []
-        for items, lengths in zip(seq_items, seq_lengths):
-            n = items.shape[1]
-            valids.append(torch.arange(n, device=items.device)[None, :] < lengths[:, None])  # (B, N_k)
+        valids = [length_mask(lengths, items.shape[1]) for items, lengths in zip(seq_items, seq_lengths)]
         x = self.nonseq_embedding(sparse_ids, dense)  # (B, N_ns, d)
         seqs = self.seq_embedding(seq_items, seq_actions, seq_times, valids)  # [(B, N_k, d)]
         s_sum = None
         for layer in self.layers:
-            x, seqs, s_sum = layer(x, seqs, valids, seq_lengths, s_sum)
-        s_sum = self.final_summary(seqs, valids, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
+            x, seqs, s_sum = layer(x, seqs, seq_lengths, s_sum)
+        s_sum = self.final_summary(seqs, seq_lengths)  # (B, n_seq * (n_pma + n_recent), d)
         return self.heads(x, s_sum, domain)  # (B, n_tasks)
 
     def sparse_parameters(self) -> list[nn.Parameter]:

@@ -63,3 +63,26 @@ def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     assert sorted(r.metrics["seq"] for r in unpad) == sorted(config.seq_max_lens)
     for r in unpad:
         assert r.metrics["gemms"] >= 1 + config.n_layers * 4, r.detail  # input proj + per layer q/out/up/down
+
+
+def test_a_layer_compiled_alone_is_rewritten_like_in_the_whole_model():
+    """Per-unit compile (the parallel plan's FSDP units, local MFU per layer) hands the compiler one
+    GemLayer with lengths as inputs: it builds its masks itself, so the attention passes still prove them
+    and rewrite every attention of the layer, as they do in the whole model."""
+    from gemcompile import explain
+
+    config = gem_ref_config("tiny")
+    torch.manual_seed(0)
+    model = GemRef(config)
+    batch = SyntheticData(config.data_config(batch_size=8, fill=0.5)).batch(0)
+    captured = []
+    layer = model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda _m, args: captured.append(args))
+    with torch.no_grad():
+        model(**batch.features())
+    handle.remove()
+    report = explain(layer, *captured[0])
+    n_seq = config.n_seq
+    assert report.counts["jagged_attention"] == n_seq  # the PMA of the layer's sequence summary
+    assert report.counts["gdpa"] == n_seq and report.counts["block_attention"] == n_seq
+    assert not [r for r in report.refusals if r.pass_name in ("jagged_attention", "gdpa", "block_attention")]
