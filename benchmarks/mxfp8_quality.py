@@ -343,7 +343,8 @@ def _run_concurrently(plan, args, argv) -> list[dict]:
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
                 cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only-run", str(index),
                        "--part", str(part)]
-                print(f"run {plan[index][0]} on GPU {gpu} ...", flush=True)
+                where = f"GPU {gpu}" if args.device == "cuda" else f"process {gpu + 1} (CPU)"
+                print(f"run {plan[index][0]} on {where} ...", flush=True)
                 procs.append((index, part, subprocess.Popen(cmd, env=env)))
             for index, part, proc in procs:
                 if proc.wait() != 0 or not part.exists():
