@@ -51,7 +51,7 @@ sys.path.insert(0, str(_HERE))
 from harness import environment, format_table, write_json
 
 from gemcompile.models.data import SyntheticData
-from gemcompile.models.gem import GemRef, gem_ref_config
+from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
 from gemcompile.runtime.e2e_bench import _compiled, available_methods
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
@@ -76,15 +76,7 @@ class _SeqLayer(nn.Module):
         self.ffn = layer.ffn
 
     def forward(self, seqs: list[Tensor], valids: list[Tensor], x_sum: Tensor) -> list[Tensor]:
-        # The per-sequence loop of GemLayer.forward.
-        seqs_next = []
-        for k, (s, valid) in enumerate(zip(seqs, valids)):
-            if self.gdpa is not None:
-                s = self.gdpa[k](s, x_sum, valid)
-            if self.self_attention is not None:
-                s = self.self_attention[k](s, valid)
-            seqs_next.append(self.ffn[k](s, valid))
-        return seqs_next
+        return sequence_arch(self, seqs, valids, x_sum)  # the per-sequence path of GemLayer.forward
 
 
 class SequenceTower(nn.Module):

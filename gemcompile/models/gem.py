@@ -25,6 +25,7 @@ __all__ = [
     "GemRefConfig",
     "gem_ref_config",
     "length_mask",
+    "sequence_arch",
     "GemRef",
     "NonSeqEmbedding",
     "SeqEmbedding",
@@ -559,6 +560,19 @@ class TokenFFN(nn.Module):
         return s + self.down(F.gelu(self.up(self.norm(s)))) * valid[..., None]
 
 
+def sequence_arch(layer: nn.Module, seqs: list[Tensor], valids: list[Tensor], x_sum: Tensor | None) -> list[Tensor]:
+    """A layer's per-sequence path: GDPA cross-attention to X_sum, block self-attention, token FFN (the
+    first two where the layer has them), with ``layer``'s ``gdpa`` / ``self_attention`` / ``ffn`` lists."""
+    seqs_next = []
+    for k, (s, valid) in enumerate(zip(seqs, valids)):
+        if layer.gdpa is not None:
+            s = layer.gdpa[k](s, x_sum, valid)
+        if layer.self_attention is not None:
+            s = layer.self_attention[k](s, valid)
+        seqs_next.append(layer.ffn[k](s, valid))
+    return seqs_next
+
+
 class GemLayer(nn.Module):
     """One GEM layer: non-seq summary, sequence pooling, Wukong interaction, sequence arch per type."""
 
@@ -595,14 +609,7 @@ class GemLayer(nn.Module):
             assert s_sum_cache is not None, "a CompSkip layer needs the previous layer's sequence summary"
             s_sum = s_sum_cache
         x_next = self.interaction(torch.cat([x, s_sum], dim=1))  # (B, n_F + n_L, d)
-        seqs_next = []
-        for k, (s, valid) in enumerate(zip(seqs, valids)):
-            if self.gdpa is not None:
-                s = self.gdpa[k](s, x_sum, valid)
-            if self.self_attention is not None:
-                s = self.self_attention[k](s, valid)
-            seqs_next.append(self.ffn[k](s, valid))
-        return x_next, seqs_next, s_sum
+        return x_next, sequence_arch(self, seqs, valids, x_sum), s_sum
 
 
 class Heads(nn.Module):
