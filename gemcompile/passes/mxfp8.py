@@ -65,6 +65,7 @@ import sympy
 import torch
 from torch import fx
 from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.records import describe_nodes
@@ -161,6 +162,8 @@ def _hint(size: Any) -> int | None:
         return size
     try:
         hint = size.node.hint
+        if hint is None and free_unbacked_symbols(size):  # unpad's packed token count: no hint of its own
+            return _unbacked_hint(size)
         if hint is None:
             hint = size.node.shape_env.size_hint(size.node.expr)
         if hint is not None:
