@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gemcompile.passes.base import GemPass

@@ -7,8 +7,7 @@ from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
 from gemcompile.passes.unpad_reductions import inductor_splits_unbacked_reductions
-
-from tests.integration.test_unpad_pass import B, LENGTH_SETS, N, MaskedResidualFfn, x_only
+from tests.integration.test_unpad_pass import LENGTH_SETS, B, MaskedResidualFfn, N, x_only
 
 PAD = GemConfig(unpad={"pad_reductions": True})
 
