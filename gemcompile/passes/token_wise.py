@@ -162,6 +162,21 @@ def _getitem_translator(index: Any, rank: int) -> Callable | None:
     return None
 
 
+def _two_dims_rule(node: fx.Node, first: fx.Node, rank: int, one: tuple, two: tuple) -> TokenWise | None:
+    """flatten / transpose: an op with two dim arguments (positions 1 and 2, names and defaults in
+    ``one`` / ``two``), structural when both dims are trailing; each is shifted to the packed rank."""
+    dims = [_arg(node, position, name, default) for position, (name, default) in ((1, one), (2, two))]
+    if any(packed_dim(d, rank) is None for d in dims):
+        return None
+
+    def translate(args, kwargs):
+        for position, (name, _), d in zip((1, 2), (one, two), dims):
+            args, kwargs = _set_arg(args, kwargs, position, name, packed_dim(d, rank))
+        return args, kwargs
+
+    return TokenWise(node, "structural", (first,), translate)
+
+
 def classify(node: fx.Node, batch, seq) -> TokenWise | None:
     """The node's token-wise rule over rows (batch, seq), or None when it is not token-wise."""
     if node.op not in ("call_function", "call_method"):
@@ -225,25 +240,9 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
         translate = _dims_translator(1, "dim", rank, required=True)
         return TokenWise(node, "structural", (first,), translate) if translate(node.args, node.kwargs) else None
     if name == "flatten":
-        start, end = _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1)
-        if packed_dim(start, rank) is None or packed_dim(end, rank) is None:
-            return None
-
-        def translate_flatten(args, kwargs):
-            args, kwargs = _set_arg(args, kwargs, 1, "start_dim", packed_dim(start, rank))
-            return _set_arg(args, kwargs, 2, "end_dim", packed_dim(end, rank))
-
-        return TokenWise(node, "structural", (first,), translate_flatten)
+        return _two_dims_rule(node, first, rank, ("start_dim", 0), ("end_dim", -1))
     if name == "transpose":
-        a, b = _arg(node, 1, "dim0"), _arg(node, 2, "dim1")
-        if packed_dim(a, rank) is None or packed_dim(b, rank) is None:
-            return None
-
-        def translate_transpose(args, kwargs):
-            args, kwargs = _set_arg(args, kwargs, 1, "dim0", packed_dim(a, rank))
-            return _set_arg(args, kwargs, 2, "dim1", packed_dim(b, rank))
-
-        return TokenWise(node, "structural", (first,), translate_transpose)
+        return _two_dims_rule(node, first, rank, ("dim0", None), ("dim1", None))
     if name == "getitem" and node.target is operator.getitem:
         translate = _getitem_translator(node.args[1], rank)
         return TokenWise(node, "structural", (first,), translate) if translate else None
