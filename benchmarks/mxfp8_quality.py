@@ -1,11 +1,13 @@
 """MXFP8 quality and step time: GEM-ref trained with bf16 GEMMs against each FP8 recipe (issue 7).
 
 Every run trains the same GEM-ref (same seed, same synthetic batches) under bf16 autocast, compiled with
-gem_compile; the FP8 runs turn on the mxfp8 pass (GemConfig.mxfp8), the baseline does not. Reported per
-run: the NE per task over the last ``--window`` training steps and on ``--eval-batches`` held-out batches,
-the relative NE difference against bf16 (target: within 0.1%), the largest loss, a divergence flag
-(non-finite loss, or a final loss 10% above bf16's), the median step time (with and without the pass),
-the compile time and how many GEMMs the pass quantized. The per-step losses go into the JSON (the
+gem_compile; the FP8 runs turn on the mxfp8 pass (GemConfig.mxfp8), the baseline does not. Every
+``--eval-every`` steps a run measures the NE per task on ``--eval-batches`` held-out batches (and over the
+last ``--window`` training steps). Reported per run, at the last checkpoint it shares with bf16: the
+relative NE difference against bf16 (target: within 0.1%), the largest loss, a divergence flag (non-finite
+loss, or a final loss 10% above bf16's), the median step time (with and without the pass), the compile
+time and how many GEMMs the pass quantized. ``--baseline-repeats 2`` adds a bf16 run that differs only in
+its initialization seed: its gap is the noise floor. The per-step losses go into the JSON (the
 loss-curve data) and, when matplotlib is importable, into a PNG beside it.
 
     python benchmarks/mxfp8_quality.py                       # GPU: GEM-ref small, 300 steps, bf16 / blockwise / mxfp8
@@ -24,6 +26,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -63,18 +66,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(name: str, recipe: str | None, args, device: torch.device) -> dict:
-    """Train GEM-ref with one GEMM precision; returns losses, NE, timings and what the pass did. Compile
-    caches are off: a graph served from a cache is not compiled, so the pass would count nothing (and
-    the compile time would flatter a rerun)."""
+def run_one(name: str, recipe: str | None, args, device: torch.device, init_seed: int | None = None,
+            on_checkpoint=None) -> dict:
+    """Train GEM-ref with one GEMM precision; returns losses, NE checkpoints, timings and what the pass did.
+    Compile caches are off: a graph served from a cache is not compiled, so the pass would count nothing
+    (and the compile time would flatter a rerun). `on_checkpoint(partial_result)` runs after each held-out
+    evaluation, so a run cut short by a time limit still leaves its checkpoints behind."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        return _run_one(name, recipe, args, device)
+        return _run_one(name, recipe, args, device, args.seed if init_seed is None else init_seed, on_checkpoint)
 
 
-def _run_one(name: str, recipe: str | None, args, device: torch.device) -> dict:
+def checkpoint_steps(steps: int, every: int) -> list[int]:
+    """The steps after which the held-out NE is measured: every `every` steps, and always the last one."""
+    marks = list(range(every, steps + 1, every)) if every > 0 else []
+    return marks if marks and marks[-1] == steps else marks + [steps]
+
+
+def _run_one(name, recipe, args, device, init_seed, on_checkpoint) -> dict:
     from torch._dynamo.utils import counters
 
     from gemcompile import gem_compile
@@ -87,16 +98,34 @@ def _run_one(name: str, recipe: str | None, args, device: torch.device) -> dict:
     counters.clear()
     model_cfg = gem_ref_config(args.size)
     data = SyntheticData(model_cfg.data_config(args.batch_size, fill=args.fill, seed=args.seed))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(init_seed)  # the batches follow args.seed whatever the initialization
     model = GemRef(model_cfg).to(device)
     optimizers = build_optimizers(model, args.lr, args.embedding_lr)
     runner = gem_compile(model, config=_gem_config(recipe, args.min_dim, tuple(args.bf16_weight_grad)))
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
+
+    held_out: list = []  # the held-out batches, drawn once (on the CPU) for every checkpoint
+
+    def held_out_ne() -> list[float]:
+        # batches the run never trains on; grad mode kept so the training graph is reused (no recompile)
+        if not held_out:
+            held_out.extend(data.batch(args.eval_offset + i) for i in range(args.eval_batches))
+        ne_window = MetricWindow(model_cfg.n_tasks, window=None)
+        for cpu_batch in held_out:
+            batch = cpu_batch.to(device)
+            with autocast:
+                logits = runner(**batch.features())
+            ne_window.update(logits.detach().float(), batch.labels, batch.label_mask)
+        return list(ne_window.compute().ne) if args.eval_batches else []
+
     window = MetricWindow(model_cfg.n_tasks, window=args.window)
-    losses: list[float] = []
+    marks = set(checkpoint_steps(args.steps, args.eval_every))
+    result = {"name": name, "recipe": recipe, "init_seed": init_seed, "losses": [], "checkpoints": [],
+              "step_ms": math.nan, "compile_s": math.nan, "complete": False}
+    losses: list[float] = result["losses"]
+    started = time.perf_counter()
     step_ms: list[float] = []
-    compile_s = math.nan
     model.train()
     for step in range(args.steps):
         batch = data.batch(step).to(device)
@@ -113,7 +142,7 @@ def _run_one(name: str, recipe: str | None, args, device: torch.device) -> dict:
         value = loss.item()  # syncs
         elapsed = time.perf_counter() - start
         if step == 0:
-            compile_s = elapsed
+            result["compile_s"] = elapsed
         elif step > args.warmup:
             step_ms.append(1e3 * elapsed)
         losses.append(value)
@@ -122,34 +151,28 @@ def _run_one(name: str, recipe: str | None, args, device: torch.device) -> dict:
             print(f"  {name}: non-finite loss {value} at step {step + 1}; stopping this run", flush=True)
             break
         if args.log_every and (step + 1) % args.log_every == 0:
-            print(f"  {name}: step {step + 1}/{args.steps} loss {value:.4f}", flush=True)
-    train_ne = window.compute().ne
-    # held-out batches (steps the run never trained on), grad mode kept so the training graph is reused
-    eval_window = MetricWindow(model_cfg.n_tasks, window=None)
-    for i in range(args.eval_batches):
-        batch = data.batch(args.eval_offset + i).to(device)
-        with autocast:
-            logits = runner(**batch.features())
-        eval_window.update(logits.detach().float(), batch.labels, batch.label_mask)
-    eval_ne = eval_window.compute().ne if args.eval_batches else ()
-    found = counters["gemcompile"]
-    quantized = {role: found.get(f"mxfp8_fp8_{role}", 0) for role in ("fwd", "dgrad", "wgrad")}
-    kept = {k.removeprefix("mxfp8_"): v for k, v in found.items()
-            if k.startswith("mxfp8_") and not k.startswith("mxfp8_fp8_") and k != "mxfp8_refused"}
-    return {
-        "name": name,
-        "recipe": recipe,
-        "losses": losses,
-        "train_ne": list(train_ne),
-        "eval_ne": list(eval_ne),
-        "max_loss": max(losses) if losses else math.nan,
-        "final_loss": statistics.fmean(losses[-args.window:]) if losses else math.nan,
-        "nonfinite": any(not math.isfinite(v) for v in losses),
-        "step_ms": statistics.median(step_ms) if step_ms else math.nan,
-        "compile_s": compile_s,
-        "quantized_gemms": quantized,
-        "kept_gemms": kept,
-    }
+            print(f"  {name}: step {step + 1}/{args.steps} loss {value:.4f} "
+                  f"({time.perf_counter() - started:.0f} s since the run began)", flush=True)
+        if step + 1 in marks:
+            result["checkpoints"].append({"step": step + 1, "train_ne": list(window.compute().ne),
+                                          "eval_ne": held_out_ne()})
+            result["step_ms"] = statistics.median(step_ms) if step_ms else math.nan
+            _fill_pass_counts(result, counters["gemcompile"])
+            print(f"  {name}: checkpoint at step {step + 1}, held-out NE "
+                  f"{[round(v, 5) for v in result['checkpoints'][-1]['eval_ne']]} "
+                  f"({time.perf_counter() - started:.0f} s since the run began)", flush=True)
+            if on_checkpoint is not None:
+                on_checkpoint(result)
+    result["step_ms"] = statistics.median(step_ms) if step_ms else math.nan
+    _fill_pass_counts(result, counters["gemcompile"])
+    result["complete"] = len(losses) == args.steps and all(math.isfinite(v) for v in losses)
+    return result
+
+
+def _fill_pass_counts(result: dict, found) -> None:
+    result["quantized_gemms"] = {role: found.get(f"mxfp8_fp8_{role}", 0) for role in ("fwd", "dgrad", "wgrad")}
+    result["kept_gemms"] = {k.removeprefix("mxfp8_"): v for k, v in found.items()
+                            if k.startswith("mxfp8_") and not k.startswith("mxfp8_fp8_") and k != "mxfp8_refused"}
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -162,30 +185,49 @@ def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    """Adds the comparison against the first (bf16) run: relative NE, divergence, step-time ratio."""
+def _checkpoint_at(run: dict, step: int) -> dict | None:
+    return next((c for c in run["checkpoints"] if c["step"] == step), None)
+
+
+def summarize(runs: list[dict], window: int) -> list[dict]:
+    """Adds the comparison against the first (bf16) run at the last held-out checkpoint both reached (a
+    run cut by a time limit is compared where it stopped): relative NE, divergence, step-time ratio, and the
+    relative NE at every shared checkpoint (does the gap close or grow?)."""
     base = runs[0]
+    base_steps = {c["step"] for c in base["checkpoints"]}
     rows = []
     for run in runs:
-        rel_train = [_rel(v, b) for v, b in zip(run["train_ne"], base["train_ne"])]
-        rel_eval = [_rel(v, b) for v, b in zip(run["eval_ne"], base["eval_ne"])]
+        shared = sorted(base_steps & {c["step"] for c in run["checkpoints"]})
+        step = shared[-1] if shared else None
+        mine, theirs = (_checkpoint_at(run, step), _checkpoint_at(base, step)) if step else (None, None)
+        rel_train = [_rel(v, b) for v, b in zip(mine["train_ne"], theirs["train_ne"])] if mine else []
+        rel_eval = [_rel(v, b) for v, b in zip(mine["eval_ne"], theirs["eval_ne"])] if mine else []
         # parity is judged on the held-out NE; on the training-window NE when the eval NE is undefined
         # (NaN: a task with one label value in the held-out batches), and not at all when both are
         basis = "eval" if rel_eval and len(_finite(rel_eval)) == len(rel_eval) else "train"
         compared = _finite(rel_eval) if basis == "eval" else _finite(rel_train)
-        blowup = (math.isfinite(run["final_loss"]) and math.isfinite(base["final_loss"])
-                  and run["final_loss"] > BLOWUP * base["final_loss"])
+        n = step or min(len(run["losses"]), len(base["losses"]))
+        final = statistics.fmean(run["losses"][max(0, n - window):n]) if n else math.nan
+        base_final = statistics.fmean(base["losses"][max(0, n - window):n]) if n else math.nan
+        blowup = math.isfinite(final) and math.isfinite(base_final) and final > BLOWUP * base_final
+        nonfinite = any(not math.isfinite(v) for v in run["losses"])
         run.update(
+            compared_step=step,
             rel_train_ne=rel_train,
             rel_eval_ne=rel_eval,
-            diverged=bool(run["nonfinite"] or blowup),
+            rel_eval_curve=[{"step": k, "rel_eval_ne": [_rel(v, b) for v, b in zip(
+                _checkpoint_at(run, k)["eval_ne"], _checkpoint_at(base, k)["eval_ne"])]} for k in shared],
+            final_loss=final,
+            max_loss=max(run["losses"][:n]) if n else math.nan,
+            diverged=bool(nonfinite or blowup),
             step_time_ratio=run["step_ms"] / base["step_ms"] if base["step_ms"] else math.nan,
             ne_basis=basis,
             ne_within_tolerance=(all(abs(r) <= NE_TOLERANCE for r in compared) if compared else None),
         )
         row = {
             "run": run["name"],
-            "final_loss": run["final_loss"],
+            "step": step if step else 0,
+            "final_loss": final,
             "max_loss": run["max_loss"],
             "diverged": "yes" if run["diverged"] else "no",
             "step_ms": run["step_ms"],
@@ -193,18 +235,27 @@ def summarize(runs: list[dict]) -> list[dict]:
             "compile_s": run["compile_s"],
             "fp8": "/".join(str(run["quantized_gemms"][r]) for r in ("fwd", "dgrad", "wgrad")),
         }
-        for t, ne in enumerate(run["train_ne"]):
-            row[f"train_ne{t}"] = ne
-            row[f"rel_train{t}"] = 100 * rel_train[t] if t < len(rel_train) else math.nan
-        for t, ne in enumerate(run["eval_ne"]):
-            row[f"eval_ne{t}"] = ne
-            row[f"rel_eval{t}"] = 100 * rel_eval[t] if t < len(rel_eval) else math.nan
+        for t, r in enumerate(rel_eval):
+            row[f"eval_ne{t}"] = mine["eval_ne"][t]
+            row[f"rel_eval{t}"] = 100 * r
+        for t, r in enumerate(rel_train):
+            row[f"train_ne{t}"] = mine["train_ne"][t]
+            row[f"rel_train{t}"] = 100 * r
         rows.append(row)
     return rows
 
 
+def noise_floor(runs: list[dict]) -> float | None:
+    """The largest relative NE gap between bf16 runs that differ only in their initialization seed (the
+    repeats of --baseline-repeats), on the basis each was judged on: the spread a recipe's gap is read
+    against. None without repeats."""
+    gaps = [abs(r) for run in runs[1:] if run["recipe"] is None
+            for r in (run["rel_eval_ne"] if run["ne_basis"] == "eval" else run["rel_train_ne"]) if math.isfinite(r)]
+    return max(gaps) if gaps else None
+
+
 def table(rows: list[dict], n_tasks: int, task_names=("CTR", "CVR")) -> str:
-    columns = [("run", "run", "s")]
+    columns = [("run", "run", "s"), ("step", "at step", "d")]
     for t in range(n_tasks):
         name = task_names[t] if t < len(task_names) else str(t)
         columns += [(f"eval_ne{t}", f"eval NE {name}", ".5f"), (f"rel_eval{t}", "vs base %", "+.3f"),
@@ -288,13 +339,22 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batches", type=int, default=None, help="held-out batches for the eval NE (default 20)")
     parser.add_argument("--eval-offset", type=int, default=1_000_000, help="first held-out batch index")
     parser.add_argument("--warmup", type=int, default=5, help="steps after the first left out of the step time")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="measure the held-out NE every this many steps (default 50; the last step always)")
     parser.add_argument("--baseline-repeats", type=int, default=1,
-                        help="train the bf16 baseline this many times (>1 shows the run-to-run noise floor)")
+                        help="train the bf16 baseline this many times, repeat i with initialization seed "
+                        "seed + i on the same batches: their NE spread is the noise floor a recipe is read against")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
     parser.add_argument("--gpus", type=int, default=1,
                         help="train the runs concurrently, one process per GPU (CUDA_VISIBLE_DEVICES=i); the "
                         "losses are those of sequential runs, the step times share the host's CPUs")
+    parser.add_argument("--procs-per-gpu", type=int, default=1,
+                        help="with --gpus: this many runs share each GPU (memory permitting); step times are then "
+                        "contended and not comparable")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="with --gpus: stop the runs still training after this many seconds and compare "
+                        "every run at the last held-out checkpoint it shares with bf16")
     parser.add_argument("--only-run", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny, a few steps, emulated recipes")
@@ -305,7 +365,7 @@ def parse_args(argv=None):
     smoke = args.smoke
     defaults = {"size": "tiny" if smoke else "small", "steps": 6 if smoke else 300,
                 "batch_size": 16 if smoke else 256, "dtype": "float32" if smoke else "bfloat16",
-                "window": 3 if smoke else 50, "eval_batches": 2 if smoke else 20,
+                "window": 3 if smoke else 50, "eval_batches": 2 if smoke else 20, "eval_every": 3 if smoke else 50,
                 "recipes": ["mxfp8_emulated", "blockwise"] if smoke else ["blockwise", "mxfp8"],
                 "device": "cpu" if smoke else "cuda"}
     for key, value in defaults.items():
@@ -325,34 +385,46 @@ def _dump(path: Path, payload: dict) -> None:
 
 
 def _run_concurrently(plan, args, argv) -> list[dict]:
-    """Each run of the plan in its own process on its own GPU, `args.gpus` at a time; results in plan order.
-    Every process trains from the same seed on the same batches, so the comparison is the sequential one."""
-    import os
+    """Each run of the plan in its own process, `args.gpus * args.procs_per_gpu` at a time, run i on GPU
+    i % gpus; results in plan order. Every process trains from the same seed on the same batches, so the
+    comparison is the sequential one. A worker rewrites its part file at each held-out checkpoint: past
+    --deadline-s the workers still training are stopped and keep what their last checkpoint wrote."""
     import subprocess
     import tempfile
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    slots = args.gpus * max(1, args.procs_per_gpu)
+    deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     results: list[dict | None] = [None] * len(plan)
     with tempfile.TemporaryDirectory() as tmp:
         pending = list(range(len(plan)))
         while pending:
-            batch, pending = pending[: args.gpus], pending[args.gpus:]
+            batch, pending = pending[:slots], pending[slots:]
             procs = []
-            for gpu, index in enumerate(batch):
+            for slot, index in enumerate(batch):
+                gpu = slot % args.gpus
                 part = Path(tmp) / f"run{index}.json"
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
                 cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only-run", str(index),
                        "--part", str(part)]
-                where = f"GPU {gpu}" if args.device == "cuda" else f"process {gpu + 1} (CPU)"
+                where = f"GPU {gpu}" if args.device == "cuda" else f"process {slot + 1} (CPU)"
                 print(f"run {plan[index][0]} on {where} ...", flush=True)
                 procs.append((index, part, subprocess.Popen(cmd, env=env)))
             for index, part, proc in procs:
-                if proc.wait() != 0 or not part.exists():
-                    raise SystemExit(f"run {plan[index][0]} failed (exit {proc.returncode})")
-                results[index] = json.loads(part.read_text())
-                r = results[index]
-                print(f"  {r['name']} done: final loss {r['final_loss']:.5f}, step {r['step_ms']:.2f} ms, "
-                      f"fp8 GEMMs {r['quantized_gemms']}", flush=True)
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()) if deadline else None)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    print(f"  {plan[index][0]}: stopped at the deadline ({args.deadline_s:.0f} s)", flush=True)
+                if not part.exists():
+                    print(f"  {plan[index][0]}: no checkpoint reached (exit {proc.returncode})", flush=True)
+                    continue
+                r = results[index] = json.loads(part.read_text())
+                print(f"  {r['name']} {'done' if r['complete'] else 'cut'}: {len(r['losses'])} steps, "
+                      f"step {r['step_ms']:.2f} ms, fp8 GEMMs {r['quantized_gemms']}", flush=True)
+            if deadline and time.monotonic() > deadline:
+                break
     return results
 
 
@@ -372,8 +444,10 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     base = "bf16" if args.dtype == "bfloat16" else "fp32"  # the baseline: the same model without the pass
-    plan = [(f"{base} #{i + 1}" if args.baseline_repeats > 1 else base, None) for i in range(args.baseline_repeats)]
-    plan += [(recipe, recipe) for recipe in args.recipes]
+    # (name, recipe, initialization seed): repeats of the baseline differ only in their initialization
+    plan = [(f"{base} seed {args.seed + i}" if args.baseline_repeats > 1 else base, None, args.seed + i)
+            for i in range(args.baseline_repeats)]
+    plan += [(recipe, recipe, args.seed) for recipe in args.recipes]
     runs: list[dict] = []
     started = time.perf_counter()
     path = results_path("mxfp8_quality-smoke" if args.smoke else "mxfp8_quality", args.out)
@@ -383,41 +457,70 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("plot", "png", "out", "only_run", "part")},
         "runs": runs,
     }
-    if args.only_run is not None:  # a worker of --gpus: one run, its result and warnings to --part
-        name, recipe = plan[args.only_run]
+    if args.only_run is not None:  # a worker of --gpus: one run; its result and warnings to --part
+        name, recipe, init_seed = plan[args.only_run]
+        # the host's cores are shared by the concurrent workers: torch's default (one intra-op thread per
+        # core in every process) oversubscribes them, and the CPU-side batch generation then ran ~10x
+        # slower (1.5 s a step with 4 workers on a 32-core H200 host; 0.04 -> 0.3-0.8 s here)
+        workers = min(len(plan), args.gpus * max(1, args.procs_per_gpu))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run = run_one(name, recipe, args, device)
-        run["fallback_warnings"] = sorted({str(w.message) for w in caught
-                                           if type(w.message).__name__ == "Fp8FallbackWarning"})
-        _dump(Path(args.part), run)
+
+            def write_part(run: dict) -> None:
+                run["fallback_warnings"] = sorted({str(w.message) for w in caught
+                                                   if type(w.message).__name__ == "Fp8FallbackWarning"})
+                tmp = Path(args.part).with_suffix(".tmp")
+                _dump(tmp, run)
+                tmp.replace(args.part)  # never a half-written part file when the parent kills this worker
+
+            write_part(run_one(name, recipe, args, device, init_seed, on_checkpoint=write_part))
         return 0
-    if args.gpus > 1:  # (on the CPU: concurrent processes, a check of this path)
-        runs.extend(_run_concurrently(plan, args, argv))
+    if args.gpus > 1 or args.procs_per_gpu > 1:  # (on the CPU: concurrent processes, a check of this path)
+        done = _run_concurrently(plan, args, argv)
+        missing = [plan[i][0] for i, r in enumerate(done) if r is None]
+        runs.extend(r for r in done if r is not None)
         fallbacks = sorted({m for r in runs for m in r.pop("fallback_warnings", [])})
     else:
+        missing = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for name, recipe in plan:
+            for name, recipe, init_seed in plan:
                 print(f"run {name} ...", flush=True)
-                runs.append(run_one(name, recipe, args, device))
-                print(f"  done: final loss {runs[-1]['final_loss']:.5f}, step {runs[-1]['step_ms']:.2f} ms, "
+                runs.append(run_one(name, recipe, args, device, init_seed))
+                print(f"  done: {len(runs[-1]['losses'])} steps, step {runs[-1]['step_ms']:.2f} ms, "
                       f"fp8 GEMMs {runs[-1]['quantized_gemms']}, {time.perf_counter() - started:.0f} s so far",
                       flush=True)
                 _dump(path, payload)  # what is done so far survives a run cut short by a time limit
         fallbacks = sorted({str(w.message) for w in caught if type(w.message).__name__ == "Fp8FallbackWarning"})
-    rows = summarize(runs)
-    n_tasks = len(runs[0]["train_ne"])
+    payload["missing_runs"] = missing
+    if not runs or runs[0]["recipe"] is not None or not runs[0]["checkpoints"]:
+        _dump(path, payload)
+        print(f"the {base} baseline reached no checkpoint: nothing to compare (wrote {path})", file=sys.stderr)
+        return 1
+    rows = summarize(runs, args.window)
+    n_tasks = len(runs[0]["checkpoints"][-1]["train_ne"])
     text = table(rows, n_tasks)
     print()
     print(text)
+    floor = noise_floor(runs)
     fp8_runs = [r for r in runs if r["recipe"] is not None]
     verdict = {r["name"]: {"ne_within_0.1%": r["ne_within_tolerance"], "ne_basis": r["ne_basis"],
+                           "at_step": r["compared_step"], "complete": r["complete"],
+                           "rel_ne": r["rel_eval_ne"] if r["ne_basis"] == "eval" else r["rel_train_ne"],
+                           "within_noise_floor": (None if floor is None else all(
+                               abs(x) <= floor for x in (r["rel_eval_ne"] if r["ne_basis"] == "eval"
+                                                         else r["rel_train_ne"]))),
                            "diverged": r["diverged"]} for r in fp8_runs}
-    print(f"\nverdict (NE within {100 * NE_TOLERANCE:.1f}% of bf16 on every task, no divergence): {verdict}")
+    print(f"\nverdict (NE within {100 * NE_TOLERANCE:.1f}% of {base} on every task, no divergence): {verdict}")
+    if floor is not None:
+        print(f"noise floor ({base} runs that differ only in initialization seed): {100 * floor:.3f}% relative NE")
+    if missing:
+        print(f"runs with no checkpoint (not compared): {missing}")
     for message in fallbacks:
         print(f"note: {message}")
-    payload.update(table=text, verdict=verdict, fallback_warnings=fallbacks, wall_s=time.perf_counter() - started)
+    payload.update(table=text, verdict=verdict, noise_floor=floor, fallback_warnings=fallbacks,
+                   wall_s=time.perf_counter() - started)
     _dump(path, payload)
     print(f"wrote {path}")
     png = path.with_suffix(".png")
@@ -426,7 +529,7 @@ def main(argv=None) -> int:
     else:
         print(f"matplotlib not installed: render the loss curves later with --plot {path}")
     if args.smoke:
-        bad = [r["name"] for r in runs if r["nonfinite"]]
+        bad = [r["name"] for r in runs if any(not math.isfinite(v) for v in r["losses"])]
         if bad or not all(sum(r["quantized_gemms"].values()) for r in fp8_runs):
             print(f"smoke FAILED: non-finite {bad}, fp8 GEMMs {[r['quantized_gemms'] for r in fp8_runs]}")
             return 1

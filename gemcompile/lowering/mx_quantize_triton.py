@@ -30,12 +30,12 @@ GEMM wants (aten/src/ATen/native/cuda/ScaledBlas.cpp, ``is_blockwise_1x128_scali
   unpadded view ``storage[:, :K/128]``; ``scale_storage(s)`` gives the padded one.
 
 One pass. The copies that need a whole tile's reduction (the transposed 1x128 copy, the 128x128 tiles)
-come from :func:`_tile_kernel` (``dual_impl() == "tile"``, the default): a persistent kernel that holds
+come from :func:`_tile_kernel` (``dual_impl() == "tile"``, opt-in): a persistent kernel that holds
 one 128x128 tile in registers (16 warps), reduces rows within warps and columns once across warps,
 writes the row-major copy directly and the transposed copy as 4-byte words (four rows of a column packed
 in one thread, transposed through shared memory as 32-bit words), while the compiler prefetches the next
 tiles with cp.async. A tile holding NaN / Inf is skipped and written afterwards by a careful, rarely run
-path. The row-only 1x128 copy, inputs with R % 4 != 0, and GEMCOMPILE_DUAL_QUANT_IMPL=old take
+path. The row-only 1x128 copy, inputs with R % 4 != 0, and GEMCOMPILE_DUAL_QUANT_IMPL=old (the default) take
 :func:`_block_kernel`, which walks a tile in CHUNK-row slices (the transposed copy re-reads the slices
 from L1/L2 after the column amax; on the H200 that walk made the dual 1x128 copy ~5x slower than the
 row copy: a cross-warp column reduction with barriers per slice, and byte-wise shared-memory transposes).

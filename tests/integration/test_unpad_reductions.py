@@ -60,9 +60,11 @@ def test_left_alone_without_packed_tokens():
     assert counters["gemcompile"]["unpad_reductions"] == 0
 
 
-def test_off_by_default_and_auto_follows_inductor():
+def test_auto_by_default_follows_inductor():
     model = MaskedResidualFfn()
     inputs = x_only(torch.tensor(LENGTH_SETS[0]))
-    assert explain(model, *inputs).counts["unpad_reductions"] == 0
+    default = explain(model, *inputs).counts["unpad_reductions"]
     auto = explain(model, *inputs, config=GemConfig(unpad={"pad_reductions": None})).counts["unpad_reductions"]
-    assert auto == (0 if inductor_splits_unbacked_reductions() else 1)
+    off = explain(model, *inputs, config=GemConfig(unpad={"pad_reductions": False})).counts["unpad_reductions"]
+    assert default == auto == (0 if inductor_splits_unbacked_reductions() else 1)
+    assert off == 0

@@ -1,0 +1,72 @@
+"""benchmarks/mxfp8_quality.py's comparison: checkpoints, runs cut by a deadline, the noise floor."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "mxfp8_quality.py"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    sys.path.insert(0, str(_PATH.parent))
+    spec = importlib.util.spec_from_file_location("mxfp8_quality_under_test", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(name, recipe, ne_by_step, losses, step_ms=100.0):
+    """A run as run_one returns it; ne_by_step: {step: [eval NE per task]} (train NE = eval NE + 0.01)."""
+    return {"name": name, "recipe": recipe, "losses": list(losses), "step_ms": step_ms, "compile_s": 1.0,
+            "complete": len(losses) == 100, "quantized_gemms": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+            "checkpoints": [{"step": k, "eval_ne": ne, "train_ne": [v + 0.01 for v in ne]}
+                            for k, ne in sorted(ne_by_step.items())]}
+
+
+@pytest.mark.parametrize("steps, every, expected", [
+    (100, 25, [25, 50, 75, 100]), (90, 25, [25, 50, 75, 90]), (10, 0, [10]), (10, 50, [10])])
+def test_checkpoint_steps_end_on_the_last_step(quality, steps, every, expected):
+    assert quality.checkpoint_steps(steps, every) == expected
+
+
+def test_a_cut_run_is_compared_at_the_last_checkpoint_both_reached(quality):
+    base = _run("bf16", None, {50: [0.90, 0.80], 100: [0.80, 0.70]}, [0.5] * 100)
+    cut = _run("blockwise", "blockwise", {50: [0.9008, 0.80]}, [0.5] * 60)  # stopped at step 60
+    rows = quality.summarize([base, cut], window=10)
+    assert cut["compared_step"] == 50 and rows[1]["step"] == 50
+    assert cut["rel_eval_ne"] == pytest.approx([0.0008 / 0.9, 0.0])
+    assert cut["ne_basis"] == "eval"
+    assert cut["ne_within_tolerance"] is True  # 0.09% worse
+    assert cut["diverged"] is False
+
+
+def test_gap_above_tolerance_and_a_growing_gap_curve(quality):
+    base = _run("bf16", None, {50: [0.90, 0.80], 100: [0.80, 0.70]}, [0.5] * 100)
+    fp8 = _run("mxfp8", "mxfp8", {50: [0.9, 0.80], 100: [0.80, 0.7021]}, [0.5] * 100)
+    quality.summarize([base, fp8], window=10)
+    assert fp8["compared_step"] == 100
+    assert fp8["ne_within_tolerance"] is False  # CVR 0.3% worse
+    assert [c["step"] for c in fp8["rel_eval_curve"]] == [50, 100]
+    assert fp8["rel_eval_curve"][1]["rel_eval_ne"][1] == pytest.approx(0.003)
+
+
+def test_nonfinite_or_blown_up_loss_is_divergence(quality):
+    base = _run("bf16", None, {100: [0.8, 0.7]}, [0.5] * 100)
+    blown = _run("a", "blockwise", {100: [0.8, 0.7]}, [0.5] * 90 + [0.6] * 10)
+    nan = _run("b", "mxfp8", {}, [0.5] * 20 + [math.nan])
+    quality.summarize([base, blown, nan], window=10)
+    assert blown["diverged"] is True  # last 10 losses 20% above bf16's
+    assert nan["diverged"] is True and nan["compared_step"] is None and nan["ne_within_tolerance"] is None
+
+
+def test_noise_floor_is_the_largest_gap_between_seed_repeats(quality):
+    base = _run("bf16 seed 0", None, {100: [0.80, 0.70]}, [0.5] * 100)
+    repeat = _run("bf16 seed 1", None, {100: [0.8016, 0.6993]}, [0.5] * 100)
+    fp8 = _run("blockwise", "blockwise", {100: [0.8008, 0.70]}, [0.5] * 100)
+    quality.summarize([base, repeat, fp8], window=10)
+    assert quality.noise_floor([base, repeat, fp8]) == pytest.approx(0.002)
+    assert quality.noise_floor([base, fp8]) is None
