@@ -52,7 +52,7 @@ from harness import environment, format_table, write_json
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
-from gemcompile.runtime.e2e_bench import _compiled, available_methods
+from gemcompile.runtime.e2e_bench import _compiled, methods_help, step_begin, unknown_methods
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
     "gem_vs_inductor": ("inductor", "gem"),
@@ -162,11 +162,12 @@ def _kernel_ms_per_step(step, batches, steps: int) -> float:
     return total_us / 1e3 / steps
 
 
-def run_fill(runner, tower, batches, x_sums, args, device, autocast, first_fill: bool) -> dict:
+def run_fill(runner, method, tower, batches, x_sums, args, device, autocast, first_fill: bool) -> dict:
     """Warm-up then timed train steps of one (method, fill); the method is already wrapped (runner)."""
 
     def step(batch) -> Tensor:
         tower.zero_grad(set_to_none=True)
+        step_begin(method)
         with autocast():
             out = runner(batch.seq_items, batch.seq_actions, batch.seq_times, batch.seq_lengths, x_sums)
         loss = out.float().square().mean()
@@ -273,10 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.fills = [float(f) for f in args.fills.split(",") if f.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = available_methods()
-    unknown = [m for m in args.methods if m not in known]
+    unknown = unknown_methods(args.methods)
     if unknown:
-        parser.error(f"unknown method(s) {unknown}; known: {', '.join(known)}")
+        parser.error(f"unknown method(s) {unknown}; known: {methods_help()}")
     if any(not 0.0 < f <= 1.0 for f in args.fills):
         parser.error(f"--fills must be in (0, 1], got {args.fills}")
     if args.warmup < 1 or args.steps < 1 or args.batches < 1:
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
             else:
                 print(f"-- {method} fill {fill} (padding efficiency {efficiency[fill]:.3f})", flush=True)
                 try:
-                    row.update(run_fill(runner, tower, batches[fill], x_sums, args, device, autocast,
+                    row.update(run_fill(runner, method, tower, batches[fill], x_sums, args, device, autocast,
                                         first_fill=index == 0))
                 except Exception as e:  # noqa: BLE001  (OOM, a compile error): record it, go on
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["E2EBenchConfig", "available_methods", "run_e2e_bench"]
+__all__ = ["E2EBenchConfig", "available_methods", "methods_help", "run_e2e_bench", "split_method", "step_begin",
+           "unknown_methods"]
 
 PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
@@ -43,8 +44,22 @@ VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
 """Named GemConfig variants beyond one pass group on or off (A/B of a pass's option)."""
 
 
+COMPILE_MODES = ("reduce-overhead",)
+"""torch.compile modes a compiled method can take as a suffix, ``<method>@<mode>`` (inductor@reduce-overhead,
+gem-no-unpad@reduce-overhead): CUDA graphs remove the launch overhead of a host-bound step. A graph
+that syncs with the host (unpad reads its token count) is not captured; Inductor says so and runs it
+without CUDA graphs."""
+
+
+def split_method(method: str) -> tuple[str, str | None]:
+    """``"gem@reduce-overhead"`` -> ``("gem", "reduce-overhead")``; a plain name -> ``(name, None)``."""
+    base, sep, mode = method.partition("@")
+    return (base, mode) if sep else (base, None)
+
+
 def available_methods() -> list[str]:
-    """Every method name the bench understands, given the passes GemConfig has."""
+    """Every method name the bench understands, given the passes GemConfig has (each compiled one also
+    with an ``@<mode>`` suffix from COMPILE_MODES)."""
     from gemcompile import GemConfig
 
     config = GemConfig()
@@ -112,12 +127,26 @@ class E2EBenchConfig:
             raise ValueError(f"E2EBenchConfig.steps = {self.steps}: need >= 1")
         if not 0.0 < self.fill <= 1.0:
             raise ValueError(f"E2EBenchConfig.fill = {self.fill}: need a float in (0, 1]")
-        known = available_methods()
-        unknown = [m for m in self.methods if m not in known]
+        unknown = unknown_methods(self.methods)
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(known)}")
+            raise ValueError(f"unknown method(s) {unknown}; known: {methods_help()}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"E2EBenchConfig.dtype = {self.dtype!r}: need bfloat16 or float32")
+
+
+def unknown_methods(methods) -> list[str]:
+    """The names in methods the bench does not understand (see available_methods and COMPILE_MODES)."""
+    known = available_methods()
+
+    def ok(method: str) -> bool:
+        base, mode = split_method(method)
+        return base in known and (mode is None or (mode in COMPILE_MODES and base != "eager"))
+
+    return [m for m in methods if not ok(m)]
+
+
+def methods_help() -> str:
+    return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_MODES)}"
 
 
 def _gem_config(method: str):
@@ -135,13 +164,22 @@ def _gem_config(method: str):
 
 
 def _compiled(module: torch.nn.Module, method: str):
+    method, mode = split_method(method)
+    kwargs = {"mode": mode} if mode else {}
     if method == "eager":
         return module
     if method == "inductor":
-        return torch.compile(module)
+        return torch.compile(module, **kwargs)
     from gemcompile import gem_compile
 
-    return gem_compile(module, config=_gem_config(method))
+    return gem_compile(module, config=_gem_config(method), **kwargs)
+
+
+def step_begin(method: str) -> None:
+    """Marks a new training step for CUDA-graph trees (a no-op for other methods): the previous step's
+    outputs may then be overwritten by the next replay."""
+    if split_method(method)[1] == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def _graph_count() -> int:
@@ -189,11 +227,12 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
-def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast) -> float:
+def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast, method: str = "eager") -> float:
     """Median ms of one forward + backward of fn(*args, **kwargs)."""
     leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
 
     def step():
+        step_begin(method)
         with autocast():
             out = fn(*args, **kwargs)
         outs = [t for t in _tensors(out) if t.requires_grad]
@@ -265,6 +304,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         batch = cpu_batch.to(device)
         _sync(device)
         t0 = time.perf_counter()
+        step_begin(method)
         with autocast():
             logits = runner(**batch.features())
         loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
@@ -323,7 +363,7 @@ def _local_layers(cfg, model, data, method, formula, batch_size, device, autocas
     rows = []
     for i, (layer, (args, kwargs)) in enumerate(zip(model.layers, inputs)):
         torch._dynamo.reset()
-        ms = _time_layer(_compiled(layer, method), args, kwargs, cfg.layer_reps, device, autocast)
+        ms = _time_layer(_compiled(layer, method), args, kwargs, cfg.layer_reps, device, autocast, method)
         flops = _layer_useful_flops(formula, f"layers.{i}.", batch.seq_lengths, batch_size)
         rows.append({"layer": i, "ms": ms, "useful_tflops": flops / ms / 1e9,
                      "local_mfu": mfu(flops / ms * 1e3, device)})

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
+from gemcompile.runtime import e2e_bench
+from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
 
 
 def test_methods_follow_the_config_sections():
@@ -19,9 +20,35 @@ def test_methods_follow_the_config_sections():
     assert not any("parallel" in m for m in methods)  # needs torchrun
 
 
+def test_compile_mode_suffix():
+    assert unknown_methods(["inductor@reduce-overhead", "gem-no-unpad@reduce-overhead", "gem"]) == []
+    assert unknown_methods(["eager@reduce-overhead", "gem@max-speed", "fast@reduce-overhead", "gem@"]) == [
+        "eager@reduce-overhead", "gem@max-speed", "fast@reduce-overhead", "gem@"]
+
+
+@pytest.mark.parametrize("method, mode", [("inductor", None), ("inductor@reduce-overhead", "reduce-overhead"),
+                                          ("gem-no-unpad@reduce-overhead", "reduce-overhead"), ("gem", None)])
+def test_the_mode_reaches_torch_compile(monkeypatch, method, mode):
+    import gemcompile
+
+    seen = {}
+
+    def fake_compile(module, **kwargs):
+        seen.update(kwargs)
+        return module
+
+    monkeypatch.setattr(e2e_bench.torch, "compile", fake_compile)
+    monkeypatch.setattr(gemcompile, "gem_compile", fake_compile)
+    e2e_bench._compiled(object(), method)
+    assert seen.get("mode") == mode
+    if method.startswith("gem-no-unpad"):
+        assert seen["config"].unpad.enabled is False
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"warmup": 1}, "warmup"), ({"steps": 0}, "steps"), ({"fill": 0.0}, "fill"),
     ({"methods": ("eager", "fast")}, "unknown method"), ({"dtype": "float16"}, "dtype"),
+    ({"methods": ("eager@reduce-overhead",)}, "unknown method"),
 ])
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
