@@ -90,17 +90,20 @@ def e2e_table(name: str, path: Path, payload: dict) -> list[str]:
     lines = [f"**{name}** (`{_where(path)}`; GEM-ref {cfg.get('size')}, batch {cfg.get('batch_size')}, "
              f"fill {cfg.get('fill')}, {cfg.get('steps')} measured steps)",
              "",
-             "| method | samples/s | useful TFLOP/s | MFU | x inductor | compile s | recompiles | peak GiB | NE gap vs eager |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| method | samples/s | useful TFLOP/s | MFU | x inductor | kernel ms / step ms | compile s | recompiles "
+             "| peak GiB | NE gap vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload.get("results", []):
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error'][:60]} |||||||| ")
+            lines.append(f"| {r['method']} | failed: {r['error'][:60]} ||||||||| ")
             continue
         mfu = None if r.get("mfu") is None else 100 * r["mfu"]
         gap = None if r.get("ne_rel_diff_vs_eager") is None else 100 * r["ne_rel_diff_vs_eager"]
+        gpu = f"{_fmt(r.get('kernel_ms_per_step'), '.1f')} / {_fmt(r.get('step_ms_median'), '.1f')}"
         lines.append(f"| {r['method']} | {_fmt(r['samples_per_s'], '.0f')} | {_fmt(r['useful_tflops'])} | "
-                     f"{_fmt(mfu, '.1f')}% | {_fmt(r.get('speedup_vs_inductor'))} | {_fmt(r['compile_s'], '.1f')} | "
-                     f"{r['recompiles_after_warmup']} | {_fmt(r.get('peak_memory_gib'), '.1f')} | {_fmt(gap, '.3f')}% |")
+                     f"{_fmt(mfu, '.1f')}% | {_fmt(r.get('speedup_vs_inductor'))} | {gpu} | "
+                     f"{_fmt(r['compile_s'], '.1f')} | {r['recompiles_after_warmup']} | "
+                     f"{_fmt(r.get('peak_memory_gib'), '.1f')} | {_fmt(gap, '.3f')}% |")
     return lines + [""]
 
 

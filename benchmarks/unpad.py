@@ -53,6 +53,7 @@ from harness import environment, format_table, write_json
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
 from gemcompile.runtime.e2e_bench import _compiled, methods_help, step_begin, unknown_methods
+from gemcompile.runtime.kernel_time import kernel_ms_per_step
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
     "gem_vs_inductor": ("inductor", "gem"),
@@ -147,21 +148,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _kernel_ms_per_step(step, batches, steps: int) -> float:
-    """GPU time of the kernels (and copies) of `steps` train steps under torch.profiler, per step: what the
-    step costs the GPU, without the host gaps that CUDA-event time of a host-bound step includes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(batches[i % len(batches)])
-        torch.cuda.synchronize()
-    total_us = 0.0
-    for e in prof.key_averages():
-        total_us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-    return total_us / 1e3 / steps
-
-
 def run_fill(runner, method, tower, batches, x_sums, args, device, autocast, first_fill: bool) -> dict:
     """Warm-up then timed train steps of one (method, fill); the method is already wrapped (runner)."""
 
@@ -209,7 +195,7 @@ def run_fill(runner, method, tower, batches, x_sums, args, device, autocast, fir
     median_ms = statistics.median(times_ms)
     kernel_ms = None
     if device.type == "cuda" and args.kernel_steps > 0:
-        kernel_ms = _kernel_ms_per_step(step, batches, args.kernel_steps)
+        kernel_ms = kernel_ms_per_step(step, batches, args.kernel_steps)
     graphs_end = _counter("stats", "unique_graphs")
     return {
         "ms_per_step": median_ms,

@@ -11,13 +11,17 @@ Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths 
   (the warm-up holds at least two batch shapes, so automatic dynamic shapes settle inside it);
 - peak memory (CUDA) and the final NE over the last ``ne_window`` steps, with its relative gap to eager's
   NE on the same batches;
+- on CUDA, the GPU's own time per step: the summed kernel time of ``kernel_steps`` more steps under
+  torch.profiler (``kernel_ms_per_step``), the share of the step the host adds (``host_share``) and the
+  MFU the step would reach at kernel time (``mfu_at_kernel_time``): what a host-bound step leaves;
 - with ``layers=True``, Meta's *local* MFU per layer: each GemLayer alone (its inputs captured from one
   eager step), forward + backward, compiled the method's way, timed with CUDA events, against its own
   useful FLOPs; no recomputation, no communication.
 
 Methods: ``eager``, ``inductor`` (torch.compile default), ``gem`` (gem_compile, default GemConfig),
 ``gem-no-<pass>`` (one default-on pass group off) and ``gem+<pass>`` (one default-off group on, e.g.
-``gem+mxfp8``). The JSON written by benchmarks/e2e.py feeds benchmarks/render_report.py.
+``gem+mxfp8``), named variants (VARIANTS); each but eager with an optional ``@reduce-overhead`` (CUDA
+graphs). The JSON written by ``gemcompile bench e2e --out`` feeds benchmarks/render_report.py.
 """
 
 from __future__ import annotations
@@ -113,6 +117,11 @@ class E2EBenchConfig:
     layer_reps: int = 20
     """Timed repetitions per layer (median)."""
 
+    kernel_steps: int = 3
+    """Train steps after the measured ones run under torch.profiler (CUDA only): their summed kernel
+    time per step is the GPU's own share of a step (kernel_ms_per_step, host_share, mfu_at_kernel_time).
+    0 = skip."""
+
     seed: int = 0
     """Model initialization and data seed, the same for every method."""
 
@@ -125,6 +134,8 @@ class E2EBenchConfig:
                              "dynamic shapes)")
         if self.steps < 1:
             raise ValueError(f"E2EBenchConfig.steps = {self.steps}: need >= 1")
+        if self.kernel_steps < 0:
+            raise ValueError(f"E2EBenchConfig.kernel_steps = {self.kernel_steps}: need >= 0")
         if not 0.0 < self.fill <= 1.0:
             raise ValueError(f"E2EBenchConfig.fill = {self.fill}: need a float in (0, 1]")
         unknown = unknown_methods(self.methods)
@@ -270,6 +281,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
     from gemcompile.runtime.flops import GemFlopFormula, mfu
+    from gemcompile.runtime.kernel_time import kernel_ms_per_step
     from gemcompile.runtime.metrics import MetricWindow
     from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, build_optimizers
 
@@ -297,13 +309,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     warmup_s = 0.0
     graphs_after_warmup = None
     graphs_before = _graph_count()
-    for step in range(cfg.warmup + cfg.steps):
-        if step == cfg.warmup:
-            graphs_after_warmup = _graph_count()
-        cpu_batch = data.batch(step)
-        batch = cpu_batch.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
+    def train_step(batch, runner=runner, optimizers=optimizers):
         step_begin(method)
         with autocast():
             logits = runner(**batch.features())
@@ -313,7 +319,16 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         loss.backward()
         for opt in optimizers:
             opt.step()
-        loss_value = loss.item()
+        return logits, loss.item()
+
+    for step in range(cfg.warmup + cfg.steps):
+        if step == cfg.warmup:
+            graphs_after_warmup = _graph_count()
+        cpu_batch = data.batch(step)
+        batch = cpu_batch.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        logits, loss_value = train_step(batch)
         _sync(device)
         elapsed = time.perf_counter() - t0
         losses.append(loss_value)
@@ -326,6 +341,11 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     total_s = sum(step_ms) / 1e3
     median_ms = statistics.median(step_ms)
     useful_per_s = sum(useful) / total_s
+    # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
+    extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
+    kernel_ms = (kernel_ms_per_step(train_step, [data.batch(i).to(device) for i in extra], len(extra))
+                 if device.type == "cuda" else None)
+    useful_per_step = sum(useful) / len(useful)
     result: dict[str, Any] = {
         "method": method,
         "samples_per_s": batch_size * len(step_ms) / total_s,
@@ -333,6 +353,9 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         "step_ms_mean": 1e3 * total_s / len(step_ms),
         "useful_tflops": useful_per_s / 1e12,
         "mfu": mfu(useful_per_s, device),
+        "kernel_ms_per_step": kernel_ms,
+        "host_share": (1.0 - kernel_ms / median_ms) if kernel_ms else None,
+        "mfu_at_kernel_time": mfu(useful_per_step / (kernel_ms / 1e3), device) if kernel_ms else None,
         "compile_s": max(0.0, warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
         "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),
@@ -344,10 +367,11 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     }
     log(f"  {method:22s} {result['samples_per_s']:10.0f} samples/s  {result['useful_tflops']:7.2f} TF/s  "
         f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
-        f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}")
+        f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}"
+        + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
     if cfg.layers:
         result["layers"] = _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log)
-    del runner, model, optimizers
+    del train_step, runner, model, optimizers
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

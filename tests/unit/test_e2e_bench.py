@@ -48,7 +48,7 @@ def test_the_mode_reaches_torch_compile(monkeypatch, method, mode):
 @pytest.mark.parametrize("kwargs,match", [
     ({"warmup": 1}, "warmup"), ({"steps": 0}, "steps"), ({"fill": 0.0}, "fill"),
     ({"methods": ("eager", "fast")}, "unknown method"), ({"dtype": "float16"}, "dtype"),
-    ({"methods": ("eager@reduce-overhead",)}, "unknown method"),
+    ({"methods": ("eager@reduce-overhead",)}, "unknown method"), ({"kernel_steps": -1}, "kernel_steps"),
 ])
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -65,6 +65,7 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     # samples/s is batch x measured steps / their total time: consistent with the mean step time
     assert r["samples_per_s"] == pytest.approx(64 / (r["step_ms_mean"] / 1e3), rel=1e-9)
     assert r["useful_tflops"] > 0 and r["mfu"] is None  # no GPU peak on the CPU
+    assert r["kernel_ms_per_step"] is None and r["host_share"] is None and r["mfu_at_kernel_time"] is None
     assert r["recompiles_after_warmup"] == 0 and r["graphs_compiled"] == 0  # eager compiles nothing
     assert len(r["ne"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["ne"])
     assert r["speedup_vs_eager"] == pytest.approx(1.0) and r["ne_rel_diff_vs_eager"] == 0.0

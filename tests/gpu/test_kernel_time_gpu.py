@@ -1,0 +1,46 @@
+"""runtime/kernel_time.py on a GPU: the profiler's kernel time of a step against CUDA-event time."""
+
+import pytest
+import torch
+
+from gemcompile.runtime.kernel_time import kernel_ms_per_step
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def test_kernel_time_of_a_gpu_bound_step_matches_event_time():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        for _ in range(8):
+            x = x @ a
+        return x
+
+    step(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        step(a)
+    end.record()
+    end.synchronize()
+    event_ms = start.elapsed_time(end) / 5
+    kernel_ms = kernel_ms_per_step(step, [a], 5)
+    # back-to-back large GEMMs: the GPU never waits for the host, so both clocks see the same work
+    assert kernel_ms == pytest.approx(event_ms, rel=0.15)
+
+
+def test_host_gaps_are_not_kernel_time():
+    import time
+
+    x = torch.randn(256, device="cuda")
+
+    def step(v):
+        time.sleep(0.005)  # host work the GPU waits through
+        return v * 2
+
+    kernel_ms = kernel_ms_per_step(step, [x], 4)
+    assert 0 < kernel_ms < 1.0
