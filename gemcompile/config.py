@@ -159,7 +159,7 @@ class UnpadConfig:
     Inductor cannot size a reduction over T from its hint (torch < 2.13). Measured on the H200 (torch
     2.11, GEM-ref small's sequence part, B 1024, fill 0.5): unpad without it cost 9% more GPU kernel time
     than no unpad (144.4 vs 132.8 ms a step), with it 5% less (125.0 vs 131.7 ms);
-    benchmarks/results/unpad-20261130-104556.json and -105705.json."""
+    benchmarks/results/unpad-b1024-20261130-104556.json and unpad-b1024-pad-reductions-20261130-105705.json."""
 
     def __post_init__(self):
         _check_types(self)

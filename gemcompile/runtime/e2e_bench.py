@@ -309,6 +309,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     warmup_s = 0.0
     graphs_after_warmup = None
     graphs_before = _graph_count()
+
     def train_step(batch, runner=runner, optimizers=optimizers):
         step_begin(method)
         with autocast():
