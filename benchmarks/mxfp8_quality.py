@@ -384,6 +384,11 @@ def _dump(path: Path, payload: dict) -> None:
         json.dump(payload, fh, indent=1, default=str)
 
 
+def _concurrent_workers(plan, args) -> int:
+    """How many worker processes run at once: procs_per_gpu on each GPU, no more than the plan has runs."""
+    return min(len(plan), args.gpus * max(1, args.procs_per_gpu))
+
+
 def _run_concurrently(plan, args, argv) -> list[dict]:
     """Each run of the plan in its own process, `args.gpus * args.procs_per_gpu` at a time, run i on GPU
     i % gpus; results in plan order. Every process trains from the same seed on the same batches, so the
@@ -393,7 +398,7 @@ def _run_concurrently(plan, args, argv) -> list[dict]:
     import tempfile
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    slots = args.gpus * max(1, args.procs_per_gpu)
+    slots = _concurrent_workers(plan, args)
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     results: list[dict | None] = [None] * len(plan)
     with tempfile.TemporaryDirectory() as tmp:
@@ -462,8 +467,7 @@ def main(argv=None) -> int:
         # the host's cores are shared by the concurrent workers: torch's default (one intra-op thread per
         # core in every process) oversubscribes them, and the CPU-side batch generation then ran ~10x
         # slower (1.5 s a step with 4 workers on a 32-core H200 host; 0.04 -> 0.3-0.8 s here)
-        workers = min(len(plan), args.gpus * max(1, args.procs_per_gpu))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _concurrent_workers(plan, args)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
 
