@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 
@@ -117,6 +118,8 @@ def run_bench(args: argparse.Namespace) -> int:
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
                          layers=args.layers)
     payload = run_e2e_bench(cfg)
+    # the command that made the numbers travels with them (results JSON convention, benchmarks/harness.py)
+    payload["command"] = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
     if args.out:
         import datetime
 
@@ -145,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the user typed, for results JSON
     try:
         if args.command == "explain":
             return run_explain(args)

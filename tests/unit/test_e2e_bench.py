@@ -79,3 +79,15 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     (tmp_path / "e2e-tiny-20261130-000000.json").write_text(json.dumps(payload))
     markdown = render.render_markdown(render.latest_results(tmp_path))
     assert "| eager |" in markdown and "samples/s" in markdown
+
+
+def test_cli_records_the_command_in_the_results_json(tmp_path):
+    from gemcompile.cli import main
+
+    argv = ["bench", "e2e", "--size", "tiny", "--batch-size", "8", "--steps", "1", "--warmup", "2",
+            "--methods", "eager", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("e2e-tiny-*.json")
+    payload = json.loads(path.read_text())
+    assert payload["command"] == "gemcompile " + " ".join(argv)
+    assert payload["results"][0]["method"] == "eager"
