@@ -53,7 +53,7 @@ from harness import environment, format_table, write_json
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
 from gemcompile.runtime.e2e_bench import _compiled, methods_help, step_begin, unknown_methods
-from gemcompile.runtime.kernel_time import kernel_ms_per_step
+from gemcompile.runtime.kernel_time import kernel_profile
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
     "gem_vs_inductor": ("inductor", "gem"),
@@ -193,9 +193,10 @@ def run_fill(runner, method, tower, batches, x_sums, args, device, autocast, fir
             times_ms.append(1e3 * (time.perf_counter() - s0))
     wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     median_ms = statistics.median(times_ms)
-    kernel_ms = None
+    profiled = None
     if device.type == "cuda" and args.kernel_steps > 0:
-        kernel_ms = kernel_ms_per_step(step, batches, args.kernel_steps)
+        profiled = kernel_profile(step, batches, args.kernel_steps)
+    kernel_ms = profiled.ms_per_step if profiled is not None else None
     graphs_end = _counter("stats", "unique_graphs")
     return {
         "ms_per_step": median_ms,
@@ -204,6 +205,7 @@ def run_fill(runner, method, tower, batches, x_sums, args, device, autocast, fir
         "step_ms": [round(t, 4) for t in times_ms],  # in order: shows a slow tail (late compiles, pools)
         "wall_ms_per_step": wall_ms,
         "kernel_ms_per_step": kernel_ms,
+        "kernel_profile": profiled.as_json() if profiled is not None else None,  # the largest kernels
         "samples_per_s": args.batch_size / median_ms * 1e3,
         "first_step_s": first_step_s,
         "compile_s": max(0.0, first_step_s - median_ms / 1e3),

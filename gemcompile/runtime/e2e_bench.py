@@ -13,7 +13,8 @@ Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths 
   NE on the same batches;
 - on CUDA, the GPU's own time per step: the summed kernel time of ``kernel_steps`` more steps under
   torch.profiler (``kernel_ms_per_step``), the share of the step the host adds (``host_share``) and the
-  MFU the step would reach at kernel time (``mfu_at_kernel_time``): what a host-bound step leaves;
+  MFU the step would reach at kernel time (``mfu_at_kernel_time``): what a host-bound step leaves; and
+  where that time goes (``kernel_profile``: the largest kernels, kernels per step, ms per kernel class);
 - with ``layers=True``, Meta's *local* MFU per layer: each GemLayer alone (its inputs captured from one
   eager step), forward + backward, compiled the method's way, timed with CUDA events, against its own
   useful FLOPs; no recomputation, no communication.
@@ -281,7 +282,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
     from gemcompile.runtime.flops import GemFlopFormula, mfu
-    from gemcompile.runtime.kernel_time import kernel_ms_per_step
+    from gemcompile.runtime.kernel_time import kernel_profile
     from gemcompile.runtime.metrics import MetricWindow
     from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, build_optimizers
 
@@ -344,8 +345,9 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     useful_per_s = sum(useful) / total_s
     # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
     extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
-    kernel_ms = (kernel_ms_per_step(train_step, [data.batch(i).to(device) for i in extra], len(extra))
-                 if device.type == "cuda" else None)
+    profiled = (kernel_profile(train_step, [data.batch(i).to(device) for i in extra], len(extra))
+                if device.type == "cuda" else None)
+    kernel_ms = profiled.ms_per_step if profiled is not None else None
     useful_per_step = sum(useful) / len(useful)
     result: dict[str, Any] = {
         "method": method,
@@ -357,6 +359,8 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         "kernel_ms_per_step": kernel_ms,
         "host_share": (1.0 - kernel_ms / median_ms) if kernel_ms else None,
         "mfu_at_kernel_time": mfu(useful_per_step / (kernel_ms / 1e3), device) if kernel_ms else None,
+        # where the GPU time goes: the largest kernels, kernels per step, GEMM vs Triton vs copies
+        "kernel_profile": profiled.as_json() if profiled is not None else None,
         "compile_s": max(0.0, warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
         "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),
@@ -370,6 +374,9 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
         f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}"
         + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
+    if profiled is not None:
+        log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
+            + f"; {profiled.kernels_per_step:.0f} kernels/step")
     if cfg.layers:
         result["layers"] = _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log)
     del train_step, runner, model, optimizers

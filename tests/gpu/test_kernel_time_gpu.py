@@ -44,3 +44,21 @@ def test_host_gaps_are_not_kernel_time():
 
     kernel_ms = kernel_ms_per_step(step, [x], 4)
     assert 0 < kernel_ms < 1.0
+
+
+def test_profile_of_gemms_names_them_and_counts_launches():
+    from gemcompile.runtime.kernel_time import kernel_profile
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        for _ in range(4):
+            x = x @ a
+        return x.relu()
+
+    step(a)
+    prof = kernel_profile(step, [a], 3)
+    # 4 cuBLAS GEMMs and one elementwise kernel a step; the GEMMs hold nearly all the time
+    assert prof.kernels_per_step == pytest.approx(5, abs=0.5)
+    assert next(iter(prof.by_class)) == "gemm" and prof.by_class["gemm"] > 0.9 * prof.ms_per_step
+    assert prof.top[0]["class"] == "gemm" and prof.top[0]["calls_per_step"] == pytest.approx(4)

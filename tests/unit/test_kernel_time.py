@@ -11,3 +11,42 @@ def test_no_device_no_kernel_time():
     calls = []
     assert kernel_ms_per_step(calls.append, [1], 3) is None
     assert calls == []  # the step is not run for nothing
+
+
+class _Event:  # the fields of a torch.profiler key average that summarize_kernels reads
+    def __init__(self, key, device_us, count):
+        self.key, self.self_device_time_total, self.count = key, device_us, count
+
+
+@pytest.mark.parametrize("name, label", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("triton_red_fused_native_layer_norm_backward_3", "inductor"),
+    ("triton_poi_fused_add_mul_7", "inductor"),
+    ("_jagged_fwd_kernel", "gemcompile"),
+    ("Memcpy HtoD (Pageable -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", "other"),
+])
+def test_kernel_class(name, label):
+    from gemcompile.runtime.kernel_time import kernel_class
+
+    assert kernel_class(name) == label
+
+
+def test_summarize_kernels_per_step_totals_and_order():
+    from gemcompile.runtime.kernel_time import summarize_kernels
+
+    events = [_Event("triton_poi_fused_add_0", 300.0, 6), _Event("nvjet_gemm_a", 1200.0, 3),
+              _Event("cudaLaunchKernel", 0.0, 40),  # host-side: no device time, left out
+              _Event("_gdpa_fwd_kernel", 600.0, 3), _Event("Memcpy HtoD", 900.0, 3)]
+    prof = summarize_kernels(events, steps=3, top=2)
+    assert prof.ms_per_step == pytest.approx(3000.0 / 1e3 / 3)
+    assert prof.kernels_per_step == pytest.approx(15 / 3)
+    assert prof.by_class == pytest.approx({"gemm": 0.4, "copy": 0.3, "gemcompile": 0.2, "inductor": 0.1})
+    assert list(prof.by_class) == ["gemm", "copy", "gemcompile", "inductor"]  # largest first
+    assert [k["name"] for k in prof.top] == ["nvjet_gemm_a", "Memcpy HtoD"]
+    assert prof.top[0]["share"] == pytest.approx(0.4) and prof.top[0]["calls_per_step"] == 1.0
+    assert prof.as_json()["by_class_ms"] is prof.by_class
+    with pytest.raises(ValueError, match="steps"):
+        summarize_kernels(events, steps=0)
