@@ -45,7 +45,10 @@ PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 
 
 VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
-            "gem-unpad-pad-reductions": {"unpad": {"pad_reductions": True}}}
+            "gem-unpad-pad-reductions": {"unpad": {"pad_reductions": True}},
+            # every Linear-like GEMM the name patterns allow, however narrow (the MXFP8 quality study's
+            # setting; the default minimum sizes leave GEM-ref small's layers, at most 1024 wide, in bf16)
+            "gem+mxfp8-all": {"mxfp8": {"enabled": True, "min_m": 1, "min_k": 1, "min_n": 1}}}
 """Named GemConfig variants beyond one pass group on or off (A/B of a pass's option)."""
 
 

@@ -20,6 +20,14 @@ def test_methods_follow_the_config_sections():
     assert not any("parallel" in m for m in methods)  # needs torchrun
 
 
+def test_variant_configs():
+    every = e2e_bench._gem_config("gem+mxfp8-all").mxfp8
+    assert every.enabled and (every.min_m, every.min_k, every.min_n) == (1, 1, 1)
+    default = e2e_bench._gem_config("gem+mxfp8").mxfp8
+    assert default.enabled and default.min_k > 1  # the default minimum sizes stay
+    assert e2e_bench._gem_config("gem-unpad-pad-reductions").unpad.pad_reductions is True
+
+
 def test_compile_mode_suffix():
     assert unknown_methods(["inductor@reduce-overhead", "gem-no-unpad@reduce-overhead", "gem"]) == []
     assert unknown_methods(["eager@reduce-overhead", "gem@max-speed", "fast@reduce-overhead", "gem@"]) == [
