@@ -33,8 +33,10 @@ Backward, deterministic, no atomics, no delta kernel (no softmax): ``_gdpa_bwd_d
 program per key tile and loops over query tiles (dV = c (m a)^T dO, dK = scale c dS'^T Q, where
 dS' = m (dO V^T) act'(s)); ``_gdpa_bwd_dq_kernel`` runs one program per query tile and loops over key
 tiles (dQ = scale c dS' K). The per-batch c is applied once, at the end of each program. When the bias
-needs a gradient, the dQ kernel writes dS = c dS' once per visited valid pair into a zeroed
-(B, H, Lq, Lk) fp32 buffer that the launcher sums over the bias's broadcast dims with torch.
+needs a gradient: a bias with full (Lq, Lk) dims (HSTU's relative bias, shared by batch and heads) gets
+it from gdpa_bias_grad_triton.py, which reduces over the (b, h) pairs in-kernel; any other bias (one
+broadcast along rows or columns) from the dQ kernel, which then writes dS = c dS' once per visited valid
+pair into a zeroed (B, H, Lq, Lk) fp32 buffer that the launcher sums over the broadcast dims with torch.
 
 Programs are mapped to batches longest first (device-side argsort of the lengths that bound their loop:
 kv lengths for the forward and dQ, q lengths for dK/dV; the other side's lengths when one is None);
@@ -714,18 +716,27 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float,
                          out_scale: float, divide_by_kv_length: bool, causal: bool, window: int,
-                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0):
-    """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics)."""
+                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0, *,
+                         bias_grad_splits: int | None = None):
+    """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
+    full (Lq, Lk) dims gets its gradient from gdpa_bias_grad_triton (reduced over the shared batch and
+    head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
+    from the dQ kernel's per-pair buffer, summed by torch."""
+    from .gdpa_bias_grad_triton import bias_grad_triton, full_bias_grad_supported
+
     window = _check_window(window)
     contextual_len = _check_hstu(causal, num_targets, contextual_len)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     shared_q = q.shape[0] != B
     bias_grad = bias is not None and bias_requires_grad
+    in_kernel_bias_grad = bias_grad and full_bias_grad_supported(bias, Lq, Lk)
+    dbias = None
     dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
     dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
-    ds = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
+    ds = (torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
+          if bias_grad and not in_kernel_bias_grad else None)
     if B * H > 0 and Lq > 0 and Lk > 0:
         q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
         bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
@@ -752,11 +763,20 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
         _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
-            *ds_strides, *scalars), dict(flags, BIAS_GRAD=bias_grad), buckets)
+            *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
+        if in_kernel_bias_grad:
+            dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_strides, z_strides,
+                                     flags, scalars[:7], bias_grad_splits)
     else:
         dk.zero_()
         dv.zero_()
         dq_buffer.zero_()
     dq = dq_buffer.sum(dim=0, keepdim=True).to(q.dtype) if shared_q else dq_buffer
-    dbias = _reduce_bias_grad(ds, bias) if bias_grad else q.new_empty(0)
+    if dbias is None:
+        if ds is not None:
+            dbias = _reduce_bias_grad(ds, bias)
+        elif bias_grad:  # nothing ran (an empty batch, head or length): no pair, no gradient
+            dbias = torch.zeros_like(bias)
+        else:
+            dbias = q.new_empty(0)
     return dq, dk, dv, dbias

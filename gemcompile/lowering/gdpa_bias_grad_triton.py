@@ -1,0 +1,158 @@
+"""GDPA's bias gradient for a bias shared by batches and/or heads (HSTU's relative bias), reduced in-kernel.
+
+dBias[bz, hz, i, j] = sum over the (b, h) that read bias[bz, hz] of c_b * m_bhij * (dO_bhi . V_bhj) *
+act'(s_bhij), with s = scale q.k + bias and m the pair mask (gdpa.py). The dQ kernel used to write that
+summand for every (b, h, i, j) into a zeroed fp32 (B, H, Lq, Lk) buffer that torch then summed: on HSTU's
+B32 L1024 H4 relative bias the buffer's zero fill and sum took 250 us of an 840 us forward+backward (H200,
+benchmarks/results/gdpa-hstu-cudagraph-20261130-033800.json), plus the dQ kernel's 537 MB of writes.
+
+Here one program owns a (BLOCK_M, BLOCK_N) tile of one (bz, hz) slice of the gradient and loops over the
+(b, h) pairs that read it, recomputing s and dO.V^T for the tile (two small dots per pair, as in the dQ
+kernel) and accumulating in fp32 registers; nothing of size B x H x Lq x Lk is written. A grid of
+Lq/BLOCK_M x Lk/BLOCK_N x Bz x Hz tiles is small (256 programs for one 1024 x 1024 bias), so the loop over
+pairs is split into ``splits`` interleaved parts, each writing its own fp32 partial sum; torch adds the
+parts. Deterministic: no atomics, and a fixed order of additions for a given ``splits``.
+
+Tiles a (b, h) pair cannot reach are skipped whole: rows past q_len, columns past kv_len, and (causal,
+without a contextual prefix) tiles above the diagonal; every other tile takes the pair mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gdpa_triton import _act_grad, _output_scale, _pair_mask, _sample_bounds
+from .jagged_attention_triton import _INTERPRET, _load_rows
+
+__all__ = ["bias_grad_triton", "default_splits", "full_bias_grad_supported"]
+
+
+@triton.jit
+def _gdpa_bwd_dbias_kernel(
+    Q, K, V, Bias, DO, Part,
+    QLengths, KVLengths, NumTargets,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_ps, stride_pz, stride_pm,
+    B, H, Bz, Hz, splits, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, SHARED_B: tl.constexpr,
+    SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(max_kv_len, BLOCK_N)
+    tiles_m = tl.cdiv(max_q_len, BLOCK_M)
+    tile_n = pid % tiles_n
+    rest = pid // tiles_n
+    tile_m = rest % tiles_m
+    rest = rest // tiles_m
+    zslice = rest % (Bz * Hz)  # (bz, hz) flattened
+    split = rest // (Bz * Hz)
+    bz = zslice // Hz
+    hz = zslice % Hz
+    # the (b, h) pairs that read bias[bz, hz]: every b when the bias is shared by the batch, else b = bz
+    n_b = 1
+    if SHARED_B:
+        n_b = B
+    n_h = 1
+    if SHARED_H:
+        n_h = H
+
+    m0 = tile_m * BLOCK_M
+    n0 = tile_n * BLOCK_N
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for pair in range(split, n_b * n_h, splits):
+        b = bz
+        if SHARED_B:
+            b = pair // n_h
+        h = hz
+        if SHARED_H:
+            h = pair % n_h
+        q_len, kv_len, n_targets, _ = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                     contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+        reach = (m0 < q_len) & (n0 < kv_len)
+        if CAUSAL:  # noqa: SIM102 (constexprs: no boolean operator on them in device code)
+            if not HAS_CONTEXT:  # contextual rows see keys after them: no diagonal skip with a prefix
+                reach = reach & (n0 <= tl.minimum(m0 + BLOCK_M, q_len) - 1)
+        if reach:
+            b64 = b.to(tl.int64)
+            h64 = h.to(tl.int64)
+            row_ok = rows < q_len
+            col_ok = cols < kv_len
+            q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok,
+                           HEAD_D, BLOCK_D, True)
+            do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok,
+                            HEAD_D, BLOCK_D, True)
+            k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok,
+                           HEAD_D, BLOCK_D, True)
+            v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok,
+                           HEAD_D, BLOCK_D, True)
+            valid = _pair_mask(rows[:, None], cols[None, :], q_len, kv_len, window, n_targets, contextual_len,
+                               CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            z_ptrs = (Bias + b64 * stride_zb + h64 * stride_zh + rows.to(tl.int64)[:, None] * stride_zm
+                      + cols.to(tl.int64)[None, :] * stride_zn)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            s += tl.load(z_ptrs, mask=valid, other=0.0).to(tl.float32)
+            da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = tl.where(valid, da * _act_grad(s, ACT), 0.0)
+            acc += ds * _output_scale(out_scale, kv_len, DIVIDE)
+    p_ptrs = (Part + split.to(tl.int64) * stride_ps + zslice.to(tl.int64) * stride_pz
+              + rows.to(tl.int64)[:, None] * stride_pm + cols.to(tl.int64)[None, :])
+    tl.store(p_ptrs, acc, mask=(rows < max_q_len)[:, None] & (cols < max_kv_len)[None, :])
+
+
+_BLOCK = 16 if _INTERPRET else 64
+_WARPS = 4
+_STAGES = 1 if _INTERPRET else 2
+
+
+def full_bias_grad_supported(bias: torch.Tensor, Lq: int, Lk: int) -> bool:
+    """This kernel serves a bias with full (Lq, Lk) dims (any of its batch and head dims may be 1); a bias
+    broadcast along rows or columns (a per-key bias) keeps the dQ kernel's buffer and torch's sum."""
+    return bias.dim() == 4 and bias.shape[2] == Lq and bias.shape[3] == Lk
+
+
+def default_splits(tiles: int, pairs: int, device: torch.device) -> int:
+    """Parts of the pair loop: enough programs for ~8 per SM on CUDA (causal leaves half the tiles idle),
+    never more parts than pairs."""
+    if device.type != "cuda" or _INTERPRET:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(pairs, triton.cdiv(8 * sms, max(tiles, 1))))
+
+
+def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_strides, z_strides, flags: dict,
+                     scalars: tuple, splits: int | None = None) -> torch.Tensor:
+    """dBias like ``bias`` (Bz, Hz, Lq, Lk). ``q_strides``: q's (b, h, m, d) strides as the GDPA kernels
+    read them (batch stride 0 for shared queries); ``z_strides``: the bias's strides expanded to (B, H, Lq,
+    Lk); ``flags``: the GDPA kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale,
+    out_scale, window, contextual_len)."""
+    B, H, Lk, _ = k.shape
+    Lq = q.shape[2]
+    Bz, Hz = bias.shape[0], bias.shape[1]
+    tiles = triton.cdiv(Lq, _BLOCK) * triton.cdiv(Lk, _BLOCK) * Bz * Hz
+    shared_b, shared_h = Bz == 1 and B > 1, Hz == 1 and H > 1
+    pairs = (B if shared_b else 1) * (H if shared_h else 1)
+    splits = default_splits(tiles, pairs, q.device) if splits is None else max(1, min(int(splits), pairs))
+    part = torch.empty((splits, Bz * Hz, Lq, Lk), dtype=torch.float32, device=q.device)
+    _, Lq_, Lk_, scale, out_scale, window, contextual_len = scalars
+    consts = {name: flags[name] for name in ("HEAD_D", "BLOCK_D", "Q_MODE", "KV_MODE", "CAUSAL", "HAS_WINDOW",
+                                             "HAS_TARGETS", "HAS_CONTEXT", "ACT", "DIVIDE", "DOT_PRECISION")}
+    _gdpa_bwd_dbias_kernel[(tiles * splits,)](
+        q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets,
+        *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),
+        part.stride(0), part.stride(1), part.stride(2),
+        B, H, Bz, Hz, splits, Lq_, Lk_, scale, out_scale, window, contextual_len,
+        SHARED_B=shared_b, SHARED_H=shared_h, BLOCK_M=_BLOCK, BLOCK_N=_BLOCK, num_warps=_WARPS,
+        num_stages=_STAGES, **consts)
+    total = part[0] if splits == 1 else part.sum(0)  # deterministic: a fixed number of parts, in order
+    return total.reshape(bias.shape).to(bias.dtype)
