@@ -75,6 +75,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .jagged_attention_triton import _launch  # autotune once per key, then launch the tuned kernel directly
+
 __all__ = [
     "alloc_outputs",
     "codes_to_descale",
@@ -210,10 +212,10 @@ _TILE_CONFIGS = (
 )
 
 
-@triton.autotune(configs=_MX_CONFIGS, key=["C", "IN_KIND", "BLOCK_C"])
+@triton.autotune(configs=_MX_CONFIGS, key=["C_BUCKET", "IN_KIND", "BLOCK_C"])
 @triton.jit
 def _mx_kernel(
-    x_ptr, y_ptr, code_ptr, R, C, sxr, sxc,
+    x_ptr, y_ptr, code_ptr, R, C, sxr, sxc, C_BUCKET,
     IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -239,10 +241,10 @@ def _mx_kernel(
     tl.store(code_ptr + rows[:, None].to(tl.int64) * n_groups + groups[None, :], codes.to(tl.uint8), mask=gmask)
 
 
-@triton.autotune(configs=_BLOCK_CONFIGS, key=["C", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
+@triton.autotune(configs=_BLOCK_CONFIGS, key=["C_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
 @triton.jit
 def _block_kernel(
-    x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, sxr, sxc, s_s0, s_s1, st_s0, st_s1,
+    x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,
     IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr, TILE: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr, EVEN: tl.constexpr,
@@ -574,11 +576,12 @@ def _tile_nonfinite(x_tile, y_tile, yt_tile, s_ptr, st_ptr, sxr, sxc, s_s0, s_s1
 
 @triton.autotune(
     configs=_TILE_CONFIGS,
-    key=["C", "R_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "MASK_R", "MASK_C", "PAIRS"],
+    key=["C_BUCKET", "R_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "MASK_R", "MASK_C", "PAIRS"],
 )
 @triton.jit
 def _tile_kernel(
     x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, Rq, C, sxr, sxc, sy, syt, s_s0, s_s1, st_s0, st_s1, R_BUCKET,
+    C_BUCKET,
     IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr, TILE: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr,
     PAIRS: tl.constexpr, COL_MAJOR: tl.constexpr, PER_SM: tl.constexpr, STAGES: tl.constexpr,
@@ -723,10 +726,9 @@ def mx_quantize_triton(x: Tensor, rule: str = "floor", use_hw: bool | None = Non
         def grid(meta):
             return (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(C, BLOCK_C))
 
-        _mx_kernel[grid](
-            _as_loadable(x2), y, codes, R, C, x2.stride(0), x2.stride(1),
-            IN_KIND=_IN_KIND[x.dtype], RCEIL=rule == "rceil", USE_HW=_hw(x, use_hw), BLOCK_C=BLOCK_C,
-        )
+        _launch(_mx_kernel, grid, (_as_loadable(x2), y, codes, R, C, x2.stride(0), x2.stride(1), _bucket(C)),
+                {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw),
+                 "BLOCK_C": BLOCK_C}, (_bucket(C),))
     shape = tuple(x.shape)
     return y.view(torch.float8_e4m3fn).reshape(shape), codes.reshape(*shape[:-1], C // 32)
 
@@ -843,7 +845,7 @@ def _launch_tile(x, rule, tile, row, col, use_hw, out):
         R, R // 4, C, x.stride(0), x.stride(1),
         x8.stride(0) if x8 is not None else 0, yt32.stride(0) if col else 0,
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0, _bucket(R),
+        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0, _bucket(R), _bucket(C),
     )
     flags = {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw), "TILE": tile,
              "WRITE_ROW": row, "WRITE_COL": col, "MASK_R": R % 128 != 0, "MASK_C": C % 128 != 0,
@@ -856,7 +858,8 @@ def _launch_tile(x, rule, tile, row, col, use_hw, out):
         _tile_kernel.fn[grid](*args, **flags, **cfg.kwargs, num_warps=cfg.num_warps)
         return
     n_sm = _num_sms(x.device)
-    _tile_kernel[lambda meta: (min(n_tiles, n_sm * meta["PER_SM"]),)](*args, **flags)
+    _launch(_tile_kernel, lambda meta: (min(n_tiles, n_sm * meta["PER_SM"]),), args, flags,
+            (_bucket(R), _bucket(C)))
 
 
 def _launch_block(x, rule, tile, row, col, use_hw, out):
@@ -875,7 +878,7 @@ def _launch_block(x, rule, tile, row, col, use_hw, out):
     dummys = s if s is not None else st
     block_r = 128 if (tile or col) else 32
     grid = (triton.cdiv(R, block_r), triton.cdiv(C, 128))
-    _block_kernel[grid](
+    _launch(_block_kernel, grid, (
         _as_loadable(x),
         (x8 if x8 is not None else dummy8).view(torch.uint8),
         (s if s is not None else dummys).view(torch.int32),
@@ -883,10 +886,10 @@ def _launch_block(x, rule, tile, row, col, use_hw, out):
         (st if st is not None else dummys).view(torch.int32),
         R, C, x.stride(0), x.stride(1),
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
-        IN_KIND=_IN_KIND[x.dtype], RCEIL=rule == "rceil", USE_HW=_hw(x, use_hw), TILE=tile,
-        WRITE_ROW=row, WRITE_COL=col, BLOCK_R=block_r, BLOCK_C=128, EVEN=R % block_r == 0 and C % 128 == 0,
-    )
+        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0, _bucket(C),
+    ), {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw), "TILE": tile,
+        "WRITE_ROW": row, "WRITE_COL": col, "BLOCK_R": block_r, "BLOCK_C": 128,
+        "EVEN": R % block_r == 0 and C % 128 == 0}, (_bucket(C),))
 
 
 def quantize_1x128(

@@ -315,17 +315,14 @@ def test_tile_kernel_matches_reference_with_nonfinite_and_edge_tiles(dtype, rule
 
 def test_tile_kernel_serves_the_transposed_copies_when_chosen(monkeypatch):
     calls = []
+    real = mqt._launch
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(kwargs["TILE"])
-                return real[grid](*args, **kwargs)
+    def spy(kernel, grid, args, consts, buckets):
+        if kernel is mqt._tile_kernel:
+            calls.append(consts["TILE"])
+        return real(kernel, grid, args, consts, buckets)
 
-            return launch
-
-    real = mqt._tile_kernel
-    monkeypatch.setattr(mqt, "_tile_kernel", Spy())
+    monkeypatch.setattr(mqt, "_launch", spy)
     monkeypatch.delenv("GEMCOMPILE_DUAL_QUANT_IMPL", raising=False)
     x = torch.randn(128, 128, dtype=torch.bfloat16)
     quantize_1x128(x)  # the default ("old", until the tile kernel is measured on a GPU): not the tile kernel
@@ -385,3 +382,19 @@ def test_tile_kernel_tile_orders_and_persistent_steps(col_major, monkeypatch):
         new = _quantize_with("tile", fn, x, "rceil", monkeypatch)
         old = _quantize_with("old", fn, x, "rceil", monkeypatch)
         assert_same_outputs(new, old, (col_major, fn.__name__))
+
+
+def test_varying_token_counts_share_one_tuning():
+    """The column count of a transposed copy is the token count, which unpad changes every batch: the
+    autotuners key on its bucket, never the exact count (a new count must not re-benchmark every config),
+    and later launches skip the autotuner (gemcompile.lowering.jagged_attention_triton._launch)."""
+    from gemcompile.lowering import jagged_attention_triton as shared
+
+    for kernel in (mqt._mx_kernel, mqt._block_kernel, mqt._tile_kernel):
+        assert "C" not in kernel.keys and "C_BUCKET" in kernel.keys, kernel.keys
+    shared._BEST_CONFIG.clear()
+    for tokens in (300, 333, 410):  # one bucket (512); the transposed copy's C is the token count
+        x = torch.randn(256, tokens, dtype=torch.float32)
+        quantize_1x128(x, row=False)
+    tuned = [key for key in shared._BEST_CONFIG if key[0] is mqt._block_kernel]
+    assert len(tuned) == 1 and tuned[0][1] == 512
