@@ -320,7 +320,7 @@ def plot(payload: dict, png: Path, smooth: int = 10) -> bool:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default=None, choices=["tiny", "small", "large"],
+    parser.add_argument("--size", default=None, choices=["tiny", "small", "medium", "large"],
                         help="GEM-ref size (default small; tiny with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 300; 6 with --smoke)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default 256; 16 with --smoke)")

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory of the JSON result")
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo, GEM-ref tiny, a few steps")
-    parser.add_argument("--size", default=None, choices=["tiny", "small", "large"])
+    parser.add_argument("--size", default=None, choices=["tiny", "small", "medium", "large"])
     parser.add_argument("--batch-per-gpu", type=int, default=None)
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the parallel run (GPUs)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps")

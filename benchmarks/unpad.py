@@ -245,7 +245,7 @@ def ratios(results: list[dict], fills: list[float]) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="small", choices=["tiny", "small"], help="GEM-ref preset")
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="GEM-ref preset")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--fills", default="0.3,0.5,0.7", help="comma list of mean fills (0, 1]")
     parser.add_argument("--methods", default="inductor,gem,gem-no-unpad", help="comma list, run in order")

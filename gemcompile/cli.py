@@ -9,7 +9,7 @@ import sys
 
 def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gem-ref", choices=["gem-ref"], help="the model to explain")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "small", "large"], help="GEM-ref size")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small", "medium", "large"], help="GEM-ref size")
     parser.add_argument("--batch-size", type=int, default=8, help="batch of the example inputs")
     parser.add_argument("--fill", type=float, default=0.5, help="mean sequence length / max length, in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
@@ -93,7 +93,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     e2e = sub.add_parser("e2e", help="GEM-ref training step: eager, torch.compile, gem_compile with each pass "
                                      "group on and off")
-    e2e.add_argument("--size", default="small", choices=["tiny", "small", "large"], help="GEM-ref size")
+    e2e.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"], help="GEM-ref size")
     e2e.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the size's)")
     e2e.add_argument("--fill", type=float, default=0.5, help="mean sequence length / max length")
     e2e.add_argument("--steps", type=int, default=50, help="measured steps (lengths vary per batch)")

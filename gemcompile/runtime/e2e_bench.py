@@ -89,7 +89,7 @@ class E2EBenchConfig:
     """One e2e benchmark run."""
 
     size: str = "small"
-    """GEM-ref preset (tiny, small, large)."""
+    """GEM-ref preset (tiny, small, medium, large); medium is the one that fills an H200."""
 
     batch_size: int | None = None
     """Samples per step; None = the size's training default (runtime/train.py)."""

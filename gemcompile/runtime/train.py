@@ -47,14 +47,14 @@ __all__ = [
     "train",
 ]
 
-SIZES = ("tiny", "small", "large")
+SIZES = ("tiny", "small", "medium", "large")
 COMPILE_MODES = ("eager", "inductor", "gem")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 LENGTH_DISTS = ("uniform", "heavy_tail")
 TASK_NAMES = ("CTR", "CVR")
 
-DEFAULT_BATCH_SIZE = {"tiny": 64, "small": 256, "large": 512}
+DEFAULT_BATCH_SIZE = {"tiny": 64, "small": 256, "medium": 256, "large": 512}
 """Batch size per size preset when TrainConfig.batch_size is None."""
 
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
@@ -75,7 +75,7 @@ def _is_number(value: Any) -> bool:
 class TrainConfig:
     """One training run. Every field is validated on construction (ValueError naming the field)."""
 
-    size: Literal["tiny", "small", "large"] = "tiny"
+    size: Literal["tiny", "small", "medium", "large"] = "tiny"
     """Model and data preset (gemcompile.models.gem.gem_ref_config)."""
 
     steps: int = 50

@@ -294,3 +294,14 @@ def test_small_and_large_parameter_counts_on_meta():
     assert large.layers[0].interaction.experts[0].lcb.in_features == 32 + 8 + 4 * (32 + 16)
     assert large.layers[1].interaction.experts[0].lcb.in_features == 64 + 64 + 4 * (32 + 16)
     assert cfg.n_nonseq_tokens == 40 and cfg.n_seq_summary_tokens == 192
+
+
+def test_medium_fits_one_gpu_with_large_widths():
+    # large's layer widths, parameters for one H200: ~2.3B in all, fp32 weights + Adam/Adagrad state ~35 GB
+    with torch.device("meta"):
+        medium = GemRef(gem_ref_config("medium"))
+    counts = medium.parameter_counts()
+    assert counts["sparse"] == 64 * (1 << 17) * 128 + (1 << 20) * 128
+    assert 0.8e9 < counts["dense"] < 1.3e9
+    cfg, large = gem_ref_config("medium"), gem_ref_config("large")
+    assert (cfg.d, cfg.head_dim) == (large.d, large.head_dim) and cfg.seq_max_lens == (2048, 512)

@@ -63,7 +63,7 @@ def test_padded_mode_equals_flop_counter_mode_other_config():
     assert sum(t.kind == "gdpa" for t in formula.attentions) == 3 * 2  # layers 0 and 2
 
 
-@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("size", ["small", "medium", "large"])
 def test_padded_mode_equals_flop_counter_mode_on_meta(size):
     # The GPU presets (large: ~17B embedding parameters) built on the meta device: shapes only, no memory.
     cfg = gem_ref_config(size)
