@@ -18,6 +18,12 @@ loss-curve data) and, when matplotlib is importable, into a PNG beside it.
 quantized, which is what a quality study needs; GEM-ref small has no layer wider than 1024, so the pass's
 default sizes, tuned for speed on H200, would quantize nothing). On Hopper "mxfp8" runs emulated (the op
 warns once); "blockwise" runs cuBLAS blockwise FP8 GEMMs.
+
+The same machinery checks gem_compile against eager (issue 10: the same NE as eager within 0.1%):
+``--baseline eager --recipes none`` trains the baseline eagerly (no compile at all) and compares
+gem_compile with its default passes (recipe "none": no FP8) against it:
+
+    python benchmarks/mxfp8_quality.py --baseline eager --baseline-repeats 2 --recipes none
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ sys.path.insert(0, str(_HERE))
 from harness import environment, format_table, results_path
 
 RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
+NO_FP8 = "none"
+"""The recipe name of a compared run without the mxfp8 pass (gem_compile's defaults)."""
 NE_TOLERANCE = 1e-3
 """Relative NE difference against bf16 that counts as parity (0.1%)."""
 BLOWUP = 1.10
@@ -67,7 +75,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_one(name: str, recipe: str | None, args, device: torch.device, init_seed: int | None = None,
-            on_checkpoint=None) -> dict:
+            on_checkpoint=None, baseline: bool | None = None) -> dict:
     """Train GEM-ref with one GEMM precision; returns losses, NE checkpoints, timings and what the pass did.
     Compile caches are off: a graph served from a cache is not compiled, so the pass would count nothing
     (and the compile time would flatter a rerun). `on_checkpoint(partial_result)` runs after each held-out
@@ -76,7 +84,9 @@ def run_one(name: str, recipe: str | None, args, device: torch.device, init_seed
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        return _run_one(name, recipe, args, device, args.seed if init_seed is None else init_seed, on_checkpoint)
+        result = _run_one(name, recipe, args, device, args.seed if init_seed is None else init_seed, on_checkpoint,
+                          recipe is None if baseline is None else baseline)
+    return result
 
 
 def checkpoint_steps(steps: int, every: int) -> list[int]:
@@ -85,7 +95,7 @@ def checkpoint_steps(steps: int, every: int) -> list[int]:
     return marks if marks and marks[-1] == steps else marks + [steps]
 
 
-def _run_one(name, recipe, args, device, init_seed, on_checkpoint) -> dict:
+def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: bool) -> dict:
     from torch._dynamo.utils import counters
 
     from gemcompile import gem_compile
@@ -102,7 +112,10 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint) -> dict:
     torch.manual_seed(init_seed)  # the batches follow args.seed whatever the initialization
     model = GemRef(model_cfg).to(device)
     optimizers = build_optimizers(model, args.lr, args.embedding_lr)
-    runner = gem_compile(model, config=_gem_config(recipe, args.min_dim, tuple(args.bf16_weight_grad)))
+    eager = baseline and args.baseline == "eager"  # the baseline of the gem_compile-vs-eager check
+    fp8 = None if recipe == NO_FP8 else recipe
+    runner = model if eager else gem_compile(model, config=_gem_config(fp8, args.min_dim,
+                                                                       tuple(args.bf16_weight_grad)))
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
 
@@ -122,7 +135,8 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint) -> dict:
 
     window = MetricWindow(model_cfg.n_tasks, window=args.window)
     marks = set(checkpoint_steps(args.steps, args.eval_every))
-    result = {"name": name, "recipe": recipe, "init_seed": init_seed, "losses": [], "checkpoints": [],
+    result = {"name": name, "recipe": recipe, "baseline": baseline, "compiled": not eager,
+              "init_seed": init_seed, "losses": [], "checkpoints": [],
               "step_ms": math.nan, "compile_s": math.nan, "complete": False}
     losses: list[float] = result["losses"]
     started = time.perf_counter()
@@ -246,11 +260,15 @@ def summarize(runs: list[dict], window: int) -> list[dict]:
     return rows
 
 
+def _is_baseline(run: dict) -> bool:
+    return run.get("baseline", run["recipe"] is None)  # JSONs before --baseline: the runs without a recipe
+
+
 def noise_floor(runs: list[dict]) -> float | None:
     """The largest relative NE gap between bf16 runs that differ only in their initialization seed (the
     repeats of --baseline-repeats), on the basis each was judged on: the spread a recipe's gap is read
     against. None without repeats."""
-    gaps = [abs(r) for run in runs[1:] if run["recipe"] is None
+    gaps = [abs(r) for run in runs[1:] if _is_baseline(run)
             for r in (run["rel_eval_ne"] if run["ne_basis"] == "eval" else run["rel_train_ne"]) if math.isfinite(r)]
     return max(gaps) if gaps else None
 
@@ -324,7 +342,10 @@ def parse_args(argv=None):
                         help="GEM-ref size (default small; tiny with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 300; 6 with --smoke)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default 256; 16 with --smoke)")
-    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=None,
+    parser.add_argument("--baseline", choices=["gem", "eager"], default="gem",
+                        help="how the baseline trains: gem_compile without the mxfp8 pass (default), or eager "
+                             "(no compile: the gem_compile-vs-eager NE check, with --recipes none)")
+    parser.add_argument("--recipes", nargs="+", choices=[*RECIPES, NO_FP8], default=None,
                         help="FP8 recipes to compare with bf16 (default blockwise mxfp8; emulated ones with --smoke)")
     parser.add_argument("--min-dim", type=int, default=1,
                         help="the pass's min_m / min_k / min_n (default 1: every qualifying Linear); 0 = the "
@@ -457,10 +478,12 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     base = "bf16" if args.dtype == "bfloat16" else "fp32"  # the baseline: the same model without the pass
+    if args.baseline == "eager":
+        base = f"eager {base}"
     # (name, recipe, initialization seed): repeats of the baseline differ only in their initialization
     plan = [(f"{base} seed {args.seed + i}" if args.baseline_repeats > 1 else base, None, args.seed + i)
             for i in range(args.baseline_repeats)]
-    plan += [(recipe, recipe, args.seed) for recipe in args.recipes]
+    plan += [("gem_compile" if recipe == NO_FP8 else recipe, recipe, args.seed) for recipe in args.recipes]
     runs: list[dict] = []
     started = time.perf_counter()
     path = results_path("mxfp8_quality-smoke" if args.smoke else "mxfp8_quality", args.out)
@@ -516,7 +539,7 @@ def main(argv=None) -> int:
     print()
     print(text)
     floor = noise_floor(runs)
-    fp8_runs = [r for r in runs if r["recipe"] is not None]
+    fp8_runs = [r for r in runs if not _is_baseline(r)]
     verdict = {r["name"]: {"ne_within_0.1%": r["ne_within_tolerance"], "ne_basis": r["ne_basis"],
                            "at_step": r["compared_step"], "complete": r["complete"],
                            "rel_ne": r["rel_eval_ne"] if r["ne_basis"] == "eval" else r["rel_train_ne"],
@@ -542,7 +565,7 @@ def main(argv=None) -> int:
         print(f"matplotlib not installed: render the loss curves later with --plot {path}")
     if args.smoke:
         bad = [r["name"] for r in runs if any(not math.isfinite(v) for v in r["losses"])]
-        if bad or not all(sum(r["quantized_gemms"].values()) for r in fp8_runs):
+        if bad or not all(sum(r["quantized_gemms"].values()) for r in fp8_runs if r["recipe"] != NO_FP8):
             print(f"smoke FAILED: non-finite {bad}, fp8 GEMMs {[r['quantized_gemms'] for r in fp8_runs]}")
             return 1
         print("smoke ok")

@@ -70,3 +70,23 @@ def test_noise_floor_is_the_largest_gap_between_seed_repeats(quality):
     quality.summarize([base, repeat, fp8], window=10)
     assert quality.noise_floor([base, repeat, fp8]) == pytest.approx(0.002)
     assert quality.noise_floor([base, fp8]) is None
+
+
+def test_gem_compile_against_an_eager_baseline(quality):
+    """--baseline eager --recipes none: the compared run is gem_compile without FP8 (recipe "none"), which
+    must not count as a baseline repeat even though it quantizes nothing."""
+    base = _run("eager bf16 seed 0", None, {100: [0.80, 0.70]}, [0.5] * 100)
+    repeat = _run("eager bf16 seed 1", None, {100: [0.8040, 0.70]}, [0.5] * 100)
+    gem = _run("gem_compile", "none", {100: [0.8004, 0.70]}, [0.5] * 100)
+    for run, baseline in ((base, True), (repeat, True), (gem, False)):
+        run["baseline"] = baseline
+    quality.summarize([base, repeat, gem], window=10)
+    assert quality.noise_floor([base, repeat, gem]) == pytest.approx(0.005)
+    assert gem["ne_within_tolerance"] is True  # 0.05% and 0%
+
+
+def test_eager_baseline_plan(quality):
+    args = quality.parse_args(["--baseline", "eager", "--baseline-repeats", "2", "--recipes", "none", "blockwise"])
+    assert args.baseline == "eager" and args.recipes == ["none", "blockwise"]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--baseline", "compiled"])
