@@ -89,9 +89,9 @@ def hstu_padded(q, k, v, n, x):
 
 
 def hstu_op(q, k, v, n, x):
+    # the bias as gem_compile rewrites the gather (passes/relative_bias.py): a diagonal-sum backward
     L = q.shape[2]
-    i = torch.arange(L, device=q.device)
-    rab = x["rab_table"][(i[None, :] - i[:, None]) + L - 1]
+    rab = torch.ops.gemcompile.relative_bias(x["rab_table"], L, L, L - 1)
     return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None, None], "silu", x["alpha"], 1.0 / L, False, True, 0)
 
 

@@ -125,6 +125,18 @@ class GdpaConfig:
 
 
 @config_section
+class RelativeBiasConfig:
+    """Relative-position bias gathers ``table[j - i + c]`` -> gemcompile::relative_bias (pre-grad)."""
+
+    enabled: bool = True
+    """Rewrite gathers whose index is proven to be j - i + constant: same values, and a backward that sums
+    the gradient's diagonals instead of scattering L*L values into the table with atomic adds."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
 class BlockAttentionConfig:
     """Block-diagonal or sliding-window masked attention (+ RoPE just before) -> gemcompile::block_attention."""
 
@@ -347,6 +359,9 @@ class GemConfig:
 
     block_attention: BlockAttentionConfig = field(default_factory=BlockAttentionConfig)
     """Block-diagonal / sliding-window attention (with fused RoPE) -> the block-attention kernel (pre-grad)."""
+
+    relative_bias: RelativeBiasConfig = field(default_factory=RelativeBiasConfig)
+    """Relative-position bias gathers -> a gather with a diagonal-sum backward (pre-grad)."""
 
     unpad: UnpadConfig = field(default_factory=UnpadConfig)
     """Token-wise regions of padded sequences -> packed tokens, so GEMMs skip padding (pre-grad)."""

@@ -10,6 +10,7 @@ from . import gdpa as gdpa_ops  # noqa: F401  registers gemcompile::gdpa*
 from . import block_attention as block_attention_ops  # noqa: F401  registers gemcompile::block_attention*
 from . import valid_tokens as valid_tokens_ops  # noqa: F401  registers gemcompile::valid_token_index
 from . import scaled_mm as scaled_mm_ops  # noqa: F401  registers gemcompile::fp8_mm (kernels: mx_quantize_triton, lazily)
+from . import relative_bias as relative_bias_ops  # noqa: F401  registers gemcompile::relative_bias
 from .checks import strict_length_checks
 from .jagged_attention import jagged_attention_packed
 

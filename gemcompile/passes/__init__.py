@@ -11,12 +11,14 @@ from gemcompile.passes.gdpa import GdpaPass
 from gemcompile.passes.jagged_attention import JaggedAttentionPass
 from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
+from gemcompile.passes.relative_bias import RelativeBiasPass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.unpad import UnpadPass
 from gemcompile.passes.unpad_reductions import UnpadReductionsPass
 
 PIPELINE: tuple[type[GemPass], ...] = (
     ShardingPass,  # pre_grad: each parameter's mesh and DTensor placements -> node.meta["custom"] (no rewrite)
+    RelativeBiasPass,  # pre_grad: table[j - i + c] gathers -> gemcompile::relative_bias (diagonal-sum backward)
     BlockAttentionPass,  # pre_grad: block-diagonal / windowed attention (+ RoPE) -> gemcompile::block_attention
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
     GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
