@@ -381,6 +381,9 @@ def parse_args(argv=None):
     parser.add_argument("--procs-per-gpu", type=int, default=1,
                         help="with --gpus: this many runs share each GPU (memory permitting); step times are then "
                         "contended and not comparable")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per worker (default: the host's cores / the concurrent workers; "
+                             "set it when two invocations share one host)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="with --gpus: stop the runs still training after this many seconds and compare "
                         "every run at the last held-out checkpoint it shares with bf16")
@@ -498,7 +501,7 @@ def main(argv=None) -> int:
         # the host's cores are shared by the concurrent workers: torch's default (one intra-op thread per
         # core in every process) oversubscribes them, and the CPU-side batch generation then ran ~10x
         # slower (1.5 s a step with 4 workers on a 32-core H200 host; 0.04 -> 0.3-0.8 s here)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _concurrent_workers(plan, args)))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // _concurrent_workers(plan, args)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
 
