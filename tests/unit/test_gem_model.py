@@ -255,7 +255,7 @@ def test_config_validation(overrides, field):
 
 def test_unknown_size_and_bad_cfg():
     with pytest.raises(ValueError, match="size"):
-        gem_ref_config("medium")
+        gem_ref_config("huge")
     with pytest.raises(TypeError, match="cfg"):
         GemRef({"d": 32})
 
