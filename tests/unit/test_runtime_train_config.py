@@ -24,7 +24,7 @@ def test_defaults():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("size", "huge", r"TrainConfig.size = 'huge' is invalid: expected one of tiny, small, large"),
+        ("size", "huge", r"TrainConfig.size = 'huge' is invalid: expected one of tiny, small, medium, large"),
         ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
         ("steps", 2.5, r"TrainConfig.steps = 2.5"),
         ("batch_size", -4, r"TrainConfig.batch_size = -4"),
