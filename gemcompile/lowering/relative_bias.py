@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["relative_bias", "relative_bias_backward", "relative_bias_reference"]
+__all__ = ["positions_span", "relative_bias", "relative_bias_backward", "relative_bias_reference"]
+
+
+def positions_span(rows: int, cols: int, offset: int) -> tuple[int, int]:
+    """The first and last table rows that j - i + offset reads for i < rows, j < cols (rows, cols >= 1)."""
+    return offset - (rows - 1), offset + cols - 1
 
 
 def _check(table: Tensor, rows: int, cols: int, offset: int) -> None:
@@ -29,7 +34,7 @@ def _check(table: Tensor, rows: int, cols: int, offset: int) -> None:
     if rows < 0 or cols < 0:
         raise ValueError(f"relative_bias: rows and cols must be >= 0, got {rows} and {cols}")
     if rows and cols:
-        lo, hi = offset - (rows - 1), offset + cols - 1  # the table slots the pairs read
+        lo, hi = positions_span(rows, cols, offset)
         if lo < 0 or hi >= table.shape[0]:
             raise ValueError(
                 f"relative_bias: positions j - i + {offset} for i < {rows}, j < {cols} span [{lo}, {hi}], "
@@ -57,7 +62,7 @@ def relative_bias_backward(grad: Tensor, table_rows: int, rows: int, cols: int, 
     # skew view: element (r, i, c) is padded[r, i, c + i], so column c holds the diagonal j - i = c - rows
     skew = padded.as_strided((n_rest, rows, rows + cols), (rows * width, width + 1, 1))
     diagonals = skew.sum(1)[:, 1:]  # (R, rows + cols - 1): j - i from -(rows - 1) to cols - 1
-    lo = offset - (rows - 1)
+    lo, _ = positions_span(rows, cols, offset)
     dtable = F.pad(diagonals, (lo, table_rows - lo - (rows + cols - 1)))  # (R, table_rows)
     return dtable.t().reshape(table_rows, *rest).to(grad.dtype)
 

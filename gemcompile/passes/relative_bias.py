@@ -26,6 +26,7 @@ import sympy
 import torch
 from torch import fx
 
+from gemcompile.lowering.relative_bias import positions_span
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.mask_provenance import IntTensor, MaskEvaluator, Unproven, example_value, index_symbol
 
@@ -106,7 +107,7 @@ class RelativeBiasPass(GemPass):
             except Unproven as e:
                 self.refused(node, f"relative bias: the gather index is not a relative position j - i + c: {e}")
                 continue
-            lo, hi = offset - (rows - 1), offset + cols - 1
+            lo, hi = positions_span(rows, cols, offset)
             if rows and cols and (lo < 0 or hi >= table_rows):
                 self.refused(node, f"relative bias: positions j - i + {offset} span [{lo}, {hi}], outside the "
                                    f"table's {table_rows} rows (negative ones wrap around in eager)")
