@@ -431,6 +431,8 @@ def _run_concurrently(plan, args, argv) -> list[dict]:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     slots = _concurrent_workers(plan, args)
+    # GPU i is the i-th GPU this process may see: two invocations can share a host, one per GPU
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     results: list[dict | None] = [None] * len(plan)
     with tempfile.TemporaryDirectory() as tmp:
@@ -441,7 +443,7 @@ def _run_concurrently(plan, args, argv) -> list[dict]:
             for slot, index in enumerate(batch):
                 gpu = slot % args.gpus
                 part = Path(tmp) / f"run{index}.json"
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible[gpu] if gpu < len(visible) else str(gpu)}
                 cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only-run", str(index),
                        "--part", str(part)]
                 where = f"GPU {gpu}" if args.device == "cuda" else f"process {slot + 1} (CPU)"

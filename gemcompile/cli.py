@@ -117,16 +117,23 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
                          layers=args.layers)
-    payload = run_e2e_bench(cfg)
-    # the command that made the numbers travels with them (results JSON convention, benchmarks/harness.py)
-    payload["command"] = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
+    command = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
+    path = None
     if args.out:
         import datetime
 
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         path = Path(args.out) / f"e2e-{args.size}-fill{args.fill}-{stamp}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=1))
+
+    def write(payload: dict) -> None:
+        # the command that made the numbers travels with them (results JSON convention, benchmarks/harness.py)
+        payload["command"] = command
+        if path is not None:
+            path.write_text(json.dumps(payload, indent=1))
+
+    write(run_e2e_bench(cfg, on_progress=write))
+    if path is not None:
         print(f"results in {path}")
     return 0
 

@@ -410,11 +410,11 @@ def _pct(x: float | None) -> str:
     return "  n/a" if x is None else f"{100 * x:5.1f}%"
 
 
-def run_e2e_bench(cfg: E2EBenchConfig, log=print) -> dict[str, Any]:
-    """Every method of cfg, one after the other in this process; ratios against inductor and eager."""
-    from gemcompile.runtime.flops import peak_flops
+def run_e2e_bench(cfg: E2EBenchConfig, log=print, on_progress=None) -> dict[str, Any]:
+    """Every method of cfg, one after the other in this process; ratios against inductor and eager.
 
-    device = torch.device(cfg.device)
+    on_progress, if given, receives the payload so far after each method: a run cut by a time limit
+    keeps the methods that finished."""
     results = []
     for method in cfg.methods:
         torch._dynamo.reset()
@@ -424,6 +424,16 @@ def run_e2e_bench(cfg: E2EBenchConfig, log=print) -> dict[str, Any]:
         except Exception as e:  # a method that fails (OOM, a compile error) is recorded; the others still run
             results.append({"method": method, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             log(f"  {method} failed: {results[-1]['error'][:200]}")
+        if on_progress is not None:
+            on_progress(_payload(cfg, [dict(r) for r in results]))
+    return _payload(cfg, results)
+
+
+def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
+    """The results JSON: per-method rows with ratios against inductor and eager where they ran."""
+    from gemcompile.runtime.flops import peak_flops
+
+    device = torch.device(cfg.device)
     by_name = {r["method"]: r for r in results if "error" not in r}
     for r in results:
         if "error" in r:

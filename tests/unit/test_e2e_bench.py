@@ -99,3 +99,14 @@ def test_cli_records_the_command_in_the_results_json(tmp_path):
     payload = json.loads(path.read_text())
     assert payload["command"] == "gemcompile " + " ".join(argv)
     assert payload["results"][0]["method"] == "eager"
+
+
+def test_results_are_handed_over_after_each_method():
+    # a run cut by a time limit must keep the methods that finished: one payload per method, growing
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=1, warmup=2, methods=("eager", "eager"),
+                         device="cpu", dtype="float32", ne_window=1)
+    seen = []
+    final = run_e2e_bench(cfg, log=lambda *a: None, on_progress=lambda p: seen.append(p))
+    assert [len(p["results"]) for p in seen] == [1, 2]
+    assert [r["method"] for r in seen[-1]["results"]] == [r["method"] for r in final["results"]]
+    assert seen[0]["results"][0]["samples_per_s"] == final["results"][0]["samples_per_s"]
