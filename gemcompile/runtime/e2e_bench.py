@@ -364,6 +364,8 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         "mfu_at_kernel_time": mfu(useful_per_step / (kernel_ms / 1e3), device) if kernel_ms else None,
         # where the GPU time goes: the largest kernels, kernels per step, GEMM vs Triton vs copies
         "kernel_profile": profiled.as_json() if profiled is not None else None,
+        # fused (one kernel per update) or foreach optimizers: their launches are part of the host time
+        "optimizers": [f"{type(o).__name__}(fused={bool(o.defaults.get('fused'))})" for o in optimizers],
         "compile_s": max(0.0, warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
         "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),

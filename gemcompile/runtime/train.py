@@ -312,10 +312,19 @@ def build_optimizers(model: nn.Module, lr: float, embedding_lr: float) -> list[t
     }
     embeddings = [p for p in module.parameters() if id(p) in embedding_ids]
     dense = [p for p in module.parameters() if id(p) not in embedding_ids]
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, lr=lr)]
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, lr=lr, fused=_fused_adam(dense))]
     if embeddings:
         optimizers.append(torch.optim.Adagrad(embeddings, lr=embedding_lr))
     return optimizers
+
+
+def _fused_adam(params: list) -> bool | None:
+    """Adam's fused kernel (one kernel per chunk of parameters) when every parameter is a CUDA tensor, else
+    torch's default. The default on CUDA is foreach: several multi-tensor kernels per update, over 200
+    launches a step on GEM-ref small (H200 kernel profile, e2e-small-fill0.5-20261130-143200.json) that
+    the host pays for at every step. Adagrad keeps foreach: torch 2.11 refuses its fused kernel on CUDA,
+    and only at the first step."""
+    return True if params and all(p.is_cuda for p in params) else None
 
 
 def gem_config(cfg: TrainConfig) -> Any:

@@ -52,9 +52,10 @@ def _pin(monkeypatch, fwd, dkdv, dq):
 
 @pytest.fixture
 def single_config(monkeypatch):
-    """One mid-size config per kernel (the one jagged attention's GPU tests pin, which fits every head dim
-    and dtype): few compiles, many partial tiles."""
-    _pin(monkeypatch, (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+    """One mid-size config per kernel: few compiles, many partial tiles. dK/dV's is one of its autotune
+    configs: with 2 stages instead of 3, ptxas (triton 3.6, sm_90a) crashed with SIGSEGV on the fp16 D32
+    silu case; on the H200 every dK/dV autotune config compiles and passes it."""
+    _pin(monkeypatch, (64, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 2))
 
 
 def jagged_lengths(B, L, g):

@@ -58,7 +58,12 @@ def test_profile_of_gemms_names_them_and_counts_launches():
 
     step(a)
     prof = kernel_profile(step, [a], 3)
-    # 4 cuBLAS GEMMs and one elementwise kernel a step; the GEMMs hold nearly all the time
-    assert prof.kernels_per_step == pytest.approx(5, abs=0.5)
+    # 4 cuBLAS GEMMs and one elementwise kernel a step, plus what cuBLAS adds around them (on the H200,
+    # torch 2.11: a workspace memset per GEMM, classed as a copy); the GEMMs hold nearly all the time
+    calls = {}
+    for row in prof.top:
+        calls[row["class"]] = calls.get(row["class"], 0) + row["calls_per_step"]
+    assert calls["gemm"] == pytest.approx(4) and calls["other"] == pytest.approx(1), prof.top
+    assert prof.kernels_per_step == pytest.approx(sum(calls.values())), prof.top
     assert next(iter(prof.by_class)) == "gemm" and prof.by_class["gemm"] > 0.9 * prof.ms_per_step
     assert prof.top[0]["class"] == "gemm" and prof.top[0]["calls_per_step"] == pytest.approx(4)
