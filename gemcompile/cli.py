@@ -100,7 +100,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--warmup", type=int, default=3, help="steps before the measured ones")
     e2e.add_argument("--methods", default="eager,inductor,gem",
                      help="comma-separated: eager, inductor, gem, gem-no-<pass>, gem+mxfp8, or 'all'; a "
-                     "compiled method may end in @reduce-overhead (CUDA graphs), e.g. inductor@reduce-overhead")
+                     "compiled method may end in @reduce-overhead (CUDA graphs) or @cpp-wrapper (Inductor's C++ "
+                     "launcher), e.g. inductor@reduce-overhead, gem@cpp-wrapper")
     e2e.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     e2e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     e2e.add_argument("--layers", action="store_true", help="also measure each layer's local MFU")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from gemcompile.runtime import e2e_bench
 from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
@@ -110,3 +111,13 @@ def test_results_are_handed_over_after_each_method():
     assert [len(p["results"]) for p in seen] == [1, 2]
     assert [r["method"] for r in seen[-1]["results"]] == [r["method"] for r in final["results"]]
     assert seen[0]["results"][0]["samples_per_s"] == final["results"][0]["samples_per_s"]
+
+
+def test_cpp_wrapper_suffix_reaches_torch_compile_as_an_inductor_option(monkeypatch):
+    # the suffix must reach Inductor as options={"cpp_wrapper": True}, for the peer and for gem_compile
+    assert unknown_methods(["gem@cpp-wrapper", "inductor@cpp-wrapper"]) == []
+    assert unknown_methods(["eager@cpp-wrapper", "gem@fast"]) == ["eager@cpp-wrapper", "gem@fast"]
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: seen.append(kw) or module)
+    e2e_bench._compiled(torch.nn.Identity(), "inductor@cpp-wrapper")
+    assert seen == [{"options": {"cpp_wrapper": True}}]
