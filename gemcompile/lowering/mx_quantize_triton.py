@@ -244,7 +244,7 @@ def _mx_kernel(
 @triton.autotune(configs=_BLOCK_CONFIGS, key=["C_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
 @triton.jit
 def _block_kernel(
-    x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,
+    x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, R_OUT, C_OUT, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,
     IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr, TILE: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr, EVEN: tl.constexpr,
@@ -252,7 +252,9 @@ def _block_kernel(
     """One (BLOCK_R, BLOCK_C = 128) tile of x (R, C). TILE: one 128x128 block (BLOCK_R = 128). Otherwise
     1x128 blocks along C for the row copy y (R, C) and 128x1 blocks along R for the transposed copy
     yt (C, R) (BLOCK_R = 128 when WRITE_COL). Scales: s[r or r-block, c-block], st[c or c-block, r-block]
-    through the given strides. EVEN: the tile is inside x (no masks).
+    through the given strides. EVEN: the tile is inside x (no masks). R_OUT >= R, C_OUT >= C: the
+    outputs are those of x zero-padded to (R_OUT, C_OUT), written without a padded copy of x (loads stop
+    at R, C; stores at R_OUT, C_OUT).
 
     The tile is walked in CHUNK-row slices so that few registers are live: pass 1 reduces (and writes
     the row copy, whose 1x128 blocks lie inside a slice); pass 2 re-reads the slices (from L1/L2) to
@@ -266,13 +268,14 @@ def _block_kernel(
     cols = c0 + lc
     # 64-bit tile bases, 32-bit offsets inside the tile (128x128 int64 offset tiles cost registers)
     x_tile = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    y_tile = y_ptr + r0.to(tl.int64) * C + c0
-    yt_tile = yt_ptr + c0.to(tl.int64) * R + r0
+    y_tile = y_ptr + r0.to(tl.int64) * C_OUT + c0
+    yt_tile = yt_ptr + c0.to(tl.int64) * R_OUT + r0
     col_amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
     col_max = tl.zeros((BLOCK_C,), dtype=tl.int32)
     for i in range(BLOCK_R // CHUNK):
         rl = i * CHUNK + lr
         mask = ((r0 + rl) < R)[:, None] & (cols < C)[None, :]
+        out_mask = ((r0 + rl) < R_OUT)[:, None] & (cols < C_OUT)[None, :]
         u = _load_bits(x_tile, rl[:, None] * sxr + lc[None, :] * sxc, mask, IN_KIND, not EVEN)
         a = u & 0x7FFFFFFF
         am = tl.where(a >= 0x7F800000, 0, a)  # amax over finite values; max(a) >= Inf flags a non-finite
@@ -282,10 +285,10 @@ def _block_kernel(
         if WRITE_ROW and not TILE:
             e_r = _scale_exponent(tl.max(am, axis=1), RCEIL)
             b = _quantize(u, e_r[:, None], USE_HW).to(tl.uint8)
-            _store(y_tile + rl[:, None] * C + lc[None, :], b, mask, not EVEN)
+            _store(y_tile + rl[:, None] * C_OUT + lc[None, :], b, out_mask, not EVEN)
             rows = r0 + rl
             tl.store(s_ptr + rows.to(tl.int64) * s_s0 + pid_c * s_s1, _descale_bits(e_r, tl.max(a, axis=1) < 0x7F800000),
-                     mask=rows < R)
+                     mask=rows < R_OUT)
     if TILE or WRITE_COL:
         if TILE:
             e_c = _scale_exponent(tl.max(col_amax), RCEIL)  # one exponent for the tile (a scalar)
@@ -298,7 +301,7 @@ def _block_kernel(
         else:
             e_c = _scale_exponent(col_amax, RCEIL)
             sbits = _descale_bits(e_c, col_max < 0x7F800000)
-            tl.store(st_ptr + cols.to(tl.int64) * st_s0 + pid_r * st_s1, sbits, mask=cols < C)
+            tl.store(st_ptr + cols.to(tl.int64) * st_s0 + pid_r * st_s1, sbits, mask=cols < C_OUT)
             e_q = e_c[None, :]
         for j in range(BLOCK_R // CHUNK):  # fresh names: a name of pass 1 would become loop-carried here
             rl2 = j * CHUNK + lr
@@ -306,10 +309,11 @@ def _block_kernel(
             u2 = _load_bits(x_tile, rl2[:, None] * sxr + lc[None, :] * sxc, mask2, IN_KIND, not EVEN)
             b2 = _quantize(u2, e_q, USE_HW).to(tl.uint8)
             if TILE and WRITE_ROW:
-                _store(y_tile + rl2[:, None] * C + lc[None, :], b2, mask2, not EVEN)
+                out_mask2 = ((r0 + rl2) < R_OUT)[:, None] & (cols < C_OUT)[None, :]
+                _store(y_tile + rl2[:, None] * C_OUT + lc[None, :], b2, out_mask2, not EVEN)
             if WRITE_COL:
-                tmask = (cols < C)[:, None] & ((r0 + rl2) < R)[None, :]
-                _store(yt_tile + lc[:, None] * R + rl2[None, :], tl.trans(b2), tmask, not EVEN)
+                tmask = (cols < C_OUT)[:, None] & ((r0 + rl2) < R_OUT)[None, :]
+                _store(yt_tile + lc[:, None] * R_OUT + rl2[None, :], tl.trans(b2), tmask, not EVEN)
 
 
 @triton.jit
@@ -862,62 +866,79 @@ def _launch_tile(x, rule, tile, row, col, use_hw, out):
             (_bucket(R), _bucket(C)))
 
 
-def _launch_block(x, rule, tile, row, col, use_hw, out):
+def _launch_block(x, rule, tile, row, col, use_hw, out, pad_to=None):
     R, C = x.shape
+    R_out, C_out = pad_to if pad_to is not None else (R, C)
     x8, s, xt8, st = out
     if tile:  # the padding columns of the scale rows: never used for real blocks, but cuBLAS may read them
         for scale in (s, st):
             if scale is not None and scale.shape[1] % 4:
                 scale_storage(scale)[:, scale.shape[1]:].fill_(1.0)
-    if R == 0 or C == 0:
+    if R_out == 0 or C_out == 0:
         return
-    if (col or tile) and (R % 4 == 0 or not col) and dual_impl() == "tile":
+    if (col or tile) and (R_out % 4 == 0 or not col) and dual_impl() == "tile":
+        if (R_out, C_out) != (R, C):  # the tile kernel has no padded outputs: pad x (a copy), as before
+            x = torch.nn.functional.pad(x, (0, C_out - C, 0, R_out - R))
         _launch_tile(x, rule, tile, row, col, use_hw, out)
         return
     dummy8 = x8 if x8 is not None else xt8
     dummys = s if s is not None else st
     block_r = 128 if (tile or col) else 32
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, 128))
+    grid = (triton.cdiv(R_out, block_r), triton.cdiv(C_out, 128))
     _launch(_block_kernel, grid, (
         _as_loadable(x),
         (x8 if x8 is not None else dummy8).view(torch.uint8),
         (s if s is not None else dummys).view(torch.int32),
         (xt8 if xt8 is not None else dummy8).view(torch.uint8),
         (st if st is not None else dummys).view(torch.int32),
-        R, C, x.stride(0), x.stride(1),
+        R, C, R_out, C_out, x.stride(0), x.stride(1),
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0, _bucket(C),
+        st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0, _bucket(C_out),
     ), {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw), "TILE": tile,
         "WRITE_ROW": row, "WRITE_COL": col, "BLOCK_R": block_r, "BLOCK_C": 128,
-        "EVEN": R % block_r == 0 and C % 128 == 0}, (_bucket(C),))
+        "EVEN": (R, C) == (R_out, C_out) and R % block_r == 0 and C % 128 == 0}, (_bucket(C_out),))
+
+
+def _padded_shape(x: Tensor, pad_to, name: str) -> tuple[int, int]:
+    if pad_to is None:
+        return tuple(x.shape)
+    R_out, C_out = (int(n) for n in pad_to)
+    if R_out < x.shape[0] or C_out < x.shape[1]:
+        raise ValueError(f"{name}: pad_to {(R_out, C_out)} is smaller than the input {tuple(x.shape)}")
+    return R_out, C_out
 
 
 def quantize_1x128(
-    x: Tensor, rule: str = "floor", row: bool = True, col: bool = True, use_hw: bool | None = None
+    x: Tensor, rule: str = "floor", row: bool = True, col: bool = True, use_hw: bool | None = None,
+    pad_to: tuple[int, int] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """x (R, C) -> (x8 (R, C), s (R, ceil(C/128)) strides (1, R), xt8 (C, R), st (C, ceil(R/128)) strides
     (1, C)); fp8 copies row-major, scales fp32 descales. ``row`` / ``col`` pick the copies (None for the
     other). x8 with s is the reference's block_quantize(x, (1, 128)); xt8 with st is block_quantize(x.T,
-    (1, 128)); one read of x serves both."""
+    (1, 128)); one read of x serves both. ``pad_to`` (R', C') >= (R, C): the copies of x zero-padded to
+    (R', C') (GEMM operand alignment), written without a padded copy of x."""
     _check(x, rule)
     if not (row or col):
         raise ValueError("quantize_1x128: ask for the row copy, the column copy or both")
-    out = alloc_outputs(*x.shape, x.device, tile=False, row=row, col=col)
-    _launch_block(x, rule, False, row, col, use_hw, out)
+    shape = _padded_shape(x, pad_to, "quantize_1x128")
+    out = alloc_outputs(*shape, x.device, tile=False, row=row, col=col)
+    _launch_block(x, rule, False, row, col, use_hw, out, shape)
     return out
 
 
 def quantize_128x128(
-    w: Tensor, rule: str = "floor", row: bool = True, col: bool = True, use_hw: bool | None = None
+    w: Tensor, rule: str = "floor", row: bool = True, col: bool = True, use_hw: bool | None = None,
+    pad_to: tuple[int, int] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """w (R, C) -> (w8 (R, C), s (ceil(R/128), ceil(C/128)), wt8 (C, R), st (ceil(C/128), ceil(R/128)));
     one scale per 128x128 tile, shared by both copies (st is s transposed). Scale views sit in row-major
-    buffers whose rows are padded to a multiple of 4 (see scale_storage)."""
+    buffers whose rows are padded to a multiple of 4 (see scale_storage). ``pad_to``: as quantize_1x128."""
     _check(w, rule)
     if not (row or col):
         raise ValueError("quantize_128x128: ask for the row copy, the column copy or both")
-    out = alloc_outputs(*w.shape, w.device, tile=True, row=row, col=col)
-    _launch_block(w, rule, True, row, col, use_hw, out)
+    shape = _padded_shape(w, pad_to, "quantize_128x128")
+    out = alloc_outputs(*shape, w.device, tile=True, row=row, col=col)
+    _launch_block(w, rule, True, row, col, use_hw, out, shape)
     return out
 
 

@@ -261,15 +261,19 @@ def _pad2(x: Tensor, rows: int, cols: int) -> Tensor:
     return x if (r, c) == (rows, cols) else F.pad(x, (0, cols - c, 0, rows - r))
 
 
-def _quantize_operand(x: Tensor, weight: bool, rule: str) -> tuple[Tensor, Tensor]:
-    """x (rows, K), any strides -> (fp8 (rows, K) row-major, fp32 scales) quantized along K. A K-major-in-
-    memory x (x.t() contiguous) takes the kernel's transposed write, so the input is read coalesced."""
+def _quantize_operand(x: Tensor, weight: bool, rule: str, padded: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """x (rows, K), any strides -> (fp8 (rows', K') row-major, fp32 scales) quantized along K, x zero-padded
+    to padded = (rows', K') inside the kernel. F.pad made a fill and a copy per padded operand: with every
+    GEM-ref small GEMM in FP8, fills and copies took 28 of the 127 ms of GPU time a step (H200, 365 fills
+    a step, one per pad). A K-major-in-memory x (x.t()
+    contiguous, as a weight gradient's dY^T and X^T) takes the kernel's transposed write, so the input is
+    read coalesced."""
     k = _triton_kernels()
     fn = k.quantize_128x128 if weight else k.quantize_1x128
     if x.stride(1) != 1 and x.stride(0) == 1:
-        _, _, q, s = fn(x.t(), rule, row=False, col=True)
+        _, _, q, s = fn(x.t(), rule, row=False, col=True, pad_to=(padded[1], padded[0]))
     else:
-        q, s, _, _ = fn(x, rule, row=True, col=False)
+        q, s, _, _ = fn(x, rule, row=True, col=False, pad_to=padded)
     return q, s
 
 
@@ -306,8 +310,8 @@ def _blockwise_2d(a: Tensor, b: Tensor, a_w: bool, b_w: bool, rule: str, api: st
     N = b.shape[1]
     kmult = 512 if (api == "torch._scaled_mm" and (a_w or b_w)) else 128
     Mp, Kp, Np = _round_up(M, 16), _round_up(K, kmult), _round_up(N, 16)
-    qa, sa = _quantize_operand(_pad2(a, Mp, Kp), a_w, rule)
-    qb, sb = _quantize_operand(_pad2(b.t(), Np, Kp), b_w, rule)
+    qa, sa = _quantize_operand(a, a_w, rule, (Mp, Kp))
+    qb, sb = _quantize_operand(b.t(), b_w, rule, (Np, Kp))
     out = scaled_mm_blockwise(qa, sa, a_w, qb, sb, b_w, request, api)
     out = out if (Mp, Np) == (M, N) else out[:M, :N]
     return out.to(a.dtype).contiguous()

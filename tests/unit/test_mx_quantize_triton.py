@@ -398,3 +398,27 @@ def test_varying_token_counts_share_one_tuning():
         quantize_1x128(x, row=False)
     tuned = [key for key in shared._BEST_CONFIG if key[0] is mqt._block_kernel]
     assert len(tuned) == 1 and tuned[0][1] == 512
+
+
+@pytest.mark.parametrize("tile", [False, True])
+@pytest.mark.parametrize("shape,pad_to", [((150, 200), (160, 256)), ((0, 128), (16, 128)), ((130, 5), (144, 128)),
+                                          ((256, 384), (256, 384))])
+def test_padded_outputs_equal_quantizing_the_zero_padded_input(shape, pad_to, tile):
+    # GEMM alignment without a padded copy of x: the bytes and scales of quantizing F.pad(x), for every copy
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 30).to(torch.bfloat16)
+    if x.numel():
+        x[0, 0] = float("nan")  # a non-finite block next to the padding keeps its NaN scale
+    fn = quantize_128x128 if tile else quantize_1x128
+    want = fn(torch.nn.functional.pad(x, (0, pad_to[1] - shape[1], 0, pad_to[0] - shape[0])), "floor")
+    for source in (x, x.t().contiguous().t()):  # contiguous and transposed-view inputs
+        got = fn(source, "floor", pad_to=pad_to)
+        for name, a, b in zip(("x8", "s", "xt8", "st"), got, want):
+            assert a.shape == b.shape and a.stride() == b.stride(), name
+            assert torch.equal(bits(a) if a.dtype == torch.float32 else u8(a),
+                               bits(b) if b.dtype == torch.float32 else u8(b)), name
+
+
+def test_pad_to_smaller_than_the_input_is_refused():
+    with pytest.raises(ValueError, match="smaller than the input"):
+        quantize_1x128(torch.zeros(32, 128), pad_to=(16, 128))

@@ -353,3 +353,22 @@ def test_mx_scale_swizzle_is_cublas_128x4_layout():
         tile = (r // 128) * ncb + c // 4
         rr, cc = r % 128, c % 4
         assert flat[tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc] == codes[r, c]
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("k_major", [False, True])
+def test_blockwise_operands_are_quantized_padded_without_a_padded_copy(weight, k_major):
+    # _blockwise_2d pads M/N to 16 and K to 128 (cuBLAS) inside the quantize kernel; the operand must be
+    # the quantized F.pad(x) whether x is row-major or K-major in memory (a weight gradient's dY^T, X^T)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(200, 150, generator=g) * 8).to(torch.bfloat16)
+    if k_major:
+        x = x.t().contiguous().t()
+    padded = (208, 256)
+    q, s = sm._quantize_operand(x, weight, "floor", padded)
+    k = sm._triton_kernels()
+    fn = k.quantize_128x128 if weight else k.quantize_1x128
+    want_q, want_s, _, _ = fn(sm._pad2(x.contiguous(), *padded), "floor", row=True, col=False)
+    assert q.shape == padded and q.stride() == want_q.stride()
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert s.shape == want_s.shape and torch.equal(s.view(torch.int32), want_s.view(torch.int32))
