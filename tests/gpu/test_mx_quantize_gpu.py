@@ -353,3 +353,17 @@ def test_transposed_only_copy_against_the_reference_autotuned(shape, impl, monke
     if not torch.equal(dual_st.float().contiguous().view(torch.int32), want_s):
         problems.append(f"{impl} dual scales vs reference")
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("tile", [False, True])
+def test_padded_outputs_equal_quantizing_the_padded_input_on_cuda(tile):
+    # blockwise GEMM operands are padded inside the kernel (pad_to), not by an F.pad copy: same bytes
+    x = (torch.randn(1000, 600, device=DEV) * 30).to(torch.bfloat16)
+    fn = k.quantize_128x128 if tile else k.quantize_1x128
+    want = fn(torch.nn.functional.pad(x, (0, 40, 0, 8)), "rceil")
+    for source in (x, x.t().contiguous().t()):
+        got = fn(source, "rceil", pad_to=(1008, 640))
+        for name, a, b in zip(("x8", "s", "xt8", "st"), got, want):
+            assert a.shape == b.shape, name
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32),
+                               b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)), name
