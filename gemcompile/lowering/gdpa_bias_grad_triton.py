@@ -16,7 +16,7 @@ parts. Deterministic: no atomics, and a fixed order of additions for a given ``s
 Only the pairs that can reach a tile are visited. The batches come longest-query first (``Order``), so
 those with q_len past the tile's first row (causal without a contextual prefix: past its first row and
 column) are a prefix of that order, found by a binary search; the loop runs over that prefix with no
-branch in its body, so the loads of the next pair overlap the dots of this one. The first version
+branch in its body. The first version
 skipped unreached pairs with an ``if`` inside the loop over every pair: 169 us on HSTU's B32 L1024 H4
 bias against 78 us for the dQ kernel, which does more work (H200, gdpa-hstu-cudagraph-20261130-143144);
 this one takes 130 us there, and no tiling in benchmarks/gdpa_bias_grad.py's sweep does better than 125
@@ -109,7 +109,7 @@ def _gdpa_bwd_dbias_kernel(
         n_b = _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_steps, max_q_len,
                               max_kv_len, contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL,
                               BLOCK_M)
-    else:  # one batch: the prefix search over [bz] alone
+    else:  # one batch: the prefix search over [bz] alone (Order is the identity then)
         n_b = _reached_prefix(Order + bz, QLengths, KVLengths, NumTargets, m0, n0, 1, 1, max_q_len, max_kv_len,
                               contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL, BLOCK_M)
     for pair in range(split, n_b * n_h, splits):

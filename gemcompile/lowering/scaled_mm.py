@@ -265,9 +265,8 @@ def _quantize_operand(x: Tensor, weight: bool, rule: str, padded: tuple[int, int
     """x (rows, K), any strides -> (fp8 (rows', K') row-major, fp32 scales) quantized along K, x zero-padded
     to padded = (rows', K') inside the kernel. F.pad made a fill and a copy per padded operand: with every
     GEM-ref small GEMM in FP8, fills and copies took 28 of the 127 ms of GPU time a step (H200, 365 fills
-    a step, one per pad). A K-major-in-memory x (x.t()
-    contiguous, as a weight gradient's dY^T and X^T) takes the kernel's transposed write, so the input is
-    read coalesced."""
+    a step, one per pad). A K-major-in-memory x (x.t() contiguous, as a weight gradient's dY^T and X^T)
+    takes the kernel's transposed write, so the input is read coalesced."""
     k = _triton_kernels()
     fn = k.quantize_128x128 if weight else k.quantize_1x128
     if x.stride(1) != 1 and x.stride(0) == 1:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -377,6 +378,9 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
         "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None,
+        # runnable processes on the host (1-minute average) after the measured steps, against its cores: a
+        # host-bound step's time is only comparable between runs on an equally quiet host
+        "host_load": {"load_avg_1min": _load_average(), "cpus": os.cpu_count()},
         "ne": list(window.compute().ne),  # per task
         "final_loss": losses[-1],
         "losses": losses,
@@ -413,6 +417,13 @@ def _local_layers(cfg, model, data, method, formula, batch_size, device, autocas
                      "local_mfu": mfu(flops / ms * 1e3, device)})
         log(f"    layer {i}: {ms:8.3f} ms  {flops / ms / 1e9:7.2f} TF/s  local MFU {_pct(rows[-1]['local_mfu'])}")
     return rows
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _pct(x: float | None) -> str:

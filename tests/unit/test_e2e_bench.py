@@ -79,6 +79,7 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     assert len(r["ne"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["ne"])
     assert r["speedup_vs_eager"] == pytest.approx(1.0) and r["ne_rel_diff_vs_eager"] == 0.0
     assert [row["layer"] for row in r["layers"]] == [0, 1] and all(row["ms"] > 0 for row in r["layers"])
+    assert r["host_load"]["cpus"] >= 1 and r["host_load"]["load_avg_1min"] >= 0
 
     # the renderer turns the JSON into a markdown row per method
     spec = importlib.util.spec_from_file_location(
