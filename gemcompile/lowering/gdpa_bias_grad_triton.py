@@ -105,6 +105,11 @@ def _gdpa_bwd_dbias_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # every pair of this program reads the same tile, bias[bz, hz]: loaded once, not once per pair (the
+    # pair mask below decides which of its values count)
+    z_ptrs = (Bias + bz.to(tl.int64) * stride_zb + hz.to(tl.int64) * stride_zh
+              + rows.to(tl.int64)[:, None] * stride_zm + cols.to(tl.int64)[None, :] * stride_zn)
+    z = tl.load(z_ptrs, mask=(rows < max_q_len)[:, None] & (cols < max_kv_len)[None, :], other=0.0).to(tl.float32)
     if SHARED_B:
         n_b = _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_steps, max_q_len,
                               max_kv_len, contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL,
@@ -135,10 +140,7 @@ def _gdpa_bwd_dbias_kernel(
                        HEAD_D, BLOCK_D, True)
         valid = _pair_mask(rows[:, None], cols[None, :], q_len, kv_len, window, n_targets, contextual_len,
                            CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
-        z_ptrs = (Bias + b64 * stride_zb + h64 * stride_zh + rows.to(tl.int64)[:, None] * stride_zm
-                  + cols.to(tl.int64)[None, :] * stride_zn)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        s += tl.load(z_ptrs, mask=valid, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale + z
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = tl.where(valid, da * _act_grad(s, ACT), 0.0)
         acc += ds * _output_scale(out_scale, kv_len, DIVIDE)
