@@ -1,0 +1,92 @@
+"""The GDPA kernels, compiled for sm_90a on the CPU (no GPU needed): their loops are software-pipelined.
+
+What the compiler does with a kernel decides whether it can be fast: on Hopper the loads of the next
+tiles must be asynchronous copies (cp.async) that overlap the current tile's wgmma dots, or every
+iteration waits for global memory. Triton pipelines a load only if it can vectorize it, which needs the
+head dim's stride to be known as 1: the JIT specializes an int argument equal to 1 into a constant at
+launch (and marks 16-divisible ones), so contiguous q/k/v/dO (the layout the op's callers pass) get it.
+
+Each kernel is compiled here with those launch-time specializations for bf16, causal silu with a bias
+(HSTU's case, the configs the autotuner offers on sm_90), and its Triton GPU IR must show asynchronous
+copies and wgmma dots. The near-miss: the same kernel with the strides left generic must not be
+pipelined, which shows that the check can fail and why the strides matter.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+# The test process imports the kernels under the CPU interpreter (tests/conftest.py), where they are not
+# compilable JIT functions: the compiles run in one child process without TRITON_INTERPRET.
+COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gemcompile.lowering import gdpa_bias_grad_triton, gdpa_triton
+
+FLAGS = dict(HEAD_D=64, BLOCK_D=64, Q_MODE=1, KV_MODE=1, CAUSAL=True, HAS_WINDOW=False, HAS_TARGETS=False,
+             HAS_CONTEXT=False, ACT=gdpa_triton.activation_code("silu"), DIVIDE=False, DOT_PRECISION="tf32")
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16", "Out": "*bf16",
+            "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Part": "*fp32", "QLengths": "*i64",
+            "KVLengths": "*i64", "NumTargets": "*i64", "Order": "*i64"}
+KERNELS = {  # kernel, its constexprs, (num_warps, num_stages): one of its sm_90 autotune configs
+    "fwd": (gdpa_triton._gdpa_fwd_kernel, dict(FLAGS, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=64), (8, 3)),
+    "dq": (gdpa_triton._gdpa_bwd_dq_kernel, dict(FLAGS, HAS_BIAS=True, BIAS_GRAD=False, BLOCK_M=128, BLOCK_N=64),
+           (8, 3)),
+    "dkdv": (gdpa_triton._gdpa_bwd_dkdv_kernel, dict(FLAGS, HAS_BIAS=True, BLOCK_M=32, BLOCK_N=128), (8, 3)),
+    "dbias": (gdpa_bias_grad_triton._gdpa_bwd_dbias_kernel,
+              dict(FLAGS, SHARED_B=True, SHARED_H=True, BLOCK_M=64, BLOCK_N=64), (4, 3)),
+}
+
+
+def ttgir(kernel, constexprs, warps, stages, unit_strides):
+    fn = kernel
+    while not isinstance(fn, triton.runtime.jit.JITFunction):  # through the autotuner
+        fn = fn.fn
+    consts = dict(constexprs)
+    if unit_strides:  # a launch specializes an int equal to 1 into a constant: the head dim's strides
+        consts.update({n: 1 for n in fn.arg_names if n.startswith("stride_") and (n.endswith("d") or n == "stride_zn")})
+    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n in ("scale", "out_scale") else "i32")
+           for n in fn.arg_names}
+    # ... and marks 16-divisible ints and pointers (contiguous tensors of these shapes)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (n.startswith("stride_") and n not in consts)}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    return k.asm["ttgir"]
+
+
+report = {}
+for name, (kernel, constexprs, (warps, stages)) in KERNELS.items():
+    for unit in (True, False) if name == "dbias" else (True,):
+        ir = ttgir(kernel, constexprs, warps, stages, unit)
+        report[f"{name}:{'unit' if unit else 'generic'}"] = {
+            "async_copies": ir.count("ttg.async_copy_global_to_local"), "wgmma": ir.count("ttng.warp_group_dot ")}
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "dbias"])
+def test_loops_load_with_async_copies_and_multiply_with_wgmma(report, name):
+    counts = report[f"{name}:unit"]
+    assert counts["async_copies"] > 0, f"{name}: no asynchronous copies (its loads are not pipelined)"
+    assert counts["wgmma"] > 0, f"{name}: no wgmma dot"
+
+
+def test_near_miss_generic_strides_are_not_pipelined(report):
+    assert report["dbias:generic"]["async_copies"] == 0 and report["dbias:generic"]["wgmma"] > 0
