@@ -1,6 +1,6 @@
 """Pointwise-activation attention (GDPA): gemcompile::gdpa against what a modeler has without it.
 
-    python benchmarks/gdpa.py [--quick] [--only hstu|cross|pma] [--cuda-graph] [--profile] [--budget-s 420]
+    python benchmarks/gdpa.py [--quick] [--only hstu|cross|pma] [--cuda-graph] [--profile] [--diagnose] [--budget-s 420]
                               [--out DIR]
     python benchmarks/gdpa.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
@@ -119,6 +119,27 @@ def pma_op(q, k, v, n, x):
 CASES = {"hstu": (hstu_padded, hstu_op), "cross": (cross_padded, cross_op), "pma": (pma_padded, pma_op)}
 
 
+# --diagnose (hstu only): the same shape with one ingredient changed at a time, to tell what the GDPA
+# kernels' time is spent on. Each computes another function than the model: timed, never checked against it.
+def hstu_op_no_bias(q, k, v, n, x):
+    L = q.shape[2]
+    return torch.ops.gemcompile.gdpa(q, k, v, n, n, None, "silu", x["alpha"], 1.0 / L, False, True, 0)
+
+
+def hstu_op_relu(q, k, v, n, x):  # no exp / reciprocal per score
+    L = q.shape[2]
+    rab = torch.ops.gemcompile.relative_bias(x["rab_table"], L, L, L - 1)
+    return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None, None], "relu", x["alpha"], 1.0 / L, False, True, 0)
+
+
+def hstu_softmax_causal(q, k, v, n, x):  # the jagged softmax kernels on the same shape, causal, no bias
+    return torch.ops.gemcompile.jagged_attention(q, k, v, n, n, None, True, x["alpha"])
+
+
+DIAGNOSTICS = {"hstu": {"gdpa_no_bias": hstu_op_no_bias, "gdpa_relu": hstu_op_relu,
+                        "jagged_softmax_causal": hstu_softmax_causal}}
+
+
 def make_inputs(shape, device, seed):
     B, L, H, D = shape["B"], shape["L"], shape["H"], shape["D"]
     g = torch.Generator(device=device).manual_seed(seed)
@@ -216,6 +237,8 @@ def run_shape(shape, args, index, device):
         "compiled_padded": torch.compile(padded),
     }
     rec["correctness"] = correctness(shape, fns, q, k, v, n, x)
+    if args.diagnose:  # after the check: these compute other functions (see DIAGNOSTICS)
+        fns.update(DIAGNOSTICS.get(shape["case"], {}))
     print(f"   gdpa rewrites under gem_compile: {report.counts.get('gdpa', 0)}; correctness: "
           + ", ".join(f"{m}: {'ok' if c['ok'] else c}" for m, c in rec["correctness"].items()), flush=True)
     if args.smoke:
@@ -233,7 +256,7 @@ def run_shape(shape, args, index, device):
                     fn(q, k, v, n, x)
 
             def fwdbwd(fn=fn):
-                torch.autograd.grad(fn(q, k, v, n, x), leaves, g)
+                torch.autograd.grad(fn(q, k, v, n, x), leaves, g, allow_unused=True)  # diagnostics skip the bias
 
             fwd(), fwdbwd()
             torch.cuda.synchronize()
@@ -258,7 +281,7 @@ def run_shape(shape, args, index, device):
             torch.cuda.empty_cache()
     ours = rec["results"]["gemcompile"]
     for name, entry in rec["results"].items():
-        if name != "gemcompile" and "fwd_ms" in entry and "fwd_ms" in ours:
+        if name in METHODS and name != "gemcompile" and "fwd_ms" in entry and "fwd_ms" in ours:
             rec["speedup"][name] = {d: entry[f"{d}_ms"] / ours[f"{d}_ms"] for d in ("fwd", "bwd", "fwdbwd")}
     return rec
 
@@ -273,6 +296,9 @@ def main(argv=None):
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time every method replayed from a CUDA graph (GPU work alone, no host overhead)")
     parser.add_argument("--profile", action="store_true", help="record the GPU time of each kernel per method")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="hstu: also time the op without the bias, with relu, and the jagged softmax kernels "
+                        "(causal) on the same shape: what the GDPA kernels spend their time on")
     args = parser.parse_args(argv)
     args.t0 = time.time()
     device = "cpu" if args.smoke else "cuda"
