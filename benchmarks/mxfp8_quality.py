@@ -112,6 +112,10 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
     torch.manual_seed(init_seed)  # the batches follow args.seed whatever the initialization
     model = GemRef(model_cfg).to(device)
     optimizers = build_optimizers(model, args.lr, args.embedding_lr)
+    # cosine: every learning rate decays to 0 at the last step, so runs settle instead of still moving when
+    # they are compared (what the seed-to-seed noise floor is made of at a constant rate)
+    schedules = ([torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.steps)))
+                  for o in optimizers] if args.lr_schedule == "cosine" else [])
     eager = baseline and args.baseline == "eager"  # the baseline of the gem_compile-vs-eager check
     fp8 = None if recipe == NO_FP8 else recipe
     runner = model if eager else gem_compile(model, config=_gem_config(fp8, args.min_dim,
@@ -154,6 +158,8 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
+        for schedule in schedules:
+            schedule.step()
         value = loss.item()  # syncs
         elapsed = time.perf_counter() - start
         if step == 0:
@@ -179,6 +185,7 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
             if on_checkpoint is not None:
                 on_checkpoint(result)
     result["step_ms"] = statistics.median(step_ms) if step_ms else math.nan
+    result["final_lr"] = [o.param_groups[0]["lr"] for o in optimizers]
     _fill_pass_counts(result, counters["gemcompile"])
     result["complete"] = len(losses) == args.steps and all(math.isfinite(v) for v in losses)
     return result
@@ -356,6 +363,9 @@ def parse_args(argv=None):
                         help="autocast dtype of the forward (default bfloat16; float32 with --smoke)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--embedding-lr", type=float, default=0.01)
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                        help="cosine: both learning rates decay to 0 at the last step (runs settle before they "
+                        "are compared)")
     parser.add_argument("--fill", type=float, default=0.5)
     # At the data's production-like rates (CTR 2%, CVR 0.5%) a 256-sample batch holds ~5 clicks and ~1
     # conversion: after a few hundred steps GEM-ref small is still at NE ~1.0 and the held-out NE of two

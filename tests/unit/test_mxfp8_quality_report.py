@@ -90,3 +90,15 @@ def test_eager_baseline_plan(quality):
     assert args.baseline == "eager" and args.recipes == ["none", "blockwise"]
     with pytest.raises(SystemExit):
         quality.parse_args(["--baseline", "compiled"])
+
+
+@pytest.mark.parametrize("schedule, final_factor", [("constant", 1.0), ("cosine", 0.0)])
+def test_learning_rate_schedule_of_a_run(quality, schedule, final_factor):
+    # cosine decays both rates (dense and embedding) to 0 at the last step: runs settle before they are compared
+    import torch
+
+    args = quality.parse_args(["--smoke", "--baseline", "eager", "--steps", "4", "--eval-every", "0",
+                               "--eval-batches", "1", "--lr-schedule", schedule, "--device", "cpu"])
+    run = quality.run_one("eager fp32 seed 0", None, args, torch.device("cpu"))
+    assert run["complete"] and len(run["losses"]) == 4
+    assert run["final_lr"] == pytest.approx([args.lr * final_factor, args.embedding_lr * final_factor], abs=1e-12)
