@@ -63,9 +63,6 @@ replays CUDA graphs (a graph that syncs with the host, as unpad's token count do
 Inductor says so and runs it without CUDA graphs); cpp-wrapper has Inductor emit its kernel-launching
 wrapper in C++ instead of Python (GEM-ref small at B 256 launches ~3900 kernels a step, H200 profile)."""
 
-COMPILE_MODES = tuple(COMPILE_SUFFIXES)
-"""The suffix names (kept for callers that list them)."""
-
 
 def split_method(method: str) -> tuple[str, str | None]:
     """``"gem@reduce-overhead"`` -> ``("gem", "reduce-overhead")``; a plain name -> ``(name, None)``."""
@@ -75,7 +72,7 @@ def split_method(method: str) -> tuple[str, str | None]:
 
 def available_methods() -> list[str]:
     """Every method name the bench understands, given the passes GemConfig has (each compiled one also
-    with an ``@<mode>`` suffix from COMPILE_MODES)."""
+    with an ``@<suffix>`` from COMPILE_SUFFIXES)."""
     from gemcompile import GemConfig
 
     config = GemConfig()
@@ -158,18 +155,18 @@ class E2EBenchConfig:
 
 
 def unknown_methods(methods) -> list[str]:
-    """The names in methods the bench does not understand (see available_methods and COMPILE_MODES)."""
+    """The names in methods the bench does not understand (see available_methods and COMPILE_SUFFIXES)."""
     known = available_methods()
 
     def ok(method: str) -> bool:
         base, mode = split_method(method)
-        return base in known and (mode is None or (mode in COMPILE_MODES and base != "eager"))
+        return base in known and (mode is None or (mode in COMPILE_SUFFIXES and base != "eager"))
 
     return [m for m in methods if not ok(m)]
 
 
 def methods_help() -> str:
-    return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_MODES)}"
+    return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_SUFFIXES)}"
 
 
 def _gem_config(method: str):
