@@ -264,8 +264,8 @@ def _pad2(x: Tensor, rows: int, cols: int) -> Tensor:
 def _quantize_operand(x: Tensor, weight: bool, rule: str, padded: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """x (rows, K), any strides -> (fp8 (rows', K') row-major, fp32 scales) quantized along K, x zero-padded
     to padded = (rows', K') inside the kernel. F.pad made a fill and a copy per padded operand: with every
-    GEM-ref small GEMM in FP8, fills and copies took 28 of the 127 ms of GPU time a step (H200, 365 fills
-    a step, one per pad). A K-major-in-memory x (x.t() contiguous, as a weight gradient's dY^T and X^T)
+    GEM-ref small GEMM in FP8, fills and copies (by their counts, mostly these pads) took 28 of the 127 ms
+    of GPU time a step (H200). A K-major-in-memory x (x.t() contiguous, as a weight gradient's dY^T and X^T)
     takes the kernel's transposed write, so the input is read coalesced."""
     k = _triton_kernels()
     fn = k.quantize_128x128 if weight else k.quantize_1x128
