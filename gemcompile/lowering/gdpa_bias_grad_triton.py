@@ -182,16 +182,8 @@ def default_splits(tiles: int, pairs: int, device: torch.device, programs_per_sm
     return max(1, min(pairs, triton.cdiv(programs_per_sm * sms, max(tiles, 1))))
 
 
-def _longest_queries_first(q_side, kv_side, B: int, device) -> torch.Tensor:
-    """Batch indices by query length, longest first (ties in index order: the sum's order is fixed)."""
-    key = q_side.sort_key()
-    if key is None:  # every query side is max_q_len long: any order is sorted
-        return torch.arange(B, device=device)
-    return torch.sort(key, descending=True, stable=True).indices
-
-
-def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_strides, z_strides, flags: dict,
-                     scalars: tuple, splits: int | None = None) -> torch.Tensor:
+def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides, z_strides,
+                     flags: dict, scalars: tuple, splits: int | None = None) -> torch.Tensor:
     """dBias like ``bias`` (Bz, Hz, Lq, Lk). ``q_strides``: q's (b, h, m, d) strides as the GDPA kernels
     read them (batch stride 0 for shared queries); ``z_strides``: the bias's strides expanded to (B, H, Lq,
     Lk); ``flags``: the GDPA kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale,
@@ -205,7 +197,8 @@ def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_stride
     pairs = (B if shared_b else 1) * (H if shared_h else 1)
     splits = default_splits(tiles, pairs, q.device, cfg.programs_per_sm) if splits is None else max(1, min(int(splits), pairs))
     part = torch.empty((splits, Bz * Hz, Lq, Lk), dtype=torch.float32, device=q.device)
-    order = _longest_queries_first(q_side, kv_side, B, q.device) if shared_b else torch.arange(B, device=q.device)
+    # q_order: the batches longest-query first (the dK/dV kernel's order; any order when q has no lengths)
+    order = q_order if shared_b else torch.arange(B, device=q.device)
     _, Lq_, Lk_, scale, out_scale, window, contextual_len = scalars
     consts = {name: flags[name] for name in ("HEAD_D", "BLOCK_D", "Q_MODE", "KV_MODE", "CAUSAL", "HAS_WINDOW",
                                              "HAS_TARGETS", "HAS_CONTEXT", "ACT", "DIVIDE", "DOT_PRECISION")}

@@ -765,8 +765,8 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
             *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
         if in_kernel_bias_grad:
-            dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_strides, z_strides,
-                                     flags, scalars[:7], bias_grad_splits)
+            dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides,
+                                     z_strides, flags, scalars[:7], bias_grad_splits)
     else:
         dk.zero_()
         dv.zero_()
