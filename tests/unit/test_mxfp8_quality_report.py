@@ -102,3 +102,25 @@ def test_learning_rate_schedule_of_a_run(quality, schedule, final_factor):
     run = quality.run_one("eager fp32 seed 0", None, args, torch.device("cpu"))
     assert run["complete"] and len(run["losses"]) == 4
     assert run["final_lr"] == pytest.approx([args.lr * final_factor, args.embedding_lr * final_factor], abs=1e-12)
+
+
+def test_learning_rate_warmup_then_cosine(quality):
+    # warm-up: 1/4, 2/4, 3/4 of the rate, then the cosine starts at the full rate and ends at 0
+    factors = [quality.lr_factor(i, steps=7, warmup=3, schedule="cosine") for i in range(8)]
+    assert factors[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(a > b for a, b in zip(factors[3:7], factors[4:7]))  # decays after the warm-up
+    assert factors[7] == pytest.approx(0.0, abs=1e-12)
+    assert [quality.lr_factor(i, steps=7, warmup=0, schedule="cosine") for i in range(8)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * i / 7)) for i in range(8)])
+    assert [quality.lr_factor(i, steps=7, warmup=2, schedule="constant") for i in range(4)] == pytest.approx(
+        [1 / 3, 2 / 3, 1.0, 1.0])
+
+
+def test_warmup_reaches_the_optimizers(quality):
+    import torch
+
+    args = quality.parse_args(["--smoke", "--baseline", "eager", "--steps", "2", "--eval-every", "0",
+                               "--eval-batches", "1", "--lr-warmup", "3", "--device", "cpu"])
+    run = quality.run_one("eager fp32 seed 0", None, args, torch.device("cpu"))
+    # after 2 steps of a 3-step warm-up the rate is 3/4 of the base (constant schedule)
+    assert run["final_lr"] == pytest.approx([args.lr * 0.75, args.embedding_lr * 0.75], abs=1e-12)
