@@ -28,6 +28,7 @@ gem_compile against the padded eager code at the positions the model uses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -136,8 +137,22 @@ def hstu_softmax_causal(q, k, v, n, x):  # the jagged softmax kernels on the sam
     return torch.ops.gemcompile.jagged_attention(q, k, v, n, n, None, True, x["alpha"])
 
 
-DIAGNOSTICS = {"hstu": {"gdpa_no_bias": hstu_op_no_bias, "gdpa_relu": hstu_op_relu,
-                        "jagged_softmax_causal": hstu_softmax_causal}}
+@contextlib.contextmanager
+def sigmoid_path(name):
+    """gdpa_tl_sigmoid: HSTU's op with the kernels' silu through tl.sigmoid (exp + division per score), not
+    the SFU's tanh; held over the forward and the backward (the flag is read at each launch)."""
+    from gemcompile.lowering import gdpa_triton
+
+    saved = gdpa_triton.SFU_ACTIVATIONS
+    gdpa_triton.SFU_ACTIVATIONS = saved and name != "gdpa_tl_sigmoid"
+    try:
+        yield
+    finally:
+        gdpa_triton.SFU_ACTIVATIONS = saved
+
+
+DIAGNOSTICS = {"hstu": {"gdpa_tl_sigmoid": hstu_op, "gdpa_no_bias": hstu_op_no_bias,
+                        "gdpa_relu": hstu_op_relu, "jagged_softmax_causal": hstu_softmax_causal}}
 
 
 def make_inputs(shape, device, seed):
@@ -251,12 +266,13 @@ def run_shape(shape, args, index, device):
             entry["error"] = "skipped: time budget"
             continue
         try:
-            def fwd(fn=fn):
-                with torch.no_grad():
+            def fwd(fn=fn, name=name):
+                with torch.no_grad(), sigmoid_path(name):
                     fn(q, k, v, n, x)
 
-            def fwdbwd(fn=fn):
-                torch.autograd.grad(fn(q, k, v, n, x), leaves, g, allow_unused=True)  # diagnostics skip the bias
+            def fwdbwd(fn=fn, name=name):
+                with sigmoid_path(name):  # diagnostics skip the bias
+                    torch.autograd.grad(fn(q, k, v, n, x), leaves, g, allow_unused=True)
 
             fwd(), fwdbwd()
             torch.cuda.synchronize()

@@ -77,7 +77,8 @@ def _gdpa_bwd_dbias_kernel(
     B, H, Bz, Hz, splits, search_steps, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-    ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, SHARED_B: tl.constexpr,
+    ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SHARED_B: tl.constexpr,
     SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -142,7 +143,7 @@ def _gdpa_bwd_dbias_kernel(
                            CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale + z
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = tl.where(valid, da * _act_grad(s, ACT), 0.0)
+        ds = tl.where(valid, da * _act_grad(s, ACT, FAST_ACT), 0.0)
         acc += ds * _output_scale(out_scale, kv_len, DIVIDE)
     p_ptrs = (Part + split.to(tl.int64) * stride_ps + zslice.to(tl.int64) * stride_pz
               + rows.to(tl.int64)[:, None] * stride_pm + cols.to(tl.int64)[None, :])
@@ -201,7 +202,8 @@ def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order,
     order = q_order if shared_b else torch.arange(B, device=q.device)
     _, Lq_, Lk_, scale, out_scale, window, contextual_len = scalars
     consts = {name: flags[name] for name in ("HEAD_D", "BLOCK_D", "Q_MODE", "KV_MODE", "CAUSAL", "HAS_WINDOW",
-                                             "HAS_TARGETS", "HAS_CONTEXT", "ACT", "DIVIDE", "DOT_PRECISION")}
+                                             "HAS_TARGETS", "HAS_CONTEXT", "ACT", "FAST_ACT", "DIVIDE",
+                                             "DOT_PRECISION")}
     _gdpa_bwd_dbias_kernel[(tiles * splits,)](
         q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets, order,
         *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),

@@ -59,6 +59,7 @@ from .gdpa_reference import GDPA_ACTIVATIONS
 from .jagged_attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
+    _INTERPRET,
     _bhld_strides,
     _block_d,
     _configs,
@@ -103,7 +104,7 @@ _DQ_CONFIGS = _configs(_DQ_SHAPES, (32, 16))
 # DIVIDE (a per-program scalar) does not change the cost: not part of the key.
 # HAS_TARGETS / HAS_CONTEXT are flags only (never the contextual length nor the number of targets).
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL", "HAS_WINDOW",
-                 "HAS_TARGETS", "HAS_CONTEXT", "ACT", "DOT_PRECISION"]
+                 "HAS_TARGETS", "HAS_CONTEXT", "ACT", "FAST_ACT", "DOT_PRECISION"]
 
 
 def activation_code(name: str) -> int:
@@ -121,7 +122,28 @@ _GELU_TANH_C = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
+def _tanh_sfu(x):
+    """tanh(x) in one special-function-unit instruction (PTX tanh.approx.f32, sm_75+: max relative error
+    about 2^-11, below the 2^-9 of the bf16/fp16 operand the activation is cast to)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _sigmoid(x, FAST_ACT: tl.constexpr):
+    """sigmoid(x) in fp32. tl.sigmoid is 1 / (1 + exp(-x)): two SFU instructions (ex2, and the reciprocal
+    of the division), and with D = 64 the SFU, not the tensor cores, bounds the loop (16 SFU results per
+    clock per SM against 4096 bf16 FLOPs: 2 per score cost twice the 4 D FLOPs of the forward's two dots).
+    FAST_ACT: 0.5 + 0.5 tanh(x / 2), one SFU instruction."""
+    if FAST_ACT:
+        y = 0.5 + 0.5 * _tanh_sfu(0.5 * x)
+    else:
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
     """act(x) in fp32."""
     if ACT == 0:  # identity
         y = x
@@ -131,19 +153,19 @@ def _act(x, ACT: tl.constexpr):
         r = tl.maximum(x, 0.0)
         y = r * r
     elif ACT == 3:  # silu
-        y = x * tl.sigmoid(x)
+        y = x * _sigmoid(x, FAST_ACT)
     elif ACT == 4:  # sigmoid
-        y = tl.sigmoid(x)
+        y = _sigmoid(x, FAST_ACT)
     elif ACT == 5:  # gelu (erf)
         y = 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT_2))
     else:  # gelu_tanh: 0.5 x (1 + tanh(u)) = x sigmoid(2u)
         u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
-        y = x * tl.sigmoid(2.0 * u)
+        y = x * _sigmoid(2.0 * u, FAST_ACT)
     return y
 
 
 @triton.jit
-def _act_grad(x, ACT: tl.constexpr):
+def _act_grad(x, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
     """act'(x) in fp32 (relu, relu_squared: 0 at 0, as torch's autograd)."""
     if ACT == 0:
         g = tl.full(x.shape, 1.0, tl.float32)
@@ -152,17 +174,17 @@ def _act_grad(x, ACT: tl.constexpr):
     elif ACT == 2:
         g = 2.0 * tl.maximum(x, 0.0)
     elif ACT == 3:
-        sg = tl.sigmoid(x)
+        sg = _sigmoid(x, FAST_ACT)
         g = sg * (1.0 + x * (1.0 - sg))
     elif ACT == 4:
-        sg = tl.sigmoid(x)
+        sg = _sigmoid(x, FAST_ACT)
         g = sg * (1.0 - sg)
     elif ACT == 5:
         g = 0.5 * (1.0 + tl.math.erf(x * _INV_SQRT_2)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
     else:
         u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
-        sg = tl.sigmoid(2.0 * u)
+        sg = _sigmoid(2.0 * u, FAST_ACT)
         g = sg + 2.0 * x * sg * (1.0 - sg) * du
     return g
 
@@ -329,7 +351,8 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
                ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, hi,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-               ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+               ACT: tl.constexpr, FAST_ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -347,7 +370,7 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32)
-        a = _act(s, ACT)
+        a = _act(s, ACT, FAST_ACT)
         if MASKED:
             a = tl.where(valid, a, 0.0)
         v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
@@ -369,8 +392,8 @@ def _gdpa_fwd_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
@@ -401,14 +424,15 @@ def _gdpa_fwd_kernel(
         acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                          n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                          stride_zn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N)
+                         HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
     acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
                      contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
                      mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT,
-                     ACT, False, DOT_PRECISION, BLOCK_N)
+                     ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_N)
     acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
                      contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
                      mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT,
+                     FAST_ACT,
                      True, DOT_PRECISION, BLOCK_N)
     c = _output_scale(out_scale, kv_len, DIVIDE)
     out = tl.where(row_ok[:, None], acc * c, 0.0)
@@ -424,7 +448,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_zm, stride_zn, scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-                ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                ACT: tl.constexpr, FAST_ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr):
     """Transposed tiles: rows are keys (BLOCK_N), columns are queries (BLOCK_M)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -443,9 +468,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
             else:
                 z = tl.load(z_ptrs)
             s_t += z.to(tl.float32)
-        a_t = _act(s_t, ACT)
+        a_t = _act(s_t, ACT, FAST_ACT)
         da_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = da_t * _act_grad(s_t, ACT)
+        ds_t = da_t * _act_grad(s_t, ACT, FAST_ACT)
         if MASKED:
             a_t = tl.where(valid_t, a_t, 0.0)
             ds_t = tl.where(valid_t, ds_t, 0.0)
@@ -470,8 +495,8 @@ def _gdpa_bwd_dkdv_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -511,20 +536,20 @@ def _gdpa_bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
                              n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
                              stride_zn, scale, lo * 0, ctx_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                             HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
+                             HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_M)
     # masked query tiles before the unmasked ones (the diagonal, the window's edge; empty otherwise)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
                          n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
                          stride_zn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
+                         HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
                          n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
                          stride_zn, scale, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                         HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_M)
+                         HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv_len, window,
                          n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
                          stride_zn, scale, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                         HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_M)
+                         HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_M)
     c = _output_scale(out_scale, kv_len, DIVIDE)
     _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_rows, HEAD_D)
     _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_rows, HEAD_D)
@@ -535,7 +560,8 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
               n_targets, ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm,
               scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
               BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+              HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
+              MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
@@ -556,7 +582,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32)
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = da * _act_grad(s, ACT)
+        ds = da * _act_grad(s, ACT, FAST_ACT)
         if MASKED:
             ds = tl.where(valid, ds, 0.0)
         if BIAS_GRAD:
@@ -583,8 +609,8 @@ def _gdpa_bwd_dq_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, DIVIDE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
@@ -619,16 +645,17 @@ def _gdpa_bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
                        window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
                        stride_zm, stride_zn, stride_sm, scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS,
-                       BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION,
+                       BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True,
+                       DOT_PRECISION,
                        BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                    n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                    stride_zn, stride_sm, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
-                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, False, DOT_PRECISION, BLOCK_N)
+                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                    n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                    stride_zn, stride_sm, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL,
-                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, True, DOT_PRECISION, BLOCK_N)
+                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
     dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
     _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_rows, HEAD_D)
 
@@ -658,11 +685,23 @@ def _bias_args(bias, q, B, H, Lq, Lk):
     return bias, bias.expand(B, H, Lq, Lk).stride()
 
 
+# The SFU's tanh in sigmoid-based activations (silu, sigmoid, gelu_tanh; see _sigmoid) for bf16/fp16 inputs
+# on the GPU: their activation is cast to 16 bits before its dot, so the 2^-11 error is below that cast's.
+# fp32 inputs keep tl.sigmoid (their float64 checks are tighter), and so does the CPU interpreter (no inline
+# assembly there). False: tl.sigmoid everywhere (benchmarks/gdpa.py --diagnose times both).
+SFU_ACTIVATIONS = True
+
+
+def sfu_activation(dtype: torch.dtype) -> bool:
+    """Whether the kernels evaluate sigmoid-based activations with the SFU's tanh for inputs of ``dtype``."""
+    return SFU_ACTIVATIONS and not _INTERPRET and dtype in (torch.bfloat16, torch.float16)
+
+
 def _flags(q, D, q_side, kv_side, has_bias, activation, causal, window, divide, has_targets, contextual_len):
     return dict(HEAD_D=D, BLOCK_D=_block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
                 CAUSAL=bool(causal), HAS_WINDOW=int(window) > 0, HAS_TARGETS=bool(has_targets),
-                HAS_CONTEXT=int(contextual_len) > 0, ACT=activation_code(activation), DIVIDE=bool(divide),
-                DOT_PRECISION=_dot_precision(q.dtype))
+                HAS_CONTEXT=int(contextual_len) > 0, ACT=activation_code(activation),
+                FAST_ACT=sfu_activation(q.dtype), DIVIDE=bool(divide), DOT_PRECISION=_dot_precision(q.dtype))
 
 
 def _check_window(window) -> int:

@@ -501,3 +501,33 @@ def test_compile_fullgraph_with_targets(single_config):
             want = torch.autograd.grad(f(*leaves, kl, nt), leaves)
             for a, b in zip(got, want):
                 assert rel(a, b) < 1e-2
+
+
+def _errors(case, activation):
+    """Relative errors of the forward and of dQ/dK/dV/dBias against float64, the same inputs."""
+    q, k, v, ql, kl, bias = case
+    D = q.shape[-1]
+    args = (activation, 1 / math.sqrt(D), 1.0, False, True, 0)
+    g = torch.randn(*q.shape, generator=torch.Generator().manual_seed(3)).to(DEV, q.dtype)
+    out, grads = run_op(q, k, v, ql, kl, bias, args, g)
+    d64 = [x.double() for x in (q, k, v, bias)]
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
+    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3], *args, True)
+    return [rel(out, ref_out)] + [rel(a, b) for a, b in zip(grads, ref)]
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sfu_tanh_activation_costs_no_accuracy(single_config, monkeypatch, activation, dtype):
+    # the kernels' default for 16-bit inputs (one tanh.approx per score) against tl.sigmoid (exp and a
+    # division): both within the dtype's bounds, and the fast path's error at most 1.5x the other's
+    assert kernels.sfu_activation(dtype)
+    case = make_case(5, 2, 333, 333, 64, dtype, bias_shape=(1, 2, 333, 333), seed=11)
+    fast = _errors(case, activation)
+    monkeypatch.setattr(kernels, "SFU_ACTIVATIONS", False)
+    assert not kernels.sfu_activation(dtype)
+    precise = _errors(case, activation)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert fast[0] < fwd_tol and max(fast[1:]) < bwd_tol, fast
+    for name, f, p in zip(("out", "dq", "dk", "dv", "dbias"), fast, precise):
+        assert f <= 1.5 * p + 1e-4, (name, f, p)

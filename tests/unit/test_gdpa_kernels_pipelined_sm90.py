@@ -8,7 +8,8 @@ launch (and marks 16-divisible ones), so contiguous q/k/v/dO (the layout the op'
 
 Each kernel is compiled here with those launch-time specializations for bf16, causal silu with a bias
 (HSTU's case, the configs the autotuner offers on sm_90), and its Triton GPU IR must show asynchronous
-copies and wgmma dots. The near-miss: the same kernel with the strides left generic must not be
+copies and wgmma dots; its PTX must evaluate silu with one SFU instruction per score (tanh.approx), where
+tl.sigmoid takes two (ex2 and a division). The near-miss: the same kernel with the strides left generic must not be
 pipelined, which shows that the check can fail and why the strides matter.
 """
 
@@ -31,7 +32,8 @@ from triton.compiler import ASTSource
 from gemcompile.lowering import gdpa_bias_grad_triton, gdpa_triton
 
 FLAGS = dict(HEAD_D=64, BLOCK_D=64, Q_MODE=1, KV_MODE=1, CAUSAL=True, HAS_WINDOW=False, HAS_TARGETS=False,
-             HAS_CONTEXT=False, ACT=gdpa_triton.activation_code("silu"), DIVIDE=False, DOT_PRECISION="tf32")
+             HAS_CONTEXT=False, ACT=gdpa_triton.activation_code("silu"), FAST_ACT=True, DIVIDE=False,
+             DOT_PRECISION="tf32")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16", "Out": "*bf16",
             "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Part": "*fp32", "QLengths": "*i64",
             "KVLengths": "*i64", "NumTargets": "*i64", "Order": "*i64"}
@@ -45,7 +47,7 @@ KERNELS = {  # kernel, its constexprs, (num_warps, num_stages): one of its sm_90
 }
 
 
-def ttgir(kernel, constexprs, warps, stages, unit_strides):
+def compiled(kernel, constexprs, warps, stages, unit_strides):
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):  # through the autotuner
         fn = fn.fn
@@ -59,15 +61,24 @@ def ttgir(kernel, constexprs, warps, stages, unit_strides):
              if sig[n].startswith("*") or (n.startswith("stride_") and n not in consts)}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ttgir"]
+    return k.asm
+
+
+def sfu_ops(ptx):
+    return {op: ptx.count(op) for op in ("tanh.approx.f32", "ex2.approx", "div.full.f32", "div.rn.f32")}
 
 
 report = {}
 for name, (kernel, constexprs, (warps, stages)) in KERNELS.items():
     for unit in (True, False) if name == "dbias" else (True,):
-        ir = ttgir(kernel, constexprs, warps, stages, unit)
+        asm = compiled(kernel, constexprs, warps, stages, unit)
+        ir = asm["ttgir"]
         report[f"{name}:{'unit' if unit else 'generic'}"] = {
-            "async_copies": ir.count("ttg.async_copy_global_to_local"), "wgmma": ir.count("ttng.warp_group_dot ")}
+            "async_copies": ir.count("ttg.async_copy_global_to_local"), "wgmma": ir.count("ttng.warp_group_dot "),
+            "sfu": sfu_ops(asm["ptx"])}
+    # the near-miss of the activation: tl.sigmoid (FAST_ACT off, as for fp32 inputs)
+    report[f"{name}:precise"] = {"sfu": sfu_ops(compiled(kernel, dict(constexprs, FAST_ACT=False), warps, stages,
+                                                         True)["ptx"])}
 print(json.dumps(report))
 """
 
@@ -87,6 +98,16 @@ def test_loops_load_with_async_copies_and_multiply_with_wgmma(report, name):
     counts = report[f"{name}:unit"]
     assert counts["async_copies"] > 0, f"{name}: no asynchronous copies (its loads are not pipelined)"
     assert counts["wgmma"] > 0, f"{name}: no wgmma dot"
+
+
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "dbias"])
+def test_silu_takes_one_sfu_instruction_per_score(report, name):
+    # FAST_ACT: sigmoid as 0.5 + 0.5 tanh(x / 2), the SFU's tanh.approx; no exp, no division
+    fast, precise = report[f"{name}:unit"]["sfu"], report[f"{name}:precise"]["sfu"]
+    assert fast["tanh.approx.f32"] > 0 and fast["ex2.approx"] == fast["div.full.f32"] == fast["div.rn.f32"] == 0
+    # tl.sigmoid: exp and a division for each score, as many of each as the fast path has tanh
+    assert precise["tanh.approx.f32"] == 0
+    assert precise["ex2.approx"] == precise["div.full.f32"] + precise["div.rn.f32"] == fast["tanh.approx.f32"]
 
 
 def test_near_miss_generic_strides_are_not_pipelined(report):
