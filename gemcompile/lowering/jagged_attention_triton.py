@@ -109,30 +109,22 @@ for on an H200 (256 KiB for fp32, D=128, 128x64 tiles, 3 stages: refused)."""
 _SMEM_TILES = {"fwd": ((0, 2), (1, 0)), "dkdv": ((2, 0), (0, 2)), "dq": ((0, 2), (2, 0))}
 
 
-def _shared_memory(kind: str, block_m: int, block_n: int, stages: int, block_d: int, element_size: int,
-                   bias_size: int = 0) -> int:
+def _shared_memory(kind: str, block_m: int, block_n: int, stages: int, block_d: int, element_size: int) -> int:
     (sm, sn), (rm, rn) = _SMEM_TILES[kind]
-    bias_tiles = 0
-    if element_size == 4:  # fp32 dots run as 3xTF32: Triton keeps split copies of the operands, streamed
-        sm, sn, rm, rn = 2 * sm, 2 * sn, 2 * rm, 2 * rn  # (the dQ kernel at 64x64, 2 stages, D=128 asked
-        # for 256 KiB) and resident, and a bias tile per stage (GDPA's dK/dV at 32x64, 2 stages, D=128, with
-        # an fp32 bias asked for 240 KiB). 16-bit inputs: the tiles alone matched every config on the H200.
-        bias_tiles = stages * block_m * block_n * bias_size
+    if element_size == 4:  # fp32 dots run as 3xTF32: Triton keeps the transposed operands too (measured:
+        sm, sn = 2 * sm, 2 * sn  # the dQ kernel at 64x64, 2 stages, D=128 asked for 256 KiB)
     rows = stages * (sm * block_m + sn * block_n) + rm * block_m + rn * block_n
-    return rows * block_d * element_size + bias_tiles
+    return rows * block_d * element_size
 
 
 def _fit_shared_memory(config, kind: str, args: dict):
     """Fewer pipeline stages until the tiles fit (fp32 inputs at D=128 need fewer stages than bf16)."""
     q = args.get("Q")
     element_size = q.element_size() if hasattr(q, "element_size") else 2
-    bias = args.get("Bias")
-    bias_size = bias.element_size() if args.get("HAS_BIAS") and hasattr(bias, "element_size") else 0
     block_d = triton.next_power_of_2(int(args.get("HEAD_D", 64)))
     stages = config.num_stages
     m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    while stages > 1 and (_shared_memory(kind, m, n, stages, block_d, element_size, bias_size)
-                          > SHARED_MEMORY_BUDGET):
+    while stages > 1 and _shared_memory(kind, m, n, stages, block_d, element_size) > SHARED_MEMORY_BUDGET:
         stages -= 1
     if stages == config.num_stages:
         return config
