@@ -164,8 +164,12 @@ CASES = [  # dtype, D, L, activation, causal, window, bias, shared_q, q_lengths,
         f"-bias_{c[6]}-{'sharedq' if c[7] else 'q'}"
     ),
 )
-def test_matches_float64_reference(single_config, case):
+def test_matches_float64_reference(single_config, monkeypatch, case):
     dtype, D, L, act, causal, window, bias_kind, shared_q, with_ql, with_kl, divide = case
+    if dtype == torch.float32 and D > 64:
+        # a pinned config skips the autotuner's shared-memory fit: dK/dV's 3 stages with fp32 tiles at D=128
+        # and a bias asked for 240 KiB on the H200 (out of resources); 2 stages ran there before
+        _pin(monkeypatch, (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     B, H = 7, 2
     q, k, v, ql, kl, bias = make_case(
         B, H, L, L, D, dtype, shared_q, BIAS_SHAPES[bias_kind](B, H, L), with_ql, with_kl, seed=D + L
