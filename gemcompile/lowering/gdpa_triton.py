@@ -43,7 +43,8 @@ kv lengths for the forward and dQ, q lengths for dK/dV; the other side's lengths
 with ``causal`` the query tiles of a sequence run from the last (heaviest) to the first.
 
 Precision: scores, activations and accumulators are fp32 (act and act' evaluated in fp32; gelu uses
-tl.math.erf, gelu_tanh is x * sigmoid(2u)); a and dS are cast to the input dtype for the a.V, dS.K and
+tl.math.erf, gelu_tanh is x * sigmoid(2u); for bf16/fp16 inputs on the GPU sigmoid is 0.5 + 0.5 tanh(x/2)
+with the SFU's tanh.approx, see _sigmoid); a and dS are cast to the input dtype for the a.V, dS.K and
 dS^T.Q dots, as flash attention does. fp32 inputs follow torch's matmul precision (3xTF32 at
 "highest", TF32 otherwise). Autotuning is keyed on length buckets, the head dim and the flags; under
 TRITON_INTERPRET=1 each kernel has one small config. Only APIs present in triton 3.6 and 3.9 are used.
