@@ -524,7 +524,9 @@ def _errors(case, activation):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sfu_tanh_activation_costs_no_accuracy(single_config, monkeypatch, activation, dtype):
     # the kernels' default for 16-bit inputs (one tanh.approx per score) against tl.sigmoid (exp and a
-    # division): both within the dtype's bounds, and the fast path's error at most 1.5x the other's
+    # division): both within the dtype's bounds, and the fast path's error at most 1.5x the other's for
+    # bf16 (tanh.approx's ~2^-11 is well under bf16's 2^-9 rounding) and 2.5x for fp16 (of the same order
+    # as fp16's 2^-11)
     assert kernels.sfu_activation(dtype)
     case = make_case(5, 2, 333, 333, 64, dtype, bias_shape=(1, 2, 333, 333), seed=11)
     fast = _errors(case, activation)
@@ -534,4 +536,4 @@ def test_sfu_tanh_activation_costs_no_accuracy(single_config, monkeypatch, activ
     fwd_tol, bwd_tol = TOL[dtype]
     assert fast[0] < fwd_tol and max(fast[1:]) < bwd_tol, fast
     for name, f, p in zip(("out", "dq", "dk", "dv", "dbias"), fast, precise):
-        assert f <= 1.5 * p + 1e-4, (name, f, p)
+        assert f <= (1.5 if dtype == torch.bfloat16 else 2.5) * p + 1e-4, (name, f, p)
