@@ -313,8 +313,9 @@ def main(argv=None):
                         help="time every method replayed from a CUDA graph (GPU work alone, no host overhead)")
     parser.add_argument("--profile", action="store_true", help="record the GPU time of each kernel per method")
     parser.add_argument("--diagnose", action="store_true",
-                        help="hstu: also time the op without the bias, with relu, and the jagged softmax kernels "
-                        "(causal) on the same shape: what the GDPA kernels spend their time on")
+                        help="hstu: also time the op with silu through tl.sigmoid (not the SFU's tanh), without "
+                        "the bias, with relu, and the jagged softmax kernels (causal) on the same shape: what the "
+                        "GDPA kernels spend their time on")
     args = parser.parse_args(argv)
     args.t0 = time.time()
     device = "cpu" if args.smoke else "cuda"

@@ -9,8 +9,8 @@ launch (and marks 16-divisible ones), so contiguous q/k/v/dO (the layout the op'
 Each kernel is compiled here with those launch-time specializations for bf16, causal silu with a bias
 (HSTU's case, the configs the autotuner offers on sm_90), and its Triton GPU IR must show asynchronous
 copies and wgmma dots; its PTX must evaluate silu with one SFU instruction per score (tanh.approx), where
-tl.sigmoid takes two (ex2 and a division). The near-miss: the same kernel with the strides left generic must not be
-pipelined, which shows that the check can fail and why the strides matter.
+tl.sigmoid takes two (ex2 and a division). The near-miss: the same kernel with the strides left generic
+must not be pipelined, which shows that the check can fail and why the strides matter.
 """
 
 import json
