@@ -78,8 +78,7 @@ def _gdpa_bwd_dbias_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SHARED_B: tl.constexpr,
-    SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHARED_B: tl.constexpr, SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(max_kv_len, BLOCK_N)

@@ -433,8 +433,7 @@ def _gdpa_fwd_kernel(
     acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
                      contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
                      mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT,
-                     FAST_ACT,
-                     True, DOT_PRECISION, BLOCK_N)
+                     FAST_ACT, True, DOT_PRECISION, BLOCK_N)
     c = _output_scale(out_scale, kv_len, DIVIDE)
     out = tl.where(row_ok[:, None], acc * c, 0.0)
     _store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_rows, HEAD_D)
@@ -562,8 +561,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
               scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
               BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
-              MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -647,8 +645,7 @@ def _gdpa_bwd_dq_kernel(
                        window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
                        stride_zm, stride_zn, stride_sm, scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS,
                        BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True,
-                       DOT_PRECISION,
-                       BLOCK_N)
+                       DOT_PRECISION, BLOCK_N)
     dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                    n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
                    stride_zn, stride_sm, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
