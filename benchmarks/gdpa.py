@@ -90,7 +90,15 @@ def hstu_padded(q, k, v, n, x):
 
 
 def hstu_op(q, k, v, n, x):
-    # the bias as gem_compile rewrites the gather (passes/relative_bias.py): a diagonal-sum backward
+    # as gem_compile rewrites the gather (passes/relative_bias.py, passes/gdpa_relative_table.py): the
+    # kernels read the (2L - 1) table in place at j - i + L - 1
+    L = q.shape[2]
+    return torch.ops.gemcompile.gdpa(q, k, v, n, n, x["rab_table"], "silu", x["alpha"], 1.0 / L, False, True, 0,
+                                     None, 0, L - 1)
+
+
+def hstu_op_dense_bias(q, k, v, n, x):
+    # the code before the table path: the gathered (L, L) bias, a dense operand of the kernels
     L = q.shape[2]
     rab = torch.ops.gemcompile.relative_bias(x["rab_table"], L, L, L - 1)
     return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None, None], "silu", x["alpha"], 1.0 / L, False, True, 0)
@@ -127,10 +135,10 @@ def hstu_op_no_bias(q, k, v, n, x):
     return torch.ops.gemcompile.gdpa(q, k, v, n, n, None, "silu", x["alpha"], 1.0 / L, False, True, 0)
 
 
-def hstu_op_relu(q, k, v, n, x):  # no exp / reciprocal per score
+def hstu_op_relu(q, k, v, n, x):  # no sigmoid per score
     L = q.shape[2]
-    rab = torch.ops.gemcompile.relative_bias(x["rab_table"], L, L, L - 1)
-    return torch.ops.gemcompile.gdpa(q, k, v, n, n, rab[None, None], "relu", x["alpha"], 1.0 / L, False, True, 0)
+    return torch.ops.gemcompile.gdpa(q, k, v, n, n, x["rab_table"], "relu", x["alpha"], 1.0 / L, False, True, 0,
+                                     None, 0, L - 1)
 
 
 def hstu_softmax_causal(q, k, v, n, x):  # the jagged softmax kernels on the same shape, causal, no bias
@@ -151,7 +159,8 @@ def sigmoid_path(name):
         gdpa_triton.SFU_ACTIVATIONS = saved
 
 
-DIAGNOSTICS = {"hstu": {"gdpa_tl_sigmoid": hstu_op, "gdpa_no_bias": hstu_op_no_bias,
+DIAGNOSTICS = {"hstu": {"gdpa_dense_bias": hstu_op_dense_bias, "gdpa_tl_sigmoid": hstu_op,
+                        "gdpa_no_bias": hstu_op_no_bias,
                         "gdpa_relu": hstu_op_relu, "jagged_softmax_causal": hstu_softmax_causal}}
 
 
@@ -313,9 +322,10 @@ def main(argv=None):
                         help="time every method replayed from a CUDA graph (GPU work alone, no host overhead)")
     parser.add_argument("--profile", action="store_true", help="record the GPU time of each kernel per method")
     parser.add_argument("--diagnose", action="store_true",
-                        help="hstu: also time the op with silu through tl.sigmoid (not the SFU's tanh), without "
-                        "the bias, with relu, and the jagged softmax kernels (causal) on the same shape: what the "
-                        "GDPA kernels spend their time on")
+                        help="hstu: also time the op with the gathered dense (L, L) bias (not the table read in "
+                        "place), with silu through tl.sigmoid (not the SFU's tanh), without the bias, with relu, "
+                        "and the jagged softmax kernels (causal) on the same shape: what the GDPA kernels spend "
+                        "their time on")
     args = parser.parse_args(argv)
     args.t0 = time.time()
     device = "cpu" if args.smoke else "cuda"

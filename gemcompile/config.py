@@ -120,6 +120,10 @@ class GdpaConfig:
     enabled: bool = True
     """Rewrite provable act(q k^T) @ v attention (silu, gelu, relu, relu squared, sigmoid) into the kernel."""
 
+    read_relative_table: bool = True
+    """When the bias is a relative_bias gather (HSTU's rab), let the kernels read its table in place
+    (passes/gdpa_relative_table.py) instead of a dense (Lq, Lk) bias."""
+
     def __post_init__(self):
         _check_types(self)
 

@@ -4,10 +4,11 @@ Public op (the signature is fixed)::
 
     torch.ops.gemcompile.gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths,
         Tensor? bias, str activation, float scale, float out_scale, bool divide_by_kv_length,
-        bool causal, int window, Tensor? num_targets=None, int contextual_len=0) -> Tensor
+        bool causal, int window, Tensor? num_targets=None, int contextual_len=0,
+        int? relative_offset=None) -> Tensor
 
-The last two arguments (HSTU's target mask and contextual prefix) have defaults: callers that pass the
-first twelve keep the plain causal/window semantics.
+The last three arguments (HSTU's target mask and contextual prefix, a relative bias table) have defaults:
+callers that pass the first twelve keep the plain causal/window semantics and a dense bias.
 
 Inputs
 ------
@@ -19,6 +20,9 @@ Inputs
   kernels and checked only under :func:`gemcompile.lowering.checks.strict_length_checks`.
 * bias: None or 4-D broadcastable to (B, H, Lq, Lk) (each dim equal or 1), any float dtype, added to the
   scaled scores; may require grad (its gradient is summed over its broadcast dims).
+* relative_offset: None, or an int: then bias is a relative-position table (T,) or (T, Hz), Hz in {1, H},
+  read as bias[b, h, i, j] = table[j - i + relative_offset, h] (every position inside the table, else
+  ValueError); its gradient has the table's shape (gdpa_relative_bias.py).
 * activation: one of :data:`GDPA_ACTIVATIONS`: "identity", "relu", "relu_squared" (relu(x)**2), "silu",
   "sigmoid", "gelu" (exact, erf), "gelu_tanh" (tanh approximation, as F.gelu(approximate="tanh")).
 * window >= 0; 0 means no window.
@@ -98,6 +102,7 @@ from torch.utils.flop_counter import register_flop_formula
 from . import checks
 from .gdpa_flops import BACKWARD_FLOPS_RATIO, forward_flops, gdpa_pairs, padded_gdpa_pairs
 from .gdpa_reference import GDPA_ACTIVATIONS, reference_gdpa_backward, reference_gdpa_forward
+from .gdpa_relative_bias import check_relative_table
 from .jagged_attention_eager import takes_eager_path
 
 __all__ = ["gdpa", "GDPA_ACTIVATIONS", "EagerGDPA", "check_gdpa_args"]
@@ -143,6 +148,7 @@ def check_gdpa_args(
     window,
     num_targets=None,
     contextual_len=0,
+    relative_offset=None,
 ) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
     if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
@@ -167,7 +173,9 @@ def check_gdpa_args(
         checks._check_index_vector("q_lengths", q_lengths, B, "B", q.device)
     if kv_lengths is not None:
         checks._check_index_vector("kv_lengths", kv_lengths, B, "B", q.device)
-    if bias is not None:
+    if relative_offset is not None:
+        check_relative_table(bias, relative_offset, H, Lq, Lk, q.device)
+    elif bias is not None:
         _check_bias(bias, (B, H, Lq, Lk), q.device)
     if not isinstance(activation, str) or activation not in GDPA_ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(GDPA_ACTIVATIONS)}; got {activation!r}")
@@ -264,9 +272,11 @@ def gdpa_fwd(
     window: int,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    relative_offset: Optional[int] = None,
 ) -> Tensor:
     """out (B, H, Lq, D) contiguous in q's dtype."""
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
+    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
+            relative_offset)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
     return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, *args)
@@ -274,8 +284,9 @@ def gdpa_fwd(
 
 @gdpa_fwd.register_kernel("cuda")
 def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
-                   causal, window, num_targets=None, contextual_len=0):
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
+                   causal, window, num_targets=None, contextual_len=0, relative_offset=None):
+    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
+            relative_offset)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
     forward, _ = _kernels(q)
@@ -311,11 +322,12 @@ def gdpa_bwd(
     bias_requires_grad: bool,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    relative_offset: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
                                    divide_by_kv_length, causal, window, bias_requires_grad, num_targets,
-                                   contextual_len)
+                                   contextual_len, relative_offset)
 
 
 @gdpa_bwd.register_kernel("cuda")
@@ -327,7 +339,8 @@ def _gdpa_bwd_cuda(grad_out, q, *rest):
 
 @gdpa_bwd.register_fake
 def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
-                   divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None, contextual_len=0):
+                   divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None,
+                   contextual_len=0, relative_offset=None):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
     dv = v.new_empty(v.shape)
@@ -337,10 +350,11 @@ def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, s
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window, num_targets,
-     contextual_len) = inputs
+     contextual_len, relative_offset) = inputs
     ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
     ctx.args = (activation, scale, out_scale, divide, causal, window)
     ctx.contextual_len = contextual_len
+    ctx.relative_offset = relative_offset
     ctx.bias_requires_grad = bias is not None and bool(ctx.needs_input_grad[5])
 
 
@@ -348,9 +362,9 @@ def _fwd_backward(ctx, grad_out):
     q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
     dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(
         grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, ctx.bias_requires_grad, num_targets,
-        ctx.contextual_len
+        ctx.contextual_len, ctx.relative_offset
     )
-    return (dq, dk, dv, None, None, (dbias if ctx.bias_requires_grad else None)) + (None,) * 8
+    return (dq, dk, dv, None, None, (dbias if ctx.bias_requires_grad else None)) + (None,) * 9
 
 
 gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -362,9 +376,9 @@ gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 class EagerGDPA(torch.autograd.Function):
     """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
-    causal, window, num_targets=None, contextual_len=0) in one autograd.Function, calling the same kernels
-    as the custom ops; arguments are checked by the caller. Taken for plain eager CUDA calls; runs the
-    reference elsewhere."""
+    causal, window, num_targets=None, contextual_len=0, relative_offset=None) in one autograd.Function,
+    calling the same kernels as the custom ops; arguments are checked by the caller. Taken for plain eager
+    CUDA calls; runs the reference elsewhere."""
 
     @staticmethod
     def forward(
@@ -383,14 +397,17 @@ class EagerGDPA(torch.autograd.Function):
         window,
         num_targets=None,
         contextual_len=0,
+        relative_offset=None,
     ):
         _check_values(q, k, q_lengths, kv_lengths, num_targets)
         forward, _ = _kernels(q)
         args = (activation, scale, out_scale, divide, causal, window)
-        out = forward(q, k, v, q_lengths, kv_lengths, bias, *args, num_targets, contextual_len)
+        out = forward(q, k, v, q_lengths, kv_lengths, bias, *args, num_targets, contextual_len,
+                      relative_offset)
         ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
         ctx.args = args
         ctx.contextual_len = contextual_len
+        ctx.relative_offset = relative_offset
         return out
 
     @staticmethod
@@ -400,9 +417,9 @@ class EagerGDPA(torch.autograd.Function):
         _, backward = _kernels(q)
         dq, dk, dv, dbias = backward(
             grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, bias_grad, num_targets,
-            ctx.contextual_len,
+            ctx.contextual_len, ctx.relative_offset,
         )
-        return (dq, dk, dv, None, None, (dbias if bias_grad else None)) + (None,) * 8
+        return (dq, dk, dv, None, None, (dbias if bias_grad else None)) + (None,) * 9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -412,7 +429,7 @@ class EagerGDPA(torch.autograd.Function):
 _LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
     "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
-    "Tensor? num_targets=None, int contextual_len=0) -> Tensor"
+    "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None) -> Tensor"
 )
 
 
@@ -441,16 +458,20 @@ def gdpa(
     window: int = 0,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    relative_offset: Optional[int] = None,
 ) -> Tensor:
-    """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5)."""
+    """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5).
+    relative_offset: ``bias`` is a relative-position table (T,) or (T, Hz) read as
+    bias[b, h, i, j] = table[j - i + relative_offset, h] (gdpa_relative_bias.py)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    flags = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len)
+    flags = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
+             relative_offset)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *flags)
     return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, float(scale),
                                      float(out_scale), divide_by_kv_length, causal, window, num_targets,
-                                     contextual_len)
+                                     contextual_len, relative_offset)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,6 +513,7 @@ def _fwd_flops(
     window=0,
     num_targets=None,
     contextual_len=0,
+    relative_offset=None,
     *,
     out_val=None,
     **kwargs,
@@ -517,6 +539,7 @@ def _bwd_flops(
     bias_requires_grad=False,
     num_targets=None,
     contextual_len=0,
+    relative_offset=None,
     *,
     out_val=None,
     **kwargs,

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .gdpa_relative_bias import dense_relative_bias, relative_table_grad
 from .jagged_attention_reference import _reduce_to_shape, _row_mask, _zero_invalid_rows
 
 __all__ = [
@@ -230,8 +231,12 @@ def reference_gdpa_forward(
     window: int,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    relative_offset: Optional[int] = None,
 ) -> Tensor:
-    """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype."""
+    """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype. With
+    relative_offset, bias is a relative table: bias[b, h, i, j] = table[j - i + relative_offset, h]."""
+    if relative_offset is not None:
+        bias = dense_relative_bias(bias, relative_offset, q.shape[2], k.shape[2])
     act = activation_fn(activation)
     B, _, Lk, _ = k.shape
     cdt = _compute_dtype(q.dtype)
@@ -262,8 +267,13 @@ def reference_gdpa_backward(
     bias_requires_grad: bool,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    relative_offset: Optional[int] = None,
 ):
-    """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad."""
+    """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad. With
+    relative_offset, bias is a relative table and dbias is its gradient (the dense gradient's diagonal sums)."""
+    table = bias
+    if relative_offset is not None:
+        bias = dense_relative_bias(table, relative_offset, q.shape[2], k.shape[2])
     act, act_grad = activation_fn(activation), activation_grad_fn(activation)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -283,7 +293,9 @@ def reference_gdpa_backward(
     if q.shape[0] == 1 and B != 1:
         dq = dq.sum(dim=0, keepdim=True)
     dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
-    if bias is not None and bias_requires_grad:
+    if bias is not None and bias_requires_grad and relative_offset is not None:
+        dbias = relative_table_grad(_reduce_to_shape(ds, bias.shape), table, relative_offset).contiguous()
+    elif bias is not None and bias_requires_grad:
         dbias = _reduce_to_shape(ds, bias.shape).to(bias.dtype).contiguous()
     else:
         dbias = q.new_empty(0)

@@ -37,8 +37,12 @@ needs a gradient: a bias with full (Lq, Lk) dims (HSTU's relative bias, shared b
 it from gdpa_bias_grad_triton.py, which reduces over the (b, h) pairs in-kernel; any other bias (one
 broadcast along rows or columns) from the dQ kernel, which then writes dS = c dS' once per visited valid
 pair into a zeroed (B, H, Lq, Lk) fp32 buffer that the launcher sums over the broadcast dims with torch.
+A relative-position table (``relative_offset``, gdpa_relative_bias.py) is read by the same code through
+a view with strides (0, head, -row, +row) based at its row ``offset``: no kernel has a separate path for
+it; its gradient is the bias-gradient kernel's parts summed along their diagonals (diagonal_sums_triton.py).
 
-Programs are mapped to batches longest first (device-side argsort of the lengths that bound their loop:
+Programs are mapped to batches longest first (a device-side stable argsort by counting,
+length_order_triton.py, of the lengths that bound their loop:
 kv lengths for the forward and dQ, q lengths for dK/dV; the other side's lengths when one is None);
 with ``causal`` the query tiles of a sequence run from the last (heaviest) to the first.
 
@@ -56,7 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .diagonal_sums_triton import relative_table_grad_triton
 from .gdpa_reference import GDPA_ACTIVATIONS
+from .gdpa_relative_bias import toeplitz_view
 from .jagged_attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
@@ -677,9 +683,13 @@ def _order_by(first: _Side, second: _Side, B: int, device) -> torch.Tensor:
     return _order(first if first.sort_key() is not None else second, B, device)
 
 
-def _bias_args(bias, q, B, H, Lq, Lk):
+def _bias_args(bias, q, B, H, Lq, Lk, relative_offset=None):
+    """(the tensor the kernels read the bias through, its (b, h, m, n) strides); a relative table is read
+    in place through a view with a negative row stride (gdpa_relative_bias.py)."""
     if bias is None:
         return q, (0, 0, 0, 0)
+    if relative_offset is not None:
+        return toeplitz_view(bias, relative_offset, B, H)
     return bias, bias.expand(B, H, Lq, Lk).stride()
 
 
@@ -721,9 +731,10 @@ def _check_hstu(causal, num_targets, contextual_len) -> int:
 
 def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float, out_scale: float,
                         divide_by_kv_length: bool, causal: bool, window: int, num_targets=None,
-                        contextual_len: int = 0):
+                        contextual_len: int = 0, relative_offset: int | None = None):
     """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
-    num_targets (B,) int or None, contextual_len >= 0: HSTU's target mask and contextual prefix (causal)."""
+    num_targets (B,) int or None, contextual_len >= 0: HSTU's target mask and contextual prefix (causal).
+    relative_offset: bias is a relative table (T,) or (T, Hz), bias[b, h, i, j] = table[j - i + offset, h]."""
     window = _check_window(window)
     contextual_len = _check_hstu(causal, num_targets, contextual_len)
     B, H, Lk, D = k.shape
@@ -734,7 +745,7 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
     if Lk == 0:
         return out.zero_()
     q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
-    bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
+    bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
     order = _order_by(kv_side, q_side, B, q.device)
     buckets = (length_bucket(Lq), length_bucket(Lk))
 
@@ -753,13 +764,14 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float,
                          out_scale: float, divide_by_kv_length: bool, causal: bool, window: int,
-                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0, *,
-                         bias_grad_splits: int | None = None):
+                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0,
+                         relative_offset: int | None = None, *, bias_grad_splits: int | None = None):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
     full (Lq, Lk) dims gets its gradient from gdpa_bias_grad_triton (reduced over the shared batch and
     head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
-    from the dQ kernel's per-pair buffer, summed by torch."""
-    from .gdpa_bias_grad_triton import bias_grad_triton, full_bias_grad_supported
+    from the dQ kernel's per-pair buffer, summed by torch. A relative table (``relative_offset``) gets the
+    in-kernel parts' diagonal sums (diagonal_sums_triton.py)."""
+    from .gdpa_bias_grad_triton import bias_grad_parts, bias_grad_triton, full_bias_grad_supported
 
     window = _check_window(window)
     contextual_len = _check_hstu(causal, num_targets, contextual_len)
@@ -767,7 +779,8 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
     Lq = q.shape[2]
     shared_q = q.shape[0] != B
     bias_grad = bias is not None and bias_requires_grad
-    in_kernel_bias_grad = bias_grad and full_bias_grad_supported(bias, Lq, Lk)
+    relative = relative_offset is not None
+    in_kernel_bias_grad = bias_grad and (relative or full_bias_grad_supported(bias, Lq, Lk))
     dbias = None
     dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
@@ -776,7 +789,7 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
           if bias_grad and not in_kernel_bias_grad else None)
     if B * H > 0 and Lq > 0 and Lk > 0:
         q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
-        bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk)
+        bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
         if ds is None:
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
         else:
@@ -801,7 +814,12 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
             *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
-        if in_kernel_bias_grad:
+        if in_kernel_bias_grad and relative:
+            Hz = 1 if bias.dim() == 1 else bias.shape[1]
+            part = bias_grad_parts(q, k, v, bias_t, 1, Hz, grad_out, q_side, kv_side, targets, q_order,
+                                   q_strides, z_strides, flags, scalars[:7], bias_grad_splits)
+            dbias = relative_table_grad_triton(part, bias, relative_offset)
+        elif in_kernel_bias_grad:
             dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides,
                                      z_strides, flags, scalars[:7], bias_grad_splits)
     else:

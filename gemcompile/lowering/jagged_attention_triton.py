@@ -635,11 +635,13 @@ class _Side:
 
 
 def _order(primary: _Side, B: int, device) -> torch.Tensor:
-    """Batch indices, longest sequence first (device-side argsort: no host sync)."""
+    """Batch indices, longest sequence first (a device-side stable argsort in one launch, no host sync)."""
     key = primary.sort_key()
     if key is None:
         return torch.arange(B, device=device)
-    return torch.argsort(key, descending=True)
+    from .length_order_triton import longest_first_order  # (imports this module's _INTERPRET)
+
+    return longest_first_order(key)
 
 
 def _same_sequences(a: _Side, b: _Side) -> bool:

@@ -8,6 +8,7 @@ backward graphs); see passes/base.py for why each rewrite sits where it does.
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
 from gemcompile.passes.block_attention import BlockAttentionPass
 from gemcompile.passes.gdpa import GdpaPass
+from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
 from gemcompile.passes.jagged_attention import JaggedAttentionPass
 from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
@@ -22,6 +23,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     BlockAttentionPass,  # pre_grad: block-diagonal / windowed attention (+ RoPE) -> gemcompile::block_attention
     JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
     GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
+    GdpaRelativeTablePass,  # pre_grad: gdpa over a relative_bias gather -> gdpa reading the table in place
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)

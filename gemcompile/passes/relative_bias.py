@@ -29,6 +29,7 @@ from torch import fx
 from gemcompile.lowering.relative_bias import positions_span
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.mask_provenance import IntTensor, MaskEvaluator, Unproven, example_value, index_symbol
+from gemcompile.passes.rewrite_utils import fed_by
 
 aten = torch.ops.aten
 
@@ -55,18 +56,9 @@ def _gather_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return table, idx
 
 
-def _built_from_arange(idx: fx.Node, limit: int = 64) -> bool:
-    """Whether an arange feeds the index (within `limit` nodes): a relative position, not a data lookup."""
-    seen, todo = set(), [idx]
-    while todo and len(seen) < limit:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and "arange" in str(n.target):
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+def _built_from_arange(idx: fx.Node) -> bool:
+    """Whether an arange feeds the index (within 64 nodes): a relative position, not a data lookup."""
+    return fed_by(idx, lambda n: n.op == "call_function" and "arange" in str(n.target))
 
 
 def toeplitz_offset(idx: fx.Node) -> int:

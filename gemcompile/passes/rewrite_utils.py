@@ -52,6 +52,20 @@ def _may_erase(node: fx.Node) -> bool:
     return not node.is_impure()
 
 
+def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:
+    """Whether a node satisfying ``predicate`` is ``node`` or one of its first ``limit`` producers."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if predicate(n):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
 def erase_dead(nodes: list[fx.Node]) -> None:
     """Erase the given nodes and then their inputs, as long as each is pure and has no users left."""
     work = list(nodes)

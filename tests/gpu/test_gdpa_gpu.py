@@ -537,3 +537,35 @@ def test_sfu_tanh_activation_costs_no_accuracy(single_config, monkeypatch, activ
     assert fast[0] < fwd_tol and max(fast[1:]) < bwd_tol, fast
     for name, f, p in zip(("out", "dq", "dk", "dv", "dbias"), fast, precise):
         assert f <= (1.5 if dtype == torch.bfloat16 else 2.5) * p + 1e-4, (name, f, p)
+
+
+TABLE_CASES = [  # dtype, D, Lq, Lk, table shape, offset, activation, causal
+    (torch.bfloat16, 64, 1024, 1024, (2047,), 1023, "silu", True),  # HSTU: one table for every head
+    (torch.float16, 64, 517, 517, (1040, 2), 520, "silu", True),  # per head, longer than the span
+    (torch.bfloat16, 128, 300, 700, (1100, 1), 400, "gelu", False),  # rows != cols, a (T, 1) table
+    (torch.float32, 32, 333, 333, (665, 2), 332, "relu_squared", True),
+]
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: f"{str(c[0])[6:]}-D{c[1]}-{c[2]}x{c[3]}-{c[4]}")
+def test_relative_table_read_in_place(single_config, case):
+    """gdpa(..., table, relative_offset): the kernels read table[j - i + offset, h] through a negative row
+    stride and the table's gradient comes from the diagonal-sum kernel; against float64."""
+    dtype, D, Lq, Lk, shape, offset, activation, causal = case
+    q, k, v, ql, kl, _ = make_case(6, 2, Lq, Lk, D, dtype, seed=len(shape) + D)
+    if causal:
+        kl = ql
+    table = (0.5 * torch.randn(shape, generator=torch.Generator().manual_seed(5))).to(DEV, dtype)
+    args = (activation, 1 / math.sqrt(D), 1.0 / Lk, False, causal, 0, None, 0, offset)
+    g = torch.randn(*q.shape, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, table)]
+    out = ops.gdpa(*leaves[:3], ql, kl, leaves[3], *args)
+    grads = torch.autograd.grad(out, leaves, g)
+    d64 = [x.double() for x in (q, k, v, table)]
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
+    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3], *args[:6], True, *args[6:])
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), grads, ref):
+        assert a.shape == b.shape and not a.isnan().any(), name
+        assert rel(a, b) < bwd_tol, (name, rel(a, b))
