@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .jagged_attention_triton import _INTERPRET
 
-__all__ = ["diagonal_sums_triton", "relative_table_grad_triton"]
+__all__ = ["relative_table_grad_triton"]
 
 _UNROLL = 4  # parts loaded per step, independently
 
@@ -59,7 +59,7 @@ def _diagonal_sums_kernel(Part, Partial, splits, Lq, Lk, n_diag,
 
 
 @triton.jit
-def _table_rows_kernel(Partial, Table, row_blocks, n_diag, first, table_rows, Z,
+def _table_rows_kernel(Partial, Table, row_blocks, n_diag, first, table_rows,
                        stride_qc, stride_qz, stride_tr, stride_tz, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
@@ -96,16 +96,6 @@ def _blocks() -> tuple[int, int]:
     return (16, 16) if _INTERPRET else (16, 128)
 
 
-def diagonal_sums_triton(part: torch.Tensor) -> torch.Tensor:
-    """part (S, Z, Lq, Lk) fp32 -> (Z, Lq + Lk - 1) fp32; column t holds the diagonal j - i = t - (Lq - 1)
-    summed over the S parts (the first launch, its row-block partials summed by torch)."""
-    _check(part)
-    S, Z, Lq, Lk = part.shape
-    if S == 0 or Z == 0 or Lq == 0 or Lk == 0:
-        return part.new_zeros((Z, max(Lq + Lk - 1, 0)))
-    return _partials(part, *_blocks()).sum(0)
-
-
 def relative_table_grad_triton(part: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
     """The gradient of a table (T,) or (T, Z) read at j - i + offset, like ``table``, from the bias
     gradient's parts (S, Z, Lq, Lk) fp32: diagonal j - i = d lands on row offset + d."""
@@ -115,11 +105,10 @@ def relative_table_grad_triton(part: torch.Tensor, table: torch.Tensor, offset: 
     grad = torch.empty((T, Z), dtype=table.dtype, device=table.device)
     if S == 0 or Z == 0 or Lq == 0 or Lk == 0:
         return grad.zero_().reshape(table.shape)
-    block_i, block_t = _blocks()
-    partial = _partials(part, block_i, block_t)
+    partial = _partials(part, *_blocks())
     block_r, block_c = (16, 4) if _INTERPRET else (64, 32)
     _table_rows_kernel[(triton.cdiv(T, block_r), Z)](
-        partial, grad, partial.shape[0], Lq + Lk - 1, offset - (Lq - 1), T, Z,
+        partial, grad, partial.shape[0], Lq + Lk - 1, offset - (Lq - 1), T,
         partial.stride(0), partial.stride(1), grad.stride(0), grad.stride(1), BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=4)
     return grad.reshape(table.shape)

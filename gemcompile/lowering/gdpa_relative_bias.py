@@ -27,7 +27,8 @@ from torch import Tensor
 
 from .relative_bias import positions_span, relative_bias_backward, relative_bias_reference
 
-__all__ = ["check_relative_table", "dense_relative_bias", "relative_table_grad", "toeplitz_view"]
+__all__ = ["check_relative_table", "dense_relative_bias", "relative_table_grad", "table_heads",
+           "toeplitz_view"]
 
 
 def check_relative_table(table, offset, H: int, Lq: int, Lk: int, device) -> None:
@@ -55,13 +56,14 @@ def check_relative_table(table, offset, H: int, Lq: int, Lk: int, device) -> Non
             )
 
 
-def _heads(table: Tensor) -> int:
+def table_heads(table: Tensor) -> int:
+    """Hz of a table (T,) or (T, Hz): the bias's head dim (1: shared by the heads)."""
     return 1 if table.dim() == 1 else table.shape[1]
 
 
 def dense_relative_bias(table: Tensor, offset: int, Lq: int, Lk: int) -> Tensor:
     """The bias the table stands for, (1, Hz, Lq, Lk) in the table's dtype."""
-    dense = relative_bias_reference(table.reshape(table.shape[0], _heads(table)), Lq, Lk, offset)
+    dense = relative_bias_reference(table.reshape(table.shape[0], table_heads(table)), Lq, Lk, offset)
     return dense.permute(2, 0, 1).unsqueeze(0)
 
 
@@ -76,5 +78,5 @@ def toeplitz_view(table: Tensor, offset: int, B: int, H: int) -> tuple[Tensor, t
     """(base, (b, h, m, n) strides) through which the GDPA kernels read bias[b, h, i, j] from the table:
     base is the table's row ``offset`` (j - i = 0), the row stride is negative."""
     s0 = table.stride(0)
-    sh = table.stride(1) if table.dim() == 2 and table.shape[1] == H and H > 1 else 0
+    sh = table.stride(1) if table_heads(table) == H > 1 else 0
     return table[offset:], (0, sh, -s0, s0)

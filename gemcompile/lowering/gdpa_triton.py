@@ -62,7 +62,7 @@ import triton.language as tl
 
 from .diagonal_sums_triton import relative_table_grad_triton
 from .gdpa_reference import GDPA_ACTIVATIONS
-from .gdpa_relative_bias import toeplitz_view
+from .gdpa_relative_bias import table_heads, toeplitz_view
 from .jagged_attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
@@ -815,9 +815,8 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
             *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
         if in_kernel_bias_grad and relative:
-            Hz = 1 if bias.dim() == 1 else bias.shape[1]
-            part = bias_grad_parts(q, k, v, bias_t, 1, Hz, grad_out, q_side, kv_side, targets, q_order,
-                                   q_strides, z_strides, flags, scalars[:7], bias_grad_splits)
+            part = bias_grad_parts(q, k, v, bias_t, 1, table_heads(bias), grad_out, q_side, kv_side, targets,
+                                   q_order, q_strides, z_strides, flags, scalars[:7], bias_grad_splits)
             dbias = relative_table_grad_triton(part, bias, relative_offset)
         elif in_kernel_bias_grad:
             dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides,

@@ -21,6 +21,7 @@ import operator
 import torch
 from torch import fx
 
+from gemcompile.lowering.gdpa_relative_bias import check_relative_table
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.mask_provenance import Unproven, example_value
 from gemcompile.passes.rewrite_utils import erase_dead, fed_by
@@ -163,15 +164,15 @@ class GdpaRelativeTablePass(GemPass):
     @staticmethod
     def _prove(node: fx.Node, bias: fx.Node) -> tuple[fx.Node, int, fx.Node]:
         rel, layout = _layout(bias)
-        if layout[2:] != [_ROWS, _COLS] or layout[0] is not None or layout[1] not in (None, _HEADS) \
-                or len(layout) != 4:
+        if layout[2:] != [_ROWS, _COLS] or layout[0] is not None or layout[1] not in (None, _HEADS):
             raise Unproven(f"its dims hold {layout} (needed: [None, heads or None, rows, cols])")
         table, rows, cols, offset = rel.args
         q, k = example_value(node.args[0]), example_value(node.args[1])
         if (rows, cols) != (q.shape[2], k.shape[2]):
             raise Unproven(f"the relative bias spans ({rows}, {cols}), the attention "
                            f"({q.shape[2]}, {k.shape[2]})")
-        t = example_value(table)
-        if t.dim() == 2 and t.shape[1] not in (1, k.shape[1]):
-            raise Unproven(f"the table has {t.shape[1]} heads, the attention {k.shape[1]}")
+        try:  # what the op will check: heads, span, dtype, device
+            check_relative_table(example_value(table), int(offset), k.shape[1], rows, cols, q.device)
+        except (TypeError, ValueError) as e:
+            raise Unproven(str(e)) from e
         return rel, int(offset), table

@@ -14,7 +14,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering.diagonal_sums_triton import diagonal_sums_triton, relative_table_grad_triton
+from gemcompile.lowering.diagonal_sums_triton import relative_table_grad_triton
 from gemcompile.lowering.gdpa_reference import reference_gdpa_backward, reference_gdpa_forward
 from gemcompile.lowering.gdpa_triton import gdpa_backward_triton, gdpa_forward_triton
 
@@ -40,11 +40,12 @@ def diagonal_sums_reference(part):
     (1, 1, 5, 7), (3, 2, 37, 20), (6, 1, 20, 45), (9, 3, 40, 40), (2, 1, 1, 1), (1, 1, 33, 1), (5, 1, 1, 33),
 ])
 def test_diagonal_sums_against_loops(S, Z, Lq, Lk):
-    # S = 6, 9: parts beyond a multiple of the kernel's 4-part unroll
+    # S = 6, 9: parts beyond a multiple of the kernel's 4-part unroll. A table of exactly the Lq + Lk - 1
+    # diagonals, offset Lq - 1: its rows are the diagonal sums themselves
     part = torch.randn(S, Z, Lq, Lk, generator=torch.Generator().manual_seed(Lq * Lk))
-    got = diagonal_sums_triton(part)
-    assert got.shape == (Z, Lq + Lk - 1) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), diagonal_sums_reference(part), rtol=1e-5, atol=1e-5)
+    got = relative_table_grad_triton(part, torch.empty(Lq + Lk - 1, Z), Lq - 1)
+    assert got.shape == (Lq + Lk - 1, Z) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double().t(), diagonal_sums_reference(part), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("table_shape,offset,dtype,Lq", [
@@ -67,8 +68,8 @@ def test_table_rows_from_parts(table_shape, offset, dtype, Lq):
 
 def test_diagonal_sums_refuses_non_fp32_and_handles_empty():
     with pytest.raises(ValueError, match="fp32"):
-        diagonal_sums_triton(torch.randn(1, 1, 4, 4, dtype=torch.float64))
-    assert diagonal_sums_triton(torch.randn(0, 1, 4, 4)).equal(torch.zeros(1, 7))
+        relative_table_grad_triton(torch.randn(1, 1, 4, 4, dtype=torch.float64), torch.empty(7), 3)
+    assert relative_table_grad_triton(torch.randn(0, 1, 4, 4), torch.empty(7), 3).equal(torch.zeros(7))
 
 
 # (Lq, Lk, table shape, offset, causal, shared q)
