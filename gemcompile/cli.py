@@ -21,13 +21,33 @@ def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
 
 
-def run_explain(args: argparse.Namespace) -> int:
+def explain_gem_ref(size: str = "tiny", *, batch_size: int = 8, fill: float = 0.5, seed: int = 0,
+                    config=None):
+    """Explain GEM-ref of one size on a synthetic batch: (ExplainReport, Batch). What `gemcompile explain`
+    prints, as values (the golden test of the rewrites reads it)."""
     import torch
-    from rich.console import Console
 
-    from gemcompile import GemConfig, explain
+    from gemcompile import explain
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config
+
+    model_config = gem_ref_config(size)
+    torch.manual_seed(seed)
+    batch = SyntheticData(model_config.data_config(batch_size=batch_size, fill=fill, seed=seed)).batch(0)
+    # small and large are explained on the meta device: the graph and the passes need shapes, not the
+    # gigabytes of their embedding tables
+    device = torch.device("cpu" if size == "tiny" else "meta")
+    with device:
+        model = GemRef(model_config)
+    features = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
+                for name, value in batch.features().items()}
+    return explain(model, **features, config=config), batch
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gemcompile import GemConfig
 
     sections = {}
     valid = [name for name in GemConfig.__dataclass_fields__ if name != "chain_existing_passes"]
@@ -36,19 +56,8 @@ def run_explain(args: argparse.Namespace) -> int:
             if name not in valid:
                 raise ValueError(f"{flag} {name}: unknown pass; passes: {', '.join(valid)}")
             sections[name] = {"enabled": enabled}
-    config = GemConfig(**sections)
-    model_config = gem_ref_config(args.size)
-    torch.manual_seed(args.seed)
-    batch = SyntheticData(model_config.data_config(batch_size=args.batch_size, fill=args.fill,
-                                                   seed=args.seed)).batch(0)
-    # small and large are explained on the meta device: the graph and the passes need shapes, not the
-    # gigabytes of their embedding tables
-    device = torch.device("cpu" if args.size == "tiny" else "meta")
-    with device:
-        model = GemRef(model_config)
-    features = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
-                for name, value in batch.features().items()}
-    report = explain(model, **features, config=config)
+    report, batch = explain_gem_ref(args.size, batch_size=args.batch_size, fill=args.fill, seed=args.seed,
+                                    config=GemConfig(**sections))
     console = Console(width=args.width)
     console.print(f"[bold]GEM-ref {args.size}[/bold]: batch {args.batch_size}, fill {args.fill}, "
                   f"padding efficiency {batch.padding_efficiency():.2f}")
