@@ -117,13 +117,14 @@ class GemPass(CustomGraphPass):
             )
         log.debug("%s rewrote %s", self.name, anchor)
 
-    def refused(self, anchor: fx.Node, reason: str) -> None:
+    def refused(self, anchor: fx.Node, reason: str, metrics: dict | None = None) -> None:
         """Report a candidate the pass left alone, with the reason a user can act on."""
         counters["gemcompile"][f"{self.name}_refused"] += 1
         target = active_log()
         if target is not None:
             target.refusals.append(
-                Refusal(self.name, self.stage, source_location(anchor), reason, describe_nodes([anchor]))
+                Refusal(self.name, self.stage, source_location(anchor), reason, describe_nodes([anchor]),
+                        metrics=dict(metrics or {}))
             )
         log.debug("%s refused %s: %s", self.name, anchor, reason)
 

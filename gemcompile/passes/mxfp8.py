@@ -377,6 +377,11 @@ class Gemm:
     def module_class(self) -> str:
         return self.modules[-1][1] if self.modules else "?"
 
+    def facts(self) -> dict[str, str]:
+        """What explain reports of this GEMM as metrics (decisions() reads them back)."""
+        return {"role": self.role or "gemm", "module": self.module, "module_class": self.module_class,
+                "m": _fmt(self.m), "k": _fmt(self.k), "n": _fmt(self.n)}
+
     def header(self) -> str:
         batch = f" batch={_fmt(self.batch)}" if self.batch is not None else ""
         return (f"{self.role or 'gemm'} {self.module} ({self.module_class}) "
@@ -427,7 +432,7 @@ class Mxfp8Pass(GemPass):
                 kind, reason = self._rewrite(graph, site, op)
             counters["gemcompile"][f"mxfp8_{kind}"] += 1
             if kind not in QUANTIZED:
-                self.refused(site.node, f"{site.header()}: {reason}")
+                self.refused(site.node, f"{site.header()}: {reason}", metrics=site.facts() | {"reason": reason})
 
     # -- analysis ----------------------------------------------------------------------------------------
     @staticmethod
@@ -590,9 +595,8 @@ class Mxfp8Pass(GemPass):
         weight = " and ".join(x for x, w in (("a", site.a_is_weight), ("b", site.b_is_weight)) if w) or "none"
         block = _BLOCK[cfg.recipe]
         padded = "" if _divisible(site.k, block) else f", K zero-padded to a multiple of {block} for the blocks"
-        self.rewrote(out, before, after,
-                     detail=f"{site.header()}: fp8 {cfg.recipe} ({cfg.scale_rule}), both operands along K, "
-                            f"weight operand: {weight}{padded}")
+        how = f"fp8 {cfg.recipe} ({cfg.scale_rule}), both operands along K, weight operand: {weight}{padded}"
+        self.rewrote(out, before, after, detail=f"{site.header()}: {how}", metrics=site.facts() | {"reason": how})
         graph.erase_node(node)
         return f"fp8_{site.role}", ""
 
@@ -634,9 +638,6 @@ def _fp8_mm_op() -> Any:
 
 # -- reading decisions back (tests, benchmarks) -------------------------------------------------------------
 
-_HEADER = re.compile(r"^(?P<role>fwd|dgrad|wgrad|gemm) (?P<module>\S+) \((?P<cls>[^)]*)\) "
-                     r"M=(?P<m>\S+) K=(?P<k>\S+) N=(?P<n>\S+)(?: batch=(?P<batch>\S+))?: (?P<rest>.*)$", re.DOTALL)
-
 
 @dataclass(frozen=True)
 class GemmDecision:
@@ -656,15 +657,6 @@ class GemmDecision:
 
 def decisions(report: Any) -> list[GemmDecision]:
     """Every GEMM the mxfp8 pass judged, from an ExplainReport (or anything with rewrites / refusals)."""
-    out = []
-    for records, quantized in ((report.rewrites, True), (report.refusals, False)):
-        for r in records:
-            if r.pass_name != Mxfp8Pass.name:
-                continue
-            text = r.detail if quantized else r.reason
-            match = _HEADER.match(text)
-            if match is None:
-                continue
-            out.append(GemmDecision(match["role"], match["module"], match["cls"], match["m"], match["k"],
-                                    match["n"], quantized, match["rest"]))
-    return out
+    return [GemmDecision(m["role"], m["module"], m["module_class"], m["m"], m["k"], m["n"], quantized, m["reason"])
+            for records, quantized in ((report.rewrites, True), (report.refusals, False))
+            for m in (r.metrics for r in records if r.pass_name == Mxfp8Pass.name)]

@@ -118,6 +118,8 @@ class Refusal:
     location: SourceLocation | None
     reason: str
     code: str = ""
+    metrics: dict = field(default_factory=dict, compare=False, hash=False)
+    """Facts a pass reports with the refusal (e.g. mxfp8's GEMM role and sizes), for tools."""
 
 
 @dataclass
