@@ -73,8 +73,6 @@ def run_explain(args: argparse.Namespace) -> int:
 def unpad_savings_table(report, seq_lengths):
     """A rich Table: for each unpad region, the GEMM FLOPs one training step skips at this batch's lengths
     (6 x MACs per token x padding tokens: forward, and the backward's two GEMMs per forward GEMM)."""
-    import re
-
     from rich.table import Table
 
     rewrites = [r for r in report.rewrites if r.pass_name == "unpad" and r.metrics]
@@ -85,8 +83,8 @@ def unpad_savings_table(report, seq_lengths):
         table.add_column(col, justify="left" if col.startswith("region") else "right")
     for r in rewrites:
         m = r.metrics
-        found = re.search(r"seq_lengths_(\d+)_", m["lengths"])
-        k = int(found.group(1)) if found else None
+        path = m.get("lengths_input") or ()  # ("seq_lengths", k) when the lengths are an input of the model
+        k = path[1] if len(path) == 2 and path[0] == "seq_lengths" and isinstance(path[1], int) else None
         if k is None or k >= len(seq_lengths):
             table.add_row(m["lengths"], f"{m['batch']} x {m['seq']}", "?", str(m["macs_per_token"]), "?", "?")
             continue

@@ -44,6 +44,23 @@ def source_location(node: fx.Node) -> SourceLocation | None:
     return SourceLocation(last["file"], int(last["line"]), last["function"], last["code"].strip())
 
 
+def input_path(node: fx.Node) -> tuple | None:
+    """Where a graph input came from in the call, as keys: ``("seq_lengths", 0)`` for the placeholder Dynamo
+    made of ``seq_lengths[0]``; None for anything else (read from the placeholder's Dynamo source, not its name)."""
+    arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    source = getattr(arg, "source", None)
+    path: list = []
+    while source is not None:
+        if hasattr(source, "index") and hasattr(source, "base"):  # GetItemSource: x[i]
+            path.insert(0, source.index)
+            source = source.base
+        elif hasattr(source, "local_name"):  # LocalSource: an argument of the compiled call
+            return (source.local_name, *path)
+        else:
+            return None
+    return None
+
+
 def _target_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return f".{node.target}"

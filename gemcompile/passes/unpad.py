@@ -51,6 +51,7 @@ from gemcompile.passes.mask_provenance import (
     example_value,
     keep_predicate,
 )
+from gemcompile.passes.records import input_path
 from gemcompile.passes.rewrite_utils import erase_dead
 from gemcompile.passes.token_wise import (
     ELEMENTWISE,
@@ -408,7 +409,7 @@ class UnpadPass(GemPass):
             f"index = gemcompile.valid_token_index({mask.lengths.name}, {seq})  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
             f"zeros(B, {seq}, ...).index_put(...) out"), detail,
-            metrics={"lengths": mask.lengths.name, "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
+            metrics={"lengths": mask.lengths.name, "lengths_input": input_path(mask.lengths), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
 
     def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
