@@ -17,6 +17,7 @@ reason reported.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -28,7 +29,6 @@ from gemcompile.passes.rewrite_utils import erase_dead, fed_by
 
 # what a dim of the bias holds; None: a size-1 or broadcast dim
 _ROWS, _COLS, _HEADS = "rows", "cols", "heads"
-_HSTU_DEFAULTS = [None, 0]  # gemcompile::gdpa's num_targets and contextual_len (arguments 12 and 13)
 
 
 def _from_relative_bias(node: fx.Node) -> bool:
@@ -122,6 +122,20 @@ def _index(index: tuple, layout: list) -> list:
     return out + rest
 
 
+def _arguments_by_name(node: fx.Node) -> dict[str, Any]:
+    """The op call's arguments by their schema names, defaults filled in (never by position: the schema may
+    grow)."""
+    call = {}
+    for i, argument in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            call[argument.name] = node.args[i]
+        elif argument.name in node.kwargs:
+            call[argument.name] = node.kwargs[argument.name]
+        else:
+            call[argument.name] = argument.default_value if argument.has_default_value() else None
+    return call
+
+
 class GdpaRelativeTablePass(GemPass):
     """gdpa(..., bias = views of relative_bias(table, ...)) -> gdpa(..., table, relative_offset=offset)."""
 
@@ -137,10 +151,10 @@ class GdpaRelativeTablePass(GemPass):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.gemcompile.gdpa.default:
                 continue
-            args = list(node.args)
-            if node.kwargs or not 12 <= len(args) <= 14 or not isinstance(args[5], fx.Node):
-                continue  # no bias, or already a table (relative_offset given)
-            bias = args[5]
+            call = _arguments_by_name(node)
+            bias = call["bias"]
+            if not isinstance(bias, fx.Node) or call["relative_offset"] is not None:
+                continue  # no bias, or already a table
             if not _from_relative_bias(bias):
                 continue
             try:
@@ -148,11 +162,11 @@ class GdpaRelativeTablePass(GemPass):
             except Unproven as e:
                 self.refused(node, f"gdpa keeps a dense relative bias: {e}")
                 continue
-            args = args + _HSTU_DEFAULTS[len(args) - 12:] + [offset]
-            args[5] = table
+            call |= {"bias": table, "relative_offset": offset}
+            args = tuple(call[a.name] for a in node.target._schema.arguments)
             before = f"gdpa(..., bias={bias.name}: a view of {rel.name} = relative_bias(...))"
             with graph.inserting_before(node):
-                new = graph.call_function(node.target, tuple(args))
+                new = graph.call_function(node.target, args)
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
