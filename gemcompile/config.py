@@ -160,9 +160,8 @@ class UnpadConfig:
 
     enabled: bool = True
     """Pack each provable token-wise region between a length mask's entry and exit points. It pays on
-    sparse batches and costs on full ones: on the H200 (GEM-ref small's sequence part, B 1024) GPU time
-    1.37x / 1.07x / 0.87x unpad off at fill 0.3 / 0.5 / 0.7 (the gathers, scatters and padded sums
-    outweigh the skipped rows near full); benchmarks/results/unpad-b1024-20261130-123137.json."""
+    sparse batches and costs on full ones (near full, the gathers, scatters and padded sums outweigh the
+    skipped rows); the measured times by fill are in benchmarks/README.md, section "Unpad"."""
 
     min_gemms: int = 1
     """Leave a region with fewer linear layers than this padded: its gathers and scatters would cost
@@ -175,10 +174,8 @@ class UnpadConfig:
     pad_reductions: bool | None = None
     """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
     (bias and norm-weight gradients); see passes/unpad_reductions.py. None (the default): only where
-    Inductor cannot size a reduction over T from its hint (torch < 2.13). Measured on the H200 (torch
-    2.11, GEM-ref small's sequence part, B 1024, fill 0.5): unpad without it cost 9% more GPU kernel time
-    than no unpad (144.4 vs 132.8 ms a step), with it 5% less (125.0 vs 131.7 ms);
-    benchmarks/results/unpad-b1024-20261130-104556.json and unpad-b1024-pad-reductions-20261130-105705.json."""
+    Inductor cannot size a reduction over T from its hint (torch < 2.13); its effect on the H200 is
+    measured in benchmarks/README.md, section "Unpad"."""
 
     def __post_init__(self):
         _check_types(self)
@@ -235,8 +232,8 @@ class Mxfp8Config:
 
     min_m: int = 16384
     """Smallest token count M (rows of the Linear's input) that is quantized. FP8 loses to bf16 on small
-    GEMMs: quantization is memory-bound and costs 23-38% of the FP8 time at K, N <= 2k (research/mxfp8.md
-    section 7.3: a whole Linear wins from M >= 16k with min(K, N) >= 2048)."""
+    GEMMs: quantization is memory-bound and its share of the FP8 time grows as the GEMM shrinks (measured
+    on the H200 in benchmarks/README.md, section "MXFP8: one Linear")."""
 
     min_k: int = 2048
     """Smallest in_features K of a Linear that is quantized (K, N <= 1024 run 0.5-0.9x of bf16 on H200)."""

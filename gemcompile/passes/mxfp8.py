@@ -4,8 +4,8 @@ Post-grad (``post_grad_custom_pre_pass``): only after AOTAutograd are the backwa
 wgrad) visible as nodes of their own, so that each can be quantized with its own blocking. Every
 ``aten.mm`` / ``aten.addmm`` / ``aten.bmm`` gets a decision and a reason (``explain`` lists them all); a
 qualifying one becomes ``gemcompile::fp8_mm(a, b, recipe, a_is_weight, b_is_weight, scale_rule)``, which
-quantizes both operands along the GEMM's reduction dim K. That single rule is the research table
-(research/mxfp8.md section 1):
+quantizes both operands along the GEMM's reduction dim K. That single rule gives the blockings the FP8
+training recipes use:
 
     forward  Y  = X  @ W^T    X along K (in_features),  W along K
     dgrad    dX = dY @ W      dY along N (out_features), W along N
