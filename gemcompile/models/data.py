@@ -4,7 +4,7 @@ Plain PyTorch (no gemcompile import). One `SyntheticData.batch(step)` call draws
 `torch.Generator` seeded from (cfg.seed, step), so any step can be regenerated on its own (a run resumed
 at step 21 sees the same data as an uninterrupted one).
 
-What is drawn (gem_model.md section 7):
+What is drawn:
 - sequence lengths: "uniform" (Meta's benchmark convention) or "heavy_tail" (log-normal, solved so that
   mean length / N = fill, with some users that have no history of a type at all);
 - item ids: Zipf(1.1) ranks mapped through a seeded random permutation (FBGEMM convention), action types

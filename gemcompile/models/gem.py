@@ -1,6 +1,6 @@
 """GEM-ref: a representative GEM-style ranking model written the way a modeler writes it.
 
-Plain PyTorch on padded tensors with boolean masks (gem_model.md section 6); nothing here knows about
+Plain PyTorch on padded tensors with boolean masks; nothing here knows about
 gemcompile. The compiler pattern-matches the attention idioms below, so they are written plainly:
 
 - sequence mask:        valid = torch.arange(N)[None, :] < lengths[:, None]             (B, N) bool,
@@ -243,8 +243,7 @@ GEM_REF_SIZES = ("tiny", "small", "medium", "large")
 
 
 def gem_ref_config(size: str) -> GemRefConfig:
-    """Preset sizes: "tiny" (CPU tests), "small" (1 GPU), "medium" (fills 1 GPU), "large" (8 GPUs);
-    gem_model.md section 6.3."""
+    """Preset sizes: "tiny" (CPU tests), "small" (1 GPU), "medium" (fills 1 GPU), "large" (8 GPUs)."""
     if size == "tiny":
         return GemRefConfig()
     if size == "small":
