@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from gemcompile.passes.base import GemPass
-from gemcompile.runtime.parallel_plan import (
+from gemcompile.runtime.distributed.plan import (
     ParallelPlan,
     ParallelPlanError,
     ParamInfo,
@@ -237,7 +237,7 @@ def plan_tables(plan: ParallelPlan, title: str = "parallel plan") -> list[Any]:
     from rich.table import Table
     from rich.text import Text
 
-    from gemcompile.runtime.parallel_plan import _bytes_text
+    from gemcompile.runtime.distributed.plan import _bytes_text
 
     a = plan.axes
     head = Text(

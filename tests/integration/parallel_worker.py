@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from gemcompile.config import ParallelConfig
-from gemcompile.runtime.train import TrainConfig, train
+from gemcompile.runtime.training.train import TrainConfig, train
 
 
 def count_one_step(parallel: ParallelConfig, batch_size: int) -> tuple[dict, dict]:
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config
-    from gemcompile.runtime.parallel import ParallelRuntime
-    from gemcompile.runtime.parallel_plan import plan_for_model
+    from gemcompile.runtime.distributed.apply import ParallelRuntime
+    from gemcompile.runtime.distributed.plan import plan_for_model
 
     cfg = gem_ref_config("tiny")
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gemcompile.runtime.checkpoint import checkpoint_path
-from gemcompile.runtime.train import TrainConfig, train
+from gemcompile.runtime.training.checkpoint import checkpoint_path
+from gemcompile.runtime.training.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"

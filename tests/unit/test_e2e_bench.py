@@ -1,4 +1,4 @@
-"""`gemcompile bench e2e` (runtime/e2e_bench.py) on the CPU: the method list, config errors, and one eager
+"""`gemcompile bench e2e` (runtime/training/e2e_bench.py) on the CPU: the method list, config errors, and one eager
 run whose numbers are checked against what they must be; and the report renderer on its JSON."""
 
 import importlib.util
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemcompile.runtime import e2e_bench
-from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
+from gemcompile.runtime.training import e2e_bench
+from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
 
 
 def test_methods_follow_the_config_sections():

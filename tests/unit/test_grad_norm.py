@@ -4,7 +4,7 @@ torch.nn.utils.clip_grad_norm_, over mixed dtypes and empty gradients."""
 import pytest
 import torch
 
-from gemcompile.runtime.parallel import grad_norm_
+from gemcompile.runtime.distributed.apply import grad_norm_
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

@@ -1,10 +1,10 @@
-"""runtime/train.py: TrainConfig validation and the `gemcompile train` argument parsing."""
+"""runtime/training/train.py: TrainConfig validation and the `gemcompile train` argument parsing."""
 
 import argparse
 
 import pytest
 
-from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, TrainConfig, add_train_arguments, config_from_args
+from gemcompile.runtime.training.train import DEFAULT_BATCH_SIZE, TrainConfig, add_train_arguments, config_from_args
 
 
 def test_defaults():

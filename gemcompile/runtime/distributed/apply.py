@@ -32,16 +32,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import CollectiveCounter
-from gemcompile.runtime.parallel_embedding import (
+from gemcompile.runtime.distributed.collectives import CollectiveCounter
+from gemcompile.runtime.distributed.embedding import (
     EmbeddingGroups,
     ShardedCollection,
     ShardedTable,
     install_prefetch,
     shard_table_weight,
 )
-from gemcompile.runtime.parallel_experts import ExpertParallelMixture
-from gemcompile.runtime.parallel_plan import ParallelPlan, ParallelPlanError, _collection_of
+from gemcompile.runtime.distributed.experts import ExpertParallelMixture
+from gemcompile.runtime.distributed.plan import ParallelPlan, ParallelPlanError, _collection_of
 
 __all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
 
@@ -374,7 +374,7 @@ class _MetaPaddedFlops:
 
     def __init__(self, model_cfg) -> None:
         from gemcompile.models.gem import GemRef
-        from gemcompile.runtime.flops import PaddedFlopCounter
+        from gemcompile.runtime.training.flops import PaddedFlopCounter
 
         with torch.device("meta"):
             self.counter = PaddedFlopCounter(GemRef(model_cfg))
@@ -419,7 +419,7 @@ class ParallelTraining:
                              f"{world}: batch_size is the global batch, split evenly over the ranks")
         with torch.device("meta"):
             template = GemRef(gem_ref_config(cfg.size))
-        from gemcompile.runtime.parallel_plan import plan_for_model
+        from gemcompile.runtime.distributed.plan import plan_for_model
 
         plan = plan_for_model(template, cfg.parallel, world)  # ParallelPlanError before any collective
         init_distributed(cfg.device)
@@ -428,7 +428,7 @@ class ParallelTraining:
         return cls(cfg, plan)
 
     def apply(self, model: nn.Module) -> _MetaPaddedFlops:
-        from gemcompile.runtime.parallel_plan import plan_for_model
+        from gemcompile.runtime.distributed.plan import plan_for_model
 
         plan = plan_for_model(model, self.cfg.parallel, self.world)  # = the template's, on the real model
         self.runtime = ParallelRuntime.setup(model, plan, self.device)

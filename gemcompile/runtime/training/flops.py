@@ -294,7 +294,7 @@ class GemFlopFormula:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from gemcompile.models.gem import PMA, BlockSelfAttention, GDPACrossAttention, WukongExpert
-        from gemcompile.runtime.checkpoint import unwrap_model
+        from gemcompile.runtime.training.checkpoint import unwrap_model
 
         module = unwrap_model(model)
         cfg = getattr(module, "cfg", None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import all_gather, reduce_scatter, scale_grad
+from gemcompile.runtime.distributed.collectives import all_gather, reduce_scatter, scale_grad
 
 __all__ = ["ExpertParallelMixture"]
 

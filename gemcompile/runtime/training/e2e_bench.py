@@ -280,7 +280,7 @@ def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast, met
 
 
 def _layer_useful_flops(formula, prefix: str, seq_lengths, batch_size: int) -> int:
-    from gemcompile.runtime.flops import TRAIN_FLOPS_PER_FORWARD
+    from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD
 
     return TRAIN_FLOPS_PER_FORWARD * sum(formula.breakdown(seq_lengths, batch_size, prefix=prefix).values())
 
@@ -289,10 +289,10 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     """Train a fresh GEM-ref under one method and measure it (see the module docstring)."""
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
-    from gemcompile.runtime.flops import GemFlopFormula, mfu
-    from gemcompile.runtime.kernel_time import kernel_profile
-    from gemcompile.runtime.metrics import MetricWindow
-    from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, build_optimizers
+    from gemcompile.runtime.training.flops import GemFlopFormula, mfu
+    from gemcompile.runtime.training.kernel_time import kernel_profile
+    from gemcompile.runtime.training.metrics import MetricWindow
+    from gemcompile.runtime.training.train import DEFAULT_BATCH_SIZE, build_optimizers
 
     device = torch.device(cfg.device)
     batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]
@@ -400,7 +400,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
 
 
 def _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log) -> list[dict]:
-    from gemcompile.runtime.flops import mfu
+    from gemcompile.runtime.training.flops import mfu
 
     batch = data.batch(cfg.warmup + cfg.steps).to(device)
     with autocast():
@@ -448,7 +448,7 @@ def run_e2e_bench(cfg: E2EBenchConfig, log=print, on_progress=None) -> dict[str,
 
 def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
     """The results JSON: per-method rows with ratios against inductor and eager where they ran."""
-    from gemcompile.runtime.flops import peak_flops
+    from gemcompile.runtime.training.flops import peak_flops
 
     device = torch.device(cfg.device)
     by_name = {r["method"]: r for r in results if "error" not in r}
@@ -465,7 +465,7 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
             r["ne_rel_diff_vs_eager"] = max(gaps) if gaps else None
     batch_size = cfg.batch_size
     if batch_size is None:
-        from gemcompile.runtime.train import DEFAULT_BATCH_SIZE
+        from gemcompile.runtime.training.train import DEFAULT_BATCH_SIZE
 
         batch_size = DEFAULT_BATCH_SIZE[cfg.size]
     return {

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import all_gather, all_to_all, scale_grad
+from gemcompile.runtime.distributed.collectives import all_gather, all_to_all, scale_grad
 
 __all__ = ["PREFETCH", "EmbeddingGroups", "ShardedCollection", "ShardedTable", "shard_table_weight"]
 

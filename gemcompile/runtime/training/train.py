@@ -1,6 +1,6 @@
 """The training loop: GEM-ref on synthetic data, eager / torch.compile / gem_compile.
 
-    from gemcompile.runtime.train import TrainConfig, train
+    from gemcompile.runtime.training.train import TrainConfig, train
     result = train(TrainConfig(size="tiny", steps=50, compile="eager"))
 
 One step: batch = SyntheticData(...).batch(step) -> validate_batch (outside the compiled region) ->
@@ -31,10 +31,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gemcompile.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, unwrap_model
-from gemcompile.runtime.flops import GemFlopFormula, PaddedFlopCounter, mfu
-from gemcompile.runtime.metrics import MetricWindow
-from gemcompile.runtime.validate import validate_batch
+from gemcompile.runtime.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, unwrap_model
+from gemcompile.runtime.training.flops import GemFlopFormula, PaddedFlopCounter, mfu
+from gemcompile.runtime.training.metrics import MetricWindow
+from gemcompile.runtime.training.validate import validate_batch
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -522,7 +522,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     )
     runtime = None
     if cfg.parallel is not None and cfg.parallel.enabled:
-        from gemcompile.runtime.parallel import ParallelTraining
+        from gemcompile.runtime.distributed.apply import ParallelTraining
 
         runtime = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
         cfg = runtime.cfg
@@ -739,7 +739,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(default: the pass's 16384 tokens / 2048 features)")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                         help="clip the global gradient norm (all meshes when --parallel)")
-    from gemcompile.runtime.parallel import add_parallel_arguments
+    from gemcompile.runtime.distributed.apply import add_parallel_arguments
 
     add_parallel_arguments(parser)
     return parser
@@ -747,7 +747,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from parsed `gemcompile train` flags (ValueError on a bad value)."""
-    from gemcompile.runtime.parallel import parallel_config_from_args
+    from gemcompile.runtime.distributed.apply import parallel_config_from_args
 
     return TrainConfig(
         size=args.size,
@@ -795,7 +795,7 @@ def run_train_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gemcompile.runtime.train ...` (the same flags as `gemcompile train`)."""
+    """`python -m gemcompile.runtime.training.train ...` (the same flags as `gemcompile train`)."""
     parser = add_train_arguments(
         argparse.ArgumentParser(prog="gemcompile train", description=__doc__.splitlines()[0])
     )
