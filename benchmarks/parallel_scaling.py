@@ -51,7 +51,7 @@ def _worker(args: argparse.Namespace) -> None:
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
     from gemcompile.runtime.distributed.apply import ParallelRuntime, init_distributed
     from gemcompile.runtime.distributed.plan import plan_for_model
-    from gemcompile.runtime.training.train import build_optimizers
+    from gemcompile.runtime.training.optimizers import build_optimizers
 
     device_type = "cpu" if args.smoke else "cuda"
     rank, world = init_distributed(device_type)
@@ -76,7 +76,7 @@ def _worker(args: argparse.Namespace) -> None:
     runner = model
     if args.compile == "gem":
         from gemcompile import GemConfig, gem_compile
-        from gemcompile.runtime.distributed.apply import compile_units
+        from gemcompile.runtime.training.parallel import compile_units
 
         if runtime is None:
             runner = gem_compile(model, config=GemConfig())

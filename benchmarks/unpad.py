@@ -52,7 +52,7 @@ from harness import environment, format_table, write_json
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
-from gemcompile.runtime.training.e2e_bench import _compiled, methods_help, step_begin, unknown_methods
+from gemcompile.runtime.training.e2e_bench import compile_method, methods_help, step_begin, unknown_methods
 from gemcompile.runtime.training.kernel_time import kernel_profile
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
 
     for method in args.methods:
         torch._dynamo.reset()  # each method compiles from scratch (and its counts start clean)
-        runner = _compiled(tower, method)
+        runner = compile_method(tower, method)
         failed = None
         for index, fill in enumerate(args.fills):
             row = {"method": method, "fill": fill, "padding_efficiency": efficiency[fill]}

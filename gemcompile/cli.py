@@ -149,7 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemcompile.runtime.training.train import add_train_arguments
+    from gemcompile.runtime.training.flags import add_train_arguments
 
     parser = argparse.ArgumentParser(prog="gemcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_explain(args)
         if args.command == "bench":
             return run_bench(args)
-        from gemcompile.runtime.training.train import run_train_from_args
+        from gemcompile.runtime.training.flags import run_train_from_args
 
         try:
             return run_train_from_args(args)

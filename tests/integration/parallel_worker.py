@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc_per_node N tests/integration/parallel_worker.py OUT.json '{"steps": 5, ...}'
 
-Trains GEM-ref tiny with runtime.train.train(TrainConfig(..., parallel=ParallelConfig(...))) and, with
-"count": true, then runs one more step of a fresh model under CollectiveCounter. Rank 0 writes OUT.json:
-{"losses", "start_step", "checkpoints", "observed", "expected", "axes"}.
+Trains GEM-ref tiny with runtime.training.train.train(TrainConfig(..., parallel=ParallelConfig(...)))
+and, with "count": true, then runs one more step of a fresh model under CollectiveCounter. Rank 0 writes
+OUT.json: {"losses", "start_step", "checkpoints", "observed", "expected", "axes"}.
 """
 
 import json
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from gemcompile.config import ParallelConfig
-from gemcompile.runtime.training.train import TrainConfig, train
+from gemcompile.runtime.training.config import TrainConfig
+from gemcompile.runtime.training.train import train
 
 
 def count_one_step(parallel: ParallelConfig, batch_size: int) -> tuple[dict, dict]:

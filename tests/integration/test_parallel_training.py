@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from gemcompile.runtime.training.checkpoint import checkpoint_path
-from gemcompile.runtime.training.train import TrainConfig, train
+from gemcompile.runtime.training.config import TrainConfig
+from gemcompile.runtime.training.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"

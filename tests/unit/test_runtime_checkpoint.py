@@ -1,4 +1,5 @@
-"""runtime/training/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest checkpoint."""
+"""runtime/training/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest
+checkpoint."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from gemcompile.runtime.training.checkpoint import (
     save_checkpoint,
     unwrap_model,
 )
-from gemcompile.runtime.training.train import build_optimizers
+from gemcompile.runtime.training.optimizers import build_optimizers
 
 
 class Small(nn.Module):

@@ -1,4 +1,5 @@
-"""runtime/training/flops.py: the section-8 formula against FlopCounterMode, useful vs padded, peak table / MFU."""
+"""runtime/training/flops.py: the section-8 formula against FlopCounterMode, useful vs padded, peak table /
+MFU."""
 
 import math
 

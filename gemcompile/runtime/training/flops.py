@@ -1,4 +1,4 @@
-"""FLOPs accounting and MFU (gem_model.md sections 4 and 8).
+"""FLOPs accounting and MFU.
 
 Two numbers per training step, both "training = 3 x forward" (backward = 2 x forward, recompute not
 counted), 2 FLOPs per multiply-accumulate, matmuls only (embedding lookups, norms, activations,
