@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from gemcompile.config import ParallelConfig
 from gemcompile.runtime.training.config import TrainConfig
@@ -39,6 +40,7 @@ def count_one_step(parallel: ParallelConfig, batch_size: int) -> tuple[dict, dic
     return key(counter.as_dict()), key(runtime.expected_collectives())
 
 
+@record  # a failing rank's own traceback in torchrun's summary, the end of the output the tests quote
 def main() -> None:
     out, spec = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(1)
