@@ -1,4 +1,4 @@
-"""runtime.parallel.grad_norm_ on plain tensors (one process): the norm and the clipping of
+"""runtime.distributed.apply.grad_norm_ on plain tensors (one process): the norm and the clipping of
 torch.nn.utils.clip_grad_norm_, over mixed dtypes and empty gradients."""
 
 import pytest

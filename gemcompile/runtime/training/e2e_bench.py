@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from gemcompile.config import GemConfig
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE
@@ -81,8 +82,6 @@ def split_method(method: str) -> tuple[str, str | None]:
 def available_methods() -> list[str]:
     """Every method name the bench understands, given the passes GemConfig has (each compiled one also
     with an ``@<suffix>`` from COMPILE_SUFFIXES)."""
-    from gemcompile import GemConfig
-
     config = GemConfig()
     methods = ["eager", "inductor", "gem"]
     for f in dataclasses.fields(config):
@@ -177,9 +176,7 @@ def methods_help() -> str:
     return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_SUFFIXES)}"
 
 
-def _gem_config(method: str):
-    from gemcompile import GemConfig
-
+def _gem_config(method: str) -> GemConfig:
     if method == "gem":
         return GemConfig()
     if method in VARIANTS:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gemcompile.api import gem_compile
+from gemcompile.explain import explain
 from gemcompile.models.data import GemBatch, SyntheticData
 from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -36,6 +38,7 @@ from gemcompile.runtime.training.config import TrainConfig, gem_config
 from gemcompile.runtime.training.flops import GemFlopFormula, PaddedFlopCounter, mfu
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
+from gemcompile.runtime.training.parallel import ParallelTraining
 from gemcompile.runtime.training.report import (
     TASK_NAMES,
     TrainReporter,
@@ -117,8 +120,8 @@ class _TrainingRun:
     """PaddedFlopCounter, or under torchrun its copy on a meta-device model."""
     optimizers: list[torch.optim.Optimizer]
     window: MetricWindow
-    parallel: Any = None
-    """The ParallelTraining of a run under torchrun, else None."""
+    parallel: ParallelTraining | None = None
+    """The run's side of the parallel plan under torchrun, else None."""
     runner: Any = None
     """The model as the loop calls it (compiled or not)."""
     start_step: int = 0
@@ -146,8 +149,6 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
     )
     parallel = None
     if cfg.parallel is not None and cfg.parallel.enabled:
-        from gemcompile.runtime.training.parallel import ParallelTraining  # lazy: the compiler, distributed
-
         parallel = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
         cfg = parallel.cfg
     device = torch.device(cfg.device) if parallel is None else parallel.device
@@ -198,12 +199,8 @@ def _compile(run: _TrainingRun, reporter: TrainReporter) -> None:
     elif cfg.compile == "inductor":
         run.runner = torch.compile(run.model)
     else:
-        from gemcompile import gem_compile  # lazy: the loop needs the compiler only for compile="gem"
-
         run.runner = gem_compile(run.model, config=gem_config(cfg))
     if cfg.explain and run.start_step < cfg.steps:
-        from gemcompile import explain
-
         example = run.data.batch(run.start_step).to(run.device)
         validate_batch(example, run.model_cfg)
         reporter.print(explain(run.model, **example.features(), config=gem_config(cfg)))
