@@ -115,8 +115,8 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
     from gemcompile import gem_compile
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
-    from gemcompile.runtime.metrics import MetricWindow
-    from gemcompile.runtime.train import build_optimizers
+    from gemcompile.runtime.training.metrics import MetricWindow
+    from gemcompile.runtime.training.optimizers import build_optimizers
 
     torch._dynamo.reset()
     counters.clear()

@@ -49,9 +49,9 @@ def _worker(args: argparse.Namespace) -> None:
     from gemcompile.config import ParallelConfig
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
-    from gemcompile.runtime.parallel import ParallelRuntime, init_distributed
-    from gemcompile.runtime.parallel_plan import plan_for_model
-    from gemcompile.runtime.train import build_optimizers
+    from gemcompile.runtime.distributed.apply import ParallelRuntime, init_distributed
+    from gemcompile.runtime.distributed.plan import plan_for_model
+    from gemcompile.runtime.training.optimizers import build_optimizers
 
     device_type = "cpu" if args.smoke else "cuda"
     rank, world = init_distributed(device_type)
@@ -76,7 +76,7 @@ def _worker(args: argparse.Namespace) -> None:
     runner = model
     if args.compile == "gem":
         from gemcompile import GemConfig, gem_compile
-        from gemcompile.runtime.parallel import compile_units
+        from gemcompile.runtime.training.parallel import compile_units
 
         if runtime is None:
             runner = gem_compile(model, config=GemConfig())
@@ -110,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
             opt.zero_grad(set_to_none=True)
         loss.backward()
         mark("backward")
-        if runtime is not None:  # as runtime/train.py: table gradients, the global norm (no clipping)
+        if runtime is not None:  # as runtime/training/train.py: table gradients, the global norm (no clipping)
             runtime.finish_gradients()
             runtime.clip_grad_norm_(None)
         mark("gradients")

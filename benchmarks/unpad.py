@@ -14,7 +14,7 @@ weights never change and every method and step sees the same model.
 
 Methods (``--methods``): eager, inductor (torch.compile default), gem (gem_compile, default GemConfig:
 unpad on), gem-no-unpad (``GemConfig(unpad={"enabled": False})``); any other method name of
-gemcompile.runtime.e2e_bench works too. Each method is compiled once and then runs every fill: the
+gemcompile.runtime.training.e2e_bench works too. Each method is compiled once and then runs every fill: the
 padded shapes do not depend on the fill and unpad's packed token count is a dynamic (unbacked) size,
 so nothing should recompile; ``recompiles`` counts Dynamo graphs compiled after the first step.
 
@@ -52,8 +52,8 @@ from harness import environment, format_table, write_json
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
-from gemcompile.runtime.e2e_bench import _compiled, methods_help, step_begin, unknown_methods
-from gemcompile.runtime.kernel_time import kernel_profile
+from gemcompile.runtime.training.e2e_bench import compile_method, methods_help, step_begin, unknown_methods
+from gemcompile.runtime.training.kernel_time import kernel_profile
 
 RATIOS = {  # name -> (peer, ours): peer ms / ours ms
     "gem_vs_inductor": ("inductor", "gem"),
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
 
     for method in args.methods:
         torch._dynamo.reset()  # each method compiles from scratch (and its counts start clean)
-        runner = _compiled(tower, method)
+        runner = compile_method(tower, method)
         failed = None
         for index, fill in enumerate(args.fills):
             row = {"method": method, "fill": fill, "padding_efficiency": efficiency[fill]}

@@ -119,7 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
+    from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
 
     methods = available_methods() if args.methods == "all" else [m for m in args.methods.split(",") if m]
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
@@ -147,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemcompile.runtime.train import add_train_arguments
+    from gemcompile.runtime.training.flags import add_train_arguments
 
     parser = argparse.ArgumentParser(prog="gemcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_explain(args)
         if args.command == "bench":
             return run_bench(args)
-        from gemcompile.runtime.train import run_train_from_args
+        from gemcompile.runtime.training.flags import run_train_from_args
 
         try:
             return run_train_from_args(args)

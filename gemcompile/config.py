@@ -282,7 +282,7 @@ class ParallelConfig:
     All axes are views of the same world (ranks node-major, as torchrun numbers them): dense weights
     use the mesh (dp_replicate, dp_shard) = HSDP; experts use (dp_replicate, dp_shard / ep, ep) with
     ep inside a node; embedding tables use (emb_outer, emb_inner). An axis left None is derived from
-    the world size and gpus_per_node when the plan is built (runtime/parallel_plan.py).
+    the world size and gpus_per_node when the plan is built (runtime/distributed/plan.py).
     """
 
     enabled: bool = False

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from gemcompile.passes.base import GemPass
-from gemcompile.runtime.parallel_plan import (
+from gemcompile.runtime.distributed.plan import (
     ParallelPlan,
     ParallelPlanError,
     ParamInfo,
-    _classify,
     build_plan,
+    classify_param,
     dense_units_from_names,
     expert_scope,
 )
@@ -219,9 +219,9 @@ class ShardingPass(GemPass):
             stack = stacks[fqn]
             scope = expert_scope(config, stack) if use is None else None
             count = len(groups[scope[0]]) if scope is not None else None
-            infos.append(_classify(fqn, shape, itemsize, config, stack, None,
-                                   op=use[0] if use else None, padding_idx=use[1] if use else None,
-                                   expert_count=count))
+            infos.append(classify_param(fqn, shape, itemsize, config, stack, None,
+                                       op=use[0] if use else None, padding_idx=use[1] if use else None,
+                                       expert_count=count))
         return build_plan(infos, config, _world_size(config),
                           dense_units=dense_units_from_names(i.name for i in infos if i.kind == "dense"))
 
@@ -237,14 +237,14 @@ def plan_tables(plan: ParallelPlan, title: str = "parallel plan") -> list[Any]:
     from rich.table import Table
     from rich.text import Text
 
-    from gemcompile.runtime.parallel_plan import _bytes_text
+    from gemcompile.runtime.distributed.plan import bytes_text
 
     a = plan.axes
     head = Text(
         f"{title}: world {a.world_size} ({a.gpus_per_node} per node): dense (dp_replicate={a.dp_replicate}, "
         f"dp_shard={a.dp_shard}), experts (ep={a.ep}, efsdp={a.efsdp}), embeddings "
         f"{plan.config.embedding_sharding} (emb_outer={a.emb_outer}, emb_inner={a.emb_inner}); "
-        f"parameters {_bytes_text(plan.total_bytes())}, on the most loaded rank {_bytes_text(plan.bytes_per_rank())}",
+        f"parameters {bytes_text(plan.total_bytes())}, on the most loaded rank {bytes_text(plan.bytes_per_rank())}",
         style="bold")
     table = Table(title="placements", title_justify="left")
     for col, justify in (("parameter", "left"), ("kind", "left"), ("shape", "right"), ("mesh axes", "left"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from gemcompile.runtime.train import build_optimizers
+from gemcompile.runtime.training.optimizers import build_optimizers
 
 pytestmark = pytest.mark.gpu
 

@@ -1,9 +1,9 @@
-"""runtime/kernel_time.py on a GPU: the profiler's kernel time of a step against CUDA-event time."""
+"""runtime/training/kernel_time.py on a GPU: the profiler's kernel time of a step against CUDA-event time."""
 
 import pytest
 import torch
 
-from gemcompile.runtime.kernel_time import kernel_ms_per_step
+from gemcompile.runtime.training.kernel_time import kernel_ms_per_step
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def test_host_gaps_are_not_kernel_time():
 
 
 def test_profile_of_gemms_names_them_and_counts_launches():
-    from gemcompile.runtime.kernel_time import kernel_profile
+    from gemcompile.runtime.training.kernel_time import kernel_profile
 
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 

@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc_per_node N tests/integration/parallel_worker.py OUT.json '{"steps": 5, ...}'
 
-Trains GEM-ref tiny with runtime.train.train(TrainConfig(..., parallel=ParallelConfig(...))) and, with
-"count": true, then runs one more step of a fresh model under CollectiveCounter. Rank 0 writes OUT.json:
-{"losses", "start_step", "checkpoints", "observed", "expected", "axes"}.
+Trains GEM-ref tiny with runtime.training.train.train(TrainConfig(..., parallel=ParallelConfig(...)))
+and, with "count": true, then runs one more step of a fresh model under CollectiveCounter. Rank 0 writes
+OUT.json: {"losses", "start_step", "checkpoints", "observed", "expected", "axes"}.
 """
 
 import json
@@ -12,16 +12,18 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from gemcompile.config import ParallelConfig
-from gemcompile.runtime.train import TrainConfig, train
+from gemcompile.runtime.training.config import TrainConfig
+from gemcompile.runtime.training.train import train
 
 
 def count_one_step(parallel: ParallelConfig, batch_size: int) -> tuple[dict, dict]:
     from gemcompile.models.data import SyntheticData
     from gemcompile.models.gem import GemRef, gem_ref_config
-    from gemcompile.runtime.parallel import ParallelRuntime
-    from gemcompile.runtime.parallel_plan import plan_for_model
+    from gemcompile.runtime.distributed.apply import ParallelRuntime
+    from gemcompile.runtime.distributed.plan import plan_for_model
 
     cfg = gem_ref_config("tiny")
     torch.manual_seed(0)
@@ -38,6 +40,7 @@ def count_one_step(parallel: ParallelConfig, batch_size: int) -> tuple[dict, dic
     return key(counter.as_dict()), key(runtime.expected_collectives())
 
 
+@record  # a failing rank's own traceback in torchrun's summary, the end of the output the tests quote
 def main() -> None:
     out, spec = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(1)

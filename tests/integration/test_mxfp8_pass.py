@@ -406,7 +406,8 @@ def test_uuid_covers_the_config():
 
 def test_train_takes_a_recipe():
     from gemcompile.cli import build_parser
-    from gemcompile.runtime.train import TrainConfig, config_from_args, gem_config
+    from gemcompile.runtime.training.config import TrainConfig, gem_config
+    from gemcompile.runtime.training.flags import config_from_args
 
     args = build_parser().parse_args(["train", "--compile", "gem", "--mxfp8", "mxfp8_emulated", "--mxfp8-min-dim", "32"])
     cfg = config_from_args(args)

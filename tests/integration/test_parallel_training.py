@@ -12,14 +12,16 @@ takes ~5 minutes on 2 shared cores and runs only with GEMCOMPILE_SLOW_TESTS=1.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gemcompile.runtime.checkpoint import checkpoint_path
-from gemcompile.runtime.train import TrainConfig, train
+from gemcompile.runtime.training.checkpoint import checkpoint_path
+from gemcompile.runtime.training.config import TrainConfig
+from gemcompile.runtime.training.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
@@ -36,8 +38,17 @@ def _env() -> dict:
 
 
 def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """torchrun in a session of its own: on timeout its ranks are killed with it, not left running."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _run(tmp_path: Path, nproc: int, spec: dict, name: str, timeout: int = 240) -> dict:

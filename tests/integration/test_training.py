@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from gemcompile.models.gem import gem_ref_config
-from gemcompile.runtime.checkpoint import checkpoint_path
-from gemcompile.runtime.train import TrainConfig, add_train_arguments, run_train_from_args, train
+from gemcompile.runtime.training.checkpoint import checkpoint_path
+from gemcompile.runtime.training.config import TrainConfig
+from gemcompile.runtime.training.flags import add_train_arguments, run_train_from_args
+from gemcompile.runtime.training.train import train
 
 STEPS, SAVE_AT = 50, 20
 BATCH = 64  # the tiny default

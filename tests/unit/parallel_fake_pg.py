@@ -20,8 +20,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gemcompile.config import ParallelConfig
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config
-from gemcompile.runtime.parallel import ParallelRuntime
-from gemcompile.runtime.parallel_plan import plan_for_model
+from gemcompile.runtime.distributed.apply import ParallelRuntime
+from gemcompile.runtime.distributed.plan import plan_for_model
 
 
 def _expected_local(shape, placements, mesh) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
-"""runtime/train.py build_optimizers: Adam for dense weights, Adagrad for tables, fused kernels on CUDA only."""
+"""runtime/training/optimizers.py build_optimizers: Adam for dense weights, Adagrad for tables, fused
+kernels on CUDA only."""
 
 import torch
 from torch import nn
 
-from gemcompile.runtime.train import build_optimizers
+from gemcompile.runtime.training.optimizers import build_optimizers
 
 
 class TableAndMlp(nn.Module):

@@ -1,5 +1,5 @@
-"""`gemcompile bench e2e` (runtime/e2e_bench.py) on the CPU: the method list, config errors, and one eager
-run whose numbers are checked against what they must be; and the report renderer on its JSON."""
+"""`gemcompile bench e2e` (runtime/training/e2e_bench.py) on the CPU: the method list, config errors, and
+one eager run whose numbers are checked against what they must be; and the report renderer on its JSON."""
 
 import importlib.util
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemcompile.runtime import e2e_bench
-from gemcompile.runtime.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
+from gemcompile.runtime.training import e2e_bench
+from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
 
 
 def test_methods_follow_the_config_sections():
@@ -48,7 +48,7 @@ def test_the_mode_reaches_torch_compile(monkeypatch, method, mode):
 
     monkeypatch.setattr(e2e_bench.torch, "compile", fake_compile)
     monkeypatch.setattr(gemcompile, "gem_compile", fake_compile)
-    e2e_bench._compiled(object(), method)
+    e2e_bench.compile_method(object(), method)
     assert seen.get("mode") == mode
     if method.startswith("gem-no-unpad"):
         assert seen["config"].unpad.enabled is False
@@ -120,5 +120,5 @@ def test_cpp_wrapper_suffix_reaches_torch_compile_as_an_inductor_option(monkeypa
     assert unknown_methods(["eager@cpp-wrapper", "gem@fast"]) == ["eager@cpp-wrapper", "gem@fast"]
     seen = []
     monkeypatch.setattr(torch, "compile", lambda module, **kw: seen.append(kw) or module)
-    e2e_bench._compiled(torch.nn.Identity(), "inductor@cpp-wrapper")
+    e2e_bench.compile_method(torch.nn.Identity(), "inductor@cpp-wrapper")
     assert seen == [{"options": {"cpp_wrapper": True}}]

@@ -1,10 +1,10 @@
-"""runtime.parallel.grad_norm_ on plain tensors (one process): the norm and the clipping of
+"""runtime.distributed.apply.grad_norm_ on plain tensors (one process): the norm and the clipping of
 torch.nn.utils.clip_grad_norm_, over mixed dtypes and empty gradients."""
 
 import pytest
 import torch
 
-from gemcompile.runtime.parallel import grad_norm_
+from gemcompile.runtime.distributed.apply import grad_norm_
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

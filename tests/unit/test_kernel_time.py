@@ -1,9 +1,9 @@
-"""runtime/kernel_time.py without a GPU: nothing runs on a device, so there is no kernel time."""
+"""runtime/training/kernel_time.py without a GPU: nothing runs on a device, so there is no kernel time."""
 
 import pytest
 import torch
 
-from gemcompile.runtime.kernel_time import kernel_ms_per_step
+from gemcompile.runtime.training.kernel_time import kernel_ms_per_step
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
@@ -29,13 +29,13 @@ class _Event:  # the fields of a torch.profiler key average that summarize_kerne
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "other"),
 ])
 def test_kernel_class(name, label):
-    from gemcompile.runtime.kernel_time import kernel_class
+    from gemcompile.runtime.training.kernel_time import kernel_class
 
     assert kernel_class(name) == label
 
 
 def test_summarize_kernels_per_step_totals_and_order():
-    from gemcompile.runtime.kernel_time import summarize_kernels
+    from gemcompile.runtime.training.kernel_time import summarize_kernels
 
     events = [_Event("triton_poi_fused_add_0", 300.0, 6), _Event("nvjet_gemm_a", 1200.0, 3),
               _Event("cudaLaunchKernel", 0.0, 40),  # host-side: no device time, left out

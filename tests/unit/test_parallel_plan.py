@@ -14,7 +14,7 @@ from torch import nn
 from gemcompile import GemConfig
 from gemcompile.config import ConfigError, ParallelConfig
 from gemcompile.models.gem import GemRef, gem_ref_config
-from gemcompile.runtime.parallel_plan import (
+from gemcompile.runtime.distributed.plan import (
     ParallelPlanError,
     build_plan,
     classify_module,
@@ -167,7 +167,7 @@ def test_collectives_per_step_follow_the_axes():
 
 
 def test_build_plan_from_parameter_list():
-    from gemcompile.runtime.parallel_plan import ParamInfo
+    from gemcompile.runtime.distributed.plan import ParamInfo
 
     params = [ParamInfo("emb.weight", (10, 4), 4, "embedding", "weight of aten.embedding"),
               ParamInfo("w", (6, 3), 2, "dense", "dense weight")]

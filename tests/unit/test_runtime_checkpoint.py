@@ -1,17 +1,18 @@
-"""runtime/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest checkpoint."""
+"""runtime/training/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest
+checkpoint."""
 
 import pytest
 import torch
 from torch import nn
 
-from gemcompile.runtime.checkpoint import (
+from gemcompile.runtime.training.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     unwrap_model,
 )
-from gemcompile.runtime.train import build_optimizers
+from gemcompile.runtime.training.optimizers import build_optimizers
 
 
 class Small(nn.Module):

@@ -1,4 +1,5 @@
-"""runtime/flops.py: the section-8 formula against FlopCounterMode, useful vs padded, peak table / MFU."""
+"""runtime/training/flops.py: the section-8 formula against FlopCounterMode, useful vs padded, peak table /
+MFU."""
 
 import math
 
@@ -7,7 +8,7 @@ import torch
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config
-from gemcompile.runtime.flops import (
+from gemcompile.runtime.training.flops import (
     PEAK_BF16_DENSE_TFLOPS,
     GemFlopFormula,
     PaddedFlopCounter,

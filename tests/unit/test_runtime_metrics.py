@@ -1,4 +1,4 @@
-"""runtime/metrics.py: NE against a hand computation, AUC against brute-force pair counting."""
+"""runtime/training/metrics.py: NE against a hand computation, AUC against brute-force pair counting."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gemcompile.runtime.metrics import MetricWindow, auc, normalized_entropy
+from gemcompile.runtime.training.metrics import MetricWindow, auc, normalized_entropy
 
 
 def _brute_force_auc(scores, labels):

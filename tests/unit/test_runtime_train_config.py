@@ -1,10 +1,11 @@
-"""runtime/train.py: TrainConfig validation and the `gemcompile train` argument parsing."""
+"""runtime/training/config.py, flags.py: TrainConfig validation and `gemcompile train` argument parsing."""
 
 import argparse
 
 import pytest
 
-from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, TrainConfig, add_train_arguments, config_from_args
+from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE, TrainConfig
+from gemcompile.runtime.training.flags import add_train_arguments, config_from_args
 
 
 def test_defaults():

@@ -1,11 +1,11 @@
-"""runtime/validate.py: every bad input is a clear ValueError naming the input, sample and range."""
+"""runtime/training/validate.py: every bad input is a clear ValueError naming the input, sample and range."""
 
 import pytest
 import torch
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import gem_ref_config
-from gemcompile.runtime.validate import validate_batch
+from gemcompile.runtime.training.validate import validate_batch
 
 CFG = gem_ref_config("tiny")
 B = 6

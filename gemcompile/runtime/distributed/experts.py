@@ -1,7 +1,7 @@
 """Expert parallelism for dense expert ensembles (GEM-ref's Interaction of Wukong experts).
 
 GEM's experts are dense ensemble members applied to every sample, not token-routed MoE. Meta's
-pattern (research/gem_model.md section 1.2): each rank of the ep axis holds E / ep experts; forward =
+pattern: each rank of the ep axis holds E / ep experts; forward =
 all-gather the activations over ep -> run the local experts on the gathered (full ep-group) batch ->
 reduce-scatter the gate-weighted outputs over ep, which both sums over the experts and hands each rank
 its own samples back. The per-sample gate is computed before the exchange on the rank's own samples
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import all_gather, reduce_scatter, scale_grad
+from gemcompile.runtime.distributed.collectives import all_gather, reduce_scatter, scale_grad
 
 __all__ = ["ExpertParallelMixture"]
 

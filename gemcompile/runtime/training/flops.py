@@ -1,4 +1,4 @@
-"""FLOPs accounting and MFU (gem_model.md sections 4 and 8).
+"""FLOPs accounting and MFU.
 
 Two numbers per training step, both "training = 3 x forward" (backward = 2 x forward, recompute not
 counted), 2 FLOPs per multiply-accumulate, matmuls only (embedding lookups, norms, activations,
@@ -294,7 +294,7 @@ class GemFlopFormula:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from gemcompile.models.gem import PMA, BlockSelfAttention, GDPACrossAttention, WukongExpert
-        from gemcompile.runtime.checkpoint import unwrap_model
+        from gemcompile.runtime.training.checkpoint import unwrap_model
 
         module = unwrap_model(model)
         cfg = getattr(module, "cfg", None)

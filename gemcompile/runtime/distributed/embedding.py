@@ -22,7 +22,7 @@ called once per sequence type). For rank (c, i) with its B samples and F lookups
    of rank (c', i) to it; each rank concatenates the column groups.
 Backward runs 5 and 4 transposed (all-to-all); 1-3 move ids, which have no gradient. Row gradients are
 local to each shard: no gradient collective at all for "grid". Each rank backpropagates world_size x
-its share of the loss (so that FSDP's average is the global gradient, runtime/parallel.py), and the
+its share of the loss (so that FSDP's average is the global gradient, apply.py), and the
 rows a shard serves carry the whole world's samples, so looked-up rows scale their gradient by
 1 / world_size.
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import all_gather, all_to_all, scale_grad
+from gemcompile.runtime.distributed.collectives import all_gather, all_to_all, scale_grad
 
 __all__ = ["PREFETCH", "EmbeddingGroups", "ShardedCollection", "ShardedTable", "shard_table_weight"]
 
@@ -90,9 +90,6 @@ def shard_table_weight(weight: Tensor, groups: EmbeddingGroups, mesh) -> nn.Para
 
 class ShardedTable(nn.Module):
     """Stands in for an nn.Embedding / nn.EmbeddingBag whose weight is sharded (see module docstring)."""
-
-    embedding_table = True
-    """Marks the weight as an embedding table for the optimizer split (Adagrad) in runtime/train.py."""
 
     def __init__(self, source: nn.Module, weight: nn.Parameter, pooled: bool) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The plan runtime: apply a ParallelPlan to GEM-ref on torch.distributed and run its training step.
+"""A ParallelPlan applied to GEM-ref under torch.distributed, and the pieces of its training step.
 
     plan = plan_for_model(model, config.parallel, world_size)        # pure; errors before any collective
     runtime = ParallelRuntime.setup(model, plan, device)              # meshes, sharding, FSDP
@@ -9,9 +9,9 @@
 What it does to the model (in place; parameter names never change, so checkpoints move between
 world sizes and between parallel and single-process runs):
 - embedding tables -> ShardedTable modules with DTensor weights on the embedding mesh, looked up by
-  the all-to-all exchange of parallel_embedding.py (one fused exchange per owning module);
+  the all-to-all exchange of embedding.py (one fused exchange per owning module);
 - each expert group (Interaction) -> ExpertParallelMixture holding E / ep experts, whose FSDP unit
-  lives on the (dp_replicate, efsdp) mesh (parallel_experts.py);
+  lives on the (dp_replicate, efsdp) mesh (experts.py);
 - dense weights -> ``fully_shard`` (FSDP2) per unit on the (dp_replicate, dp_shard) mesh = HSDP,
   the tables and local experts ignored / managed by their own units.
 
@@ -19,11 +19,15 @@ Gradient scale: each rank's share of the global masked mean is its masked sum ov
 count; each rank backpropagates world_size x its share, FSDP averages over its mesh, experts and
 table rows rescale their own gradients (see their modules), so every gradient equals the
 single-process gradient of the global batch (up to summation order).
+
+The training loop's side (torchrun, compile per unit, `gemcompile train --parallel`) is
+runtime/training/parallel.py.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,16 +36,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gemcompile.runtime.collectives import CollectiveCounter
-from gemcompile.runtime.parallel_embedding import (
+from gemcompile.runtime.distributed.collectives import CollectiveCounter
+from gemcompile.runtime.distributed.embedding import (
     EmbeddingGroups,
     ShardedCollection,
     ShardedTable,
     install_prefetch,
     shard_table_weight,
 )
-from gemcompile.runtime.parallel_experts import ExpertParallelMixture
-from gemcompile.runtime.parallel_plan import ParallelPlan, ParallelPlanError, _collection_of
+from gemcompile.runtime.distributed.experts import ExpertParallelMixture
+from gemcompile.runtime.distributed.plan import ParallelPlan, ParallelPlanError, collection_of
 
 __all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
 
@@ -52,8 +56,6 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
         backend = "nccl" if device == "cuda" else "gloo"
         kwargs = {}
         if device == "cuda":
-            import os
-
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             kwargs["device_id"] = torch.device("cuda", local)
@@ -196,7 +198,7 @@ class ParallelRuntime:
             owner = self.model.get_submodule(name) if name else self.model
             tables = []
             for p in self.plan.by_kind("embedding"):
-                if _collection_of(p.name) != name:
+                if collection_of(p.name) != name:
                     continue
                 path = p.name.rpartition(".")[0]
                 source = self.model.get_submodule(path)
@@ -293,7 +295,7 @@ class ParallelRuntime:
         return grad_norm_(self.model.parameters(), max_norm, group=self.meshes.world_group)
 
     def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
-        """runtime/train.py's split (Adam on dense weights, Adagrad on every embedding table, small
+        """runtime/training/optimizers.py's split (Adam on dense weights, Adagrad on every embedding table, small
         tables included), with one optimizer per mesh: a foreach step must not mix DTensors of different
         meshes. Order: dense Adam, expert Adam, table-shard Adagrad, small-table Adagrad (empty ones
         left out; the same list at every world size, so checkpoints load across world sizes)."""
@@ -327,174 +329,3 @@ class ParallelRuntime:
         return (f"world {a.world_size}: dense (dp_replicate={a.dp_replicate}, dp_shard={a.dp_shard}), experts "
                 f"(ep={a.ep}, efsdp={a.efsdp}), embeddings {self.plan.config.embedding_sharding} "
                 f"(emb_outer={a.emb_outer}, emb_inner={a.emb_inner})")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Training under torchrun (runtime/train.py's loop calls these when TrainConfig.parallel is enabled)
-# ---------------------------------------------------------------------------------------------------
-
-
-def compile_units(runtime: ParallelRuntime, mode: str, gem_config=None, parallel=None) -> nn.Module:
-    """"eager": the model. "inductor" / "gem": each dense FSDP unit that looks no table up (the GEM layers,
-    the final summary, the heads) compiled in place (per-block compile, as torchtitan does); the embedding
-    exchanges (data-dependent all-to-all splits) and FSDP's hooks stay eager. Under "gem" each unit's
-    sharding pass annotates with the plan the runtime applied.
-
-    Each GEM layer and the final summary build their masks from the lengths they are given, so the
-    attention passes prove them inside a unit as they do in the whole model."""
-    import dataclasses
-
-    model = runtime.model
-    if mode == "eager":
-        return model
-    owners = set(runtime.plan.embedding_collections)
-    for unit in runtime.plan.dense_units:
-        if not unit or unit in owners:
-            continue
-        if mode == "inductor":
-            backend = "inductor"
-        else:
-            from gemcompile.backend import GemBackend
-            from gemcompile.config import GemConfig
-            from gemcompile.passes import PIPELINE
-            from gemcompile.passes.sharding import ShardingPass
-
-            config = gem_config if gem_config is not None else GemConfig()
-            if parallel is not None:
-                config = dataclasses.replace(config, parallel=parallel)
-            passes = tuple(ShardingPass.bound(runtime.plan, unit) if p is ShardingPass else p for p in PIPELINE)
-            backend = GemBackend(config, passes=passes)
-        model.get_submodule(unit).compile(backend=backend)
-    return model
-
-
-class _MetaPaddedFlops:
-    """PaddedFlopCounter on a meta-device copy of the unsharded model (the sharded one would run
-    collectives inside FlopCounterMode)."""
-
-    def __init__(self, model_cfg) -> None:
-        from gemcompile.models.gem import GemRef
-        from gemcompile.runtime.flops import PaddedFlopCounter
-
-        with torch.device("meta"):
-            self.counter = PaddedFlopCounter(GemRef(model_cfg))
-
-    def train_flops(self, inputs) -> int:
-        def meta(v):
-            return [t.to("meta") for t in v] if isinstance(v, list) else v.to("meta")
-
-        return self.counter.train_flops({k: meta(v) for k, v in inputs.items()})
-
-
-class ParallelTraining:
-    """The parallel side of `gemcompile train --parallel`: process group, plan, sharded model, step."""
-
-    def __init__(self, cfg, plan_template: ParallelPlan) -> None:
-        self.cfg = cfg
-        self.template = plan_template
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if cfg.device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        self.runtime: ParallelRuntime | None = None
-
-    @classmethod
-    def start(cls, cfg) -> ParallelTraining:
-        """Check the plan against GEM-ref (on the meta device) for torchrun's WORLD_SIZE, then join the
-        process group. Errors in the plan or the batch size are raised before any collective."""
-        import dataclasses
-        import os
-
-        from gemcompile.models.gem import GemRef, gem_ref_config
-
-        world = int(os.environ.get("WORLD_SIZE", "0") or 0) or (dist.get_world_size() if dist.is_initialized()
-                                                                else 0)
-        if world < 1:
-            raise ValueError("TrainConfig.parallel is enabled but this process was not started by torchrun "
-                             "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "
-                             "--parallel ...`")
-        if cfg.batch_size % world:
-            raise ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world size "
-                             f"{world}: batch_size is the global batch, split evenly over the ranks")
-        with torch.device("meta"):
-            template = GemRef(gem_ref_config(cfg.size))
-        from gemcompile.runtime.parallel_plan import plan_for_model
-
-        plan = plan_for_model(template, cfg.parallel, world)  # ParallelPlanError before any collective
-        init_distributed(cfg.device)
-        if dist.get_rank() != 0 and not cfg.quiet:
-            cfg = dataclasses.replace(cfg, quiet=True)
-        return cls(cfg, plan)
-
-    def apply(self, model: nn.Module) -> _MetaPaddedFlops:
-        from gemcompile.runtime.parallel_plan import plan_for_model
-
-        plan = plan_for_model(model, self.cfg.parallel, self.world)  # = the template's, on the real model
-        self.runtime = ParallelRuntime.setup(model, plan, self.device)
-        if not self.cfg.quiet:
-            from rich.console import Console
-
-            Console().print(f"parallel plan: {self.runtime.describe()}", highlight=False)
-        return _MetaPaddedFlops(model.cfg)
-
-    def compile(self, gem_config) -> nn.Module:
-        return compile_units(self.runtime, self.cfg.compile, gem_config, self.cfg.parallel)
-
-    def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
-        return self.runtime.build_optimizers(lr, embedding_lr)
-
-    def local_batch(self, batch):
-        return self.runtime.local_batch(batch)
-
-    def loss(self, logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
-        return self.runtime.loss(logits, labels, label_mask)
-
-    def finish_gradients(self, grad_clip: float | None) -> Tensor:
-        self.runtime.finish_gradients()
-        return self.runtime.clip_grad_norm_(grad_clip)
-
-    def global_loss(self, loss: Tensor) -> float:
-        return self.runtime.global_loss(loss)
-
-    def gather_logits(self, logits: Tensor) -> Tensor:
-        return self.runtime.gather(logits.detach().float())[0]
-
-
-# ---------------------------------------------------------------------------------------------------
-# `gemcompile train --parallel ...`
-# ---------------------------------------------------------------------------------------------------
-
-
-def add_parallel_arguments(parser) -> None:
-    """The --parallel flags of `gemcompile train` (sizes left out are derived from the world size)."""
-    group = parser.add_argument_group("parallel (run under torchrun)")
-    group.add_argument("--parallel", action="store_true",
-                       help="train with the 5D plan: one process per rank, started by torchrun")
-    for axis, what in (("dp-replicate", "replicas of the dense weights (across nodes)"),
-                       ("dp-shard", "FSDP shards of the dense weights (inside a node)"),
-                       ("ep", "expert-parallel ranks (divides dp-shard and the expert count)"),
-                       ("emb-outer", "embedding column groups / replica groups (across nodes)"),
-                       ("emb-inner", "embedding row shards (inside a node)"),
-                       ("gpus-per-node", "ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")):
-        group.add_argument(f"--{axis}", type=int, default=None, metavar="N", help=what)
-    group.add_argument("--embedding-sharding", choices=("grid", "replicated_groups"), default="grid",
-                       help="grid: tables fully sharded (columns x rows); replicated_groups: rows sharded, "
-                       "replicated over emb-outer")
-
-
-def parallel_config_from_args(args):
-    """ParallelConfig from the flags (None without --parallel); a flag given without --parallel is an
-    error."""
-    from gemcompile.config import ParallelConfig
-
-    names = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner", "gpus_per_node")
-    sizes = {n: getattr(args, n, None) for n in names}
-    sharding = getattr(args, "embedding_sharding", "grid")
-    if not getattr(args, "parallel", False):
-        given = [n for n, v in sizes.items() if v is not None] + (["embedding_sharding"] if sharding != "grid"
-                                                                   else [])
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --parallel")
-        return None
-    return ParallelConfig(enabled=True, embedding_sharding=sharding, **sizes)

@@ -11,7 +11,7 @@ Every failure raises ValueError naming the input, the offending sample index and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,10 +66,31 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
     [0, n_actions); domain in [0, n_domains); dense floats and event ages finite (ages >= 0); labels
     finite in [0, 1] with a boolean label_mask.
     """
+    inputs = _checked_inputs(batch, model_cfg)
+    ranges, finite = _value_checks(inputs, model_cfg)
+    _check_values(ranges, finite)
+
+
+class _Inputs(NamedTuple):
+    """The batch's tensors, their shapes, dtypes and device checked."""
+
+    dense: torch.Tensor
+    sparse_ids: torch.Tensor
+    domain: torch.Tensor
+    items: list[torch.Tensor]
+    actions: list[torch.Tensor]
+    times: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    padded: list[int]
+    """N_k per sequence type."""
+    labels: torch.Tensor | None
+
+
+def _checked_inputs(batch: Any, cfg: Any) -> _Inputs:
+    """Every input's type, shape, dtype and device (no value read)."""
     for attr in ("sparse_ids", "dense", "seq_items", "seq_actions", "seq_times", "seq_lengths", "domain"):
         if not hasattr(batch, attr):
             _fail(f"expected a GemBatch with field {attr!r}, got {type(batch).__name__}")
-    cfg = model_cfg
     n_seq = len(cfg.seq_max_lens)
     dense = batch.dense
     if not isinstance(dense, torch.Tensor) or dense.dim() != 2:
@@ -117,39 +138,37 @@ def validate_batch(batch: Any, model_cfg: Any) -> None:
                 f"label_mask must have shape ({b}, {cfg.n_tasks}) on {device}, got {tuple(label_mask.shape)} "
                 f"on {label_mask.device}"
             )
+    return _Inputs(dense, sparse_ids, domain, items, actions, times, lengths, padded, labels)
 
-    # (name, tensor, low, high, what the range is): value must lie in [low, high].
+
+def _value_checks(inputs: _Inputs, cfg: Any) -> tuple[list[tuple[str, torch.Tensor, float, float, str]],
+                                                       list[tuple[str, torch.Tensor]]]:
+    """(name, tensor, low, high, what the range is) of every range check (values must lie in [low, high]),
+    and (name, tensor) of every finiteness check."""
     ranges: list[tuple[str, torch.Tensor, float, float, str]] = [
-        ("sparse_ids", sparse_ids, 0, cfg.table_rows - 1, f"table_rows = {cfg.table_rows}, 0 = padding"),
-        ("domain", domain, 0, cfg.n_domains - 1, f"n_domains = {cfg.n_domains}"),
+        ("sparse_ids", inputs.sparse_ids, 0, cfg.table_rows - 1,
+         f"table_rows = {cfg.table_rows}, 0 = padding"),
+        ("domain", inputs.domain, 0, cfg.n_domains - 1, f"n_domains = {cfg.n_domains}"),
     ]
-    for k in range(n_seq):
+    for k, n_k in enumerate(inputs.padded):
         ranges += [
-            (
-                f"seq_lengths[{k}]",
-                lengths[k],
-                0,
-                padded[k],
-                f"the padded length N_{k} = seq_items[{k}].shape[1]",
-            ),
-            (
-                f"seq_items[{k}]",
-                items[k],
-                0,
-                cfg.item_vocab - 1,
-                f"item_vocab = {cfg.item_vocab}, 0 = padding",
-            ),
-            (f"seq_actions[{k}]", actions[k], 0, cfg.n_actions - 1, f"n_actions = {cfg.n_actions}"),
-            (f"seq_times[{k}]", times[k], 0.0, float("inf"), "event age in seconds, finite and >= 0"),
+            (f"seq_lengths[{k}]", inputs.lengths[k], 0, n_k,
+             f"the padded length N_{k} = seq_items[{k}].shape[1]"),
+            (f"seq_items[{k}]", inputs.items[k], 0, cfg.item_vocab - 1,
+             f"item_vocab = {cfg.item_vocab}, 0 = padding"),
+            (f"seq_actions[{k}]", inputs.actions[k], 0, cfg.n_actions - 1, f"n_actions = {cfg.n_actions}"),
+            (f"seq_times[{k}]", inputs.times[k], 0.0, float("inf"), "event age in seconds, finite and >= 0"),
         ]
-    finite: list[tuple[str, torch.Tensor]] = [("dense", dense)] + [
-        (f"seq_times[{k}]", times[k]) for k in range(n_seq)
-    ]
-    if labels is not None:
-        ranges.append(("labels", labels, 0.0, 1.0, "a probability"))
-        finite.append(("labels", labels))
+    finite = [("dense", inputs.dense)] + [(f"seq_times[{k}]", t) for k, t in enumerate(inputs.times)]
+    if inputs.labels is not None:
+        ranges.append(("labels", inputs.labels, 0.0, 1.0, "a probability"))
+        finite.append(("labels", inputs.labels))
+    return ranges, finite
 
-    # One reduction per check, one host sync for all of them.
+
+def _check_values(ranges: list[tuple[str, torch.Tensor, float, float, str]],
+                  finite: list[tuple[str, torch.Tensor]]) -> None:
+    """One reduction per check, one host sync for all of them; the first failure named in full."""
     flags = [((t < low) | (t > high)).any() for _, t, low, high, _ in ranges]
     flags += [(~torch.isfinite(t)).any() for _, t in finite]
     failed = torch.stack(flags).tolist()

@@ -3,8 +3,8 @@
 Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths varying per batch) for
 ``warmup + steps`` steps and reports, over the measured steps:
 
-- samples/s and useful TFLOP/s (the section-8 formula of runtime/flops.py: valid tokens only, training
-  = 3x forward) and MFU against the GPU's bf16 dense peak;
+- samples/s and useful TFLOP/s (the section-8 formula of runtime/training/flops.py: valid tokens only,
+  training = 3x forward) and MFU against the GPU's bf16 dense peak;
 - compile time: the wall time of the warm-up steps minus warm-up x the median measured step (what the
   compilations cost beyond running those steps);
 - recompiles after warm-up: Dynamo's count of compiled graphs, read before and after the measured steps
@@ -38,8 +38,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["E2EBenchConfig", "available_methods", "methods_help", "run_e2e_bench", "split_method", "step_begin",
-           "unknown_methods"]
+from gemcompile.config import GemConfig
+from gemcompile.models.data import SyntheticData
+from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
+from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE
+from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD, GemFlopFormula, mfu, peak_flops
+from gemcompile.runtime.training.kernel_time import KernelProfile, kernel_profile
+from gemcompile.runtime.training.metrics import MetricWindow
+from gemcompile.runtime.training.optimizers import build_optimizers
+
+__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "methods_help", "run_e2e_bench",
+           "split_method", "step_begin", "unknown_methods"]
 
 PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
@@ -73,8 +82,6 @@ def split_method(method: str) -> tuple[str, str | None]:
 def available_methods() -> list[str]:
     """Every method name the bench understands, given the passes GemConfig has (each compiled one also
     with an ``@<suffix>`` from COMPILE_SUFFIXES)."""
-    from gemcompile import GemConfig
-
     config = GemConfig()
     methods = ["eager", "inductor", "gem"]
     for f in dataclasses.fields(config):
@@ -97,7 +104,7 @@ class E2EBenchConfig:
     """GEM-ref preset (tiny, small, medium, large); medium is the one that fills an H200."""
 
     batch_size: int | None = None
-    """Samples per step; None = the size's training default (runtime/train.py)."""
+    """Samples per step; None = the size's training default (runtime/training/config.py)."""
 
     fill: float = 0.5
     """Mean sequence length / padded length of the synthetic data."""
@@ -169,9 +176,7 @@ def methods_help() -> str:
     return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_SUFFIXES)}"
 
 
-def _gem_config(method: str):
-    from gemcompile import GemConfig
-
+def _gem_config(method: str) -> GemConfig:
     if method == "gem":
         return GemConfig()
     if method in VARIANTS:
@@ -183,7 +188,8 @@ def _gem_config(method: str):
     raise ValueError(method)
 
 
-def _compiled(module: torch.nn.Module, method: str):
+def compile_method(module: torch.nn.Module, method: str):
+    """`module` compiled the method's way (eager: unchanged), with its @suffix's torch.compile settings."""
     method, suffix = split_method(method)
     kwargs = dict(COMPILE_SUFFIXES[suffix]) if suffix else {}
     if method == "eager":
@@ -280,86 +286,130 @@ def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast, met
 
 
 def _layer_useful_flops(formula, prefix: str, seq_lengths, batch_size: int) -> int:
-    from gemcompile.runtime.flops import TRAIN_FLOPS_PER_FORWARD
-
     return TRAIN_FLOPS_PER_FORWARD * sum(formula.breakdown(seq_lengths, batch_size, prefix=prefix).values())
 
 
 def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     """Train a fresh GEM-ref under one method and measure it (see the module docstring)."""
-    from gemcompile.models.data import SyntheticData
-    from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
-    from gemcompile.runtime.flops import GemFlopFormula, mfu
-    from gemcompile.runtime.kernel_time import kernel_profile
-    from gemcompile.runtime.metrics import MetricWindow
-    from gemcompile.runtime.train import DEFAULT_BATCH_SIZE, build_optimizers
-
-    device = torch.device(cfg.device)
-    batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]
-    model_cfg = gem_ref_config(cfg.size)
-    data = SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed))
-    torch.manual_seed(cfg.seed)
-    model = GemRef(model_cfg).to(device)
-    optimizers = build_optimizers(model, 1e-3, 0.01)
-    formula = GemFlopFormula.from_model(model)
-    window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
-
-    def autocast():
-        if cfg.dtype == "bfloat16":
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return torch.autocast(device_type=device.type, enabled=False)
-
-    runner = _compiled(model, method)
-    if device.type == "cuda":
+    run = _MethodRun.start(cfg, method)
+    if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step_ms: list[float] = []
-    useful: list[float] = []
-    losses: list[float] = []
-    warmup_s = 0.0
-    graphs_after_warmup = None
-    graphs_before = _graph_count()
+    timings = _timed_steps(run)
+    # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
+    extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
+    profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra))
+                if run.device.type == "cuda" else None)
+    result = _method_result(run, timings, profiled)
+    _log_method(log, result, profiled)
+    if cfg.layers:
+        result["layers"] = _local_layers(run, log)
+    del run
+    gc.collect()
+    if torch.device(cfg.device).type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
-    def train_step(batch, runner=runner, optimizers=optimizers):
-        step_begin(method)
-        with autocast():
-            logits = runner(**batch.features())
+
+@dataclass
+class _MethodRun:
+    """A fresh GEM-ref (the same seed and batches for every method) compiled the method's way."""
+
+    cfg: E2EBenchConfig
+    method: str
+    device: torch.device
+    batch_size: int
+    data: SyntheticData
+    model: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    formula: GemFlopFormula
+    window: MetricWindow
+    """NE over the last ne_window measured steps."""
+    runner: Any = None
+
+    @classmethod
+    def start(cls, cfg: E2EBenchConfig, method: str) -> _MethodRun:
+        device = torch.device(cfg.device)
+        batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]
+        model_cfg = gem_ref_config(cfg.size)
+        data = SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed))
+        torch.manual_seed(cfg.seed)
+        model = GemRef(model_cfg).to(device)
+        optimizers = build_optimizers(model, 1e-3, 0.01)
+        formula = GemFlopFormula.from_model(model)
+        window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
+        run = cls(cfg, method, device, batch_size, data, model, optimizers, formula, window)
+        run.runner = compile_method(model, method)
+        return run
+
+    def autocast(self):
+        if self.cfg.dtype == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, enabled=False)
+
+    def train_step(self, batch) -> tuple[torch.Tensor, float]:
+        step_begin(self.method)
+        with self.autocast():
+            logits = self.runner(**batch.features())
         loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
-        for opt in optimizers:
+        for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
-        for opt in optimizers:
+        for opt in self.optimizers:
             opt.step()
         return logits, loss.item()
 
+
+@dataclass
+class _Timings:
+    """Wall times of the warm-up and measured steps, and Dynamo's graph count around them."""
+
+    graphs_before: int
+    warmup_s: float = 0.0
+    graphs_after_warmup: int | None = None
+    step_ms: list[float] = field(default_factory=list)
+    """Measured steps only."""
+    useful: list[float] = field(default_factory=list)
+    """Useful FLOPs of each measured step."""
+    losses: list[float] = field(default_factory=list)
+    """Every step's loss, warm-up included."""
+
+
+def _timed_steps(run: _MethodRun) -> _Timings:
+    """warmup + steps training steps, each timed alone (device synced before and after)."""
+    cfg, device = run.cfg, run.device
+    timings = _Timings(graphs_before=_graph_count())
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
-            graphs_after_warmup = _graph_count()
-        cpu_batch = data.batch(step)
+            timings.graphs_after_warmup = _graph_count()
+        cpu_batch = run.data.batch(step)
         batch = cpu_batch.to(device)
         _sync(device)
         t0 = time.perf_counter()
-        logits, loss_value = train_step(batch)
+        logits, loss_value = run.train_step(batch)
         _sync(device)
         elapsed = time.perf_counter() - t0
-        losses.append(loss_value)
+        timings.losses.append(loss_value)
         if step < cfg.warmup:
-            warmup_s += elapsed
+            timings.warmup_s += elapsed
             continue
-        step_ms.append(1e3 * elapsed)
-        useful.append(formula.train_flops(cpu_batch.seq_lengths, batch_size))
-        window.update(logits.detach().float(), batch.labels, batch.label_mask)
+        timings.step_ms.append(1e3 * elapsed)
+        timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
+        run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
+    return timings
+
+
+def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile | None) -> dict[str, Any]:
+    """The method's row of the results JSON (see the module docstring)."""
+    cfg, device, step_ms, losses = run.cfg, run.device, timings.step_ms, timings.losses
     total_s = sum(step_ms) / 1e3
     median_ms = statistics.median(step_ms)
-    useful_per_s = sum(useful) / total_s
-    # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
-    extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
-    profiled = (kernel_profile(train_step, [data.batch(i).to(device) for i in extra], len(extra))
-                if device.type == "cuda" else None)
+    useful_per_s = sum(timings.useful) / total_s
     kernel_ms = profiled.ms_per_step if profiled is not None else None
-    useful_per_step = sum(useful) / len(useful)
-    result: dict[str, Any] = {
-        "method": method,
-        "samples_per_s": batch_size * len(step_ms) / total_s,
+    useful_per_step = sum(timings.useful) / len(timings.useful)
+    graphs_after_warmup = timings.graphs_after_warmup or 0
+    return {
+        "method": run.method,
+        "samples_per_s": run.batch_size * len(step_ms) / total_s,
         "step_ms_median": median_ms,
         "step_ms_mean": 1e3 * total_s / len(step_ms),
         "useful_tflops": useful_per_s / 1e12,
@@ -370,46 +420,44 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         # where the GPU time goes: the largest kernels, kernels per step, GEMM vs Triton vs copies
         "kernel_profile": profiled.as_json() if profiled is not None else None,
         # fused (one kernel per update) or foreach optimizers: their launches are part of the host time
-        "optimizers": [f"{type(o).__name__}(fused={bool(o.defaults.get('fused'))})" for o in optimizers],
-        "compile_s": max(0.0, warmup_s - cfg.warmup * median_ms / 1e3),
-        "graphs_compiled": (graphs_after_warmup or 0) - graphs_before,
-        "recompiles_after_warmup": _graph_count() - (graphs_after_warmup or 0),
+        "optimizers": [f"{type(o).__name__}(fused={bool(o.defaults.get('fused'))})" for o in run.optimizers],
+        "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
+        "graphs_compiled": graphs_after_warmup - timings.graphs_before,
+        "recompiles_after_warmup": _graph_count() - graphs_after_warmup,
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None,
         # runnable processes on the host (1-minute average) after the measured steps, against its cores: a
         # host-bound step's time is only comparable between runs on an equally quiet host
         "host_load": {"load_avg_1min": _load_average(), "cpus": os.cpu_count()},
-        "ne": list(window.compute().ne),  # per task
+        "ne": list(run.window.compute().ne),  # per task
         "final_loss": losses[-1],
         "losses": losses,
         "diverged": not all(math.isfinite(v) for v in losses),
     }
-    log(f"  {method:22s} {result['samples_per_s']:10.0f} samples/s  {result['useful_tflops']:7.2f} TF/s  "
+
+
+def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> None:
+    kernel_ms, median_ms = result["kernel_ms_per_step"], result["step_ms_median"]
+    log(f"  {result['method']:22s} {result['samples_per_s']:10.0f} samples/s  "
+        f"{result['useful_tflops']:7.2f} TF/s  "
         f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
         f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}"
         + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
     if profiled is not None:
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
             + f"; {profiled.kernels_per_step:.0f} kernels/step")
-    if cfg.layers:
-        result["layers"] = _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log)
-    del train_step, runner, model, optimizers
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
 
 
-def _local_layers(cfg, model, data, method, formula, batch_size, device, autocast, log) -> list[dict]:
-    from gemcompile.runtime.flops import mfu
-
-    batch = data.batch(cfg.warmup + cfg.steps).to(device)
-    with autocast():
-        inputs = _layer_inputs(model, batch)
+def _local_layers(run: _MethodRun, log) -> list[dict]:
+    cfg, device = run.cfg, run.device
+    batch = run.data.batch(cfg.warmup + cfg.steps).to(device)
+    with run.autocast():
+        inputs = _layer_inputs(run.model, batch)
     rows = []
-    for i, (layer, (args, kwargs)) in enumerate(zip(model.layers, inputs)):
+    for i, (layer, (args, kwargs)) in enumerate(zip(run.model.layers, inputs)):
         torch._dynamo.reset()
-        ms = _time_layer(_compiled(layer, method), args, kwargs, cfg.layer_reps, device, autocast, method)
-        flops = _layer_useful_flops(formula, f"layers.{i}.", batch.seq_lengths, batch_size)
+        ms = _time_layer(compile_method(layer, run.method), args, kwargs, cfg.layer_reps, device, run.autocast,
+                         run.method)
+        flops = _layer_useful_flops(run.formula, f"layers.{i}.", batch.seq_lengths, run.batch_size)
         rows.append({"layer": i, "ms": ms, "useful_tflops": flops / ms / 1e9,
                      "local_mfu": mfu(flops / ms * 1e3, device)})
         log(f"    layer {i}: {ms:8.3f} ms  {flops / ms / 1e9:7.2f} TF/s  local MFU {_pct(rows[-1]['local_mfu'])}")
@@ -448,8 +496,6 @@ def run_e2e_bench(cfg: E2EBenchConfig, log=print, on_progress=None) -> dict[str,
 
 def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
     """The results JSON: per-method rows with ratios against inductor and eager where they ran."""
-    from gemcompile.runtime.flops import peak_flops
-
     device = torch.device(cfg.device)
     by_name = {r["method"]: r for r in results if "error" not in r}
     for r in results:
@@ -465,15 +511,13 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
             r["ne_rel_diff_vs_eager"] = max(gaps) if gaps else None
     batch_size = cfg.batch_size
     if batch_size is None:
-        from gemcompile.runtime.train import DEFAULT_BATCH_SIZE
-
         batch_size = DEFAULT_BATCH_SIZE[cfg.size]
     return {
         "benchmark": "e2e",
         "config": {**dataclasses.asdict(cfg), "batch_size": batch_size},
         "peak_bf16_dense_tflops": (peak_flops(device) or 0) / 1e12 or None,
         "conventions": {
-            "useful_flops": "runtime/flops.py section-8 formula: valid tokens only, training = 3x forward",
+            "useful_flops": "runtime/training/flops.py section-8 formula: valid tokens only, training = 3x forward",
             "compile_s": "warm-up wall time minus warm-up steps x the median measured step",
             "recompiles_after_warmup": "Dynamo graphs compiled during the measured steps",
             "ne_rel_diff_vs_eager": "max over tasks of |NE - NE_eager| / NE_eager over the last ne_window "

@@ -7,7 +7,7 @@ c10d collectives directly (gloo on CPUs, NCCL on GPUs) on the process group of o
 
 CollectiveCounter is a TorchDispatchMode that sees every c10d collective (ours, FSDP2's, DTensor's) and
 counts it by op and by the mesh axis its process group belongs to: the check that each collective lands
-on the axis the plan puts it on (research/parallel.md section 7, "verify").
+on the axis the plan puts it on.
 """
 
 from __future__ import annotations
@@ -44,14 +44,18 @@ def _world(group) -> int:
     return dist.get_world_size(group)
 
 
+def _all_gather_raw(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_zeros((_world(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        x = x.contiguous()
-        out = x.new_zeros((_world(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
+        return _all_gather_raw(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -73,10 +77,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = grad.new_zeros((_world(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_into_tensor(out, grad, group=ctx.group)
-        return out, None
+        return _all_gather_raw(grad, ctx.group), None
 
 
 def _all_to_all_raw(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,

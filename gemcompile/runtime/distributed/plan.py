@@ -2,11 +2,11 @@
 
 Nothing here talks to torch.distributed: a plan is computed from a ParallelConfig, a world size and
 the parameters of a model (a module, which may live on the meta device, or the parameter list the
-sharding pass reads off the Dynamo graph). The runtime (runtime/parallel.py) applies it; the sharding
+sharding pass reads off the Dynamo graph). runtime/distributed/apply.py applies it; the sharding
 pass (passes/sharding.py) annotates the graph with it; explain prints it.
 
 The five axes are views of one world of W = nodes x gpus_per_node ranks, numbered node-major (as
-torchrun does), never a 5-D product (research/parallel.md section 7):
+torchrun does), never a 5-D product:
 
     dense     mesh (dp_replicate, dp_shard)             params (Replicate(), Shard(0))   = HSDP
     expert    mesh (dp_replicate, efsdp, ep)            expert e on ep rank e // (E / ep),
@@ -33,7 +33,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import nn
 
 from gemcompile.config import PARALLEL_AXES, ParallelConfig
@@ -46,7 +45,13 @@ __all__ = [
     "ParamInfo",
     "ParamPlan",
     "build_plan",
+    "bytes_text",
     "classify_module",
+    "classify_param",
+    "collection_of",
+    "dense_units_from_names",
+    "dense_units_of",
+    "expert_scope",
     "plan_for_model",
     "resolve_axes",
 ]
@@ -216,12 +221,12 @@ def classify_module(model: nn.Module, config: ParallelConfig) -> list[ParamInfo]
     for name, param in model.named_parameters():
         parts = name.split(".")[:-1]
         stack = [(".".join(parts[:i]), type(modules[".".join(parts[:i])]).__name__) for i in range(1, len(parts) + 1)]
-        out.append(_classify(name, tuple(param.shape), param.element_size(), config, stack,
+        out.append(classify_param(name, tuple(param.shape), param.element_size(), config, stack,
                              embedding_weights.get(id(param)), modules))
     return out
 
 
-def _classify(name: str, shape: tuple[int, ...], itemsize: int, config: ParallelConfig,
+def classify_param(name: str, shape: tuple[int, ...], itemsize: int, config: ParallelConfig,
               stack: list[tuple[str, str]], embedding: nn.Module | None,
               modules: Mapping[str, nn.Module] | None = None, *, op: str | None = None,
               padding_idx: int | None = None, expert_count: int | None = None) -> ParamInfo:
@@ -425,11 +430,11 @@ class ParallelPlan:
             if p.ep_rank is not None:
                 axes += f" | ep={self.axes.ep} @ {p.ep_rank}"
             out.append((p.name, p.kind, "x".join(map(str, p.info.shape)), axes, ", ".join(p.placements),
-                        "x".join(map(str, p.local_shape)), _bytes_text(p.bytes_per_rank)))
+                        "x".join(map(str, p.local_shape)), bytes_text(p.bytes_per_rank)))
         return out
 
 
-def _bytes_text(n: int) -> str:
+def bytes_text(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -501,12 +506,12 @@ def build_plan(params: Iterable[ParamInfo], config: ParallelConfig, world_size: 
             plans.append(ParamPlan(info, "dense", MESH_AXES["dense"], sizes, _placement_text(place), local,
                                    math.prod(local) * info.itemsize))
     if embedding_collections is None:
-        embedding_collections = sorted({_collection_of(p.name) for p in plans if p.kind == "embedding"})
+        embedding_collections = sorted({collection_of(p.name) for p in plans if p.kind == "embedding"})
     return ParallelPlan(axes, config, tuple(plans), tuple(dense_units), tuple(groups),
                         tuple(embedding_collections))
 
 
-def _collection_of(name: str) -> str:
+def collection_of(name: str) -> str:
     """The module owning a table: ``a.tables.3.weight`` -> ``a``; ``a.item.weight`` -> ``a``."""
     parts = name.split(".")[:-1]  # drop "weight": the table module's path
     if not parts:
@@ -551,7 +556,3 @@ def plan_for_model(model: nn.Module, config: ParallelConfig, world_size: int, *,
     params = classify_module(model, config)
     return build_plan(params, config, world_size, gpus_per_node=gpus_per_node,
                       dense_units=dense_units_of(model, params))
-
-
-def dtype_itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,157 @@
+"""`gemcompile train`: its flags (TrainConfig's fields, and the parallel plan's sizes under --parallel) and
+how a parsed command line runs (cli.py wires the subcommand to add_train_arguments and run_train_from_args).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gemcompile.config import ParallelConfig
+from gemcompile.runtime.training.config import (
+    COMPILE_MODES,
+    DEFAULT_BATCH_SIZE,
+    DEVICES,
+    DTYPES,
+    LENGTH_DISTS,
+    MXFP8_RECIPES,
+    SIZES,
+    TrainConfig,
+)
+from gemcompile.runtime.training.train import train
+
+__all__ = ["add_parallel_arguments", "add_train_arguments", "config_from_args", "parallel_config_from_args",
+           "run_train_from_args"]
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `gemcompile train` flags to `parser` (defaults are TrainConfig's)."""
+    defaults = TrainConfig()
+    parser.add_argument("--size", choices=SIZES, default=defaults.size, help="model and data preset")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per step (default per size: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items())
+        + ")",
+    )
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate (dense parameters)")
+    parser.add_argument(
+        "--embedding-lr",
+        type=float,
+        default=defaults.embedding_lr,
+        help="Adagrad learning rate (embedding tables)",
+    )
+    parser.add_argument(
+        "--compile", choices=COMPILE_MODES, default=defaults.compile, help="how the model runs"
+    )
+    parser.add_argument("--device", choices=DEVICES, default=defaults.device)
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=defaults.dtype, help="bfloat16 = forward under torch.autocast"
+    )
+    parser.add_argument(
+        "--fill", type=float, default=defaults.fill, help="mean length / padded length, in (0, 1]"
+    )
+    parser.add_argument("--length-dist", choices=LENGTH_DISTS, default=defaults.length_dist)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps per metrics window")
+    parser.add_argument("--checkpoint-dir", default=None, help="directory of DCP checkpoints")
+    parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms (bit-exact resume under torch.compile)",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="print what gemcompile's passes rewrite before training (--compile gem)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print nothing")
+    parser.add_argument("--mxfp8", choices=MXFP8_RECIPES, default=None, metavar="RECIPE",
+                        help="block-scaled FP8 GEMMs with this recipe (" + ", ".join(MXFP8_RECIPES)
+                        + "; --compile gem)")
+    parser.add_argument("--mxfp8-min-dim", type=int, default=None, metavar="N",
+                        help="with --mxfp8: quantize layers whose tokens, in and out features are all >= N "
+                        "(default: the pass's 16384 tokens / 2048 features)")
+    parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                        help="clip the global gradient norm (all meshes when --parallel)")
+    add_parallel_arguments(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from parsed `gemcompile train` flags (ValueError on a bad value)."""
+    return TrainConfig(
+        size=args.size,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        embedding_lr=args.embedding_lr,
+        compile=args.compile,
+        device=args.device,
+        dtype=args.dtype,
+        fill=args.fill,
+        length_dist=args.length_dist,
+        seed=args.seed,
+        log_every=args.log_every,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        resume=args.resume,
+        deterministic=args.deterministic,
+        explain=args.explain,
+        quiet=args.quiet,
+        mxfp8=args.mxfp8,
+        mxfp8_min_dim=args.mxfp8_min_dim,
+        grad_clip=getattr(args, "grad_clip", None),
+        parallel=parallel_config_from_args(args),
+    )
+
+
+def run_train_from_args(args: argparse.Namespace) -> int:
+    """Run `gemcompile train`; returns the exit status. A bad flag value or input is one error line on
+    stderr (exit 2), never a traceback."""
+    try:
+        train(config_from_args(args))
+    except ValueError as e:
+        print(f"gemcompile train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gemcompile train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --parallel flags of `gemcompile train` (sizes left out are derived from the world size)."""
+    group = parser.add_argument_group("parallel (run under torchrun)")
+    group.add_argument("--parallel", action="store_true",
+                       help="train with the 5D plan: one process per rank, started by torchrun")
+    for axis, what in (("dp-replicate", "replicas of the dense weights (across nodes)"),
+                       ("dp-shard", "FSDP shards of the dense weights (inside a node)"),
+                       ("ep", "expert-parallel ranks (divides dp-shard and the expert count)"),
+                       ("emb-outer", "embedding column groups / replica groups (across nodes)"),
+                       ("emb-inner", "embedding row shards (inside a node)"),
+                       ("gpus-per-node", "ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")):
+        group.add_argument(f"--{axis}", type=int, default=None, metavar="N", help=what)
+    group.add_argument("--embedding-sharding", choices=("grid", "replicated_groups"), default="grid",
+                       help="grid: tables fully sharded (columns x rows); replicated_groups: rows sharded, "
+                       "replicated over emb-outer")
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig | None:
+    """ParallelConfig from the flags (None without --parallel); a flag given without --parallel is an
+    error."""
+    names = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner", "gpus_per_node")
+    sizes = {n: getattr(args, n, None) for n in names}
+    sharding = getattr(args, "embedding_sharding", "grid")
+    if not getattr(args, "parallel", False):
+        given = [n for n, v in sizes.items() if v is not None] + (["embedding_sharding"] if sharding != "grid"
+                                                                   else [])
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --parallel")
+        return None
+    return ParallelConfig(enabled=True, embedding_sharding=sharding, **sizes)

@@ -1,0 +1,316 @@
+"""The training loop: GEM-ref on synthetic data, eager / torch.compile / gem_compile.
+
+    from gemcompile.runtime.training.config import TrainConfig
+    from gemcompile.runtime.training.train import train
+    result = train(TrainConfig(size="tiny", steps=50, compile="eager"))
+
+One step: batch = SyntheticData(...).batch(step) -> validate_batch (outside the compiled region) ->
+model(**batch.features()) (compiled or not; bf16 under autocast when asked) -> masked_bce_loss outside
+the model -> backward -> Adam on dense parameters, Adagrad on embedding tables (optimizers.py).
+Reported (report.py): per-step loss, NE and AUC per task over a window of steps, steps/s and
+samples/s, useful and padded FLOPs per step (flops.py) and MFU (None on the CPU). Checkpoints
+(checkpoint.py) resume bit-exactly: the losses of a resumed run equal those of an uninterrupted one.
+
+With ``parallel=ParallelConfig(enabled=True, ...)`` the same loop runs under torchrun, one process per
+rank, with the 5D plan applied (parallel.py): every rank draws the same global batch and trains on its
+slice; the logged loss and metrics are those of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gemcompile.api import gem_compile
+from gemcompile.explain import explain
+from gemcompile.models.data import GemBatch, SyntheticData
+from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config, masked_bce_loss
+from gemcompile.runtime.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gemcompile.runtime.training.config import TrainConfig, gem_config
+from gemcompile.runtime.training.flops import GemFlopFormula, PaddedFlopCounter, mfu
+from gemcompile.runtime.training.metrics import MetricWindow
+from gemcompile.runtime.training.optimizers import build_optimizers
+from gemcompile.runtime.training.parallel import ParallelTraining
+from gemcompile.runtime.training.report import (
+    TASK_NAMES,
+    TrainReporter,
+    TrainResult,
+    WindowSummary,
+    summarize_window,
+)
+from gemcompile.runtime.training.validate import validate_batch
+
+__all__ = ["train"]
+
+
+def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
+    """Train GEM-ref on synthetic data; `train(size="tiny", steps=50)` is shorthand for a TrainConfig."""
+    if cfg is None:
+        cfg = TrainConfig(**overrides)
+    elif overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train expects a TrainConfig, got {type(cfg).__name__}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "TrainConfig.device = 'cuda' but no CUDA device is available (torch.cuda.is_available() "
+            "is False); use device='cpu'"
+        )
+    with _deterministic(cfg.deterministic, cfg.device):
+        return _train(cfg)
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool, device: str):
+    if not enabled:
+        yield
+        return
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS workspaces
+    # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _train(cfg: TrainConfig) -> TrainResult:
+    run = _start(cfg)
+    if run.cfg.resume:
+        _resume(run, TrainReporter(run.cfg, 0))
+    reporter = TrainReporter(run.cfg, run.start_step)
+    _compile(run, reporter)
+    # Losses of the current, unfinished window (non-empty only when resuming mid-window).
+    run.window_losses = run.losses[len(run.losses) - len(run.losses) % run.cfg.log_every :]
+    run.model.train()
+    with reporter:
+        for step in range(run.start_step, run.cfg.steps):
+            cpu_batch, batch, logits, loss_value = _train_step(run, step)
+            _record_step(run, step, cpu_batch, batch, logits, loss_value, reporter)
+    result = _result(run)
+    reporter.summary(result)
+    return result
+
+
+@dataclass
+class _TrainingRun:
+    """One run's model, data and optimizers, and what it has measured so far."""
+
+    cfg: TrainConfig
+    """The run's config (quiet on every rank but 0 under torchrun)."""
+    model_cfg: GemRefConfig
+    data: SyntheticData
+    device: torch.device
+    model: nn.Module
+    formula: GemFlopFormula
+    padded_counter: Any
+    """PaddedFlopCounter, or under torchrun its copy on a meta-device model."""
+    optimizers: list[torch.optim.Optimizer]
+    window: MetricWindow
+    parallel: ParallelTraining | None = None
+    """The run's side of the parallel plan under torchrun, else None."""
+    runner: Any = None
+    """The model as the loop calls it (compiled or not)."""
+    start_step: int = 0
+    losses: list[float] = field(default_factory=list)
+    windows: list[WindowSummary] = field(default_factory=list)
+    window_losses: list[float] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    """Wall time of every step of this run after its first."""
+    compile_time: float = math.nan
+    useful_total: float = 0.0
+    padded_total: float = 0.0
+
+    @property
+    def world(self) -> int:
+        return 1 if self.parallel is None else self.parallel.world
+
+
+def _start(cfg: TrainConfig) -> _TrainingRun:
+    """The model, the data and the optimizers; under torchrun, the process group joined and the plan
+    applied (checked against the model before any collective)."""
+    model_cfg = gem_ref_config(cfg.size)
+    data = SyntheticData(
+        model_cfg.data_config(cfg.batch_size, fill=cfg.fill, length_dist=cfg.length_dist, seed=cfg.seed)
+    )
+    parallel = None
+    if cfg.parallel is not None and cfg.parallel.enabled:
+        parallel = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
+        cfg = parallel.cfg
+    device = torch.device(cfg.device) if parallel is None else parallel.device
+    torch.manual_seed(cfg.seed)
+    model = GemRef(model_cfg).to(device)
+    formula = GemFlopFormula.from_model(model)
+    if parallel is None:
+        padded_counter = PaddedFlopCounter(model)
+        optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr)
+    else:
+        padded_counter = parallel.apply(model)  # the model sharded; FLOPs counted on a meta-device copy
+        optimizers = parallel.build_optimizers(cfg.lr, cfg.embedding_lr)
+    window = MetricWindow(model_cfg.n_tasks, window=cfg.log_every)
+    return _TrainingRun(cfg, model_cfg, data, device, model, formula, padded_counter, optimizers, window,
+                        parallel)
+
+
+def _resume(run: _TrainingRun, reporter: TrainReporter) -> None:
+    """Load the latest checkpoint of cfg.checkpoint_dir, if any, into the run; refuse one written under
+    other trajectory settings."""
+    cfg = run.cfg
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        reporter.print(f"no checkpoint in {cfg.checkpoint_dir}: starting from step 0")
+        return
+    state = load_checkpoint(path, run.model, run.optimizers, flatten_optimizer=run.parallel is not None)
+    saved = state.extra.get("config", {})
+    mismatched = {k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v}
+    if mismatched:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
+        raise ValueError(f"cannot resume from {path}: it was written with other settings ({detail})")
+    run.start_step = state.step
+    run.losses = list(state.extra["losses"])
+    run.windows = [WindowSummary(**w) for w in state.extra["windows"]]
+    run.window.load_bytes(state.extra["metric_window"])
+    reporter.print(f"resumed from {path} at step {run.start_step}")
+    if run.start_step >= cfg.steps:
+        reporter.print(f"the checkpoint is at step {run.start_step} >= steps = {cfg.steps}: nothing to train")
+
+
+def _compile(run: _TrainingRun, reporter: TrainReporter) -> None:
+    """The model as the loop calls it; with cfg.explain, the passes' report printed first."""
+    cfg = run.cfg
+    if run.parallel is not None:
+        run.runner = run.parallel.compile(gem_config(cfg))
+    elif cfg.compile == "eager":
+        run.runner = run.model
+    elif cfg.compile == "inductor":
+        run.runner = torch.compile(run.model)
+    else:
+        run.runner = gem_compile(run.model, config=gem_config(cfg))
+    if cfg.explain and run.start_step < cfg.steps:
+        example = run.data.batch(run.start_step).to(run.device)
+        validate_batch(example, run.model_cfg)
+        reporter.print(explain(run.model, **example.features(), config=gem_config(cfg)))
+
+
+def _autocast(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    if cfg.dtype == "bfloat16":
+        return torch.autocast(device_type=cfg.device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _train_step(run: _TrainingRun, step: int) -> tuple[GemBatch, GemBatch, Tensor, float]:
+    """One optimizer step on the batch of `step`, timed: (the batch on the CPU, on the device, this
+    rank's logits, the loss of the global batch)."""
+    cfg, parallel = run.cfg, run.parallel
+    start = time.perf_counter()
+    cpu_batch = run.data.batch(step)
+    batch = cpu_batch.to(run.device)
+    validate_batch(batch, run.model_cfg)
+    step_batch = batch if parallel is None else parallel.local_batch(batch)  # this rank's samples
+    with _autocast(cfg):
+        logits = run.runner(**step_batch.features())
+    if parallel is None:
+        loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
+    else:  # world size x this rank's share of the global batch's loss
+        loss = parallel.loss(logits.float(), step_batch.labels, step_batch.label_mask)
+    for optimizer in run.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if parallel is not None:
+        parallel.finish_gradients(cfg.grad_clip)
+    elif cfg.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    for optimizer in run.optimizers:
+        optimizer.step()
+    # the step's one device sync besides validation
+    loss_value = loss.item() if parallel is None else parallel.global_loss(loss)
+    elapsed = time.perf_counter() - start
+    if step == run.start_step:
+        run.compile_time = elapsed
+    else:
+        run.step_times.append(elapsed)
+    return cpu_batch, batch, logits, loss_value
+
+
+def _record_step(run: _TrainingRun, step: int, cpu_batch: GemBatch, batch: GemBatch, logits: Tensor,
+                 loss_value: float, reporter: TrainReporter) -> None:
+    """Bookkeeping outside the timed region: loss, metrics window, FLOPs, progress, checkpoint."""
+    cfg = run.cfg
+    if not math.isfinite(loss_value):
+        raise ValueError(f"training diverged: the loss of step {step + 1} is {loss_value}")
+    run.losses.append(loss_value)
+    run.window_losses.append(loss_value)
+    if run.parallel is not None:  # the global batch's logits, in sample order
+        logits = run.parallel.gather_logits(logits)
+    run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
+    run.useful_total += run.formula.train_flops(cpu_batch.seq_lengths, cfg.batch_size)
+    # The measuring forward must not shift the RNG streams (bit-exact resume).
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if run.device.type == "cuda" else []):
+        run.padded_total += run.padded_counter.train_flops(batch.features())
+    done = step + 1
+    metrics = run.window.compute()
+    if done % cfg.log_every == 0 or done == cfg.steps:
+        run.windows.append(summarize_window(done - len(run.window_losses) + 1, done, run.window_losses,
+                                            run.window))
+        run.window_losses = []
+    rate = (len(run.step_times) / sum(run.step_times)) if run.step_times else None
+    reporter.step(done, loss_value, metrics.ne, rate)
+    if cfg.checkpoint_dir is not None and (
+        done == cfg.steps or (cfg.save_every is not None and done % cfg.save_every == 0)
+    ):
+        _save(run, done)
+
+
+def _save(run: _TrainingRun, step: int) -> None:
+    extra = {
+        "config": run.cfg.trajectory_fingerprint(),
+        "losses": list(run.losses),
+        "windows": [dataclasses.asdict(w) for w in run.windows],
+        "metric_window": run.window.to_bytes(),
+    }
+    run.checkpoints.append(str(save_checkpoint(run.cfg.checkpoint_dir, step, run.model, run.optimizers, extra,
+                                               flatten_optimizer=run.parallel is not None)))
+
+
+def _result(run: _TrainingRun) -> TrainResult:
+    cfg = run.cfg
+    steps_run = max(0, cfg.steps - run.start_step)
+    if run.step_times:
+        steps_per_s = len(run.step_times) / sum(run.step_times)
+    elif steps_run > 0:
+        steps_per_s = 1.0 / run.compile_time
+    else:
+        steps_per_s = math.nan
+    useful = run.useful_total / steps_run if steps_run else math.nan
+    padded = run.padded_total / steps_run if steps_run else math.nan
+    final = run.window.compute()
+    return TrainResult(
+        config=cfg,
+        losses=run.losses,
+        ne=final.ne,
+        auc=final.auc,
+        windows=run.windows,
+        start_step=run.start_step,
+        steps_per_s=steps_per_s,
+        samples_per_s=steps_per_s * cfg.batch_size,
+        compile_time_s=run.compile_time,
+        useful_flops_per_step=useful,
+        padded_flops_per_step=padded,
+        mfu=mfu(useful * steps_per_s / run.world, run.device) if steps_run else None,
+        checkpoints=run.checkpoints,
+        task_names=TASK_NAMES[: run.model_cfg.n_tasks],
+    )
