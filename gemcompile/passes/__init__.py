@@ -5,12 +5,12 @@ pass by importing it here and adding it to PIPELINE. Stages run in the order pre
 backward graphs); see passes/base.py for why each rewrite sits where it does.
 """
 
-from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
+from gemcompile.passes.attention.joint import JaggedAttentionJointPass
+from gemcompile.passes.attention.relative_bias import RelativeBiasPass
 from gemcompile.passes.attention.rewrite import AttentionRewritePass
+from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
 from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
-from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
-from gemcompile.passes.relative_bias import RelativeBiasPass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.unpad import UnpadPass
 from gemcompile.passes.unpad_reductions import UnpadReductionsPass

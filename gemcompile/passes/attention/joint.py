@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, joint_fwd_bwd, register_replacement
 
-from gemcompile.passes.base import GemPass
 from gemcompile.passes.attention.kernels import HEAD_DIMS
+from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Unproven, example_value
 from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, keep_predicate
