@@ -169,8 +169,8 @@ _STRUCTURE_OPS = ("floordiv", "floor_divide", "div", "divide", "abs", "remainder
 
 def mentions_structure(mask_nodes: list[fx.Node], depth: int = 16) -> bool:
     """Whether the mask's subgraph holds an op that block or window masks are built with (floor division,
-    abs, a shifted tril/triu): a mask this pass cannot evaluate is reported only then (reporting only;
-    no rewrite depends on it)."""
+    abs, a shifted tril/triu): a softmax mask that cannot be proven is the block family's refusal only
+    then, else the jagged family's (reporting only; no rewrite depends on it)."""
     seen: set[fx.Node] = set()
     work = [(n, depth) for n in mask_nodes]
     while work:
