@@ -90,7 +90,7 @@ def hstu_padded(q, k, v, n, x):
 
 
 def hstu_op(q, k, v, n, x):
-    # as gem_compile rewrites the gather (passes/relative_bias.py, passes/gdpa_relative_table.py): the
+    # as gem_compile rewrites the gather (passes/attention/relative_bias.py, passes/gdpa_relative_table.py): the
     # kernels read the (2L - 1) table in place at j - i + L - 1
     L = q.shape[2]
     return torch.ops.gemcompile.gdpa(q, k, v, n, n, x["rab_table"], "silu", x["alpha"], 1.0 / L, False, True, 0,

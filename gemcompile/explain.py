@@ -205,7 +205,7 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
     compiled = torch.compile(model_or_fn, backend=backend)
     with recording(log), _eager_backward_compile():
         compiled(*example_inputs, **example_kwargs)
-    passes = backend.gem.make_passes()
+    passes = [part for p in backend.gem.make_passes() for part in p.parts]
     counts = {p.name: 0 for p in passes}
     counts.update(log.counts())
     first = backend.graphs[0] if backend.graphs else (None, None)

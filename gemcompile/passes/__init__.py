@@ -1,18 +1,16 @@
 """The pass pipeline: every gemcompile pass, in the order it runs within its stage.
 
-One file per pass; add a pass by importing it here and adding it to PIPELINE. Stages run in the order
-pre_grad (Dynamo graph, in GemBackend), joint (AOTAutograd joint graph), post_grad (forward and
+One file per pass (the attention rewrite: a folder, attention/, with a module per kernel family); add a
+pass by importing it here and adding it to PIPELINE. Stages run in the order pre_grad (Dynamo graph, in GemBackend), joint (AOTAutograd joint graph), post_grad (forward and
 backward graphs); see passes/base.py for why each rewrite sits where it does.
 """
 
+from gemcompile.passes.attention.joint import JaggedAttentionJointPass
+from gemcompile.passes.attention.relative_bias import RelativeBiasPass
+from gemcompile.passes.attention.rewrite import AttentionRewritePass
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
-from gemcompile.passes.block_attention import BlockAttentionPass
-from gemcompile.passes.gdpa import GdpaPass
 from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
-from gemcompile.passes.jagged_attention import JaggedAttentionPass
-from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
-from gemcompile.passes.relative_bias import RelativeBiasPass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.unpad import UnpadPass
 from gemcompile.passes.unpad_reductions import UnpadReductionsPass
@@ -20,9 +18,7 @@ from gemcompile.passes.unpad_reductions import UnpadReductionsPass
 PIPELINE: tuple[type[GemPass], ...] = (
     ShardingPass,  # pre_grad: each parameter's mesh and DTensor placements -> node.meta["custom"] (no rewrite)
     RelativeBiasPass,  # pre_grad: table[j - i + c] gathers -> gemcompile::relative_bias (diagonal-sum backward)
-    BlockAttentionPass,  # pre_grad: block-diagonal / windowed attention (+ RoPE) -> gemcompile::block_attention
-    JaggedAttentionPass,  # pre_grad: padded softmax attention -> gemcompile::jagged_attention
-    GdpaPass,  # pre_grad: padded pointwise-activation attention -> gemcompile::gdpa
+    AttentionRewritePass,  # pre_grad: padded attention -> block_attention / jagged_attention / gdpa, by its mask
     GdpaRelativeTablePass,  # pre_grad: gdpa over a relative_bias gather -> gdpa reading the table in place
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import inspect
 import logging
 from abc import abstractmethod
@@ -42,13 +43,15 @@ STAGES: tuple[Stage, ...] = ("pre_grad", "joint", "post_grad")
 
 @functools.cache
 def _source_hash(cls: type) -> str:
-    """sha256 of the files that define a pass: its own module and every gemcompile base class's."""
+    """sha256 of the files that define a pass: its own module, every gemcompile base class's, and the
+    modules it names in ``source_modules``."""
     files = sorted(
         {
             inspect.getsourcefile(k)
             for k in cls.__mro__
             if k.__module__.startswith("gemcompile") and inspect.getsourcefile(k)
         }
+        | {inspect.getsourcefile(importlib.import_module(m)) for m in cls.source_modules}
         | {__file__}
     )
     h = hashlib.sha256()
@@ -66,6 +69,8 @@ class GemPass(CustomGraphPass):
     """Where the pass runs (see the module docstring)."""
     config_section: ClassVar[str | None] = None
     """The GemConfig field holding this pass's knobs; its ``enabled`` flag turns the pass on and off."""
+    source_modules: ClassVar[tuple[str, ...]] = ()
+    """Modules besides the class hierarchy's whose source decides what the pass does (its uuid covers them)."""
 
     def __init__(self, config: GemConfig):
         self.config = config
@@ -77,6 +82,11 @@ class GemPass(CustomGraphPass):
     @property
     def enabled(self) -> bool:
         return getattr(self.options, "enabled", True)
+
+    @property
+    def parts(self) -> tuple[GemPass, ...]:
+        """The passes explain lists for this one (a row, a count each): itself, or the parts it dispatches to."""
+        return (self,)
 
     @abstractmethod
     def run(self, graph: fx.Graph) -> None:
@@ -142,7 +152,7 @@ class PassManager(CustomGraphPass):
             self.chained(graph)
         for p in self.passes:
             p(graph)
-            if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see rewrite_utils)
+            if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see passes/graph.py erase_dead)
                 graph.eliminate_dead_code()
         graph.lint()
 

@@ -24,8 +24,7 @@ from torch import fx
 
 from gemcompile.lowering.gdpa_relative_bias import check_relative_table
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.mask_provenance import Unproven, example_value
-from gemcompile.passes.rewrite_utils import erase_dead, fed_by
+from gemcompile.passes.graph import Unproven, erase_dead, example_value, fed_by
 
 # what a dim of the bias holds; None: a size-1 or broadcast dim
 _ROWS, _COLS, _HEADS = "rows", "cols", "heads"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.passes.mask_provenance import example_value
+from gemcompile.passes.graph import example_value
 
 # f(0) = 0 for every one of these, so a tensor that is zero at the padding stays zero there.
 ZERO_PRESERVING_UNARY = frozenset({

@@ -44,15 +44,10 @@ from torch.utils._pytree import tree_map
 
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.mask_provenance import (
-    MaskEvaluator,
-    Unproven,
-    classify_length_mask,
-    example_value,
-    keep_predicate,
-)
+from gemcompile.passes.graph import Unproven, erase_dead, example_value
+from gemcompile.passes.masks.classify import classify_length_mask
+from gemcompile.passes.masks.evaluator import MaskEvaluator, keep_predicate
 from gemcompile.passes.records import input_path
-from gemcompile.passes.rewrite_utils import erase_dead
 from gemcompile.passes.token_wise import (
     ELEMENTWISE,
     TokenWise,

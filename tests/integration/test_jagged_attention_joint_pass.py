@@ -9,7 +9,7 @@ import torch
 
 from gemcompile.backend import GemBackend
 from gemcompile.explain import explain_with_passes
-from gemcompile.passes.jagged_attention_joint import JaggedAttentionJointPass
+from gemcompile.passes.attention.joint import JaggedAttentionJointPass
 
 B, H, L, D = 3, 2, 12, 16
 JOINT_ONLY = [JaggedAttentionJointPass]

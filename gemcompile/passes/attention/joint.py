@@ -1,7 +1,7 @@
 """Hand-written padded attention in the AOTAutograd joint graph -> gemcompile::jagged_attention.
 
-The pre-grad pass (jagged_attention.py) rewrites attention in the Dynamo graph; this pass catches the
-hand-written spellings that reach the joint graph still as matmul / mask / softmax / matmul, e.g. when
+The pre-grad attention rewrite (attention/rewrite.py) rewrites attention in the Dynamo graph; this pass
+catches the hand-written spellings that reach the joint graph still as matmul / mask / softmax / matmul, e.g. when
 the pre-grad stage did not run on them (another pipeline, a pass list without it). In the joint graph
 the forward and backward of the attention are separate nodes, so the rewrite must replace both at
 once: Inductor's pattern matcher does that with patterns traced through ``joint_fwd_bwd`` (training)
@@ -21,15 +21,11 @@ import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, joint_fwd_bwd, register_replacement
 
+from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.jagged_attention import KERNEL_HEAD_DIMS
-from gemcompile.passes.mask_provenance import (
-    MaskEvaluator,
-    Unproven,
-    classify_length_mask,
-    example_value,
-    keep_predicate,
-)
+from gemcompile.passes.graph import Unproven, example_value
+from gemcompile.passes.masks.classify import classify_length_mask
+from gemcompile.passes.masks.evaluator import MaskEvaluator, keep_predicate
 from gemcompile.passes.records import describe_nodes
 
 _NEG_INF = float("-inf")
@@ -132,7 +128,7 @@ def _check(mask_name: str, mask_kind: str, scalar: str, match: Match) -> bool:
         if len(shape) != 4 or shape[1] != 1 or shape[2] != 1 or shape[3] != key_len:
             raise Unproven(f"the mask has shape {tuple(shape)}, not (B, 1, 1, L): lengths are read off the key dim")
         query, key = example_value(match.kwargs["query"]), example_value(match.kwargs["key"])
-        lo, hi = KERNEL_HEAD_DIMS
+        lo, hi = HEAD_DIMS
         if query.dim() != 4 or key.dim() != 4 or not lo <= query.shape[-1] <= hi:
             raise Unproven(f"q, k must be 4-D (B, H, L, D) with a head dim in {lo}..{hi}")
         evaluator = MaskEvaluator()

@@ -30,15 +30,12 @@ import sympy
 import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
-from sympy.logic.inference import satisfiable
+
+from gemcompile.passes.graph import Unproven, example_value, target_name
 
 NEG_FILL_LIMIT = -1.0e4
 """Fill values at or below this act as -inf in a softmax (exp underflows to exactly 0 in every float
 dtype for scores of ordinary magnitude); -inf, -1e9 and finfo.min all qualify."""
-
-
-class Unproven(Exception):
-    """The evaluator could not prove what a tensor is; the message says why, for explain."""
 
 
 def index_symbol(k: int) -> sympy.Symbol:
@@ -141,11 +138,6 @@ class Atoms:
         }[op]()
 
 
-def equivalent(a: Boolean, b: Boolean) -> bool:
-    """Propositional equivalence of two formulas over the same Atoms."""
-    return not satisfiable(sympy.Xor(a, b))
-
-
 # -- the evaluator -----------------------------------------------------------------------------------
 
 _COMPARE = {operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq",
@@ -175,12 +167,6 @@ _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _INT_DTYPES = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 
 
-def example_value(node: Any):
-    if isinstance(node, fx.Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
-
-
 def _shape(node: fx.Node) -> tuple:
     value = example_value(node)
     if not isinstance(value, torch.Tensor):
@@ -192,13 +178,6 @@ def _is_one(size) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(size == 1)
-
-
-def _name_of(target) -> str:
-    """The op's name without overload: `lt` for operator.lt, Tensor.lt and aten.lt.Tensor alike."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 class MaskEvaluator:
@@ -294,7 +273,7 @@ class MaskEvaluator:
         if node.op not in ("call_function", "call_method"):
             raise Unproven(f"{node.op} {node.target} in the mask")
         target = node.target
-        name = _name_of(target)
+        name = target_name(target)
         args, kwargs = node.args, node.kwargs
         ndim = value.dim()
 
@@ -341,6 +320,8 @@ class MaskEvaluator:
             return self._masked_fill(node, ndim)
         if name in _IDENTITY_METHODS or name in _TO_FLOAT or name in _TO_INT or name == "bool":
             return self._cast(node, value)
+        if name in ("div", "divide") and kwargs.get("rounding_mode") == "floor" and value.dtype in _INT_DTYPES:
+            return self._arith(operator.floordiv, args[0], args[1], ndim, value)  # i // b spelled torch.div
         if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
             op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]
             a, b = (args[1], args[0]) if name in _REVERSED_ARITH else (args[0], args[1])
@@ -380,7 +361,7 @@ class MaskEvaluator:
         return IntTensor(1, start + step * index_symbol(0))
 
     def _constant(self, node: fx.Node, value: torch.Tensor) -> Abstract:
-        name = _name_of(node.target)
+        name = target_name(node.target)
         if name in ("ones", "ones_like", "new_ones"):
             fill = 1
         elif name in ("zeros", "zeros_like", "new_zeros"):
@@ -443,7 +424,7 @@ class MaskEvaluator:
         out_shape = _shape(node)
         in_dims = [d for d, s in enumerate(in_shape) if not _is_one(s)]
         out_dims = [d for d, s in enumerate(out_shape) if not _is_one(s)]
-        name = _name_of(node.target)
+        name = target_name(node.target)
         if name in ("expand", "expand_as", "broadcast_to"):
             # expand keeps dims right-aligned; new size>1 dims come from size-1 dims whose index is 0
             return type(src)(len(out_shape), *[getattr(src, f) for f in ("expr", "pred", "pieces")
@@ -460,7 +441,7 @@ class MaskEvaluator:
 
     def _permute(self, node: fx.Node, src: Abstract) -> Abstract:
         n = src.ndim
-        name = _name_of(node.target)
+        name = target_name(node.target)
         if name in ("transpose", "swapaxes"):
             a, b = (d % n for d in node.args[1:3])
             order = list(range(n))
@@ -488,9 +469,9 @@ class MaskEvaluator:
                 eb = sympy.Integer(int(eb))
             else:
                 raise Unproven("an integer index compared with a fractional float")
-        return BoolTensor(ndim, _simplify(self._compare_exprs(op, ea, eb)))
+        return BoolTensor(ndim, _simplify(self.compare_exprs(op, ea, eb)))
 
-    def _compare_exprs(self, op: str, ea, eb) -> Boolean:
+    def compare_exprs(self, op: str, ea, eb) -> Boolean:
         """ea op eb; an |u|, min(u, w) or max(u, w) inside is split exactly into its two cases."""
         pieces = sympy.sympify(ea - eb).atoms(sympy.Abs, sympy.Min, sympy.Max)
         if not pieces:
@@ -505,8 +486,8 @@ class MaskEvaluator:
             u, w = term.args
             first = self.atoms.compare("le" if isinstance(term, sympy.Min) else "ge", u, w)
         sub = lambda e, r: sympy.sympify(e).xreplace({term: r})  # noqa: E731
-        return sympy.Or(sympy.And(first, self._compare_exprs(op, sub(ea, u), sub(eb, u))),
-                        sympy.And(sympy.Not(first), self._compare_exprs(op, sub(ea, w), sub(eb, w))))
+        return sympy.Or(sympy.And(first, self.compare_exprs(op, sub(ea, u), sub(eb, u))),
+                        sympy.And(sympy.Not(first), self.compare_exprs(op, sub(ea, w), sub(eb, w))))
 
     def _clamp(self, node: fx.Node, name: str, ndim: int) -> IntTensor:
         """Integer clamp / minimum / maximum (bounds may be per-sample tensors) as sympy Min and Max."""
@@ -584,7 +565,7 @@ class MaskEvaluator:
 
     def _masked_fill(self, node: fx.Node, ndim: int) -> Abstract:
         base, mask, fill = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["value"]
-        if _name_of(node.target) == "masked_fill_" and len(base.users) > 1:
+        if target_name(node.target) == "masked_fill_" and len(base.users) > 1:
             raise Unproven("an in-place masked_fill_ on a tensor that is used elsewhere")
         m = self._pred(mask)
         f = self.evaluate(fill)
@@ -637,18 +618,7 @@ class MaskEvaluator:
         return _piecewise(ndim, pieces)
 
 
-# -- what the caller wants: "index < lengths" in the frame of the attention scores -------------------
-
-@dataclass(frozen=True)
-class LengthMask:
-    """scores[b, h, i, j] is kept iff j < kv_len[b] [and i < q_len[b]] [and j <= i]."""
-
-    kv_lengths: fx.Node
-    kv_offset: int
-    q_lengths: fx.Node | None
-    q_offset: int
-    causal: bool
-
+# -- a mask term of the scores as the condition that keeps a score -----------------------------------
 
 def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boolean:
     """The condition under which a score is kept, for a boolean mask ("bool": True keeps) or an additive
@@ -670,73 +640,3 @@ def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boole
         else:
             raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
     return _simplify(sympy.Or(*keep))
-
-
-def classify_length_mask(evaluator: MaskEvaluator, keep: Boolean, batch_is_one: bool = False) -> LengthMask:
-    """Prove ``keep`` (over scores dims r3=b, r2=h, r1=i, r0=j) is a key-length mask, optionally and-ed
-    with a query-length mask and a causal mask; raise Unproven otherwise. With a batch of one the
-    batch index is always 0, so lengths indexed by 0 are per-sample too."""
-    b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
-    atoms = evaluator.atoms
-    if keep is sympy.true:
-        raise Unproven("the mask keeps every score: nothing to skip")
-    if keep is sympy.false:
-        raise Unproven("the mask drops every score")
-    comparisons = [atoms.expr_of[a] for a in keep.free_symbols]
-    if any(h in e.free_symbols for _, e in comparisons):
-        raise Unproven("the mask differs between heads")
-
-    # the opaque per-sample tensors must be indexed by the batch
-    for _, e in comparisons:
-        for f in e.atoms(sympy.Function):
-            if f.func.__name__ in evaluator.leaves:
-                if f.args != (b,) and not (batch_is_one and f.args == (0,)):
-                    raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by "
-                                   "the batch (the lengths are broadcast along the wrong dim)")
-    key_candidates = _length_atoms(evaluator, comparisons, j)
-    query_candidates = _length_atoms(evaluator, comparisons, i)
-    if not key_candidates:
-        raise Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
-    causal_atom = atoms.compare("le", j, i)
-    for kv_node, kv_offset, kv_atom in key_candidates:
-        for q in [None, *query_candidates]:
-            for causal in (False, True):
-                parts = [kv_atom] + ([q[2]] if q else []) + ([causal_atom] if causal else [])
-                if equivalent(keep, sympy.And(*parts)):
-                    return LengthMask(kv_node, kv_offset, q[0] if q else None, q[1] if q else 0, causal)
-    raise Unproven("the mask is not (key index < lengths) [and query index < lengths] [and causal]: "
-                   f"it is {_render(evaluator, keep)}")
-
-
-def _length_atoms(evaluator: MaskEvaluator, comparisons, index: sympy.Symbol):
-    """(lengths node, offset, proposition) for each comparison `index < len[b] + offset`."""
-    found = []
-    for kind, e in comparisons:
-        if kind != "lt":
-            continue
-        for sign in (1, -1):
-            # e < 0 with e = index - len(b) - offset, or its complement form
-            candidate = e if sign == 1 else sympy.expand(-e - 1)
-            rest = sympy.expand(index - candidate)  # = len(b) + offset
-            funcs = [f for f in rest.atoms(sympy.Function) if f.func.__name__ in evaluator.leaves]
-            if len(funcs) != 1:
-                continue
-            offset = sympy.expand(rest - funcs[0])
-            if offset.free_symbols or not offset.is_integer:
-                continue
-            node = evaluator.leaves[funcs[0].func.__name__]
-            found.append((node, int(offset), evaluator.atoms.lt0(candidate)))
-    unique = {}
-    for node, offset, prop in found:
-        unique[(node, offset)] = (node, offset, prop)
-    return list(unique.values())
-
-
-def _render(evaluator: MaskEvaluator, pred: Boolean) -> str:
-    names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
-    replace = {}
-    for atom in pred.free_symbols:
-        kind, e = evaluator.atoms.expr_of[atom]
-        e = e.subs(names)
-        replace[atom] = sympy.Symbol(f"({e} {'< 0' if kind == 'lt' else '== 0'})")
-    return str(pred.xreplace(replace))

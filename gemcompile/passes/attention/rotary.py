@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gemcompile.passes.mask_provenance import Unproven, example_value
+from gemcompile.passes.graph import Unproven, example_value, target_name
 
 ROTARY_STYLES = ("half", "interleaved")
 """The conventions the block-attention kernel applies (its ``rotary`` argument, besides "none")."""
@@ -41,15 +41,6 @@ class RotaryMatch:
     cos: fx.Node
     sin: fx.Node
     style: str
-
-
-def _name(node: Any) -> str:
-    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
-        return ""
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket.__name__
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 _ADD = ("add", "__add__", "__radd__")
@@ -94,7 +85,7 @@ class _RotationInterpreter:
         shape = tuple(value.shape)
         n = len(self.lead)
         if len(shape) <= n or not all(statically_known_true(a == b) for a, b in zip(shape[:n], self.lead)):
-            raise Unproven(f"`{_name(node)}` ({node.name}) changes the leading (batch, head, position) dims")
+            raise Unproven(f"`{target_name(node)}` ({node.name}) changes the leading (batch, head, position) dims")
         tail = shape[n:]
         if not all(isinstance(s, int) for s in tail):
             raise Unproven(f"{node.name} has a symbolic head-dim size")
@@ -126,7 +117,7 @@ class _RotationInterpreter:
         return value
 
     def _run(self, node: fx.Node) -> Any:
-        name = _name(node)
+        name = target_name(node)
         if not name:
             raise Unproven(f"the rotation reads {node.name}, not only {self.x.name}")
         args, kwargs = node.args, node.kwargs
@@ -259,7 +250,7 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
 
 def _products(node: Any) -> tuple[Any, Any] | None:
     """(a, b) when node is a * b."""
-    if _name(node) in _MUL and len(node.args) >= 2 and not node.kwargs:
+    if isinstance(node, fx.Node) and target_name(node) in _MUL and len(node.args) >= 2 and not node.kwargs:
         return node.args[0], node.args[1]
     return None
 
@@ -268,7 +259,7 @@ def match_rotary(node: Any) -> RotaryMatch | None:
     """``node = x * cos + rotate(x) * sin`` (or ``x * cos - rotate'(x) * sin``) with rotate one of the two
     conventions: the match; None when node is not a sum of two products (no RoPE at all); Unproven when it
     is one but not an exact RoPE (a wrong sign or split), with the reason."""
-    name = _name(node)
+    name = target_name(node) if isinstance(node, fx.Node) else ""
     if name not in _ADD + _SUB or len(node.args) < 2 or node.kwargs:
         return None  # also add(..., alpha=...): not a plain sum
     terms = (_products(node.args[0]), _products(node.args[1]))
@@ -318,7 +309,7 @@ def same_value(a: Any, b: Any, depth: int = 12) -> bool:
         return type(a) is type(b) and a == b
     if depth == 0 or a.op != b.op or a.op not in ("call_function", "call_method") or a.target != b.target:
         return False
-    name = _name(a).lower()
+    name = target_name(a).lower()
     if any(word in name for word in _NONDETERMINISTIC) or (name.endswith("_") and not name.endswith("__")):
         return False
     if a.is_impure() or set(a.kwargs) != set(b.kwargs):
@@ -330,7 +321,7 @@ def same_value(a: Any, b: Any, depth: int = 12) -> bool:
 def _mutated(node: fx.Node) -> bool:
     """Whether an in-place op writes node (moving a computation past it could change the result)."""
     for user in node.users:
-        name = _name(user)
+        name = target_name(user)
         if name.endswith("_") and not name.endswith("__") and user.args and user.args[0] is node:
             return True
     return False

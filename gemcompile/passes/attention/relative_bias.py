@@ -9,7 +9,7 @@ gemcompile::relative_bias computes the same values and sums each diagonal instea
 A gather ``table[idx]`` (operator.getitem or aten.index on a tensor index) qualifies when:
 - the table is a floating tensor;
 - the index is a 2-D integer tensor of static shape (rows, cols);
-- evaluated over index symbols (passes/mask_provenance.py), the index is exactly ``j - i + offset`` for an
+- evaluated over index symbols (passes/masks/evaluator.py), the index is exactly ``j - i + offset`` for an
   integer constant offset (i the row, j the column);
 - every position it reads lies in the table (a negative one would wrap around in eager: left alone).
 
@@ -28,8 +28,8 @@ from torch import fx
 
 from gemcompile.lowering.relative_bias import positions_span
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.mask_provenance import IntTensor, MaskEvaluator, Unproven, example_value, index_symbol
-from gemcompile.passes.rewrite_utils import fed_by
+from gemcompile.passes.graph import Unproven, example_value, fed_by
+from gemcompile.passes.masks.evaluator import IntTensor, MaskEvaluator, index_symbol
 
 aten = torch.ops.aten
 

@@ -1,0 +1,182 @@
+"""Block-diagonal or sliding-window masked self-attention (+ RoPE just before) -> gemcompile::block_attention.
+
+GEM's history self-attention attends within fixed blocks of a sequence (or a window around each
+position), so its cost grows linearly with the length; modelers write it as full L x L attention with a
+block-diagonal or banded mask and the padding mask from the lengths, usually after rotating q and k
+(RoPE). The attention rewrite (attention/rewrite.py) gives this family the softmax attention whose mask has a
+block or window term:
+
+1. softmax attention (SDPA with a bool or additive mask, hand-written softmax; attention/match.py);
+2. whose mask is proven (masks/) to be key padding ``j < len[b]`` AND fixed blocks ``i // b == j // b``
+   and/or a window ``|i - j| <= w`` (``i - j <= w`` causal) [AND causal], with b and w constants;
+3. check it is self-attention (one length for queries and keys), that the site has no additive bias, and
+   that the kernel serves the block, window and head dim (``kernel_supports`` of the lowering);
+4. if q and k are both ``x * cos + rotate(x) * sin`` with one convention (rotate-half or interleaved) and
+   one cos/sin table broadcast over heads (attention/rotary.py), pass the un-rotated q, k and the tables so
+   the kernel applies RoPE itself (config ``fuse_rotary``); otherwise rotary="none", which is always
+   exact (the rotation stays in the graph);
+5. replace the attention by one ``block_attention`` call; explain shows block, window, causal and rotary,
+   or the reason a candidate was left alone.
+
+Query padding. The op computes every query row, also rows i >= len[b] (their keys j < len[b] in the same
+block / window), exactly as eager does for a mask without a query term. A mask that also has a query term
+``i < len'[b]`` makes eager return 0 (SDPA) or NaN / an average (hand-written) at rows i >= len'[b], where
+the op would return nonzero values. Such a mask is rewritten only when the rows do not matter: the model
+multiplies the attention's output by ``row < len'[b] + c`` downstream (masks/rows.py,
+through row-wise ops), with the same lengths and an offset no larger than the mask's; otherwise refused.
+
+Semantics (exact up to rounding at every position the model uses): rows without an allowed key come out
+as 0 (eager SDPA also gives 0; a hand-written softmax gives NaN or an average over masked keys there).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from gemcompile.passes.attention.family import (
+    AttentionFamily,
+    check_lengths_device,
+    check_qkv,
+    operands,
+    permuted,
+    lengths_operand,
+)
+from gemcompile.passes.attention.kernels import BLOCK_NO_WINDOW, block_kernel_supports
+from gemcompile.passes.attention.match import AttentionSite
+from gemcompile.passes.attention.rotary import RotaryMatch, match_rotary_pair, table_layout
+from gemcompile.passes.attention.scores import is_call
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.rows import downstream_row_mask
+from gemcompile.passes.records import describe_nodes
+
+
+class BlockAttention(AttentionFamily):
+    """Provable block-diagonal / sliding-window padded self-attention -> gemcompile::block_attention, with
+    RoPE fused when it is applied to q and k just before."""
+
+    name = "block_attention"
+    config_section = "block_attention"
+    masks_served = "key padding and fixed blocks and/or a sliding window [and causal]"
+
+    def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
+        if mask.kv_lengths is None:
+            raise Unproven("no key-padding mask (key index < lengths) in the block/window mask: the kernel needs "
+                           f"the lengths; the mask is {mask.formula}")
+        if mask.hstu or (mask.block is None and mask.window is None):
+            raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
+        if site.bias:
+            raise Unproven("an additive bias on the scores (the block-attention kernel has none)")
+
+    @staticmethod
+    def _check_rows(site: AttentionSite, mask: AttentionMask) -> str:
+        """'' without a query term; the note for explain when a query term is harmless; Unproven otherwise."""
+        if mask.q_lengths is None:
+            return ""
+        why = (f"the mask also drops query rows i >= {mask.q_lengths.name}[b], which the kernel computes: "
+               "rewritten only when the model masks those rows after the attention")
+        if site.out_perm is not None:
+            raise Unproven(why)
+        try:
+            rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
+        except Unproven as reason:
+            raise Unproven(f"{why} ({reason})") from None
+        if rows is not mask.q_lengths or offset > mask.q_offset:
+            raise Unproven(f"{why} (the model masks rows by {rows.name}[b] + {offset} instead)")
+        return " (the query rows it drops are masked after the attention)"
+
+    @staticmethod
+    def _check_shapes(q, k, v, block: int, window: int) -> None:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+        check_qkv(q, k, v, (1, 1 << 30))
+        if not (known(q.shape[0] == k.shape[0]) and known(q.shape[2] == k.shape[2])):
+            raise Unproven(f"cross-attention (queries {tuple(q.shape)}, keys {tuple(k.shape)}): the block kernel "
+                           "serves self-attention, one length for queries and keys")
+        reason = block_kernel_supports(block, window, q.shape[-1])
+        if reason is not None:
+            raise Unproven(f"the block-attention kernel does not serve block={block}, window={window}, "
+                           f"head dim {q.shape[-1]}: {reason}")
+
+    # -- RoPE --------------------------------------------------------------------------------------
+    def _rotary(self, site: AttentionSite) -> tuple[tuple[RotaryMatch, RotaryMatch] | None, str]:
+        """The fusable (q, k) rotations, or None and why not ('' when q and k are not rotated)."""
+        if site.q_perm is not None or site.k_perm is not None:
+            return None, ""
+        k = _transposed_source(site.k) if site.k_is_transposed else site.k
+        if k is None:
+            return None, ""
+        try:
+            pair = match_rotary_pair(site.q, k)
+        except Unproven as reason:
+            return None, str(reason)
+        if pair is not None and not self.options.fuse_rotary:
+            return None, "fuse_rotary is off"
+        return pair, ""
+
+    @staticmethod
+    def _rotated_operands(emit: Emitter, pair: tuple[RotaryMatch, RotaryMatch]):
+        """The un-rotated q and k and the cos/sin tables viewed as the kernel takes them."""
+        qm, km = pair
+        tables = []
+        for table in (qm.cos, qm.sin):
+            index, _ = table_layout(table, qm.x)
+            tables.append(table if index is None else emit.call(operator.getitem, (table, index)))
+        return qm.x, km.x, *tables
+
+    # -- emitting ----------------------------------------------------------------------------------
+    def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
+        rows_note = self._check_rows(site, mask)
+        pair, not_fused = self._rotary(site)
+        # what explain shows as replaced: the attention, and the rotations the kernel now applies
+        rotations = [] if pair is None else [m.node for m in pair if len(m.node.users) == 1]
+        before = describe_nodes(site.matched + rotations)
+        block = 0 if mask.block is None else mask.block
+        window = BLOCK_NO_WINDOW if mask.window is None else mask.window
+        with emit.graph.inserting_before(site.output):
+            if pair is not None:
+                q, k, cos, sin = self._rotated_operands(emit, pair)
+                v = permuted(emit, site.v, site.v_perm)
+            else:
+                (q, k, v), cos, sin = operands(emit, site), None, None
+            self._check_shapes(*(example_value(n) for n in (q, k, v)), block, window)
+            check_lengths_device(q, mask.kv_lengths)
+            if example_value(mask.kv_lengths).dtype not in (torch.int32, torch.int64):
+                raise Unproven(f"the lengths ({mask.kv_lengths.name}) are {example_value(mask.kv_lengths).dtype}, "
+                               "not int32 or int64")
+            lengths = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+            rotary = "none" if pair is None else pair[0].style
+            try:  # the op's own argument checks run on the fake tensors: what they reject is not rewritten
+                out = emit.call(torch.ops.gemcompile.block_attention.default,
+                                (q, k, v, lengths, block, window, bool(mask.causal), cos, sin, rotary,
+                                 float(site.scale)))
+            except (TypeError, ValueError) as error:
+                raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
+            out = permuted(emit, out, site.out_perm)
+        site.output.replace_all_uses_with(out)
+        erase_dead(site.matched)
+        if pair is not None:
+            rope = f"rotary {rotary} fused ({pair[0].cos.name}, {pair[0].sin.name})"
+        else:
+            rope = "rotary none" + (f" (not fused: {not_fused})" if not_fused else "")
+        return before, (f"block={block} window={window} causal={mask.causal}; {rope}; "
+                        f"mask proven: {mask.describe()}{rows_note}")
+
+
+def _transposed_source(node: fx.Node) -> fx.Node | None:
+    """X when node is X with its last two dims swapped (``k.transpose(-2, -1)``, ``k.mT``), else None."""
+    if not isinstance(node, fx.Node) or example_value(node) is None or example_value(node).dim() != 4:
+        return None
+    if is_call(node, "transpose", "swapaxes") and len(node.args) == 3 and {
+            d % 4 for d in node.args[1:3] if isinstance(d, int)} == {2, 3}:
+        return node.args[0]
+    if is_call(node, "permute"):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        if [d % 4 for d in dims] == [0, 1, 3, 2]:
+            return node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    return None

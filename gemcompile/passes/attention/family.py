@@ -1,0 +1,136 @@
+"""AttentionFamily: what one attention kernel contributes to the attention rewrite, and the emission
+helpers the families share.
+
+A family says which masks and sites its kernel serves (``accept``; refusals in its own words) and how it
+replaces a site by one call of its op (``rewrite``); attention/rewrite.py finds and classifies each site
+and picks the family. A family is a GemPass for its name (counts and explain rows), config section
+(``enabled`` and options), cache uuid and reporting; it runs only inside AttentionRewritePass.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import ClassVar
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.attention.match import AttentionSite
+from gemcompile.passes.base import GemPass
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
+from gemcompile.passes.masks.classify import Unclassified
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.records import describe_nodes
+
+
+class AttentionFamily(GemPass):
+    """One attention kernel: which masks and sites it serves, and how it emits its op."""
+
+    stage = "pre_grad"
+    masks_served: ClassVar[str]
+    """The masks the kernel serves, as refusals spell them ("the mask is not <this>: it is ...")."""
+
+    def run(self, graph: fx.Graph) -> None:
+        raise TypeError(f"{type(self).__name__} is a kernel family: AttentionRewritePass runs it")
+
+    def refusal(self, error: Unclassified) -> Unproven:
+        """The refusal of a mask that is no AttentionMask at all."""
+        return Unproven(f"the mask is not {self.masks_served}: it is {error.formula}")
+
+    def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
+        """Unproven, with the reason, when the kernel does not serve this mask on this site."""
+
+    def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
+        """Replace the site by the op: (the replaced nodes, as explain shows them; the detail)."""
+        before = describe_nodes(site.matched)
+        with emit.graph.inserting_before(site.output):
+            q, k, v = operands(emit, site)
+            out, detail = self.emit(emit, site, mask, q, k, v)
+            out = permuted(emit, out, site.out_perm)
+        site.output.replace_all_uses_with(out)
+        erase_dead(site.matched)
+        return before, detail
+
+    def emit(self, emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node, k: fx.Node,
+             v: fx.Node) -> tuple[fx.Node, str]:
+        """The op's output for (B, H, L, D) q, k, v (before the output permutation), and the detail."""
+        raise NotImplementedError
+
+
+# -- what the families emit --------------------------------------------------------------------------
+
+def permuted(emit: Emitter, node: fx.Node, perm) -> fx.Node:
+    return node if perm is None else emit.call(torch.permute, (node, perm))
+
+
+def operands(emit: Emitter, site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q, k, v as (B, H, L, D) views; scores were q @ kT: kT.transpose(-2, -1) is k as a view, no copy."""
+    q = permuted(emit, site.q, site.q_perm)
+    k = emit.call(torch.transpose, (site.k, -2, -1)) if site.k_is_transposed else permuted(emit, site.k, site.k_perm)
+    return q, k, permuted(emit, site.v, site.v_perm)
+
+
+def size_of(emit: Emitter, node: fx.Node, dim: int):
+    """A dim's size: the int when static, a sym_size node when dynamic (a SymInt cannot be a constant)."""
+    size = example_value(node).shape[dim]
+    return size if isinstance(size, int) else emit.call(torch.ops.aten.sym_size.int, (node, dim))
+
+
+def clamped_lengths(emit: Emitter, node: fx.Node, offset: int, padded) -> fx.Node:
+    """lengths + offset, clamped to [0, padded]: exactly what `arange(padded) < lengths + offset` keeps
+    (a length past the padded size keeps every position, a negative one none)."""
+    if offset != 0:
+        node = emit.call(operator.add, (node, offset))
+    return emit.call(torch.clamp, (node, 0, padded))
+
+
+def lengths_operand(emit: Emitter, lengths: fx.Node | None, offset: int, x: fx.Node) -> fx.Node | None:
+    """The op's lengths along x's dim 2, or None without lengths."""
+    return None if lengths is None else clamped_lengths(emit, lengths, offset, size_of(emit, x, 2))
+
+
+def check_lengths_device(q: fx.Node, *lengths: fx.Node | None) -> None:
+    """The kernels read lengths on the attention's device."""
+    device = example_value(q).device
+    for node in lengths:
+        if node is not None and example_value(node).device != device:
+            raise Unproven(f"the lengths ({node.name}) are on {example_value(node).device}, the attention on "
+                           f"{device}")
+
+
+def summed_bias(emit: Emitter, terms: list[tuple[fx.Node, float]]) -> fx.Node | None:
+    """sum(coefficient * term) as one 4-D node (leading dims of size 1 added), or None without terms."""
+    total = None
+    for node, coefficient in terms:
+        term = node if coefficient == 1.0 else emit.call(operator.mul, (node, coefficient))
+        total = term if total is None else emit.call(operator.add, (total, term))
+    if total is None:
+        return None
+    while example_value(total).dim() < 4:
+        total = emit.call(torch.unsqueeze, (total, 0))
+    if example_value(total).dim() > 4:
+        raise Unproven("an additive bias with more than 4 dims")
+    return total
+
+
+def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
+    """q (B|1, H, Lq, D), k and v (B, H, Lk, D) of one floating dtype and device, D within head_dims."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
+    if not (q.device == k.device == v.device):
+        raise Unproven(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
+        raise Unproven("q, k and v head dims differ (the kernel needs one head dim)")
+    if not (known(k.shape[0] == v.shape[0]) and known(k.shape[2] == v.shape[2])):
+        raise Unproven("k and v disagree on batch or length")
+    if not (known(q.shape[0] == k.shape[0]) or known(q.shape[0] == 1)):
+        raise Unproven("q's batch is neither k's nor 1")
+    if not (known(q.shape[1] == k.shape[1]) and known(k.shape[1] == v.shape[1])):
+        raise Unproven("q, k and v have different head counts (grouped-query attention is not served)")
+    lo, hi = head_dims
+    if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:
+        raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")

@@ -1,0 +1,100 @@
+"""The GDPA family: padded pointwise-activation attention -> gemcompile::gdpa.
+
+Serves each activation that sits between ``q @ k^T`` and ``@ v`` (attention/match.py; for identity
+attention, the first mask op on the raw scores) whose mask is proven (masks/) to be key padding, query
+padding, causal, a local window, HSTU's target/contextual visibility, or none, with the normalizer a
+constant or the key lengths per sample. Query rows are skipped when the mask says so or when the model
+multiplies the attention's output by a query-row mask downstream (what GEM-ref's PFFN cross-attention
+does; masks/rows.py); otherwise every query row is computed, as in eager.
+
+Semantics (exact up to rounding at every position the model uses): pairs the mask drops contribute
+nothing; rows without a valid pair, and skipped query rows, come out as 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.attention.family import (
+    AttentionFamily,
+    check_lengths_device,
+    check_qkv,
+    lengths_operand,
+    summed_bias,
+)
+from gemcompile.passes.attention.kernels import GDPA_NO_WINDOW, HEAD_DIMS
+from gemcompile.passes.attention.match import AttentionSite
+from gemcompile.passes.graph import Emitter, Unproven, example_value, target_name
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.rows import downstream_row_mask
+
+_LENGTH_VIEWS = ("view", "reshape", "unsqueeze", "to", "float", "double", "half", "bfloat16", "type_as",
+                 "getitem", "expand", "expand_as", "contiguous")
+
+
+class Gdpa(AttentionFamily):
+    """Provable padded pointwise attention -> gemcompile::gdpa."""
+
+    name = "gdpa"
+    config_section = "gdpa"
+    masks_served = ("a combination of key padding, query padding, causal and a local window over lengths, nor "
+                    "HSTU's target/contextual mask")
+
+    def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
+        if mask.block is not None:
+            raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
+
+    @staticmethod
+    def _divides_by_kv_length(site: AttentionSite, mask: AttentionMask) -> bool:
+        if site.divisor is None:
+            return False
+        node = site.divisor
+        while node.op in ("call_function", "call_method") and (
+            (node.target is operator.getitem) or target_name(node) in _LENGTH_VIEWS
+        ):
+            node = node.args[0]
+        shape = example_value(site.divisor).shape
+        if mask.kv_lengths is None or node is not mask.kv_lengths or mask.kv_offset != 0:
+            raise Unproven(f"the activated scores are divided by {site.divisor.name}, which is not the key "
+                           "lengths of the mask")
+        if len(shape) != 4 or any(s != 1 for s in shape[1:]):
+            raise Unproven(f"the per-sample normalizer {site.divisor.name} does not have shape (B, 1, 1, 1)")
+        return True
+
+    @staticmethod
+    def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
+        """The mask with the query-row mask a model applies after the attention, when it is provable (else
+        the mask as is: every row is computed, exactly as in eager), and its description."""
+        if mask.q_lengths is not None or site.out_perm is not None:
+            return mask, mask.describe()
+        try:
+            rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
+        except Unproven:
+            return mask, mask.describe()
+        mask = dataclasses.replace(mask, q_lengths=rows, q_offset=offset)
+        return mask, f"{mask.describe()} (query rows masked after the attention)"
+
+    def emit(self, emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node, k: fx.Node,
+             v: fx.Node) -> tuple[fx.Node, str]:
+        qv, kv = example_value(q), example_value(k)
+        check_qkv(qv, kv, example_value(v), HEAD_DIMS)
+        divide = self._divides_by_kv_length(site, mask)
+        mask, detail = self._downstream_rows(site, mask)
+        check_lengths_device(q, mask.kv_lengths, mask.q_lengths, mask.num_targets)
+        kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+        q_len = lengths_operand(emit, mask.q_lengths, mask.q_offset, q)
+        bias = summed_bias(emit, site.bias)
+        window = GDPA_NO_WINDOW if mask.window is None else mask.window
+        args = (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale), float(site.out_scale),
+                divide, mask.causal, int(window))
+        if mask.hstu:
+            if qv.shape[0] != kv.shape[0] or qv.shape[2] != kv.shape[2]:
+                raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
+            args += (mask.num_targets, int(mask.contextual_len))
+        out = emit.call(torch.ops.gemcompile.gdpa.default, args)
+        return out, (f"{site.activation}; mask proven: {detail}"
+                     + ("; normalized by the key lengths" if divide else ""))

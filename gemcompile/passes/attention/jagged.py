@@ -1,0 +1,94 @@
+"""The jagged family: padded softmax attention with a length-derived mask -> gemcompile::jagged_attention.
+
+Serves softmax attention (SDPA, a hand-written softmax, nn.MultiheadAttention with its projections)
+whose mask keeps exactly the scores with key index < kv_lengths[b] (and, where present, query index <
+q_lengths[b] and key <= query); blocks, windows and HSTU masks are other families' or refused here.
+
+Semantics (exact up to rounding at every position the eager model defines): rows with no valid key,
+where eager SDPA returns 0 or NaN and a finite fill returns an average over padding, come out as 0;
+query rows past q_lengths come out as 0 (eager leaves them masked or NaN too).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.attention.family import (
+    AttentionFamily,
+    check_lengths_device,
+    check_qkv,
+    lengths_operand,
+    summed_bias,
+)
+from gemcompile.passes.attention.kernels import HEAD_DIMS
+from gemcompile.passes.attention.match import AttentionSite, check_mha
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
+from gemcompile.passes.masks.classify import LENGTH_MASKS, Unclassified, length_refusal, require_lengths
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.records import describe_nodes
+
+
+class JaggedAttention(AttentionFamily):
+    """Provable padded softmax attention -> gemcompile::jagged_attention."""
+
+    name = "jagged_attention"
+    config_section = "jagged_attention"
+    masks_served = LENGTH_MASKS
+
+    def refusal(self, error: Unclassified) -> Unproven:
+        return length_refusal(error)
+
+    def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
+        require_lengths(mask)
+
+    def _check_shapes(self, q: fx.Node, k: fx.Node, v: fx.Node) -> None:
+        check_qkv(*(example_value(n) for n in (q, k, v)), HEAD_DIMS)
+        kv_len = example_value(k).shape[2]
+        if isinstance(kv_len, int) and kv_len < self.options.min_kv_len:
+            raise Unproven(f"only {kv_len} keys (< min_kv_len={self.options.min_kv_len})")
+
+    def emit(self, emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node, k: fx.Node,
+             v: fx.Node) -> tuple[fx.Node, str]:
+        self._check_shapes(q, k, v)
+        check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
+        kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+        q_len = lengths_operand(emit, mask.q_lengths, mask.q_offset, q)
+        bias = summed_bias(emit, site.bias)
+        out = emit.call(torch.ops.gemcompile.jagged_attention.default,
+                        (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale)))
+        return out, "mask proven: " + mask.describe()
+
+    def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
+        return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)
+
+    def _rewrite_mha(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
+        """nn.MultiheadAttention (one Dynamo node): in-projection, jagged attention, out-projection."""
+        node = site.anchor
+        a = check_mha(node)
+        embed, heads = a["embed_dim_to_check"], a["num_heads"]
+        users = list(node.users)
+        before = describe_nodes([node])
+        with emit.graph.inserting_before(node):
+            w, b = a["in_proj_weight"], a["in_proj_bias"]
+            heads_view = []
+            for i, src in enumerate((site.q, site.k, site.v)):  # (L, B, E): MHA's internal layout
+                wi = emit.call(operator.getitem, (w, slice(i * embed, (i + 1) * embed)))
+                bi = emit.call(operator.getitem, (b, slice(i * embed, (i + 1) * embed)))
+                proj = emit.call(torch.nn.functional.linear, (src, wi, bi))
+                length, batch = example_value(src).shape[:2]
+                split = emit.call(torch.reshape, (proj, (length, batch, heads, embed // heads)))
+                heads_view.append(emit.call(torch.permute, (split, (1, 2, 0, 3))))  # (B, H, L, Dh)
+            out, detail = self.emit(emit, site, mask, *heads_view)
+            length, batch = example_value(site.q).shape[:2]
+            merged = emit.call(torch.permute, (out, (2, 0, 1, 3)))  # (L, B, H, Dh)
+            merged = emit.call(torch.reshape, (merged, (length, batch, embed)))
+            result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], a["out_proj_bias"]))
+        for user in users:
+            if user.target is operator.getitem:
+                if user.args[1] == 0:
+                    user.replace_all_uses_with(result)
+                erase_dead([user])
+        return before, detail

@@ -1,0 +1,445 @@
+"""Find attention in a Dynamo graph and take it apart: q, k, v, scale, additive bias, masks, output.
+
+Anchors, not enumerated spellings. An attention is
+- a ``scaled_dot_product_attention`` node (``match_sdpa``);
+- a ``multi_head_attention_forward`` node, what ``nn.MultiheadAttention`` is in a Dynamo graph
+  (``check_mha``; the jagged family rewrites it with its projections);
+- a softmax over the last dim whose input comes from ``q @ k^T`` and whose output goes to ``@ v``
+  (``match_softmax``): between the two matmuls the chain may scale (by a constant), add terms (a float
+  mask or a bias), fill masked positions (``masked_fill``, ``torch.where``), cast, or apply dropout that
+  is off;
+- a pointwise activation (silu, gelu exact or tanh, relu, relu squared, sigmoid) of the scores
+  (``match_pointwise``), the activated scores going to ``@ v`` through a mask, a normalizer and casts:
+
+      act(q @ k^T * scale [+ bias]) [* mask | masked_fill(~mask, 0) | where(mask, ., 0)]
+                                    [* c | / c | / lengths[b]] @ v
+
+  The mask must come after the activation (sigmoid(0) != 0: a mask inside would not drop a pair).
+  Identity (linear) attention, ``(q @ k^T * scale [+ bias]) * mask @ v``, has no activation to anchor on:
+  its anchor is the raw scores that the first mask op takes (``identity_scores``), and it needs a mask
+  (without one the chain is two plain matmuls, nothing to gain).
+
+Masks are kept as graph nodes here; masks/ proves what they are. Every node of the chain must feed only
+the next one: attention weights used elsewhere (returned, logged) cannot be skipped, so such sites are
+left alone.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.attention.scores import (
+    ADD,
+    CASTS,
+    DIV,
+    MATMUL,
+    MUL,
+    SCALE_OPS,
+    SUB,
+    constant_float,
+    is_call,
+    leads_to_matmul,
+    replay,
+    single_user,
+    values,
+    walk_to_scores,
+)
+from gemcompile.passes.graph import Unproven, example_value
+from gemcompile.passes.masks.evaluator import NEG_FILL_LIMIT, MaskEvaluator, PiecewiseTensor
+
+
+@dataclass(frozen=True)
+class MaskTerm:
+    """A mask applied to the scores: ``node`` keeps a score where it is True ("keep"), where it is False
+    ("drop") or by adding 0 / a large negative value ("additive"). ``dims`` maps the mask's right-aligned
+    dims onto the scores' (B, H, Lq, Lk) frame when they do not line up."""
+
+    node: fx.Node
+    kind: str  # "keep" | "drop" | "additive"
+    dims: dict[int, int] | None = None
+
+
+@dataclass
+class AttentionSite:
+    """One attention, taken apart. q/k/v are (B|1, H, L, D) views once the ``*_perm`` permutations apply."""
+
+    anchor: fx.Node
+    output: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float = 1.0
+    activation: str | None = None
+    """None: softmax; else the pointwise activation of the scores ("identity" for linear attention)."""
+    out_scale: float = 1.0
+    """A constant the activated scores are multiplied by (pointwise attention)."""
+    divisor: fx.Node | None = None
+    """The per-sample normalizer the activated scores are divided by (a lengths tensor), if any."""
+    q_perm: tuple[int, ...] | None = None
+    k_perm: tuple[int, ...] | None = None
+    k_is_transposed: bool = False
+    v_perm: tuple[int, ...] | None = None
+    out_perm: tuple[int, ...] | None = None
+    bias: list[tuple[fx.Node, float]] = field(default_factory=list)
+    masks: list[MaskTerm] = field(default_factory=list)
+    causal_flag: bool = False
+    matched: list[fx.Node] = field(default_factory=list)
+    kind: str = "softmax"
+    """"softmax", "sdpa", "mha" or "pointwise"."""
+
+
+def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], **fields) -> AttentionSite:
+    for key in ("q", "k", "v"):
+        if not isinstance(info.get(key), fx.Node):
+            raise Unproven(f"no tensor for {key}")
+    layout = {key: info[key] for key in ("q_perm", "k_perm", "k_is_transposed", "v_perm", "out_perm") if key in info}
+    return AttentionSite(anchor=anchor, output=output, q=info["q"], k=info["k"], v=info["v"], matched=matched,
+                         **layout, **fields)
+
+
+# -- softmax ---------------------------------------------------------------------------------------
+
+def looks_like_attention(softmax: fx.Node) -> bool:
+    """Only softmaxes that sit on a matmul are candidates: a softmax over logits is none of our business."""
+    return bool(softmax.args) and leads_to_matmul(softmax.args[0])
+
+
+def _dropout_is_off(node: fx.Node) -> bool:
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    return p == 0 or training is False
+
+
+def match_softmax(softmax: fx.Node) -> AttentionSite:
+    """softmax(scores) @ v with scores = q @ k^T scaled, biased and masked."""
+    dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
+    ndim = example_value(softmax).dim()
+    if not (isinstance(dim, int) and dim % ndim == ndim - 1):
+        raise Unproven(f"softmax over dim {dim}, not over the keys (the last dim)")
+    matched: list[fx.Node] = []
+    # forward: softmax -> casts / dropout that is off -> (weights @ v)
+    node = softmax
+    while True:
+        single_user(node, matched)
+        (user,) = node.users
+        if is_call(user, "dropout") and not _dropout_is_off(user):
+            raise Unproven("dropout on the attention weights (the kernel has none); use dropout_p=0 or eval()")
+        if not is_call(user, *CASTS, "dropout"):
+            break
+        node = user
+    info: dict[str, Any] = {}
+    values(user, node, info, "the softmax output goes")
+    ops = walk_to_scores(softmax.args[0], matched, info, _softmax_step, positive=True,
+                         what="the softmax is not a scale, bias, mask or cast")
+    scale, bias, masks = replay(ops)
+    return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks)
+
+
+def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
+    """The bias and mask ops a softmax's score chain may hold (walk_to_scores' step)."""
+    if is_call(node, *ADD):
+        chain, term = _which_is_scores(*node.args[:2])
+        ops.append(("mask", MaskTerm(term, "additive")) if _is_additive_mask(term) else ("bias", (term, 1.0)))
+        return chain
+    if is_call(node, *SUB):
+        a, b = node.args[:2]
+        if not leads_to_matmul(a):
+            raise Unproven("the scores are subtracted from something")
+        if _is_additive_mask(b):
+            raise Unproven("a mask subtracted from the scores")
+        ops.append(("bias", (b, -1.0)))
+        return a
+    if is_call(node, "masked_fill"):
+        base, mask, fill = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["value"]
+        _check_fill(fill)
+        ops.append(("mask", MaskTerm(mask, "drop")))
+        return base
+    if is_call(node, "where"):
+        cond, x, y = node.args
+        if isinstance(x, fx.Node) and leads_to_matmul(x) and not isinstance(y, fx.Node):
+            _check_fill(y)
+            ops.append(("mask", MaskTerm(cond, "keep")))
+            return x
+        if isinstance(y, fx.Node) and leads_to_matmul(y) and not isinstance(x, fx.Node):
+            _check_fill(x)
+            ops.append(("mask", MaskTerm(cond, "drop")))
+            return y
+        raise Unproven("torch.where on the scores with a tensor on both sides")
+    return None
+
+
+def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
+    a_scores, b_scores = leads_to_matmul(a), leads_to_matmul(b)
+    if a_scores == b_scores or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        raise Unproven("an addition on the scores where the score side is ambiguous or the other side constant")
+    return (a, b) if a_scores else (b, a)
+
+
+def _check_fill(fill: Any) -> None:
+    value = constant_float(fill)
+    if value is None:
+        raise Unproven("the masked positions are filled with a tensor, not a constant")
+    if value > NEG_FILL_LIMIT:
+        raise Unproven(f"masked scores are filled with {value!r}, not -inf or a large negative number (<= -1e4)")
+
+
+def _is_additive_mask(term: fx.Node) -> bool:
+    """An added term is a mask when it only takes 0 and large negative values and comes from lengths."""
+    try:
+        value = MaskEvaluator().tensor(term)
+    except Unproven:
+        return False
+    return isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+
+
+# -- SDPA and nn.MultiheadAttention ----------------------------------------------------------------
+
+def match_sdpa(sdpa: fx.Node) -> AttentionSite:
+    args = list(sdpa.args) + [None] * (7 - len(sdpa.args))
+    q, k, v = args[:3]
+    mask = sdpa.kwargs.get("attn_mask", args[3])
+    dropout_p = sdpa.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
+    is_causal = sdpa.kwargs.get("is_causal", args[5] if args[5] is not None else False)
+    scale = sdpa.kwargs.get("scale", args[6])
+    if sdpa.kwargs.get("enable_gqa", False):
+        raise Unproven("grouped-query attention (enable_gqa) is not supported by the kernel")
+    if dropout_p not in (0, 0.0):
+        raise Unproven(f"dropout_p={dropout_p} (the kernel has no dropout)")
+    if mask is None:
+        raise Unproven("no attention mask: nothing to skip")
+    if not isinstance(mask, fx.Node):
+        raise Unproven("a constant attention mask")
+    if scale is None:
+        head_dim = example_value(q).shape[-1]
+        if not isinstance(head_dim, int):
+            raise Unproven("a symbolic head dim (the default scale would be symbolic)")
+        scale = 1.0 / math.sqrt(head_dim)
+    elif constant_float(scale) is None:
+        raise Unproven("a non-constant scale")
+    kind = "keep" if example_value(mask).dtype == torch.bool else "additive"
+    return AttentionSite(anchor=sdpa, output=sdpa, q=q, k=k, v=v, scale=float(scale),
+                         masks=[MaskTerm(mask, kind)], causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa")
+
+
+_MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+             "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+             "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+
+
+def check_mha(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an nn.MultiheadAttention configuration the rewrite serves; Unproven otherwise."""
+    a = dict(zip(_MHA_ARGS, node.args))
+    a.update(node.kwargs)
+    if a.get("bias_k") is not None or a.get("bias_v") is not None or a.get("add_zero_attn"):
+        raise Unproven("MultiheadAttention with add_bias_kv or add_zero_attn")
+    if a.get("use_separate_proj_weight") or a.get("static_k") is not None or a.get("static_v") is not None:
+        raise Unproven("MultiheadAttention with kdim/vdim or static k/v")
+    if a.get("dropout_p", 0.0) not in (0, 0.0) and a.get("training", True):
+        raise Unproven("MultiheadAttention dropout in training (the kernel has no dropout)")
+    if a.get("attn_mask") is not None:
+        raise Unproven("MultiheadAttention with attn_mask (only key_padding_mask is rewritten)")
+    if a.get("is_causal"):
+        raise Unproven("MultiheadAttention with is_causal")
+    if a.get("key_padding_mask") is None:
+        raise Unproven("MultiheadAttention without key_padding_mask: nothing to skip")
+    weights_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    if any(u.users for u in weights_users):
+        raise Unproven("MultiheadAttention's attention weights are used (need_weights): they cannot be skipped")
+    if a.get("in_proj_bias") is None or a.get("in_proj_weight") is None:
+        raise Unproven("MultiheadAttention without a packed in-projection")
+    return a
+
+
+def match_mha(node: fx.Node) -> AttentionSite:
+    """nn.MultiheadAttention as a site: q, k, v are its (L, B, E) inputs, before the in-projection; its
+    key_padding_mask (B, S) marks padding True (or -inf), dims (b, j) -> the scores' (b, ., ., j)."""
+    a = check_mha(node)
+    mask = a["key_padding_mask"]
+    kind = "drop" if example_value(mask).dtype == torch.bool else "additive"
+    head_dim = a["embed_dim_to_check"] // a["num_heads"]
+    return AttentionSite(anchor=node, output=node, q=a["query"], k=a["key"], v=a["value"],
+                         scale=1.0 / math.sqrt(head_dim), masks=[MaskTerm(mask, kind, dims={1: 3, 0: 0})],
+                         matched=[node], kind="mha")
+
+
+# -- pointwise activations (GDPA) ------------------------------------------------------------------
+
+def activation_of(node: fx.Node) -> tuple[str, fx.Node] | None:
+    """(activation name, the node holding act(scores)) when node is an activation; None otherwise."""
+    if is_call(node, "silu"):
+        return "silu", node
+    if is_call(node, "sigmoid"):
+        return "sigmoid", node
+    if is_call(node, "gelu"):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if approximate not in ("none", "tanh"):
+            return None
+        return ("gelu" if approximate == "none" else "gelu_tanh"), node
+    if is_call(node, "relu"):
+        if len(node.users) == 1:
+            (user,) = node.users
+            if (is_call(user, "pow", "__pow__") and user.args[0] is node and user.args[1] == 2) or (
+                is_call(user, "square") and user.args[0] is node
+            ):
+                return "relu_squared", user
+        return "relu", node
+    return None
+
+
+def feeds_from_scores(node: fx.Node) -> bool:
+    """Whether an activation takes (B, H, Lq, Lk) scores: an activation in an MLP is none of our business."""
+    arg = node.args[0] if node.args else node.kwargs.get("input")
+    if not isinstance(arg, fx.Node) or not leads_to_matmul(arg):
+        return False
+    value = example_value(arg)
+    return isinstance(value, torch.Tensor) and value.dim() == 4
+
+
+def _is_raw_scores(node: Any) -> bool:
+    """node is q @ k^T through constant scales, bias additions and casts only (no activation, no mask)."""
+    while isinstance(node, fx.Node):
+        if is_call(node, *MATMUL, "einsum"):
+            value = node.meta.get("example_value")
+            return getattr(value, "ndim", 0) == 4  # (B, H, Lq, Lk) scores
+        if is_call(node, *CASTS):
+            node = node.args[0]
+        elif is_call(node, *SCALE_OPS):
+            a, b = node.args[:2]
+            if isinstance(a, fx.Node) == isinstance(b, fx.Node):
+                return False
+            node = a if isinstance(a, fx.Node) else b
+        elif is_call(node, *ADD, *SUB):
+            a, b = node.args[:2]
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or leads_to_matmul(a) == leads_to_matmul(b):
+                return False
+            node = a if leads_to_matmul(a) else b
+        else:
+            return False
+    return False
+
+
+def identity_scores(node: fx.Node) -> fx.Node | None:
+    """The raw scores when node is the first mask op of an identity attention (its anchor); else None."""
+    if is_call(node, "masked_fill"):
+        data = node.args[0]
+    elif is_call(node, "where") and len(node.args) == 3:
+        _cond, x, y = node.args
+        data = x if isinstance(x, fx.Node) and not isinstance(y, fx.Node) else (
+            y if isinstance(y, fx.Node) and not isinstance(x, fx.Node) else None)
+    elif is_call(node, *MUL) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        a, b = node.args[:2]
+        data = a if _is_raw_scores(a) and not _is_raw_scores(b) else (b if _is_raw_scores(b) and not _is_raw_scores(a)
+                                                                      else None)
+    else:
+        return None
+    if not isinstance(data, fx.Node) or len(data.users) != 1 or not _is_raw_scores(data):
+        return None
+    # and the masked scores go on to `@ v` (else a softmax or an activation follows: not identity attention,
+    # and not worth a refusal in explain)
+    chain = node
+    while len(chain.users) == 1:
+        (user,) = chain.users
+        if is_call(user, *MATMUL, "einsum"):
+            return data if user.args[0] is chain or is_call(user, "einsum") else None
+        if not is_call(user, *CASTS, *MUL, *DIV, "masked_fill", "where"):
+            return None
+        chain = user
+    return None
+
+
+def _fill_is_zero(fill: Any) -> None:
+    if constant_float(fill) != 0.0:
+        raise Unproven(f"masked pairs are filled with {fill!r}, not 0 (after the activation a mask must zero them)")
+
+
+def match_pointwise(anchor: fx.Node, identity: bool = False) -> AttentionSite:
+    """Take apart the attention around ``anchor``: an activation node, or with identity=True the raw
+    scores that identity_scores found."""
+    if identity:
+        activation, act_out = "identity", anchor
+    else:
+        found = activation_of(anchor)
+        if found is None:
+            raise Unproven(f"{anchor.name} is not a supported activation")
+        activation, act_out = found
+    matched: list[fx.Node] = []
+    forward = _activated_to_values(anchor, act_out, matched)
+    if identity and not forward["masks"]:
+        raise Unproven("identity attention without a mask: two plain matmuls, nothing to rewrite")
+    info: dict[str, Any] = {}
+    values(forward["user"], forward["node"], info, "the activated scores go")
+    ops = walk_to_scores(anchor if identity else anchor.args[0], matched, info, _pointwise_step, positive=False,
+                         what="the activation is not a scale, bias or cast")
+    scale, bias, _ = replay(ops)
+    return _site(anchor, forward["user"], info, matched + [forward["user"]], scale=scale, bias=bias,
+                 activation=activation, out_scale=forward["out_scale"], divisor=forward["divisor"],
+                 masks=forward["masks"], kind="pointwise")
+
+
+def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Node]) -> dict[str, Any]:
+    """Forward from the activation: masks, constant scales and the per-sample normalizer, up to the node
+    that uses the activated scores against v."""
+    out_scale, divisor, masks = 1.0, None, []
+    node = anchor
+    while True:
+        single_user(node, matched)
+        (user,) = node.users
+        if (user is act_out and act_out is not anchor) or is_call(user, *CASTS):
+            node = user
+            continue
+        if is_call(user, *MUL, *DIV) and (user.args[0] is node or is_call(user, *MUL)):
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            divides = is_call(user, *DIV)
+            c = constant_float(other)
+            if c is not None:
+                if c == 0:
+                    raise Unproven("the activated scores are multiplied or divided by 0")
+                out_scale *= (1.0 / c) if divides else c
+            elif not isinstance(other, fx.Node):
+                raise Unproven(f"the activated scores are scaled by the symbolic value {other!r}")
+            elif divides:
+                if divisor is not None:
+                    raise Unproven("the activated scores are divided by two tensors")
+                divisor = other
+            else:
+                masks.append(MaskTerm(other, "keep"))
+        elif is_call(user, "masked_fill") and user.args[0] is node:
+            _fill_is_zero(user.args[2] if len(user.args) > 2 else user.kwargs.get("value"))
+            masks.append(MaskTerm(user.args[1], "drop"))
+        elif is_call(user, "where"):
+            cond, x, y = user.args
+            if x is node and not isinstance(y, fx.Node):
+                _fill_is_zero(y)
+                masks.append(MaskTerm(cond, "keep"))
+            elif y is node and not isinstance(x, fx.Node):
+                _fill_is_zero(x)
+                masks.append(MaskTerm(cond, "drop"))
+            else:
+                raise Unproven("torch.where on the activated scores with a tensor on both sides")
+        else:
+            return {"node": node, "user": user, "out_scale": out_scale, "divisor": divisor, "masks": masks}
+        node = user
+
+
+def _pointwise_step(node: fx.Node, ops: list) -> fx.Node | None:
+    """The bias ops an activation's score chain may hold (walk_to_scores' step)."""
+    if not is_call(node, *ADD, *SUB):
+        return None
+    a, b = node.args[:2]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        raise Unproven("a constant added to the scores")
+    if leads_to_matmul(a) == leads_to_matmul(b):
+        raise Unproven("an addition on the scores where the score side is ambiguous")
+    subtract = is_call(node, *SUB)
+    if subtract and not leads_to_matmul(a):
+        raise Unproven("the scores are subtracted from something")
+    chain, term = (a, b) if leads_to_matmul(a) else (b, a)
+    ops.append(("bias", (term, -1.0 if subtract else 1.0)))
+    return chain

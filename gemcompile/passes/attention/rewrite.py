@@ -1,0 +1,189 @@
+"""AttentionRewritePass: padded attention -> one custom-op call, for every attention kernel family.
+
+Runs on the Dynamo graph (pre-grad), where SDPA and nn.MultiheadAttention are single nodes and the
+``arange < lengths`` chains are visible, so each op's own autograd formula gives the backward. One walk
+over the graph; for each attention it
+
+1. finds the site once (attention/match.py): SDPA, nn.MultiheadAttention, a hand-written softmax, or a
+   pointwise activation (GDPA; identity attention anchored on its first mask op);
+2. proves its mask once: the mask terms' subgraphs are evaluated over index symbols (masks/evaluator.py)
+   into one formula, classified as an AttentionMask (masks/classify.py);
+3. picks the kernel family, here and only here: pointwise attention -> gdpa (attention/gdpa.py); softmax
+   attention with a block or window term -> block_attention (attention/block.py) when that family is on,
+   else -> jagged_attention (attention/jagged.py);
+4. lets the family accept the mask and site (or say why not) and emit its op, rolling the graph back when
+   it refuses midway.
+
+What cannot be proven is left alone, with the reason in ``explain`` under the family that would have
+served it. Each family keeps its name, config section and row in explain; its rewrites and refusals are
+recorded family by family (block, jagged, gdpa), each in graph order.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from typing import ClassVar
+
+import sympy
+import torch.fx as fx
+
+from gemcompile.passes.attention.block import BlockAttention
+from gemcompile.passes.attention.family import AttentionFamily
+from gemcompile.passes.attention.gdpa import Gdpa
+from gemcompile.passes.attention.jagged import JaggedAttention
+from gemcompile.passes.attention.match import (
+    AttentionSite,
+    activation_of,
+    feeds_from_scores,
+    identity_scores,
+    looks_like_attention,
+    match_mha,
+    match_pointwise,
+    match_sdpa,
+    match_softmax,
+)
+from gemcompile.passes.attention.scores import is_call
+from gemcompile.passes.base import GemPass
+from gemcompile.passes.graph import Emitter, Unproven, example_value
+from gemcompile.passes.masks.classify import Unclassified, classify
+from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.terms import mentions_structure
+from gemcompile.passes.records import describe_nodes
+
+Matcher = Callable[[], AttentionSite]
+
+
+class AttentionRewritePass(GemPass):
+    """Rewrites provable padded attention into the op of the kernel family that serves it."""
+
+    name = "attention"
+    stage = "pre_grad"
+    source_modules = ("gemcompile.passes.graph", "gemcompile.passes.attention.match",
+                      "gemcompile.passes.attention.scores", "gemcompile.passes.attention.rotary",
+                      "gemcompile.passes.attention.kernels", "gemcompile.passes.masks.evaluator",
+                      "gemcompile.passes.masks.terms", "gemcompile.passes.masks.prover",
+                      "gemcompile.passes.masks.model", "gemcompile.passes.masks.classify",
+                      "gemcompile.passes.masks.rows")
+    family_types: ClassVar[tuple[type[AttentionFamily], ...]] = (BlockAttention, JaggedAttention, Gdpa)
+    """The kernel families, in the order explain lists them and their records."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.families = tuple(family(config) for family in self.family_types)
+        self.block, self.jagged, self.gdpa = self.families
+
+    @property
+    def parts(self) -> tuple[GemPass, ...]:
+        return self.families
+
+    @property
+    def enabled(self) -> bool:
+        return any(family.enabled for family in self.families)
+
+    def uuid(self) -> str:
+        """Each family's uuid covers its module, config section and options; this one the shared modules."""
+        h = hashlib.sha256(super().uuid().encode())
+        for family in self.families:
+            h.update(family.uuid().encode())
+        return h.hexdigest()
+
+    def run(self, graph: fx.Graph) -> None:
+        emit = Emitter(graph)
+        records: dict[str, list[Callable[[], None]]] = {family.name: [] for family in self.families}
+        for node in list(graph.nodes):
+            if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
+                continue  # erased: part of an attention rewritten earlier in this loop
+            found = self._candidate(node)
+            if found is None:
+                continue
+            family, match = found
+            mark = emit.mark()
+            try:
+                site = match()
+                family, mask = self._prove(site, family)
+                if family is None:
+                    continue
+                if isinstance(mask, Unproven):
+                    raise mask
+                family.accept(site, mask)
+                before, detail = family.rewrite(emit, site, mask)
+            except Unproven as reason:
+                emit.rollback(mark)
+                if family.enabled:
+                    records[family.name].append(functools.partial(family.refused, node, str(reason)))
+                continue
+            after = describe_nodes(emit.created[mark:])
+            records[family.name].append(functools.partial(family.rewrote, site.anchor, before, after, detail))
+        for family in self.families:
+            for record in records[family.name]:
+                record()
+
+    def _candidate(self, node: fx.Node) -> tuple[AttentionFamily, Matcher] | None:
+        """(the family that reports on the site, its matcher) when node anchors an attention that an enabled
+        family could serve."""
+        softmax_served = self.jagged.enabled or self.block.enabled
+        if is_call(node, "scaled_dot_product_attention"):
+            return (self.jagged, functools.partial(match_sdpa, node)) if softmax_served else None
+        if is_call(node, "softmax"):
+            found = softmax_served and looks_like_attention(node)
+            return (self.jagged, functools.partial(match_softmax, node)) if found else None
+        if is_call(node, "multi_head_attention_forward"):
+            return (self.jagged, functools.partial(match_mha, node)) if self.jagged.enabled else None
+        if not self.gdpa.enabled:
+            return None
+        if activation_of(node) is not None and feeds_from_scores(node):
+            return self.gdpa, functools.partial(match_pointwise, node)
+        identity = identity_scores(node)
+        if identity is not None:
+            return self.gdpa, functools.partial(match_pointwise, identity, identity=True)
+        return None
+
+    def _prove(self, site: AttentionSite, family: AttentionFamily
+               ) -> tuple[AttentionFamily | None, AttentionMask | Unproven]:
+        """The family that serves the site (None: that family is off, leave the site alone) and the site's
+        mask, or the refusal in that family's words when the mask is not proven."""
+        evaluator = MaskEvaluator()
+        try:
+            keep = keep_formula(evaluator, site)
+            mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
+        except Unproven as error:
+            if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):
+                family = self.block  # a mask meant as blocks or a window: the block family's refusal
+            refusal = family.refusal(error) if isinstance(error, Unclassified) else error
+            return (family if family.enabled else None), refusal
+        if site.activation is None and (mask.block is not None or mask.window is not None) and self.block.enabled:
+            family = self.block
+        return (family if family.enabled else None), mask
+
+
+def keep_formula(evaluator: MaskEvaluator, site: AttentionSite):
+    """The condition under which the site keeps the score (b, h, i, j): every mask term of the site, and
+    SDPA's is_causal, in one formula over the scores' index symbols."""
+    keep = sympy.true
+    for term in site.masks:
+        value = evaluator.tensor(term.node)
+        if term.dims:
+            value = evaluator.relabel(value, term.dims, 4)
+        pieces = getattr(value, "pieces", None)
+        if term.kind == "keep" and pieces is not None and any(v not in (0.0, 1.0) for v, _ in pieces):
+            raise Unproven(f"the activated scores are multiplied by {term.node.name}, which holds values other "
+                           "than 0 and 1 (weights, not a mask)")
+        pred = keep_predicate(evaluator, value, "additive" if term.kind == "additive" else "bool")
+        keep = sympy.And(keep, sympy.Not(pred) if term.kind == "drop" else pred)
+    if site.causal_flag:
+        keep = sympy.And(keep, evaluator.atoms.compare("le", index_symbol(0), index_symbol(1)))
+    if 0 < len(keep.free_symbols) <= 8:  # exponential in the atoms: simplify small formulas only
+        keep = sympy.simplify_logic(keep, force=True)
+    return keep
+
+
+def _batch_is_one(site: AttentionSite) -> bool:
+    """Whether q and k have a batch of one (then lengths indexed by 0 are per-sample too)."""
+    if site.kind == "mha":  # (L, B, E)
+        return example_value(site.q).shape[1] == 1
+    batch = [example_value(x).shape[perm[0] if perm else 0] for x, perm in ((site.q, site.q_perm),
+                                                                           (site.k, site.k_perm))]
+    return batch == [1, 1]

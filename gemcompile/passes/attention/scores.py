@@ -1,0 +1,180 @@
+"""The score chain of an attention, read backwards: from where the scores are used to ``q @ k^T``.
+
+Every attention the matchers find (attention/match.py) computes scores ``q @ k^T`` (a matmul with a
+transposed k, or a 4-D einsum), scales them by constants, adds bias terms, masks them, casts them, and
+uses the result against ``v`` (a matmul or an einsum). The helpers here are that shared vocabulary: the op
+names, the einsum layouts, and ``walk_to_scores``, the one walk from an anchor back to ``q @ k^T``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from gemcompile.passes.graph import Unproven, target_name
+
+MATMUL = ("matmul", "__matmul__")
+CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous")
+SCALE_OPS = {"mul": operator.mul, "__mul__": operator.mul, "__rmul__": operator.mul,
+             "truediv": operator.truediv, "div": operator.truediv, "__truediv__": operator.truediv}
+MUL = ("mul", "__mul__", "__rmul__")
+DIV = ("truediv", "div", "__truediv__")
+ADD = ("add", "__add__", "__radd__")
+SUB = ("sub", "__sub__")
+
+
+def is_call(node: Any, *names: str) -> bool:
+    return isinstance(node, fx.Node) and target_name(node) in names
+
+
+def constant_float(x: Any) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
+    """Add ``node`` to the site's nodes; Unproven when something besides the attention uses it."""
+    if len(node.users) != 1:
+        raise Unproven(f"{node.name} (part of the attention) is also used elsewhere: "
+                       "attention weights that are returned or reused cannot be skipped")
+    site_nodes.append(node)
+
+
+def leads_to_matmul(node: Any, depth: int = 12) -> bool:
+    """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold."""
+    while isinstance(node, fx.Node) and depth > 0:
+        if is_call(node, *MATMUL, "einsum"):
+            return True
+        if not is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where"):
+            return False
+        candidates = [a for a in node.args if isinstance(a, fx.Node)]
+        if is_call(node, "where"):
+            candidates = candidates[1:]
+        if is_call(node, "masked_fill"):
+            candidates = candidates[:1]
+        if len(candidates) == 1:
+            node, depth = candidates[0], depth - 1
+            continue
+        return any(leads_to_matmul(c, depth - 1) for c in candidates)
+    return False
+
+
+# -- einsum ----------------------------------------------------------------------------------------
+
+def _parse_einsum(node: fx.Node) -> tuple[list[str], str, list[fx.Node]]:
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "->" not in equation or "." in equation:
+        raise Unproven("an einsum without an explicit output")
+    lhs, out = equation.replace(" ", "").split("->")
+    return lhs.split(","), out, operands
+
+
+def _perm(src: str, dst: str) -> tuple[int, ...] | None:
+    perm = tuple(src.index(c) for c in dst)
+    return None if perm == tuple(range(len(dst))) else perm
+
+
+def scores_einsum(node: fx.Node, site: dict) -> None:
+    """q, k and their permutations to (B, H, L, D) from a score einsum ``q.k^T`` over the head dim."""
+    (a, b), out, (q, k) = _parse_einsum(node)
+    if len(out) != 4 or len(a) != 4 or len(b) != 4:
+        raise Unproven("a score einsum that is not 4-D")
+    batch, head, qi, kj = out
+    (d,) = [c for c in a if c not in out] or [None]
+    if d is None or d not in b or set(a) != {batch, head, qi, d} or set(b) != {batch, head, kj, d}:
+        raise Unproven(f"the score einsum {a},{b}->{out} is not q.k^T over the head dim")
+    site.update(q=q, k=k, q_perm=_perm(a, batch + head + qi + d), k_perm=_perm(b, batch + head + kj + d),
+                roles=(batch, head, qi, kj))
+
+
+def values_einsum(node: fx.Node, probs: fx.Node, site: dict) -> None:
+    """v, its permutation to (B, H, L, D) and the output's from an einsum of the weights with v."""
+    (a, b), out, (p, v) = _parse_einsum(node)
+    if p is not probs or len(a) != 4 or len(b) != 4 or len(out) != 4:
+        raise Unproven("the attention weights are not the first operand of a 4-D einsum")
+    batch, head, qi, kj = a  # the weights are in the (B, H, Lq, Lk) frame of the scores
+    (d,) = [c for c in b if c not in a] or [None]
+    if d is None or set(b) != {batch, head, kj, d} or set(out) != {batch, head, qi, d}:
+        raise Unproven(f"the value einsum {a},{b}->{out} does not contract the key dim")
+    site.update(v=v, v_perm=_perm(b, batch + head + kj + d), out_perm=_perm(batch + head + qi + d, out))
+
+
+def values(user: fx.Node, weights: fx.Node, info: dict, what: str) -> None:
+    """v (and the layouts) when ``user`` is ``weights @ v``; Unproven otherwise."""
+    if is_call(user, *MATMUL) and user.args[0] is weights:
+        info["v"] = user.args[1]
+    elif is_call(user, "einsum"):
+        values_einsum(user, weights, info)
+    else:
+        raise Unproven(f"{what} to `{target_name(user)}`, not to a matmul with the values")
+
+
+# -- the walk back to q @ k^T ----------------------------------------------------------------------
+
+Step = Callable[[fx.Node, list], "fx.Node | None"]
+
+
+def _scale(node: fx.Node, positive: bool) -> tuple[float, fx.Node]:
+    """(factor, the scores' side) of a multiplication or division of the scores by a constant."""
+    a, b = node.args[:2]
+    divides = SCALE_OPS[target_name(node)] is operator.truediv
+    if divides and not isinstance(a, fx.Node):
+        raise Unproven("a constant divided by the scores")
+    c = constant_float(b) if isinstance(a, fx.Node) else constant_float(a)
+    if c is None:
+        raise Unproven("the scores are scaled by a tensor or a symbolic value, not a constant")
+    if positive and c <= 0:
+        raise Unproven("the scores are scaled by a non-positive constant")
+    if c == 0:
+        raise Unproven("the scores are scaled by 0")
+    return (1.0 / c if divides else c), (a if isinstance(a, fx.Node) else b)
+
+
+def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step, *, positive: bool,
+                   what: str) -> list[tuple[str, Any]]:
+    """Walk from ``node`` back to q @ k^T, recording q, k (and layouts) in ``info``, and return the ops met
+    on the way, in backward order: ("scale", factor), and what ``step`` records for the ops it takes
+    (it returns the next node, or None for an op it does not take: Unproven, naming ``what`` it is not)."""
+    ops: list[tuple[str, Any]] = []
+    while True:
+        single_user(node, matched)
+        if is_call(node, *MATMUL):
+            info.update(q=node.args[0], k=node.args[1], k_is_transposed=True)
+            return ops
+        if is_call(node, "einsum"):
+            scores_einsum(node, info)
+            return ops
+        if is_call(node, *CASTS):
+            node = node.args[0]
+            continue
+        if is_call(node, *SCALE_OPS):
+            factor, node = _scale(node, positive)
+            ops.append(("scale", factor))
+            continue
+        following = step(node, ops)
+        if following is None:
+            raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")
+        node = following
+
+
+def replay(ops: list[tuple[str, Any]]) -> tuple[float, list[tuple[fx.Node, float]], list]:
+    """(scale, bias terms with their coefficients, masks) of the ops of walk_to_scores, replayed forward:
+    a scale multiplies the bias terms added before it."""
+    scale, bias, masks = 1.0, [], []
+    for kind, arg in reversed(ops):
+        if kind == "scale":
+            scale *= arg
+            bias = [(term, c * arg) for term, c in bias]
+        elif kind == "mask":
+            masks.append(arg)
+        else:
+            bias.append(arg)
+    return scale, bias, masks

@@ -1,0 +1,137 @@
+"""What every pass needs to read and edit an FX graph: the refusal exception, a node's example value and
+op name, one node emitter with fake-tensor propagation, and dead-code removal that is safe before
+functionalization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+
+class Unproven(Exception):
+    """A pass could not prove a rewrite is exact; the message says why, for explain."""
+
+
+def example_value(node: Any):
+    """A node's fake value (``example_value`` in Dynamo graphs, ``val`` after AOTAutograd); non-nodes as is."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def target_name(target: Any) -> str:
+    """The op's name without overload: `lt` for operator.lt, Tensor.lt and aten.lt.Tensor alike. Given a
+    node, the name of what it calls ('' for a node that calls nothing: placeholder, output, get_attr)."""
+    if isinstance(target, fx.Node):
+        if target.op not in ("call_function", "call_method"):
+            return ""
+        target = target.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+class Emitter:
+    """Inserts nodes at the graph's insertion point with their fake value computed in the fake mode the
+    inputs live in (the tracing context may hold another one), so later passes (ours and Inductor's) see
+    shapes on new nodes as on the tracer's. ``created`` lists the new nodes, for reports and rollback.
+
+    ``value_key`` is where the value goes (``example_value`` in Dynamo graphs, ``val`` after AOTAutograd);
+    ``untraceable``, when set, turns a failure to trace a new node into ``Unproven(f"{node} {untraceable}:
+    {error}")`` (else the error propagates). A new data-dependent size is bound (``unbacked_bindings``)
+    so later tracing does not trip on it."""
+
+    def __init__(self, graph: fx.Graph, value_key: str = "example_value", untraceable: str | None = None):
+        self.graph = graph
+        self.value_key = value_key
+        self.untraceable = untraceable
+        self.created: list[fx.Node] = []
+
+    def mark(self) -> int:
+        return len(self.created)
+
+    def rollback(self, mark: int = 0) -> None:
+        """Erase the nodes created since ``mark`` (a rewrite that was abandoned)."""
+        for node in reversed(self.created[mark:]):
+            if not node.users:
+                self.graph.erase_node(node)
+        del self.created[mark:]
+
+    def call(self, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        return self.node("call_function", target, args, kwargs or {})
+
+    def method(self, name: str, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        return self.node("call_method", name, args, kwargs or {})
+
+    def node(self, op: str, target, args: tuple, kwargs: dict) -> fx.Node:
+        from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+        node = self.graph.create_node(op, target, args, kwargs)
+        self.created.append(node)
+        to_value = lambda a: example_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
+        fake_args, fake_kwargs = tree_map(to_value, args), tree_map(to_value, kwargs)
+        leaves = [*tree_leaves(fake_args), *tree_leaves(fake_kwargs)]
+        mode = next((a.fake_mode for a in leaves if isinstance(a, FakeTensor)), None)
+        if mode is None:
+            return node
+        try:
+            with mode:
+                if op == "call_method":
+                    value = getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
+                else:
+                    value = target(*fake_args, **fake_kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            if self.untraceable is None:
+                raise
+            raise Unproven(f"{node.name} {self.untraceable}: {e}") from e
+        if mode.shape_env is not None:
+            bindings = compute_unbacked_bindings(mode.shape_env, value)
+            if bindings:
+                node.meta["unbacked_bindings"] = bindings
+        node.meta[self.value_key] = value
+        return node
+
+
+def _may_erase(node: fx.Node) -> bool:
+    """Pure ops only: Dynamo graphs may hold in-place methods whose result is unused but whose effect is
+    not (``x.add_(1)``), so a graph-wide dead-code pass is unsafe before functionalization."""
+    if node.op not in ("call_function", "call_method") or node.users:
+        return False
+    name = target_name(node)
+    if name.endswith("_") and not name.endswith("__"):
+        return False
+    return not node.is_impure()
+
+
+def erase_dead(nodes: list[fx.Node]) -> None:
+    """Erase the given nodes and then their inputs, as long as each is pure and has no users left."""
+    work = list(nodes)
+    seen: set[fx.Node] = set()
+    while work:
+        node = work.pop()
+        if node in seen or getattr(node, "_erased", False):
+            continue
+        if not _may_erase(node):
+            continue
+        seen.add(node)
+        inputs = list(node.all_input_nodes)
+        node.graph.erase_node(node)
+        work.extend(inputs)
+
+
+def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:
+    """Whether a node satisfying ``predicate`` is ``node`` or one of its first ``limit`` producers."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if predicate(n):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False

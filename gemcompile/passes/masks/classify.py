@@ -1,0 +1,166 @@
+"""Which AttentionMask a mask's formula is, proven: the one classifier of every attention kernel family.
+
+``classify`` takes the keep-predicate of a mask over the scores' (b, h, i, j) (built by the
+MaskEvaluator, masks/evaluator.py) and finds the combination of the terms of masks/terms.py
+
+    j < kv_len[b] + c_k,   i < q_len[b] + c_q,   i // block == j // block,   j <= i,
+    i - j <= w (and j - i <= w when not causal)
+
+that is equivalent to it (masks/prover.py), else HSTU's causal target/contextual visibility, else raises
+Unproven with the formula it found instead (``Unclassified``: each kernel family says in its own words
+which masks it serves). Which family serves the mask is the caller's choice (passes/attention/).
+``classify_length_mask`` is the padding-only subset (key padding [and query padding] [and causal]) that
+the jagged kernel and the unpad pass's row masks take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import sympy
+
+from gemcompile.passes.graph import Unproven
+from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
+from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.prover import equivalent, render
+from gemcompile.passes.masks.terms import block_atoms, check_constant_windows, length_atoms, window_atoms
+
+LENGTH_MASKS = "(key index < lengths) [and query index < lengths] [and causal]"
+"""The masks classify_length_mask accepts, as its refusals spell them."""
+
+
+class Unclassified(Unproven):
+    """The formula is none of the masks AttentionMask models; ``formula`` says what it is instead."""
+
+    def __init__(self, formula: str, key_padding: bool):
+        super().__init__(f"the mask is {formula}")
+        self.formula = formula
+        self.key_padding = key_padding
+        """Whether the formula compares the key index with lengths at all."""
+
+
+def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> AttentionMask:
+    """The AttentionMask ``keep`` is (module docstring); with a batch of one the batch index is always 0,
+    so lengths indexed by 0 are per-sample too."""
+    b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
+    if keep is sympy.true:
+        return AttentionMask(formula="True")
+    if keep is sympy.false:
+        raise Unproven("the mask drops every score")
+    comparisons = [evaluator.atoms.expr_of[a] for a in keep.free_symbols]
+    if any(h in e.free_symbols for _, e in comparisons):
+        raise Unproven("the mask differs between heads")
+    for _, e in comparisons:
+        for f in e.atoms(sympy.Function):
+            if f.func.__name__ in evaluator.leaves and f.args != (b,) and not (batch_is_one and f.args == (0,)):
+                raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by the "
+                               "batch (the lengths are broadcast along the wrong dim)")
+    blocks = block_atoms(evaluator, keep)
+    keys, queries = length_atoms(evaluator, comparisons, j), length_atoms(evaluator, comparisons, i)
+    formula = render(evaluator, keep)
+    found = _search(evaluator, keep, comparisons, keys, queries, blocks)
+    if found is None and not blocks:
+        found = _classify_hstu(evaluator, keep, keys, queries)
+    if found is not None:
+        return dataclasses.replace(found, formula=formula)
+    for size, atom in blocks.items():  # a telling reason for the one near-miss people write by accident
+        for kv in keys:
+            if equivalent(evaluator, keep, sympy.And(kv[2], sympy.Not(atom))):
+                raise Unproven(f"the mask keeps pairs of different blocks (i // {size} != j // {size}): not "
+                               "block-diagonal")
+    check_constant_windows(evaluator, keep)
+    raise Unclassified(formula, key_padding=bool(keys))
+
+
+def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) -> AttentionMask | None:
+    """The first combination of padding, block, causal and window terms equivalent to ``keep``."""
+    i, j = index_symbol(1), index_symbol(0)
+    causal_atom = evaluator.atoms.compare("le", j, i)
+    back, forward = window_atoms(evaluator, comparisons)
+    windows = [(False, None, []), (True, None, [causal_atom])]
+    windows += [(True, w, [causal_atom, p]) for w, p in sorted(back.items())]
+    windows += [(False, w, [p, forward[w]]) for w, p in sorted(back.items()) if w in forward]
+    block_options = [(None, [])] + [(size, [atom]) for size, atom in sorted(blocks.items())]
+    for kv, q, (block, block_part), (causal, window, extra) in itertools.product(
+            [None, *keys], [None, *queries], block_options, windows):
+        parts = ([kv[2]] if kv else []) + ([q[2]] if q else []) + block_part + extra
+        if parts and equivalent(evaluator, keep, sympy.And(*parts)):
+            return AttentionMask(kv_lengths=kv[0] if kv else None, kv_offset=kv[1] if kv else 0,
+                                 q_lengths=q[0] if q else None, q_offset=q[1] if q else 0, block=block,
+                                 causal=causal, window=window)
+    return None
+
+
+def require_lengths(mask: AttentionMask) -> AttentionMask:
+    """``mask`` when it is key padding [and query padding] [and causal]; Unproven otherwise."""
+    if mask == AttentionMask():
+        raise Unproven("the mask keeps every score: nothing to skip")
+    if mask.kv_lengths is None:
+        raise Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
+    if mask.structured:
+        raise Unproven(f"the mask is not {LENGTH_MASKS}: it is {mask.formula}")
+    return mask
+
+
+def length_refusal(error: Unclassified) -> Unproven:
+    """classify_length_mask's words for a formula that is no AttentionMask."""
+    if not error.key_padding:
+        return Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
+    return Unproven(f"the mask is not {LENGTH_MASKS}: it is {error.formula}")
+
+
+def classify_length_mask(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> AttentionMask:
+    """``keep`` as key padding [and query padding] [and causal]; Unproven otherwise."""
+    try:
+        return require_lengths(classify(evaluator, keep, batch_is_one))
+    except Unclassified as error:
+        raise length_refusal(error) from None
+
+
+# -- HSTU: causal visibility with targets and a contextual prefix --------------------------------------
+
+def hstu_visible(evaluator: MaskEvaluator, i, j, n, t, contextual: int, window: int):
+    """HSTU's causal visibility of key j from query i in a sequence of n tokens whose last t are targets and
+    whose first `contextual` tokens are contextual (position ids clamped as in generative-recommenders'
+    reference mask); the kernel implements the same formula."""
+    compare = evaluator.compare_exprs
+    ii, jj, m = i, j, n
+    if contextual:
+        ii, jj, m = sympy.Max(i - contextual + 1, 0), sympy.Max(j - contextual + 1, 0), n - contextual + 1
+    if t is not None:
+        m = m - t
+        ii, jj = sympy.Min(ii, m), sympy.Min(jj, m)
+    visible = sympy.Or(evaluator.atoms.compare("eq", i, j), compare("gt", ii - jj, 0))
+    if window:
+        visible = sympy.And(visible, compare("le", ii - jj, window))
+    if contextual:
+        visible = sympy.Or(visible, sympy.And(compare("eq", ii, 0), compare("lt", jj, m)))
+    return visible
+
+
+def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMask | None:
+    """Key padding [and query padding] and HSTU's causal target/contextual visibility, or None."""
+    b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
+    constants = set()
+    for a in keep.free_symbols:
+        for term in sympy.Add.make_args(evaluator.atoms.expr_of[a][1]):
+            if term.is_Integer:
+                constants.update({abs(int(term)) - 1, abs(int(term)), abs(int(term)) + 1})
+    contextual_options = [0] + sorted(c for c in constants if c >= 1)
+    for kv_node, kv_offset, kv_atom in keys:
+        if kv_offset != 0:
+            continue
+        n = sympy.Function(f"len_{kv_node.name}")(b)
+        target_options = [None] + [node for node in evaluator.leaves.values() if node is not kv_node]
+        for t_node, contextual in itertools.product(target_options, contextual_options):
+            if t_node is None and not contextual:
+                continue  # plain causal: handled above
+            t = None if t_node is None else sympy.Function(f"len_{t_node.name}")(b)
+            visible = hstu_visible(evaluator, i, j, n, t, contextual, 0)
+            for q in [None, *[x for x in queries if x[0] is kv_node and x[1] == 0]]:
+                candidate = sympy.And(kv_atom, visible, *([q[2]] if q else []))
+                if equivalent(evaluator, keep, candidate):
+                    return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
+                                         num_targets=t_node, contextual_len=contextual)
+    return None

@@ -1,0 +1,67 @@
+"""AttentionMask: what a proven attention mask is, in one model for every kernel family.
+
+A score ``scores[b, h, i, j]`` (query i, key j of sample b) is kept iff every present condition holds:
+
+    j < kv_lengths[b] + kv_offset        key padding
+    i < q_lengths[b] + q_offset          query padding
+    i // block == j // block             fixed blocks (block a constant)
+    j <= i                               causal
+    i - j <= window (causal) | |i - j| <= window (not causal)   a sliding window (window a constant)
+    HSTU's visibility: the last num_targets[b] tokens are targets (they see the history and themselves),
+    the first contextual_len tokens are contextual (fully visible)
+
+Absent conditions are None (lengths, block, window, targets) or 0 (offsets, contextual_len): "no window" is
+None here, whatever sentinel a kernel takes. masks/classify.py proves which model a mask's formula is; a
+new mask source (a mask read from data rather than lengths) is one more field and one more case there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """scores[b, h, i, j] are kept iff every present condition holds (see the module docstring)."""
+
+    kv_lengths: fx.Node | None = None
+    kv_offset: int = 0
+    q_lengths: fx.Node | None = None
+    q_offset: int = 0
+    block: int | None = None
+    causal: bool = False
+    window: int | None = None
+    num_targets: fx.Node | None = None
+    contextual_len: int = 0
+    formula: str = field(default="", compare=False)
+    """The kept-score formula as proven, for refusals that say what the mask is instead."""
+
+    @property
+    def structured(self) -> bool:
+        """Whether query and key positions are related beyond causality (blocks, a window, HSTU)."""
+        return self.block is not None or self.window is not None or self.hstu
+
+    @property
+    def hstu(self) -> bool:
+        return self.num_targets is not None or self.contextual_len != 0
+
+    def describe(self) -> str:
+        parts = []
+        if self.kv_lengths is not None:
+            parts.append(f"keys j < {self.kv_lengths.name}[b]" + (f" + {self.kv_offset}" if self.kv_offset else ""))
+        if self.q_lengths is not None:
+            parts.append(f"queries i < {self.q_lengths.name}[b]" + (f" + {self.q_offset}" if self.q_offset else ""))
+        if self.block is not None:
+            parts.append(f"blocks i // {self.block} == j // {self.block}")
+        if self.causal:
+            parts.append("causal j <= i")
+        if self.window is not None:
+            parts.append(f"window {'i - j' if self.causal else '|i - j|'} <= {self.window}")
+        if self.num_targets is not None:
+            parts.append(f"the last {self.num_targets.name}[b] tokens are targets (they see the history and "
+                         "themselves)")
+        if self.contextual_len:
+            parts.append(f"the first {self.contextual_len} tokens are contextual (fully visible)")
+        return " and ".join(parts) if parts else "no mask"

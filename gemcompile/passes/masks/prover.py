@@ -1,0 +1,85 @@
+"""Whether two mask formulas are the same mask: the one equivalence prover of the mask classifier.
+
+Formulas are propositional over the comparisons of one MaskEvaluator (``evaluator.atoms``). Equivalence is
+decided soundly (never equal by mistake): a sampled rejection first (concrete indices and lengths where
+the two disagree), then a truth table (or SAT for many atoms) under the facts of integer order that
+propositional logic alone does not know (``x < 0`` implies ``x - 1 < 0``...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import sympy
+from sympy.logic.boolalg import Boolean
+from sympy.logic.inference import satisfiable
+
+from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
+
+
+def _order_axioms(evaluator: MaskEvaluator, formula):
+    """Implications between comparisons of one linear form (x < 0 implies x - 1 < 0, ...): facts of integer
+    order that propositional equivalence alone does not know. Sound: each axiom holds for all integers."""
+    lts = [(a, e) for a in formula.free_symbols for kind, e in [evaluator.atoms.expr_of[a]] if kind == "lt"]
+    axioms = []
+    for (a, ea), (b, eb) in itertools.combinations(lts, 2):
+        for sign in (1, -1):
+            c = sympy.expand(eb - sign * ea)
+            if not c.is_number:
+                continue
+            if sign == 1:  # eb = ea + c
+                axioms.append(sympy.Implies(a, b) if c <= 0 else sympy.Implies(b, a))
+            else:  # eb = -ea + c
+                if c >= -1:
+                    axioms.append(sympy.Implies(a, sympy.Not(b)))
+                if c <= -1:
+                    axioms.append(sympy.Implies(sympy.Not(a), b))
+    return sympy.And(*axioms)
+
+
+def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int = 256) -> bool:
+    """A cheap sound rejection: some concrete (b, h, i, j, lengths) where the two masks disagree."""
+    atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
+    exprs = [evaluator.atoms.expr_of[a] for a in atoms]
+    functions = sorted({f for _, e in exprs for f in e.atoms(sympy.Function)}, key=str)
+    indices = sorted({s for _, e in exprs for s in e.free_symbols}, key=str)
+    test = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
+    rng = random.Random(0)
+    for _ in range(samples):
+        hi = rng.choice((3, 6, 12, 24))  # small ranges too: boundary cases (t == n, i == j) come up often
+        point = {f: rng.randint(0, hi) for f in functions}
+        point.update({s: rng.randint(0, hi) for s in indices})
+        truth = []
+        for kind, e in exprs:
+            value = e.xreplace(point)
+            truth.append(bool(value < 0) if kind == "lt" else bool(value == 0))
+        if test(*truth):
+            return True
+    return False
+
+
+def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> bool:
+    """Whether the two formulas keep the same scores, for all integer indices and lengths."""
+    if _differs_on_samples(evaluator, keep, candidate):
+        return False
+    axioms = _order_axioms(evaluator, sympy.And(keep, candidate))
+    atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
+    if len(atoms) > 20:
+        return not satisfiable(sympy.And(axioms, sympy.Xor(keep, candidate)))
+    # few atoms: a truth table is far faster than sympy's CNF conversion of the Xor of two formulas
+    differs = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
+    consistent = sympy.lambdify(atoms, axioms, "math")
+    return not any(differs(*bits) and consistent(*bits)
+                   for bits in itertools.product((False, True), repeat=len(atoms)))
+
+
+def render(evaluator: MaskEvaluator, pred: Boolean) -> str:
+    """The formula with its comparisons spelled over b, h, i, j, for explain."""
+    names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
+    replace = {}
+    for atom in pred.free_symbols:
+        kind, e = evaluator.atoms.expr_of[atom]
+        e = e.subs(names)
+        replace[atom] = sympy.Symbol(f"({e} {'< 0' if kind == 'lt' else '== 0'})")
+    return str(pred.xreplace(replace))
