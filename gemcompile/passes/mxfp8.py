@@ -68,6 +68,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gemcompile.passes.base import GemPass
+from gemcompile.passes.graph import Emitter
 from gemcompile.passes.records import describe_nodes
 
 aten = torch.ops.aten
@@ -569,29 +570,21 @@ class Mxfp8Pass(GemPass):
         node = site.node
         before = describe_nodes([node])
         args = (site.a, site.b, cfg.recipe, site.a_is_weight, site.b_is_weight, cfg.scale_rule)
-        created = []
+        emit = Emitter(graph, value_key="val")
         with graph.inserting_before(node):
-            out = graph.call_function(op, args)
-            created.append(out)
-            with _fake_mode(_val(site.a)):
-                _copy_meta(node, out, op(*_fake_args(args)))
+            out = emit.call(op, args)
             if site.op == "addmm":
-                fake_out = out.meta["val"]
-                with _fake_mode(fake_out):
-                    val = aten.add.Tensor(fake_out, _val(site.bias))
-                added = graph.call_function(aten.add.Tensor, (out, site.bias))
-                created.append(added)
-                _copy_meta(node, added, val)
-                out = added
+                out = emit.call(aten.add.Tensor, (out, site.bias))
         expected = _val(node)
         got = out.meta["val"]
         if not _same_shape(got.shape, expected.shape) or got.dtype != expected.dtype:
-            for n in reversed(created):
-                graph.erase_node(n)
+            emit.rollback()
             return "unsupported", (f"kept: fp8_mm would give {got.dtype} {tuple(got.shape)}, the GEMM gives "
                                    f"{expected.dtype} {tuple(expected.shape)}")
+        for new in emit.created:
+            _inherit_meta(node, new)
         node.replace_all_uses_with(out)
-        after = describe_nodes(created)
+        after = describe_nodes(emit.created)
         weight = " and ".join(x for x, w in (("a", site.a_is_weight), ("b", site.b_is_weight)) if w) or "none"
         block = _BLOCK[cfg.recipe]
         padded = "" if _divisible(site.k, block) else f", K zero-padded to a multiple of {block} for the blocks"
@@ -601,27 +594,14 @@ class Mxfp8Pass(GemPass):
         return f"fp8_{site.role}", ""
 
 
-def _fake_mode(value: Any):
-    import contextlib
+def _inherit_meta(source: fx.Node, target: fx.Node) -> None:
+    """The replaced GEMM's metadata (stack trace, source fn, ...) on a new node, with the new node's own value."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode([value])
-    return mode if mode is not None else contextlib.nullcontext()
-
-
-def _fake_args(args: tuple) -> tuple:
-    return tuple(_val(a) if isinstance(a, fx.Node) else a for a in args)
-
-
-def _copy_meta(source: fx.Node, target: fx.Node, val: Any) -> None:
     for key, value in source.meta.items():
         if key not in ("val", "tensor_meta", "original_aten"):
             target.meta[key] = value
-    target.meta["val"] = val
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-    target.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    target.meta["tensor_meta"] = _extract_tensor_metadata(target.meta["val"])
 
 
 def _fp8_mm_op() -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import example_value
+from gemcompile.passes.graph import example_value, target_name
 
 # f(0) = 0 for every one of these, so a tensor that is zero at the padding stays zero there.
 ZERO_PRESERVING_UNARY = frozenset({
@@ -48,15 +48,6 @@ TAKES_SEQUENCE_ARGS = frozenset({"cat", "unflatten", "getitem", "layer_norm", "r
 one is not classified."""
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "logsumexp"})
 SOFTMAX = frozenset({"softmax", "log_softmax"})
-
-
-def op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
 
 
 def shape_of(x: Any) -> tuple | None:
@@ -184,7 +175,7 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
     out = example_value(node)
     if not isinstance(out, torch.Tensor) or not has_rows(tuple(out.shape), batch, seq):
         return None
-    name = op_name(node)
+    name = target_name(node)
     tensors = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     if any(isinstance(a, (list, tuple)) for a in node.args[1:]) and name not in TAKES_SEQUENCE_ARGS:
         return None
@@ -252,7 +243,7 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
 def zero_preserving(tw: TokenWise, zero: Callable[[Any], bool], is_mask: Callable[[Any], bool]) -> bool:
     """Whether the output is zero at every padded row, given which inputs are (``zero``) and which operands
     are the region's own length mask (``is_mask``: the product with it is zero at the padding)."""
-    name = op_name(tw.node)
+    name = target_name(tw.node)
     args = [*tw.node.args, *tw.node.kwargs.values()]
     tensors = [a for a in args if isinstance(a, fx.Node)]
     if name == "mul":

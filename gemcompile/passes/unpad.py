@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map
 
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.graph import Unproven, erase_dead, example_value
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
 from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, keep_predicate
 from gemcompile.passes.records import input_path
@@ -53,7 +53,6 @@ from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
     dtype_of,
-    op_name,
     same_size,
     shape_of,
     zero_preserving,
@@ -72,7 +71,7 @@ ATTENTION_ROWS = (0, 2)
 
 @dataclass(frozen=True)
 class RowMask:
-    """(The mask a region packs by; mask_provenance.LengthMask is the attention-score mask.)
+    """(The mask a region packs by; masks.model.AttentionMask is the attention-score mask.)
     valid[b, n] = n < lengths[b] + offset over (batch, seq) rows."""
 
     lengths: fx.Node
@@ -108,9 +107,9 @@ def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
     """(lengths, offset) when ``arg`` is lengths, or clamp(lengths [+ offset], 0, seq) as the passes emit."""
     if not isinstance(arg, fx.Node):
         return None
-    if op_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and same_size(arg.args[2], seq):
+    if target_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and same_size(arg.args[2], seq):
         inner = arg.args[0]
-        if isinstance(inner, fx.Node) and op_name(inner) == "add" and isinstance(inner.args[1], int):
+        if isinstance(inner, fx.Node) and target_name(inner) == "add" and isinstance(inner.args[1], int):
             return inner.args[0], inner.args[1]
         return (inner, 0) if isinstance(inner, fx.Node) else None
     return arg, 0
@@ -143,7 +142,7 @@ class PadAnalysis:
         if shape is None:
             return False
         rank = len(shape)
-        name = op_name(user)
+        name = target_name(user)
         attention = _attention_name(user)
         if attention is not None:
             return self._attention_blind(user, node, rows, attention)
@@ -269,7 +268,7 @@ class UnpadPass(GemPass):
                     rules[node] = rule
             analysis = PadAnalysis(mask, masks)
             for component in _components(rules):
-                anchored = any(op_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args) for n in component)
+                anchored = any(target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args) for n in component)
                 if not anchored:
                     continue
                 region = Region(mask, component, {n: rules[n] for n in component})
@@ -298,7 +297,7 @@ class UnpadPass(GemPass):
             node, user = unsafe
             region.stays_padded[node] = (
                 f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
-                f"({op_name(user) if user.op != 'output' else 'the graph output'}) reads them"
+                f"({target_name(user) if user.op != 'output' else 'the graph output'}) reads them"
             )
             region.nodes = [n for n in region.nodes if n is not node]
 
@@ -315,7 +314,7 @@ class UnpadPass(GemPass):
         if not masks:
             return
         for region in self.regions(graph, masks):
-            gemms = [n for n in region.nodes if op_name(n) == "linear"]
+            gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for reason in region.stays_padded.values():
                 self.refused(region.mask.lengths, reason)
             if not gemms:
@@ -325,7 +324,7 @@ class UnpadPass(GemPass):
                              f"{len(gemms)} GEMM(s) (min_gemms={self.options.min_gemms}): packing would cost "
                              "more than it saves")
                 continue
-            emit = _Emitter(graph)
+            emit = Emitter(graph, untraceable="does not trace on packed rows")
             try:
                 self._rewrite(graph, region, gemms, masks, emit)
             except Unproven as e:
@@ -333,7 +332,7 @@ class UnpadPass(GemPass):
                 self.refused(region.nodes[0], str(e))
 
     def _rewrite(self, graph: fx.Graph, region: Region, gemms: list[fx.Node],
-                 masks: dict[fx.Node, RowMask], emit: _Emitter) -> None:
+                 masks: dict[fx.Node, RowMask], emit: Emitter) -> None:
         mask = region.mask
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(region.nodes, key=order.__getitem__)
@@ -394,7 +393,7 @@ class UnpadPass(GemPass):
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
         ops: dict[str, int] = {}
         for n in region.nodes:
-            ops[op_name(n)] = ops.get(op_name(n), 0) + 1
+            ops[target_name(n)] = ops.get(target_name(n), 0) + 1
         op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
         detail = (f"region over {mask.lengths.name} rows (B, N) = ({mask.batch}, {mask.seq}): "
                   f"{len(region.nodes)} ops on packed tokens ({op_text}); {len(entries)} gathers in, "
@@ -445,7 +444,7 @@ class UnpadPass(GemPass):
 def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,
                            masks: dict[fx.Node, RowMask]) -> fx.Node | None:
     """x * mask on packed rows is x (every packed row is valid): the operand to forward, or None."""
-    if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+    if target_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     for x, m in ((a, b), (b, a)):
@@ -517,54 +516,3 @@ def _components(rules: dict[fx.Node, TokenWise]) -> list[list[fx.Node]]:
     for node in rules:  # rules is in graph order
         groups.setdefault(find(node), []).append(node)
     return list(groups.values())
-
-
-class _Emitter:
-    """Inserts nodes with ``meta["example_value"]`` computed in the graph's fake mode."""
-
-    def __init__(self, graph: fx.Graph):
-        self.graph = graph
-        self.created: list[fx.Node] = []
-
-    def rollback(self) -> None:
-        for node in reversed(self.created):
-            if not node.users:
-                self.graph.erase_node(node)
-        self.created.clear()
-
-    def call(self, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
-        return self.node("call_function", target, args, kwargs or {})
-
-    def node(self, op: str, target, args: tuple, kwargs: dict) -> fx.Node:
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
-
-        node = self.graph.create_node(op, target, args, kwargs)
-        self.created.append(node)
-        to_value = lambda a: example_value(a) if isinstance(a, fx.Node) else a
-        fake_args, fake_kwargs = tree_map(to_value, args), tree_map(to_value, kwargs)
-        leaves = [*_flat(fake_args), *_flat(fake_kwargs)]
-        mode = next((a.fake_mode for a in leaves if isinstance(a, FakeTensor)), None)
-        if mode is None:
-            return node
-        try:
-            with mode:
-                if op == "call_method":
-                    value = getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
-                else:
-                    value = target(*fake_args, **fake_kwargs)
-        except (RuntimeError, TypeError, ValueError, IndexError) as e:
-            raise Unproven(f"{node.name} does not trace on packed rows: {e}") from e
-        if mode.shape_env is not None:
-            # bind a fresh data-dependent size (valid_token_index's T) so later tracing does not trip on it
-            bindings = compute_unbacked_bindings(mode.shape_env, value)
-            if bindings:
-                node.meta["unbacked_bindings"] = bindings
-        node.meta["example_value"] = value
-        return node
-
-
-def _flat(x):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(x)
