@@ -44,18 +44,14 @@ def _world(group) -> int:
     return dist.get_world_size(group)
 
 
-def _all_gather_raw(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_zeros((_world(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
-
-
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_raw(x, group)
+        x = x.contiguous()
+        out = x.new_zeros((_world(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -77,7 +73,10 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather_raw(grad, ctx.group), None
+        grad = grad.contiguous()
+        out = grad.new_zeros((_world(ctx.group) * grad.shape[0], *grad.shape[1:]))
+        dist.all_gather_into_tensor(out, grad, group=ctx.group)
+        return out, None
 
 
 def _all_to_all_raw(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,

@@ -299,18 +299,9 @@ def _result(run: _TrainingRun) -> TrainResult:
     padded = run.padded_total / steps_run if steps_run else math.nan
     final = run.window.compute()
     return TrainResult(
-        config=cfg,
-        losses=run.losses,
-        ne=final.ne,
-        auc=final.auc,
-        windows=run.windows,
-        start_step=run.start_step,
-        steps_per_s=steps_per_s,
-        samples_per_s=steps_per_s * cfg.batch_size,
-        compile_time_s=run.compile_time,
-        useful_flops_per_step=useful,
-        padded_flops_per_step=padded,
+        config=cfg, losses=run.losses, ne=final.ne, auc=final.auc, windows=run.windows,
+        start_step=run.start_step, steps_per_s=steps_per_s, samples_per_s=steps_per_s * cfg.batch_size,
+        compile_time_s=run.compile_time, useful_flops_per_step=useful, padded_flops_per_step=padded,
         mfu=mfu(useful * steps_per_s / run.world, run.device) if steps_run else None,
-        checkpoints=run.checkpoints,
-        task_names=TASK_NAMES[: run.model_cfg.n_tasks],
+        checkpoints=run.checkpoints, task_names=TASK_NAMES[: run.model_cfg.n_tasks],
     )
