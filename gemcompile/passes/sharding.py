@@ -1,7 +1,7 @@
 """Sharding annotations (pre-grad, first in the pipeline): each parameter's mesh and DTensor placements.
 
 The pass reads the parameters off the Dynamo graph (placeholders lifted from ``L['self']...`` and
-get_attr nodes), classifies each by the op that uses it (runtime/parallel_plan.py: the weight of an
+get_attr nodes), classifies each by the op that uses it (runtime/distributed/plan.py: the weight of an
 ``embedding`` / ``embedding_bag`` is a table, a parameter used inside an ``expert_modules`` module is an
 expert, the rest dense), builds the plan for the world size, and stores each parameter's placement in
 ``node.meta["custom"]["gemcompile_sharding"]`` on the parameter's node and on each node that uses it
@@ -10,7 +10,7 @@ the joint, forward and backward nodes traced from it, so later passes see which 
 live on. The plan itself lands in ``GraphModule.meta["gemcompile_parallel_plan"]``; explain prints it
 as a table with the collectives one step issues.
 
-Nothing is rewritten: the placements are applied by the runtime (runtime/parallel.py), eagerly. A
+Nothing is rewritten: the placements are applied by the runtime (runtime/distributed/apply.py), eagerly. A
 model that cannot be placed (an expert count not divisible by ep, a table with fewer rows than its
 shards) is left unannotated, with the reason in explain.
 
