@@ -288,7 +288,6 @@ def main(argv=None):
     t0 = time.time()
     if args.smoke:
         sys.exit(smoke())
-    from gemcompile.lowering.mx_quantize_triton import dual_impl
     if not torch.cuda.is_available():
         sys.exit("benchmarks/mxfp8_linear.py needs a CUDA GPU (or --smoke on CPU)")
     warnings.simplefilter("always", sm.Fp8FallbackWarning)
@@ -312,7 +311,7 @@ def main(argv=None):
         "recipe": "blockwise: E4M3, pow2 scales, 1x128 (x, dY) x 128x128 (W), cuBLAS blockwise scaled_mm",
         "timing": "eager launches" if args.eager else "CUDA graph replay",
         "flops_convention": "fwd 2MNK, bwd 4MNK", "speedup_convention": "bf16 ms / fp8 ms", "targets": TARGETS,
-        "blockwise_api": api, "dual_quant_impl": dual_impl(), "shapes": [],
+        "blockwise_api": api, "shapes": [],
     }
     for i, (M, K, N) in enumerate(shapes):
         if time.time() - t0 > args.budget_s:

@@ -12,6 +12,5 @@ from . import valid_tokens as valid_tokens_ops  # noqa: F401  registers gemcompi
 from . import scaled_mm as scaled_mm_ops  # noqa: F401  registers gemcompile::fp8_mm (kernels: mx_quantize_triton, lazily)
 from . import relative_bias as relative_bias_ops  # noqa: F401  registers gemcompile::relative_bias
 from .checks import strict_length_checks
-from .jagged_attention import jagged_attention_packed
 
-__all__ = ["checks", "strict_length_checks", "jagged_attention_packed"]
+__all__ = ["checks", "strict_length_checks"]

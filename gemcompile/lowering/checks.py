@@ -25,9 +25,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
     "check_jagged_attention_args",
-    "check_packed_attention_args",
     "check_length_values",
-    "check_offset_values",
 ]
 
 MIN_HEAD_DIM = 16
@@ -159,36 +157,6 @@ def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, sc
     _check_flags(causal, scale)
 
 
-def check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale) -> None:
-    """Metadata checks of the packed layout: q (Tq, H, D), k/v (Tk, H, D), offsets (B+1,)."""
-    _check_qkv(q, k, v, 3, "(tokens, heads, head_dim)")
-    if v.shape != k.shape:
-        raise ValueError(
-            f"k and v must have one shape (Tk, H, D), got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must have the same number of heads, got q {q.shape[1]}, k {k.shape[1]}")
-    if not isinstance(kv_offsets, torch.Tensor):
-        raise TypeError(f"kv_offsets must be a torch.Tensor, got {type(kv_offsets).__name__}")
-    if kv_offsets.dim() != 1 or kv_offsets.shape[0] < 1:
-        raise ValueError(f"kv_offsets must be 1-D of size B+1 >= 1, got shape {tuple(kv_offsets.shape)}")
-    B = kv_offsets.shape[0] - 1
-    _check_index_vector("kv_offsets", kv_offsets, B + 1, "B+1", q.device)
-    if q_offsets is not None:
-        _check_index_vector("q_offsets", q_offsets, B + 1, "B+1 (kv_offsets' size)", q.device)
-    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
-        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if isinstance(value, int) and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if q_offsets is None and q.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"without q_offsets q shares kv_offsets, so q and k must have the same number of tokens, "
-            f"got {q.shape[0]} and {k.shape[0]}"
-        )
-    _check_flags(causal, scale)
-
-
 def check_length_values(name: str, lengths: torch.Tensor | None, max_len: int) -> None:
     """Raise ValueError if a length lies outside [0, max_len]; CPU always, CUDA only in strict mode."""
     if lengths is None or not _should_check_values(lengths):
@@ -197,18 +165,3 @@ def check_length_values(name: str, lengths: torch.Tensor | None, max_len: int) -
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{name}[{i}] = {int(lengths[i])} is outside [0, {max_len}] (the padded length)")
-
-
-def check_offset_values(name: str, offsets: torch.Tensor | None, total: int, max_len: int) -> None:
-    """Raise ValueError unless offsets start >= 0, never decrease, end <= total and no gap exceeds max_len."""
-    if offsets is None or not _should_check_values(offsets):
-        return
-    if offsets.numel() and (int(offsets[0]) < 0 or int(offsets[-1]) > total):
-        raise ValueError(
-            f"{name} must lie in [0, {total}] (the number of tokens), got {offsets.tolist()[:8]}..."
-        )
-    lengths = offsets[1:] - offsets[:-1]
-    if bool((lengths < 0).any()):
-        raise ValueError(f"{name} must not decrease")
-    if bool((lengths > max_len).any()):
-        raise ValueError(f"a sequence in {name} is longer than the max length {max_len} that was passed")

@@ -37,11 +37,7 @@ Neither path syncs with the host (no ``.item()``); grids depend only on static s
 are always checked on CPU; on CUDA they are clamped into [0, L] inside the kernels and checked only
 under :func:`gemcompile.lowering.checks.strict_length_checks`.
 
-The packed layout (q (Tq, H, D), k/v (Tk, H, D), offsets (B+1,), the same kernels) is served by
-``gemcompile::jagged_attention_packed`` (+ ``_packed_fwd`` / ``_packed_bwd``), wired the same way, and
-the Python helper :func:`jagged_attention_packed`. No bias in the packed layout.
-
-FLOPs: both fwd ops and both bwd ops have ``torch.utils.flop_counter`` formulas that count useful
+FLOPs: the fwd and bwd ops have ``torch.utils.flop_counter`` formulas that count useful
 pairs from the actual lengths (padded count when the lengths are fake): forward 4*H*D*pairs,
 backward 2.5x forward.
 """
@@ -57,14 +53,9 @@ from torch.utils.flop_counter import register_flop_formula
 from . import checks
 from .jagged_attention_eager import EagerJaggedAttention, takes_eager_path
 from .jagged_attention_flops import BACKWARD_FLOPS_RATIO, attention_pairs, forward_flops, padded_pairs
-from .jagged_attention_reference import (
-    reference_backward,
-    reference_forward,
-    reference_packed_backward,
-    reference_packed_forward,
-)
+from .jagged_attention_reference import reference_backward, reference_forward
 
-__all__ = ["jagged_attention", "jagged_attention_packed"]
+__all__ = ["jagged_attention"]
 
 _LIB = torch.library.Library("gemcompile", "FRAGMENT")
 
@@ -249,154 +240,6 @@ def jagged_attention(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Packed layout
-
-
-def _check_packed_values(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len) -> None:
-    if q_offsets is None:  # q shares kv_offsets: its sequences must fit max_q_len too
-        checks.check_offset_values("kv_offsets (shared by q)", kv_offsets, q.shape[0], max_q_len)
-    else:
-        checks.check_offset_values("q_offsets", q_offsets, q.shape[0], max_q_len)
-    checks.check_offset_values("kv_offsets", kv_offsets, k.shape[0], max_kv_len)
-
-
-@torch.library.custom_op("gemcompile::jagged_attention_packed_fwd", mutates_args=())
-def jagged_attention_packed_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Optional[Tensor],
-    kv_offsets: Tensor,
-    max_q_len: int,
-    max_kv_len: int,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """(out (Tq, H, D), lse (H, Tq) fp32); rows outside every sequence are 0 (lse +inf)."""
-    checks.check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-    _check_packed_values(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len)
-    return reference_packed_forward(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-
-
-@jagged_attention_packed_fwd.register_kernel("cuda")
-def _jagged_attention_packed_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale):
-    checks.check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-    _check_packed_values(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len)
-    if not _use_triton(q):
-        return reference_packed_forward(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-    return _triton().jagged_attention_packed_forward_triton(
-        q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-    )
-
-
-@jagged_attention_packed_fwd.register_fake
-def _jagged_attention_packed_fwd_fake(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale):
-    checks.check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-    Tq, H, D = q.shape
-    return q.new_empty((Tq, H, D)), q.new_empty((H, Tq), dtype=_lse_dtype(q))
-
-
-@torch.library.custom_op("gemcompile::jagged_attention_packed_bwd", mutates_args=())
-def jagged_attention_packed_bwd(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    q_offsets: Optional[Tensor],
-    kv_offsets: Tensor,
-    max_q_len: int,
-    max_kv_len: int,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return reference_packed_backward(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-    )
-
-
-@jagged_attention_packed_bwd.register_kernel("cuda")
-def _jagged_attention_packed_bwd_cuda(
-    grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-):
-    if not _use_triton(q):
-        return reference_packed_backward(
-            grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-        )
-    return _triton().jagged_attention_packed_backward_triton(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-    )
-
-
-@jagged_attention_packed_bwd.register_fake
-def _jagged_attention_packed_bwd_fake(
-    grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _packed_setup_context(ctx, inputs, output):
-    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets)
-    ctx.args = (max_q_len, max_kv_len, causal, scale)
-    ctx.mark_non_differentiable(lse)
-
-
-def _packed_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
-    dq, dk, dv = torch.ops.gemcompile.jagged_attention_packed_bwd(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.args
-    )
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-jagged_attention_packed_fwd.register_autograd(_packed_backward, setup_context=_packed_setup_context)
-
-_LIB.define(
-    "jagged_attention_packed(Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor kv_offsets, "
-    "SymInt max_q_len, SymInt max_kv_len, bool causal, float scale) -> Tensor"
-)
-
-
-def _jagged_attention_packed_composite(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale):
-    return torch.ops.gemcompile.jagged_attention_packed_fwd(
-        q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale
-    )[0]
-
-
-_LIB.impl("jagged_attention_packed", _jagged_attention_packed_composite, "CompositeImplicitAutograd")
-
-
-def jagged_attention_packed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Optional[Tensor],
-    kv_offsets: Tensor,
-    max_q_len: int,
-    max_kv_len: int,
-    causal: bool = False,
-    scale: Optional[float] = None,
-) -> Tensor:
-    """Jagged attention on packed tokens: q (Tq, H, D), k/v (Tk, H, D), offsets (B+1,) -> (Tq, H, D).
-
-    Sequence b holds rows ``offsets[b]:offsets[b+1]`` (q_offsets None: q shares kv_offsets). max_q_len and
-    max_kv_len bound the lengths (they size the grid: bucket them to avoid recompiles). A longer sequence
-    is an error on CPU (and on CUDA under strict_length_checks); otherwise the CUDA kernels truncate it.
-    Rows outside every sequence come out 0. Differentiable in q, k, v.
-    """
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    checks.check_packed_attention_args(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, scale)
-    return torch.ops.gemcompile.jagged_attention_packed(
-        q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, float(scale)
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
 # FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
 
 
@@ -413,19 +256,6 @@ def _padded_forward_flops(q, k, q_lengths, kv_lengths, causal) -> int:
         pairs = padded_pairs(B, Lq, Lk, causal)
     else:
         pairs = attention_pairs(q_lengths, kv_lengths, Lq, Lk, causal)
-    return forward_flops(H, D, pairs)
-
-
-def _packed_forward_flops(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) -> int:
-    _, H, D = k.shape
-    B = kv_offsets.shape[0] - 1
-    q_offsets = kv_offsets if q_offsets is None else q_offsets
-    if _is_fake(kv_offsets) or _is_fake(q_offsets):
-        pairs = padded_pairs(B, max_q_len, max_kv_len, causal)
-    else:
-        pairs = attention_pairs(
-            q_offsets[1:] - q_offsets[:-1], kv_offsets[1:] - kv_offsets[:-1], max_q_len, max_kv_len, causal
-        )
     return forward_flops(H, D, pairs)
 
 
@@ -455,45 +285,3 @@ def _bwd_flops(
     **kwargs,
 ) -> int:
     return int(BACKWARD_FLOPS_RATIO * _padded_forward_flops(q, k, q_lengths, kv_lengths, causal))
-
-
-@register_flop_formula(torch.ops.gemcompile.jagged_attention_packed_fwd, get_raw=True)
-def _packed_fwd_flops(
-    q,
-    k,
-    v,
-    q_offsets=None,
-    kv_offsets=None,
-    max_q_len=0,
-    max_kv_len=0,
-    causal=False,
-    scale=1.0,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:
-    return _packed_forward_flops(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)
-
-
-@register_flop_formula(torch.ops.gemcompile.jagged_attention_packed_bwd, get_raw=True)
-def _packed_bwd_flops(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_offsets=None,
-    kv_offsets=None,
-    max_q_len=0,
-    max_kv_len=0,
-    causal=False,
-    scale=1.0,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:
-    return int(
-        BACKWARD_FLOPS_RATIO
-        * _packed_forward_flops(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)
-    )

@@ -22,8 +22,6 @@ import torch
 __all__ = [
     "reference_forward",
     "reference_backward",
-    "reference_packed_forward",
-    "reference_packed_backward",
     "valid_mask",
 ]
 
@@ -136,98 +134,3 @@ def reference_backward(
     else:
         dbias = q.new_empty(0)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packed layout: q (Tq, H, D), k/v (Tk, H, D), sequence b at rows offsets[b] : offsets[b+1], truncated to
-# max_len. lse is (H, Tq). Rows that belong to no sequence (or lie past max_len) are 0 in out and grads.
-
-
-def _gather_index(offsets: torch.Tensor, total: int, max_len: int):
-    """(index (B, max_len) into the packed rows, valid (B, max_len), lengths (B,))."""
-    starts = offsets[:-1].clamp(0, total)
-    ends = torch.maximum(offsets[1:].clamp(0, total), starts)
-    lengths = (ends - starts).clamp(max=max_len)
-    pos = torch.arange(max_len, device=offsets.device)
-    valid = pos[None, :] < lengths[:, None]
-    index = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
-    return index, valid, lengths
-
-
-def _packed_to_padded(x: torch.Tensor, index, valid) -> torch.Tensor:
-    """x (T, H, ...) -> (B, H, max_len, ...) with rows outside sequences set to 0."""
-    if x.shape[0] == 0:
-        return x.new_zeros((index.shape[0], x.shape[1], index.shape[1], *x.shape[2:]))
-    g = x[index]  # (B, max_len, H, ...)
-    g = torch.where(valid.reshape(*valid.shape, *([1] * (g.dim() - 2))), g, g.new_zeros(()))
-    return g.transpose(1, 2)
-
-
-def _padded_to_packed(y: torch.Tensor, index, valid, total: int, fill: float = 0.0) -> torch.Tensor:
-    """y (B, H, max_len, ...) -> (T, H, ...); rows outside sequences get ``fill``."""
-    y = y.transpose(1, 2)  # (B, max_len, H, ...)
-    out = y.new_full((total, *y.shape[2:]), fill)
-    out[index[valid]] = y[valid]
-    return out
-
-
-def reference_packed_forward(
-    q, k, v, q_offsets, kv_offsets, max_q_len: int, max_kv_len: int, causal: bool, scale: float
-):
-    """Packed layout -> (out (Tq, H, D), lse (H, Tq))."""
-    q_offsets = kv_offsets if q_offsets is None else q_offsets
-    qi, qv, q_len = _gather_index(q_offsets, q.shape[0], max_q_len)
-    ki, kvv, kv_len = _gather_index(kv_offsets, k.shape[0], max_kv_len)
-    out, lse = reference_forward(
-        _packed_to_padded(q, qi, qv),
-        _packed_to_padded(k, ki, kvv),
-        _packed_to_padded(v, ki, kvv),
-        q_len,
-        kv_len,
-        None,
-        causal,
-        scale,
-    )
-    out = _padded_to_packed(out, qi, qv, q.shape[0]).contiguous()
-    lse = _padded_to_packed(lse, qi, qv, q.shape[0], float("inf")).transpose(0, 1).contiguous()
-    return out, lse
-
-
-def reference_packed_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_offsets,
-    kv_offsets,
-    max_q_len: int,
-    max_kv_len: int,
-    causal: bool,
-    scale: float,
-):
-    q_offsets = kv_offsets if q_offsets is None else q_offsets
-    qi, qv, q_len = _gather_index(q_offsets, q.shape[0], max_q_len)
-    ki, kvv, kv_len = _gather_index(kv_offsets, k.shape[0], max_kv_len)
-    lse_padded = _packed_to_padded(lse.transpose(0, 1), qi, qv)  # (B, H, max_q_len)
-    lse_padded = torch.where(qv[:, None, :], lse_padded, torch.full_like(lse_padded, float("inf")))
-    dq, dk, dv, _ = reference_backward(
-        _packed_to_padded(grad_out, qi, qv),
-        _packed_to_padded(q, qi, qv),
-        _packed_to_padded(k, ki, kvv),
-        _packed_to_padded(v, ki, kvv),
-        _packed_to_padded(out, qi, qv),
-        lse_padded,
-        q_len,
-        kv_len,
-        None,
-        causal,
-        scale,
-        False,
-    )
-    return (
-        _padded_to_packed(dq, qi, qv, q.shape[0]).contiguous(),
-        _padded_to_packed(dk, ki, kvv, k.shape[0]).contiguous(),
-        _padded_to_packed(dv, ki, kvv, k.shape[0]).contiguous(),
-    )

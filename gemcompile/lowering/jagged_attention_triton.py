@@ -43,8 +43,6 @@ from gemcompile.runtime.jagged import bucket_length
 __all__ = [
     "jagged_attention_forward_triton",
     "jagged_attention_backward_triton",
-    "jagged_attention_packed_forward_triton",
-    "jagged_attention_packed_backward_triton",
     "length_bucket",
 ]
 
@@ -666,12 +664,6 @@ def _bhld_strides(t: torch.Tensor, batch_broadcast: bool):
     return (0 if batch_broadcast else sb), sh, sl, sd
 
 
-def _packed_strides(t: torch.Tensor):
-    """Strides (b, h, l, d) of a packed (T, H, D) tensor: sequences are found by their start row."""
-    st, sh, sd = t.stride()
-    return 0, sh, st, sd
-
-
 def _forward(q, k, v, bias, q_side: _Side, kv_side: _Side, B: int, H: int, D: int, causal: bool, scale: float,
              q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides):
     Lq, Lk = q_side.max_len, kv_side.max_len
@@ -790,45 +782,3 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
     dq = dq_buffer.sum(dim=0, keepdim=True).to(q.dtype) if shared_q else dq_buffer
     dbias = _reduce_bias_grad(ds, bias) if bias_grad else q.new_empty(0)
     return dq, dk, dv, dbias
-
-
-def _packed_sides(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len):
-    q_offsets = kv_offsets if q_offsets is None else q_offsets
-    q_side = _Side(MODE_OFFSETS, q_offsets, None, max_q_len, q.shape[0], q_offsets)
-    kv_side = _Side(MODE_OFFSETS, kv_offsets, None, max_kv_len, k.shape[0], kv_offsets)
-    return q_side, kv_side
-
-
-def jagged_attention_packed_forward_triton(q, k, v, q_offsets, kv_offsets, max_q_len: int, max_kv_len: int,
-                                           causal: bool, scale: float):
-    """Packed layout. q (Tq, H, D), k, v (Tk, H, D) -> (out (Tq, H, D), lse (H, Tq))."""
-    Tq, H, D = q.shape
-    B = kv_offsets.shape[0] - 1
-    out = torch.zeros((Tq, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.full((H, Tq), float("inf"), dtype=torch.float32, device=q.device)
-    if B <= 0 or Tq == 0 or k.shape[0] == 0 or H == 0 or max_q_len <= 0 or max_kv_len <= 0:
-        return out, lse
-    q_side, kv_side = _packed_sides(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len)
-    _forward(q, k, v, None, q_side, kv_side, B, H, D, causal, scale, _packed_strides(q), _packed_strides(k),
-             _packed_strides(v), out, _packed_strides(out), lse, (0, lse.stride(0), lse.stride(1)))
-    return out, lse
-
-
-def jagged_attention_packed_backward_triton(grad_out, q, k, v, out, lse, q_offsets, kv_offsets,
-                                            max_q_len: int, max_kv_len: int, causal: bool, scale: float):
-    """Packed layout -> (dq (Tq, H, D), dk, dv (Tk, H, D)); rows outside every sequence get 0."""
-    Tq, H, D = q.shape
-    B = kv_offsets.shape[0] - 1
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    if B <= 0 or Tq == 0 or k.shape[0] == 0 or H == 0 or max_q_len <= 0 or max_kv_len <= 0:
-        return dq, dk, dv
-    q_side, kv_side = _packed_sides(q, k, q_offsets, kv_offsets, max_q_len, max_kv_len)
-    delta = torch.empty((H, Tq), dtype=torch.float32, device=q.device)
-    lse_strides = (0, lse.stride(0), lse.stride(1))
-    _backward(grad_out, q, k, v, out, lse, None, False, q_side, kv_side, B, H, D, causal, scale,
-              _packed_strides(q), _packed_strides(k), _packed_strides(v), _packed_strides(grad_out),
-              _packed_strides(out), lse_strides, delta, dq, _packed_strides(dq), dk, dv, _packed_strides(dk),
-              None, None)
-    return dq, dk, dv

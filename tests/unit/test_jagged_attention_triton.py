@@ -21,14 +21,10 @@ triton = pytest.importorskip("triton")
 from gemcompile.lowering.jagged_attention_reference import (  # noqa: E402
     reference_backward,
     reference_forward,
-    reference_packed_backward,
-    reference_packed_forward,
 )
 from gemcompile.lowering.jagged_attention_triton import (  # noqa: E402
     jagged_attention_backward_triton,
     jagged_attention_forward_triton,
-    jagged_attention_packed_backward_triton,
-    jagged_attention_packed_forward_triton,
     length_bucket,
 )
 
@@ -256,73 +252,6 @@ def test_expanded_grad_out():
     )
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packed layout: the same kernels addressed by (start row, length)
-
-
-def offsets_of(lengths, gap=0):
-    """Offsets with ``gap`` unused rows before the first sequence."""
-    return torch.cat([torch.tensor([gap]), gap + lengths.cumsum(0)])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("separate_q", [False, True], ids=["self", "cross"])
-def test_packed_layout_matches_reference(dtype, causal, separate_q):
-    H, D = 2, 32
-    g = torch.Generator().manual_seed(21)
-    kl = torch.tensor([33, 0, 1, 17])
-    ql = torch.tensor([5, 3, 0, 40]) if separate_q else kl
-    kv_off, q_off = offsets_of(kl, gap=2), offsets_of(ql, gap=1)
-    Tk, Tq = int(kv_off[-1]) + 3, int(q_off[-1]) + 2
-    if not separate_q:
-        Tq, q_off = Tk, None
-    q = torch.randn(Tq, H, D, generator=g).to(dtype)
-    k = torch.randn(Tk, H, D, generator=g).to(dtype)
-    v = torch.randn(Tk, H, D, generator=g).to(dtype)
-    max_q, max_k = int(ql.max()), int(kl.max())
-    out, lse = jagged_attention_packed_forward_triton(q, k, v, q_off, kv_off, max_q, max_k, causal, 0.25)
-    ref_out, ref_lse = reference_packed_forward(
-        q.double(), k.double(), v.double(), q_off, kv_off, max_q, max_k, causal, 0.25
-    )
-    fwd_tol, bwd_tol = TOL[dtype]
-    assert rel(out, ref_out) < fwd_tol
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
-    grad = torch.randn(out.shape, generator=g).to(dtype)
-    got = jagged_attention_packed_backward_triton(
-        grad, q, k, v, out, lse, q_off, kv_off, max_q, max_k, causal, 0.25
-    )
-    want = reference_packed_backward(
-        grad.double(),
-        q.double(),
-        k.double(),
-        v.double(),
-        ref_out,
-        ref_lse,
-        q_off,
-        kv_off,
-        max_q,
-        max_k,
-        causal,
-        0.25,
-    )
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert rel(a, b) < bwd_tol, (name, rel(a, b))
-    # rows outside every sequence stay exactly zero
-    assert (out[: 1 if separate_q else 2] == 0).all() and (got[1][:2] == 0).all() and (got[1][-3:] == 0).all()
-
-
-def test_packed_truncates_at_max_len():
-    H, D = 1, 16
-    lengths = torch.tensor([20, 6])
-    off = offsets_of(lengths)
-    q, k, v = (torch.randn(26, H, D) for _ in range(3))
-    out, _ = jagged_attention_packed_forward_triton(q, k, v, None, off, 8, 8, False, 0.3)
-    ref, _ = reference_packed_forward(q, k, v, None, off, 8, 8, False, 0.3)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert (out[8:20] == 0).all()
 
 
 def test_length_bucket():
