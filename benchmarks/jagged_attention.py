@@ -44,7 +44,8 @@ sys.path.insert(0, str(_HERE))
 from harness import bench_ms, environment, format_table, graphed, rotation_count, tflops, write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
-from gemcompile.lowering.jagged_attention_flops import BACKWARD_FLOPS_RATIO, attention_pairs  # noqa: E402
+from gemcompile.lowering.common.flops import BACKWARD_FLOPS_RATIO  # noqa: E402
+from gemcompile.lowering.jagged_attention.flops import attention_pairs  # noqa: E402
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -379,7 +380,7 @@ def run_shape(shape, args, index):
 
 def autotune_choices():
     """The configs Triton's autotuner picked so far for each gemcompile kernel (key -> config)."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     choices = {}
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):

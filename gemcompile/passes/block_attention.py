@@ -71,7 +71,7 @@ def kernel_support(block: int, window: int, head_dim: int) -> str | None:
     """None when the block-attention kernel serves (block, window, head_dim), else the reason; the
     lowering's ``kernel_supports`` decides (before it exists: the jagged kernel's head dims)."""
     try:
-        from gemcompile.lowering.block_attention import kernel_supports
+        from gemcompile.lowering.common.checks import kernel_supports
     except ImportError:
         lo, hi = KERNEL_HEAD_DIMS
         return None if lo <= head_dim <= hi else f"head dim {head_dim} is outside what the kernel serves ({lo}..{hi})"

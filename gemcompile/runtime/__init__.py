@@ -7,5 +7,4 @@ here, so importing gemcompile does not pull in torch.distributed.checkpoint or r
 - checkpoint.py  DCP save / resume (bit-exact), single process or distributed, compiled models too
 - flops.py       padded FLOPs (FlopCounterMode), useful FLOPs (section-8 formula), peak table, mfu()
 - validate.py    validate_batch(): input checks at the model boundary, outside the compiled graph
-- jagged.py      lengths_to_offsets, padded_to_jagged / jagged_to_padded, bucket_length
 """

@@ -16,38 +16,17 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import triton  # noqa: E402
+from kernel_checks import TOL, pin_tiles, rel  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401
-from gemcompile.lowering import jagged_attention_triton as kernels  # noqa: E402
-from gemcompile.lowering.checks import strict_length_checks  # noqa: E402
-from gemcompile.lowering.jagged_attention_reference import reference_backward, reference_forward  # noqa: E402
+from gemcompile.lowering.jagged_attention import triton as kernels  # noqa: E402
+from gemcompile.lowering.common.checks import strict_length_checks  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import reference_backward, reference_forward  # noqa: E402
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
-# relative-norm error bounds (forward, backward) against float64 math on the same (rounded) inputs
-TOL = {
-    torch.float64: (1e-10, 1e-9),
-    torch.float32: (2e-5, 1e-4),
-    torch.float16: (2e-3, 6e-3),
-    torch.bfloat16: (1.2e-2, 3e-2),
-}
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _pin(monkeypatch, fwd, dkdv, dq):
-    for kernel, (m, n, w, s) in (
-        (kernels._fwd_kernel, fwd),
-        (kernels._bwd_dkdv_kernel, dkdv),
-        (kernels._bwd_dq_kernel, dq),
-    ):
-        monkeypatch.setattr(
-            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
-        )
+    pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv, kernels._bwd_dq_kernel: dq})
 
 
 @pytest.fixture
@@ -312,7 +291,7 @@ def test_flop_counter_on_cuda(single_config):
 def test_eager_path_and_custom_ops_agree_bitwise(single_config):
     """Plain eager calls take the autograd.Function fast path; traced calls take the custom ops. Same
     kernels, deterministic: the results must be identical."""
-    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
 
     q, k, v, ql, kl, bias = make_case(5, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
     assert takes_eager_path(q)

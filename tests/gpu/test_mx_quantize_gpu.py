@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import gemcompile.lowering  # noqa: F401
-from gemcompile.lowering import mx_quantize_triton as k
-from gemcompile.lowering import scaled_mm as sm
-from gemcompile.lowering.mx_numerics import block_quantize, fake_quantize, mx_quantize
+from gemcompile.lowering.fp8 import quantize_triton as k
+from gemcompile.lowering.fp8 import scaled_mm as sm
+from gemcompile.lowering.fp8.numerics import block_quantize, fake_quantize, mx_quantize
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
@@ -348,7 +348,7 @@ def test_transposed_only_copy_against_the_reference_autotuned(shape):
     if not torch.equal(u8(dual_t8), want8):
         problems.append(f"dual bytes vs reference: {_mismatch(u8(dual_t8), want8)}")
     if not torch.equal(dual_st.float().contiguous().view(torch.int32), want_s):
-        problems.append(f"dual scales vs reference")
+        problems.append("dual scales vs reference")
     assert not problems, "; ".join(problems)
 
 

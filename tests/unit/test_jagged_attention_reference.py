@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gemcompile.lowering  # noqa: F401  (registers the ops)
-from gemcompile.lowering.checks import strict_length_checks, strict_length_checks_enabled
-from gemcompile.lowering.jagged_attention_reference import reference_forward
+from gemcompile.lowering.common.checks import strict_length_checks, strict_length_checks_enabled
+from gemcompile.lowering.jagged_attention.reference import reference_forward
 
 ops = torch.ops.gemcompile
 
@@ -249,7 +249,7 @@ def test_lengths_int32_and_int64_agree():
 
 
 def test_python_wrapper_default_scale():
-    from gemcompile.lowering.jagged_attention import jagged_attention
+    from gemcompile.lowering.jagged_attention.op import jagged_attention
 
     q, k, v, ql, kl, _ = make_case(2, 2, 5, 5, 16, seed=9)
     torch.testing.assert_close(
@@ -302,7 +302,8 @@ def test_gradcheck_float64():
 def test_eager_function_matches_the_ops_and_gradchecks():
     """The eager fast path (one autograd.Function, taken for plain CUDA tensors) computes what the custom
     ops compute; run here on CPU, where it uses the reference."""
-    from gemcompile.lowering.jagged_attention_eager import EagerJaggedAttention, takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
+    from gemcompile.lowering.jagged_attention.op import EagerJaggedAttention
 
     assert not takes_eager_path(torch.zeros(1))  # CPU tensors go through the ops
     q, k, v, ql, kl, bias = make_case(4, 2, 7, 9, 16, bias_shape=(1, 2, 7, 9), seed=21)

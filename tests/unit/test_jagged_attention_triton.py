@@ -18,14 +18,14 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering.jagged_attention_reference import (  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import (  # noqa: E402
     reference_backward,
     reference_forward,
 )
-from gemcompile.lowering.jagged_attention_triton import (  # noqa: E402
+from gemcompile.lowering.common.attention_triton import length_bucket  # noqa: E402
+from gemcompile.lowering.jagged_attention.triton import (  # noqa: E402
     jagged_attention_backward_triton,
     jagged_attention_forward_triton,
-    length_bucket,
 )
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
@@ -127,7 +127,7 @@ def test_shapes(B, H, Lq, Lk, D, causal, with_q_lengths, dtype):
 )
 def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """The loop bounds (skipped tiles, unmasked/masked split, causal diagonal) for other tile shapes."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     def config(m, n):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
@@ -261,13 +261,14 @@ def test_length_bucket():
 def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     """The second launch for a tuning key goes straight to the tuned kernel, with the same result; a
     new key (another length bucket) or a pinned config list goes through the autotuner again."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.common import tuned_launch
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     B, H, L, D = 3, 2, 24, 16
     q, k, v, ql, kl, _ = make_inputs(B, H, L, L, D, torch.float32, seed=12)
-    kernels._BEST_CONFIG.clear()
+    tuned_launch._BEST_CONFIG.clear()
     first, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, False, 0.25)
-    tuned = [key for key in kernels._BEST_CONFIG if key[0] is kernels._fwd_kernel]
+    tuned = [key for key in tuned_launch._BEST_CONFIG if key[0] is kernels._fwd_kernel]
     assert len(tuned) == 1
 
     def autotuner_called(*args, **kwargs):

@@ -1,5 +1,5 @@
-"""The FP8 quantize kernels (mx_quantize_triton.py) under the Triton interpreter (TRITON_INTERPRET=1, set by
-conftest) against the exact reference (mx_numerics.py), byte for byte: E4M3 elements viewed as uint8,
+"""The FP8 quantize kernels (lowering/fp8/quantize_triton.py) under the Triton interpreter (TRITON_INTERPRET=1, set by
+conftest) against the exact reference (fp8/numerics.py), byte for byte: E4M3 elements viewed as uint8,
 E8M0 codes, and the fp32 descales of the 1x128 / 128x128 kernels compared as bits.
 
 The interpreter runs the integer element path (the one subnormal tiles take on the GPU too). The GPU's
@@ -19,9 +19,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 pytest.importorskip("triton")
 
-from gemcompile.lowering import mx_quantize_triton as mqt
-from gemcompile.lowering.mx_numerics import block_quantize, mx_quantize
-from gemcompile.lowering.mx_quantize_triton import (
+from gemcompile.lowering.fp8 import quantize_triton as mqt
+from gemcompile.lowering.fp8.numerics import block_quantize, mx_quantize
+from gemcompile.lowering.fp8.quantize_triton import (
     codes_to_descale,
     mx_quantize_triton,
     quantize_1x128,
@@ -237,8 +237,8 @@ def test_blockwise_refuse():
 def test_varying_token_counts_share_one_tuning():
     """The column count of a transposed copy is the token count, which unpad changes every batch: the
     autotuners key on its bucket, never the exact count (a new count must not re-benchmark every config),
-    and later launches skip the autotuner (gemcompile.lowering.jagged_attention_triton._launch)."""
-    from gemcompile.lowering import jagged_attention_triton as shared
+    and later launches skip the autotuner (gemcompile.lowering.common.tuned_launch.launch)."""
+    from gemcompile.lowering.common import tuned_launch as shared
 
     for kernel in (mqt._mx_kernel, mqt._block_kernel):
         assert "C" not in kernel.keys and "C_BUCKET" in kernel.keys, kernel.keys

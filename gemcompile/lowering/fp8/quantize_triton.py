@@ -1,10 +1,10 @@
 """Triton quantize kernels for block-scaled FP8 (E4M3 elements, power-of-two scales), bit-exact with the
-reference of mx_numerics.py on every input (the one documented exception is below).
+reference of numerics.py on every input (the one documented exception is below).
 
 Kernels and what they write
 ---------------------------
 * :func:`mx_quantize_triton` -- MXFP8, blocks of 32 along the last dim, E8M0 codes: the same output as
-  ``mx_numerics.mx_quantize(x, dim=-1, rule)``.
+  ``numerics.mx_quantize(x, dim=-1, rule)``.
 * :func:`quantize_1x128` -- 1x128 blocks along the last dim (activations, gradients). One read of x (R, C)
   writes the row-blocked copy ``x8`` (R, C) with scales ``s`` (R, C/128) and/or the column-blocked,
   transposed copy ``xt8`` (C, R) (blocks of 128 along R, the reduction dim of ``xt8``) with scales
@@ -53,7 +53,7 @@ a zero result takes x's sign. The integer path (the interpreter's, selectable wi
 GEMCOMPILE_FP8_INT_CONVERT=1) rounds the significand to E4M3 with integer shifts, no float instruction at
 all. NaN elements become 0x7F | sign, +-Inf saturate to +-448 (the reference clamps before the cast).
 
-Known difference from mx_numerics (reference bug, reported): with the rceil rule and an fp32 block whose
+Known difference from numerics.py (reference bug, reported): with the rceil rule and an fp32 block whose
 amax < 448 * 2^-150 (about 2.6e-43, fp32 subnormal inputs only), the reference's fp32 division amax / 448
 underflows to 0 and frexp(0) yields exponent 0, so it writes code 127 (scale 1) instead of the clamped
 minimum 0 (scale 2^-127). The elements are 0 either way, so dequantized values agree; the kernels write
@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .jagged_attention_triton import _launch  # autotune once per key, then launch the tuned kernel directly
+from ..common.tuned_launch import INTERPRET, launch  # launch: autotune once per key, then the tuned kernel
 
 __all__ = [
     "alloc_outputs",
@@ -183,17 +183,16 @@ def _quantize(u, e, USE_HW: tl.constexpr):
 # Kernels
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # memory-bound kernels: tune only the tile height / warps; one config under the interpreter
 _MX_CONFIGS = (
     [triton.Config({"BLOCK_R": 32}, num_warps=4)]
-    if _INTERPRET
+    if INTERPRET
     else [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((16, 4), (32, 8))]  # 86-94 registers
 )
 # (CHUNK, warps) without register spills on sm_90 (checked with cuobjdump -res-usage: 63-172 registers)
 _BLOCK_CONFIGS = (
     [triton.Config({"CHUNK": 32}, num_warps=4)]
-    if _INTERPRET
+    if INTERPRET
     else [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((16, 4), (16, 8), (32, 8))]
 )
 
@@ -309,7 +308,7 @@ def _block_kernel(
 def use_hw_convert(device: torch.device) -> bool:
     """The hardware FP8 conversion path: CUDA sm_89+, not the interpreter, and not switched off with
     GEMCOMPILE_FP8_INT_CONVERT=1 (the integer path: bit-exact everywhere, slower)."""
-    if device.type != "cuda" or _INTERPRET or os.environ.get("GEMCOMPILE_FP8_INT_CONVERT") == "1":
+    if device.type != "cuda" or INTERPRET or os.environ.get("GEMCOMPILE_FP8_INT_CONVERT") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -338,7 +337,7 @@ def _hw(x: Tensor, use_hw: bool | None) -> bool:
 
 def mx_quantize_triton(x: Tensor, rule: str = "floor", use_hw: bool | None = None) -> tuple[Tensor, Tensor]:
     """MXFP8 along the last dim (any rank, last dim a multiple of 32): (elements float8_e4m3fn in x's
-    shape, contiguous; E8M0 codes uint8 (..., C / 32)), bit for bit ``mx_numerics.mx_quantize(x, -1, rule)``."""
+    shape, contiguous; E8M0 codes uint8 (..., C / 32)), bit for bit ``numerics.mx_quantize(x, -1, rule)``."""
     _check(x, rule, dims=None)
     if x.dim() == 0 or x.shape[-1] % 32:
         raise ValueError(f"MXFP8 needs the last dim to be a multiple of 32, got shape {tuple(x.shape)}")
@@ -357,8 +356,8 @@ def mx_quantize_triton(x: Tensor, rule: str = "floor", use_hw: bool | None = Non
         def grid(meta):
             return (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(C, BLOCK_C))
 
-        _launch(_mx_kernel, grid, (_as_loadable(x2), y, codes, R, C, x2.stride(0), x2.stride(1), _bucket(C)),
-                {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw),
+        launch(_mx_kernel, grid, (_as_loadable(x2), y, codes, R, C, x2.stride(0), x2.stride(1), _bucket(C)),
+               {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw),
                  "BLOCK_C": BLOCK_C}, (_bucket(C),))
     shape = tuple(x.shape)
     return y.view(torch.float8_e4m3fn).reshape(shape), codes.reshape(*shape[:-1], C // 32)
@@ -419,7 +418,7 @@ def _launch_block(x, rule, tile, row, col, use_hw, out, pad_to=None):
     dummys = s if s is not None else st
     block_r = 128 if (tile or col) else 32
     grid = (triton.cdiv(R_out, block_r), triton.cdiv(C_out, 128))
-    _launch(_block_kernel, grid, (
+    launch(_block_kernel, grid, (
         _as_loadable(x),
         (x8 if x8 is not None else dummy8).view(torch.uint8),
         (s if s is not None else dummys).view(torch.int32),

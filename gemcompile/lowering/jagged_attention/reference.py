@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of jagged softmax attention: what runs on CPU (and any non-CUDA device).
 
-Semantics (shared with the Triton kernels, see jagged_attention.py): for batch b, head h and query row
+Semantics (shared with the Triton kernels, see op.py): for batch b, head h and query row
 i < q_len[b], ``out[b,h,i] = softmax_j(scale * q_i . k_j + bias[b,h,i,j]) @ v`` over keys j < kv_len[b]
 (and j <= i when causal, top-left aligned). Rows with no valid key and rows i >= q_len are exactly 0.
 Lengths above the padded length mean "all positions" (the eager ``arange(L) < length`` mask).
@@ -19,33 +19,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "reference_forward",
-    "reference_backward",
-    "valid_mask",
-]
+from ..common.reference import compute_dtype, reduce_bias_grad, row_mask, zero_invalid_rows
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _row_mask(lengths: torch.Tensor | None, B: int, L: int, device) -> torch.Tensor:
-    """(B, L) bool: position < length (all True without lengths)."""
-    pos = torch.arange(L, device=device)
-    if lengths is None:
-        return torch.ones(B, L, dtype=torch.bool, device=device)
-    return pos[None, :] < lengths.to(device)[:, None]
+__all__ = ["reference_backward", "reference_forward", "valid_mask"]
 
 
 def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device) -> torch.Tensor:
     """(B, 1, Lq, Lk) bool mask of the (i, j) score entries that take part in the softmax."""
-    q_ok = _row_mask(q_lengths, B, Lq, device)
-    kv_ok = _row_mask(kv_lengths, B, Lk, device)
+    q_ok = row_mask(q_lengths, B, Lq, device)
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     if causal:
         rows = torch.arange(Lq, device=device)
@@ -54,18 +36,13 @@ def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, de
     return valid
 
 
-def _zero_invalid_rows(x: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
-    """x (Bx, H, L, D), row_ok (B, L) -> (B, H, L, D) with rows >= length set to 0 (broadcasts Bx=1)."""
-    return torch.where(row_ok[:, None, :, None], x, x.new_zeros(()))
-
-
 def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale):
     """Returns (probabilities or scores, valid, zeroed q, zeroed k) in the compute dtype."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    qf = _zero_invalid_rows(q.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
-    kf = _zero_invalid_rows(k.to(cdt), _row_mask(kv_lengths, B, Lk, k.device))
+    cdt = compute_dtype(q.dtype)
+    qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
+    kf = zero_invalid_rows(k.to(cdt), row_mask(kv_lengths, B, Lk, k.device))
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.to(cdt)
@@ -81,21 +58,14 @@ def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale:
     """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale)
     lse = torch.logsumexp(s, dim=-1) if Lk > 0 else s.new_full((B, H, Lq), float("-inf"))
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     p = torch.exp(s - lse[..., None])
-    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
     out = torch.matmul(p, vf)
-    return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
-
-
-def _reduce_to_shape(x: torch.Tensor, shape) -> torch.Tensor:
-    dims = [d for d, (s, t) in enumerate(zip(shape, x.shape)) if s == 1 and t != 1]
-    if dims:
-        x = x.sum(dim=dims, keepdim=True)
-    return x.reshape(shape)
+    return out.to(q.dtype).contiguous(), lse.to(compute_dtype(q.dtype)).contiguous()
 
 
 def reference_backward(
@@ -115,12 +85,12 @@ def reference_backward(
     """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale)
-    q_ok = _row_mask(q_lengths, B, Lq, q.device)
-    do = _zero_invalid_rows(grad_out.to(cdt), q_ok)
-    o = _zero_invalid_rows(out.to(cdt), q_ok)
-    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
+    q_ok = row_mask(q_lengths, B, Lq, q.device)
+    do = zero_invalid_rows(grad_out.to(cdt), q_ok)
+    o = zero_invalid_rows(out.to(cdt), q_ok)
+    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
     delta = (do * o).sum(dim=-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vf.transpose(-1, -2))
@@ -130,7 +100,7 @@ def reference_backward(
         dq = dq.sum(dim=0, keepdim=True)
     dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
     if bias is not None and bias_requires_grad:
-        dbias = _reduce_to_shape(ds, bias.shape).to(bias.dtype).contiguous()
+        dbias = reduce_bias_grad(ds, bias)
     else:
         dbias = q.new_empty(0)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias)
