@@ -116,7 +116,6 @@ _SCHEMA_INPUTS = 15  # gdpa_fwd's arguments, q to relative_offset
 _EAGER_INPUTS = 8  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Input checks (metadata only: they also run on fake tensors while tracing)
 
@@ -313,7 +312,7 @@ class EagerGDPA(torch.autograd.Function):
     calls; runs the reference elsewhere."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None):
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets):
         out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
         save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets), spec, bias=bias,
                           bias_index=5)
