@@ -57,8 +57,9 @@ sys.path.insert(0, str(_HERE))
 from harness import bench_ms, environment, format_table, rotation_count, tflops, write_json
 
 import gemcompile.lowering  # noqa: F401  (registers torch.ops.gemcompile.*)
-from gemcompile.lowering.block_attention_flops import BACKWARD_FLOPS_RATIO, block_attention_pairs
-from gemcompile.lowering.block_attention_reference import reference_backward, reference_forward
+from gemcompile.lowering.block_attention.flops import block_attention_pairs
+from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
+from gemcompile.lowering.common.flops import BACKWARD_FLOPS_RATIO
 
 DTYPE = torch.bfloat16
 BLOCK = 64
@@ -360,7 +361,7 @@ def speedups(results):
 
 def autotune_choices():
     """The configs the autotuner picked so far for each block-attention kernel (key -> config)."""
-    from gemcompile.lowering import block_attention_triton as kernels
+    from gemcompile.lowering.block_attention import triton as kernels
 
     choices = {}
     names = ("_closed_fwd_kernel", "_closed_bwd_kernel", "_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")

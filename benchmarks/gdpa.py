@@ -149,7 +149,7 @@ def hstu_softmax_causal(q, k, v, n, x):  # the jagged softmax kernels on the sam
 def sigmoid_path(name):
     """gdpa_tl_sigmoid: HSTU's op with the kernels' silu through tl.sigmoid (exp + division per score), not
     the SFU's tanh; held over the forward and the backward (the flag is read at each launch)."""
-    from gemcompile.lowering import gdpa_triton
+    from gemcompile.lowering.gdpa import triton as gdpa_triton
 
     saved = gdpa_triton.SFU_ACTIVATIONS
     gdpa_triton.SFU_ACTIVATIONS = saved and name != "gdpa_tl_sigmoid"

@@ -1,4 +1,4 @@
-"""GDPA's in-kernel bias gradient (lowering/gdpa_bias_grad_triton.py): its tiling, swept on one shape.
+"""GDPA's in-kernel bias gradient (lowering/gdpa/bias_grad_triton.py): its tiling, swept on one shape.
 
     python benchmarks/gdpa_bias_grad.py [--out DIR] [--budget-s 120]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(_HERE))
 from gdpa import hstu_op, hstu_padded, leaves_of, make_inputs, used_positions
 from harness import bench_ms, environment, format_table, graphed, write_json
 
-from gemcompile.lowering import gdpa_bias_grad_triton as bias_grad
+from gemcompile.lowering.gdpa import bias_grad_triton as bias_grad
 
 SHAPE = {"case": "hstu", "B": 32, "L": 1024, "H": 4, "D": 64, "fill": 0.5}
 TC = bias_grad.TileConfig

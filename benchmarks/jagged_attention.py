@@ -1,7 +1,7 @@
 """Jagged softmax self-attention: gemcompile::jagged_attention against the peers a user would pick instead.
 
     python benchmarks/jagged_attention.py [--quick] [--out DIR] [--budget-s 300] [--only anchors|grid]
-                                          [--with-packed] [--cuda-graph]
+                                          [--cuda-graph]
 
 Side by side in one run, forward only and forward+backward, bf16, non-causal, no bias:
   gemcompile           torch.ops.gemcompile.jagged_attention on padded (B, H, L, D) + lengths
@@ -10,7 +10,6 @@ Side by side in one run, forward only and forward+backward, bf16, non-causal, no
   flex_document_mask   compiled FlexAttention over packed tokens with a document mask (block mask built
                        directly from the offsets; mask_mod as in shared/bench/anchors.py)
   njt_sdpa             nested jagged tensors + SDPA (as in anchors.py)
-  gemcompile_packed    (--with-packed) gemcompile.lowering.jagged_attention_packed on packed tokens
 
 Useful TFLOP/s count only valid (i, j) pairs: forward 4*H*D*sum(len^2), forward+backward 3.5x that
 (ARCHITECTURE.md conventions). ``speedup`` = peer time / gemcompile time. Every shape also records a
@@ -45,8 +44,8 @@ sys.path.insert(0, str(_HERE))
 from harness import bench_ms, environment, format_table, graphed, rotation_count, tflops, write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
-from gemcompile.lowering import jagged_attention_packed  # noqa: E402
-from gemcompile.lowering.jagged_attention_flops import BACKWARD_FLOPS_RATIO, attention_pairs  # noqa: E402
+from gemcompile.lowering.common.flops import BACKWARD_FLOPS_RATIO  # noqa: E402
+from gemcompile.lowering.jagged_attention.flops import attention_pairs  # noqa: E402
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -161,9 +160,9 @@ def leaf(x):
     return x.detach().clone().requires_grad_(True)
 
 
-def make_methods(shape, sets, lengths, keymask, with_packed):
+def make_methods(shape, sets, lengths, keymask):
     """name -> (setup() -> list of per-set (fwd, fwdbwd) closures). Setup runs inside the error guard."""
-    L, D = shape["L"], shape["D"]
+    D = shape["D"]
     scale = D**-0.5
     am = keymask[:, None, None, :]
     offsets = F.pad(lengths.cumsum(0), (1, 0))
@@ -242,26 +241,6 @@ def make_methods(shape, sets, lengths, keymask, with_packed):
 
     methods["njt_sdpa"] = njt_setup
 
-    if with_packed:
-
-        def packed_setup():
-            closures = []
-            for q, k, v, g in packed_sets():
-
-                def call(q, k, v):
-                    return jagged_attention_packed(q, k, v, None, offsets, L, L, False, scale)
-
-                def fwd(q=q, k=k, v=v):
-                    with torch.no_grad():
-                        call(q, k, v)
-
-                def fwdbwd(q=q, k=k, v=v, g=g):
-                    torch.autograd.grad(call(q, k, v), (q, k, v), g.detach())
-
-                closures.append((fwd, fwdbwd))
-            return closures
-
-        methods["gemcompile_packed"] = packed_setup
     return methods
 
 
@@ -344,7 +323,7 @@ def run_shape(shape, args, index):
         rec["correctness"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     print(f"   correctness vs padded SDPA: {rec['correctness']}", flush=True)
 
-    methods = make_methods(shape, sets, lengths, keymask, args.with_packed)
+    methods = make_methods(shape, sets, lengths, keymask)
     for name, setup in methods.items():
         entry = rec["results"].setdefault(name, {})
         reason = memory_guard(name, shape)
@@ -401,7 +380,7 @@ def run_shape(shape, args, index):
 
 def autotune_choices():
     """The configs Triton's autotuner picked so far for each gemcompile kernel (key -> config)."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     choices = {}
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
@@ -445,7 +424,6 @@ def main(argv=None):
         default=300.0,
         help="do not start a shape or peer after this many seconds (default 300)",
     )
-    parser.add_argument("--with-packed", action="store_true", help="also time jagged_attention_packed")
     parser.add_argument("--only", default="all", choices=["all", "anchors", "grid"], help="which shapes")
     parser.add_argument(
         "--cuda-graph",
@@ -474,7 +452,7 @@ def main(argv=None):
         dtype=str(DTYPE),
         causal=False,
         bias=None,
-        methods=METHODS + (["gemcompile_packed"] if args.with_packed else []),
+        methods=METHODS,
         flops_convention="fwd = 4*H*D*sum(len^2) over valid pairs; fwd+bwd = 3.5x fwd",
         speedup_convention="peer ms / gemcompile ms",
         budget_s=args.budget_s,

@@ -39,7 +39,7 @@ def enqueue_us(fn, reps: int = 200) -> float:
 
 def layer_costs(a) -> None:
     """Enqueue time of each layer: raw launchers, the custom ops, autograd around them."""
-    from gemcompile.lowering import jagged_attention_triton as jt
+    from gemcompile.lowering.jagged_attention import triton as jt
 
     n, q, k, v, do = make_inputs(a)
     s = a.D**-0.5

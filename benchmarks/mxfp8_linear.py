@@ -42,7 +42,7 @@ sys.path.insert(0, str(_HERE))
 from harness import bench_ms, environment, format_table, graphed, results_path, rotation_count, tflops
 
 import gemcompile.lowering  # noqa: F401  (registers torch.ops.gemcompile.fp8_mm)
-from gemcompile.lowering import scaled_mm as sm
+from gemcompile.lowering.fp8 import scaled_mm as sm
 
 DTYPE = torch.bfloat16
 KN = [(1024, 1024), (4096, 4096), (8192, 8192), (4096, 8192)]
@@ -65,7 +65,7 @@ class Fp8Linear:
     """The fused FP8 pipeline: quantized copies made once and reused across forward, dgrad, wgrad."""
 
     def __init__(self, x, w, dy, rule, api):
-        from gemcompile.lowering import mx_quantize_triton as k
+        from gemcompile.lowering.fp8 import quantize_triton as k
 
         self.k, self.x, self.w, self.dy, self.rule, self.api = k, x, w, dy, rule, api
 
@@ -119,7 +119,7 @@ def methods(x, w, dy, rule, api):
 
 def quantize_kernels(x, w, dy, rule):
     """name -> (closure, bytes moved): each quantize kernel alone."""
-    from gemcompile.lowering import mx_quantize_triton as k
+    from gemcompile.lowering.fp8 import quantize_triton as k
 
     M, K = x.shape
     N = w.shape[0]
@@ -288,7 +288,6 @@ def main(argv=None):
     t0 = time.time()
     if args.smoke:
         sys.exit(smoke())
-    from gemcompile.lowering.mx_quantize_triton import dual_impl
     if not torch.cuda.is_available():
         sys.exit("benchmarks/mxfp8_linear.py needs a CUDA GPU (or --smoke on CPU)")
     warnings.simplefilter("always", sm.Fp8FallbackWarning)
@@ -312,7 +311,7 @@ def main(argv=None):
         "recipe": "blockwise: E4M3, pow2 scales, 1x128 (x, dY) x 128x128 (W), cuBLAS blockwise scaled_mm",
         "timing": "eager launches" if args.eager else "CUDA graph replay",
         "flops_convention": "fwd 2MNK, bwd 4MNK", "speedup_convention": "bf16 ms / fp8 ms", "targets": TARGETS,
-        "blockwise_api": api, "dual_quant_impl": dual_impl(), "shapes": [],
+        "blockwise_api": api, "shapes": [],
     }
     for i, (M, K, N) in enumerate(shapes):
         if time.time() - t0 > args.budget_s:

@@ -1,17 +1,38 @@
-"""The ops the passes emit: torch.library definitions (schema, fake, autograd, dispatch), their Triton
-kernels and a plain-PyTorch reference for each.
+"""The custom ops the passes lower to: gemcompile's ``torch.ops.gemcompile.*`` (schema, fake, autograd,
+dispatch), each with its Triton kernels, a plain-PyTorch reference and a FLOP formula. (Inductor's own
+"lowering", torch/_inductor/lowering.py, means aten -> Inductor IR; this package is not that: the passes
+rewrite graphs into calls of these ops, which stay opaque to Inductor.)
 
-Importing this package registers the ops, e.g. ``torch.ops.gemcompile.jagged_attention``.
+Importing this package registers every op. One folder per op, one file per concept::
+
+    common/               the op kit every op shares
+      opkit.py            the torch.library handle, dispatch rules, eager fast path, autograd plumbing
+      checks.py           argument checks, the kernels' head-dim limits, what each kernel serves
+      reference.py        plain-PyTorch helpers of the references
+      flops.py            the attention FLOP conventions
+      tuned_launch.py     TRITON_INTERPRET and the launcher that asks the autotuner once per key
+      attention_triton.py the Triton toolkit of the attention kernels (loads, stores, order, prune)
+      length_order_triton.py  batch order longest first (a counting argsort in one launch)
+      jagged.py           jagged <-> padded conversions, the length bucket
+    jagged_attention/     gemcompile::jagged_attention   op.py reference.py triton.py flops.py
+    block_attention/      gemcompile::block_attention    op.py reference.py triton.py flops.py
+    gdpa/                 gemcompile::gdpa               op.py spec.py reference.py triton.py pairs_triton.py
+                          bias_grad_triton.py relative_table.py diagonal_sums_triton.py flops.py
+    relative_bias/        gemcompile::relative_bias      op.py
+    fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
+    valid_tokens.py       gemcompile::valid_token_index
+
+A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from
+common/opkit.py), ``reference.py``, ``triton.py``, ``flops.py``, and one import line below. lowering/
+imports nothing outside lowering/.
 """
 
-from . import checks
-from . import jagged_attention as jagged_attention_ops  # noqa: F401  registers gemcompile::jagged_attention*
-from . import gdpa as gdpa_ops  # noqa: F401  registers gemcompile::gdpa*
-from . import block_attention as block_attention_ops  # noqa: F401  registers gemcompile::block_attention*
-from . import valid_tokens as valid_tokens_ops  # noqa: F401  registers gemcompile::valid_token_index
-from . import scaled_mm as scaled_mm_ops  # noqa: F401  registers gemcompile::fp8_mm (kernels: mx_quantize_triton, lazily)
-from . import relative_bias as relative_bias_ops  # noqa: F401  registers gemcompile::relative_bias
-from .checks import strict_length_checks
-from .jagged_attention import jagged_attention_packed
+from . import valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
+from .block_attention import op as block_attention_op  # noqa: F401  registers gemcompile::block_attention*
+from .common.checks import strict_length_checks
+from .fp8 import scaled_mm  # noqa: F401  registers gemcompile::fp8_mm (its kernels load lazily)
+from .gdpa import op as gdpa_op  # noqa: F401  registers gemcompile::gdpa*
+from .jagged_attention import op as jagged_attention_op  # noqa: F401  registers gemcompile::jagged_attention*
+from .relative_bias import op as relative_bias_op  # noqa: F401  registers gemcompile::relative_bias
 
-__all__ = ["checks", "strict_length_checks", "jagged_attention_packed"]
+__all__ = ["strict_length_checks"]

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_LIB = torch.library.Library("gemcompile", "FRAGMENT")
-_LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
+from .common.opkit import LIB
+
+LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
 
 
 def _check(lengths: Tensor, max_len) -> None:
@@ -35,12 +36,12 @@ def valid_token_index_reference(lengths: Tensor, max_len: int) -> Tensor:
     return valid.flatten().nonzero().squeeze(1)
 
 
-@torch.library.impl(_LIB, "valid_token_index", "CompositeExplicitAutograd")
+@torch.library.impl(LIB, "valid_token_index", "CompositeExplicitAutograd")
 def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
     return valid_token_index_reference(lengths, max_len)
 
 
-def _inductor_reads_unbacked_hints() -> bool:
+def inductor_reads_unbacked_hints() -> bool:
     from torch._inductor.sizevars import SizeVarAllocator
 
     return hasattr(SizeVarAllocator, "all_unbacked_explicitly_hinted")
@@ -69,7 +70,7 @@ def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Ten
     # tunes kernels; any T runs correctly. Only where Inductor reads such hints (torch 2.11 has the table
     # but its reductions then fail with "Cannot convert symbols to int", seen on the H200).
     overrides = getattr(shape_env, "var_to_hint_override", None)
-    if size_hint > 0 and isinstance(overrides, dict) and _inductor_reads_unbacked_hints():
+    if size_hint > 0 and isinstance(overrides, dict) and inductor_reads_unbacked_hints():
         overrides[count.node.expr] = size_hint
     return lengths.new_empty((count,), dtype=torch.int64)
 

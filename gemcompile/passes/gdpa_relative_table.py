@@ -3,7 +3,7 @@ passes).
 
 HSTU's relative bias reaches gemcompile::gdpa as ``relative_bias(table, Lq, Lk, offset)`` brought to 4-D by
 views (``rab[None, None]``, or ``rab.permute(2, 0, 1)[None]`` for a per-head table). The kernels can read
-``table[j - i + offset, h]`` in place instead (lowering/gdpa_relative_bias.py): no (Lq, Lk) tensor is built,
+``table[j - i + offset, h]`` in place instead (lowering/gdpa/relative_table.py): no (Lq, Lk) tensor is built,
 and the table's gradient comes from one diagonal-sum kernel.
 
 A gdpa call qualifies when its bias is a relative_bias output through views only (unsqueeze, None/full-slice
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.lowering.gdpa_relative_bias import check_relative_table
+from gemcompile.lowering.gdpa.relative_table import check_relative_table
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Unproven, erase_dead, example_value, fed_by
 

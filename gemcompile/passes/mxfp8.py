@@ -540,7 +540,7 @@ class Mxfp8Pass(GemPass):
         if site.op == "addmm" and (site.node.kwargs.get("beta", 1) != 1 or site.node.kwargs.get("alpha", 1) != 1):
             return "unsupported", "kept: addmm with alpha or beta != 1"
         if not have_op:
-            return "op_unavailable", "kept: gemcompile::fp8_mm is not available (gemcompile.lowering.scaled_mm)"
+            return "op_unavailable", "kept: gemcompile::fp8_mm is not available (gemcompile.lowering.fp8.scaled_mm)"
         return f"fp8_{site.role}", ""
 
     def _below_min(self, site: Gemm) -> str | None:
@@ -605,9 +605,9 @@ def _inherit_meta(source: fx.Node, target: fx.Node) -> None:
 
 
 def _fp8_mm_op() -> Any:
-    """torch.ops.gemcompile.fp8_mm.default, registered by gemcompile.lowering.scaled_mm; None if missing."""
+    """torch.ops.gemcompile.fp8_mm.default, registered by gemcompile.lowering.fp8.scaled_mm; None if missing."""
     try:
-        import gemcompile.lowering.scaled_mm  # noqa: F401  (registers the op)
+        import gemcompile.lowering.fp8.scaled_mm  # noqa: F401  (registers the op)
     except ImportError:
         pass
     try:

@@ -29,9 +29,9 @@ SUMS = (aten.sum.dim_IntList, aten.sum.default)
 
 def inductor_splits_unbacked_reductions() -> bool:
     """Whether this torch's Inductor splits a reduction over a hinted unbacked size (torch >= 2.13)."""
-    from gemcompile.lowering.valid_tokens import _inductor_reads_unbacked_hints
+    from gemcompile.lowering.valid_tokens import inductor_reads_unbacked_hints
 
-    return _inductor_reads_unbacked_hints()
+    return inductor_reads_unbacked_hints()
 
 
 def _static_bound(size) -> int | None:

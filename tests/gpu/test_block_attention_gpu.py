@@ -18,13 +18,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import triton
+from kernel_checks import pin_tiles, rel
 
 import gemcompile.lowering  # noqa: F401
-from gemcompile.lowering import block_attention_triton as kernels
-from gemcompile.lowering.block_attention import block_attention
-from gemcompile.lowering.block_attention_flops import block_attention_pairs
-from gemcompile.lowering.block_attention_reference import reference_backward, reference_forward
-from gemcompile.lowering.checks import strict_length_checks
+from gemcompile.lowering.block_attention import triton as kernels
+from gemcompile.lowering.block_attention.op import block_attention
+from gemcompile.lowering.block_attention.flops import block_attention_pairs
+from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
+from gemcompile.lowering.common.checks import strict_length_checks
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
@@ -37,20 +38,12 @@ TOL = {
 }
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _pin(monkeypatch, closed_fwd, closed_bwd, fwd, dkdv, dq):
     for kernel, (t, w) in ((kernels._closed_fwd_kernel, closed_fwd),
                            (kernels._closed_bwd_kernel, closed_bwd)):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1)])
-    for kernel, (m, n, w, s) in ((kernels._fwd_kernel, fwd), (kernels._bwd_dkdv_kernel, dkdv),
-                                 (kernels._bwd_dq_kernel, dq)):
-        monkeypatch.setattr(
-            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
-        )
+    pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv,
+                            kernels._bwd_dq_kernel: dq})
 
 
 @pytest.fixture
@@ -242,7 +235,7 @@ def test_compile_fullgraph_no_recompile(single_config):
 def test_eager_path_and_custom_ops_agree_bitwise(single_config):
     """Plain eager calls take the autograd.Function fast path; traced calls take the custom ops. Same
     kernels, deterministic: the results must be identical."""
-    from gemcompile.lowering.block_attention_eager import takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
 
     q, k, v, lengths, cos, sin = make_case(5, 2, 600, 64, torch.bfloat16, seed=9)
     assert takes_eager_path(q)

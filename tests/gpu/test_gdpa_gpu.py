@@ -15,39 +15,18 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import triton  # noqa: E402
+from kernel_checks import TOL, pin_tiles, rel  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401
-from gemcompile.lowering import gdpa_triton as kernels  # noqa: E402
-from gemcompile.lowering.checks import strict_length_checks  # noqa: E402
-from gemcompile.lowering.gdpa import GDPA_ACTIVATIONS  # noqa: E402
-from gemcompile.lowering.gdpa_reference import reference_gdpa_backward, reference_gdpa_forward  # noqa: E402
+from gemcompile.lowering.gdpa import triton as kernels  # noqa: E402
+from gemcompile.lowering.common.checks import strict_length_checks  # noqa: E402
+from gemcompile.lowering.gdpa.spec import GDPA_ACTIVATIONS, GdpaSpec  # noqa: E402
+from gemcompile.lowering.gdpa.reference import reference_gdpa_backward, reference_gdpa_forward  # noqa: E402
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
-# relative-norm error bounds (forward, backward) against float64 math on the same (rounded) inputs
-TOL = {
-    torch.float64: (1e-10, 1e-9),
-    torch.float32: (2e-5, 1e-4),
-    torch.float16: (2e-3, 6e-3),
-    torch.bfloat16: (1.2e-2, 3e-2),
-}
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _pin(monkeypatch, fwd, dkdv, dq):
-    for kernel, (m, n, w, s) in (
-        (kernels._gdpa_fwd_kernel, fwd),
-        (kernels._gdpa_bwd_dkdv_kernel, dkdv),
-        (kernels._gdpa_bwd_dq_kernel, dq),
-    ):
-        monkeypatch.setattr(
-            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
-        )
+    pin_tiles(monkeypatch, {kernels._gdpa_fwd_kernel: fwd, kernels._gdpa_bwd_dkdv_kernel: dkdv, kernels._gdpa_bwd_dq_kernel: dq})
 
 
 @pytest.fixture
@@ -115,10 +94,9 @@ def check_case(
     )
     out, grads = run_op(q, k, v, ql, kl, bias, args, grad_out, bias_grad, hstu)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args, *hstu)
-    ref = reference_gdpa_backward(
-        grad_out.double(), *d64[:3], ql, kl, d64[3], *args, bias is not None and bias_grad, *hstu
-    )
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args, *hstu))
+    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3],
+                                  *GdpaSpec.from_bwd_schema(*args, bias is not None and bias_grad, *hstu))
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
     assert not out.isnan().any()
@@ -327,7 +305,7 @@ def test_flop_counter_on_cuda(single_config):
 def test_eager_path_and_custom_ops_agree_bitwise(single_config):
     """Plain eager calls take the autograd.Function fast path; traced calls take the custom ops. Same
     kernels, deterministic: the results must be identical."""
-    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
 
     q, k, v, ql, kl, bias = make_case(5, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
     assert takes_eager_path(q)
@@ -465,7 +443,8 @@ def test_strict_checks_num_targets_on_cuda(single_config):
     wild = torch.tensor([3, 11, 0], device=DEV)  # t > n for sequence 1: used as given, no check by default
     args = ("silu", 0.125, 1.0, True, True, 0)
     out = ops.gdpa(q, k, v, kl, kl, None, *args, wild, 2)
-    ref = reference_gdpa_forward(q.double(), k.double(), v.double(), kl, kl, None, *args, wild, 2)
+    ref = reference_gdpa_forward(q.double(), k.double(), v.double(), kl, kl, None,
+                                 *GdpaSpec.from_schema(*args, wild, 2))
     assert rel(out, ref) < TOL[torch.float16][0]
     with strict_length_checks(True):
         with pytest.raises(ValueError, match=r"num_targets\[1\]"):
@@ -475,7 +454,7 @@ def test_strict_checks_num_targets_on_cuda(single_config):
 def test_flop_counter_with_targets_on_cuda(single_config):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gemcompile.lowering.gdpa_reference import valid_pair_mask
+    from gemcompile.lowering.gdpa.reference import valid_pair_mask
 
     q, k, v, ql, kl, _, nt = hstu_case(4, 2, 128, 64, torch.bfloat16)
     q.requires_grad_(True)
@@ -515,8 +494,9 @@ def _errors(case, activation):
     g = torch.randn(*q.shape, generator=torch.Generator().manual_seed(3)).to(DEV, q.dtype)
     out, grads = run_op(q, k, v, ql, kl, bias, args, g)
     d64 = [x.double() for x in (q, k, v, bias)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
-    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3], *args, True)
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args))
+    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3],
+                                  *GdpaSpec.from_bwd_schema(*args, True))
     return [rel(out, ref_out)] + [rel(a, b) for a, b in zip(grads, ref)]
 
 
@@ -562,8 +542,9 @@ def test_relative_table_read_in_place(single_config, case):
     out = ops.gdpa(*leaves[:3], ql, kl, leaves[3], *args)
     grads = torch.autograd.grad(out, leaves, g)
     d64 = [x.double() for x in (q, k, v, table)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args)
-    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3], *args[:6], True, *args[6:])
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args))
+    ref = reference_gdpa_backward(g.double(), *d64[:3], ql, kl, d64[3],
+                                  *GdpaSpec.from_bwd_schema(*args[:6], True, *args[6:]))
     fwd_tol, bwd_tol = TOL[dtype]
     assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), grads, ref):

@@ -16,39 +16,17 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import triton  # noqa: E402
+from kernel_checks import TOL, pin_tiles, rel  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401
-from gemcompile.lowering import jagged_attention_packed  # noqa: E402
-from gemcompile.lowering import jagged_attention_triton as kernels  # noqa: E402
-from gemcompile.lowering.checks import strict_length_checks  # noqa: E402
-from gemcompile.lowering.jagged_attention_reference import reference_backward, reference_forward  # noqa: E402
+from gemcompile.lowering.jagged_attention import triton as kernels  # noqa: E402
+from gemcompile.lowering.common.checks import strict_length_checks  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import reference_backward, reference_forward  # noqa: E402
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
-# relative-norm error bounds (forward, backward) against float64 math on the same (rounded) inputs
-TOL = {
-    torch.float64: (1e-10, 1e-9),
-    torch.float32: (2e-5, 1e-4),
-    torch.float16: (2e-3, 6e-3),
-    torch.bfloat16: (1.2e-2, 3e-2),
-}
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _pin(monkeypatch, fwd, dkdv, dq):
-    for kernel, (m, n, w, s) in (
-        (kernels._fwd_kernel, fwd),
-        (kernels._bwd_dkdv_kernel, dkdv),
-        (kernels._bwd_dq_kernel, dq),
-    ):
-        monkeypatch.setattr(
-            kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
-        )
+    pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv, kernels._bwd_dq_kernel: dq})
 
 
 @pytest.fixture
@@ -213,17 +191,10 @@ def test_permuted_views_and_expanded_queries(single_config):
 def test_no_host_sync(single_config):
     q, k, v, ql, kl, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
     leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
-    offsets = torch.nn.functional.pad(kl.cumsum(0), (1, 0))
-    packed = [
-        torch.randn(int(offsets[-1]), 2, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    ]
 
     def step():
         out = ops.jagged_attention(leaves[0], leaves[1], leaves[2], ql, kl, leaves[3], True, 0.125)
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        out = jagged_attention_packed(*packed, None, offsets, 512, 512, False, 0.125)
-        return grads + torch.autograd.grad(out, packed, torch.ones_like(out))
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     step()  # compile and warm up first
     torch.cuda.synchronize()
@@ -253,30 +224,6 @@ def test_compile_fullgraph_no_recompile(single_config):
             want = torch.autograd.grad(f(*leaves, ql, kl), leaves)
             for a, b in zip(got, want):
                 assert rel(a, b) < 1e-2
-
-
-def test_packed_layout_matches_padded(single_config):
-    B, H, L, D = 6, 2, 384, 64
-    q, k, v, ql, kl, _ = make_case(B, H, L, L, D, torch.bfloat16, seed=3)
-    kl = ql = torch.tensor([384, 0, 1, 100, 383, 7], device=DEV)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=DEV), kl.cumsum(0)])
-
-    def pack(x):
-        return torch.cat([x[b, :, :n].transpose(0, 1) for b, n in enumerate(kl.tolist())])
-
-    pq, pk, pv = (pack(x).requires_grad_(True) for x in (q, k, v))
-    out = jagged_attention_packed(pq, pk, pv, None, offsets, L, L, True)
-    g = torch.randn_like(out)
-    out.backward(g)
-    padded_g = torch.zeros(B, H, L, D, device=DEV, dtype=torch.bfloat16)
-    start = 0
-    for b, n in enumerate(kl.tolist()):
-        padded_g[b, :, :n] = g[start : start + n].transpose(0, 1)
-        start += n
-    ref_out, ref_grads = run_op(q, k, v, ql, kl, None, True, D**-0.5, padded_g)
-    assert rel(out, pack(ref_out)) < 1e-2
-    for a, b in zip((pq.grad, pk.grad, pv.grad), ref_grads[:3]):
-        assert rel(a, pack(b)) < 1e-2
 
 
 def test_int64_addressing_beyond_2_31_elements(single_config):
@@ -344,7 +291,7 @@ def test_flop_counter_on_cuda(single_config):
 def test_eager_path_and_custom_ops_agree_bitwise(single_config):
     """Plain eager calls take the autograd.Function fast path; traced calls take the custom ops. Same
     kernels, deterministic: the results must be identical."""
-    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
 
     q, k, v, ql, kl, bias = make_case(5, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
     assert takes_eager_path(q)

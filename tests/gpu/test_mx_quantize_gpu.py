@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import gemcompile.lowering  # noqa: F401
-from gemcompile.lowering import mx_quantize_triton as k
-from gemcompile.lowering import scaled_mm as sm
-from gemcompile.lowering.mx_numerics import block_quantize, fake_quantize, mx_quantize
+from gemcompile.lowering.fp8 import quantize_triton as k
+from gemcompile.lowering.fp8 import scaled_mm as sm
+from gemcompile.lowering.fp8.numerics import block_quantize, fake_quantize, mx_quantize
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
@@ -327,13 +327,10 @@ def _mismatch(ours, ref) -> str:
     return f"{diff.shape[0]} of {ours.numel()} differ, first at {diff[:4].tolist()}"
 
 
-@pytest.mark.parametrize("impl", ["old", "tile"])
 @pytest.mark.parametrize("shape", [(65536, 4096), (8192, 2048), (1000, 1960)])
-def test_transposed_only_copy_against_the_reference_autotuned(shape, impl, monkeypatch):
-    """The transposed-only 1x128 copy (row=False: the wgrad operand) of each implementation, autotuned as in
-    the A/B benchmark, against the reference quantization of x.T run on CUDA, and against the same
-    implementation's dual call. (The A/B of stop 14 saw old and tile disagree here at 65536 x 4096.)"""
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", impl)
+def test_transposed_only_copy_against_the_reference_autotuned(shape):
+    """The transposed-only 1x128 copy (row=False: the wgrad operand), autotuned, against the reference
+    quantization of x.T run on CUDA, and against the dual call."""
     g = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(*shape, device=DEV, generator=g).to(torch.bfloat16)
     R, C = shape
@@ -345,13 +342,13 @@ def test_transposed_only_copy_against_the_reference_autotuned(shape, impl, monke
     got8, got_s = u8(xt8), st.float().contiguous().view(torch.int32)
     problems = []
     if not torch.equal(got8, want8):
-        problems.append(f"{impl} row=False bytes vs reference: {_mismatch(got8, want8)}")
+        problems.append(f"row=False bytes vs reference: {_mismatch(got8, want8)}")
     if not torch.equal(got_s, want_s):
-        problems.append(f"{impl} row=False scales vs reference: {_mismatch(got_s, want_s)}")
+        problems.append(f"row=False scales vs reference: {_mismatch(got_s, want_s)}")
     if not torch.equal(u8(dual_t8), want8):
-        problems.append(f"{impl} dual bytes vs reference: {_mismatch(u8(dual_t8), want8)}")
+        problems.append(f"dual bytes vs reference: {_mismatch(u8(dual_t8), want8)}")
     if not torch.equal(dual_st.float().contiguous().view(torch.int32), want_s):
-        problems.append(f"{impl} dual scales vs reference")
+        problems.append("dual scales vs reference")
     assert not problems, "; ".join(problems)
 
 

@@ -467,7 +467,7 @@ def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
 
 def test_block_size_the_kernel_cannot_serve_is_left_alone(monkeypatch):
     """The kernel serves every block size today; a refusal of kernel_supports must reach explain."""
-    import gemcompile.lowering.block_attention as lowering
+    import gemcompile.lowering.common.checks as lowering
 
     served = lowering.kernel_supports
     monkeypatch.setattr(lowering, "kernel_supports",

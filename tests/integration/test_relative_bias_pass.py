@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
-from gemcompile.lowering.relative_bias import relative_bias, relative_bias_backward, relative_bias_reference
+from gemcompile.lowering.relative_bias.op import relative_bias, relative_bias_backward, relative_bias_reference
 
 L = 9
 

@@ -208,7 +208,7 @@ def test_position_and_sample_operands_are_gathered():
     run_and_compare(PositionAndSampleTerms(), inputs, expected_unpad=1, expected_gemms=3)
 
 
-def test_key_value_projections_feed_jagged_attention_packed():
+def test_key_value_projections_feed_jagged_attention():
     report = run_and_compare(Pooling(), x_only, expected_unpad=1, expected_gemms=3)
     assert report.counts["jagged_attention"] == 1
 

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gemcompile.lowering  # noqa: F401  (registers the ops)
-from gemcompile.lowering.block_attention import block_attention, kernel_supports
-from gemcompile.lowering.block_attention_flops import block_attention_pairs, padded_block_attention_pairs
+from gemcompile.lowering.block_attention.flops import block_attention_pairs, padded_block_attention_pairs
+from gemcompile.lowering.block_attention.op import block_attention
+from gemcompile.lowering.common.checks import kernel_supports
 
 ops = torch.ops.gemcompile
 
@@ -146,7 +147,7 @@ def test_gradcheck_float64():
 def test_eager_function_matches_the_ops():
     """The eager fast path (taken for plain CUDA tensors) computes what the custom ops compute; run here
     on CPU, where it uses the reference."""
-    from gemcompile.lowering.block_attention_eager import EagerBlockAttention
+    from gemcompile.lowering.block_attention.op import EagerBlockAttention
 
     q, k, v, lengths, cos, sin = make_case(seed=9)
     args = (lengths, 8, 4, False, cos, sin, "half", 0.3)

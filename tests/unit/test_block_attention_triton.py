@@ -20,9 +20,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering import block_attention_triton as kernels
-from gemcompile.lowering.block_attention_reference import reference_backward, reference_forward
-from gemcompile.lowering.block_attention_triton import (
+from gemcompile.lowering.block_attention import triton as kernels
+from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
+from gemcompile.lowering.block_attention.triton import (
     block_attention_backward_triton,
     block_attention_forward_triton,
     closed_tile_serves,

@@ -1,4 +1,4 @@
-"""GDPA's in-kernel bias gradient (lowering/gdpa_bias_grad_triton.py) under the Triton interpreter, against
+"""GDPA's in-kernel bias gradient (lowering/gdpa/bias_grad_triton.py) under the Triton interpreter, against
 the float64 reference: every way a full (Lq, Lk) bias can be shared (batch, heads, both, neither), the
 pair loop split into parts, every mask family, zero-length and full-length sequences; and which path a
 bias takes (full dims: the kernel; broadcast rows or columns: the dQ kernel's buffer)."""
@@ -13,9 +13,10 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from gemcompile.lowering import gdpa_triton
-from gemcompile.lowering.gdpa_reference import reference_gdpa_backward
-from gemcompile.lowering.gdpa_triton import gdpa_backward_triton
+from gemcompile.lowering.gdpa import triton as gdpa_triton
+from gemcompile.lowering.gdpa.reference import reference_gdpa_backward
+from gemcompile.lowering.gdpa.triton import gdpa_backward_triton
+from gemcompile.lowering.gdpa.spec import GdpaSpec
 
 B, H, L, D = 3, 2, 37, 16
 KV_LENGTHS = torch.tensor([L, 0, 20])  # full, empty, partial
@@ -37,12 +38,14 @@ def inputs(bias_shape, shared_q=False, seed=0):
 
 
 def dbias_of(q, k, v, bias, grad_out, ql, kl, args, hstu=(None, 0), splits=None):
-    return gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias, *args, True, *hstu, bias_grad_splits=splits)[3]
+    return gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias,
+                                *GdpaSpec.from_bwd_schema(*args, True, *hstu), bias_grad_splits=splits)[3]
 
 
 def reference_dbias(q, k, v, bias, grad_out, ql, kl, args, hstu=(None, 0)):
     d64 = [x.double() for x in (grad_out, q, k, v)]
-    return reference_gdpa_backward(*d64, ql, kl, bias.double(), *args, True, *hstu)[3]
+    return reference_gdpa_backward(*d64, ql, kl, bias.double(),
+                                   *GdpaSpec.from_bwd_schema(*args, True, *hstu))[3]
 
 
 SHAPES = {"shared_by_all": (1, 1, L, L), "per_batch": (B, 1, L, L), "per_head": (1, H, L, L),
@@ -94,7 +97,8 @@ def test_no_valid_pair_gives_zeros():
     got = dbias_of(q, k, v, bias, grad_out, Q_LENGTHS, torch.zeros(B, dtype=torch.long), args, splits=3)
     assert torch.equal(got, torch.zeros_like(bias))
     empty_k = k[:, :, :0]
-    got = gdpa_backward_triton(grad_out, q, empty_k, empty_k, None, None, bias[..., :0], *args, True)[3]
+    got = gdpa_backward_triton(grad_out, q, empty_k, empty_k, None, None, bias[..., :0],
+                               *GdpaSpec.from_bwd_schema(*args, True))[3]
     assert got.shape == (1, 1, L, 0)
 
 
@@ -104,13 +108,13 @@ def test_which_path_a_bias_takes(monkeypatch, shape, in_kernel):
     """Full (Lq, Lk) biases never build the (B, H, Lq, Lk) buffer; broadcast rows or columns do, and still
     match the reference."""
     calls = []
-    real = gdpa_triton._reduce_bias_grad
+    real = gdpa_triton.reduce_bias_grad
 
     def spy(ds, bias):
         calls.append(tuple(ds.shape))
         return real(ds, bias)
 
-    monkeypatch.setattr(gdpa_triton, "_reduce_bias_grad", spy)
+    monkeypatch.setattr(gdpa_triton, "reduce_bias_grad", spy)
     q, k, v, bias, grad_out = inputs(shape, seed=3)
     args = MASKS["window_gelu"]
     got = dbias_of(q, k, v, bias, grad_out, Q_LENGTHS, KV_LENGTHS, args)

@@ -29,7 +29,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gemcompile.lowering import gdpa_bias_grad_triton, gdpa_triton
+from gemcompile.lowering.gdpa import bias_grad_triton as gdpa_bias_grad_triton
+from gemcompile.lowering.gdpa import triton as gdpa_triton
 
 FLAGS = dict(HEAD_D=64, BLOCK_D=64, Q_MODE=1, KV_MODE=1, CAUSAL=True, HAS_WINDOW=False, HAS_TARGETS=False,
              HAS_CONTEXT=False, ACT=gdpa_triton.activation_code("silu"), FAST_ACT=True, DIVIDE=False,

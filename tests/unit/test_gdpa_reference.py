@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gemcompile.lowering  # noqa: F401  (registers the ops)
-from gemcompile.lowering.gdpa import GDPA_ACTIVATIONS, EagerGDPA, gdpa
-from gemcompile.lowering.gdpa_reference import (
+from gemcompile.lowering.gdpa.op import EagerGDPA, gdpa
+from gemcompile.lowering.gdpa.reference import (
     activation_fn,
     activation_grad_fn,
     reference_gdpa_backward,
     reference_gdpa_forward,
     valid_pair_mask,
 )
+from gemcompile.lowering.gdpa.spec import GDPA_ACTIVATIONS, GdpaSpec
 
 ops = torch.ops.gemcompile
 
@@ -357,10 +358,11 @@ def test_python_wrapper_defaults():
 def test_reference_functions_direct():
     q, k, v, ql, kl, bias = make_case(3, 2, 6, 7, 16, bias_shape=(3, 1, 6, 7), seed=13)
     args = ("gelu_tanh", 0.3, 0.7, True, True, 2)
-    out = reference_gdpa_forward(q, k, v, ql, kl, bias, *args)
+    out = reference_gdpa_forward(q, k, v, ql, kl, bias, *GdpaSpec.from_schema(*args))
     torch.testing.assert_close(out, direct_gdpa(q, k, v, ql, kl, bias, *args))
     g = torch.randn_like(out)
-    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias, *args, False)
+    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias,
+                                                *GdpaSpec.from_bwd_schema(*args, False))
     assert dbias.numel() == 0 and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
@@ -414,14 +416,15 @@ def test_gradcheck_float64(activation):
 def test_eager_function_matches_the_op_path():
     """The eager fast path (one autograd.Function, taken for plain CUDA tensors) computes what the custom
     ops compute; run here on CPU, where it uses the reference."""
-    from gemcompile.lowering.jagged_attention_eager import takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
 
     assert not takes_eager_path(torch.zeros(1))  # CPU tensors go through the ops
     q, k, v, ql, kl, bias = make_case(4, 2, 7, 9, 16, Bq=1, bias_shape=(1, 2, 7, 9), seed=21)
     args = ("gelu", 0.3, 1.5, True, True, 3)
     g = torch.randn(4, 2, 7, 16, dtype=torch.float64)
     out_fn, grads_fn = grads_of(
-        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, *args), (q, k, v, bias), g
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b,
+                                           *GdpaSpec.from_schema(*args)), (q, k, v, bias), g
     )
     out_op, grads_op = grads_of(
         lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args), (q, k, v, bias), g
@@ -431,7 +434,8 @@ def test_eager_function_matches_the_op_path():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     inputs = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
     assert torch.autograd.gradcheck(
-        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, "silu", 0.3, 1.0, False, False, 0),
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b,
+                                           *GdpaSpec.from_schema("silu", 0.3, 1.0, False, False, 0)),
         inputs,
         fast_mode=True,
     )
@@ -677,7 +681,7 @@ def test_scale_default_matches_math():
 
 
 def hstu_keeps(i, j, n, t, c, window):
-    """The clamped-id rule of gdpa.py for one pair (i < q_len and j < n are checked by the caller);
+    """The clamped-id rule of lowering/gdpa/op.py for one pair (i < q_len and j < n are checked by the caller);
     t is None without num_targets."""
     ii, jj, m = i, j, n
     if c > 0:
@@ -908,7 +912,8 @@ def test_eager_function_and_reference_with_targets():
     args = ("gelu", 0.3, 1.5, True, True, 3)
     g = torch.randn(q.shape, dtype=torch.float64)
     out_fn, grads_fn = grads_of(
-        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b, *args, nt, 2), (q, k, v, bias), g
+        lambda q, k, v, b: EagerGDPA.apply(q, k, v, ql, kl, b,
+                                           *GdpaSpec.from_schema(*args, nt, 2)), (q, k, v, bias), g
     )
     out_op, grads_op = grads_of(
         lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args, nt, 2), (q, k, v, bias), g
@@ -917,9 +922,11 @@ def test_eager_function_and_reference_with_targets():
     for a, b in zip(grads_fn, grads_op):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(
-        reference_gdpa_forward(q, k, v, ql, kl, bias, *args, num_targets=nt, contextual_len=2), out_op
+        reference_gdpa_forward(q, k, v, ql, kl, bias,
+                               *GdpaSpec.from_schema(*args, num_targets=nt, contextual_len=2)), out_op
     )
-    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias, *args, True, nt, 2)
+    dq, dk, dv, dbias = reference_gdpa_backward(g, q, k, v, ql, kl, bias,
+                                                *GdpaSpec.from_bwd_schema(*args, True, nt, 2))
     for a, b in zip((dq, dk, dv, dbias), grads_op):
         torch.testing.assert_close(a, b)
 
@@ -1060,7 +1067,7 @@ def expected_hstu_pairs(ql, kl, B, L, window, nt, c):
 
 @pytest.mark.parametrize("window", [0, 2])
 def test_flop_counter_counts_targets_and_contextual(window):
-    from gemcompile.lowering.gdpa_flops import gdpa_pairs
+    from gemcompile.lowering.gdpa.flops import gdpa_pairs
 
     B, H, L, D = 6, 2, 9, 16
     q, k, v, ql, kl, _, nt = hstu_case("several", True, seed=6)

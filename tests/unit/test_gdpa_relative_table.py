@@ -1,12 +1,13 @@
 """gemcompile::gdpa with ``relative_offset``: the bias read from a relative-position table (T,) or (T, Hz)
-(lowering/gdpa_relative_bias.py). The op against GDPA over the gathered dense bias (values and gradients,
+(lowering/gdpa/relative_table.py). The op against GDPA over the gathered dense bias (values and gradients,
 the table's included), opcheck, gradcheck, the eager Function, and the errors on bad tables."""
 
 import pytest
 import torch
 
-from gemcompile.lowering.gdpa import EagerGDPA, gdpa
-from gemcompile.lowering.gdpa_relative_bias import dense_relative_bias, toeplitz_view
+from gemcompile.lowering.gdpa.op import EagerGDPA, gdpa
+from gemcompile.lowering.gdpa.relative_table import dense_relative_bias, toeplitz_view
+from gemcompile.lowering.gdpa.spec import GdpaSpec
 
 ops = torch.ops.gemcompile
 B, H, L, D = 4, 2, 9, 16
@@ -74,7 +75,8 @@ def test_opcheck_gradcheck_and_eager_function():
     assert torch.autograd.gradcheck(
         lambda q, k, v, t: gdpa(q, k, v, None, None, t, "silu", 0.4, 1.0, False, True, 0, relative_offset=4),
         small, fast_mode=True)
-    out_fn, grads_fn = _grads(lambda q, k, v, t: EagerGDPA.apply(q, k, v, ql, kl, t, *args, None, 0, L - 1),
+    out_fn, grads_fn = _grads(lambda q, k, v, t: EagerGDPA.apply(q, k, v, ql, kl, t,
+                                                                 *GdpaSpec.from_schema(*args, None, 0, L - 1)),
                               (q, k, v, table), g)
     out_op, grads_op = _grads(lambda q, k, v, t: ops.gdpa_fwd(q, k, v, ql, kl, t, *args, None, 0, L - 1),
                               (q, k, v, table), g)

@@ -14,9 +14,10 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering.diagonal_sums_triton import relative_table_grad_triton
-from gemcompile.lowering.gdpa_reference import reference_gdpa_backward, reference_gdpa_forward
-from gemcompile.lowering.gdpa_triton import gdpa_backward_triton, gdpa_forward_triton
+from gemcompile.lowering.gdpa.diagonal_sums_triton import relative_table_grad_triton
+from gemcompile.lowering.gdpa.reference import reference_gdpa_backward, reference_gdpa_forward
+from gemcompile.lowering.gdpa.triton import gdpa_backward_triton, gdpa_forward_triton
+from gemcompile.lowering.gdpa.spec import GdpaSpec
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}
 
@@ -95,14 +96,16 @@ def test_kernels_read_the_table_in_place(case, dtype):
     kl = torch.tensor([Lk // 3 + 1, Lk, 0, Lk])
     window = 6 if case == "long_table_window" else 0
     args = ("silu", 0.25, 1.0, True, causal, window)
-    out = gdpa_forward_triton(q, k, v, ql, kl, table, *args, None, 0, offset)
+    out = gdpa_forward_triton(q, k, v, ql, kl, table, *GdpaSpec.from_schema(*args, None, 0, offset))
     d64 = [x.double() for x in (q, k, v, table)]
-    ref = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args, None, 0, offset)
+    ref = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args, None, 0, offset))
     fwd_tol, bwd_tol = TOL[dtype]
     assert rel(out, ref) < fwd_tol, rel(out, ref)
     grad_out = torch.randn(out.shape, generator=g).to(dtype)
-    got = gdpa_backward_triton(grad_out, q, k, v, ql, kl, table, *args, True, None, 0, offset)
-    want = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3], *args, True, None, 0, offset)
+    got = gdpa_backward_triton(grad_out, q, k, v, ql, kl, table,
+                               *GdpaSpec.from_bwd_schema(*args, True, None, 0, offset))
+    want = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3],
+                                   *GdpaSpec.from_bwd_schema(*args, True, None, 0, offset))
     for name, a, b, like in zip(("dq", "dk", "dv", "dtable"), got, want, (q, k, v, table)):
         assert a.shape == like.shape and a.dtype == like.dtype, name
         assert rel(a, b) < bwd_tol, (name, rel(a, b))
@@ -118,13 +121,15 @@ def test_targets_and_no_bias_grad():
     n = torch.tensor([L, 10, 0])
     nt = torch.tensor([3, 2, 0])
     args = ("silu", 0.25, 1.0 / L, False, True, 0)
-    out = gdpa_forward_triton(q, k, v, n, n, table, *args, nt, 2, L - 1)
-    ref = reference_gdpa_forward(q.double(), k.double(), v.double(), n, n, table.double(), *args, nt, 2, L - 1)
+    out = gdpa_forward_triton(q, k, v, n, n, table, *GdpaSpec.from_schema(*args, nt, 2, L - 1))
+    ref = reference_gdpa_forward(q.double(), k.double(), v.double(), n, n, table.double(),
+                                 *GdpaSpec.from_schema(*args, nt, 2, L - 1))
     assert rel(out, ref) < 2e-5
     go = torch.randn(out.shape, generator=g)
-    got = gdpa_backward_triton(go, q, k, v, n, n, table, *args, False, nt, 2, L - 1)
-    want = reference_gdpa_backward(go.double(), q.double(), k.double(), v.double(), n, n, table.double(), *args,
-                                   False, nt, 2, L - 1)
+    got = gdpa_backward_triton(go, q, k, v, n, n, table,
+                               *GdpaSpec.from_bwd_schema(*args, False, nt, 2, L - 1))
+    want = reference_gdpa_backward(go.double(), q.double(), k.double(), v.double(), n, n, table.double(),
+                                   *GdpaSpec.from_bwd_schema(*args, False, nt, 2, L - 1))
     for a, b in zip(got[:3], want[:3]):
         assert rel(a, b) < 5e-5
     assert got[3].numel() == 0

@@ -18,12 +18,13 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering.gdpa_reference import (  # noqa: E402
+from gemcompile.lowering.gdpa.reference import (  # noqa: E402
     GDPA_ACTIVATIONS,
     reference_gdpa_backward,
     reference_gdpa_forward,
 )
-from gemcompile.lowering.gdpa_triton import gdpa_backward_triton, gdpa_forward_triton  # noqa: E402
+from gemcompile.lowering.gdpa.triton import gdpa_backward_triton, gdpa_forward_triton  # noqa: E402
+from gemcompile.lowering.gdpa.spec import GdpaSpec  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
 
@@ -75,9 +76,9 @@ def check_against_reference(
     dtype = q.dtype
     args = (activation, scale, out_scale, divide, causal, window)
     hstu = (num_targets, contextual_len)
-    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *args, *hstu)
+    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *GdpaSpec.from_schema(*args, *hstu))
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *args, *hstu)
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args, *hstu))
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and out.shape == ref_out.shape
     assert not out.isnan().any()
@@ -88,8 +89,10 @@ def check_against_reference(
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     want_bias_grad = bias is not None and bias_grad
-    dq, dk, dv, dbias = gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias, *args, want_bias_grad, *hstu)
-    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3], *args, want_bias_grad, *hstu)
+    dq, dk, dv, dbias = gdpa_backward_triton(grad_out, q, k, v, ql, kl, bias,
+                                             *GdpaSpec.from_bwd_schema(*args, want_bias_grad, *hstu))
+    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3],
+                                  *GdpaSpec.from_bwd_schema(*args, want_bias_grad, *hstu))
     for name, got, want, like in (("dq", dq, ref[0], q), ("dk", dk, ref[1], k), ("dv", dv, ref[2], v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name
@@ -160,7 +163,7 @@ def test_shapes_and_optional_lengths(B, H, Lq, Lk, D, causal, window, q_lengths,
 )
 def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """The loop bounds (skipped tiles, unmasked/masked split, diagonal, window edges) for other tiles."""
-    from gemcompile.lowering import gdpa_triton as kernels
+    from gemcompile.lowering.gdpa import triton as kernels
 
     def config(m, n):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
@@ -203,9 +206,8 @@ def test_permuted_blhd_views(dtype):
     assert not q.is_contiguous()
     ql = kl = torch.tensor([37, 5, 0])
     out, _ = check_against_reference(q, k, v, ql, kl, None, "silu", causal=True)
-    out_c = gdpa_forward_triton(
-        q.contiguous(), k.contiguous(), v.contiguous(), ql, kl, None, "silu", 0.25, 1.0, False, True, 0
-    )
+    out_c = gdpa_forward_triton(q.contiguous(), k.contiguous(), v.contiguous(), ql, kl, None,
+                                *GdpaSpec.from_schema("silu", 0.25, 1.0, False, True, 0))
     torch.testing.assert_close(out, out_c, rtol=0, atol=0)
 
 
@@ -214,7 +216,7 @@ def test_padding_garbage_never_leaks():
     q, k, v, _, _, bias = make_inputs(B, H, L, L, D, torch.float32, bias_shape=(B, H, L, L), seed=5)
     ql, kl = torch.tensor([35, 3, 0]), torch.tensor([17, 35, 4])
     args = ("sigmoid", 0.25, 1.0, True, False, 6)
-    clean_out = gdpa_forward_triton(q, k, v, ql, kl, bias, *args)
+    clean_out = gdpa_forward_triton(q, k, v, ql, kl, bias, *GdpaSpec.from_schema(*args))
     pos = torch.arange(L)
     q_pad = (pos[None, :] >= ql[:, None])[:, None, :, None]
     k_pad = (pos[None, :] >= kl[:, None])[:, None, :, None]
@@ -224,12 +226,13 @@ def test_padding_garbage_never_leaks():
         v.masked_fill(k_pad, float("inf")),
         bias.masked_fill(q_pad | k_pad.transpose(2, 3), float("nan")),
     )
-    out = gdpa_forward_triton(*dirty[:3], ql, kl, dirty[3], *args)
+    out = gdpa_forward_triton(*dirty[:3], ql, kl, dirty[3], *GdpaSpec.from_schema(*args))
     torch.testing.assert_close(out, clean_out, rtol=0, atol=0)
     assert (out.masked_select(q_pad.expand_as(out)) == 0).all()
     g = torch.randn_like(out).masked_fill(q_pad, float("nan"))
-    grads = gdpa_backward_triton(g, *dirty[:3], ql, kl, dirty[3], *args, True)
-    clean = gdpa_backward_triton(torch.nan_to_num(g), q, k, v, ql, kl, bias, *args, True)
+    grads = gdpa_backward_triton(g, *dirty[:3], ql, kl, dirty[3], *GdpaSpec.from_bwd_schema(*args, True))
+    clean = gdpa_backward_triton(torch.nan_to_num(g), q, k, v, ql, kl, bias,
+                                 *GdpaSpec.from_bwd_schema(*args, True))
     for a, b in zip(grads, clean):
         assert not a.isnan().any()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -242,17 +245,18 @@ def test_zero_lengths_everywhere_and_empty_keys():
     zeros = torch.zeros(B, dtype=torch.long)
     for ql, kl in ((None, zeros), (zeros, None)):
         args = ("sigmoid", 0.3, 1.0, True, True, 0)
-        out = gdpa_forward_triton(q, k, v, ql, kl, None, *args)
+        out = gdpa_forward_triton(q, k, v, ql, kl, None, *GdpaSpec.from_schema(*args))
         assert (out == 0).all()
-        grads = gdpa_backward_triton(torch.randn_like(out), q, k, v, ql, kl, None, *args, False)
+        grads = gdpa_backward_triton(torch.randn_like(out), q, k, v, ql, kl, None,
+                                     *GdpaSpec.from_bwd_schema(*args, False))
         assert all((g == 0).all() for g in grads[:3])
     # no keys at all (Lk = 0)
     k0, v0 = k[:, :, :0], v[:, :, :0]
-    out = gdpa_forward_triton(q, k0, v0, None, None, None, "sigmoid", 0.3, 1.0, True, False, 0)
+    out = gdpa_forward_triton(q, k0, v0, None, None, None,
+                              *GdpaSpec.from_schema("sigmoid", 0.3, 1.0, True, False, 0))
     assert out.shape == (B, H, L, D) and (out == 0).all()
-    dq, dk, dv, _ = gdpa_backward_triton(
-        torch.randn_like(out), q, k0, v0, None, None, None, "sigmoid", 0.3, 1.0, True, False, 0, False
-    )
+    dq, dk, dv, _ = gdpa_backward_triton(torch.randn_like(out), q, k0, v0, None, None, None,
+                                         *GdpaSpec.from_bwd_schema("sigmoid", 0.3, 1.0, True, False, 0, False))
     assert (dq == 0).all() and dk.shape == k0.shape and dv.shape == v0.shape
 
 
@@ -262,10 +266,12 @@ def test_lengths_outside_range_are_clamped():
     q, k, v, _, _, _ = make_inputs(B, H, L, L, D, torch.float32, seed=9)
     wild_q, wild_k = torch.tensor([-5, 99, 7]), torch.tensor([1000, -1, 20])
     args = ("gelu", 0.3, 1.0, True, False, 0)
-    out = gdpa_forward_triton(q, k, v, wild_q, wild_k, None, *args)
-    want = gdpa_forward_triton(q, k, v, wild_q.clamp(0, L), wild_k.clamp(0, L), None, *args)
+    out = gdpa_forward_triton(q, k, v, wild_q, wild_k, None, *GdpaSpec.from_schema(*args))
+    want = gdpa_forward_triton(q, k, v, wild_q.clamp(0, L), wild_k.clamp(0, L), None,
+                               *GdpaSpec.from_schema(*args))
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    grads = gdpa_backward_triton(torch.ones_like(out), q, k, v, wild_q, wild_k, None, *args, False)
+    grads = gdpa_backward_triton(torch.ones_like(out), q, k, v, wild_q, wild_k, None,
+                                 *GdpaSpec.from_bwd_schema(*args, False))
     assert all(not g.isnan().any() for g in grads[:3])
 
 
@@ -275,10 +281,10 @@ def test_backward_is_deterministic():
         B, H, L, L, D, torch.float16, shared_q=True, bias_shape=(1, H, L, L), seed=8
     )
     args = ("silu", 0.2, 1.0, True, True, 9)
-    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *args)
+    out = gdpa_forward_triton(q, k, v, ql, kl, bias, *GdpaSpec.from_schema(*args))
     g = torch.randn_like(out)
-    first = gdpa_backward_triton(g, q, k, v, ql, kl, bias, *args, True)
-    second = gdpa_backward_triton(g, q, k, v, ql, kl, bias, *args, True)
+    first = gdpa_backward_triton(g, q, k, v, ql, kl, bias, *GdpaSpec.from_bwd_schema(*args, True))
+    second = gdpa_backward_triton(g, q, k, v, ql, kl, bias, *GdpaSpec.from_bwd_schema(*args, True))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -288,33 +294,34 @@ def test_expanded_grad_out():
     B, H, L, D = 2, 2, 20, 16
     q, k, v, ql, kl, _ = make_inputs(B, H, L, L, D, torch.float32, seed=2)
     args = ("relu", 0.3, 1.0, False, False, 0)
-    out = gdpa_forward_triton(q, k, v, ql, kl, None, *args)
+    out = gdpa_forward_triton(q, k, v, ql, kl, None, *GdpaSpec.from_schema(*args))
     g = torch.ones((), dtype=out.dtype).expand_as(out)
-    got = gdpa_backward_triton(g, q, k, v, ql, kl, None, *args, False)
-    want = gdpa_backward_triton(g.contiguous(), q, k, v, ql, kl, None, *args, False)
+    got = gdpa_backward_triton(g, q, k, v, ql, kl, None, *GdpaSpec.from_bwd_schema(*args, False))
+    want = gdpa_backward_triton(g.contiguous(), q, k, v, ql, kl, None,
+                                *GdpaSpec.from_bwd_schema(*args, False))
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
-    from gemcompile.lowering import gdpa_triton as kernels
-    from gemcompile.lowering import jagged_attention_triton as shared
+    from gemcompile.lowering.gdpa import triton as kernels
+    from gemcompile.lowering.common import tuned_launch as shared
 
     B, H, L, D = 3, 2, 24, 16
     q, k, v, ql, kl, _ = make_inputs(B, H, L, L, D, torch.float32, seed=12)
     args = ("gelu_tanh", 0.25, 1.0, False, False, 0)
     shared._BEST_CONFIG.clear()
-    first = gdpa_forward_triton(q, k, v, ql, kl, None, *args)
+    first = gdpa_forward_triton(q, k, v, ql, kl, None, *GdpaSpec.from_schema(*args))
     assert len([key for key in shared._BEST_CONFIG if key[0] is kernels._gdpa_fwd_kernel]) == 1
 
     def autotuner_called(*a, **kw):
         raise AssertionError("the autotuner ran again for a tuned key")
 
     monkeypatch.setattr(kernels._gdpa_fwd_kernel, "run", autotuner_called)
-    second = gdpa_forward_triton(q, k, v, ql, kl, None, *args)
+    second = gdpa_forward_triton(q, k, v, ql, kl, None, *GdpaSpec.from_schema(*args))
     assert torch.equal(first, second)
     with pytest.raises(AssertionError, match="autotuner ran again"):  # another activation: tuned again
-        gdpa_forward_triton(q, k, v, ql, kl, None, "relu", 0.25, 1.0, False, False, 0)
+        gdpa_forward_triton(q, k, v, ql, kl, None, *GdpaSpec.from_schema("relu", 0.25, 1.0, False, False, 0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -368,7 +375,7 @@ def test_targets_and_contextual(case):
 def test_targets_and_contextual_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """The HSTU loop bounds: contextual query tiles up to the history end, the dK/dV kernel's contextual
     rows before the causal start, no unmasked tile over target keys."""
-    from gemcompile.lowering import gdpa_triton as kernels
+    from gemcompile.lowering.gdpa import triton as kernels
 
     def config(m, n):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
@@ -399,6 +406,8 @@ def test_targets_used_as_given_and_launcher_checks():
         q, k, v, None, kl, bias, "silu", causal=True, window=3, num_targets=wild, contextual_len=2
     )
     with pytest.raises(ValueError, match="causal"):
-        gdpa_forward_triton(q, k, v, None, kl, None, "silu", 0.3, 1.0, False, False, 0, wild, 0)
+        gdpa_forward_triton(q, k, v, None, kl, None,
+                            *GdpaSpec.from_schema("silu", 0.3, 1.0, False, False, 0, wild, 0))
     with pytest.raises(ValueError, match="contextual_len"):
-        gdpa_backward_triton(q, q, k, v, None, kl, None, "silu", 0.3, 1.0, False, True, 0, False, None, -1)
+        gdpa_backward_triton(q, q, k, v, None, kl, None,
+                             *GdpaSpec.from_bwd_schema("silu", 0.3, 1.0, False, True, 0, False, None, -1))

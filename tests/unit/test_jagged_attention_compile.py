@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from gemcompile.lowering import jagged_attention_triton as T
+    from gemcompile.lowering.jagged_attention import triton as T
+    from gemcompile.lowering.common import attention_triton
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64"}
@@ -84,8 +85,8 @@ SCRIPT = textwrap.dedent(
                                     ("dq", T._bwd_dq_kernel, {"BIAS_GRAD": bias})):
             compile_kernel(kernel, dtype, dict(flags, BLOCK_M=64, BLOCK_N=64, **extra), 4, 3)
             results.append([name, dtype, D, "compiled", None])
-        compile_kernel(T._bwd_delta_kernel, dtype, dict(HEAD_D=D, BLOCK_D=flags["BLOCK_D"], Q_MODE=q_mode,
-                                                        BLOCK_M=64), 4, 1)
+        compile_kernel(attention_triton.bwd_delta_kernel, dtype,
+                       dict(HEAD_D=D, BLOCK_D=flags["BLOCK_D"], Q_MODE=q_mode, BLOCK_M=64), 4, 1)
         results.append(["delta", dtype, D, "compiled", None])
     # the largest tile of each kernel that the autotuner offers at D = 128 must not spill registers
     flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gemcompile.lowering  # noqa: F401  (registers the ops)
-from gemcompile.lowering import jagged_attention_packed
-from gemcompile.lowering.checks import strict_length_checks, strict_length_checks_enabled
-from gemcompile.lowering.jagged_attention_reference import reference_forward
+from gemcompile.lowering.common.checks import strict_length_checks, strict_length_checks_enabled
+from gemcompile.lowering.jagged_attention.reference import reference_forward
 
 ops = torch.ops.gemcompile
 
@@ -250,7 +249,7 @@ def test_lengths_int32_and_int64_agree():
 
 
 def test_python_wrapper_default_scale():
-    from gemcompile.lowering.jagged_attention import jagged_attention
+    from gemcompile.lowering.jagged_attention.op import jagged_attention
 
     q, k, v, ql, kl, _ = make_case(2, 2, 5, 5, 16, seed=9)
     torch.testing.assert_close(
@@ -268,12 +267,6 @@ def _opcheck_cases():
     qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
     out, lse = ops.jagged_attention_fwd(q, k, v, ql, kl, bias.detach(), True, 0.3)
     g = torch.randn_like(out)
-    lengths = torch.tensor([3, 0, 5])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    pq, pk, pv = (torch.randn(8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    pout, plse = ops.jagged_attention_packed_fwd(
-        pq.detach(), pk.detach(), pv.detach(), None, offsets, 5, 5, True, 0.3
-    )
     return [
         ("fwd", ops.jagged_attention_fwd.default, (qr, kr, vr, ql, kl, bias, True, 0.3)),
         ("fwd_shared_q", ops.jagged_attention_fwd.default, (qr[:1], kr, vr, None, kl, None, False, 0.3)),
@@ -288,30 +281,6 @@ def _opcheck_cases():
             (g, q, k, v, out, lse, ql, kl, None, True, 0.3, False),
         ),
         ("public", ops.jagged_attention.default, (qr, kr, vr, ql, kl, bias, False, 0.3)),
-        ("packed_fwd", ops.jagged_attention_packed_fwd.default, (pq, pk, pv, None, offsets, 5, 5, True, 0.3)),
-        (
-            "packed_bwd",
-            ops.jagged_attention_packed_bwd.default,
-            (
-                torch.randn_like(pout),
-                pq.detach(),
-                pk.detach(),
-                pv.detach(),
-                pout,
-                plse,
-                None,
-                offsets,
-                5,
-                5,
-                True,
-                0.3,
-            ),
-        ),
-        (
-            "packed_public",
-            ops.jagged_attention_packed.default,
-            (pq, pk, pv, offsets, offsets, 5, 5, False, 0.3),
-        ),
     ]
 
 
@@ -333,7 +302,8 @@ def test_gradcheck_float64():
 def test_eager_function_matches_the_ops_and_gradchecks():
     """The eager fast path (one autograd.Function, taken for plain CUDA tensors) computes what the custom
     ops compute; run here on CPU, where it uses the reference."""
-    from gemcompile.lowering.jagged_attention_eager import EagerJaggedAttention, takes_eager_path
+    from gemcompile.lowering.common.opkit import takes_eager_path
+    from gemcompile.lowering.jagged_attention.op import EagerJaggedAttention
 
     assert not takes_eager_path(torch.zeros(1))  # CPU tensors go through the ops
     q, k, v, ql, kl, bias = make_case(4, 2, 7, 9, 16, bias_shape=(1, 2, 7, 9), seed=21)
@@ -351,60 +321,6 @@ def test_eager_function_matches_the_ops_and_gradchecks():
     assert torch.autograd.gradcheck(
         lambda q, k, v, b: EagerJaggedAttention.apply(q, k, v, ql, kl, b, False, 0.3), inputs, fast_mode=True
     )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packed layout (reference path)
-
-
-def pack(x, lengths):
-    """(B, H, L, D) padded -> (sum lengths, H, D) packed."""
-    return torch.cat([x[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths.tolist())])
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("separate_q", [False, True])
-def test_packed_matches_padded(causal, separate_q):
-    B, H, L, D = 4, 2, 9, 16
-    q, k, v, ql, kl, _ = make_case(B, H, L, L, D, seed=12, lengths=([3, 0, 9, 1], [5, 2, 9, 0]))
-    if not separate_q:
-        ql = kl
-    q_off = torch.cat([torch.zeros(1, dtype=torch.long), ql.cumsum(0)])
-    kv_off = torch.cat([torch.zeros(1, dtype=torch.long), kl.cumsum(0)])
-    pq, pk, pv = pack(q, ql), pack(k, kl), pack(v, kl)
-    grad = torch.randn_like(pq)
-    out, grads = grads_of(
-        lambda a, b, c: jagged_attention_packed(
-            a, b, c, q_off if separate_q else None, kv_off, L, L, causal, 0.3
-        ),
-        (pq, pk, pv),
-        grad,
-    )
-    ref, ref_grads = grads_of(
-        lambda a, b, c: ops.jagged_attention(a, b, c, ql, kl, None, causal, 0.3),
-        (q, k, v),
-        torch.zeros(B, H, L, D, dtype=torch.float64),
-    )
-    torch.testing.assert_close(out, pack(ref, ql))
-    # gradients: push the packed grad through the padded op
-    padded_grad = torch.zeros(B, H, L, D, dtype=torch.float64)
-    start = 0
-    for b, n in enumerate(ql.tolist()):
-        padded_grad[b, :, :n] = grad[start : start + n].transpose(0, 1)
-        start += n
-    _, ref_grads = grads_of(
-        lambda a, b, c: ops.jagged_attention(a, b, c, ql, kl, None, causal, 0.3), (q, k, v), padded_grad
-    )
-    for g, r, lens in zip(grads, ref_grads, (ql, kl, kl)):
-        torch.testing.assert_close(g, pack(r, lens))
-
-
-def test_packed_rows_outside_sequences_are_zero():
-    H, D = 2, 16
-    q, k, v = (torch.randn(10, H, D, dtype=torch.float64) for _ in range(3))
-    offsets = torch.tensor([2, 5, 5, 8])  # rows 0-1 and 8-9 belong to no sequence
-    out = jagged_attention_packed(q, k, v, None, offsets, 3, 3, False, 0.3)
-    assert (out[:2] == 0).all() and (out[8:] == 0).all() and (out[2:8] != 0).any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,24 +399,6 @@ def test_bad_inputs_raise_clear_errors(case):
         _call(**args)
 
 
-def test_bad_packed_inputs():
-    q, k, v = (torch.randn(6, 2, 16) for _ in range(3))
-    offsets = torch.tensor([0, 2, 6])
-    jagged_attention_packed(q, k, v, None, offsets, 4, 4)
-    with pytest.raises(ValueError, match="longer than the max length"):
-        jagged_attention_packed(q, k, v, None, offsets, 3, 4)
-    with pytest.raises(ValueError, match="must not decrease"):
-        jagged_attention_packed(q, k, v, None, torch.tensor([0, 4, 2]), 4, 4)
-    with pytest.raises(ValueError, match="kv_offsets.* must lie"):
-        jagged_attention_packed(q, k, v, None, torch.tensor([0, 2, 7]), 8, 8)
-    with pytest.raises(ValueError, match="q_offsets"):
-        jagged_attention_packed(q, k, v, torch.tensor([0, 6]), offsets, 6, 6)
-    with pytest.raises(ValueError, match="3-D"):
-        jagged_attention_packed(q[None], k, v, None, offsets, 4, 4)
-    with pytest.raises(TypeError, match="max_q_len"):
-        jagged_attention_packed(q, k, v, None, offsets, 4.0, 4)
-
-
 def test_strict_length_checks_switch():
     assert strict_length_checks_enabled() is False
     with strict_length_checks(True):
@@ -558,14 +456,6 @@ def test_flop_counter_falls_back_to_padded_count_on_fake_lengths():
         with FlopCounterMode(display=False) as counter:
             ops.jagged_attention(q, k, v, None, kl, None, False, 0.25)
     assert counter.get_total_flops() == 4 * 2 * 16 * (2 * 8 * 8)
-
-
-def test_packed_flop_counter():
-    q, k, v = (torch.randn(7, 2, 16) for _ in range(3))
-    offsets = torch.tensor([0, 3, 7])
-    with FlopCounterMode(display=False) as counter:
-        jagged_attention_packed(q, k, v, None, offsets, 4, 4, False, 0.25)
-    assert counter.get_total_flops() == 4 * 2 * 16 * (9 + 16)
 
 
 def test_compile_fullgraph_no_recompile_over_lengths():

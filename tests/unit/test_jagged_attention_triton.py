@@ -18,18 +18,14 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
-from gemcompile.lowering.jagged_attention_reference import (  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import (  # noqa: E402
     reference_backward,
     reference_forward,
-    reference_packed_backward,
-    reference_packed_forward,
 )
-from gemcompile.lowering.jagged_attention_triton import (  # noqa: E402
+from gemcompile.lowering.common.attention_triton import length_bucket  # noqa: E402
+from gemcompile.lowering.jagged_attention.triton import (  # noqa: E402
     jagged_attention_backward_triton,
     jagged_attention_forward_triton,
-    jagged_attention_packed_backward_triton,
-    jagged_attention_packed_forward_triton,
-    length_bucket,
 )
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
@@ -131,7 +127,7 @@ def test_shapes(B, H, Lq, Lk, D, causal, with_q_lengths, dtype):
 )
 def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """The loop bounds (skipped tiles, unmasked/masked split, causal diagonal) for other tile shapes."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     def config(m, n):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
@@ -258,73 +254,6 @@ def test_expanded_grad_out():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Packed layout: the same kernels addressed by (start row, length)
-
-
-def offsets_of(lengths, gap=0):
-    """Offsets with ``gap`` unused rows before the first sequence."""
-    return torch.cat([torch.tensor([gap]), gap + lengths.cumsum(0)])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("separate_q", [False, True], ids=["self", "cross"])
-def test_packed_layout_matches_reference(dtype, causal, separate_q):
-    H, D = 2, 32
-    g = torch.Generator().manual_seed(21)
-    kl = torch.tensor([33, 0, 1, 17])
-    ql = torch.tensor([5, 3, 0, 40]) if separate_q else kl
-    kv_off, q_off = offsets_of(kl, gap=2), offsets_of(ql, gap=1)
-    Tk, Tq = int(kv_off[-1]) + 3, int(q_off[-1]) + 2
-    if not separate_q:
-        Tq, q_off = Tk, None
-    q = torch.randn(Tq, H, D, generator=g).to(dtype)
-    k = torch.randn(Tk, H, D, generator=g).to(dtype)
-    v = torch.randn(Tk, H, D, generator=g).to(dtype)
-    max_q, max_k = int(ql.max()), int(kl.max())
-    out, lse = jagged_attention_packed_forward_triton(q, k, v, q_off, kv_off, max_q, max_k, causal, 0.25)
-    ref_out, ref_lse = reference_packed_forward(
-        q.double(), k.double(), v.double(), q_off, kv_off, max_q, max_k, causal, 0.25
-    )
-    fwd_tol, bwd_tol = TOL[dtype]
-    assert rel(out, ref_out) < fwd_tol
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
-    grad = torch.randn(out.shape, generator=g).to(dtype)
-    got = jagged_attention_packed_backward_triton(
-        grad, q, k, v, out, lse, q_off, kv_off, max_q, max_k, causal, 0.25
-    )
-    want = reference_packed_backward(
-        grad.double(),
-        q.double(),
-        k.double(),
-        v.double(),
-        ref_out,
-        ref_lse,
-        q_off,
-        kv_off,
-        max_q,
-        max_k,
-        causal,
-        0.25,
-    )
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert rel(a, b) < bwd_tol, (name, rel(a, b))
-    # rows outside every sequence stay exactly zero
-    assert (out[: 1 if separate_q else 2] == 0).all() and (got[1][:2] == 0).all() and (got[1][-3:] == 0).all()
-
-
-def test_packed_truncates_at_max_len():
-    H, D = 1, 16
-    lengths = torch.tensor([20, 6])
-    off = offsets_of(lengths)
-    q, k, v = (torch.randn(26, H, D) for _ in range(3))
-    out, _ = jagged_attention_packed_forward_triton(q, k, v, None, off, 8, 8, False, 0.3)
-    ref, _ = reference_packed_forward(q, k, v, None, off, 8, 8, False, 0.3)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert (out[8:20] == 0).all()
-
-
 def test_length_bucket():
     assert [length_bucket(n) for n in (0, 1, 16, 17, 1000, 1024, 1025)] == [16, 16, 16, 32, 1024, 1024, 2048]
 
@@ -332,13 +261,14 @@ def test_length_bucket():
 def test_tuned_launch_skips_the_autotuner_after_the_first_call(monkeypatch):
     """The second launch for a tuning key goes straight to the tuned kernel, with the same result; a
     new key (another length bucket) or a pinned config list goes through the autotuner again."""
-    from gemcompile.lowering import jagged_attention_triton as kernels
+    from gemcompile.lowering.common import tuned_launch
+    from gemcompile.lowering.jagged_attention import triton as kernels
 
     B, H, L, D = 3, 2, 24, 16
     q, k, v, ql, kl, _ = make_inputs(B, H, L, L, D, torch.float32, seed=12)
-    kernels._BEST_CONFIG.clear()
+    tuned_launch._BEST_CONFIG.clear()
     first, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, False, 0.25)
-    tuned = [key for key in kernels._BEST_CONFIG if key[0] is kernels._fwd_kernel]
+    tuned = [key for key in tuned_launch._BEST_CONFIG if key[0] is kernels._fwd_kernel]
     assert len(tuned) == 1
 
     def autotuner_called(*args, **kwargs):

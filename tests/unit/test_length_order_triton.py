@@ -1,4 +1,4 @@
-"""The attention kernels' batch order (lowering/length_order_triton.py) under the Triton interpreter: a
+"""The attention kernels' batch order (lowering/common/length_order_triton.py) under the Triton interpreter: a
 stable descending argsort of the lengths, against torch.sort."""
 
 import os
@@ -11,7 +11,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from gemcompile.lowering.length_order_triton import longest_first_order
+from gemcompile.lowering.common.length_order_triton import longest_first_order
 
 
 @pytest.mark.parametrize("B", [1, 2, 15, 16, 17, 50])

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from gemcompile.lowering.mx_numerics import (
+from gemcompile.lowering.fp8.numerics import (
     E8M0_NAN,
     block_dequantize,
     block_quantize,

@@ -1,5 +1,5 @@
-"""The FP8 quantize kernels (mx_quantize_triton.py) under the Triton interpreter (TRITON_INTERPRET=1, set by
-conftest) against the exact reference (mx_numerics.py), byte for byte: E4M3 elements viewed as uint8,
+"""The FP8 quantize kernels (lowering/fp8/quantize_triton.py) under the Triton interpreter (TRITON_INTERPRET=1, set by
+conftest) against the exact reference (fp8/numerics.py), byte for byte: E4M3 elements viewed as uint8,
 E8M0 codes, and the fp32 descales of the 1x128 / 128x128 kernels compared as bits.
 
 The interpreter runs the integer element path (the one subnormal tiles take on the GPU too). The GPU's
@@ -19,12 +19,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     )
 pytest.importorskip("triton")
 
-import triton
-import triton.language as tl
-
-from gemcompile.lowering import mx_quantize_triton as mqt
-from gemcompile.lowering.mx_numerics import block_quantize, mx_quantize
-from gemcompile.lowering.mx_quantize_triton import (
+from gemcompile.lowering.fp8 import quantize_triton as mqt
+from gemcompile.lowering.fp8.numerics import block_quantize, mx_quantize
+from gemcompile.lowering.fp8.quantize_triton import (
     codes_to_descale,
     mx_quantize_triton,
     quantize_1x128,
@@ -237,160 +234,13 @@ def test_blockwise_refuse():
         quantize_128x128(torch.zeros(128, 128), row=False, col=False)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The one-pass tile kernel (_tile_kernel, GEMCOMPILE_DUAL_QUANT_IMPL=tile, opt-in for the copies with a
-# transpose until it is measured on a GPU) against the slice-walking kernel it replaces (_block_kernel, =old) and the reference
-
-
-def _quantize_with(impl, fn, x, rule, monkeypatch, **kw):
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", impl)
-    return fn(x, rule, **kw)
-
-
-def assert_same_outputs(a, b, what=""):
-    for p, q in zip(a, b):
-        assert (p is None) == (q is None), what
-        if p is None:
-            continue
-        if p.dtype == torch.float32:
-            assert torch.equal(bits(p), bits(q)), what
-        else:
-            assert torch.equal(u8(p), u8(q)), (what, (u8(p) != u8(q)).nonzero()[:5].tolist())
-
-
-def tiles_with_edge_values(rows, cols, dtype, seed):
-    """Gaussian tiles, a tile of hand-made rows with NaN / Inf (the careful path), a tile of the finite
-    hand-made rows (the fast path on subnormals, the 448 and rceil boundaries), an all-NaN corner."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * 7
-    hand = torch.cat(list(HAND_MADE.values()))
-    finite_hand = torch.cat([v for v in HAND_MADE.values() if torch.isfinite(v).all()])
-    x[: hand.shape[0], : hand.shape[1]] = hand
-    if rows >= 128 + finite_hand.shape[0] and cols >= 128 + finite_hand.shape[1]:
-        x[128 : 128 + finite_hand.shape[0], 128 : 128 + finite_hand.shape[1]] = finite_hand
-        x[-3:, -5:] = float("nan")  # a non-finite value in the tail tile
-    return x.to(dtype)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_tile_kernel_equals_old_kernel_bytes(dtype, monkeypatch):
-    """Both kernels, both element paths (use_hw=True runs the interpreter's emulated e4m3 cast: not the
-    GPU's bytes, but the fast path's sign / clamp handling must agree with _quantize's on it), tails,
-    odd C (no int32 pair loads), a transposed view (strided loads), the column copy alone."""
-    q1, q2 = quantize_1x128, quantize_128x128
-    cases = [  # (name, input, [(rule, function, use_hw, kwargs)])
-        ("even", tiles_with_edge_values(256, 256, dtype, seed=1),
-         [(r, f, hw, {}) for r in RULES for f in (q1, q2) for hw in (False, True)]
-         + [("rceil", q1, False, {"row": False}), ("floor", q2, False, {"col": False})]),
-        ("tails", tiles_with_edge_values(260, 200, dtype, seed=2),
-         [("rceil", q1, False, {}), ("rceil", q1, True, {}), ("floor", q2, False, {})]),
-        ("odd C", tiles_with_edge_values(132, 199, dtype, seed=3),
-         [("floor", q1, False, {}), ("rceil", q2, False, {})]),
-        ("transposed view", tiles_with_edge_values(200, 132, dtype, seed=4).t(),
-         [("rceil", q1, False, {}), ("floor", q1, False, {"row": False})]),
-    ]
-    for name, x, runs in cases:
-        for rule, fn, use_hw, kw in runs:
-            new = _quantize_with("tile", fn, x, rule, monkeypatch, use_hw=use_hw, **kw)
-            old = _quantize_with("old", fn, x, rule, monkeypatch, use_hw=use_hw, **kw)
-            assert_same_outputs(new, old, (name, rule, fn.__name__, use_hw, kw))
-
-
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_tile_kernel_matches_reference_with_nonfinite_and_edge_tiles(dtype, rule, monkeypatch):
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", "tile")
-    x = tiles_with_edge_values(260, 264, dtype, seed=5 + DTYPES.index(dtype))
-    x[150, 10] = float("inf")
-    x[5, 200] = -float("inf")
-    x8, s, xt8, st = quantize_1x128(x, rule)
-    assert_blockwise(x8, s, x, (1, 128), rule)
-    assert_blockwise(xt8, st, x.t(), (1, 128), rule)
-    w8, ws, wt8, wst = quantize_128x128(x, rule)
-    assert_blockwise(w8, ws, x, (128, 128), rule)
-    assert torch.equal(u8(wt8), u8(w8).t()) and torch.equal(bits(wst), bits(ws.t()))
-    assert torch.isnan(ws[0, 0]) and torch.isnan(ws[2, 2])  # the careful path ran (and matched)
-
-
-def test_tile_kernel_serves_the_transposed_copies_when_chosen(monkeypatch):
-    calls = []
-    real = mqt._launch
-
-    def spy(kernel, grid, args, consts, buckets):
-        if kernel is mqt._tile_kernel:
-            calls.append(consts["TILE"])
-        return real(kernel, grid, args, consts, buckets)
-
-    monkeypatch.setattr(mqt, "_launch", spy)
-    monkeypatch.delenv("GEMCOMPILE_DUAL_QUANT_IMPL", raising=False)
-    x = torch.randn(128, 128, dtype=torch.bfloat16)
-    quantize_1x128(x)  # the default ("old", until the tile kernel is measured on a GPU): not the tile kernel
-    assert calls == []
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", "tile")
-    quantize_1x128(x)
-    quantize_1x128(x, col=False)  # the row copy alone: 32-row tiles of _block_kernel
-    quantize_128x128(x, col=False)
-    quantize_128x128(x)
-    quantize_1x128(x[:126])  # R % 4 != 0: _block_kernel
-    assert calls == [False, True, True]
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", "old")
-    quantize_1x128(x)
-    assert len(calls) == 3
-    monkeypatch.setenv("GEMCOMPILE_DUAL_QUANT_IMPL", "fast")
-    with pytest.raises(ValueError, match="GEMCOMPILE_DUAL_QUANT_IMPL"):
-        quantize_1x128(x)
-
-
-@triton.jit
-def _finite_helpers_kernel(amax_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    a = tl.load(amax_ptr + i)
-    tl.store(out_ptr + i, mqt._scale_exponent(a, False))
-    tl.store(out_ptr + N + i, mqt._scale_exponent_finite(a, False))
-    tl.store(out_ptr + 2 * N + i, mqt._scale_exponent(a, True))
-    tl.store(out_ptr + 3 * N + i, mqt._scale_exponent_finite(a, True))
-    tl.store(out_ptr + 4 * N + i, mqt._descale_bits(mqt._scale_exponent(a, True), a >= 0))
-    tl.store(out_ptr + 5 * N + i, mqt._descale_bits_finite(mqt._scale_exponent_finite(a, True)))
-
-
-def test_fast_path_exponent_helpers_equal_the_general_ones():
-    """_scale_exponent_finite / _descale_bits_finite against _scale_exponent / _descale_bits on every
-    finite binade with the mantissas around the rceil threshold (1.75), and random finite bit patterns."""
-    mant = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x600002, 0x7FFFFE, 0x7FFFFF], dtype=torch.int64)
-    exps = torch.arange(0, 255, dtype=torch.int64)
-    grid = (exps[:, None] << 23 | mant[None, :]).flatten()
-    rand = torch.randint(0, 0x7F800000, (8192 - grid.numel(),), generator=torch.Generator().manual_seed(0))
-    amax = torch.cat([grid, rand]).to(torch.int32)
-    n = amax.numel()
-    out = torch.empty(6 * n, dtype=torch.int32)
-    _finite_helpers_kernel[(1,)](amax, out, N=n)
-    floor, floor_fast, rceil, rceil_fast, bits_gen, bits_fast = out.view(6, n)
-    assert torch.equal(floor, floor_fast)
-    assert torch.equal(rceil, rceil_fast)
-    assert torch.equal(bits_gen, bits_fast)
-
-
-@pytest.mark.parametrize("col_major", [False, True])
-def test_tile_kernel_tile_orders_and_persistent_steps(col_major, monkeypatch):
-    """Both tile orders, with 4 programs over a 3x3 tile grid (the (inner, outer) step wraps)."""
-    cfg = triton.Config({"COL_MAJOR": col_major, "PER_SM": 1, "STAGES": 2}, num_warps=4)
-    monkeypatch.setattr(mqt._tile_kernel, "configs", [cfg])
-    x = tiles_with_edge_values(384, 384, torch.bfloat16, seed=6)
-    x[300, 300] = float("nan")
-    for fn in (quantize_1x128, quantize_128x128):
-        new = _quantize_with("tile", fn, x, "rceil", monkeypatch)
-        old = _quantize_with("old", fn, x, "rceil", monkeypatch)
-        assert_same_outputs(new, old, (col_major, fn.__name__))
-
-
 def test_varying_token_counts_share_one_tuning():
     """The column count of a transposed copy is the token count, which unpad changes every batch: the
     autotuners key on its bucket, never the exact count (a new count must not re-benchmark every config),
-    and later launches skip the autotuner (gemcompile.lowering.jagged_attention_triton._launch)."""
-    from gemcompile.lowering import jagged_attention_triton as shared
+    and later launches skip the autotuner (gemcompile.lowering.common.tuned_launch.launch)."""
+    from gemcompile.lowering.common import tuned_launch as shared
 
-    for kernel in (mqt._mx_kernel, mqt._block_kernel, mqt._tile_kernel):
+    for kernel in (mqt._mx_kernel, mqt._block_kernel):
         assert "C" not in kernel.keys and "C_BUCKET" in kernel.keys, kernel.keys
     shared._BEST_CONFIG.clear()
     for tokens in (300, 333, 410):  # one bucket (512); the transposed copy's C is the token count

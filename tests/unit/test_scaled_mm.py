@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import gemcompile.lowering  # noqa: F401  registers the ops
-from gemcompile.lowering import scaled_mm as sm
-from gemcompile.lowering.mx_numerics import block_dequantize, block_quantize, fake_quantize
+from gemcompile.lowering.fp8 import scaled_mm as sm
+from gemcompile.lowering.fp8.numerics import block_dequantize, block_quantize, fake_quantize
 
 ops = torch.ops.gemcompile
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -313,7 +313,7 @@ def test_blockwise_two_weights_warn_and_emulate(monkeypatch):
 def test_scale_layouts_pass_torch_meta_checks_v2(K, a_w, b_w):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gemcompile.lowering.mx_quantize_triton import alloc_outputs
+    from gemcompile.lowering.fp8.quantize_triton import alloc_outputs
 
     M, N = 256, 384
     with FakeTensorMode():
@@ -331,7 +331,7 @@ def test_scale_layouts_pass_torch_meta_checks_v2(K, a_w, b_w):
 def test_scale_layouts_pass_torch_meta_checks_v1(a_w, b_w):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gemcompile.lowering.mx_quantize_triton import alloc_outputs
+    from gemcompile.lowering.fp8.quantize_triton import alloc_outputs
 
     M, K, N = 256, 1024, 384  # v1 has no row padding: K/128 a multiple of 4
     with FakeTensorMode():

@@ -4,10 +4,9 @@ families import lowering from. Importing it registers the ops (``torch.ops.gemco
 from __future__ import annotations
 
 import gemcompile.lowering  # noqa: F401  registers torch.ops.gemcompile.*
-from gemcompile.lowering import block_attention as block_attention_op
-from gemcompile.lowering import checks
+from gemcompile.lowering.common import checks
 
-HEAD_DIMS = (checks.MIN_HEAD_DIM, checks.MAX_HEAD_DIM)
+HEAD_DIMS = checks.KERNEL_HEAD_DIMS
 """Head dims the jagged and GDPA Triton kernels serve (inclusive); other sizes are left to the eager path."""
 
 BLOCK_NO_WINDOW = -1
@@ -19,5 +18,5 @@ GDPA_NO_WINDOW = 0
 
 def block_kernel_supports(block: int, window: int, head_dim: int) -> str | None:
     """None when the block-attention kernel serves (block, window, head_dim), else the reason (read from
-    the op module at each call, so a patched ``kernel_supports`` is seen)."""
-    return block_attention_op.kernel_supports(block, window, head_dim)
+    the checks module at each call, so a patched ``kernel_supports`` is seen)."""
+    return checks.kernel_supports(block, window, head_dim)

@@ -4,7 +4,7 @@ HSTU and T5-style attention add ``table[j - i + c]`` to the scores, written as a
 built from aranges: ``table[arange(L)[None, :] - arange(L)[:, None] + L - 1]``. The gather's autograd
 backward scatters L*L gradients into 2L-1 table rows with accumulation (atomic adds under Inductor).
 gemcompile::relative_bias computes the same values and sums each diagonal instead
-(lowering/relative_bias.py).
+(lowering/relative_bias/op.py).
 
 A gather ``table[idx]`` (operator.getitem or aten.index on a tensor index) qualifies when:
 - the table is a floating tensor;
@@ -26,7 +26,7 @@ import sympy
 import torch
 from torch import fx
 
-from gemcompile.lowering.relative_bias import positions_span
+from gemcompile.lowering.relative_bias.op import positions_span
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Unproven, example_value, fed_by
 from gemcompile.passes.masks.evaluator import IntTensor, MaskEvaluator, index_symbol

@@ -2,7 +2,7 @@
 allows. Padded query rows that see keys (rows of the last partial block) are computed by the kernels
 but are not useful work, so they do not count.
 
-forward = 4 * H * D * pairs, backward = 2.5 x forward (jagged_attention_flops.py, ARCHITECTURE.md). The
+forward = 4 * H * D * pairs, backward = 2.5 x forward (common/flops.py, ARCHITECTURE.md). The
 count is closed-form per sequence (no L x L mask): a sequence of n tokens splits into n // block full
 blocks and one partial block of n % block tokens (block 0: one block of n); within a block of b tokens,
 a window w allows b + 2 * sum_{d=1..m} (b - d) pairs, m = min(w, b - 1) (causal: one side only).
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .jagged_attention_flops import BACKWARD_FLOPS_RATIO, forward_flops
-
-__all__ = ["BACKWARD_FLOPS_RATIO", "block_attention_pairs", "forward_flops", "padded_block_attention_pairs"]
+__all__ = ["block_attention_pairs", "padded_block_attention_pairs"]
 
 
 def _pairs_in_span(n: torch.Tensor, window: int, causal: bool) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of block attention: what runs on CPU (and on CUDA for what the kernels skip).
 
-Semantics (shared with the Triton kernels, see block_attention.py): every query row i of the padded
+Semantics (shared with the Triton kernels, see op.py): every query row i of the padded
 length L (padded rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and
 (window >= 0) |i - j| <= window, and (causal) j <= i. A row with no allowed key is exactly 0 with zero
 gradients. With rotary, q and k are rotated first: x * cos + rot(x) * sin, rot = rotate_half ("half")
@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .jagged_attention_reference import reference_backward as jagged_reference_backward
-from .jagged_attention_reference import reference_forward as jagged_reference_forward
+from ..common.reference import compute_dtype
+from ..jagged_attention.reference import reference_backward as jagged_reference_backward
+from ..jagged_attention.reference import reference_forward as jagged_reference_forward
 
 __all__ = [
     "ROTARY_MODES",
-    "allowed_mask",
     "allowed_pattern",
     "apply_rotary",
     "apply_rotary_transpose",
@@ -34,10 +34,6 @@ __all__ = [
 ]
 
 ROTARY_MODES = ("none", "half", "interleaved")
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rotary_tables(table: Tensor, B: int) -> Tensor:
@@ -92,19 +88,13 @@ def allowed_pattern(L: int, block: int, window: int, causal: bool, device) -> Te
     return ok
 
 
-def allowed_mask(lengths: Tensor, L: int, block: int, window: int, causal: bool) -> Tensor:
-    """(B, 1, L, L) bool: the full mask, what an eager model passes to SDPA."""
-    key_ok = torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
-    return allowed_pattern(L, block, window, causal, lengths.device)[None, None] & key_ok[:, None, None, :]
-
-
 def _pattern_bias(L: int, block: int, window: int, causal: bool, dtype, device) -> Tensor:
     ok = allowed_pattern(L, block, window, causal, device)
     return torch.zeros(1, 1, L, L, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
 
 
 def _rotated(q, k, cos, sin, rotary):
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     q, k = q.to(cdt), k.to(cdt)
     if rotary != "none":
         q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
@@ -115,7 +105,7 @@ def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, c
                       scale: float):
     """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys)."""
     L = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     qr, kr = _rotated(q, k, cos, sin, rotary)
     bias = _pattern_bias(L, block, window, causal, cdt, q.device)
     out, lse = jagged_reference_forward(qr, kr, v.to(cdt), None, lengths, bias, False, scale)
@@ -126,7 +116,7 @@ def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window:
                        sin, rotary: str, scale: float):
     """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
     L = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     qr, kr = _rotated(q, k, cos, sin, rotary)
     bias = _pattern_bias(L, block, window, causal, cdt, q.device)
     dq, dk, dv, _ = jagged_reference_backward(

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of GDPA (generalized dot-product attention): what runs on CPU, on any
 non-CUDA device and for float64 on CUDA. The semantics (HSTU's target mask and contextual prefix
-included) are spelled out in gdpa.py.
+included) are spelled out in op.py.
 
 For batch b and a valid pair (i, j) (see :func:`valid_pair_mask`)::
 
@@ -27,20 +27,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .gdpa_relative_bias import dense_relative_bias, relative_table_grad
-from .jagged_attention_reference import _reduce_to_shape, _row_mask, _zero_invalid_rows
+from ..common.reference import compute_dtype, reduce_bias_grad, reduce_to_shape, row_mask, zero_invalid_rows
+from .relative_table import dense_relative_bias, relative_table_grad
+from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
 __all__ = [
-    "GDPA_ACTIVATIONS",
     "activation_fn",
     "activation_grad_fn",
     "valid_pair_mask",
     "reference_gdpa_forward",
     "reference_gdpa_backward",
 ]
-
-GDPA_ACTIVATIONS = ("identity", "relu", "relu_squared", "silu", "sigmoid", "gelu", "gelu_tanh")
-"""The pointwise activations GDPA applies to the scores (their index is the kernels' ACT code)."""
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -147,8 +144,8 @@ def valid_pair_mask(
           if c > 0:      visible = visible or (ii == 0 and jj < m)
     """
     c = int(contextual_len)
-    q_ok = _row_mask(q_lengths, B, Lq, device)
-    kv_ok = _row_mask(kv_lengths, B, Lk, device)
+    q_ok = row_mask(q_lengths, B, Lq, device)
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     rows = torch.arange(Lq, device=device)[:, None]
     cols = torch.arange(Lk, device=device)[None, :]
@@ -183,10 +180,6 @@ def valid_pair_mask(
     return valid & visible[:, None]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, dtype, device) -> Tensor:
     """(B, 1, 1, 1) c_b = out_scale (/ kv_len_b, clamped into [0, Lk]; 0 pairs when kv_len_b = 0)."""
     c = torch.full((B,), float(out_scale), dtype=dtype, device=device)
@@ -199,104 +192,66 @@ def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, d
     return c.reshape(B, 1, 1, 1)
 
 
-def _scores(q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len):
-    """(s with 0 at invalid pairs, valid (B, 1, Lq, Lk), zeroed q (B, H, Lq, D), zeroed k), compute dtype."""
+def _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec: GdpaSpec):
+    """What the forward and the backward share, in the compute dtype: s (0 at invalid pairs), the valid
+    mask (B, 1, Lq, Lk), a = act(s) at valid pairs, zeroed q, k, v and the per-batch output scale c."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    qf = _zero_invalid_rows(q.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
-    kf = _zero_invalid_rows(k.to(cdt), _row_mask(kv_lengths, B, Lk, k.device))
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    cdt = compute_dtype(q.dtype)
+    qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
+    kf = zero_invalid_rows(k.to(cdt), row_mask(kv_lengths, B, Lk, k.device))
+    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * spec.scale
     valid = valid_pair_mask(
-        q_lengths, kv_lengths, B, Lq, Lk, causal, window, q.device, num_targets, contextual_len
+        q_lengths, kv_lengths, B, Lq, Lk, spec.causal, spec.window, q.device, num_targets, spec.contextual_len
     )
     if bias is not None:
         s = s + torch.where(valid, bias.to(cdt), s.new_zeros(()))
     s = torch.where(valid, s, s.new_zeros(()))
-    return s, valid, qf, kf
+    a = torch.where(valid, activation_fn(spec.activation)(s), s.new_zeros(()))
+    c = _output_scale(kv_lengths, B, Lk, spec.out_scale, spec.divide_by_kv_length, cdt, q.device)
+    return s, valid, a, qf, kf, vf, c
 
 
-def reference_gdpa_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_lengths: Optional[Tensor],
-    kv_lengths: Optional[Tensor],
-    bias: Optional[Tensor],
-    activation: str,
-    scale: float,
-    out_scale: float,
-    divide_by_kv_length: bool,
-    causal: bool,
-    window: int,
-    num_targets: Optional[Tensor] = None,
-    contextual_len: int = 0,
-    relative_offset: Optional[int] = None,
-) -> Tensor:
+def _dense_bias(bias, q, k, spec: GdpaSpec):
+    """The bias as a dense (.., Lq, Lk) tensor: a relative table (relative_offset set) is materialized."""
+    if spec.relative_offset is None:
+        return bias
+    return dense_relative_bias(bias, spec.relative_offset, q.shape[2], k.shape[2])
+
+
+def reference_gdpa_forward(q: Tensor, k: Tensor, v: Tensor, q_lengths: Optional[Tensor],
+                           kv_lengths: Optional[Tensor], bias: Optional[Tensor], spec: GdpaSpec,
+                           num_targets: Optional[Tensor] = None) -> Tensor:
     """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype. With
-    relative_offset, bias is a relative table: bias[b, h, i, j] = table[j - i + relative_offset, h]."""
-    if relative_offset is not None:
-        bias = dense_relative_bias(bias, relative_offset, q.shape[2], k.shape[2])
-    act = activation_fn(activation)
-    B, _, Lk, _ = k.shape
-    cdt = _compute_dtype(q.dtype)
-    s, valid, _, _ = _scores(
-        q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len
-    )
-    a = torch.where(valid, act(s), s.new_zeros(()))
-    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
-    c = _output_scale(kv_lengths, B, Lk, out_scale, divide_by_kv_length, cdt, q.device)
-    out = torch.matmul(a, vf) * c
-    return out.to(q.dtype).contiguous()
+    spec.relative_offset, bias is a relative table: bias[b, h, i, j] = table[j - i + relative_offset, h]."""
+    bias = _dense_bias(bias, q, k, spec)
+    _, _, a, _, _, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec)
+    return (torch.matmul(a, vf) * c).to(q.dtype).contiguous()
 
 
-def reference_gdpa_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_lengths: Optional[Tensor],
-    kv_lengths: Optional[Tensor],
-    bias: Optional[Tensor],
-    activation: str,
-    scale: float,
-    out_scale: float,
-    divide_by_kv_length: bool,
-    causal: bool,
-    window: int,
-    bias_requires_grad: bool,
-    num_targets: Optional[Tensor] = None,
-    contextual_len: int = 0,
-    relative_offset: Optional[int] = None,
-):
+def reference_gdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, q_lengths: Optional[Tensor],
+                            kv_lengths: Optional[Tensor], bias: Optional[Tensor], spec: GdpaSpec,
+                            num_targets: Optional[Tensor] = None, bias_requires_grad: bool = False):
     """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad. With
-    relative_offset, bias is a relative table and dbias is its gradient (the dense gradient's diagonal sums)."""
-    table = bias
-    if relative_offset is not None:
-        bias = dense_relative_bias(table, relative_offset, q.shape[2], k.shape[2])
-    act, act_grad = activation_fn(activation), activation_grad_fn(activation)
-    B, H, Lk, D = k.shape
+    spec.relative_offset, bias is a relative table and dbias is its gradient (the dense gradient's
+    diagonal sums)."""
+    table, bias = bias, _dense_bias(bias, q, k, spec)
+    B, H, _, D = k.shape
     Lq = q.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    s, valid, qf, kf = _scores(
-        q, k, q_lengths, kv_lengths, bias, scale, causal, window, num_targets, contextual_len
-    )
-    zero = s.new_zeros(())
-    a = torch.where(valid, act(s), zero)
-    vf = _zero_invalid_rows(v.to(cdt), _row_mask(kv_lengths, B, Lk, v.device))
-    do = _zero_invalid_rows(grad_out.to(cdt), _row_mask(q_lengths, B, Lq, q.device))
-    c = _output_scale(kv_lengths, B, Lk, out_scale, divide_by_kv_length, cdt, q.device)
+    s, valid, a, qf, kf, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec)
+    do = zero_invalid_rows(grad_out.to(s.dtype), row_mask(q_lengths, B, Lq, q.device))
     dv = torch.matmul(a.transpose(-1, -2), do) * c
-    da = torch.where(valid, torch.matmul(do, vf.transpose(-1, -2)) * c, zero)
-    ds = da * act_grad(s)
-    dq = torch.matmul(ds, kf) * scale
+    da = torch.where(valid, torch.matmul(do, vf.transpose(-1, -2)) * c, s.new_zeros(()))
+    ds = da * activation_grad_fn(spec.activation)(s)
+    dq = torch.matmul(ds, kf) * spec.scale
     if q.shape[0] == 1 and B != 1:
         dq = dq.sum(dim=0, keepdim=True)
-    dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
-    if bias is not None and bias_requires_grad and relative_offset is not None:
-        dbias = relative_table_grad(_reduce_to_shape(ds, bias.shape), table, relative_offset).contiguous()
+    dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * spec.scale
+    if bias is not None and bias_requires_grad and spec.relative_offset is not None:
+        dbias = relative_table_grad(reduce_to_shape(ds, bias.shape), table, spec.relative_offset).contiguous()
     elif bias is not None and bias_requires_grad:
-        dbias = _reduce_to_shape(ds, bias.shape).to(bias.dtype).contiguous()
+        dbias = reduce_bias_grad(ds, bias)
     else:
         dbias = q.new_empty(0)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias

@@ -17,7 +17,7 @@ With ``relative_offset`` set, gemcompile::gdpa takes the table itself, (T,) or (
 
 Every position j - i + offset for i < Lq, j < Lk must lie in the table (checked: no wrap-around). Rows of
 the table that no pair reads get a zero gradient. The reference path materializes the dense bias and sums
-its gradient's diagonals (relative_bias.py): the definition the kernels are tested against.
+its gradient's diagonals (relative_bias/op.py): the definition the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .relative_bias import positions_span, relative_bias_backward, relative_bias_reference
+from ..relative_bias.op import positions_span, relative_bias_backward, relative_bias_reference
 
 __all__ = ["check_relative_table", "dense_relative_bias", "relative_table_grad", "table_heads",
            "toeplitz_view"]

@@ -1,12 +1,13 @@
 """Triton kernels of GDPA (generalized dot-product attention: a pointwise activation, no softmax) and their
-launchers. Semantics: see gdpa.py; plain-PyTorch twin: gdpa_reference.py.
+launchers. Semantics: see op.py; plain-PyTorch twin: reference.py.
 
 Layout: padded only. q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v
 (B, H, Lk, D), read through their strides (permuted and expanded views are never copied); lengths
 (B,) or None (every row valid), clamped into [0, L] inside the kernels. All element offsets of a
 sequence's base are computed in int64. The device helpers (sequence lookup, program coordinates,
 masked tile loads/stores), the launch helper that bypasses the autotuner after the first tune and the
-shared-memory prune come from jagged_attention_triton.py.
+shared-memory prune are the attention toolkit of common/attention_triton.py; the per-pair helpers
+(pair mask, activations, output scale) are in pairs_triton.py, shared with the bias-gradient kernel.
 
 Which key tiles a query tile [m0, m0 + BLOCK_M) visits: j < kv_len; j <= i when causal (stop at the
 diagonal); with a window w > 0, j >= i - w (start at m0 - w, rounded down to a tile) and, when not
@@ -16,7 +17,7 @@ valid: no mask, no masked loads) and masked tiles at its end (kv_len, diagonal, 
 backward's key tiles visit query tiles by the mirrored rules.
 
 HSTU's target mask and contextual prefix (HAS_TARGETS: num_targets (B,) read per sequence, used as given;
-HAS_CONTEXT: contextual_len > 0, a runtime int; both causal) mask pairs on clamped ids (gdpa.py). Let u
+HAS_CONTEXT: contextual_len > 0, a runtime int; both causal) mask pairs on clamped ids (op.py). Let u
 be the number of history keys (u = kv_len - t when kv_len - t >= contextual_len, else 0, clamped into
 [0, kv_len]): a key j < u is seen by every row i > j and by the contextual rows i < contextual_len; a
 target key j >= u only by itself. Hence: keys never exceed the causal bound (j <= the tile's last row)
@@ -34,21 +35,21 @@ program per key tile and loops over query tiles (dV = c (m a)^T dO, dK = scale c
 dS' = m (dO V^T) act'(s)); ``_gdpa_bwd_dq_kernel`` runs one program per query tile and loops over key
 tiles (dQ = scale c dS' K). The per-batch c is applied once, at the end of each program. When the bias
 needs a gradient: a bias with full (Lq, Lk) dims (HSTU's relative bias, shared by batch and heads) gets
-it from gdpa_bias_grad_triton.py, which reduces over the (b, h) pairs in-kernel; any other bias (one
+it from bias_grad_triton.py, which reduces over the (b, h) pairs in-kernel; any other bias (one
 broadcast along rows or columns) from the dQ kernel, which then writes dS = c dS' once per visited valid
 pair into a zeroed (B, H, Lq, Lk) fp32 buffer that the launcher sums over the broadcast dims with torch.
-A relative-position table (``relative_offset``, gdpa_relative_bias.py) is read by the same code through
+A relative-position table (``relative_offset``, relative_table.py) is read by the same code through
 a view with strides (0, head, -row, +row) based at its row ``offset``: no kernel has a separate path for
 it; its gradient is the bias-gradient kernel's parts summed along their diagonals (diagonal_sums_triton.py).
 
 Programs are mapped to batches longest first (a device-side stable argsort by counting,
-length_order_triton.py, of the lengths that bound their loop:
+common/length_order_triton.py, of the lengths that bound their loop:
 kv lengths for the forward and dQ, q lengths for dK/dV; the other side's lengths when one is None);
 with ``causal`` the query tiles of a sequence run from the last (heaviest) to the first.
 
 Precision: scores, activations and accumulators are fp32 (act and act' evaluated in fp32; gelu uses
 tl.math.erf, gelu_tanh is x * sigmoid(2u); for bf16/fp16 inputs on the GPU sigmoid is 0.5 + 0.5 tanh(x/2)
-with the SFU's tanh.approx, see _sigmoid); a and dS are cast to the input dtype for the a.V, dS.K and
+with the SFU's tanh.approx, see pairs_triton.py); a and dS are cast to the input dtype for the a.V, dS.K and
 dS^T.Q dots, as flash attention does. fp32 inputs follow torch's matmul precision (3xTF32 at
 "highest", TF32 otherwise). Autotuning is keyed on length buckets, the head dim and the flags; under
 TRITON_INTERPRET=1 each kernel has one small config. Only APIs present in triton 3.6 and 3.9 are used.
@@ -60,28 +61,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .diagonal_sums_triton import relative_table_grad_triton
-from .gdpa_reference import GDPA_ACTIVATIONS
-from .gdpa_relative_bias import table_heads, toeplitz_view
-from .jagged_attention_triton import (
+from ..common.attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
-    _INTERPRET,
-    _bhld_strides,
-    _block_d,
-    _configs,
-    _dot_precision,
-    _launch,
-    _load_rows,
-    _make_prune,
-    _order,
-    _program_coordinates,
-    _reduce_bias_grad,
-    _sequence,
-    _Side,
-    _store_rows,
+    Side,
+    batch_order,
+    bhld_strides,
+    block_d,
+    dot_precision,
+    kernel_configs,
     length_bucket,
+    load_rows,
+    make_prune,
+    program_coordinates,
+    store_rows,
 )
+from ..common.reference import reduce_bias_grad
+from ..common.tuned_launch import INTERPRET, launch
+from .diagonal_sums_triton import relative_table_grad_triton
+from .pairs_triton import act, act_grad, output_scale, pair_mask, sample_bounds
+from .relative_table import table_heads, toeplitz_view
+from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
 __all__ = ["gdpa_forward_triton", "gdpa_backward_triton", "activation_code"]
 
@@ -104,9 +104,9 @@ _DQ_SHAPES = {
     (64, 32, 4, 3): ("large",), (64, 64, 8, 3): ("large",),
 }
 
-_FWD_CONFIGS = _configs(_FWD_SHAPES, (32, 16))
-_DKDV_CONFIGS = _configs(_DKDV_SHAPES, (16, 32))
-_DQ_CONFIGS = _configs(_DQ_SHAPES, (32, 16))
+_FWD_CONFIGS = kernel_configs(_FWD_SHAPES, (32, 16))
+_DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
+_DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself.
 # DIVIDE (a per-program scalar) does not change the cost: not part of the key.
 # HAS_TARGETS / HAS_CONTEXT are flags only (never the contextual length nor the number of targets).
@@ -122,154 +122,6 @@ def activation_code(name: str) -> int:
 # ---------------------------------------------------------------------------------------------------
 # Device helpers: activations (ACT = index in GDPA_ACTIVATIONS) and loop bounds
 
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-_GELU_TANH_C = tl.constexpr(0.044715)
-
-
-@triton.jit
-def _tanh_sfu(x):
-    """tanh(x) in one special-function-unit instruction (PTX tanh.approx.f32, sm_75+: max relative error
-    about 2^-11, below the 2^-9 of the bf16/fp16 operand the activation is cast to)."""
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _sigmoid(x, FAST_ACT: tl.constexpr):
-    """sigmoid(x) in fp32. tl.sigmoid is 1 / (1 + exp(-x)): two SFU instructions (ex2, and the reciprocal
-    of the division), and with D = 64 the SFU, not the tensor cores, bounds the loop (16 SFU results per
-    clock per SM against 4096 bf16 FLOPs: 2 per score cost twice the 4 D FLOPs of the forward's two dots).
-    FAST_ACT: 0.5 + 0.5 tanh(x / 2), one SFU instruction."""
-    if FAST_ACT:
-        y = 0.5 + 0.5 * _tanh_sfu(0.5 * x)
-    else:
-        y = tl.sigmoid(x)
-    return y
-
-
-@triton.jit
-def _act(x, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
-    """act(x) in fp32."""
-    if ACT == 0:  # identity
-        y = x
-    elif ACT == 1:  # relu
-        y = tl.maximum(x, 0.0)
-    elif ACT == 2:  # relu_squared
-        r = tl.maximum(x, 0.0)
-        y = r * r
-    elif ACT == 3:  # silu
-        y = x * _sigmoid(x, FAST_ACT)
-    elif ACT == 4:  # sigmoid
-        y = _sigmoid(x, FAST_ACT)
-    elif ACT == 5:  # gelu (erf)
-        y = 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT_2))
-    else:  # gelu_tanh: 0.5 x (1 + tanh(u)) = x sigmoid(2u)
-        u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
-        y = x * _sigmoid(2.0 * u, FAST_ACT)
-    return y
-
-
-@triton.jit
-def _act_grad(x, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
-    """act'(x) in fp32 (relu, relu_squared: 0 at 0, as torch's autograd)."""
-    if ACT == 0:
-        g = tl.full(x.shape, 1.0, tl.float32)
-    elif ACT == 1:
-        g = tl.where(x > 0.0, 1.0, 0.0)
-    elif ACT == 2:
-        g = 2.0 * tl.maximum(x, 0.0)
-    elif ACT == 3:
-        sg = _sigmoid(x, FAST_ACT)
-        g = sg * (1.0 + x * (1.0 - sg))
-    elif ACT == 4:
-        sg = _sigmoid(x, FAST_ACT)
-        g = sg * (1.0 - sg)
-    elif ACT == 5:
-        g = 0.5 * (1.0 + tl.math.erf(x * _INV_SQRT_2)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
-    else:
-        u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
-        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
-        sg = _sigmoid(2.0 * u, FAST_ACT)
-        g = sg + 2.0 * x * sg * (1.0 - sg) * du
-    return g
-
-
-@triton.jit
-def _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW: tl.constexpr,
-                     HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    """HSTU's causal visibility on clamped ids (targets, contextual prefix); see gdpa.py."""
-    ii = i
-    jj = j
-    m = kv_len
-    if HAS_CONTEXT:
-        ii = tl.maximum(i - ctx + 1, 0)
-        jj = tl.maximum(j - ctx + 1, 0)
-        m = kv_len - ctx + 1
-    if HAS_TARGETS:
-        m = m - n_targets
-        ii = tl.minimum(ii, m)
-        jj = tl.minimum(jj, m)
-    d = ii - jj
-    visible = (i == j) | (d > 0)
-    if HAS_WINDOW:
-        visible = visible & (d <= window)
-    if HAS_CONTEXT:
-        visible = visible | ((ii == 0) & (jj < m))
-    return visible
-
-
-@triton.jit
-def _pair_mask(i, j, q_len, kv_len, window, n_targets, ctx, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    """Valid pairs, from broadcastable 2-D query indices i and key indices j (e.g. rows[:, None] and
-    cols[None, :]; the dK/dV kernel passes them the other way round, so no transpose is needed).
-    n_targets (this sequence's targets) and ctx (the contextual length) are read only under their flag."""
-    valid = (i < q_len) & (j < kv_len)
-    # two arms rather than `HAS_TARGETS or HAS_CONTEXT`: no boolean operator on constexprs in device code
-    if HAS_TARGETS:  # (causal implied)
-        valid = valid & _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW, HAS_TARGETS,
-                                         HAS_CONTEXT)
-    elif HAS_CONTEXT:
-        valid = valid & _clamped_visible(i, j, kv_len, window, n_targets, ctx, HAS_WINDOW, HAS_TARGETS,
-                                         HAS_CONTEXT)
-    else:
-        if CAUSAL:
-            valid = valid & (j <= i)
-        if HAS_WINDOW:
-            dist = i - j
-            if CAUSAL:
-                valid = valid & (dist <= window)
-            else:
-                valid = valid & (dist <= window) & (dist >= -window)
-    return valid
-
-
-@triton.jit
-def _history_len(kv_len, n_targets, ctx, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    """u in [0, kv_len]: with targets or a contextual prefix (causal), a key j < u is seen by every row
-    i > j and by the contextual rows i < ctx; keys j >= u (the targets) only by themselves. u = kv_len - t
-    when kv_len - t >= ctx (clamped id m >= 1), else 0; kv_len without either."""
-    u = kv_len
-    if HAS_TARGETS:
-        u = kv_len - n_targets
-    if HAS_CONTEXT:
-        u = tl.where(u >= ctx, u, 0)
-    return tl.minimum(tl.maximum(u, 0), kv_len)
-
-
-@triton.jit
-def _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, ctx, Q_MODE: tl.constexpr,
-                   KV_MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    """Batch b's (q_len, kv_len, number of targets, history length u): what every kernel reads first."""
-    _, q_len = _sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
-    _, kv_len = _sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
-    n_targets = b * 0
-    if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
-        n_targets = tl.load(NumTargets + b).to(tl.int32)
-    return q_len, kv_len, n_targets, _history_len(kv_len, n_targets, ctx, HAS_TARGETS, HAS_CONTEXT)
-
 
 @triton.jit
 def _key_range(m0, q_len, kv_len, window, u, ctx, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -277,7 +129,7 @@ def _key_range(m0, q_len, kv_len, window, u, ctx, CAUSAL: tl.constexpr, HAS_WIND
                BLOCK_N: tl.constexpr):
     """Key tiles of query tile [m0, m0 + BLOCK_M) (m0 < q_len): (lo, mid_lo, mid_hi, hi); tiles in
     [mid_lo, mid_hi) need no mask. lo and mid_lo are multiples of BLOCK_N (or mid_lo = hi). u: see
-    _history_len (kv_len without targets and contextual prefix)."""
+    pairs_triton.py (kv_len without targets and contextual prefix)."""
     last_row = tl.minimum(m0 + BLOCK_M, q_len) - 1  # the last valid row of the tile
     hi = kv_len
     mid_hi = (u // BLOCK_N) * BLOCK_N  # target keys (j >= u) always need the mask
@@ -341,14 +193,6 @@ def _query_range(n0, q_len, kv_len, window, u, CAUSAL: tl.constexpr, HAS_WINDOW:
     return lo, mid_lo, mid_hi, hi
 
 
-@triton.jit
-def _output_scale(out_scale, kv_len, DIVIDE: tl.constexpr):
-    c = out_scale
-    if DIVIDE:
-        c = out_scale / tl.maximum(kv_len, 1).to(tl.float32)
-    return c
-
-
 # ---------------------------------------------------------------------------------------------------
 # Forward
 
@@ -364,11 +208,11 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = _load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
-                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            valid = pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
+                              HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                   + cols.to(tl.int64)[None, :] * stride_zn)
@@ -377,15 +221,15 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32)
-        a = _act(s, ACT, FAST_ACT)
+        a = act(s, ACT, FAST_ACT)
         if MASKED:
             a = tl.where(valid, a, 0.0)
-        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_make_prune(_FWD_SHAPES, "fwd"))
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
 @triton.jit
 def _gdpa_fwd_kernel(
     Q, K, V, Bias, Out,
@@ -402,9 +246,9 @@ def _gdpa_fwd_kernel(
     HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+    tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
+    q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -412,15 +256,15 @@ def _gdpa_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     o_base = Out + b64 * stride_ob + h64 * stride_oh
-    store_rows = offs_m < max_q_len
+    store_mask = offs_m < max_q_len
     if m0 >= q_len:
-        _store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
-                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_rows, HEAD_D)
+        store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
+                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
         return
 
     row_ok = offs_m < q_len
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
-                   HEAD_D, BLOCK_D, True)
+    q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
+                  HEAD_D, BLOCK_D, True)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
@@ -440,9 +284,9 @@ def _gdpa_fwd_kernel(
                      contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
                      mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT,
                      FAST_ACT, True, DOT_PRECISION, BLOCK_N)
-    c = _output_scale(out_scale, kv_len, DIVIDE)
+    c = output_scale(out_scale, kv_len, DIVIDE)
     out = tl.where(row_ok[:, None], acc * c, 0.0)
-    _store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_rows, HEAD_D)
+    store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_mask, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -460,12 +304,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = _load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
-        do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid_t = _pair_mask(rows[None, :], offs_n[:, None], q_len, kv_len, window, n_targets, ctx,
-                                 CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            valid_t = pair_mask(rows[None, :], offs_n[:, None], q_len, kv_len, window, n_targets, ctx,
+                                CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = z_base + (rows.to(tl.int64)[None, :] * stride_zm
                                + offs_n.to(tl.int64)[:, None] * stride_zn)
@@ -474,9 +318,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
             else:
                 z = tl.load(z_ptrs)
             s_t += z.to(tl.float32)
-        a_t = _act(s_t, ACT, FAST_ACT)
+        a_t = act(s_t, ACT, FAST_ACT)
         da_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = da_t * _act_grad(s_t, ACT, FAST_ACT)
+        ds_t = da_t * act_grad(s_t, ACT, FAST_ACT)
         if MASKED:
             a_t = tl.where(valid_t, a_t, 0.0)
             ds_t = tl.where(valid_t, ds_t, 0.0)
@@ -486,7 +330,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
-                 prune_configs_by=_make_prune(_DKDV_SHAPES, "dkdv"))
+                 prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, DK, DV,
@@ -505,9 +349,9 @@ def _gdpa_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
-    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
-    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+    tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
+    q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
@@ -515,21 +359,21 @@ def _gdpa_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dk_base = DK + b64 * stride_dkb + h64 * stride_dkh
     dv_base = DV + b64 * stride_dkb + h64 * stride_dkh
-    store_rows = offs_n < max_kv_len
+    store_mask = offs_n < max_kv_len
     if n0 >= kv_len:
         zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_rows, HEAD_D)
-        _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_rows, HEAD_D)
+        store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
+        store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
         return
 
     col_ok = offs_n < kv_len
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_gb + h64 * stride_gh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
-    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, col_ok,
-                   HEAD_D, BLOCK_D, True)
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, offs_d, stride_vn, stride_vd, col_ok,
-                   HEAD_D, BLOCK_D, True)
+    k = load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, col_ok,
+                  HEAD_D, BLOCK_D, True)
+    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, offs_d, stride_vn, stride_vd, col_ok,
+                  HEAD_D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = _query_range(n0, q_len, kv_len, window, u, CAUSAL, HAS_WINDOW, HAS_TARGETS,
@@ -556,9 +400,9 @@ def _gdpa_bwd_dkdv_kernel(
                          n_targets, contextual_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_zm,
                          stride_zn, scale, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
                          HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_M)
-    c = _output_scale(out_scale, kv_len, DIVIDE)
-    _store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_rows, HEAD_D)
-    _store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_rows, HEAD_D)
+    c = output_scale(out_scale, kv_len, DIVIDE)
+    store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_mask, HEAD_D)
+    store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_mask, HEAD_D)
 
 
 @triton.jit
@@ -572,12 +416,12 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = _load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
-            valid = _pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
-                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            valid = pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
+                              HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                + cols.to(tl.int64)[None, :] * stride_zn)
@@ -587,7 +431,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32)
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = da * _act_grad(s, ACT, FAST_ACT)
+        ds = da * act_grad(s, ACT, FAST_ACT)
         if MASKED:
             ds = tl.where(valid, ds, 0.0)
         if BIAS_GRAD:
@@ -598,7 +442,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
-                 prune_configs_by=_make_prune(_DQ_SHAPES, "dq"))
+                 prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
 @triton.jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, Bias, DO, DQ, DS,
@@ -617,9 +461,9 @@ def _gdpa_bwd_dq_kernel(
     HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
     DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tile, b, h = _program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
-    q_len, kv_len, n_targets, u = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                 contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+    tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
+    q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -627,22 +471,22 @@ def _gdpa_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
-    store_rows = offs_m < max_q_len
+    store_mask = offs_m < max_q_len
     if m0 >= q_len:
-        _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
-                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_rows, HEAD_D)
+        store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
+                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
         return
 
     row_ok = offs_m < q_len
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
+    q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
+                  HEAD_D, BLOCK_D, True)
+    do = load_rows(DO + b64 * stride_gb + h64 * stride_gh, offs_m, offs_d, stride_gm, stride_gd, row_ok,
                    HEAD_D, BLOCK_D, True)
-    do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, offs_m, offs_d, stride_gm, stride_gd, row_ok,
-                    HEAD_D, BLOCK_D, True)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
-    c = _output_scale(out_scale, kv_len, DIVIDE)
+    c = output_scale(out_scale, kv_len, DIVIDE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, u, contextual_len, CAUSAL, HAS_WINDOW,
                                         HAS_TARGETS, HAS_CONTEXT, BLOCK_M, BLOCK_N)
@@ -661,7 +505,7 @@ def _gdpa_bwd_dq_kernel(
                    stride_zn, stride_sm, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL,
                    HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
     dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
-    _store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_rows, HEAD_D)
+    store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -673,19 +517,19 @@ def _sides(q, k, q_lengths, kv_lengths):
     dummy = kv_lengths if kv_lengths is not None else q_lengths
     if dummy is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-    q_side = _Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
-    kv_side = _Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
+    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
+    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
     return q_side, kv_side
 
 
-def _order_by(first: _Side, second: _Side, B: int, device) -> torch.Tensor:
+def _order_by(first: Side, second: Side, B: int, device) -> torch.Tensor:
     """Batches longest first by the lengths of ``first`` (``second``'s when first has none)."""
-    return _order(first if first.sort_key() is not None else second, B, device)
+    return batch_order(first if first.sort_key() is not None else second, B, device)
 
 
 def _bias_args(bias, q, B, H, Lq, Lk, relative_offset=None):
     """(the tensor the kernels read the bias through, its (b, h, m, n) strides); a relative table is read
-    in place through a view with a negative row stride (gdpa_relative_bias.py)."""
+    in place through a view with a negative row stride (relative_table.py)."""
     if bias is None:
         return q, (0, 0, 0, 0)
     if relative_offset is not None:
@@ -693,8 +537,8 @@ def _bias_args(bias, q, B, H, Lq, Lk, relative_offset=None):
     return bias, bias.expand(B, H, Lq, Lk).stride()
 
 
-# The SFU's tanh in sigmoid-based activations (silu, sigmoid, gelu_tanh; see _sigmoid) for bf16/fp16 inputs
-# on the GPU: their activation is cast to 16 bits before its dot, so the 2^-11 error is below that cast's.
+# The SFU's tanh in sigmoid-based activations (silu, sigmoid, gelu_tanh; see pairs_triton.py) for bf16/fp16
+# inputs on the GPU: their activation is cast to 16 bits before its dot, so the 2^-11 error is below that cast's.
 # fp32 inputs keep tl.sigmoid (their float64 checks are tighter), and so does the CPU interpreter (no inline
 # assembly there). False: tl.sigmoid everywhere (benchmarks/gdpa.py --diagnose times both).
 SFU_ACTIVATIONS = True
@@ -702,41 +546,36 @@ SFU_ACTIVATIONS = True
 
 def sfu_activation(dtype: torch.dtype) -> bool:
     """Whether the kernels evaluate sigmoid-based activations with the SFU's tanh for inputs of ``dtype``."""
-    return SFU_ACTIVATIONS and not _INTERPRET and dtype in (torch.bfloat16, torch.float16)
+    return SFU_ACTIVATIONS and not INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
-def _flags(q, D, q_side, kv_side, has_bias, activation, causal, window, divide, has_targets, contextual_len):
-    return dict(HEAD_D=D, BLOCK_D=_block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
-                CAUSAL=bool(causal), HAS_WINDOW=int(window) > 0, HAS_TARGETS=bool(has_targets),
-                HAS_CONTEXT=int(contextual_len) > 0, ACT=activation_code(activation),
-                FAST_ACT=sfu_activation(q.dtype), DIVIDE=bool(divide), DOT_PRECISION=_dot_precision(q.dtype))
+def _flags(q, D, q_side, kv_side, has_bias, spec: GdpaSpec, has_targets):
+    return dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
+                CAUSAL=bool(spec.causal), HAS_WINDOW=int(spec.window) > 0, HAS_TARGETS=bool(has_targets),
+                HAS_CONTEXT=int(spec.contextual_len) > 0, ACT=activation_code(spec.activation),
+                FAST_ACT=sfu_activation(q.dtype), DIVIDE=bool(spec.divide_by_kv_length),
+                DOT_PRECISION=dot_precision(q.dtype))
 
 
-def _check_window(window) -> int:
-    window = int(window)
+def _loop_bounds(spec: GdpaSpec, num_targets) -> tuple[int, int]:
+    """(window, contextual_len) as ints, checked: the loop bounds of targets / a contextual prefix
+    assume causal."""
+    window, contextual_len = int(spec.window), int(spec.contextual_len)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
-    return window
-
-
-def _check_hstu(causal, num_targets, contextual_len) -> int:
-    """The contextual length as an int; the loop bounds of targets / a contextual prefix assume causal."""
-    contextual_len = int(contextual_len)
     if contextual_len < 0:
         raise ValueError(f"contextual_len must be >= 0, got {contextual_len}")
-    if (num_targets is not None or contextual_len > 0) and not causal:
+    if (num_targets is not None or contextual_len > 0) and not spec.causal:
         raise ValueError("num_targets and contextual_len > 0 require causal=True")
-    return contextual_len
+    return window, contextual_len
 
 
-def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float, out_scale: float,
-                        divide_by_kv_length: bool, causal: bool, window: int, num_targets=None,
-                        contextual_len: int = 0, relative_offset: int | None = None):
+def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None):
     """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
-    num_targets (B,) int or None, contextual_len >= 0: HSTU's target mask and contextual prefix (causal).
-    relative_offset: bias is a relative table (T,) or (T, Hz), bias[b, h, i, j] = table[j - i + offset, h]."""
-    window = _check_window(window)
-    contextual_len = _check_hstu(causal, num_targets, contextual_len)
+    num_targets (B,) int or None, spec.contextual_len >= 0: HSTU's target mask and contextual prefix
+    (causal). spec.relative_offset: bias is a relative table (T,) or (T, Hz),
+    bias[b, h, i, j] = table[j - i + offset, h]."""
+    window, contextual_len = _loop_bounds(spec, num_targets)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
@@ -745,7 +584,7 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
     if Lk == 0:
         return out.zero_()
     q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
-    bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
+    bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, spec.relative_offset)
     order = _order_by(kv_side, q_side, B, q.device)
     buckets = (length_bucket(Lq), length_bucket(Lk))
 
@@ -753,28 +592,25 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, activation: str, s
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
-    _launch(_gdpa_fwd_kernel, grid, (
+    launch(_gdpa_fwd_kernel, grid, (
         q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order,
-        *_bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(),
-        H, Lq, Lk, float(scale), float(out_scale), window, contextual_len, *buckets,
-    ), _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window, divide_by_kv_length,
-              num_targets is not None, contextual_len), buckets)
+        *bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(),
+        H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
+    ), _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None), buckets)
     return out
 
 
-def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation: str, scale: float,
-                         out_scale: float, divide_by_kv_length: bool, causal: bool, window: int,
-                         bias_requires_grad: bool, num_targets=None, contextual_len: int = 0,
-                         relative_offset: int | None = None, *, bias_grad_splits: int | None = None):
+def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
+                         bias_requires_grad: bool = False, *, bias_grad_splits: int | None = None):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
-    full (Lq, Lk) dims gets its gradient from gdpa_bias_grad_triton (reduced over the shared batch and
+    full (Lq, Lk) dims gets its gradient from bias_grad_triton.py (reduced over the shared batch and
     head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
     from the dQ kernel's per-pair buffer, summed by torch. A relative table (``relative_offset``) gets the
     in-kernel parts' diagonal sums (diagonal_sums_triton.py)."""
-    from .gdpa_bias_grad_triton import bias_grad_parts, bias_grad_triton, full_bias_grad_supported
+    from .bias_grad_triton import bias_grad_parts, bias_grad_triton, full_bias_grad_supported
 
-    window = _check_window(window)
-    contextual_len = _check_hstu(causal, num_targets, contextual_len)
+    window, contextual_len = _loop_bounds(spec, num_targets)
+    relative_offset = spec.relative_offset
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     shared_q = q.shape[0] != B
@@ -794,23 +630,22 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
         else:
             ds_t, ds_strides = ds, ds.stride()[:3]
-        flags = _flags(q, D, q_side, kv_side, bias is not None, activation, causal, window,
-                       divide_by_kv_length, num_targets is not None, contextual_len)
+        flags = _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None)
         buckets = (length_bucket(Lq), length_bucket(Lk))
-        scalars = (H, Lq, Lk, float(scale), float(out_scale), window, contextual_len, *buckets)
+        scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets)
         targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
-        q_strides = _bhld_strides(q, shared_q)
+        q_strides = bhld_strides(q, shared_q)
         # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
         kv_order = _order_by(kv_side, q_side, B, q.device)
         if q_lengths is kv_lengths or (q_side.mode == MODE_FULL and kv_side.mode == MODE_FULL):
             q_order = kv_order
         else:
             q_order = _order_by(q_side, kv_side, B, q.device)
-        _launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
+        launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
             q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(),
             *scalars), flags, buckets)
-        _launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
+        launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
             *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
             *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
@@ -828,7 +663,7 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, activat
     dq = dq_buffer.sum(dim=0, keepdim=True).to(q.dtype) if shared_q else dq_buffer
     if dbias is None:
         if ds is not None:
-            dbias = _reduce_bias_grad(ds, bias)
+            dbias = reduce_bias_grad(ds, bias)
         elif bias_grad:  # nothing ran (an empty batch, head or length): no pair, no gradient
             dbias = torch.zeros_like(bias)
         else:

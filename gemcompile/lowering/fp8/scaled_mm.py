@@ -15,7 +15,7 @@ Recipes
 -------
 ``mxfp8_emulated``
     OCP MXFP8: E4M3 elements, E8M0 scales over 1x32 blocks along K, exact quantize-dequantize
-    (mx_numerics), then a plain matmul in a's dtype. On every device it equals, bit for bit on CPU,
+    (numerics.py), then a plain matmul in a's dtype. On every device it equals, bit for bit on CPU,
     ``emulated_fp8_mm`` (= ``fake_quantize(a, -1) @ fake_quantize(b, -2)``, K zero-padded to a multiple
     of 32 for the quantization), so a compiled model matches an eager model applying the same
     quantize-dequantize. On CUDA the quantization runs in the Triton kernel (bit-exact with the
@@ -31,7 +31,7 @@ Recipes
     same floor / rceil rules), 1x128 blocks along K for activations and gradients, 128x128 blocks for
     the operand flagged ``*_is_weight`` (transpose invariant: one quantization serves forward and
     dgrad). On CUDA sm_90 with cuBLASLt >= 12.9 the GEMM is cuBLAS's blockwise scaled GEMM, fed by the
-    Triton quantize kernels of mx_quantize_triton.py; the API is feature-detected (see
+    Triton quantize kernels of quantize_triton.py; the API is feature-detected (see
     :func:`blockwise_api`). On CPU the same blocks are emulated (block_quantize / block_dequantize, then
     a matmul in a's dtype): that is the documented CPU behaviour, no warning. On other GPUs (or when
     torch refuses the call, or both operands are weights: cuBLAS has no 128x128 x 128x128) it emulates
@@ -54,7 +54,7 @@ output dtype, asks for fp32 / bf16 and casts) and remembers what worked (:func:`
 
 Weights: one 128x128 quantization serves forward and dgrad, but the op itself quantizes both operands on
 every call (a cache inside the op would go stale under CUDA-graph replay). Reusing W8 / W8^T (and x8^T,
-dY8^T) across the three GEMMs of a Linear takes the pre-quantized API: ``mx_quantize_triton.quantize_1x128``
+dY8^T) across the three GEMMs of a Linear takes the pre-quantized API: ``quantize_triton.quantize_1x128``
 / ``quantize_128x128`` (one pass writes both layouts) and :func:`scaled_mm_blockwise`, as
 benchmarks/mxfp8_linear.py does.
 
@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .mx_numerics import SCALE_RULES, block_dequantize, block_quantize, fake_quantize
+from .numerics import SCALE_RULES, block_dequantize, block_quantize, fake_quantize
 
 __all__ = [
     "RECIPES",
@@ -152,7 +152,7 @@ def _out_shape(a: Tensor, b: Tensor) -> tuple:
 
 
 def _fake_quantize_mx(x: Tensor, dim: int, rule: str) -> Tensor:
-    """mx_numerics.fake_quantize along ``dim``; a K that is not a multiple of 32 is zero-padded first."""
+    """numerics.fake_quantize along ``dim``; a K that is not a multiple of 32 is zero-padded first."""
     k = x.shape[dim]
     if k % 32 == 0:
         return fake_quantize(x, dim, rule)
@@ -247,9 +247,9 @@ _BLOCKWISE_STATE: dict = {"api": None, "error": None, "choice": {}}
 
 
 def _triton_kernels():
-    from . import mx_quantize_triton
+    from . import quantize_triton
 
-    return mx_quantize_triton
+    return quantize_triton
 
 
 def _round_up(n: int, m: int) -> int:
@@ -278,7 +278,7 @@ def _quantize_operand(x: Tensor, weight: bool, rule: str, padded: tuple[int, int
 
 def scaled_mm_blockwise(qa, sa, a_weight: bool, qb, sb, b_weight: bool, out_dtype, api: str) -> Tensor:
     """cuBLAS blockwise GEMM of pre-quantized operands: qa (M, K) and qb (N, K) row-major fp8 with the
-    scales of mx_quantize_triton (1x128: (rows, K/128) strides (1, rows); 128x128: the padded row-major
+    scales of quantize_triton.py (1x128: (rows, K/128) strides (1, rows); 128x128: the padded row-major
     tile grid), out = (qa * sa) @ (qb * sb)^T in out_dtype. ``api``: "F.scaled_mm" or "torch._scaled_mm".
     Scale layouts per torch's checks (ScaledBlas.cpp):
       F.scaled_mm / _scaled_mm_v2  1x128: (rows, K/128) strides (1, rows) for a and b alike;
@@ -409,7 +409,7 @@ def _mx_native_cuda(a, b, rule) -> Tensor | None:
 
 def _fake_quantize_mx_cuda(x: Tensor, dim: int, rule: str) -> Tensor:
     """fake_quantize along ``dim`` with the Triton MX kernel (bit-exact) and an exact dequantization; the
-    same values as mx_numerics.fake_quantize."""
+    same values as numerics.fake_quantize."""
     k = _triton_kernels()
     # contiguous: on the H200 (triton 3.6) the kernel's strided read of a transposed view gave wrong
     # blocks (the interpreter reads it right); one copy of the operand is the emulated recipe's price

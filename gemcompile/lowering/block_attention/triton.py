@@ -22,8 +22,8 @@ Two families of kernels:
   of a separate rowsum(O * dO) pass (O is not even read).
 - "general" kernels for everything else (windows without blocks, blocks larger than the tile, blocks
   that are not powers of two): a forward with an online-softmax loop over the key range; the backward
-  of jagged_attention_triton.py (delta kernel reused from there, a dK/dV kernel looping over query
-  tiles, a dQ kernel looping over key tiles; deterministic, no atomics).
+  of jagged attention (the shared delta kernel of common/attention_triton.py, a dK/dV kernel looping
+  over query tiles, a dQ kernel looping over key tiles; deterministic, no atomics).
 
 Rotary is fused into the loads: a q or k tile is loaded full width (one vectorized load) and split in
 registers into the halves A and B that the rotation mixes (first/second half for "half", even/odd
@@ -34,8 +34,8 @@ rotation (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A) is applied once pe
 store. No extra GEMM work: the half dots add up to the full ones. It needs D/2 >= 16 (tl.dot), so
 rotary at D = 16 is rotated with torch around the kernels (see the launchers).
 
-Precision as in jagged_attention_triton.py: fp32 scores, softmax statistics and accumulators; P and dS
-cast to the input dtype for their dots; fp32 inputs use 3xTF32 dots unless torch allows TF32.
+Precision as in jagged attention (jagged_attention/triton.py): fp32 scores, softmax statistics and
+accumulators; P and dS cast to the input dtype for their dots; fp32 inputs use 3xTF32 dots unless torch allows TF32.
 Autotune keys: bucketed length and window (next power of two), never raw values, plus the static flags.
 Under TRITON_INTERPRET=1 each kernel has one small config. No host syncs: grids depend only on shapes
 and the static block/window; lengths are read on the device (clamped into [0, L]).
@@ -46,27 +46,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_attention import kernel_supports
-from .block_attention_reference import apply_rotary, apply_rotary_transpose, rotary_tables
-from .jagged_attention_triton import (
-    _INTERPRET,
+from ..common.attention_triton import (
     LN2,
     LOG2E,
     MODE_FULL,
-    _bwd_delta_kernel,
-    _dot_precision,
-    _fit_shared_memory,
-    _launch,
-    _load_rows,
-    _store_rows,
+    bwd_delta_kernel,
+    dot_precision,
+    fit_shared_memory,
     length_bucket,
+    load_rows,
+    store_rows,
 )
+from ..common.tuned_launch import INTERPRET, launch
+from .reference import apply_rotary, apply_rotary_transpose, rotary_tables
 
 __all__ = [
     "block_attention_backward_triton",
     "block_attention_forward_triton",
     "closed_tile_serves",
-    "kernel_supports",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -77,7 +74,7 @@ MIN_FUSED_ROTARY_HEAD_DIM = 32
 
 # ---------------------------------------------------------------------------------------------------
 # Configs. Closed kernels: one tile size BLOCK (rows = keys) and the warps. General kernels: (BLOCK_M,
-# BLOCK_N, warps, stages) like jagged_attention_triton.py. Each entry lists the variants it serves:
+# BLOCK_N, warps, stages) like jagged_attention/triton.py. Each entry lists the variants it serves:
 # "small" (D <= 64) or "large" (D > 64), with "_rot" when rotary is fused. Configs that spill registers
 # for a variant (ptxas for sm_90a, bf16 inputs and tables) are left out of it, so tuning stays a handful
 # of compiles. fp32 inputs (3xTF32 dots) and fp32 rotary tables need more registers and spill in some of
@@ -96,13 +93,13 @@ _DQ_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L), (64
 
 
 def _closed_configs(shapes):
-    if _INTERPRET:
+    if INTERPRET:
         return [triton.Config({"BLOCK": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1) for t, w in shapes]
 
 
 def _general_configs(shapes, interpret_shape):
-    if _INTERPRET:
+    if INTERPRET:
         m, n = interpret_shape
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
@@ -151,8 +148,8 @@ def _general_prune(shapes, kind):
                 continue
             if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) > max(lb, 64):
                 continue
-            kept.append(_fit_shared_memory(c, kind, args))
-        return kept or [_fit_shared_memory(configs[0], kind, args)]
+            kept.append(fit_shared_memory(c, kind, args))
+        return kept or [fit_shared_memory(configs[0], kind, args)]
 
     return {"early_config_prune": prune}
 
@@ -240,7 +237,7 @@ def _load_halves(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr
     """The halves (A, B) of a [rows, HEAD_D] tile that the rotation mixes: one contiguous (vectorized)
     load split in registers. (Two half-width loads, or stride-2 loads for "interleaved", needed more
     registers in ptxas for sm_90a.)"""
-    x = _load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+    x = load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
     if ROTARY == 1:  # [A_0 .. A_{D/2-1} | B_0 .. B_{D/2-1}]
         xa, xb = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, HEAD_D // 2)), (0, 2, 1)))
     else:  # [A_0, B_0, A_1, B_1, ...]
@@ -253,18 +250,18 @@ def _store_halves(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.
                   ROTARY: tl.constexpr):
     if ROTARY == 1:
         offs = tl.arange(0, HEAD_D // 2)
-        _store_rows(base, rows, offs, stride_r, stride_d, ga, mask_rows, HEAD_D)
-        _store_rows(base, rows, offs + HEAD_D // 2, stride_r, stride_d, gb, mask_rows, HEAD_D)
+        store_rows(base, rows, offs, stride_r, stride_d, ga, mask_rows, HEAD_D)
+        store_rows(base, rows, offs + HEAD_D // 2, stride_r, stride_d, gb, mask_rows, HEAD_D)
     else:
         g = tl.reshape(tl.join(ga, gb), (ga.shape[0], HEAD_D))
-        _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, g, mask_rows, HEAD_D)
+        store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, g, mask_rows, HEAD_D)
 
 
 @triton.jit
 def _load_tile(base, rows, mask_rows, stride_r, stride_d, HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
     """A q or k tile as (A, B) halves for rotary; (x, x) full width without."""
     if ROTARY == 0:
-        x = _load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+        x = load_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
         xa = x
         xb = x
     else:
@@ -317,15 +314,15 @@ def _dot_rows(xa, xb, ya, yb, ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr)
 def _store_tile(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.constexpr,
                 ROTARY: tl.constexpr):
     if ROTARY == 0:
-        _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, ga, mask_rows, HEAD_D)
+        store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, ga, mask_rows, HEAD_D)
     else:
         _store_halves(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D, ROTARY)
 
 
 @triton.jit
 def _store_zero_rows(base, rows, mask_rows, stride_r, stride_d, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
-    _store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, tl.zeros([BLOCK_R, HEAD_D], tl.float32),
-                mask_rows, HEAD_D)
+    store_rows(base, rows, tl.arange(0, HEAD_D), stride_r, stride_d, tl.zeros([BLOCK_R, HEAD_D], tl.float32),
+               mask_rows, HEAD_D)
 
 
 @triton.jit
@@ -379,8 +376,8 @@ def _closed_fwd_kernel(
     if ROTARY != 0:
         qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
                                       row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
-                   col_ok, HEAD_D, HEAD_D, True)
+    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
+                  col_ok, HEAD_D, HEAD_D, True)
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     s = tl.where(ok, s, float("-inf"))
@@ -389,7 +386,7 @@ def _closed_fwd_kernel(
     p = tl.exp2(s - m_use[:, None])
     acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
-    _store_rows(o_base, rows, tl.arange(0, HEAD_D), stride_om, stride_od, out, row_ok, HEAD_D)
+    store_rows(o_base, rows, tl.arange(0, HEAD_D), stride_om, stride_od, out, row_ok, HEAD_D)
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
@@ -434,15 +431,15 @@ def _closed_bwd_kernel(
                                       row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
     offs_d = tl.arange(0, HEAD_D)
     do_base = DO + b64 * stride_gb + h64 * stride_gh
-    do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
+    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=float("inf"))
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-    _store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
-                   HEAD_D, True)
+    store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
+    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+                  HEAD_D, True)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
     delta = tl.sum(p * dp, 1)
@@ -527,11 +524,11 @@ def _fwd_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out, lse = _finish_softmax(acc, l_i, m_i)
-    _store_rows(o_base, rows, offs_d, stride_om, stride_od, out, row_ok, HEAD_D)
+    store_rows(o_base, rows, offs_d, stride_om, stride_od, out, row_ok, HEAD_D)
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
@@ -583,8 +580,8 @@ def _bwd_dkdv_kernel(
     else:
         dka = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
         dkb = dka
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
-                   HEAD_D, True)
+    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+                  HEAD_D, True)
     dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
     lo, hi = _query_range(n0, tl.minimum(n0 + BLOCK_N, kv_len) - 1, L, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
     for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
@@ -595,7 +592,7 @@ def _bwd_dkdv_kernel(
             qca, qcb, qsa, qsb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
                                               ROTARY)
             qa, qb = _rotate(qa, qb, qca, qcb, qsa, qsb)
-        do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
+        do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
         lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
         delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
         s_t = _dot_rows(ka, kb, qa, qb, ROTARY, DOT_PRECISION) * qk_scale
@@ -613,7 +610,7 @@ def _bwd_dkdv_kernel(
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
         dka, dkb = _rotate_transpose(dka, dkb, ca, cb, sa, sb)
     _store_tile(DK + x_off, cols, store_ok, stride_xm, stride_xd, dka, dkb, HEAD_D, ROTARY)
-    _store_rows(DV + x_off, cols, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)
+    store_rows(DV + x_off, cols, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
@@ -661,7 +658,7 @@ def _bwd_dq_kernel(
         dqa = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         dqb = dqa
     do_base = DO + b64 * stride_gb + h64 * stride_gh
-    do = _load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
+    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
     l_rows = b64 * stride_lb + h64 * stride_lh + rows * stride_lm
     lse2 = tl.load(Lse + l_rows, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
@@ -673,7 +670,7 @@ def _bwd_dq_kernel(
             kca, kcb, ksa, ksb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D,
                                               ROTARY)
             ka, kb = _rotate(ka, kb, kca, kcb, ksa, ksb)
-        v = _load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
         s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
         ok = _allowed(rows[:, None], cols[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
@@ -743,7 +740,7 @@ def _rotated_inputs(q, k, cos, sin, rotary):
 
 def _consts(D, block, window, causal, rotary, dtype):
     return {"HEAD_D": D, "ATTN_BLOCK": int(block), "HAS_WINDOW": window >= 0, "CAUSAL": bool(causal),
-            "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": _dot_precision(dtype)}
+            "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": dot_precision(dtype)}
 
 
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
@@ -764,10 +761,10 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
             *out.stride(), *lse.stride(), H, L, int(window), float(scale) * _LOG2E, *buckets)
     consts = _consts(D, block, window, causal, rotary, q.dtype)
     if closed_tile_serves(block, D, rotary):
-        _launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
-                buckets)
+        launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
+               buckets)
     else:
-        _launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
+        launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
     return out, lse
 
 
@@ -795,19 +792,19 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
     scalars = (H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):
-        _launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
-                (*inputs, lse, dq, dk, dv, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+        launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
+               (*inputs, lse, dq, dk, dv, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
     else:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        delta_block = 32 if _INTERPRET else 64
+        delta_block = 32 if INTERPRET else 64
         # every row < L is a query row here (MODE_FULL); the lengths arguments are unused in that mode
-        _bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
+        bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
             out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
             H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
-        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-                (*inputs, lse, delta, dk, dv, lengths, *strides, *dk.stride(), *scalars), consts, buckets)
-        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
-                (*inputs, lse, delta, dq, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+        launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
+               (*inputs, lse, delta, dk, dv, lengths, *strides, *dk.stride(), *scalars), consts, buckets)
+        launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
+               (*inputs, lse, delta, dq, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
         dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)

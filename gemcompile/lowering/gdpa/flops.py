@@ -3,11 +3,11 @@
 A pair (i, j) of batch b is valid when i < q_len[b], j < kv_len[b], j <= i if causal, and, with a
 window w > 0, i - j <= w (causal) or |i - j| <= w (not causal). forward = 4 * H * D * pairs (q.k and
 a.v, 2 FLOPs per MAC; the pointwise activation is not counted), backward = 2.5 x forward, the same
-conventions as jagged attention (jagged_attention_flops.py). The lengths are clamped into [0, L]; a
+conventions as jagged attention (common/flops.py). The lengths are clamped into [0, L]; a
 missing lengths tensor means the padded length.
 
 With HSTU's target mask (num_targets) or contextual prefix (contextual_len > 0) the pairs are those of
-gdpa.py's clamped-id rule; they are counted exactly, row by row, in closed form (:func:`_hstu_keys_per_row`:
+op.py's clamped-id rule; they are counted exactly, row by row, in closed form (:func:`_hstu_keys_per_row`:
 every visible set is the union of at most two key intervals and the diagonal), without building masks.
 """
 
@@ -17,9 +17,7 @@ from typing import Optional
 
 import torch
 
-from .jagged_attention_flops import BACKWARD_FLOPS_RATIO, forward_flops
-
-__all__ = ["gdpa_pairs", "padded_gdpa_pairs", "forward_flops", "BACKWARD_FLOPS_RATIO"]
+__all__ = ["gdpa_pairs", "padded_gdpa_pairs"]
 
 
 def _keys_per_row(Lq: int, kv: torch.Tensor, causal: bool, window: int) -> torch.Tensor:
@@ -92,7 +90,7 @@ def gdpa_pairs(
     contextual_len: int = 0,
 ) -> int:
     """Sum over the batch of valid (i, j) pairs; lengths clamped to [0, L], None means the padded length.
-    With num_targets or contextual_len > 0 (causal), HSTU's clamped-id rule of gdpa.py."""
+    With num_targets or contextual_len > 0 (causal), HSTU's clamped-id rule of op.py."""
     if kv_lengths is None:
         kv = torch.full((int(B),), int(Lk), dtype=torch.int64)
     else:

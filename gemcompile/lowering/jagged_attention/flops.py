@@ -1,18 +1,12 @@
-"""Useful FLOPs of jagged attention: only the (i, j) score entries that take part in the softmax count.
-
-forward = 4 * H * D * pairs (q.k and p.v, 2 FLOPs per MAC); backward = 2.5 x forward (ARCHITECTURE.md
-conventions: recompute is not counted as useful work). Registered with torch.utils.flop_counter for the
-forward and backward ops of jagged_attention.py; the benchmark uses the same helpers.
-"""
+"""Useful pairs of jagged attention: only the (i, j) score entries that take part in the softmax count
+(FLOPs from pairs: common/flops.py; registered with torch.utils.flop_counter in op.py; the benchmark uses
+the same helpers)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["attention_pairs", "padded_pairs", "forward_flops", "BACKWARD_FLOPS_RATIO"]
-
-BACKWARD_FLOPS_RATIO = 2.5
-"""Backward FLOPs / forward FLOPs of attention (dQ, dK, dV, dP: four GEMMs vs two, plus half for dS)."""
+__all__ = ["attention_pairs", "padded_pairs"]
 
 
 def _causal_pairs(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -39,6 +33,3 @@ def attention_pairs(q_lengths, kv_lengths, Lq: int, Lk: int, causal: bool) -> in
         return int(_causal_pairs(qn, kv).sum())
     return int((qn * kv).sum())
 
-
-def forward_flops(H: int, D: int, pairs: int) -> int:
-    return 4 * int(H) * int(D) * int(pairs)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .jagged_attention_triton import _INTERPRET
+from .tuned_launch import INTERPRET
 
 __all__ = ["longest_first_order"]
 
@@ -40,6 +40,6 @@ def longest_first_order(key: torch.Tensor) -> torch.Tensor:
     order = torch.empty(B, dtype=torch.int64, device=key.device)
     if B == 0:
         return order
-    block = 16 if _INTERPRET else min(128, max(16, triton.next_power_of_2(B)))
+    block = 16 if INTERPRET else min(128, max(16, triton.next_power_of_2(B)))
     _rank_kernel[(triton.cdiv(B, block),)](key.contiguous(), order, B, BLOCK=block, num_warps=4)
     return order

@@ -17,12 +17,12 @@ Inputs
   device for q, k, v; head dims 16 <= D <= 128 (the Triton kernels' limits, as for jagged attention).
 * q_lengths / kv_lengths: int32 or int64 (B,), or None (every one of the Lq query rows / Lk keys is
   valid). Values are checked to lie in [0, L] on CPU; on CUDA they are clamped into [0, L] inside the
-  kernels and checked only under :func:`gemcompile.lowering.checks.strict_length_checks`.
+  kernels and checked only under :func:`gemcompile.lowering.common.checks.strict_length_checks`.
 * bias: None or 4-D broadcastable to (B, H, Lq, Lk) (each dim equal or 1), any float dtype, added to the
   scaled scores; may require grad (its gradient is summed over its broadcast dims).
 * relative_offset: None, or an int: then bias is a relative-position table (T,) or (T, Hz), Hz in {1, H},
   read as bias[b, h, i, j] = table[j - i + relative_offset, h] (every position inside the table, else
-  ValueError); its gradient has the table's shape (gdpa_relative_bias.py).
+  ValueError); its gradient has the table's shape (relative_table.py).
 * activation: one of :data:`GDPA_ACTIVATIONS`: "identity", "relu", "relu_squared" (relu(x)**2), "silu",
   "sigmoid", "gelu" (exact, erf), "gelu_tanh" (tanh approximation, as F.gelu(approximate="tanh")).
 * window >= 0; 0 means no window.
@@ -73,8 +73,8 @@ dS = dA * act'(s): dV = c_b (m a)^T dO, dQ = scale dS K (summed over the batch w
 dK = scale dS^T Q, dbias = dS summed over the bias's broadcast dims. Deterministic, no atomics. act' of
 relu and relu_squared is 0 at 0, as torch's autograd. No double backward.
 
-How it is wired (as ``gemcompile::jagged_attention``, see jagged_attention.py)
------------------------------------------------------------------------------
+How it is wired (as every attention op, see common/opkit.py)
+-----------------------------------------------------------
 * ``gemcompile::gdpa_fwd(...) -> out``: a ``torch.library.custom_op`` (opaque to Dynamo/Inductor) with a
   fake impl and ``register_autograd``; the backward needs only the inputs (no softmax statistics).
 * ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0)
@@ -82,112 +82,63 @@ How it is wired (as ``gemcompile::jagged_attention``, see jagged_attention.py)
 * ``gemcompile::gdpa``: the public op, ``CompositeImplicitAutograd``, which calls ``gdpa_fwd``. A plain
   eager call on CUDA (no tracing, no dispatch mode) skips the custom ops and runs the same kernels
   through one autograd.Function (:class:`EagerGDPA`): less host time per step.
+* Past the schema, the flags travel as one frozen :class:`~gemcompile.lowering.gdpa.spec.GdpaSpec`
+  (spec.py) through the checks, the reference, the Triton launchers, the FLOP formula and the eager path.
 
-Dispatch: CUDA runs the Triton kernels of gdpa_triton.py (float64 falls back to the reference); every
-other device runs the plain-PyTorch reference of gdpa_reference.py. Neither path syncs with the host.
+Dispatch: CUDA runs the Triton kernels of triton.py (float64 falls back to the reference); every other
+device runs the plain-PyTorch reference of reference.py. Neither path syncs with the host.
 
 FLOPs: ``torch.utils.flop_counter`` formulas on gdpa_fwd / gdpa_bwd count the valid pairs from the real
 lengths (causal, window, targets and contextual prefix included; the padded causal/window count when
-the lengths or num_targets are fake): forward 4*H*D*pairs, backward 2.5x forward (gdpa_flops.py).
+the lengths or num_targets are fake): forward 4*H*D*pairs, backward 2.5x forward (flops.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from . import checks
-from .gdpa_flops import BACKWARD_FLOPS_RATIO, forward_flops, gdpa_pairs, padded_gdpa_pairs
-from .gdpa_reference import GDPA_ACTIVATIONS, reference_gdpa_backward, reference_gdpa_forward
-from .gdpa_relative_bias import check_relative_table
-from .jagged_attention_eager import takes_eager_path
+from ..common import checks
+from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
+from ..common.opkit import LIB, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from .flops import gdpa_pairs, padded_gdpa_pairs
+from .reference import reference_gdpa_backward, reference_gdpa_forward
+from .relative_table import check_relative_table
+from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
-__all__ = ["gdpa", "GDPA_ACTIVATIONS", "EagerGDPA", "check_gdpa_args"]
+__all__ = ["EagerGDPA", "check_gdpa_args", "gdpa"]
 
-_LIB = torch.library.Library("gemcompile", "FRAGMENT")
+_SCHEMA_INPUTS = 15  # gdpa_fwd's arguments, q to relative_offset
+_EAGER_INPUTS = 8  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets
 
 
 # ---------------------------------------------------------------------------------------------------
 # Input checks (metadata only: they also run on fake tensors while tracing)
 
 
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-
-
-def _check_bias(bias, target: tuple, device) -> None:
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if not bias.is_floating_point():
-        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
-    if bias.device != device:
-        raise ValueError(f"bias is on {bias.device} but q is on {device}")
-    if bias.dim() != 4 or any(s not in (1, t) for s, t in zip(bias.shape, target)):
-        raise ValueError(
-            f"bias must be 4-D and broadcastable to (B, H, Lq, Lk) = {target} (each dim equal or 1), "
-            f"got shape {tuple(bias.shape)}"
-        )
-
-
-def check_gdpa_args(
-    q,
-    k,
-    v,
-    q_lengths,
-    kv_lengths,
-    bias,
-    activation,
-    scale,
-    out_scale,
-    divide_by_kv_length,
-    causal,
-    window,
-    num_targets=None,
-    contextual_len=0,
-    relative_offset=None,
-) -> None:
+def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
-    if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        D = q.shape[-1]
-        if k.shape[-1] == D and v.shape[-1] == D and not (checks.MIN_HEAD_DIM <= D <= checks.MAX_HEAD_DIM):
-            raise ValueError(
-                f"head dim {D} is not supported by the gdpa kernels (valid: {checks.MIN_HEAD_DIM} <= D <= "
-                f"{checks.MAX_HEAD_DIM})"
-            )
-    checks._check_qkv(q, k, v, 4, "(batch, heads, length, head_dim)")
-    B, H, Lk, _ = k.shape
-    if v.shape != k.shape:
-        raise ValueError(
-            f"k and v must have one shape (B, H, Lk, D), got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[0] not in (1, B):
-        raise ValueError(f"q's batch size must be 1 (shared queries) or k's batch size {B}, got {q.shape[0]}")
-    if q.shape[1] != H:
-        raise ValueError(f"q and k must have the same number of heads, got q {q.shape[1]}, k {H}")
-    Lq = q.shape[2]
-    if q_lengths is not None:
-        checks._check_index_vector("q_lengths", q_lengths, B, "B", q.device)
-    if kv_lengths is not None:
-        checks._check_index_vector("kv_lengths", kv_lengths, B, "B", q.device)
-    if relative_offset is not None:
-        check_relative_table(bias, relative_offset, H, Lq, Lk, q.device)
+    B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "gdpa kernels")
+    if spec.relative_offset is not None:
+        check_relative_table(bias, spec.relative_offset, H, Lq, Lk, q.device)
     elif bias is not None:
-        _check_bias(bias, (B, H, Lq, Lk), q.device)
-    if not isinstance(activation, str) or activation not in GDPA_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(GDPA_ACTIVATIONS)}; got {activation!r}")
-    checks._check_flags(causal, scale)
-    _check_number("out_scale", out_scale)
-    if not isinstance(divide_by_kv_length, bool):
-        raise TypeError(f"divide_by_kv_length must be a bool, got {type(divide_by_kv_length).__name__}")
+        checks.check_bias(bias, (B, H, Lq, Lk), q.device)
+    if not isinstance(spec.activation, str) or spec.activation not in GDPA_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(GDPA_ACTIVATIONS)}; got {spec.activation!r}")
+    checks.check_flags(spec.causal, spec.scale)
+    checks.check_number("out_scale", spec.out_scale)
+    if not isinstance(spec.divide_by_kv_length, bool):
+        raise TypeError(f"divide_by_kv_length must be a bool, got {type(spec.divide_by_kv_length).__name__}")
+    window = spec.window
     if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)):
         raise TypeError(f"window must be an int, got {type(window).__name__}")
     if isinstance(window, int) and window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
-    _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len)
+    _check_hstu_args(q, k, kv_lengths, spec.causal, num_targets, spec.contextual_len)
 
 
 def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> None:
@@ -198,7 +149,7 @@ def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> N
         raise ValueError(f"contextual_len must be >= 0 (0: no contextual prefix), got {contextual_len}")
     B = k.shape[0]
     if num_targets is not None:
-        checks._check_index_vector("num_targets", num_targets, B, "B", q.device)
+        checks.check_index_vector("num_targets", num_targets, B, "B", q.device)
     used = []
     if num_targets is not None:
         used.append("num_targets")
@@ -222,7 +173,7 @@ def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> N
 def _check_values(q, k, q_lengths, kv_lengths, num_targets=None) -> None:
     checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
-    if num_targets is None or kv_lengths is None or not checks._should_check_values(num_targets):
+    if num_targets is None or kv_lengths is None or not checks.should_check_values(num_targets):
         return
     n = kv_lengths.clamp(0, k.shape[2])
     bad = (num_targets < 0) | (num_targets > n)
@@ -234,26 +185,25 @@ def _check_values(q, k, q_lengths, kv_lengths, num_targets=None) -> None:
         )
 
 
-def _use_triton(q: Tensor) -> bool:
-    return q.device.type == "cuda" and q.dtype != torch.float64
-
-
-def _triton():
-    # imported lazily: CPU-only installs never need triton
-    from . import gdpa_triton
-
-    return gdpa_triton
-
-
 def _kernels(q: Tensor):
-    if _use_triton(q):
-        t = _triton()
-        return t.gdpa_forward_triton, t.gdpa_backward_triton
+    """(forward, backward): the Triton launchers on CUDA (imported lazily: CPU-only installs never need
+    triton), else the reference. Both take (..., bias, spec, num_targets[, bias_requires_grad])."""
+    if use_triton(q):
+        from . import triton as kernels
+
+        return kernels.gdpa_forward_triton, kernels.gdpa_backward_triton
     return reference_gdpa_forward, reference_gdpa_backward
 
 
+def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets):
+    """The checked forward of every path (the ops' CPU and CUDA kernels, the eager Function)."""
+    _check_values(q, k, q_lengths, kv_lengths, num_targets)
+    forward, _ = _kernels(q)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+
+
 # ---------------------------------------------------------------------------------------------------
-# Forward
+# The custom ops: the schema's positional flags become one GdpaSpec here
 
 
 @torch.library.custom_op("gemcompile::gdpa_fwd", mutates_args=())
@@ -275,33 +225,25 @@ def gdpa_fwd(
     relative_offset: Optional[int] = None,
 ) -> Tensor:
     """out (B, H, Lq, D) contiguous in q's dtype."""
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
-            relative_offset)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
+    spec, num_targets = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
+                                             num_targets, contextual_len, relative_offset)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
-    return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, *args)
+    return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
 
 
 @gdpa_fwd.register_kernel("cuda")
-def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
-                   causal, window, num_targets=None, contextual_len=0, relative_offset=None):
-    args = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
-            relative_offset)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
-    _check_values(q, k, q_lengths, kv_lengths, num_targets)
-    forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, *args)
+def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, *flags):
+    spec, num_targets = GdpaSpec.from_schema(*flags)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    return _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
 
 
 @gdpa_fwd.register_fake
-def _gdpa_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, *args):
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
+def _gdpa_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, *flags):
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_schema(*flags))
     B, H, _, D = k.shape
     return q.new_empty((B, H, q.shape[2], D))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Backward
 
 
 @torch.library.custom_op("gemcompile::gdpa_bwd", mutates_args=())
@@ -325,122 +267,86 @@ def gdpa_bwd(
     relative_offset: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
-    return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
-                                   divide_by_kv_length, causal, window, bias_requires_grad, num_targets,
-                                   contextual_len, relative_offset)
+    flags = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
+                                     bias_requires_grad, num_targets, contextual_len, relative_offset)
+    return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
 @gdpa_bwd.register_kernel("cuda")
-def _gdpa_bwd_cuda(grad_out, q, *rest):
-    """Same arguments as gdpa_bwd, forwarded to the Triton launcher (the reference for float64)."""
+def _gdpa_bwd_cuda(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags):
     _, backward = _kernels(q)
-    return backward(grad_out, q, *rest)
+    return backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_bwd_schema(*flags))
 
 
 @gdpa_bwd.register_fake
 def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
                    divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None,
                    contextual_len=0, relative_offset=None):
-    dq = q.new_empty(q.shape)
-    dk = k.new_empty(k.shape)
-    dv = v.new_empty(v.shape)
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
-    return dq, dk, dv, dbias
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide, causal, window, num_targets,
-     contextual_len, relative_offset) = inputs
-    ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
-    ctx.args = (activation, scale, out_scale, divide, causal, window)
-    ctx.contextual_len = contextual_len
-    ctx.relative_offset = relative_offset
-    ctx.bias_requires_grad = bias is not None and bool(ctx.needs_input_grad[5])
+    q, k, v, q_lengths, kv_lengths, bias, *flags = inputs
+    spec, num_targets = GdpaSpec.from_schema(*flags)
+    save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets), spec, bias=bias, bias_index=5)
 
 
 def _fwd_backward(ctx, grad_out):
     q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
-    dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(
-        grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, ctx.bias_requires_grad, num_targets,
-        ctx.contextual_len, ctx.relative_offset
-    )
-    return (dq, dk, dv, None, None, (dbias if ctx.bias_requires_grad else None)) + (None,) * 9
+    flags = ctx.args.bwd_schema_args(ctx.bias_requires_grad, num_targets)
+    dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
+    return input_grads(_SCHEMA_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
 gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Eager fast path (see jagged_attention_eager.py for why)
+# Eager fast path (common/opkit.py says why)
 
 
 class EagerGDPA(torch.autograd.Function):
-    """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale, divide_by_kv_length,
-    causal, window, num_targets=None, contextual_len=0, relative_offset=None) in one autograd.Function,
-    calling the same kernels as the custom ops; arguments are checked by the caller. Taken for plain eager
-    CUDA calls; runs the reference elsewhere."""
+    """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets) in one autograd.Function, calling
+    the same kernels as the custom ops; arguments are checked by the caller. Taken for plain eager CUDA
+    calls; runs the reference elsewhere."""
 
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        q_lengths,
-        kv_lengths,
-        bias,
-        activation,
-        scale,
-        out_scale,
-        divide,
-        causal,
-        window,
-        num_targets=None,
-        contextual_len=0,
-        relative_offset=None,
-    ):
-        _check_values(q, k, q_lengths, kv_lengths, num_targets)
-        forward, _ = _kernels(q)
-        args = (activation, scale, out_scale, divide, causal, window)
-        out = forward(q, k, v, q_lengths, kv_lengths, bias, *args, num_targets, contextual_len,
-                      relative_offset)
-        ctx.save_for_backward(q, k, v, q_lengths, kv_lengths, bias, num_targets)
-        ctx.args = args
-        ctx.contextual_len = contextual_len
-        ctx.relative_offset = relative_offset
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets):
+        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+        save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets), spec, bias=bias,
+                          bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
-        bias_grad = bias is not None and ctx.needs_input_grad[5]
         _, backward = _kernels(q)
-        dq, dk, dv, dbias = backward(
-            grad_out, q, k, v, q_lengths, kv_lengths, bias, *ctx.args, bias_grad, num_targets,
-            ctx.contextual_len, ctx.relative_offset,
-        )
-        return (dq, dk, dv, None, None, (dbias if bias_grad else None)) + (None,) * 9
+        dq, dk, dv, dbias = backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, ctx.args, num_targets,
+                                     ctx.bias_requires_grad)
+        return input_grads(_EAGER_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
 # ---------------------------------------------------------------------------------------------------
 # The public op
 
 
-_LIB.define(
+LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
     "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
     "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None) -> Tensor"
 )
 
 
-def _gdpa_composite(q, k, v, q_lengths, kv_lengths, bias, *args):
+def _gdpa_composite(q, k, v, q_lengths, kv_lengths, bias, *flags):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *args)
-        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, *args)
-    return torch.ops.gemcompile.gdpa_fwd(q, k, v, q_lengths, kv_lengths, bias, *args)
+        spec, num_targets = GdpaSpec.from_schema(*flags)
+        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    return torch.ops.gemcompile.gdpa_fwd(q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
-_LIB.impl("gdpa", _gdpa_composite, "CompositeImplicitAutograd")
+LIB.impl("gdpa", _gdpa_composite, "CompositeImplicitAutograd")
 
 
 def gdpa(
@@ -462,87 +368,47 @@ def gdpa(
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5).
     relative_offset: ``bias`` is a relative-position table (T,) or (T, Hz) read as
-    bias[b, h, i, j] = table[j - i + relative_offset, h] (gdpa_relative_bias.py)."""
+    bias[b, h, i, j] = table[j - i + relative_offset, h] (relative_table.py)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    spec = GdpaSpec(activation, scale, out_scale, divide_by_kv_length, causal, window, contextual_len,
+                    relative_offset)
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    flags = (activation, scale, out_scale, divide_by_kv_length, causal, window, num_targets, contextual_len,
-             relative_offset)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *flags)
-    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, activation, float(scale),
-                                     float(out_scale), divide_by_kv_length, causal, window, num_targets,
-                                     contextual_len, relative_offset)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    spec = dataclasses.replace(spec, scale=float(scale), out_scale=float(out_scale))
+    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *spec.schema_args(num_targets))
 
 
 # ---------------------------------------------------------------------------------------------------
 # FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
 
 
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type == "meta" or is_fake(t)
-
-
-def _gdpa_forward_flops(
-    q, k, q_lengths, kv_lengths, causal, window, num_targets=None, contextual_len=0
-) -> int:
+def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets) -> int:
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
-    window = int(window)
-    if any(t is not None and _is_fake(t) for t in (q_lengths, kv_lengths, num_targets)):
-        pairs = padded_gdpa_pairs(B, Lq, Lk, causal, window)
+    window = int(spec.window)
+    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, num_targets)):
+        pairs = padded_gdpa_pairs(B, Lq, Lk, spec.causal, window)
     else:
-        pairs = gdpa_pairs(q_lengths, kv_lengths, B, Lq, Lk, causal, window, num_targets, int(contextual_len))
+        pairs = gdpa_pairs(q_lengths, kv_lengths, B, Lq, Lk, spec.causal, window, num_targets,
+                           int(spec.contextual_len))
     return forward_flops(H, D, pairs)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_fwd, get_raw=True)
-def _fwd_flops(
-    q,
-    k,
-    v,
-    q_lengths=None,
-    kv_lengths=None,
-    bias=None,
-    activation="silu",
-    scale=1.0,
-    out_scale=1.0,
-    divide_by_kv_length=False,
-    causal=False,
-    window=0,
-    num_targets=None,
-    contextual_len=0,
-    relative_offset=None,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:
-    return _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window, num_targets, contextual_len)
+def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0, out_scale=1.0,
+               divide_by_kv_length=False, causal=False, window=0, num_targets=None, contextual_len=0,
+               relative_offset=None, *, out_val=None, **kwargs) -> int:
+    spec, num_targets = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
+                                             num_targets, contextual_len, relative_offset)
+    return _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_bwd, get_raw=True)
-def _bwd_flops(
-    grad_out,
-    q,
-    k,
-    v,
-    q_lengths=None,
-    kv_lengths=None,
-    bias=None,
-    activation="silu",
-    scale=1.0,
-    out_scale=1.0,
-    divide_by_kv_length=False,
-    causal=False,
-    window=0,
-    bias_requires_grad=False,
-    num_targets=None,
-    contextual_len=0,
-    relative_offset=None,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:
-    fwd = _gdpa_forward_flops(q, k, q_lengths, kv_lengths, causal, window, num_targets, contextual_len)
-    return int(BACKWARD_FLOPS_RATIO * fwd)
+def _bwd_flops(grad_out, q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0,
+               out_scale=1.0, divide_by_kv_length=False, causal=False, window=0, bias_requires_grad=False,
+               num_targets=None, contextual_len=0, relative_offset=None, *, out_val=None, **kwargs) -> int:
+    spec, num_targets, _ = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal,
+                                                    window, bias_requires_grad, num_targets, contextual_len,
+                                                    relative_offset)
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets))

@@ -1,7 +1,7 @@
 """GDPA's bias gradient for a bias shared by batches and/or heads (HSTU's relative bias), reduced in-kernel.
 
 dBias[bz, hz, i, j] = sum over the (b, h) that read bias[bz, hz] of c_b * m_bhij * (dO_bhi . V_bhj) *
-act'(s_bhij), with s = scale q.k + bias and m the pair mask (gdpa.py). The dQ kernel used to write that
+act'(s_bhij), with s = scale q.k + bias and m the pair mask (op.py). The dQ kernel used to write that
 summand for every (b, h, i, j) into a zeroed fp32 (B, H, Lq, Lk) buffer that torch then summed: on HSTU's
 B32 L1024 H4 relative bias the buffer's zero fill and sum took 250 us of an 840 us forward+backward (H200,
 benchmarks/results/gdpa-hstu-cudagraph-20261130-033800.json), plus the dQ kernel's 537 MB of writes.
@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdpa_triton import _act_grad, _output_scale, _pair_mask, _sample_bounds
-from .jagged_attention_triton import _INTERPRET, _load_rows
+from ..common.attention_triton import load_rows
+from ..common.tuned_launch import INTERPRET
+from .pairs_triton import act_grad, output_scale, pair_mask, sample_bounds
 
 __all__ = ["bias_grad_parts", "bias_grad_triton", "default_splits", "full_bias_grad_supported"]
 
@@ -53,8 +54,8 @@ def _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_st
     for _ in range(search_steps):
         mid = (lo + hi) // 2
         b = tl.load(Order + tl.minimum(mid, B - 1)).to(tl.int32)
-        q_len, _, _, _ = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, contextual_len,
-                                        Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+        q_len, _, _, _ = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, contextual_len,
+                                       Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
         longer = (q_len > threshold) & (mid < hi)
         lo = tl.where(longer, mid + 1, lo)
         hi = tl.where(longer, hi, mid)
@@ -124,26 +125,26 @@ def _gdpa_bwd_dbias_kernel(
         h = hz
         if SHARED_H:
             h = pair % n_h
-        q_len, kv_len, n_targets, _ = _sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                     contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+        q_len, kv_len, n_targets, _ = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
+                                                    contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         row_ok = rows < q_len
         col_ok = cols < kv_len
-        q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok,
+        q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok,
+                      HEAD_D, BLOCK_D, True)
+        do = load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok,
                        HEAD_D, BLOCK_D, True)
-        do = _load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok,
-                        HEAD_D, BLOCK_D, True)
-        k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok,
-                       HEAD_D, BLOCK_D, True)
-        v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok,
-                       HEAD_D, BLOCK_D, True)
-        valid = _pair_mask(rows[:, None], cols[None, :], q_len, kv_len, window, n_targets, contextual_len,
-                           CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+        k = load_rows(K + b64 * stride_kb + h64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok,
+                      HEAD_D, BLOCK_D, True)
+        v = load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok,
+                      HEAD_D, BLOCK_D, True)
+        valid = pair_mask(rows[:, None], cols[None, :], q_len, kv_len, window, n_targets, contextual_len,
+                          CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale + z
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = tl.where(valid, da * _act_grad(s, ACT, FAST_ACT), 0.0)
-        acc += ds * _output_scale(out_scale, kv_len, DIVIDE)
+        ds = tl.where(valid, da * act_grad(s, ACT, FAST_ACT), 0.0)
+        acc += ds * output_scale(out_scale, kv_len, DIVIDE)
     p_ptrs = (Part + split.to(tl.int64) * stride_ps + zslice.to(tl.int64) * stride_pz
               + rows.to(tl.int64)[:, None] * stride_pm + cols.to(tl.int64)[None, :])
     tl.store(p_ptrs, acc, mask=(rows < max_q_len)[:, None] & (cols < max_kv_len)[None, :])
@@ -153,12 +154,12 @@ def _gdpa_bwd_dbias_kernel(
 class TileConfig:
     """How the gradient is tiled and launched (benchmarks/gdpa_bias_grad.py sweeps these on the GPU)."""
 
-    block_m: int = 16 if _INTERPRET else 64
+    block_m: int = 16 if INTERPRET else 64
     """Gradient rows per program."""
-    block_n: int = 16 if _INTERPRET else 64
+    block_n: int = 16 if INTERPRET else 64
     """Gradient columns per program."""
     num_warps: int = 4
-    num_stages: int = 1 if _INTERPRET else 2
+    num_stages: int = 1 if INTERPRET else 2
     """Software-pipeline depth of the loop over pairs."""
     programs_per_sm: int = 4
     """The pair loop is split until the grid has about this many programs per SM. 4 rather than 8 since the
@@ -178,7 +179,7 @@ def full_bias_grad_supported(bias: torch.Tensor, Lq: int, Lk: int) -> bool:
 def default_splits(tiles: int, pairs: int, device: torch.device, programs_per_sm: int = 4) -> int:
     """Parts of the pair loop: enough programs for ``programs_per_sm`` per SM on CUDA (causal leaves half
     the tiles idle), never more parts than pairs."""
-    if device.type != "cuda" or _INTERPRET:
+    if device.type != "cuda" or INTERPRET:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(pairs, triton.cdiv(programs_per_sm * sms, max(tiles, 1))))

@@ -1,4 +1,4 @@
-"""Diagonal sums of fp32 parts into a relative table's gradient (gdpa_relative_bias.py).
+"""Diagonal sums of fp32 parts into a relative table's gradient (relative_table.py).
 
 ``dtable[offset + d, z] = sum over s, i of part[s, z, i, i + d]`` for the diagonals d = j - i of an
 (Lq, Lk) gradient held as ``S`` partial sums; table rows no diagonal reaches get 0.
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .jagged_attention_triton import _INTERPRET
+from ..common.tuned_launch import INTERPRET
 
 __all__ = ["relative_table_grad_triton"]
 
@@ -93,7 +93,7 @@ def _check(part: torch.Tensor) -> None:
 
 
 def _blocks() -> tuple[int, int]:
-    return (16, 16) if _INTERPRET else (16, 128)
+    return (16, 16) if INTERPRET else (16, 128)
 
 
 def relative_table_grad_triton(part: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
@@ -106,7 +106,7 @@ def relative_table_grad_triton(part: torch.Tensor, table: torch.Tensor, offset: 
     if S == 0 or Z == 0 or Lq == 0 or Lk == 0:
         return grad.zero_().reshape(table.shape)
     partial = _partials(part, *_blocks())
-    block_r, block_c = (16, 4) if _INTERPRET else (64, 32)
+    block_r, block_c = (16, 4) if INTERPRET else (64, 32)
     _table_rows_kernel[(triton.cdiv(T, block_r), Z)](
         partial, grad, partial.shape[0], Lq + Lk - 1, offset - (Lq - 1), T,
         partial.stride(0), partial.stride(1), grad.stride(0), grad.stride(1), BLOCK_R=block_r,

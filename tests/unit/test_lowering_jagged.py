@@ -1,11 +1,11 @@
-"""runtime/jagged.py: offsets, padded <-> jagged round trips, length bucketing."""
+"""lowering/common/jagged.py: offsets, padded <-> jagged round trips, length bucketing."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gemcompile.runtime.jagged import (
+from gemcompile.lowering.common.jagged import (
     bucket_length,
     jagged_to_padded,
     lengths_to_offsets,

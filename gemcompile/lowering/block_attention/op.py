@@ -22,15 +22,15 @@ rotate_half (cat(-x[D/2:], x[:D/2])) or rotate-every-two (out[2i] = -x[2i+1], ou
 not rotated. The rotation runs in fp32 and is rounded once to q's dtype. cos and sin get no gradient
 (an error if they require one); dq and dk are w.r.t. the un-rotated q and k.
 
-Wiring, as in jagged_attention.py (read its docstring for why there are three ops):
+Wiring, as every attention op (common/opkit.py says why there are three ops):
 ``block_attention_fwd -> (out, lse)`` and ``block_attention_bwd -> (dq, dk, dv)`` are custom ops with
 fake impls and ``register_autograd``; the public op is ``CompositeImplicitAutograd`` over the fwd op, so
 Dynamo sees one node and AOTAutograd splits it into the fwd and bwd ops. Plain eager CUDA calls take
-one autograd.Function over the same kernels (block_attention_eager.py).
+one autograd.Function over the same kernels (:class:`EagerBlockAttention`).
 
-Dispatch: CUDA runs the Triton kernels of block_attention_triton.py when
-:func:`kernel_supports` says so (head dim a power of two in [16, 128]; not
-float64); anything else runs the plain-PyTorch reference of block_attention_reference.py (dense).
+Dispatch: CUDA runs the Triton kernels of triton.py when ``kernel_supports`` (common/checks.py) says
+so (head dim a power of two in [16, 128]; not float64); anything else runs the plain-PyTorch reference
+of reference.py (dense).
 No host syncs; length values are checked on CPU (and on CUDA under ``strict_length_checks``).
 
 FLOPs: the fwd and bwd ops have flop_counter formulas counting useful pairs (i, j < len, allowed) from
@@ -43,43 +43,16 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from . import checks
-from .block_attention_eager import EagerBlockAttention, takes_eager_path
-from .block_attention_flops import (
-    BACKWARD_FLOPS_RATIO,
-    block_attention_pairs,
-    forward_flops,
-    padded_block_attention_pairs,
-)
-from .block_attention_reference import ROTARY_MODES, reference_backward, reference_forward
-from .jagged_attention import _lse_dtype  # (one rule for the log-sum-exp dtype of both attention ops)
+from ..common import checks
+from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
+from ..common.opkit import LIB, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.reference import compute_dtype
+from .flops import block_attention_pairs, padded_block_attention_pairs
+from .reference import ROTARY_MODES, reference_backward, reference_forward
 
-__all__ = ["block_attention", "check_block_attention_args", "kernel_supports"]
+__all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
 
-_LIB = torch.library.Library("gemcompile", "FRAGMENT")
-
-
-def _triton():
-    # imported lazily: CPU-only installs never need triton
-    from . import block_attention_triton
-
-    return block_attention_triton
-
-
-def kernel_supports(block: int, window: int, head_dim: int) -> str | None:
-    """None when the CUDA kernels serve these static arguments, else the reason they do not (the op then
-    runs the dense reference: correct, slow). For the block_attention pass: refuse what this rejects.
-
-    Any block >= 1 and window >= 0 is served (power-of-two blocks up to the tile size take the fused
-    one-tile-per-block kernels); the head dim must be a power of two in [16, 128] (rotary at D = 16 is
-    applied with torch around the kernels, since the fused rotation needs D/2 >= 16)."""
-    if block < 0 or window < -1:
-        return f"block must be >= 0 and window >= -1, got block={block}, window={window}"
-    if block == 0 and window < 0:
-        return "neither a block nor a window: this is plain jagged attention (use jagged_attention)"
-    if not (checks.MIN_HEAD_DIM <= head_dim <= checks.MAX_HEAD_DIM) or head_dim & (head_dim - 1):
-        return f"head dim {head_dim} is not a power of two in [{checks.MIN_HEAD_DIM}, {checks.MAX_HEAD_DIM}]"
-    return None
+_INPUTS = 11  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,14 +81,14 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
 
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
-    checks._check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
+    checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"q, k and v must have one shape (B, H, L, D) (self-attention), got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     B, _, L, D = q.shape
-    checks._check_index_vector("lengths", lengths, B, "B", q.device)
+    checks.check_index_vector("lengths", lengths, B, "B", q.device)
     for name, value in (("block", block), ("window", window)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -128,7 +101,7 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
             "block_attention needs a block (block > 0) or a window (window >= 0); without either it is "
             "plain jagged attention: use gemcompile::jagged_attention"
         )
-    checks._check_flags(causal, scale)
+    checks.check_flags(causal, scale)
     if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
     if rotary == "none":
@@ -154,12 +127,14 @@ def _check_values(q, lengths) -> None:
     checks.check_length_values("lengths", lengths, q.shape[2])
 
 
-def _use_triton(q: Tensor, block: int, window: int) -> bool:
-    return (
-        q.device.type == "cuda"
-        and q.dtype != torch.float64
-        and kernel_supports(block, window, q.shape[-1]) is None
-    )
+def _kernels(q: Tensor, block: int, window: int):
+    """(forward, backward): the Triton launchers when the kernels serve the call (imported lazily: CPU-only
+    installs never need triton), else the dense reference."""
+    if use_triton(q) and checks.kernel_supports(block, window, q.shape[-1]) is None:
+        from . import triton as kernels
+
+        return kernels.block_attention_forward_triton, kernels.block_attention_backward_triton
+    return reference_forward, reference_backward
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,18 +165,15 @@ def block_attention_fwd(
 def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
     _check_values(q, lengths)
-    if not _use_triton(q, block, window):
-        return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
-    return _triton().block_attention_forward_triton(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
-    )
+    forward, _ = _kernels(q, block, window)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
 
 
 @block_attention_fwd.register_fake
 def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
     B, H, L, D = q.shape
-    return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=_lse_dtype(q))
+    return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=compute_dtype(q.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,12 +205,8 @@ def block_attention_bwd(
 @block_attention_bwd.register_kernel("cuda")
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale):
-    if not _use_triton(q, block, window):
-        return reference_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin,
-                                  rotary, scale)
-    return _triton().block_attention_backward_triton(
-        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale
-    )
+    _, backward = _kernels(q, block, window)
+    return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale)
 
 
 @block_attention_bwd.register_fake
@@ -252,9 +220,8 @@ def _fwd_setup_context(ctx, inputs, output):
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, lengths, cos, sin)
-    ctx.args = (block, window, causal, rotary, scale)
-    ctx.mark_non_differentiable(lse)
+    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin), (block, window, causal, rotary, scale),
+                      lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
@@ -264,17 +231,43 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
         grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return input_grads(_INPUTS, dq, dk, dv)
 
 
 block_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
+# The eager fast path (common/opkit.py says why)
+
+
+class EagerBlockAttention(torch.autograd.Function):
+    """out = block_attention(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale); arguments
+    checked by the caller. The lse stays inside the Function: no gradient is materialized for it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
+        _check_values(q, lengths)
+        forward, _ = _kernels(q, block, window)
+        out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin), (block, window, causal, rotary, scale))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, lengths, cos, sin = ctx.saved_tensors
+        block, window, causal, rotary, scale = ctx.args
+        _, backward = _kernels(q, block, window)
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
+                              scale)
+        return input_grads(_INPUTS, dq, dk, dv)
+
+
+# ---------------------------------------------------------------------------------------------------
 # The public op
 
 
-_LIB.define(
+LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
     "Tensor? cos, Tensor? sin, str rotary, float scale) -> Tensor"
 )
@@ -290,7 +283,7 @@ def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin
     )[0]
 
 
-_LIB.impl("block_attention", _block_attention_composite, "CompositeImplicitAutograd")
+LIB.impl("block_attention", _block_attention_composite, "CompositeImplicitAutograd")
 
 
 def block_attention(
@@ -325,15 +318,9 @@ def block_attention(
 # FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
 
 
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type == "meta" or is_fake(t)
-
-
 def _forward_flops(q, lengths, block, window, causal) -> int:
     B, H, L, D = q.shape
-    if _is_fake(lengths):
+    if is_fake(lengths):
         pairs = padded_block_attention_pairs(B, L, block, window, causal)
     else:
         pairs = block_attention_pairs(lengths, L, block, window, causal)

@@ -1,0 +1,265 @@
+"""The Triton toolkit the three attention kernels share (jagged attention, block attention, GDPA).
+
+Host side: how a kernel finds the sequences of one side (:class:`Side`, the modes), the batch order
+longest first (:func:`batch_order`), the autotune key of a length (:func:`length_bucket`), config lists
+and their prune (:func:`kernel_configs`, :func:`make_prune`, fewer pipeline stages until the tiles fit
+the shared memory), strides and dot precision. Device side (``@triton.jit``): a sequence's start row and
+length (:func:`sequence`), the program -> (tile, batch, head) map (:func:`program_coordinates`), masked
+row-tile loads and stores (:func:`load_rows`, :func:`store_rows`), and the softmax backward's
+delta = rowsum(dO * O) kernel (:func:`bwd_delta_kernel`, jagged and block attention).
+
+Every sequence is addressed by (start row, length): in the padded layout (B, H, L, D) the start row is 0
+and the length comes from a lengths tensor (clamped into [0, L]) or is the padded length. The kernels
+also keep an offsets mode (a packed (T, H, D) layout, MODE_OFFSETS) that no launcher uses since the
+packed ops were removed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .jagged import bucket_length
+from .length_order_triton import longest_first_order
+from .tuned_launch import INTERPRET
+
+__all__ = [
+    "LN2",
+    "LOG2E",
+    "MODE_FULL",
+    "MODE_LENGTHS",
+    "MODE_OFFSETS",
+    "SHARED_MEMORY_BUDGET",
+    "Side",
+    "batch_order",
+    "bhld_strides",
+    "block_d",
+    "bwd_delta_kernel",
+    "dot_precision",
+    "fit_shared_memory",
+    "kernel_configs",
+    "length_bucket",
+    "load_rows",
+    "make_prune",
+    "program_coordinates",
+    "same_sequences",
+    "sequence",
+    "store_rows",
+]
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# How a side (queries or keys) finds its sequences.
+MODE_FULL = 0  # every sequence has the padded length
+MODE_LENGTHS = 1  # padded layout, lengths (B,) tensor, start row 0
+MODE_OFFSETS = 2  # packed layout, offsets (B+1,) tensor (kept in the kernels; no launcher uses it)
+
+
+def length_bucket(n: int) -> int:
+    """Autotune key of a maximum length: the project's length bucket (next power of two), at least 16."""
+    return bucket_length(max(int(n), 16))
+
+
+def kernel_configs(shapes, interpret_shape):
+    if INTERPRET:
+        m, n = interpret_shape
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+SHARED_MEMORY_BUDGET = 227 * 1024
+"""Bytes of shared memory a block may use on Hopper. The tile estimate below matched what Triton asked
+for on an H200 (256 KiB for fp32, D=128, 128x64 tiles, 3 stages: refused)."""
+
+
+# per kernel: (tiles streamed per pipeline stage, tiles resident) in units of (rows x BLOCK_D) for each
+# of BLOCK_M and BLOCK_N: fwd streams K and V (2 x BLOCK_N) and holds Q (BLOCK_M); dK/dV streams Q and
+# dO (2 x BLOCK_M) and holds K and V (2 x BLOCK_N); dQ streams K and V and holds Q and dO.
+_SMEM_TILES = {"fwd": ((0, 2), (1, 0)), "dkdv": ((2, 0), (0, 2)), "dq": ((0, 2), (2, 0))}
+
+
+def _shared_memory(kind: str, block_m: int, block_n: int, stages: int, block_d: int,
+                   element_size: int) -> int:
+    (sm, sn), (rm, rn) = _SMEM_TILES[kind]
+    if element_size == 4:  # fp32 dots run as 3xTF32: Triton keeps the transposed operands too (measured:
+        sm, sn = 2 * sm, 2 * sn  # the dQ kernel at 64x64, 2 stages, D=128 asked for 256 KiB)
+    rows = stages * (sm * block_m + sn * block_n) + rm * block_m + rn * block_n
+    return rows * block_d * element_size
+
+
+def fit_shared_memory(config, kind: str, args: dict):
+    """Fewer pipeline stages until the tiles fit (fp32 inputs at D=128 need fewer stages than bf16)."""
+    q = args.get("Q")
+    element_size = q.element_size() if hasattr(q, "element_size") else 2
+    block_d = triton.next_power_of_2(int(args.get("HEAD_D", 64)))
+    stages = config.num_stages
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    while stages > 1 and _shared_memory(kind, m, n, stages, block_d, element_size) > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    if stages == config.num_stages:
+        return config
+    return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages)
+
+
+def make_prune(shapes, kind):
+    def prune(configs, named_args, **kwargs):
+        """Keep the configs meant for this head dim whose tiles are not far larger than the lengths."""
+        args = {**named_args, **kwargs}
+        head = "small" if args.get("HEAD_D", 64) <= 64 else "large"
+        lq, lk = args.get("LQ_BUCKET", 1 << 30), args.get("LK_BUCKET", 1 << 30)
+        kept = []
+        for c in configs:
+            key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+            if head not in shapes.get(key, ("small", "large")):
+                continue
+            if c.kwargs["BLOCK_M"] > max(lq, 64) or c.kwargs["BLOCK_N"] > max(lk, 64):
+                continue
+            kept.append(fit_shared_memory(c, kind, args))
+        return kept or [fit_shared_memory(configs[0], kind, args)]
+
+    return {"early_config_prune": prune}
+
+
+@triton.jit
+def sequence(Offsets, Lengths, b, max_len, total_rows, MODE: tl.constexpr):
+    """(start row, length) of sequence b, clamped so that no access leaves the tensor."""
+    zero = b * 0
+    if MODE == 2:
+        start = tl.load(Offsets + b).to(tl.int32)
+        end = tl.load(Offsets + b + 1).to(tl.int32)
+        start = tl.minimum(tl.maximum(start, 0), total_rows)
+        end = tl.minimum(tl.maximum(end, start), total_rows)
+        length = tl.minimum(end - start, max_len)
+    elif MODE == 1:
+        start = zero
+        length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_len)
+    else:
+        start = zero
+        length = zero + max_len
+    return start, length
+
+
+@triton.jit
+def program_coordinates(Order, H, num_tiles, REVERSE: tl.constexpr):
+    """1-D program id -> (tile, batch, head); batches come in the order of Order (longest first)."""
+    pid = tl.program_id(0)
+    bh = pid // num_tiles
+    tile = pid % num_tiles
+    if REVERSE:
+        tile = num_tiles - 1 - tile
+    b = tl.load(Order + bh // H).to(tl.int32)
+    h = bh % H
+    return tile, b, h
+
+
+@triton.jit
+def load_rows(base, rows, offs_d, stride_r, stride_d, mask_rows, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASK_ROWS: tl.constexpr):
+    """Load a [len(rows), BLOCK_D] tile; padded head-dim columns and masked rows read as 0."""
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + offs_d[None, :] * stride_d
+    if MASK_ROWS:
+        if BLOCK_D == HEAD_D:
+            x = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=mask_rows[:, None] & (offs_d < HEAD_D)[None, :], other=0.0)
+    else:
+        if BLOCK_D == HEAD_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=(offs_d < HEAD_D)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def store_rows(base, rows, offs_d, stride_r, stride_d, value, mask_rows, HEAD_D: tl.constexpr):
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + offs_d[None, :] * stride_d
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask_rows[:, None] & (offs_d < HEAD_D)[None, :])
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    Out, DO, Delta, QOffsets, QLengths,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    H, max_q_len, total_q_rows,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(max_q_len, BLOCK_M)
+    bh = pid // num_m
+    b = bh // H
+    h = bh % H
+    m0 = (pid % num_m) * BLOCK_M
+    q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
+    if m0 >= q_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    start64 = q_start.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    o = load_rows(Out + b64 * stride_ob + h64 * stride_oh + start64 * stride_om, offs_m, offs_d,
+                  stride_om, stride_od, row_ok, HEAD_D, BLOCK_D, True)
+    do = load_rows(DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm, offs_m, offs_d,
+                   stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_lb + h64 * stride_lh + (start64 + offs_m) * stride_lm, delta, mask=row_ok)
+
+
+bwd_delta_kernel = _bwd_delta_kernel
+"""delta = rowsum(dO * O) per query row (the softmax backward's correction term), one program per
+(query tile, batch*head). The kernel keeps its ``_..._kernel`` name: runtime/kernel_time.py tells
+gemcompile's kernels apart by it in profiles."""
+
+
+class Side:
+    """How a kernel finds the sequences of one side (queries or keys/values)."""
+
+    def __init__(self, mode: int, offsets, lengths, max_len: int, total_rows: int, dummy: torch.Tensor):
+        self.mode = mode
+        self.offsets = offsets if offsets is not None else dummy
+        self.lengths = lengths if lengths is not None else dummy
+        self.max_len = int(max_len)
+        self.total_rows = int(total_rows)
+
+    def sort_key(self) -> torch.Tensor | None:
+        if self.mode == MODE_OFFSETS:
+            return self.offsets[1:] - self.offsets[:-1]
+        if self.mode == MODE_LENGTHS:
+            return self.lengths
+        return None
+
+
+def batch_order(primary: Side, B: int, device) -> torch.Tensor:
+    """Batch indices, longest sequence first (a device-side stable argsort in one launch, no host sync)."""
+    key = primary.sort_key()
+    if key is None:
+        return torch.arange(B, device=device)
+    return longest_first_order(key)
+
+
+def same_sequences(a: Side, b: Side) -> bool:
+    return a.mode == b.mode and a.lengths is b.lengths and a.offsets is b.offsets
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs follow torch's matmul policy: near-fp32 accuracy unless the user allowed TF32. 3xTF32
+    # keeps tensor cores (plain "ieee" FMA dots spill registers heavily on sm_90); half inputs ignore it.
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "tf32x3"
+    return "tf32"
+
+
+def block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+def bhld_strides(t: torch.Tensor, batch_broadcast: bool):
+    """Strides (b, h, l, d) of a padded (B, H, L, D) tensor; batch stride 0 when shared by the batch."""
+    sb, sh, sl, sd = t.stride()
+    return (0 if batch_broadcast else sb), sh, sl, sd

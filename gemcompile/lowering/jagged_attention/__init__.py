@@ -1,0 +1,1 @@
+"""gemcompile::jagged_attention: the op (op.py), its plain-PyTorch reference, Triton kernels, FLOP count."""

@@ -1,0 +1,251 @@
+"""``gemcompile::jagged_attention``: softmax attention over jagged (variable-length) sequences.
+
+Public op (what the jagged_attention pass emits; the signature is fixed)::
+
+    torch.ops.gemcompile.jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths,
+        Tensor kv_lengths, Tensor? bias, bool causal, float scale) -> Tensor
+
+q (Bq, H, Lq, D) with Bq in {1, B}; k, v (B, H, Lk, D); any strides (permuted or expanded views are read
+in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling. Output: contiguous
+(B, H, Lq, D) in q's dtype. For row i < q_len[b]: softmax over keys j < kv_len[b] (and j <= i when
+causal, top-left aligned). Rows i >= q_len and rows without a valid key are exactly 0 with zero
+gradients (eager SDPA gives NaN on an all-masked row; we give 0, as its math backend does).
+
+Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
+(out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)
+-> (dq, dk, dv, dbias)`` are custom ops with fake impls and ``register_autograd``; the public op is
+``CompositeImplicitAutograd`` over the fwd op. A plain eager call on CUDA runs the same kernels through one
+autograd.Function (:class:`EagerJaggedAttention`): less host time per step.
+
+Dispatch: CUDA runs the Triton kernels of triton.py (float64 falls back to the reference); every other
+device runs the plain-PyTorch reference of reference.py. Neither path syncs with the host (no
+``.item()``); grids depend only on static shapes. Length values are always checked on CPU; on CUDA they
+are clamped into [0, L] inside the kernels and checked only under
+:func:`gemcompile.lowering.common.checks.strict_length_checks`.
+
+FLOPs: the fwd and bwd ops have ``torch.utils.flop_counter`` formulas that count useful pairs from the
+actual lengths (padded count when the lengths are fake): forward 4*H*D*pairs, backward 2.5x forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from ..common import checks
+from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
+from ..common.opkit import LIB, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.reference import compute_dtype
+from .flops import attention_pairs, padded_pairs
+from .reference import reference_backward, reference_forward
+
+__all__ = ["EagerJaggedAttention", "check_jagged_attention_args", "jagged_attention"]
+
+_INPUTS = 8  # q, k, v, q_lengths, kv_lengths, bias, causal, scale
+
+
+def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale) -> None:
+    """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
+    B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "jagged attention kernel")
+    if kv_lengths is None:
+        checks.check_index_vector("kv_lengths", kv_lengths, B, "B", q.device)
+    if bias is not None:
+        checks.check_bias(bias, (B, H, Lq, Lk), q.device)
+    checks.check_flags(causal, scale)
+
+
+def _check_values(q, k, q_lengths, kv_lengths) -> None:
+    checks.check_length_values("q_lengths", q_lengths, q.shape[2])
+    checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
+
+
+def _kernels(q: Tensor):
+    """(forward, backward): the Triton launchers on CUDA (imported lazily: CPU-only installs never need
+    triton), else the reference."""
+    if use_triton(q):
+        from . import triton as kernels
+
+        return kernels.jagged_attention_forward_triton, kernels.jagged_attention_backward_triton
+    return reference_forward, reference_backward
+
+
+# ---------------------------------------------------------------------------------------------------
+# The custom ops
+
+
+@torch.library.custom_op("gemcompile::jagged_attention_fwd", mutates_args=())
+def jagged_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Tensor,
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key)."""
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    _check_values(q, k, q_lengths, kv_lengths)
+    return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+
+
+@jagged_attention_fwd.register_kernel("cuda")
+def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    _check_values(q, k, q_lengths, kv_lengths)
+    forward, _ = _kernels(q)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+
+
+@jagged_attention_fwd.register_fake
+def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    B, H, _, D = k.shape
+    Lq = q.shape[2]
+    return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("gemcompile::jagged_attention_bwd", mutates_args=())
+def jagged_attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Tensor,
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    bias_requires_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
+    return reference_backward(
+        grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad
+    )
+
+
+@jagged_attention_bwd.register_kernel("cuda")
+def _jagged_attention_bwd_cuda(grad_out, q, *rest):
+    """jagged_attention_bwd's arguments, forwarded to the Triton launcher (the reference for float64)."""
+    _, backward = _kernels(q)
+    return backward(grad_out, q, *rest)
+
+
+@jagged_attention_bwd.register_fake
+def _jagged_attention_bwd_fake(
+    grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad
+):
+    dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale = inputs
+    out, lse = output
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias), (causal, scale), bias=bias,
+                      bias_index=5, lse=lse)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    # grad_lse is ignored: lse is an internal, non-differentiable output
+    dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
+        grad_out, *ctx.saved_tensors, *ctx.args, ctx.bias_requires_grad
+    )
+    return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
+
+
+jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The eager fast path (common/opkit.py says why)
+
+
+class EagerJaggedAttention(torch.autograd.Function):
+    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale) through the same kernels
+    as the custom ops; arguments checked by the caller. The lse stays inside the Function, so no gradient
+    is ever materialized for it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+        _check_values(q, k, q_lengths, kv_lengths)
+        forward, _ = _kernels(q)
+        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias), (causal, scale), bias=bias,
+                          bias_index=5)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, backward = _kernels(ctx.saved_tensors[0])
+        dq, dk, dv, dbias = backward(grad_out, *ctx.saved_tensors, *ctx.args, ctx.bias_requires_grad)
+        return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The public op
+
+
+LIB.define(
+    "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor kv_lengths, Tensor? bias, "
+    "bool causal, float scale) -> Tensor"
+)
+
+
+def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
+    if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
+        check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    return torch.ops.gemcompile.jagged_attention_fwd(q, k, v, q_lengths, kv_lengths, bias, causal, scale)[0]
+
+
+LIB.impl("jagged_attention", _jagged_attention_composite, "CompositeImplicitAutograd")
+
+
+def jagged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Tensor,
+    bias: Optional[Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    return torch.ops.gemcompile.jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, float(scale))
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
+
+
+def _forward_flops(q, k, q_lengths, kv_lengths, causal) -> int:
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    if is_fake(kv_lengths) or (q_lengths is not None and is_fake(q_lengths)):
+        pairs = padded_pairs(B, Lq, Lk, causal)
+    else:
+        pairs = attention_pairs(q_lengths, kv_lengths, Lq, Lk, causal)
+    return forward_flops(H, D, pairs)
+
+
+@register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
+def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, *, out_val=None,
+               **kwargs) -> int:
+    return _forward_flops(q, k, q_lengths, kv_lengths, causal)
+
+
+@register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
+def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
+               scale=1.0, bias_requires_grad=False, *, out_val=None, **kwargs) -> int:
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal))

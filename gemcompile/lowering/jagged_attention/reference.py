@@ -1,0 +1,106 @@
+"""Plain-PyTorch reference of jagged softmax attention: what runs on CPU (and any non-CUDA device).
+
+Semantics (shared with the Triton kernels, see op.py): for batch b, head h and query row
+i < q_len[b], ``out[b,h,i] = softmax_j(scale * q_i . k_j + bias[b,h,i,j]) @ v`` over keys j < kv_len[b]
+(and j <= i when causal, top-left aligned). Rows with no valid key and rows i >= q_len are exactly 0.
+Lengths above the padded length mean "all positions" (the eager ``arange(L) < length`` mask).
+
+The forward returns ``(out, lse)``; ``lse`` is the natural-log sum-exp of each row's scores, and +inf on
+rows without a valid key so that ``exp(s - lse) = 0`` there. The backward is the flash-attention
+backward written densely: it recomputes the scores but takes the softmax normaliser from ``lse``.
+
+Positions outside the valid region are never read (they are zeroed first), so garbage or NaN in
+padding cannot leak into outputs or gradients.
+
+Math runs in float32 for half inputs and in float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.reference import compute_dtype, reduce_bias_grad, row_mask, zero_invalid_rows
+
+__all__ = ["reference_backward", "reference_forward", "valid_mask"]
+
+
+def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device) -> torch.Tensor:
+    """(B, 1, Lq, Lk) bool mask of the (i, j) score entries that take part in the softmax."""
+    q_ok = row_mask(q_lengths, B, Lq, device)
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+    if causal:
+        rows = torch.arange(Lq, device=device)
+        cols = torch.arange(Lk, device=device)
+        valid = valid & (cols[None, :] <= rows[:, None])
+    return valid
+
+
+def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale):
+    """Returns (probabilities or scores, valid, zeroed q, zeroed k) in the compute dtype."""
+    B, _, Lk, _ = k.shape
+    Lq = q.shape[2]
+    cdt = compute_dtype(q.dtype)
+    qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
+    kf = zero_invalid_rows(k.to(cdt), row_mask(kv_lengths, B, Lk, k.device))
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(cdt)
+    valid = valid_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, q.device)
+    s = s.masked_fill(~valid, float("-inf"))
+    if lse is None:
+        return s, valid, qf, kf
+    p = torch.exp(s - lse.to(cdt)[..., None]).masked_fill(~valid, 0.0)
+    return p, valid, qf, kf
+
+
+def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+    """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    cdt = compute_dtype(q.dtype)
+    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale)
+    lse = torch.logsumexp(s, dim=-1) if Lk > 0 else s.new_full((B, H, Lq), float("-inf"))
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    p = torch.exp(s - lse[..., None])
+    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    out = torch.matmul(p, vf)
+    return out.to(q.dtype).contiguous(), lse.to(compute_dtype(q.dtype)).contiguous()
+
+
+def reference_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_lengths,
+    kv_lengths,
+    bias,
+    causal: bool,
+    scale: float,
+    bias_requires_grad: bool,
+):
+    """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
+    B, H, Lk, D = k.shape
+    Lq = q.shape[2]
+    cdt = compute_dtype(q.dtype)
+    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale)
+    q_ok = row_mask(q_lengths, B, Lq, q.device)
+    do = zero_invalid_rows(grad_out.to(cdt), q_ok)
+    o = zero_invalid_rows(out.to(cdt), q_ok)
+    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    delta = (do * o).sum(dim=-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kf) * scale
+    if q.shape[0] == 1 and B != 1:
+        dq = dq.sum(dim=0, keepdim=True)
+    dk = torch.matmul(ds.transpose(-1, -2), qf.expand(B, H, Lq, D)) * scale
+    if bias is not None and bias_requires_grad:
+        dbias = reduce_bias_grad(ds, bias)
+    else:
+        dbias = q.new_empty(0)
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dbias)

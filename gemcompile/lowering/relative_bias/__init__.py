@@ -1,0 +1,1 @@
+"""gemcompile::relative_bias: a relative-position bias gathered from a learned table (op.py)."""
