@@ -85,11 +85,24 @@ def child(cases: list[str]) -> dict:
     return out
 
 
-def parent(args) -> int:
-    from harness import environment, write_json
+def _rows(cases: list[str], runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for case in cases:
+        for metric in ("fwd_ms", "fwd_bwd_ms", "fwd_graph_ms"):
+            before = statistics.median(r[case][metric] for r in runs["before"])
+            after = statistics.median(r[case][metric] for r in runs["after"])
+            rows.append({"case": case, "metric": metric, "before_ms": before, "after_ms": after,
+                         "after_over_before": after / before})
+    return rows
 
+
+def parent(args) -> int:
+    from harness import environment, results_path
+
+    path = results_path("refactor_ab", args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for side, tree in (("before", args.before), ("after", args.after)):
             env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
             done = subprocess.run([sys.executable, __file__, "--child", "--cases", ",".join(args.cases)],
@@ -99,18 +112,15 @@ def parent(args) -> int:
                 return done.returncode
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(side, runs[side][-1], flush=True)
-    rows = []
-    for case in args.cases:
-        for metric in ("fwd_ms", "fwd_bwd_ms", "fwd_graph_ms"):
-            before = statistics.median(r[case][metric] for r in runs["before"])
-            after = statistics.median(r[case][metric] for r in runs["after"])
-            rows.append({"case": case, "metric": metric, "before_ms": before, "after_ms": after,
-                         "after_over_before": after / before})
-            print(f"{case:18s} {metric:13s} before {before:8.3f} ms  after {after:8.3f} ms  "
-                  f"after/before {after / before:.3f}")
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(),
-               "before": args.before, "after": args.after, "repeats": args.repeats, "rows": rows, "runs": runs}
-    print(write_json("refactor_ab", payload, args.out))
+        rows = _rows(args.cases, runs)  # written after every round: a run cut short keeps what it measured
+        payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(),
+                   "before": args.before, "after": args.after, "repeats_done": repeat + 1, "rows": rows,
+                   "runs": runs}
+        path.write_text(json.dumps(payload, indent=1) + "\n")
+    for row in rows:
+        print(f"{row['case']:18s} {row['metric']:13s} before {row['before_ms']:8.3f} ms  "
+              f"after {row['after_ms']:8.3f} ms  after/before {row['after_over_before']:.3f}")
+    print(path)
     return 0
 
 
