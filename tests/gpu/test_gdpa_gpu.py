@@ -25,6 +25,8 @@ from gemcompile.lowering.gdpa.reference import reference_gdpa_backward, referenc
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
+
+
 def _pin(monkeypatch, fwd, dkdv, dq):
     pin_tiles(monkeypatch, {kernels._gdpa_fwd_kernel: fwd, kernels._gdpa_bwd_dkdv_kernel: dkdv, kernels._gdpa_bwd_dq_kernel: dq})
 

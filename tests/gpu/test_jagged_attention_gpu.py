@@ -25,6 +25,8 @@ from gemcompile.lowering.jagged_attention.reference import reference_backward, r
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
+
+
 def _pin(monkeypatch, fwd, dkdv, dq):
     pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv, kernels._bwd_dq_kernel: dq})
 
