@@ -9,7 +9,8 @@ both; the medians and the ratio after / before go to one JSON. The ops are calle
 
 Cases: jagged softmax attention (the anchor shape B32 L2048 H8 D64), GDPA as HSTU uses it (SiLU,
 causal, a relative-position table read in place, B32 L1024 H4 D64) and block attention (64-token blocks, B16 L4096 H4 D128), bf16, forward and
-forward+backward; eager calls and CUDA-graph replay (the kernels alone, no host time).
+forward+backward; eager calls and CUDA-graph replay (the kernels alone, no host time); and the host's
+time per eager forward call at a tiny shape (B2 L64 H1 D64), where nothing else shows.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ sys.path.insert(0, str(HERE))
 CASES = ("jagged_attention", "gdpa_hstu", "block_attention")
 
 
-def _inputs(case: str):
+SHAPES = {"jagged_attention": (32, 8, 2048, 64), "gdpa_hstu": (32, 4, 1024, 64),
+          "block_attention": (16, 4, 4096, 128)}
+"""(B, H, L, D) of each case: the kernels' anchor shapes, GPU-bound."""
+SMALL = (2, 1, 64, 64)
+"""A shape whose kernels take a few microseconds: the host's time per call shows alone."""
+
+
+def _inputs(case: str, shape: tuple[int, int, int, int]):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = {"jagged_attention": (32, 8, 2048, 64), "gdpa_hstu": (32, 4, 1024, 64),
-              "block_attention": (16, 4, 4096, 128)}
-    B, H, L, D = shapes[case]
+    B, H, L, D = shape
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
     lengths = torch.randint(0, L + 1, (B,), device="cuda", generator=gen)
@@ -55,6 +61,23 @@ def _op_call(case: str, q, k, v, lengths, table):
     return lambda: ops.block_attention(q, k, v, lengths, 64, -1, False, None, None, "none", q.shape[-1] ** -0.5)
 
 
+def host_ms(forward, calls: int = 400) -> float:
+    """Milliseconds of host time per eager forward call (no sync inside the loop; tiny kernels)."""
+    import time
+
+    import torch
+
+    for _ in range(20):
+        forward()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        forward()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / calls
+
+
 def child(cases: list[str]) -> dict:
     """Times each case with the gemcompile found on sys.path; returns {case: {metric: ms}}."""
     import torch
@@ -64,7 +87,9 @@ def child(cases: list[str]) -> dict:
 
     out = {"gemcompile": str(Path(gemcompile.lowering.__file__).parents[1])}
     for case in cases:
-        q, k, v, lengths, table = _inputs(case)
+        small = _op_call(case, *_inputs(case, SMALL))
+        host = host_ms(small)
+        q, k, v, lengths, table = _inputs(case, SHAPES[case])
         forward = _op_call(case, q, k, v, lengths, table)
         grad = torch.randn_like(q)
 
@@ -79,7 +104,7 @@ def child(cases: list[str]) -> dict:
         with torch.no_grad():
             fwd_graph = graphed(forward)
         out[case] = {"fwd_ms": bench_ms(lambda: forward().detach()), "fwd_bwd_ms": bench_ms(step),
-                     "fwd_graph_ms": bench_ms(fwd_graph)}
+                     "fwd_graph_ms": bench_ms(fwd_graph), "fwd_host_ms_small": host}
         del q, k, v, grad
         torch.cuda.empty_cache()
     return out
@@ -88,7 +113,7 @@ def child(cases: list[str]) -> dict:
 def _rows(cases: list[str], runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for case in cases:
-        for metric in ("fwd_ms", "fwd_bwd_ms", "fwd_graph_ms"):
+        for metric in ("fwd_ms", "fwd_bwd_ms", "fwd_graph_ms", "fwd_host_ms_small"):
             before = statistics.median(r[case][metric] for r in runs["before"])
             after = statistics.median(r[case][metric] for r in runs["after"])
             rows.append({"case": case, "metric": metric, "before_ms": before, "after_ms": after,
