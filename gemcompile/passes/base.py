@@ -152,7 +152,7 @@ class PassManager(CustomGraphPass):
             self.chained(graph)
         for p in self.passes:
             p(graph)
-            if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see passes/graph.py erase_dead)
+            if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see graph.erase_dead)
                 graph.eliminate_dead_code()
         graph.lint()
 

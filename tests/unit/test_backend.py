@@ -44,6 +44,29 @@ def test_every_stage_runs_and_the_result_equals_eager():
     assert len(CountNodesPostGrad.seen) == 2
 
 
+def _toy_pass(modules: tuple[str, ...]) -> type:
+    class Toy(MulByTwoToAdd):  # one qualname, one module: only source_modules tells two of them apart
+        source_modules = modules
+
+    return Toy
+
+
+def test_the_uuid_covers_the_source_modules_a_pass_names():
+    plain = _toy_pass(())(GemConfig()).uuid()
+    assert plain == _toy_pass(())(GemConfig()).uuid()
+    assert plain != _toy_pass(("gemcompile.passes.masks.evaluator",))(GemConfig()).uuid()
+
+
+def test_the_attention_pass_uuid_covers_each_family_section():
+    from gemcompile.passes.attention.rewrite import AttentionRewritePass
+
+    base = AttentionRewritePass(GemConfig()).uuid()
+    assert base == AttentionRewritePass(GemConfig()).uuid()
+    for section in ({"block_attention": {"enabled": False}}, {"jagged_attention": {"min_kv_len": 3}},
+                    {"gdpa": {"read_relative_table": False}}):
+        assert AttentionRewritePass(GemConfig(**section)).uuid() != base, section
+
+
 def test_a_disabled_section_turns_its_pass_off():
     counters.clear()
     x, w = _inputs()
