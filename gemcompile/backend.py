@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 SLOTS: dict[str, str] = {"joint_custom_pre_pass": "joint", "post_grad_custom_pre_pass": "post_grad"}
 
 
+def allow_warnings_in_graphs() -> None:
+    """Let Dynamo replay ``warnings.warn`` after a graph instead of breaking it. torch's own modules warn
+    while they run (TransformerEncoderLayer: "mismatched src_key_padding_mask and src_mask"); a graph break
+    there splits the attention from its masks, and nothing is rewritten. Idempotent."""
+    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
+
+
 def _inductor_patches(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
     """What torch.compile(mode=..., options=...) would have patched into Inductor's config."""
     if mode is not None and options is not None:

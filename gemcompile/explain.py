@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.markup import escape
 from rich.text import Text
 
-from gemcompile.backend import GemBackend
+from gemcompile.backend import GemBackend, allow_warnings_in_graphs
 from gemcompile.config import GemConfig
 from gemcompile.passes import PassManager
 from gemcompile.passes.base import run_pre_grad
@@ -202,6 +202,7 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
         raise TypeError(f"explain: config must be a gemcompile.GemConfig, got {type(config).__name__}")
     backend = _ExplainBackend(config if config is not None else GemConfig(), pass_types)
     log = PassLog()
+    allow_warnings_in_graphs()
     compiled = torch.compile(model_or_fn, backend=backend)
     with recording(log), _eager_backward_compile():
         compiled(*example_inputs, **example_kwargs)

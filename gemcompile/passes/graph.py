@@ -54,6 +54,14 @@ class Emitter:
     def mark(self) -> int:
         return len(self.created)
 
+    def _graph_mode(self):
+        """The fake mode of the graph's inputs, for a node built from constants alone (torch.arange(n))."""
+        for node in self.graph.nodes:
+            value = node.meta.get(self.value_key)
+            if isinstance(value, FakeTensor):
+                return value.fake_mode
+        return None
+
     def rollback(self, mark: int = 0) -> None:
         """Erase the nodes created since ``mark`` (a rewrite that was abandoned)."""
         for node in reversed(self.created[mark:]):
@@ -75,7 +83,7 @@ class Emitter:
         to_value = lambda a: example_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
         fake_args, fake_kwargs = tree_map(to_value, args), tree_map(to_value, kwargs)
         leaves = [*tree_leaves(fake_args), *tree_leaves(fake_kwargs)]
-        mode = next((a.fake_mode for a in leaves if isinstance(a, FakeTensor)), None)
+        mode = next((a.fake_mode for a in leaves if isinstance(a, FakeTensor)), None) or self._graph_mode()
         if mode is None:
             return node
         try:

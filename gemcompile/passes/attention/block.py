@@ -42,12 +42,15 @@ from gemcompile.passes.attention.family import (
     check_qkv,
     operands,
     permuted,
+    key_mask_operand,
     lengths_operand,
+    size_of,
 )
 from gemcompile.passes.attention.kernels import BLOCK_NO_WINDOW, block_kernel_supports
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.attention.rotary import RotaryMatch, match_rotary_pair, table_layout
 from gemcompile.passes.attention.scores import is_call
+from gemcompile.passes.attention.finite_fill import check_fill_served
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.masks.rows import downstream_row_mask
@@ -63,9 +66,10 @@ class BlockAttention(AttentionFamily):
     masks_served = "key padding and fixed blocks and/or a sliding window [and causal]"
 
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
-        if mask.kv_lengths is None:
-            raise Unproven("no key-padding mask (key index < lengths) in the block/window mask: the kernel needs "
-                           f"the lengths; the mask is {mask.formula}")
+        if mask.kv_lengths is None and mask.key_vector is None:
+            raise Unproven("no key-padding mask (key index < lengths or a key mask read from data) in the "
+                           f"block/window mask; the mask is {mask.formula}")
+        check_fill_served(mask)
         if mask.hstu or (mask.block is None and mask.window is None):
             raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
         if site.bias:
@@ -128,6 +132,19 @@ class BlockAttention(AttentionFamily):
         return qm.x, km.x, *tables
 
     # -- emitting ----------------------------------------------------------------------------------
+    @staticmethod
+    def _lengths(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node) -> fx.Node:
+        """The kernel's (B,) key lengths: the mask's, or every key when the key padding is read from data."""
+        if mask.kv_lengths is None:
+            kv = example_value(k)
+            return emit.call(torch.full, ((size_of(emit, k, 0),), size_of(emit, k, 2)),
+                             {"dtype": torch.int32, "device": kv.device})
+        check_lengths_device(q, mask.kv_lengths)
+        if example_value(mask.kv_lengths).dtype not in (torch.int32, torch.int64):
+            raise Unproven(f"the lengths ({mask.kv_lengths.name}) are {example_value(mask.kv_lengths).dtype}, "
+                           "not int32 or int64")
+        return lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         rows_note = self._check_rows(site, mask)
         pair, not_fused = self._rotary(site)
@@ -143,16 +160,13 @@ class BlockAttention(AttentionFamily):
             else:
                 (q, k, v), cos, sin = operands(emit, site), None, None
             self._check_shapes(*(example_value(n) for n in (q, k, v)), block, window)
-            check_lengths_device(q, mask.kv_lengths)
-            if example_value(mask.kv_lengths).dtype not in (torch.int32, torch.int64):
-                raise Unproven(f"the lengths ({mask.kv_lengths.name}) are {example_value(mask.kv_lengths).dtype}, "
-                               "not int32 or int64")
-            lengths = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+            lengths = self._lengths(emit, mask, q, k)
+            kv_mask = key_mask_operand(emit, mask, k)
             rotary = "none" if pair is None else pair[0].style
+            args = (q, k, v, lengths, block, window, bool(mask.causal), cos, sin, rotary, float(site.scale))
             try:  # the op's own argument checks run on the fake tensors: what they reject is not rewritten
                 out = emit.call(torch.ops.gemcompile.block_attention.default,
-                                (q, k, v, lengths, block, window, bool(mask.causal), cos, sin, rotary,
-                                 float(site.scale)))
+                                args + ((kv_mask,) if kv_mask is not None else ()))
             except (TypeError, ValueError) as error:
                 raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
             out = permuted(emit, out, site.out_perm)

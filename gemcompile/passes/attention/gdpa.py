@@ -23,6 +23,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    key_mask_operand,
     lengths_operand,
     summed_bias,
 )
@@ -89,12 +90,21 @@ class Gdpa(AttentionFamily):
         q_len = lengths_operand(emit, mask.q_lengths, mask.q_offset, q)
         bias = summed_bias(emit, site.bias)
         window = GDPA_NO_WINDOW if mask.window is None else mask.window
+        # The normalizer is applied to the output by the model's own divisor tensor: the op's
+        # divide_by_kv_length divides by the clamped length, eager by the raw one (a history longer than the
+        # padded length is common in recommendation data), and 0 / 0 stays eager's NaN.
         args = (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale), float(site.out_scale),
-                divide, mask.causal, int(window))
+                False, mask.causal, int(window))
         if mask.hstu:
             if qv.shape[0] != kv.shape[0] or qv.shape[2] != kv.shape[2]:
                 raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
             args += (mask.num_targets, int(mask.contextual_len))
-        out = emit.call(torch.ops.gemcompile.gdpa.default, args)
+        kv_mask = key_mask_operand(emit, mask, k)
+        if kv_mask is not None and mask.hstu:
+            raise Unproven("HSTU's target/contextual mask with key padding read from data (the kernel takes "
+                           "lengths there)")
+        out = emit.call(torch.ops.gemcompile.gdpa.default, args, {} if kv_mask is None else {"kv_mask": kv_mask})
+        if divide:
+            out = emit.call(operator.truediv, (out, site.divisor))
         return out, (f"{site.activation}; mask proven: {detail}"
                      + ("; normalized by the key lengths" if divide else ""))

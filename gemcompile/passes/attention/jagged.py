@@ -4,9 +4,13 @@ Serves softmax attention (SDPA, a hand-written softmax, nn.MultiheadAttention wi
 whose mask keeps exactly the scores with key index < kv_lengths[b] (and, where present, query index <
 q_lengths[b] and key <= query); blocks, windows and HSTU masks are other families' or refused here.
 
+Key padding may also be read from data (a per-key vector: ``x > 0``, ``attention_mask``, left padding):
+the kernel then takes it as a (B, Lk) kv_mask built in the graph from the same tensors.
+
 Semantics (exact up to rounding at every position the eager model defines): rows with no valid key,
-where eager SDPA returns 0 or NaN and a finite fill returns an average over padding, come out as 0;
-query rows past q_lengths come out as 0 (eager leaves them masked or NaN too).
+where eager SDPA returns 0 and a softmax of -inf returns NaN, come out as 0; with a finite fill
+(-1e9, finfo.min) they come out as eager computes them (attention/finite_fill.py); query rows past
+q_lengths come out as 0 (eager leaves them masked or NaN too; a finite fill with query padding is refused).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    key_mask_operand,
     lengths_operand,
     summed_bias,
 )
+from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact
 from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite, check_mha
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
-from gemcompile.passes.masks.classify import LENGTH_MASKS, Unclassified, length_refusal, require_lengths
+from gemcompile.passes.masks.classify import JAGGED_MASKS, Unclassified, length_refusal, require_padding_or_causal
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
@@ -36,13 +42,13 @@ class JaggedAttention(AttentionFamily):
 
     name = "jagged_attention"
     config_section = "jagged_attention"
-    masks_served = LENGTH_MASKS
+    masks_served = JAGGED_MASKS
 
     def refusal(self, error: Unclassified) -> Unproven:
         return length_refusal(error)
 
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
-        require_lengths(mask)
+        require_padding_or_causal(mask)
 
     def _check_shapes(self, q: fx.Node, k: fx.Node, v: fx.Node) -> None:
         check_qkv(*(example_value(n) for n in (q, k, v)), HEAD_DIMS)
@@ -54,12 +60,20 @@ class JaggedAttention(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
+        check_fill_served(mask)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
+        kv_mask = key_mask_operand(emit, mask, k)
         q_len = lengths_operand(emit, mask.q_lengths, mask.q_offset, q)
         bias = summed_bias(emit, site.bias)
-        out = emit.call(torch.ops.gemcompile.jagged_attention.default,
-                        (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale)))
-        return out, "mask proven: " + mask.describe()
+        detail, uniform = "mask proven: " + mask.describe(), None
+        if mask.fill is not None:
+            kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask, bias)
+            detail += f"; fill {mask.fill:g} kept exact"
+        args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
+        if kv_mask is not None or uniform is not None:
+            args += (kv_mask, uniform)
+        out = emit.call(torch.ops.gemcompile.jagged_attention.default, args)
+        return out, detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)

@@ -50,7 +50,7 @@ from gemcompile.passes.attention.scores import (
     values,
     walk_to_scores,
 )
-from gemcompile.passes.graph import Unproven, example_value
+from gemcompile.passes.graph import Unproven, example_value, fed_by
 from gemcompile.passes.masks.evaluator import NEG_FILL_LIMIT, MaskEvaluator, PiecewiseTensor
 
 
@@ -63,6 +63,9 @@ class MaskTerm:
     node: fx.Node
     kind: str  # "keep" | "drop" | "additive"
     dims: dict[int, int] | None = None
+    fill: float | None = None
+    """The value a keep/drop term fills dropped scores with (masked_fill, where); None: -inf (a bool mask
+    given to SDPA or nn.MultiheadAttention). Additive terms' values come from the mask evaluator."""
 
 
 @dataclass
@@ -126,6 +129,12 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     # forward: softmax -> casts / dropout that is off -> (weights @ v)
     node = softmax
     while True:
+        zeroed = _nan_zeroing(node)
+        if zeroed is not None:  # a safe softmax: rows with no valid key are 0, as the kernel gives them
+            matched.append(node)
+            matched.extend(u for u in node.users if u is not zeroed)  # isnan, zeros_like
+            node = zeroed
+            continue
         single_user(node, matched)
         (user,) = node.users
         if is_call(user, "dropout") and not _dropout_is_off(user):
@@ -157,21 +166,45 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
         return a
     if is_call(node, "masked_fill"):
         base, mask, fill = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["value"]
-        _check_fill(fill)
-        ops.append(("mask", MaskTerm(mask, "drop")))
+        ops.append(("mask", MaskTerm(mask, "drop", fill=_check_fill(fill))))
         return base
     if is_call(node, "where"):
         cond, x, y = node.args
         if isinstance(x, fx.Node) and leads_to_matmul(x) and not isinstance(y, fx.Node):
-            _check_fill(y)
-            ops.append(("mask", MaskTerm(cond, "keep")))
+            ops.append(("mask", MaskTerm(cond, "keep", fill=_check_fill(y))))
             return x
         if isinstance(y, fx.Node) and leads_to_matmul(y) and not isinstance(x, fx.Node):
-            _check_fill(x)
-            ops.append(("mask", MaskTerm(cond, "drop")))
+            ops.append(("mask", MaskTerm(cond, "drop", fill=_check_fill(x))))
             return y
         raise Unproven("torch.where on the scores with a tensor on both sides")
     return None
+
+
+def _nan_zeroing(p: fx.Node) -> fx.Node | None:
+    """The node that zeroes p's NaN rows when that is all p's users do (``nan_to_num(p)``,
+    ``where(isnan(p), 0, p)``, ``p.masked_fill(isnan(p), 0)``), else None."""
+    users = list(p.users)
+    if len(users) == 1 and is_call(users[0], "nan_to_num"):
+        user = users[0]
+        nan = user.kwargs.get("nan", user.args[1] if len(user.args) > 1 else 0.0)
+        return user if nan in (0, 0.0, None) else None
+    zeros = [u for u in users if is_call(u, "zeros_like")]
+    users = [u for u in users if u not in zeros]
+    if len(users) != 2 or len(zeros) > 1:
+        return None
+    isnan = next((u for u in users if is_call(u, "isnan")), None)
+    other = next((u for u in users if u is not isnan), None)
+    if isnan is None or other is None or len(isnan.users) != 1 or next(iter(isnan.users)) is not other:
+        return None
+    if is_call(other, "where") and other.args[0] is isnan and other.args[2] is p:
+        fill = other.args[1]
+    elif is_call(other, "masked_fill") and other.args[0] is p and other.args[1] is isnan:
+        fill = other.args[2] if len(other.args) > 2 else other.kwargs.get("value")
+    else:
+        return None
+    if zeros:
+        return other if fill is zeros[0] and len(zeros[0].users) == 1 else None
+    return other if constant_float(fill) == 0.0 else None
 
 
 def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
@@ -181,21 +214,34 @@ def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
     return (a, b) if a_scores else (b, a)
 
 
-def _check_fill(fill: Any) -> None:
+def _check_fill(fill: Any) -> float:
     value = constant_float(fill)
     if value is None:
         raise Unproven("the masked positions are filled with a tensor, not a constant")
     if value > NEG_FILL_LIMIT:
         raise Unproven(f"masked scores are filled with {value!r}, not -inf or a large negative number (<= -1e4)")
+    return float(value)
 
 
 def _is_additive_mask(term: fx.Node) -> bool:
-    """An added term is a mask when it only takes 0 and large negative values and comes from lengths."""
+    """An added term is a mask when it only takes 0 and large negative values, or when it is built like one
+    (a large negative fill constant) even if the prover cannot read it: then the refusal names what
+    blocked the proof rather than calling the mask a bias."""
     try:
         value = MaskEvaluator().tensor(term)
     except Unproven:
-        return False
+        return _built_like_a_mask(term)
     return isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+
+
+def _built_like_a_mask(term: fx.Node, limit: int = 32) -> bool:
+    """Whether a constant <= -1e4 (a fill) feeds the term (within ``limit`` producers): a bias built with
+    comparisons (T5's buckets) has none and stays a bias."""
+    def mask_like(n: fx.Node) -> bool:
+        return any(isinstance(a, (int, float)) and not isinstance(a, bool) and a <= NEG_FILL_LIMIT
+                   for a in (*n.args, *n.kwargs.values()))
+
+    return fed_by(term, mask_like, limit)
 
 
 # -- SDPA and nn.MultiheadAttention ----------------------------------------------------------------
@@ -243,12 +289,13 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
         raise Unproven("MultiheadAttention with kdim/vdim or static k/v")
     if a.get("dropout_p", 0.0) not in (0, 0.0) and a.get("training", True):
         raise Unproven("MultiheadAttention dropout in training (the kernel has no dropout)")
-    if a.get("attn_mask") is not None:
-        raise Unproven("MultiheadAttention with attn_mask (only key_padding_mask is rewritten)")
-    if a.get("is_causal"):
-        raise Unproven("MultiheadAttention with is_causal")
-    if a.get("key_padding_mask") is None:
-        raise Unproven("MultiheadAttention without key_padding_mask: nothing to skip")
+    mask = a.get("attn_mask")
+    if mask is not None and (not isinstance(mask, fx.Node) or example_value(mask).dim() != 2):
+        raise Unproven("MultiheadAttention with a per-head (3-D) or constant attn_mask")
+    if a.get("is_causal") and mask is None:
+        raise Unproven("MultiheadAttention with is_causal and no attn_mask (torch itself rejects it)")
+    if a.get("key_padding_mask") is None and mask is None:
+        raise Unproven("MultiheadAttention without key_padding_mask or attn_mask: nothing to skip")
     weights_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
     if any(u.users for u in weights_users):
         raise Unproven("MultiheadAttention's attention weights are used (need_weights): they cannot be skipped")
@@ -258,15 +305,23 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
 
 
 def match_mha(node: fx.Node) -> AttentionSite:
-    """nn.MultiheadAttention as a site: q, k, v are its (L, B, E) inputs, before the in-projection; its
-    key_padding_mask (B, S) marks padding True (or -inf), dims (b, j) -> the scores' (b, ., ., j)."""
+    """nn.MultiheadAttention as a site: q, k, v are its (L, B, E) inputs, before the in-projection. Its
+    key_padding_mask (B, S) and attn_mask (L, S) mark dropped scores True (bool) or add to them (float):
+    dims (b, j) and (i, j) of the scores. With is_causal, torch takes attn_mask as a hint that it is the
+    causal mask and may run either one; without a key_padding_mask and weights it runs plain causal, which
+    is what the site is then (a mask that is not causal is eager's own inconsistency, not ours to pick)."""
     a = check_mha(node)
-    mask = a["key_padding_mask"]
-    kind = "drop" if example_value(mask).dtype == torch.bool else "additive"
+    terms = []
+    padding, attn = a.get("key_padding_mask"), a.get("attn_mask")
+    causal = bool(a.get("is_causal")) and padding is None and not a.get("need_weights", True)
+    for mask, dims in ((padding, {1: 3, 0: 0}), (None if causal else attn, None)):
+        if mask is not None:
+            kind = "drop" if example_value(mask).dtype == torch.bool else "additive"
+            terms.append(MaskTerm(mask, kind, dims=dims))
     head_dim = a["embed_dim_to_check"] // a["num_heads"]
     return AttentionSite(anchor=node, output=node, q=a["query"], k=a["key"], v=a["value"],
-                         scale=1.0 / math.sqrt(head_dim), masks=[MaskTerm(mask, kind, dims={1: 3, 0: 0})],
-                         matched=[node], kind="mha")
+                         scale=1.0 / math.sqrt(head_dim), masks=terms, causal_flag=causal, matched=[node],
+                         kind="mha")
 
 
 # -- pointwise activations (GDPA) ------------------------------------------------------------------

@@ -21,8 +21,10 @@ recorded family by family (block, jagged, gdpa), each in graph order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -149,6 +151,8 @@ class AttentionRewritePass(GemPass):
         try:
             keep = keep_formula(evaluator, site)
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
+            if site.activation is None:
+                mask = dataclasses.replace(mask, fill=finite_fill(evaluator, site))
         except Unproven as error:
             if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):
                 family = self.block  # a mask meant as blocks or a window: the block family's refusal
@@ -178,6 +182,21 @@ def keep_formula(evaluator: MaskEvaluator, site: AttentionSite):
     if 0 < len(keep.free_symbols) <= 8:  # exponential in the atoms: simplify small formulas only
         keep = sympy.simplify_logic(keep, force=True)
     return keep
+
+
+def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> float | None:
+    """The one finite value the site's softmax mask drops scores with, or None for -inf and bool masks;
+    Unproven when dropped scores get several values (eager then ranks them: rows with no valid key attend
+    to the least negative)."""
+    fills = set(evaluator.fills) | {t.fill for t in site.masks if t.fill is not None}
+    finite = sorted(f for f in fills if math.isfinite(f))
+    if not finite:
+        return None
+    if len(fills) > 1:
+        shown = ", ".join(f"{f:g}" for f in sorted(fills))
+        raise Unproven(f"the mask drops scores with several values ({shown}): a row with no valid key would "
+                       "attend, in eager, to the keys of the least negative one")
+    return finite[0]
 
 
 def _batch_is_one(site: AttentionSite) -> bool:

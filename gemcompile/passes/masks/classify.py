@@ -22,12 +22,15 @@ import sympy
 
 from gemcompile.passes.graph import Unproven
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
-from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.model import AttentionMask, KeyVector
 from gemcompile.passes.masks.prover import equivalent, render
 from gemcompile.passes.masks.terms import block_atoms, check_constant_windows, length_atoms, window_atoms
 
 LENGTH_MASKS = "(key index < lengths) [and query index < lengths] [and causal]"
 """The masks classify_length_mask accepts, as its refusals spell them."""
+
+JAGGED_MASKS = "(key index < lengths) [or a key mask read from data] [and query index < lengths] [and causal]"
+"""The masks the jagged kernel serves, as its refusals spell them."""
 
 
 class Unclassified(Unproven):
@@ -54,14 +57,18 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     for _, e in comparisons:
         for f in e.atoms(sympy.Function):
             if f.func.__name__ in evaluator.leaves and f.args != (b,) and not (batch_is_one and f.args == (0,)):
+                why = evaluator.why.get(f.func.__name__)
                 raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by the "
-                               "batch (the lengths are broadcast along the wrong dim)")
+                               "batch (the lengths are broadcast along the wrong dim)" + (f"; {why}" if why else ""))
+    check_data_positions(evaluator, comparisons)
     blocks = block_atoms(evaluator, keep)
     keys, queries = length_atoms(evaluator, comparisons, j), length_atoms(evaluator, comparisons, i)
     formula = render(evaluator, keep)
     found = _search(evaluator, keep, comparisons, keys, queries, blocks)
     if found is None and not blocks:
         found = _classify_hstu(evaluator, keep, keys, queries)
+    if found is None:
+        found = _with_key_vector(evaluator, keep, keys, queries, blocks)
     if found is not None:
         return dataclasses.replace(found, formula=formula)
     for size, atom in blocks.items():  # a telling reason for the one near-miss people write by accident
@@ -71,6 +78,71 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
                                "block-diagonal")
     check_constant_windows(evaluator, keep)
     raise Unclassified(formula, key_padding=bool(keys))
+
+
+def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> AttentionMask | None:
+    """keep = K and R, with K the clauses over the sample and key position only (data, left padding: what
+    no length term says) and R an AttentionMask of the other terms; None when keep does not split so."""
+    clauses = _clauses(keep)
+    if clauses is None:
+        return None
+    plain = {kv[2] for kv in keys} | {sympy.Not(kv[2]) for kv in keys}
+    vector = [c for c in clauses if is_key_clause(evaluator, c) and c not in plain]
+    if not vector:
+        return None
+    rest = sympy.And(*[c for c in clauses if c not in vector])
+    if rest is sympy.true:
+        found = AttentionMask()
+    else:
+        comparisons = [evaluator.atoms.expr_of[a] for a in rest.free_symbols]
+        rest_keys = [kv for kv in keys if kv[2] in rest.free_symbols]
+        rest_queries = [q for q in queries if q[2] in rest.free_symbols]
+        found = _search(evaluator, rest, comparisons, rest_keys, rest_queries, blocks)
+        if found is None and not blocks:
+            found = _classify_hstu(evaluator, rest, rest_keys, rest_queries)
+        if found is None:
+            return None
+    formula = sympy.And(*vector)
+    return dataclasses.replace(found, key_vector=KeyVector(formula, evaluator, render(evaluator, formula)))
+
+
+def _clauses(keep) -> tuple | None:
+    """keep's clauses in conjunctive normal form (None when that form is too large to be useful)."""
+    if len(keep.free_symbols) > 12:
+        return None
+    cnf = sympy.to_cnf(keep, simplify=len(keep.free_symbols) <= 8, force=True)
+    return cnf.args if isinstance(cnf, sympy.And) else (cnf,)
+
+
+def is_key_clause(evaluator: MaskEvaluator, clause) -> bool:
+    """Whether every comparison of the clause reads only the sample b and the key position j."""
+    b, j = index_symbol(3), index_symbol(0)
+    indices = {index_symbol(k) for k in range(4)}
+    for atom in clause.free_symbols:
+        _, e = evaluator.atoms.expr_of[atom]
+        if not (e.free_symbols & indices) <= {b, j}:
+            return False
+    return True
+
+
+def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
+    """A mask read from data must be a per-key vector (b, j): Unproven, naming the tensor, otherwise."""
+    b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
+    for _, e in comparisons:
+        for f in e.atoms(sympy.Function):
+            leaf = evaluator.data_function(f)
+            if leaf is None:
+                continue
+            where = set().union(*[a.free_symbols for a in f.args]) if f.args else set()
+            why = f" ({leaf.why})" if leaf.why else ""
+            if {i, j} <= where:
+                raise Unproven(f"the mask reads {leaf.node.name}{why} as data at both the query and the key "
+                               "position: only a per-key vector (b, j) read from data is served")
+            if i in where:
+                raise Unproven(f"the mask reads {leaf.node.name}{why} as data per query row: only a per-key "
+                               "vector (b, j) read from data is served")
+            if not where <= {b, j}:
+                raise Unproven(f"the mask reads {leaf.node.name}{why} as data at positions other than (b, j)")
 
 
 def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) -> AttentionMask | None:
@@ -93,7 +165,9 @@ def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) 
 
 
 def require_lengths(mask: AttentionMask) -> AttentionMask:
-    """``mask`` when it is key padding [and query padding] [and causal]; Unproven otherwise."""
+    """``mask`` when it is key padding by lengths [and query padding] [and causal]; Unproven otherwise."""
+    if mask.key_vector is not None:
+        raise Unproven(f"the key padding is read from data ({mask.key_vector.text}), not from lengths")
     if mask == AttentionMask():
         raise Unproven("the mask keeps every score: nothing to skip")
     if mask.kv_lengths is None:
@@ -103,11 +177,23 @@ def require_lengths(mask: AttentionMask) -> AttentionMask:
     return mask
 
 
+def require_padding_or_causal(mask: AttentionMask) -> AttentionMask:
+    """``mask`` when it is key padding (by lengths or read from data) [and query padding] [and causal], or
+    causal alone (the kernel skips the upper triangle); Unproven otherwise."""
+    if mask.structured:
+        raise Unproven(f"the mask is not {JAGGED_MASKS}: it is {mask.formula}")
+    if mask.kv_lengths is not None or mask.key_vector is not None or (mask.causal and mask.q_lengths is None):
+        return mask
+    if mask == AttentionMask():
+        raise Unproven("the mask keeps every score: nothing to skip")
+    raise Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
+
+
 def length_refusal(error: Unclassified) -> Unproven:
     """classify_length_mask's words for a formula that is no AttentionMask."""
     if not error.key_padding:
         return Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
-    return Unproven(f"the mask is not {LENGTH_MASKS}: it is {error.formula}")
+    return Unproven(f"the mask is not {JAGGED_MASKS}: it is {error.formula}")
 
 
 def classify_length_mask(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> AttentionMask:

@@ -44,6 +44,14 @@ def index_symbol(k: int) -> sympy.Symbol:
 
 
 @dataclass(frozen=True)
+class DataLeaf:
+    """A tensor of the mask the evaluator reads as data: ``node`` (int or bool), and why it is opaque."""
+
+    node: fx.Node
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class IntTensor:
     """value[idx] = expr(idx), an integer."""
 
@@ -186,7 +194,12 @@ class MaskEvaluator:
     def __init__(self):
         self.atoms = Atoms()
         self.leaves: dict[str, fx.Node] = {}  # opaque per-sample integer tensors, by function name
+        self.data: dict[str, DataLeaf] = {}  # opaque data tensors (masks read from data), by function name
+        self.zero_one: dict[str, fx.Node] = {}  # integer data read as 0/1 (checked at run time by the rewrite)
+        self.fills: set[float] = set()  # the values an additive mask drops scores with
+        self.why: dict[str, str] = {}  # why a lengths leaf is opaque, for refusals
         self._memo: dict[fx.Node, Abstract] = {}
+        self._fallback: set[str] = set()  # names of nodes that are leaves because their op is not modeled
 
     # -- helpers ---------------------------------------------------------------------------------
     def _scalar(self, x) -> sympy.Expr | float | bool:
@@ -232,27 +245,60 @@ class MaskEvaluator:
         moved = self._subs(self._subs(value, tmp), back)
         return type(moved)(ndim, *[getattr(moved, f) for f in ("expr", "pred", "pieces") if hasattr(moved, f)])
 
-    def _leaf(self, node: fx.Node) -> IntTensor:
+    def _leaf(self, node: fx.Node, why: str = "") -> IntTensor | BoolTensor:
+        """An integer or boolean tensor the evaluator does not derive: an opaque function of its indices.
+        A 1-D integer tensor is per-sample lengths (``len_*``); anything else is data (``dat_*``), whose
+        value at a position is unknown but fixed: the rewrite reads the same tensor at run time."""
         value = example_value(node)
-        if value.dim() != 1:
-            raise Unproven(
-                f"{node.name} is an integer tensor of shape {tuple(value.shape)} that the mask builder does not "
-                "derive from arange or per-sample lengths"
-            )
-        fname = f"len_{node.name}"
-        self.leaves[fname] = node
-        return IntTensor(1, sympy.Function(fname)(index_symbol(0)))
+        if value.dim() == 1 and value.dtype != torch.bool:
+            fname = f"len_{node.name}"
+            self.leaves[fname] = node
+            self.why[fname] = why
+            return IntTensor(1, sympy.Function(fname)(index_symbol(0)))
+        if value.dim() == 0:
+            raise Unproven(f"{node.name} is an integer tensor of shape () that the mask prover does not model"
+                           + (f" ({why})" if why else ""))
+        fname = f"dat_{node.name}"
+        ndim = value.dim()
+        self.data[fname] = DataLeaf(node, why)
+        expr = sympy.Function(fname)(*[index_symbol(ndim - 1 - d) for d in range(ndim)])
+        if value.dtype == torch.bool:
+            return BoolTensor(ndim, sympy.Not(self.atoms.eq0(expr)))
+        return IntTensor(ndim, expr)
+
+    def data_function(self, expr: sympy.Expr) -> DataLeaf | None:
+        """The data leaf ``expr`` applies, if it is one (``dat_x(...)``)."""
+        name = getattr(getattr(expr, "func", None), "__name__", "")
+        return self.data.get(name) if isinstance(expr, sympy.Function) else None
 
     # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self, x: Any) -> Abstract | sympy.Expr | float | bool:
         if not isinstance(x, fx.Node):
             return self._scalar(x)
         if x not in self._memo:
-            value = self._evaluate_node(x)
+            try:
+                value = self._evaluate_node(x)
+            except Unproven as error:
+                value = self._opaque(x, error)
             if isinstance(value, (IntTensor, BoolTensor, PiecewiseTensor)):
                 value = self._with_unit_dims_zeroed(x, value)
             self._memo[x] = value
         return self._memo[x]
+
+    def _opaque(self, node: fx.Node, error: Unproven) -> Abstract:
+        """An integer or boolean tensor the evaluator cannot derive is still an exact function of its
+        indices: a leaf (masks read from data). Float tensors and 0-d values re-raise ``error``."""
+        value = example_value(node)
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or not (
+                value.dtype in _INT_DTYPES or value.dtype == torch.bool):
+            raise error
+        leaf = self._leaf(node, why=str(error))
+        self._fallback.add(node.name)
+        return leaf
+
+    def _from_fallback(self, expr) -> bool:
+        """Whether expr reads a tensor that became a leaf only because its op is not modeled."""
+        return any(f.func.__name__[4:] in self._fallback for f in sympy.sympify(expr).atoms(sympy.Function))
 
     def tensor(self, x: Any) -> Abstract:
         v = self.evaluate(x)
@@ -267,9 +313,10 @@ class MaskEvaluator:
         if not isinstance(value, torch.Tensor):
             raise Unproven(f"{node.name} is not a tensor")
         if node.op in ("placeholder", "get_attr"):
-            if value.dtype in _INT_DTYPES:
-                return self._leaf(node)
-            raise Unproven(f"the mask comes from the input {node.name!r} ({value.dtype}), not from lengths")
+            if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
+                return self._leaf(node, why=f"the input {node.name!r}")
+            raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
+                           "read from data is not proven (pass it as a bool or integer mask)")
         if node.op not in ("call_function", "call_method"):
             raise Unproven(f"{node.op} {node.target} in the mask")
         target = node.target
@@ -291,6 +338,10 @@ class MaskEvaluator:
             return _piecewise(2, [(1.0, diagonal), (0.0, sympy.Not(diagonal))])
         if name in _CONSTANT_MAKERS:  # by name: torch.full and aten.full alike
             return self._constant(node, value)
+        if name in ("tensor", "as_tensor") and isinstance(args[0], (int, float, bool)):  # torch.tensor(1.0)
+            return self._constant_value(value, args[0])
+        if name in ("repeat", "tile"):
+            return self._repeat(node, self.tensor(args[0]))
         if target is operator.getitem:
             return self._getitem(node)
         if name in ("unsqueeze",):
@@ -335,10 +386,6 @@ class MaskEvaluator:
             return IntTensor(ndim, sympy.Abs(src.expr))
         if target in (operator.neg, torch.neg) or name in ("neg", "__neg__"):
             return self._arith(operator.mul, args[0], -1, ndim, value)
-        if value.dtype in _INT_DTYPES and ndim == 1:
-            # A per-sample integer tensor built by ops the evaluator does not model (a sum of a mask,
-            # a column of a feature table...): opaque, but still exactly "one integer per sample".
-            return self._leaf(node)
         raise Unproven(f"`{name}` ({node.name}) in the mask is not an op the mask prover models")
 
     def _pred(self, x) -> Boolean:
@@ -382,6 +429,8 @@ class MaskEvaluator:
         base, index = node.args
         src = self.tensor(base)
         index = index if isinstance(index, tuple) else (index,)
+        if index and all(isinstance(i, fx.Node) for i in index):
+            return self._gather(node, src, index)
         if any(i is Ellipsis for i in index):
             e = index.index(Ellipsis)
             fill = src.ndim - sum(1 for i in index if i is not None and i is not Ellipsis)
@@ -409,6 +458,23 @@ class MaskEvaluator:
             else:
                 raise Unproven("tensor indexing in the mask")
         return self.relabel(self._subs(src, subs), mapping, out_ndim)
+
+    def _gather(self, node: fx.Node, src: Abstract, index: tuple[fx.Node, ...]) -> Abstract:
+        """mask[bi, ki] with an integer index tensor per dim (transformers' padding_mask[batch_idx, kv_idx]):
+        the value at a position is src at the indices' values there (they broadcast, right-aligned)."""
+        if len(index) != src.ndim:
+            raise Unproven("tensor indexing of some of a mask's dims (only one index tensor per dim is modeled)")
+        subs = {}
+        for d, i in enumerate(index):
+            value = self.tensor(i)
+            if not isinstance(value, IntTensor) or example_value(i).dtype == torch.bool:
+                raise Unproven(f"the mask is indexed by {i.name}, which is not an integer index tensor")
+            subs[index_symbol(src.ndim - 1 - d)] = value.expr
+        out_ndim = example_value(node).dim()
+        tmp = {k: sympy.Symbol(f"_g{k}", integer=True) for k in subs}
+        moved = self._subs(src, tmp)
+        moved = self._subs(moved, {tmp[k]: e for k, e in subs.items()})
+        return type(moved)(out_ndim, *[getattr(moved, f) for f in ("expr", "pred", "pieces") if hasattr(moved, f)])
 
     def _unsqueeze(self, src: Abstract, dim: int, out_ndim: int) -> Abstract:
         dim = dim if dim >= 0 else dim + out_ndim
@@ -438,6 +504,17 @@ class MaskEvaluator:
                 raise Unproven(f"{name} reshapes mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
         mapping = {len(in_shape) - 1 - a: len(out_shape) - 1 - b for a, b in zip(in_dims, out_dims)}
         return self.relabel(src, mapping, len(out_shape))
+
+    def _repeat(self, node: fx.Node, src: Abstract) -> Abstract:
+        """repeat/tile that only copies size-1 dims (and adds leading dims) is an expand: value[..] = src[0..]."""
+        in_shape, out_shape = _shape(node.args[0]), _shape(node)
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        for k in range(1, len(in_shape) + 1):  # right-aligned: repeat's extra dims are leading
+            if not _is_one(in_shape[-k]) and not statically_known_true(out_shape[-k] == in_shape[-k]):
+                raise Unproven(f"`{target_name(node.target)}` ({node.name}) tiles a mask dim of size "
+                               f"{in_shape[-k]} (only size-1 dims are modeled)")
+        return type(src)(len(out_shape), *[getattr(src, f) for f in ("expr", "pred", "pieces") if hasattr(src, f)])
 
     def _permute(self, node: fx.Node, src: Abstract) -> Abstract:
         n = src.ndim
@@ -586,6 +663,14 @@ class MaskEvaluator:
                 return BoolTensor(src.ndim, src.as_bool())
             return BoolTensor(src.ndim, sympy.Not(self.atoms.eq0(src.expr)))
         if dtype in _FLOAT_DTYPES:
+            leaf = self.data_function(src.expr) if isinstance(src, IntTensor) else None
+            if leaf is not None:
+                # An integer mask read from data and used as a float (HF's (1 - mask) * min): read as 0/1,
+                # which the rewrite checks on the device (masks/assumptions: a value outside {0, 1} stops
+                # the run with a message instead of a silent wrong answer).
+                self.zero_one[src.expr.func.__name__] = leaf.node
+                nonzero = sympy.Not(self.atoms.eq0(src.expr))
+                return _piecewise(src.ndim, [(1.0, nonzero), (0.0, sympy.Not(nonzero))])
             if isinstance(src, IntTensor):
                 raise Unproven("an integer index converted to float")
             return _piecewise(src.ndim, self._as_pieces(src, src.ndim))
@@ -602,6 +687,9 @@ class MaskEvaluator:
         if value.dtype in _INT_DTYPES and all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)):
             ea = va.expr if isinstance(va, IntTensor) else va
             eb = vb.expr if isinstance(vb, IntTensor) else vb
+            if ndim == 1 and (self._from_fallback(ea) or self._from_fallback(eb)):
+                # lengths = offsets[1:] - offsets[:-1]: one per-sample integer, not two unknowns
+                raise Unproven("integer arithmetic on a tensor the prover reads as data")
             if op is operator.floordiv:
                 return IntTensor(ndim, sympy.floor(ea / eb))
             if op is operator.truediv:
@@ -637,6 +725,7 @@ def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boole
             keep.append(c)
         elif v <= NEG_FILL_LIMIT:
             drop.append(c)
+            evaluator.fills.add(float(v))
         else:
             raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
     return _simplify(sympy.Or(*keep))

@@ -18,8 +18,22 @@ new mask source (a mask read from data rather than lengths) is one more field an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class KeyVector:
+    """A per-key condition over (b, j) only, with data and lengths in it (masks/key_vector.py builds the
+    tensor): x[b, j] > 0, attention_mask[b, j] == 1, j >= L - lengths[b] (left padding), ..."""
+
+    formula: Any = field(compare=False)
+    """The sympy formula over the evaluator's propositions."""
+    evaluator: Any = field(compare=False)
+    """The MaskEvaluator the formula's propositions belong to."""
+    text: str = ""
+    """The formula spelled over b and j, for explain."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,12 @@ class AttentionMask:
     window: int | None = None
     num_targets: fx.Node | None = None
     contextual_len: int = 0
+    key_vector: KeyVector | None = None
+    """Key padding read from data: key j of sample b is kept iff this (b, j) formula holds (and-ed with the
+    rest); the families pass it to the kernels as a (B, Lk) bool kv_mask."""
+    fill: float | None = field(default=None, compare=False)
+    """The one finite value a softmax mask drops scores with (-1e9, finfo.min...); None: -inf or a bool
+    mask. attention/finite_fill.py keeps a finite fill exact (rows that see no valid key, large scores)."""
     formula: str = field(default="", compare=False)
     """The kept-score formula as proven, for refusals that say what the mask is instead."""
 
@@ -51,6 +71,8 @@ class AttentionMask:
         parts = []
         if self.kv_lengths is not None:
             parts.append(f"keys j < {self.kv_lengths.name}[b]" + (f" + {self.kv_offset}" if self.kv_offset else ""))
+        if self.key_vector is not None:
+            parts.append(f"keys where {self.key_vector.text}")
         if self.q_lengths is not None:
             parts.append(f"queries i < {self.q_lengths.name}[b]" + (f" + {self.q_offset}" if self.q_offset else ""))
         if self.block is not None:

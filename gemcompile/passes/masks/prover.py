@@ -35,7 +35,35 @@ def _order_axioms(evaluator: MaskEvaluator, formula):
                     axioms.append(sympy.Implies(a, sympy.Not(b)))
                 if c <= -1:
                     axioms.append(sympy.Implies(sympy.Not(a), b))
+    axioms += _equality_axioms(evaluator, formula, lts)
     return sympy.And(*axioms)
+
+
+def _equality_axioms(evaluator: MaskEvaluator, formula, lts) -> list:
+    """Facts linking an equality e == 0 with comparisons of the same form (e + c < 0 or -e + c < 0): the
+    equality fixes each comparison, and two comparisons that pin e to 0 imply it. HSTU writes causal as
+    ``(i == j) | (i - j > 0)``: equal to ``j <= i`` only with these."""
+    axioms = []
+    for eq_atom in formula.free_symbols:
+        kind, e = evaluator.atoms.expr_of[eq_atom]
+        if kind != "eq":
+            continue
+        lower, upper = [], []  # literals meaning e >= 0 and e <= 0
+        for atom, lt in lts:
+            for sign in (1, -1):
+                c = sympy.expand(lt - sign * e)
+                if not c.is_number:
+                    continue
+                # with e = 0 the comparison is c < 0
+                axioms.append(sympy.Implies(eq_atom, atom if c < 0 else sympy.Not(atom)))
+                if sign == 1:  # e + c < 0 <=> e <= -c - 1;  not: e >= -c
+                    (upper if -c - 1 == 0 else []).append(atom)
+                    (lower if -c == 0 else []).append(sympy.Not(atom))
+                else:  # -e + c < 0 <=> e >= c + 1;  not: e <= c
+                    (lower if c + 1 == 0 else []).append(atom)
+                    (upper if c == 0 else []).append(sympy.Not(atom))
+        axioms += [sympy.Implies(sympy.And(lo, up), eq_atom) for lo in lower for up in upper]
+    return axioms
 
 
 def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int = 256) -> bool:
@@ -75,11 +103,15 @@ def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> b
 
 
 def render(evaluator: MaskEvaluator, pred: Boolean) -> str:
-    """The formula with its comparisons spelled over b, h, i, j, for explain."""
+    """The formula with its comparisons spelled over b, h, i, j, for explain (data read as x[b, j])."""
     names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
     replace = {}
     for atom in pred.free_symbols:
         kind, e = evaluator.atoms.expr_of[atom]
-        e = e.subs(names)
+        if kind == "eq" and sympy.Add.make_args(e)[0].could_extract_minus_sign():
+            e = -e  # e == 0 reads better with a positive lead
+        data = {f: sympy.Symbol(f"{evaluator.data[f.func.__name__].node.name}[{', '.join(map(str, f.args))}]")
+                for f in e.atoms(sympy.Function) if f.func.__name__ in evaluator.data}
+        e = e.xreplace(data).subs(names)
         replace[atom] = sympy.Symbol(f"({e} {'< 0' if kind == 'lt' else '== 0'})")
     return str(pred.xreplace(replace))

@@ -1,0 +1,208 @@
+"""Masks read from data: SASRec- and BERT-style models train faster with gem_compile than with torch.compile,
+and the kernels' data-mask path costs what the length path costs on the same batch.
+
+    python benchmarks/data_masks.py --out $OUT                      # one GPU (H200), the defaults below
+    python benchmarks/data_masks.py --batch 2 --length 64 --layers 1 --steps 2 --warmup 1 \
+        --kernel-reps 2 --out /tmp/dm                               # CPU smoke run (no timing claims)
+
+Models (tests/model_styles.py, written as their authors' public code writes them):
+  sasrec: ``--layers`` SASRecBlocks (nn.MultiheadAttention, causal attn_mask, key_padding_mask = ids == 0,
+          timeline mask), item ids from data;
+  bert:   ``--layers`` BertStyleLayers (HF-style extended mask (1 - m) * finfo.min added to the scores).
+Batches: lengths uniform in [1, L] scaled to a mean fill of ``--fill`` (0.5: half the tokens are padding),
+one full-length sequence; right-padded (tokens first) and left-padded (tokens last, SASRec's and BERT4Rec's
+loaders). One train step = forward under bf16 autocast, loss = out.float().square().mean(), backward.
+
+Methods, each in this process on the same batches: ``inductor`` (torch.compile, default options) and ``gem``
+(gem_compile, default GemConfig); explain's rewrite counts are recorded. Timing: CUDA events around each
+step, median over ``--steps`` steps after ``--warmup`` (the first compiles); ``recompiles`` counts graphs
+compiled after warm-up (masks change every step: there should be none).
+
+Kernel path (``kernel``): gemcompile::jagged_attention forward + backward on one batch (B, H, L, D, bf16,
+causal and not), with the key padding given as lengths (kv_lengths) and as a kv_mask of the same keys
+(right-padded), plus a left-padded kv_mask of the same lengths; ratio = mask ms / lengths ms. Timed with
+triton.testing.do_bench (median), and also under CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent))  # the repository root: gemcompile and tests.model_styles
+sys.path.insert(0, str(_HERE))
+
+from harness import bench_ms, environment, format_table, graphed, write_json  # noqa: E402
+
+from gemcompile import GemConfig, explain, gem_compile  # noqa: E402
+from tests.model_styles import BertStyleLayer, SASRecBlock  # noqa: E402
+
+
+def _lengths(batch: int, length: int, fill: float, g: torch.Generator) -> torch.Tensor:
+    """Lengths with mean ~ fill * length, each in [1, length], the first one full."""
+    raw = torch.rand(batch, generator=g) * 2 * fill * length
+    lengths = raw.round().long().clamp(1, length)
+    lengths[0] = length
+    return lengths
+
+
+def _batch(model: str, args, side: str, g: torch.Generator, device):
+    lengths = _lengths(args.batch, args.length, args.fill, g)
+    positions = torch.arange(args.length)[None, :]
+    valid = positions < lengths[:, None] if side == "right" else positions >= args.length - lengths[:, None]
+    hidden = torch.randn(args.batch, args.length, args.heads * args.head_dim, generator=g)
+    if model == "sasrec":
+        mask_input = torch.randint(1, 1000, (args.batch, args.length), generator=g) * valid
+    else:
+        mask_input = valid.long()
+    return hidden.to(device).requires_grad_(), mask_input.to(device), int(valid.sum())
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, model: str, layers: int, heads: int, head_dim: int):
+        super().__init__()
+        block = SASRecBlock if model == "sasrec" else BertStyleLayer
+        self.layers = torch.nn.ModuleList([block(heads, head_dim) for _ in range(layers)])
+
+    def forward(self, hidden, mask_input):
+        for layer in self.layers:
+            hidden = layer(hidden, mask_input)
+        return hidden
+
+
+def _step(fn, hidden, mask_input, device):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = fn(hidden, mask_input)
+    loss = out.float().square().mean()
+    loss.backward()
+    return loss
+
+
+def _time_steps(fn, batches, args, device) -> tuple[float, float, int]:
+    """(median ms per step, first loss, graphs compiled after warm-up)."""
+    first = float(_step(fn, *batches[0][:2], device))
+    for i in range(args.warmup):
+        _step(fn, *batches[i % len(batches)][:2], device)
+    graphs = _graph_count()
+    times = []
+    for i in range(args.steps):
+        hidden, mask_input, _ = batches[i % len(batches)]
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _step(fn, hidden, mask_input, device)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            _step(fn, hidden, mask_input, device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), first, _graph_count() - graphs
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+_COLUMNS = [("model", "model", "s"), ("padding", "pad", "s"), ("inductor_ms", "inductor ms", ".2f"),
+            ("gem_ms", "gem ms", ".2f"), ("speedup_gem_vs_inductor", "x", ".2f")]
+
+
+def bench_models(args, device) -> list[dict]:
+    rows = []
+    for model_name in args.models.split(","):
+        for side in ("right", "left"):
+            g = torch.Generator().manual_seed(0)
+            batches = [_batch(model_name, args, side, g, device) for _ in range(args.batches)]
+            torch.manual_seed(0)
+            model = Stack(model_name, args.layers, args.heads, args.head_dim).to(device)
+            report = explain(model, *batches[0][:2])
+            row = {"model": model_name, "padding": side, "batch": args.batch, "length": args.length,
+                   "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+                   "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
+                   "rewrites": {k: v for k, v in report.counts.items() if v},
+                   "refusals": [r.reason for r in report.refusals]}
+            for method in ("inductor", "gem"):
+                torch._dynamo.reset()
+                fn = torch.compile(model) if method == "inductor" else gem_compile(model, config=GemConfig())
+                ms, loss, recompiles = _time_steps(fn, batches, args, device)
+                row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
+                row[f"{method}_recompiles"] = recompiles
+                model.zero_grad(set_to_none=True)
+            row["speedup_gem_vs_inductor"] = row["inductor_ms"] / row["gem_ms"]
+            rows.append(row)
+            print(format_table([row], _COLUMNS), flush=True)
+    return rows
+
+
+def bench_kernel(args, device) -> list[dict]:
+    """jagged_attention forward + backward: lengths vs kv_mask on one batch."""
+    from gemcompile.lowering.jagged_attention.op import jagged_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, H, L, D = args.kernel_batch, args.heads, args.length, args.head_dim
+    lengths = _lengths(B, L, args.fill, g).to(device)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = torch.randn(B, H, L, D, generator=g).to(device, torch.bfloat16)
+    positions = torch.arange(L, device=device)[None, :]
+    right = positions < lengths[:, None]
+    left = positions >= L - lengths[:, None]
+    rows = []
+    for causal in (False, True):
+        paths = {
+            "lengths": lambda: jagged_attention(q, k, v, None, lengths, None, causal, D ** -0.5),
+            "mask_right": lambda: jagged_attention(q, k, v, None, None, None, causal, D ** -0.5, kv_mask=right),
+            "mask_left": lambda: jagged_attention(q, k, v, None, None, None, causal, D ** -0.5, kv_mask=left),
+        }
+        row = {"B": B, "H": H, "L": L, "D": D, "causal": causal, "dtype": "bfloat16"}
+        for name, fwd in paths.items():
+            def train(fwd=fwd):
+                out = fwd()
+                torch.autograd.grad(out, (q, k, v), dout)
+
+            row[f"{name}_ms"] = bench_ms(train, rep_ms=args.kernel_reps * 50)
+            if device.type == "cuda":
+                row[f"{name}_graph_ms"] = bench_ms(graphed(train), rep_ms=args.kernel_reps * 50)
+        for key in ("", "_graph"):
+            if f"lengths{key}_ms" in row:
+                row[f"mask_right_vs_lengths{key}"] = row[f"mask_right{key}_ms"] / row[f"lengths{key}_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="sasrec,bert")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--fill", type=float, default=0.5)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--kernel-batch", type=int, default=32)
+    p.add_argument("--kernel-reps", type=int, default=4)
+    p.add_argument("--skip-kernel", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    payload = {"environment": environment(), "args": vars(args), "models": bench_models(args, device)}
+    if not args.skip_kernel and device.type == "cuda":
+        payload["kernel"] = bench_kernel(args, device)
+    print("wrote", write_json("data_masks", payload, args.out))
+
+
+if __name__ == "__main__":
+    main()

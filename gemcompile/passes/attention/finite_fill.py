@@ -1,0 +1,130 @@
+"""A finite mask fill (-1e9, -1e4, finfo.min) kept exact when its dropped scores become skipped keys.
+
+Eager adds the fill F to each dropped score; the kernels skip dropped keys. The two agree exactly except
+
+1. **large scores**: a dropped key adds exp(s + F - m) to its row, which is exactly 0 in fp32 only while
+   s + F - m < -104. The rewrite adds a device-side check (``torch._assert_async``, no host sync) that
+   2 * (scale * max|q_i| * max|k_j| + max|bias|) <= -F - 120 (Cauchy-Schwarz bounds every score), so a model
+   whose scores reach the fill's magnitude stops with a message instead of a silently different answer.
+   Fills at or below -1e30 (finfo.min of fp32 and bf16) need no check.
+2. **rows that see no valid key**: eager gives them softmax(s + F) over the keys the fill spans.
+   - no causal/window/block/HSTU term and no query padding: such a row is a sequence with no valid key, and
+     the rewrite gives that sequence every key. For F >= -1e8 that is eager's softmax(s + F) = softmax(s)
+     (up to eager's own rounding of s + F). For F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the
+     row is uniform, and the kernel is told so (``uniform_keys``: scores taken as 0, gradients as eager's
+     autograd gives them), with a device-side check that the scores are small enough to round away
+     (|s| < ulp(F) / 2; always true for finfo.min);
+   - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
+   - a window, blocks, HSTU or query padding with a finite fill: refused (rows that see no key are common
+     there), with the reason; -inf or a bool mask is rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.graph import Emitter, Unproven, example_value
+from gemcompile.passes.masks.model import AttentionMask
+
+SAFE_FILL = -1.0e30
+"""A fill this negative cannot reach the scores' range: no magnitude check (finfo.min of fp32 and bf16)."""
+
+UNIFORM_FILL = -1.0e8
+"""Below this fill, eager's s + F rounds to F for ordinary scores: a row with no valid key is uniform."""
+
+_UNDERFLOW_MARGIN = 120.0
+"""exp(x) is exactly 0 in fp32 for x < -104; 120 leaves room for the rounding of the scores."""
+
+
+def check_fill_served(mask: AttentionMask) -> None:
+    """Unproven when a finite fill comes with a mask whose rows often see no valid key."""
+    if mask.fill is None:
+        return
+    what = ("a sliding window" if mask.window is not None else "blocks" if mask.block is not None
+            else "HSTU's target mask" if mask.hstu else "query padding" if mask.q_lengths is not None else None)
+    if what is not None:
+        raise Unproven(f"a finite fill ({mask.fill:g}) with {what}: rows that see no valid key average the padding "
+                       "in eager and are 0 in the kernel (fill with -inf or use a bool mask)")
+
+
+def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,
+                    kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None):
+    """(kv_len, kv_mask, uniform_keys) for the kernel such that the finite fill's rows match eager (module
+    doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds away."""
+    check_fill_served(mask)
+    fill = mask.fill
+    bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
+    if bound is not None:
+        ok = emit.call(operator.le, (emit.call(operator.mul, (bound, 2.0)), -fill - _UNDERFLOW_MARGIN))
+        emit.call(torch._assert_async, (ok, f"gemcompile: attention scores can reach the mask's fill ({fill:g}), "
+                                            "so eager does not drop the masked keys and the kernel would; fill "
+                                            "with -inf or a bool mask, or scale the scores"))
+    if kv_len is None and kv_mask is None:
+        return kv_len, kv_mask, None  # no key padding: every row sees a key (causal: key 0)
+    if mask.causal:
+        first = _first_key_valid(emit, kv_len, kv_mask)
+        emit.call(torch._assert_async, (emit.call(torch.all, (first,)),
+                                        f"gemcompile: a sequence whose first key is padding under a causal mask "
+                                        f"filled with {fill:g}: eager averages padding in its first rows, the "
+                                        "kernel gives 0 (fill with -inf or use a bool mask)"))
+        return kv_len, kv_mask, None
+    empty = _no_valid_key(emit, kv_len, kv_mask)
+    keys = example_value(k).shape[2]
+    if kv_len is not None:
+        kv_len = emit.call(torch.where, (empty, keys, kv_len))
+    if kv_mask is not None:
+        kv_mask = emit.call(torch.logical_or, (kv_mask, emit.call(torch.unsqueeze, (empty, 1))))
+    if fill > UNIFORM_FILL:
+        return kv_len, kv_mask, None
+    if bound is None:
+        return kv_len, kv_mask, empty
+    rounded_away = emit.call(operator.lt, (bound, math.ulp(abs(fill)) / 2))
+    ok = emit.call(torch.logical_or, (rounded_away, emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))))
+    emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
+                                        "scores large enough that eager's s + fill does not round to the fill: "
+                                        "its eager value depends on that rounding; fill with -inf or finfo.min"))
+    return kv_len, kv_mask, empty
+
+
+def _no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:
+    """(B,) bool: the sequences where the kernel would see no valid key."""
+    empty = None
+    if kv_mask is not None:
+        valid = kv_mask
+        if kv_len is not None:  # keys past the length are padding too
+            positions = emit.call(torch.arange, (example_value(kv_mask).shape[1],),
+                                  {"device": example_value(kv_mask).device})
+            inside = emit.call(operator.lt, (emit.call(torch.unsqueeze, (positions, 0)),
+                                             emit.call(torch.unsqueeze, (kv_len, 1))))
+            valid = emit.call(torch.logical_and, (valid, inside))
+        empty = emit.call(torch.logical_not, (emit.call(torch.any, (valid, -1)),))
+    elif kv_len is not None:
+        empty = emit.call(operator.eq, (kv_len, 0))
+    return empty
+
+
+def _first_key_valid(emit: Emitter, kv_len, kv_mask) -> fx.Node:
+    ok = None
+    if kv_len is not None:
+        ok = emit.call(operator.ge, (kv_len, 1))
+    if kv_mask is not None:
+        first = emit.call(operator.getitem, (kv_mask, (slice(None), 0)))
+        ok = first if ok is None else emit.call(torch.logical_and, (ok, first))
+    return ok
+
+
+def _score_bound(emit: Emitter, scale: float, q: fx.Node, k: fx.Node, bias) -> fx.Node:
+    """A 0-d fp32 bound on every |score|: scale * max|q_i| * max|k_j| (+ max|bias|), by Cauchy-Schwarz."""
+    def max_norm(x: fx.Node) -> fx.Node:
+        norms = emit.call(torch.linalg.vector_norm, (x,), {"dim": -1, "dtype": torch.float32})
+        return emit.call(torch.amax, (norms,))
+
+    bound = emit.call(operator.mul, (emit.call(operator.mul, (max_norm(q), max_norm(k))), abs(scale)))
+    if bias is not None:
+        biggest = emit.call(torch.amax, (emit.call(torch.abs, (bias,)),))
+        bound = emit.call(operator.add, (bound, emit.call(torch.Tensor.float, (biggest,))))
+    return bound

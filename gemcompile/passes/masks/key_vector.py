@@ -1,0 +1,135 @@
+"""The (B, Lk) bool tensor of a proven key vector: a per-key mask read from data, built in the graph.
+
+A KeyVector (masks/model.py) is a formula over comparisons that read only the sample b and the key
+position j: ``x[b, j] > 0``, ``attention_mask[b, j] == 1``, ``j >= L - lengths[b]``. ``emit_key_mask``
+writes the graph nodes that compute it, from the very tensors the model's mask was built from, so the
+kernels see the same keys the eager mask keeps, for any values (holes included), with no host sync and
+no recompile when the values change. ``emit_zero_one_checks`` adds the device-side check of each integer
+mask the evaluator read as 0/1 (a value outside {0, 1} would make the eager mask something else).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.graph import Emitter, Unproven, example_value
+from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
+from gemcompile.passes.masks.model import KeyVector
+
+
+class _Builder:
+    """sympy -> graph nodes of shape (B or 1, Lk or 1), broadcasting like the formula's indices."""
+
+    def __init__(self, emit: Emitter, evaluator: MaskEvaluator, batch, keys, device: torch.device):
+        self.emit, self.evaluator, self.device = emit, evaluator, device
+        self.batch, self.keys = batch, keys
+        self.b, self.j = index_symbol(3), index_symbol(0)
+        self._positions: dict[sympy.Symbol, fx.Node] = {}
+
+    def position(self, symbol: sympy.Symbol) -> fx.Node:
+        if symbol not in self._positions:
+            size, shape = (self.keys, (1, -1)) if symbol == self.j else (self.batch, (-1, 1))
+            ar = self.emit.call(torch.arange, (size,), {"device": self.device})
+            self._positions[symbol] = self.emit.call(torch.reshape, (ar, shape))
+        return self._positions[symbol]
+
+    def integer(self, e: sympy.Expr):
+        """An integer expression as a node (or a Python int)."""
+        if e.is_Integer:
+            return int(e)
+        if e in (self.b, self.j):
+            return self.position(e)
+        if isinstance(e, sympy.Add):
+            return self._fold(operator.add, e.args)
+        if isinstance(e, sympy.Mul):
+            return self._fold(operator.mul, e.args)
+        if isinstance(e, sympy.Function):
+            return self.leaf(e)
+        raise Unproven(f"the key mask {e} cannot be built (only sums and products of positions, lengths and "
+                       "data are)")
+
+    def _fold(self, op, args):
+        out = None
+        for a in args:
+            x = self.integer(a)
+            out = x if out is None else self.emit.call(op, (out, x))
+        return out
+
+    def leaf(self, f: sympy.Function) -> fx.Node:
+        """A lengths (B,) or data tensor read at (b, j): as a (B|1, Lk|1) view."""
+        name = f.func.__name__
+        data = self.evaluator.data.get(name)
+        node = data.node if data is not None else self.evaluator.leaves.get(name)
+        if node is None:
+            raise Unproven(f"the key mask reads {name}, which the graph does not hold")
+        x, picked = node, []
+        for dim, arg in enumerate(f.args):  # f's args are the node's dims, left to right
+            if arg == 0:
+                continue
+            if arg not in (self.b, self.j):
+                raise Unproven(f"the key mask reads {node.name} at {arg}: only (b, j) are built")
+            picked.append((dim, arg))
+        # drop the dims read at index 0 (size-1 or the first element), last first so dims stay valid
+        for dim in reversed([d for d, arg in enumerate(f.args) if arg == 0]):
+            x = self.emit.call(torch.select, (x, dim, 0))
+        dims = [arg for _, arg in picked]
+        if dims == [self.j, self.b]:
+            x = self.emit.call(torch.transpose, (x, 0, 1))
+        elif len(dims) == 1:
+            x = self.emit.call(torch.unsqueeze, (x, 1 if dims[0] == self.b else 0))
+        elif not dims:
+            x = self.emit.call(torch.reshape, (x, (1, 1)))
+        return x
+
+    def proposition(self, atom) -> fx.Node:
+        kind, e = self.evaluator.atoms.expr_of[atom]
+        x = self.integer(e)
+        if not isinstance(x, fx.Node):
+            raise Unproven("a constant comparison in a key mask")
+        return self.emit.call(operator.lt if kind == "lt" else operator.eq, (x, 0))
+
+    def formula(self, pred) -> fx.Node | bool:
+        if pred is sympy.true or pred is sympy.false:
+            return bool(pred)
+        if isinstance(pred, sympy.Symbol):
+            return self.proposition(pred)
+        if isinstance(pred, sympy.Not):
+            return self.emit.call(torch.logical_not, (self.formula(pred.args[0]),))
+        op = {sympy.And: torch.logical_and, sympy.Or: torch.logical_or}.get(type(pred))
+        if op is None:
+            raise Unproven(f"the key mask {pred} cannot be built")
+        parts = [self.formula(a) for a in pred.args]
+        out = parts[0]
+        for p in parts[1:]:
+            out = self.emit.call(op, (out, p))
+        return out
+
+
+def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> fx.Node:
+    """The (B, Lk) bool kv_mask of ``vector`` for keys ``k`` (B, H, Lk, D); ``batch`` and ``keys`` are the
+    sizes (ints, or sym_size nodes when dynamic)."""
+    builder = _Builder(emit, vector.evaluator, batch, keys, example_value(k).device)
+    mask = builder.formula(vector.formula)
+    if isinstance(mask, bool):
+        raise Unproven("the key mask is constant")
+    if example_value(mask).dtype != torch.bool:
+        mask = emit.call(torch.ne, (mask, 0))
+    if example_value(mask).device != example_value(k).device:
+        raise Unproven(f"the key mask is on {example_value(mask).device}, the attention on "
+                       f"{example_value(k).device}")
+    return emit.call(torch.Tensor.expand, (mask, batch, keys))
+
+
+def emit_zero_one_checks(emit: Emitter, evaluator: MaskEvaluator) -> None:
+    """A device-side assert (no host sync) per integer mask read as 0/1: the run stops with this message
+    instead of computing a mask the model did not mean."""
+    for node in evaluator.zero_one.values():
+        ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
+        emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
+                                        f"gemcompile: the mask {node.name} holds values other than 0 and 1; the "
+                                        "attention rewrite read it as a 0/1 mask (compile without gemcompile's "
+                                        "attention passes for this model)"))

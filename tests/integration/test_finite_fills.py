@@ -1,0 +1,93 @@
+"""Regressions for the silent wrong answers a finite mask fill or a raw-length normalizer used to give.
+
+- a sequence with no valid key under a finite fill (BERT's (1 - m) * -1e4, HF's finfo.min, -1e9): eager
+  averages over the keys; the rewrite must give the same outputs and gradients;
+- scores as large as the fill (unscaled products near 1e4 with a -1e4 fill): eager does not drop the padded
+  keys; the compiled model must stop with a message rather than drop them;
+- GDPA normalized by raw lengths longer than the padded length: eager divides by the raw length.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemcompile import explain, gem_compile
+
+B, H, L, D = 3, 2, 8, 16
+
+
+def _qkv(seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, H, L, D, generator=g) * scale).requires_grad_() for _ in range(3)]
+
+
+def _fill_attention(fill):
+    def attention(q, k, v, lengths):
+        keep = (torch.arange(L)[None, :] < lengths[:, None]).float()[:, None, None, :]
+        s = q @ k.transpose(-2, -1) / math.sqrt(D)
+        if fill == "finfo":
+            s = s + (1.0 - keep) * torch.finfo(s.dtype).min
+        else:
+            s = s + (1.0 - keep) * fill
+        return torch.softmax(s, dim=-1) @ v
+
+    return attention
+
+
+@pytest.mark.parametrize("fill", ["finfo", -1e9, -1e4])
+def test_an_empty_sequence_under_a_finite_fill_matches_eager(fill):
+    attention = _fill_attention(fill)
+    q, k, v = _qkv()
+    lengths = torch.tensor([L, 0, 3])
+    assert explain(attention, q, k, v, lengths).counts["jagged_attention"] == 1
+    out, ref = gem_compile(attention)(q, k, v, lengths), attention(q, k, v, lengths)
+    # -1e4: eager rounds s - 1e4 to a grid of 1e-3 (its own rounding); the kernel keeps s exact
+    tol = dict(atol=2e-3, rtol=2e-3) if fill == -1e4 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, ref, **tol)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, **tol)
+
+
+def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
+    attention = _fill_attention(-1e4)
+    q, k, v = _qkv(scale=40.0)  # scores around +-1e4: eager lets padded keys win
+    lengths = torch.tensor([L, 5, 3])
+    compiled = gem_compile(attention)
+    with pytest.raises(Exception, match="can reach the mask's fill"):
+        compiled(q, k, v, lengths)
+    small = _qkv()  # ordinary scores: same compiled model, exact
+    torch.testing.assert_close(compiled(*small, lengths), attention(*small, lengths), atol=2e-5, rtol=1e-4)
+
+
+def test_a_finite_fill_with_a_window_is_refused_with_the_reason():
+    def windowed(q, k, v, lengths):
+        i = torch.arange(L)
+        keep = (i[None, :] < lengths[:, None])[:, None, None, :] & ((i[:, None] - i[None, :]).abs() <= 2)
+        s = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9)
+        return s.softmax(-1) @ v
+
+    report = explain(windowed, *_qkv(), torch.tensor([L, 5, 3]))
+    assert report.counts["block_attention"] == 0 and report.counts["jagged_attention"] == 0
+    assert any("finite fill" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+
+
+def test_gdpa_divides_by_the_raw_lengths_like_eager():
+    def normalized(q, k, v, lengths):
+        keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
+        a = F.silu(q @ k.transpose(-2, -1)) * keep / lengths[:, None, None, None]
+        return a @ v
+
+    q, k, v = _qkv()
+    lengths = torch.tensor([20, 5, 8])  # a history longer than the padded length L = 8
+    assert explain(normalized, q, k, v, lengths).counts["gdpa"] == 1
+    out, ref = gem_compile(normalized)(q, k, v, lengths), normalized(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    grads_ref = torch.autograd.grad(ref.sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,126 @@
+"""Attention as recommendation and transformer code writes it, masks read from data included.
+
+The modules below are written for these tests from the public behaviour of the models they are named
+after (no third-party code is copied): a Hugging Face style BERT self-attention (its extended attention
+mask, eager and SDPA), the transformers 5 style boolean mask indexed by batch and key index tensors,
+SASRec blocks (nn.MultiheadAttention with a causal mask and a key padding mask from item ids, and the
+2020 version with a timeline mask), BERT4Rec's mask from ``x > 0`` with ``.repeat``, an HSTU layer with
+lengths from offsets and causal written as ``eye | (i - j > 0)``, left-padded batches, and
+nn.TransformerEncoderLayer with a causal mask next to a boolean padding mask. Each: every attention is
+rewritten (explain), compiled == eager for outputs and every gradient (float32), and 20 batches whose
+masks change compile once.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from gemcompile import explain, gem_compile
+from gemcompile.backend import GemBackend
+from tests.model_styles import (
+    Bert4RecAttention,
+    BertStyleSelfAttention,
+    EncoderLayerCausal,
+    HstuStyleAttention,
+    IndexedBoolMaskAttention,
+    LeftPaddedCausal,
+    SASRecBlock,
+)
+
+B, L, H, D = 4, 12, 2, 16
+E = H * D
+
+
+def _right_padded(lengths):
+    return torch.arange(L)[None, :] < lengths[:, None]
+
+
+def _left_padded(lengths):
+    return torch.arange(L)[None, :] >= L - lengths[:, None]
+
+
+def _batch(kind: str, g: torch.Generator):
+    """(hidden, mask input) for a model's input kind; lengths include a full and, where eager is defined
+    there, an empty sequence; the key masks of 'holes' have padding inside the sequence too."""
+    hidden = torch.randn(B, L, E, generator=g, requires_grad=True)
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    lengths[0] = L
+    if kind == "attention_mask":  # HF: 1 token / 0 padding, with holes, one empty sequence
+        mask = (torch.rand(B, L, generator=g) > 0.3) & _right_padded(lengths)
+        mask[1] = False
+        return hidden, mask.long()
+    if kind == "ids_left":  # item ids, 0 padding, right-aligned (SASRec's and BERT4Rec's loaders)
+        return hidden, torch.randint(1, 50, (B, L), generator=g) * _left_padded(lengths)
+    if kind == "ids_right":
+        return hidden, torch.randint(1, 50, (B, L), generator=g) * _right_padded(lengths)
+    if kind == "ids_holes":
+        return hidden, torch.randint(0, 3, (B, L), generator=g) * torch.randint(1, 50, (B, L), generator=g)
+    if kind == "lengths":
+        return hidden, lengths
+    if kind == "offsets":
+        return hidden, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    raise ValueError(kind)
+
+
+MODELS = {
+    "bert_eager": (functools.partial(BertStyleSelfAttention, sdpa=False), "attention_mask", "jagged_attention"),
+    "bert_sdpa": (functools.partial(BertStyleSelfAttention, sdpa=True), "attention_mask", "jagged_attention"),
+    "transformers5_indexed": (IndexedBoolMaskAttention, "attention_mask", "jagged_attention"),
+    "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
+    "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
+    "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),
+    "hstu_offsets": (HstuStyleAttention, "offsets", "gdpa"),
+    "left_padded_causal": (LeftPaddedCausal, "lengths", "jagged_attention"),
+    "encoder_layer_causal": (EncoderLayerCausal, "ids_right", "jagged_attention"),
+}
+
+
+def _defined_rows(name, mask_input):
+    """(B, L, 1) rows where eager's output is defined (a left-padded causal row before the first token
+    sees no key: SDPA gives 0 or NaN there)."""
+    if name == "left_padded_causal":
+        first = L - mask_input
+        return (torch.arange(L)[None, :] >= first[:, None])[..., None]
+    return torch.ones(B, L, 1, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
+    make, kind, family = MODELS[name]
+    torch.manual_seed(0)
+    model = make(H, D).eval()
+    hidden, mask_input = _batch(kind, torch.Generator().manual_seed(1))
+    report = explain(model, hidden, mask_input)
+    assert report.counts[family] == 1, [r.reason for r in report.refusals]
+    compiled = gem_compile(model)
+    out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
+    rows = _defined_rows(name, mask_input)
+    torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    leaves = [hidden, *model.parameters()]
+    grads = torch.autograd.grad((torch.where(rows, out, 0) * weights).sum(), leaves, allow_unused=True)
+    grads_ref = torch.autograd.grad((torch.where(rows, ref, 0) * weights).sum(), leaves, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bert_eager", "bert4rec", "sasrec"])
+def test_twenty_batches_of_changing_masks_compile_once(name, monkeypatch):
+    calls = []
+    original = GemBackend.__call__
+    monkeypatch.setattr(GemBackend, "__call__", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    make, kind, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = make(H, D).eval()
+    compiled = gem_compile(model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(20):
+            hidden, mask_input = _batch(kind, g)
+            rows = _defined_rows(name, mask_input)
+            out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
+            torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
+    assert len(calls) == 1

@@ -1,0 +1,170 @@
+"""Attention modules written the way public recommendation and transformer code writes them, for the
+tests (tests/integration/test_real_model_masks.py) and the benchmark (benchmarks/data_masks.py).
+
+Written from the public behaviour of the models they are named after; no third-party code is copied.
+Every module takes ``heads`` and ``head_dim``; its width is heads * head_dim.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim, self.width = heads, head_dim, heads * head_dim
+
+    def split(self, x):
+        return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
+
+    def merge(self, x):
+        return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], self.width)
+
+
+class BertStyleSelfAttention(_Attention):
+    """HF BERT: mask (B, L) of 1 (token) / 0 (padding), extended to (1 - m) * finfo.min and added."""
+
+    def __init__(self, heads: int, head_dim: int, sdpa: bool = False):
+        super().__init__(heads, head_dim)
+        e = self.width
+        self.query, self.key, self.value = nn.Linear(e, e), nn.Linear(e, e), nn.Linear(e, e)
+        self.dropout = nn.Dropout(0.1)
+        self.sdpa = sdpa
+
+    def forward(self, hidden, attention_mask):
+        extended = attention_mask[:, None, None, :].to(dtype=hidden.dtype)
+        extended = (1.0 - extended) * torch.finfo(hidden.dtype).min
+        q, k, v = self.split(self.query(hidden)), self.split(self.key(hidden)), self.split(self.value(hidden))
+        if self.sdpa:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=extended,
+                                                     dropout_p=self.dropout.p if self.training else 0.0)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            probs = self.dropout(nn.functional.softmax(scores + extended, dim=-1))
+            context = torch.matmul(probs, v)
+        return self.merge(context)
+
+
+class BertStyleLayer(nn.Module):
+    """A BERT encoder layer: self-attention, output projection, residual + LayerNorm, GELU feed-forward."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        e = heads * head_dim
+        self.attention = BertStyleSelfAttention(heads, head_dim)
+        self.output = nn.Linear(e, e)
+        self.norm1, self.norm2 = nn.LayerNorm(e), nn.LayerNorm(e)
+        self.ffn = nn.Sequential(nn.Linear(e, 4 * e), nn.GELU(), nn.Linear(4 * e, e))
+
+    def forward(self, hidden, attention_mask):
+        hidden = self.norm1(hidden + self.output(self.attention(hidden, attention_mask)))
+        return self.norm2(hidden + self.ffn(hidden))
+
+
+class IndexedBoolMaskAttention(_Attention):
+    """transformers 5: the boolean mask is padding_mask[batch_idx, kv_idx] over broadcast index tensors."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.qkv = nn.Linear(self.width, 3 * self.width)
+
+    def forward(self, hidden, attention_mask):
+        batch_idx = torch.arange(hidden.shape[0])[:, None, None, None]
+        kv_idx = torch.arange(hidden.shape[1])[None, None, None, :]
+        allowed = attention_mask.bool()[batch_idx, kv_idx]
+        q, k, v = (self.split(t) for t in self.qkv(hidden).chunk(3, dim=-1))
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
+
+
+class SASRecBlock(nn.Module):
+    """SASRec: item ids (0 = padding), a causal attn_mask and (optionally) a key_padding_mask from the ids on
+    nn.MultiheadAttention, a timeline mask on the outputs, a point-wise feed-forward."""
+
+    def __init__(self, heads: int, head_dim: int, key_padding: bool = True):
+        super().__init__()
+        e = heads * head_dim
+        self.norm = nn.LayerNorm(e)
+        self.attention = nn.MultiheadAttention(e, heads, dropout=0.0, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(e, e), nn.ReLU(), nn.Linear(e, e))
+        self.key_padding = key_padding
+
+    def forward(self, seqs, ids):
+        timeline = ids == 0
+        seqs = seqs * ~timeline.unsqueeze(-1)
+        causal = ~torch.tril(torch.ones((seqs.shape[1], seqs.shape[1]), dtype=torch.bool, device=seqs.device))
+        q = self.norm(seqs)
+        out, _ = self.attention(q, seqs, seqs, attn_mask=causal,
+                                key_padding_mask=timeline if self.key_padding else None)
+        seqs = q + out
+        seqs = seqs + self.ffn(seqs)
+        return seqs * ~timeline.unsqueeze(-1)
+
+
+class Bert4RecAttention(_Attention):
+    """BERT4Rec: mask = (x > 0).unsqueeze(1).repeat(1, L, 1).unsqueeze(1), masked_fill(mask == 0, -1e9)."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.linears = nn.ModuleList([nn.Linear(self.width, self.width) for _ in range(3)])
+
+    def forward(self, hidden, ids):
+        mask = (ids > 0).unsqueeze(1).repeat(1, ids.size(1), 1).unsqueeze(1)
+        q, k, v = (self.split(lin(hidden)) for lin in self.linears)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        scores = scores.masked_fill(mask == 0, -1e9)
+        return self.merge(torch.matmul(F.softmax(scores, dim=-1), v))
+
+
+class HstuStyleAttention(_Attention):
+    """An HSTU layer: lengths from offsets, causal written as eye | (row - col > 0), silu(q k^T * alpha) / N
+    times the mask, einsum for the products."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.uvqk = nn.Linear(self.width, 4 * self.width)
+
+    def forward(self, x, seq_offsets):
+        n = x.shape[1]
+        lengths = seq_offsets[1:] - seq_offsets[:-1]
+        _, v, q, k = (self.split(t) for t in F.silu(self.uvqk(x)).chunk(4, dim=-1))
+        ids = torch.arange(0, n, device=x.device).view(1, n)
+        row_ids = ids.view(n, 1).expand(n, n)
+        col_ids = row_ids.t()
+        dist = row_ids.view(1, n, n) - col_ids.view(1, n, n)
+        valid = torch.logical_or(torch.eye(n, dtype=torch.bool, device=x.device).view(1, n, n), dist > 0)
+        keys = (torch.arange(n, device=x.device)[None, :] < lengths[:, None]).view(-1, 1, n)
+        attn = F.silu(torch.einsum("bhxa,bhya->bhxy", q, k) * (1.0 / math.sqrt(self.head_dim))) / n
+        attn = attn * (valid & keys).unsqueeze(1)
+        return self.merge(torch.einsum("bhxd,bhdv->bhxv", attn, v))
+
+
+class LeftPaddedCausal(_Attention):
+    """Right-aligned sequences: key j valid iff j >= L - length, with causal, through SDPA."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.qkv = nn.Linear(self.width, 3 * self.width)
+
+    def forward(self, hidden, lengths):
+        n = hidden.shape[1]
+        keep = torch.arange(n, device=hidden.device)[None, :] >= n - lengths[:, None]
+        causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=hidden.device))
+        q, k, v = (self.split(t) for t in self.qkv(hidden).chunk(3, dim=-1))
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] & causal))
+
+
+class EncoderLayerCausal(nn.Module):
+    """nn.TransformerEncoderLayer with a float causal src_mask and a bool src_key_padding_mask (torch warns
+    about the mismatched types while tracing)."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        e = heads * head_dim
+        self.layer = nn.TransformerEncoderLayer(e, heads, 2 * e, dropout=0.0, batch_first=True)
+
+    def forward(self, hidden, ids):
+        causal = nn.Transformer.generate_square_subsequent_mask(hidden.shape[1], device=hidden.device)
+        return self.layer(hidden, src_mask=causal, src_key_padding_mask=ids == 0)
