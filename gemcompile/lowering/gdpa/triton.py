@@ -27,6 +27,15 @@ contextual rows before its causal start (masked) too. The clamped ids make the w
 start of the key range, the end of the query range) non-trivial: with targets or a prefix it is not
 used to skip tiles (the unmasked window bounds stay valid: the clamped distance never exceeds i - j).
 
+A key mask (HAS_KV_MASK: kv_mask (B, Lk) bool, read in place as uint8 through its strides; never with
+targets or a prefix): the launcher derives per batch, with torch ops on the device, kv_lo (the first valid
+key, Lk if none) and kv_hi (the last valid key + 1, 0 if none; valid = the mask and j < kv_len). Query
+tiles visit key tiles only from kv_lo rounded down to a tile up to kv_hi (left and right padding skip
+whole tiles), unmasked tiles stay whole tiles below kv_hi, and every visited tile ANDs the loaded mask
+vector into its validity and its K/V loads (masked-out keys read as 0: no garbage leaks). dK/dV programs
+whose key tile holds no valid key write zeros and exit; the others zero the rows of masked-out keys. The
+forward and dQ programs are ordered by kv_hi - kv_lo. HAS_KV_MASK False compiles to the code without it.
+
 Forward (``_gdpa_fwd_kernel``): one program per (query tile, batch*head), 1-D grid of static size.
 acc = sum_j act(s_ij) v_j in fp32, out = c_b * acc with c_b = out_scale (/ kv_len_b).
 
