@@ -552,3 +552,185 @@ def test_relative_table_read_in_place(single_config, case):
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), grads, ref):
         assert a.shape == b.shape and not a.isnan().any(), name
         assert rel(a, b) < bwd_tol, (name, rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv_mask: a (B, Lk) bool mask of valid keys (besides kv_lengths), positions absolute
+
+
+def kv_mask_of(kind, B, Lk, seed=0):
+    """(B, Lk) bool on the GPU: 'holes' (random), 'left_pad' (a valid suffix), 'right_pad' (a valid prefix),
+    'empty_row' (holes, sample 1 all False), 'all_true', 'expanded' (one row expanded: batch stride 0),
+    'tile_hole' (holes, and keys 64..255 all False: whole key tiles)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(Lk)[None, :]
+    cut = torch.tensor([0, Lk // 2 + 1, Lk - 1, 200, Lk, 17, 3, 64])[:B].clamp(max=Lk)
+    if kind == "holes":
+        m = torch.rand(B, Lk, generator=g) < 0.6
+    elif kind == "left_pad":
+        m = pos >= cut[:, None]
+    elif kind == "right_pad":
+        m = pos < (Lk - cut)[:, None]
+    elif kind == "empty_row":
+        m = torch.rand(B, Lk, generator=g) < 0.5
+        m[1] = False
+    elif kind == "all_true":
+        m = torch.ones(B, Lk, dtype=torch.bool)
+    elif kind == "expanded":
+        return (torch.rand(1, Lk, generator=g) < 0.6).to(DEV).expand(B, Lk)
+    elif kind == "tile_hole":
+        m = torch.rand(B, Lk, generator=g) < 0.7
+        m[:, 64:256] = False
+    else:
+        raise ValueError(kind)
+    return m.to(DEV)
+
+
+def check_masked_case(q, k, v, ql, kl, bias, mask, activation, causal=False, window=0, divide=False, seed=1):
+    """The public op (forward and backward) against the float64 reference; masked-out keys: dk = dv = 0."""
+    dtype = q.dtype
+    args = (activation, 1 / math.sqrt(q.shape[-1]), 1.0, divide, causal, window)
+    g = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=g).to(DEV, dtype)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_(True)
+    out = ops.gdpa(*leaves, ql, kl, b, *args, kv_mask=mask)
+    out.backward(grad_out)
+    grads = [x.grad for x in leaves] + [None if b is None else b.grad]
+    d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
+    tail = (None, 0, None, mask)
+    ref_out = reference_gdpa_forward(*d64[:3], ql, kl, d64[3], *GdpaSpec.from_schema(*args, *tail))
+    ref = reference_gdpa_backward(grad_out.double(), *d64[:3], ql, kl, d64[3],
+                                  *GdpaSpec.from_bwd_schema(*args, bias is not None, *tail))
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref):
+        if got is None:
+            continue
+        assert not got.isnan().any(), name
+        assert rel(got, want) < bwd_tol, (name, rel(got, want))
+    dead = ~mask[:, None, :, None].expand_as(grads[1])
+    assert (grads[1][dead] == 0).all() and (grads[2][dead] == 0).all()
+    return out, grads
+
+
+MASK_CASES = [  # dtype, D, L, activation, causal, window, bias, shared_q, q_lengths, kv_lengths, mask kind
+    (torch.bfloat16, 64, 1000, "silu", False, 0, None, False, True, True, "holes"),
+    (torch.bfloat16, 128, 1000, "gelu", True, 0, "full", False, True, True, "left_pad"),
+    (torch.bfloat16, 64, 1024, "sigmoid", False, 100, "heads_keys", False, False, True, "right_pad"),
+    (torch.bfloat16, 128, 777, "relu_squared", False, 0, None, True, False, True, "expanded"),
+    (torch.bfloat16, 64, 1000, "gelu_tanh", True, 64, "full", False, True, False, "empty_row"),
+    (torch.bfloat16, 128, 1000, "silu", False, 0, None, False, False, False, "tile_hole"),
+    (torch.bfloat16, 64, 513, "identity", True, 0, None, False, True, True, "all_true"),
+    (torch.float32, 64, 1000, "silu", False, 0, "full", False, True, True, "holes"),
+    (torch.float32, 128, 513, "gelu", True, 0, "heads_keys", False, True, True, "left_pad"),
+    (torch.float32, 64, 1000, "identity", False, 0, None, True, False, True, "expanded"),
+    (torch.float32, 128, 1000, "relu", False, 50, None, False, True, True, "tile_hole"),
+    (torch.float16, 64, 600, "silu", True, 0, "batch_keys", False, True, True, "right_pad"),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES,
+                         ids=lambda c: f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{c[3]}-c{int(c[4])}-w{c[5]}-{c[6]}-{c[10]}")
+def test_kv_mask_matches_float64_reference(single_config, monkeypatch, case):
+    dtype, D, L, act, causal, window, bias_kind, shared_q, with_ql, with_kl, kind = case
+    if dtype == torch.float32 and D > 64:  # as in test_matches_float64_reference: 2 stages for fp32 D=128
+        _pin(monkeypatch, (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+    B, H = 6, 2
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, shared_q, BIAS_SHAPES[bias_kind](B, H, L), with_ql,
+                                      with_kl, seed=D + L)
+    check_masked_case(q, k, v, ql, kl, bias, kv_mask_of(kind, B, L, seed=D), act, causal, window, divide=True)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_kv_mask_every_autotune_config(monkeypatch, D):
+    head = "small" if D <= 64 else "large"
+    fwd = [c for c, heads in kernels._FWD_SHAPES.items() if head in heads]
+    dkdv = [c for c, heads in kernels._DKDV_SHAPES.items() if head in heads]
+    dq = [c for c, heads in kernels._DQ_SHAPES.items() if head in heads]
+    q, k, v, ql, kl, _ = make_case(6, 2, 512, 512, D, torch.bfloat16, seed=D)
+    mask = kv_mask_of("left_pad", 6, 512, seed=D) & kv_mask_of("holes", 6, 512, seed=D + 1)
+    for i in range(max(len(fwd), len(dkdv), len(dq))):
+        _pin(monkeypatch, fwd[i % len(fwd)], dkdv[i % len(dkdv)], dq[i % len(dq)])
+        check_masked_case(q, k, v, kl, kl, None, mask, "silu", causal=bool(i % 2))
+
+
+def test_kv_mask_cross_lengths_and_pma(single_config):
+    B, H, D = 6, 2, 64
+    q, k, v, ql, kl, bias = make_case(B, H, 16, 1000, D, torch.bfloat16, bias_shape=(B, H, 16, 1000), seed=3)
+    check_masked_case(q, k, v, ql, kl, bias, kv_mask_of("left_pad", B, 1000), "silu", divide=True)
+    learned = torch.randn(1, H, 16, D, device=DEV, dtype=torch.bfloat16)
+    check_masked_case(learned, k, v, None, kl, None, kv_mask_of("holes", B, 1000), "gelu", divide=True)
+
+
+def test_kv_mask_relative_table_and_shared_bias_grad(single_config):
+    """The in-kernel bias gradient (a (1, 1, L, L) bias) and a relative table, with a mask."""
+    B, H, L, D = 6, 2, 600, 64
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, torch.bfloat16, bias_shape=(1, 1, L, L), seed=4)
+    check_masked_case(q, k, v, kl, kl, bias, kv_mask_of("holes", B, L, 2), "silu", causal=True)
+    table = (0.5 * torch.randn(2 * L - 1, H)).to(DEV, torch.bfloat16).requires_grad_(True)
+    mask = kv_mask_of("left_pad", B, L, 3)
+    args = ("silu", 0.125, 1.0, False, True, 0)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = ops.gdpa(*leaves, kl, kl, table, *args, None, 0, L - 1, mask)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves + [table], g)
+    d64 = [x.double() for x in (q, k, v, table)]
+    spec = GdpaSpec.from_bwd_schema(*args, True, None, 0, L - 1, mask)
+    ref_out = reference_gdpa_forward(*d64[:3], kl, kl, d64[3], *GdpaSpec.from_schema(*args, None, 0, L - 1, mask))
+    ref = reference_gdpa_backward(g.double(), *d64[:3], kl, kl, d64[3], *spec)
+    assert rel(out, ref_out) < TOL[torch.bfloat16][0]
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), got, ref):
+        assert rel(a, b) < TOL[torch.bfloat16][1], (name, rel(a, b))
+
+
+def test_kv_mask_all_false_gives_zeros(single_config):
+    q, k, v, ql, kl, bias = make_case(4, 2, 256, 256, 64, torch.float16, bias_shape=(4, 2, 256, 256))
+    mask = torch.zeros(4, 256, dtype=torch.bool, device=DEV)
+    g = torch.randn(4, 2, 256, 64, device=DEV, dtype=torch.float16)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+    out = ops.gdpa(*leaves[:3], ql, kl, leaves[3], "sigmoid", 0.125, 1.0, True, True, 0, kv_mask=mask)
+    grads = torch.autograd.grad(out, leaves, g)
+    assert (out == 0).all() and all((x == 0).all() for x in grads)
+
+
+def test_kv_mask_eager_path_and_custom_ops_agree_bitwise(single_config):
+    from gemcompile.lowering.common.opkit import takes_eager_path
+
+    q, k, v, ql, kl, bias = make_case(5, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
+    assert takes_eager_path(q)
+    mask = kv_mask_of("holes", 5, 300, 1)
+    g = torch.randn(5, 2, 300, 64, device=DEV, dtype=torch.bfloat16)
+    args = ("gelu_tanh", 0.125, 2.0, True, True, 50)
+
+    def grads(call):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+        out = call(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = grads(lambda q, k, v, b: ops.gdpa(q, k, v, ql, kl, b, *args, kv_mask=mask))
+    via_ops = grads(lambda q, k, v, b: ops.gdpa_fwd(q, k, v, ql, kl, b, *args, kv_mask=mask))
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)
+
+
+def test_kv_mask_no_host_sync(single_config):
+    q, k, v, ql, kl, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    mask, shared = kv_mask_of("holes", 6, 512), kv_mask_of("expanded", 6, 512)
+
+    def step():
+        out = ops.gdpa(*leaves[:3], ql, kl, leaves[3], "silu", 0.125, 1.0, True, True, 64, kv_mask=mask)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        out = ops.gdpa(*leaves[:3], None, None, None, "gelu", 0.125, 1.0, True, False, 0, kv_mask=shared)
+        return grads + torch.autograd.grad(out, leaves[:3], torch.ones_like(out))
+
+    step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -33,11 +33,11 @@ from gemcompile.lowering.gdpa import bias_grad_triton as gdpa_bias_grad_triton
 from gemcompile.lowering.gdpa import triton as gdpa_triton
 
 FLAGS = dict(HEAD_D=64, BLOCK_D=64, Q_MODE=1, KV_MODE=1, CAUSAL=True, HAS_WINDOW=False, HAS_TARGETS=False,
-             HAS_CONTEXT=False, ACT=gdpa_triton.activation_code("silu"), FAST_ACT=True, DIVIDE=False,
-             DOT_PRECISION="tf32")
+             HAS_CONTEXT=False, HAS_KV_MASK=False, ACT=gdpa_triton.activation_code("silu"), FAST_ACT=True,
+             DIVIDE=False, DOT_PRECISION="tf32")
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16", "Out": "*bf16",
             "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Part": "*fp32", "QLengths": "*i64",
-            "KVLengths": "*i64", "NumTargets": "*i64", "Order": "*i64"}
+            "KVLengths": "*i64", "NumTargets": "*i64", "Order": "*i64", "KVMask": "*u8", "KVBounds": "*i32"}
 KERNELS = {  # kernel, its constexprs, (num_warps, num_stages): one of its sm_90 autotune configs
     "fwd": (gdpa_triton._gdpa_fwd_kernel, dict(FLAGS, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=64), (8, 3)),
     "dq": (gdpa_triton._gdpa_bwd_dq_kernel, dict(FLAGS, HAS_BIAS=True, BIAS_GRAD=False, BLOCK_M=128, BLOCK_N=64),
@@ -54,7 +54,8 @@ def compiled(kernel, constexprs, warps, stages, unit_strides):
         fn = fn.fn
     consts = dict(constexprs)
     if unit_strides:  # a launch specializes an int equal to 1 into a constant: the head dim's strides
-        consts.update({n: 1 for n in fn.arg_names if n.startswith("stride_") and (n.endswith("d") or n == "stride_zn")})
+        consts.update({n: 1 for n in fn.arg_names
+                       if n.startswith("stride_") and (n.endswith("d") or n in ("stride_zn", "stride_mn"))})
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n in ("scale", "out_scale") else "i32")
            for n in fn.arg_names}
     # ... and marks 16-divisible ints and pointers (contiguous tensors of these shapes)
@@ -77,6 +78,10 @@ for name, (kernel, constexprs, (warps, stages)) in KERNELS.items():
         report[f"{name}:{'unit' if unit else 'generic'}"] = {
             "async_copies": ir.count("ttg.async_copy_global_to_local"), "wgmma": ir.count("ttng.warp_group_dot "),
             "sfu": sfu_ops(asm["ptx"])}
+    # with a kv_mask (a contiguous or batch-expanded mask: its key stride is 1)
+    ir = compiled(kernel, dict(constexprs, HAS_KV_MASK=True), warps, stages, True)["ttgir"]
+    report[f"{name}:kv_mask"] = {"async_copies": ir.count("ttg.async_copy_global_to_local"),
+                                 "wgmma": ir.count("ttng.warp_group_dot ")}
     # the near-miss of the activation: tl.sigmoid (FAST_ACT off, as for fp32 inputs)
     report[f"{name}:precise"] = {"sfu": sfu_ops(compiled(kernel, dict(constexprs, FAST_ACT=False), warps, stages,
                                                          True)["ptx"])}
@@ -94,9 +99,10 @@ def report():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("variant", ["unit", "kv_mask"])
 @pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "dbias"])
-def test_loops_load_with_async_copies_and_multiply_with_wgmma(report, name):
-    counts = report[f"{name}:unit"]
+def test_loops_load_with_async_copies_and_multiply_with_wgmma(report, name, variant):
+    counts = report[f"{name}:{variant}"]
     assert counts["async_copies"] > 0, f"{name}: no asynchronous copies (its loads are not pipelined)"
     assert counts["wgmma"] > 0, f"{name}: no wgmma dot"
 

@@ -21,7 +21,8 @@ skipped unreached pairs with an ``if`` inside the loop over every pair: 169 us o
 bias against 78 us for the dQ kernel, which does more work (H200, gdpa-hstu-cudagraph-20261130-143144);
 this one takes 130 us there, and no tiling in benchmarks/gdpa_bias_grad.py's sweep does better than 125
 (gdpa_bias_grad-20261130-145055).
-Whatever else a pair's tile misses (columns past kv_len, targets, a window) is left to the pair mask.
+Whatever else a pair's tile misses (columns past kv_len, targets, a window, keys a kv_mask drops) is left
+to the pair mask.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from ..common.attention_triton import load_rows
 from ..common.tuned_launch import INTERPRET
-from .pairs_triton import act_grad, output_scale, pair_mask, sample_bounds
+from .pairs_triton import act_grad, key_keep, output_scale, pair_mask, sample_bounds
 
 __all__ = ["bias_grad_parts", "bias_grad_triton", "default_splits", "full_bias_grad_supported"]
 
@@ -68,17 +69,18 @@ def _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_st
 @triton.jit
 def _gdpa_bwd_dbias_kernel(
     Q, K, V, Bias, DO, Part,
-    QLengths, KVLengths, NumTargets, Order,
+    QLengths, KVLengths, NumTargets, Order, KVMask,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_ps, stride_pz, stride_pm,
+    stride_mb, stride_mn,
     B, H, Bz, Hz, splits, search_steps, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-    ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SHARED_B: tl.constexpr, SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -131,6 +133,8 @@ def _gdpa_bwd_dbias_kernel(
         h64 = h.to(tl.int64)
         row_ok = rows < q_len
         col_ok = cols < kv_len
+        if HAS_KV_MASK:  # masked-out keys load as 0 and leave the pair mask
+            col_ok = col_ok & key_keep(KVMask + b64 * stride_mb, cols, col_ok, stride_mn)
         q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok,
                       HEAD_D, BLOCK_D, True)
         do = load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok,
@@ -141,6 +145,8 @@ def _gdpa_bwd_dbias_kernel(
                       HEAD_D, BLOCK_D, True)
         valid = pair_mask(rows[:, None], cols[None, :], q_len, kv_len, window, n_targets, contextual_len,
                           CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+        if HAS_KV_MASK:
+            valid = valid & col_ok[None, :]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale + z
         da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = tl.where(valid, da * act_grad(s, ACT, FAST_ACT), 0.0)
@@ -186,12 +192,14 @@ def default_splits(tiles: int, pairs: int, device: torch.device, programs_per_sm
 
 
 def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, targets, q_order, q_strides,
-                    z_strides, flags: dict, scalars: tuple, splits: int | None = None) -> torch.Tensor:
+                    z_strides, flags: dict, scalars: tuple, splits: int | None = None, *,
+                    key_mask: tuple | None = None) -> torch.Tensor:
     """The bias gradient's fp32 partial sums, (splits, Bz * Hz, Lq, Lk): their sum is dBias[bz, hz]. ``bias``:
     the tensor the kernels read the bias through (any strides, ``z_strides``: expanded to (B, H, Lq, Lk));
     ``q_strides``: q's (b, h, m, d) strides as the GDPA kernels read them (batch stride 0 for shared
     queries); ``flags``: the GDPA kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale,
-    out_scale, window, contextual_len)."""
+    out_scale, window, contextual_len); ``key_mask``: (the kv_mask as the kernels read it, its (b, n)
+    strides) when flags["HAS_KV_MASK"]."""
     B, H, Lk, _ = k.shape
     Lq = q.shape[2]
     cfg = TILE_CONFIG
@@ -203,13 +211,14 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
     # q_order: the batches longest-query first (the dK/dV kernel's order; any order when q has no lengths)
     order = q_order if shared_b else torch.arange(B, device=q.device)
     _, Lq_, Lk_, scale, out_scale, window, contextual_len = scalars
-    consts = {name: flags[name] for name in ("HEAD_D", "BLOCK_D", "Q_MODE", "KV_MODE", "CAUSAL", "HAS_WINDOW",
-                                             "HAS_TARGETS", "HAS_CONTEXT", "ACT", "FAST_ACT", "DIVIDE",
-                                             "DOT_PRECISION")}
+    consts = {name: flags.get(name, False) for name in (
+        "HEAD_D", "BLOCK_D", "Q_MODE", "KV_MODE", "CAUSAL", "HAS_WINDOW", "HAS_TARGETS", "HAS_CONTEXT",
+        "HAS_KV_MASK", "ACT", "FAST_ACT", "DIVIDE", "DOT_PRECISION")}
+    mask_t, m_strides = key_mask if key_mask is not None else (targets, (0, 0))  # (a dummy pointer when None)
     _gdpa_bwd_dbias_kernel[(tiles * splits,)](
-        q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets, order,
+        q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets, order, mask_t,
         *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),
-        part.stride(0), part.stride(1), part.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), *m_strides,
         B, H, Bz, Hz, splits, B.bit_length(), Lq_, Lk_, scale, out_scale, window, contextual_len,
         SHARED_B=shared_b, SHARED_H=shared_h, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
@@ -217,9 +226,10 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
 
 
 def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides, z_strides,
-                     flags: dict, scalars: tuple, splits: int | None = None) -> torch.Tensor:
+                     flags: dict, scalars: tuple, splits: int | None = None, *,
+                     key_mask: tuple | None = None) -> torch.Tensor:
     """dBias like ``bias`` (Bz, Hz, Lq, Lk): bias_grad_parts summed in order (deterministic)."""
     part = bias_grad_parts(q, k, v, bias, bias.shape[0], bias.shape[1], grad_out, q_side, kv_side, targets,
-                           q_order, q_strides, z_strides, flags, scalars, splits)
+                           q_order, q_strides, z_strides, flags, scalars, splits, key_mask=key_mask)
     total = part[0] if part.shape[0] == 1 else part.sum(0)
     return total.reshape(bias.shape).to(bias.dtype)

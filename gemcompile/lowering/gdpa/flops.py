@@ -9,6 +9,9 @@ missing lengths tensor means the padded length.
 With HSTU's target mask (num_targets) or contextual prefix (contextual_len > 0) the pairs are those of
 op.py's clamped-id rule; they are counted exactly, row by row, in closed form (:func:`_hstu_keys_per_row`:
 every visible set is the union of at most two key intervals and the diagonal), without building masks.
+
+With a kv_mask (B, Lk) (never with targets or a prefix) a row's keys are still one interval [lo, hi), and
+the count is the number of valid keys in it, from the mask's prefix sums (:func:`_masked_keys_per_row`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,31 @@ def _keys_per_row(Lq: int, kv: torch.Tensor, causal: bool, window: int) -> torch
     return (hi - lo).clamp_min(0)
 
 
-def _pairs(qn: torch.Tensor, kv: torch.Tensor, Lq: int, causal: bool, window: int) -> int:
+def _masked_keys_per_row(Lq: int, kv: torch.Tensor, kv_mask: torch.Tensor, causal: bool,
+                         window: int) -> torch.Tensor:
+    """(B, Lq) int64: valid keys (j < kv_len and kv_mask[b, j]) in each row's interval [lo, hi)."""
+    B, Lk = kv_mask.shape
+    ok = kv_mask.to(torch.bool) & (torch.arange(Lk)[None, :] < kv[:, None])
+    prefix = torch.zeros(B, Lk + 1, dtype=torch.int64)
+    prefix[:, 1:] = ok.to(torch.int64).cumsum(1)  # prefix[b, x] = valid keys j < x
+    i = torch.arange(int(Lq), dtype=torch.int64)[None, :].expand(B, -1)
+    hi = torch.minimum(i + 1, torch.tensor(Lk)) if causal else torch.full_like(i, Lk)
+    lo = torch.zeros_like(i)
+    if window > 0:
+        lo = (i - int(window)).clamp(0, Lk)
+        if not causal:
+            hi = torch.minimum(hi, i + int(window) + 1)
+    count = prefix.gather(1, hi) - prefix.gather(1, lo)
+    return count.clamp_min(0)
+
+
+def _pairs(qn: torch.Tensor, kv: torch.Tensor, Lq: int, causal: bool, window: int, kv_mask=None) -> int:
     if kv.numel() == 0 or Lq == 0:
         return 0
-    per_row = _keys_per_row(Lq, kv, causal, window)
+    if kv_mask is None:
+        per_row = _keys_per_row(Lq, kv, causal, window)
+    else:
+        per_row = _masked_keys_per_row(Lq, kv, kv_mask, causal, window)
     rows_ok = torch.arange(int(Lq), dtype=torch.int64)[None, :] < qn[:, None]
     return int((per_row * rows_ok).sum())
 
@@ -88,9 +112,11 @@ def gdpa_pairs(
     window: int,
     num_targets: Optional[torch.Tensor] = None,
     contextual_len: int = 0,
+    kv_mask: Optional[torch.Tensor] = None,
 ) -> int:
     """Sum over the batch of valid (i, j) pairs; lengths clamped to [0, L], None means the padded length.
-    With num_targets or contextual_len > 0 (causal), HSTU's clamped-id rule of op.py."""
+    With num_targets or contextual_len > 0 (causal), HSTU's clamped-id rule of op.py. kv_mask (B, Lk)
+    bool: only its True keys count (not combined with targets or a prefix)."""
     if kv_lengths is None:
         kv = torch.full((int(B),), int(Lk), dtype=torch.int64)
     else:
@@ -100,6 +126,11 @@ def gdpa_pairs(
     else:
         qn = q_lengths.detach().to("cpu", torch.int64).clamp(0, int(Lq))
     c = int(contextual_len)
+    if kv_mask is not None:
+        if num_targets is not None or c != 0:
+            raise ValueError("kv_mask is not served together with num_targets or contextual_len > 0")
+        mask = kv_mask.detach().to("cpu").expand(int(B), int(Lk))
+        return _pairs(qn, kv, int(Lq), causal, int(window), mask)
     if num_targets is None and c == 0:
         return _pairs(qn, kv, int(Lq), causal, int(window))
     if kv.numel() == 0 or Lq == 0:

@@ -5,10 +5,10 @@ Public op (the signature is fixed)::
     torch.ops.gemcompile.gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths,
         Tensor? bias, str activation, float scale, float out_scale, bool divide_by_kv_length,
         bool causal, int window, Tensor? num_targets=None, int contextual_len=0,
-        int? relative_offset=None) -> Tensor
+        int? relative_offset=None, Tensor? kv_mask=None) -> Tensor
 
-The last three arguments (HSTU's target mask and contextual prefix, a relative bias table) have defaults:
-callers that pass the first twelve keep the plain causal/window semantics and a dense bias.
+The last four arguments (HSTU's target mask and contextual prefix, a relative bias table, a key mask) have
+defaults: callers that pass the first twelve keep the plain causal/window semantics and a dense bias.
 
 Inputs
 ------
@@ -34,11 +34,16 @@ Inputs
   contextual prefix (HSTU), seen by every later position and seeing every non-target position.
 * num_targets or contextual_len > 0 require causal=True, kv_lengths not None, Lq == Lk and Bq == B (no
   shared queries); ValueError naming the argument otherwise.
+* kv_mask: None or a torch.bool (B, Lk) tensor on q's device (B = k's batch, also with shared queries),
+  any strides (a (1, Lk) mask expanded to (B, Lk) is read in place): key j of batch b is valid only where
+  kv_mask[b, j] is True (and j < kv_len_b). Not served with num_targets or contextual_len > 0
+  (ValueError). Wrong dtype, shape or device: ValueError naming kv_mask.
 
 Semantics
 ---------
-For batch b, the pair (i, j) is valid when i < q_len_b and j < kv_len_b and (not causal or j <= i,
-top-left aligned) and (window == 0 or (i - j <= window if causal else |i - j| <= window)).
+For batch b, the pair (i, j) is valid when i < q_len_b and j < kv_len_b and kv_mask[b, j] (when given)
+and (not causal or j <= i, top-left aligned) and (window == 0 or (i - j <= window if causal else
+|i - j| <= window)). Positions are absolute: a mask with holes or left padding shifts nothing.
 
 With num_targets or contextual_len > 0 (causal), the visibility uses clamped position ids. With
 n = kv_len_b, t = num_targets[b] (only when given), c = contextual_len::
@@ -62,9 +67,10 @@ With s_ij = scale * q_i . k_j + bias_ij::
     out[b, h, i] = c_b * sum over valid j of act(s_ij) * v_j,
     c_b = out_scale * (1 / kv_len_b if divide_by_kv_length else 1)
 
-where kv_len_b is the clamped length (Lk when kv_lengths is None). Rows without a valid pair and padded
-query rows (i >= q_len_b) are exactly 0; with divide_by_kv_length and kv_len_b == 0 the output is 0
-(no NaN or inf). Garbage (NaN/inf) at padded positions of q, k, v, bias or grad_out never leaks. The
+where kv_len_b is the clamped length (Lk when kv_lengths is None; kv_mask does not change it). Rows
+without a valid pair and padded query rows (i >= q_len_b) are exactly 0; with divide_by_kv_length and
+kv_len_b == 0 the output is 0 (no NaN or inf). Garbage (NaN/inf) at padded positions of q, k, v, bias or
+grad_out (masked-out keys included) never leaks; keys with kv_mask False get exactly zero dk, dv. The
 bias must be finite on valid pairs: it is not a mask (act(-inf) is activation-specific, e.g. NaN for
 silu). Output: contiguous (B, H, Lq, D) in q's dtype; accumulation in fp32 (fp64 for float64 inputs).
 
@@ -77,8 +83,9 @@ How it is wired (as every attention op, see common/opkit.py)
 -----------------------------------------------------------
 * ``gemcompile::gdpa_fwd(...) -> out``: a ``torch.library.custom_op`` (opaque to Dynamo/Inductor) with a
   fake impl and ``register_autograd``; the backward needs only the inputs (no softmax statistics).
-* ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0)
-  -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an empty tensor when not needed).
+* ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0,
+  relative_offset=None, kv_mask=None) -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an
+  empty tensor when not needed). ``gdpa_fwd`` ends with ``..., relative_offset=None, kv_mask=None`` too.
 * ``gemcompile::gdpa``: the public op, ``CompositeImplicitAutograd``, which calls ``gdpa_fwd``. A plain
   eager call on CUDA (no tracing, no dispatch mode) skips the custom ops and runs the same kernels
   through one autograd.Function (:class:`EagerGDPA`): less host time per step.
@@ -89,8 +96,9 @@ Dispatch: CUDA runs the Triton kernels of triton.py (float64 falls back to the r
 device runs the plain-PyTorch reference of reference.py. Neither path syncs with the host.
 
 FLOPs: ``torch.utils.flop_counter`` formulas on gdpa_fwd / gdpa_bwd count the valid pairs from the real
-lengths (causal, window, targets and contextual prefix included; the padded causal/window count when
-the lengths or num_targets are fake): forward 4*H*D*pairs, backward 2.5x forward (flops.py).
+lengths and kv_mask (causal, window, targets and contextual prefix included; the padded causal/window
+count when the lengths, num_targets or kv_mask are fake): forward 4*H*D*pairs, backward 2.5x forward
+(flops.py).
 """
 
 from __future__ import annotations
@@ -112,15 +120,16 @@ from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
 __all__ = ["EagerGDPA", "check_gdpa_args", "gdpa"]
 
-_SCHEMA_INPUTS = 15  # gdpa_fwd's arguments, q to relative_offset
-_EAGER_INPUTS = 8  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets
+_SCHEMA_INPUTS = 16  # gdpa_fwd's arguments, q to kv_mask
+_EAGER_INPUTS = 9  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask
 
 
 # ---------------------------------------------------------------------------------------------------
 # Input checks (metadata only: they also run on fake tensors while tracing)
 
 
-def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None) -> None:
+def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
+                    kv_mask=None) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "gdpa kernels")
     if spec.relative_offset is not None:
@@ -139,6 +148,23 @@ def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_ta
     if isinstance(window, int) and window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
     _check_hstu_args(q, k, kv_lengths, spec.causal, num_targets, spec.contextual_len)
+    if kv_mask is not None:
+        _check_kv_mask(kv_mask, B, Lk, q.device, num_targets, spec.contextual_len)
+
+
+def _check_kv_mask(kv_mask, B, Lk, device, num_targets, contextual_len) -> None:
+    """kv_mask: a bool (B, Lk) tensor on q's device, any strides; not with HSTU's targets or prefix."""
+    if not isinstance(kv_mask, torch.Tensor):
+        raise TypeError(f"kv_mask must be a torch.Tensor or None, got {type(kv_mask).__name__}")
+    if kv_mask.dtype != torch.bool:
+        raise ValueError(f"kv_mask must be a torch.bool tensor, got dtype {kv_mask.dtype}")
+    if kv_mask.dim() != 2 or kv_mask.shape[0] != B or kv_mask.shape[1] != Lk:
+        raise ValueError(f"kv_mask must have shape (B, Lk) = ({B}, {Lk}) (B and Lk of k), "
+                         f"got {tuple(kv_mask.shape)}")
+    if kv_mask.device != device:
+        raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}")
+    if num_targets is not None or (isinstance(contextual_len, int) and contextual_len != 0):
+        raise ValueError("kv_mask is not served together with num_targets or contextual_len > 0")
 
 
 def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> None:
@@ -195,11 +221,11 @@ def _kernels(q: Tensor):
     return reference_gdpa_forward, reference_gdpa_backward
 
 
-def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets):
+def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None):
     """The checked forward of every path (the ops' CPU and CUDA kernels, the eager Function)."""
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,20 +249,22 @@ def gdpa_fwd(
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
+    kv_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """out (B, H, Lq, D) contiguous in q's dtype."""
-    spec, num_targets = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
-                                             num_targets, contextual_len, relative_offset)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
+                                                      causal, window, num_targets, contextual_len,
+                                                      relative_offset, kv_mask)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
     _check_values(q, k, q_lengths, kv_lengths, num_targets)
-    return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
 
 
 @gdpa_fwd.register_kernel("cuda")
 def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, *flags):
-    spec, num_targets = GdpaSpec.from_schema(*flags)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
-    return _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+    return _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
 
 
 @gdpa_fwd.register_fake
@@ -265,10 +293,12 @@ def gdpa_bwd(
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
+    kv_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     flags = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
-                                     bias_requires_grad, num_targets, contextual_len, relative_offset)
+                                     bias_requires_grad, num_targets, contextual_len, relative_offset,
+                                     kv_mask)
     return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
@@ -281,20 +311,21 @@ def _gdpa_bwd_cuda(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags):
 @gdpa_bwd.register_fake
 def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
                    divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None,
-                   contextual_len=0, relative_offset=None):
+                   contextual_len=0, relative_offset=None, kv_mask=None):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, q_lengths, kv_lengths, bias, *flags = inputs
-    spec, num_targets = GdpaSpec.from_schema(*flags)
-    save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets), spec, bias=bias, bias_index=5)
+    spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
+    save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask), spec, bias=bias,
+                      bias_index=5)
 
 
 def _fwd_backward(ctx, grad_out):
-    q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
-    flags = ctx.args.bwd_schema_args(ctx.bias_requires_grad, num_targets)
+    q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask = ctx.saved_tensors
+    flags = ctx.args.bwd_schema_args(ctx.bias_requires_grad, num_targets, kv_mask)
     dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
     return input_grads(_SCHEMA_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
@@ -307,23 +338,23 @@ gdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 class EagerGDPA(torch.autograd.Function):
-    """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets) in one autograd.Function, calling
-    the same kernels as the custom ops; arguments are checked by the caller. Taken for plain eager CUDA
-    calls; runs the reference elsewhere."""
+    """out = gdpa(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask) in one
+    autograd.Function, calling the same kernels as the custom ops; arguments are checked by the caller.
+    Taken for plain eager CUDA calls; runs the reference elsewhere."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets):
-        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
-        save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets), spec, bias=bias,
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None):
+        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+        save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask), spec, bias=bias,
                           bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, q_lengths, kv_lengths, bias, num_targets = ctx.saved_tensors
+        q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask = ctx.saved_tensors
         _, backward = _kernels(q)
         dq, dk, dv, dbias = backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, ctx.args, num_targets,
-                                     ctx.bias_requires_grad)
+                                     ctx.bias_requires_grad, kv_mask)
         return input_grads(_EAGER_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -334,15 +365,16 @@ class EagerGDPA(torch.autograd.Function):
 LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
     "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
-    "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None) -> Tensor"
+    "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None, Tensor? kv_mask=None) "
+    "-> Tensor"
 )
 
 
 def _gdpa_composite(q, k, v, q_lengths, kv_lengths, bias, *flags):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        spec, num_targets = GdpaSpec.from_schema(*flags)
-        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
-        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+        spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
+        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
     return torch.ops.gemcompile.gdpa_fwd(q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
@@ -365,50 +397,56 @@ def gdpa(
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
+    kv_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5).
     relative_offset: ``bias`` is a relative-position table (T,) or (T, Hz) read as
-    bias[b, h, i, j] = table[j - i + relative_offset, h] (relative_table.py)."""
+    bias[b, h, i, j] = table[j - i + relative_offset, h] (relative_table.py). kv_mask: bool (B, Lk), the
+    valid keys (besides kv_lengths)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     spec = GdpaSpec(activation, scale, out_scale, divide_by_kv_length, causal, window, contextual_len,
                     relative_offset)
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
     spec = dataclasses.replace(spec, scale=float(scale), out_scale=float(out_scale))
-    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *spec.schema_args(num_targets))
+    flags = spec.schema_args(num_targets, kv_mask)
+    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
 # ---------------------------------------------------------------------------------------------------
 # FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets) -> int:
+def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets, kv_mask=None) -> int:
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     window = int(spec.window)
-    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, num_targets)):
+    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, num_targets, kv_mask)):
         pairs = padded_gdpa_pairs(B, Lq, Lk, spec.causal, window)
     else:
         pairs = gdpa_pairs(q_lengths, kv_lengths, B, Lq, Lk, spec.causal, window, num_targets,
-                           int(spec.contextual_len))
+                           int(spec.contextual_len), kv_mask)
     return forward_flops(H, D, pairs)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_fwd, get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0, out_scale=1.0,
                divide_by_kv_length=False, causal=False, window=0, num_targets=None, contextual_len=0,
-               relative_offset=None, *, out_val=None, **kwargs) -> int:
-    spec, num_targets = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
-                                             num_targets, contextual_len, relative_offset)
-    return _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets)
+               relative_offset=None, kv_mask=None, *, out_val=None, **kwargs) -> int:
+    spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
+                                                      causal, window, num_targets, contextual_len,
+                                                      relative_offset, kv_mask)
+    return _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0,
                out_scale=1.0, divide_by_kv_length=False, causal=False, window=0, bias_requires_grad=False,
-               num_targets=None, contextual_len=0, relative_offset=None, *, out_val=None, **kwargs) -> int:
-    spec, num_targets, _ = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal,
-                                                    window, bias_requires_grad, num_targets, contextual_len,
-                                                    relative_offset)
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets))
+               num_targets=None, contextual_len=0, relative_offset=None, kv_mask=None, *, out_val=None,
+               **kwargs) -> int:
+    spec, num_targets, _, kv_mask = GdpaSpec.from_bwd_schema(activation, scale, out_scale,
+                                                             divide_by_kv_length, causal, window,
+                                                             bias_requires_grad, num_targets, contextual_len,
+                                                             relative_offset, kv_mask)
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask))

@@ -1,8 +1,8 @@
 """GDPA's per-pair device helpers, shared by the main kernels (triton.py) and the bias-gradient kernel
 (bias_grad_triton.py): which pairs of a sequence are valid (:func:`sample_bounds`, :func:`pair_mask`, with
-HSTU's targets and contextual prefix on clamped ids), what a pair contributes (:func:`act`, its derivative
-:func:`act_grad`; ACT = the activation's index in GDPA_ACTIVATIONS) and the per-batch output scale
-(:func:`output_scale`). Semantics: op.py.
+HSTU's targets and contextual prefix on clamped ids; a key mask: :func:`key_keep`, :func:`masked_key_range`),
+what a pair contributes (:func:`act`, its derivative :func:`act_grad`; ACT = the activation's index in
+GDPA_ACTIVATIONS) and the per-batch output scale (:func:`output_scale`). Semantics: op.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..common.attention_triton import sequence
 
-__all__ = ["act", "act_grad", "output_scale", "pair_mask", "sample_bounds"]
+__all__ = ["act", "act_grad", "key_keep", "masked_key_range", "output_scale", "pair_mask", "sample_bounds"]
 
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -170,3 +170,24 @@ def output_scale(out_scale, kv_len, DIVIDE: tl.constexpr):
     if DIVIDE:
         c = out_scale / tl.maximum(kv_len, 1).to(tl.float32)
     return c
+
+
+@triton.jit
+def key_keep(mask_base, cols, col_ok, stride_mn):
+    """kv_mask[b, cols] as a bool vector, False where not col_ok (mask_base: the mask's row b, uint8)."""
+    return tl.load(mask_base + cols.to(tl.int64) * stride_mn, mask=col_ok, other=0) != 0
+
+
+@triton.jit
+def masked_key_range(KVBounds, b, lo, mid_lo, mid_hi, hi, BLOCK_N: tl.constexpr):
+    """A query tile's key range (lo, mid_lo, mid_hi, hi) cut to batch b's kv_mask span [kv_lo, kv_hi)
+    (KVBounds: (B, 2) int32 from the launcher): tiles wholly in left or right padding are not visited.
+    lo stays a multiple of BLOCK_N and the unmasked tiles [mid_lo, mid_hi) stay whole (below kv_hi)."""
+    kv_lo = tl.load(KVBounds + 2 * b)
+    kv_hi = tl.load(KVBounds + 2 * b + 1)
+    lo = tl.maximum(lo, (kv_lo // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(tl.minimum(hi, kv_hi), lo)
+    mid_hi = tl.minimum(mid_hi, (kv_hi // BLOCK_N) * BLOCK_N)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi

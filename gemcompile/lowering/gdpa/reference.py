@@ -7,7 +7,8 @@ For batch b and a valid pair (i, j) (see :func:`valid_pair_mask`)::
     s_ij = scale * q_i . k_j + bias_ij,   a_ij = act(s_ij)
     out_i = c_b * sum_j a_ij v_j,         c_b = out_scale (/ kv_len_b when divide_by_kv_length)
 
-Invalid pairs contribute nothing; rows without a valid pair and padded query rows are exactly 0.
+Invalid pairs contribute nothing; rows without a valid pair and padded query rows are exactly 0. A key
+with kv_mask[b, j] False is invalid like a padded one (positions stay absolute).
 
 The backward is written out (no autograd inside the op, so it also runs below the autograd dispatch
 key): with m the valid mask, dA_ij = c_b m_ij (dO_i . v_j), dS = dA * act'(s), dV = c_b (m a)^T dO,
@@ -127,8 +128,10 @@ def valid_pair_mask(
     device,
     num_targets: Optional[Tensor] = None,
     contextual_len: int = 0,
+    kv_mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """(B, 1, Lq, Lk) bool: i < q_len and j < kv_len (lengths None mean the padded length), and
+    """(B, 1, Lq, Lk) bool: i < q_len and j < kv_len (lengths None mean the padded length) and kv_mask[b, j]
+    (when given), and
 
     * without num_targets and contextual_len == 0: j <= i if causal; with window > 0 also i - j <= window
       (causal) or |i - j| <= window (not causal);
@@ -145,7 +148,7 @@ def valid_pair_mask(
     """
     c = int(contextual_len)
     q_ok = row_mask(q_lengths, B, Lq, device)
-    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    kv_ok = _key_mask(kv_lengths, kv_mask, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     rows = torch.arange(Lq, device=device)[:, None]
     cols = torch.arange(Lk, device=device)[None, :]
@@ -180,6 +183,12 @@ def valid_pair_mask(
     return valid & visible[:, None]
 
 
+def _key_mask(kv_lengths, kv_mask, B: int, Lk: int, device) -> Tensor:
+    """(B, Lk) bool: the valid keys, j < kv_len and kv_mask[b, j]."""
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    return kv_ok if kv_mask is None else kv_ok & kv_mask.to(device, torch.bool)
+
+
 def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, dtype, device) -> Tensor:
     """(B, 1, 1, 1) c_b = out_scale (/ kv_len_b, clamped into [0, Lk]; 0 pairs when kv_len_b = 0)."""
     c = torch.full((B,), float(out_scale), dtype=dtype, device=device)
@@ -192,19 +201,19 @@ def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, d
     return c.reshape(B, 1, 1, 1)
 
 
-def _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec: GdpaSpec):
+def _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec: GdpaSpec, kv_mask=None):
     """What the forward and the backward share, in the compute dtype: s (0 at invalid pairs), the valid
     mask (B, 1, Lq, Lk), a = act(s) at valid pairs, zeroed q, k, v and the per-batch output scale c."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
-    kf = zero_invalid_rows(k.to(cdt), row_mask(kv_lengths, B, Lk, k.device))
-    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    key_ok = _key_mask(kv_lengths, kv_mask, B, Lk, k.device)
+    kf = zero_invalid_rows(k.to(cdt), key_ok)
+    vf = zero_invalid_rows(v.to(cdt), key_ok)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * spec.scale
-    valid = valid_pair_mask(
-        q_lengths, kv_lengths, B, Lq, Lk, spec.causal, spec.window, q.device, num_targets, spec.contextual_len
-    )
+    valid = valid_pair_mask(q_lengths, kv_lengths, B, Lq, Lk, spec.causal, spec.window, q.device, num_targets,
+                            spec.contextual_len, kv_mask)
     if bias is not None:
         s = s + torch.where(valid, bias.to(cdt), s.new_zeros(()))
     s = torch.where(valid, s, s.new_zeros(()))
@@ -222,24 +231,25 @@ def _dense_bias(bias, q, k, spec: GdpaSpec):
 
 def reference_gdpa_forward(q: Tensor, k: Tensor, v: Tensor, q_lengths: Optional[Tensor],
                            kv_lengths: Optional[Tensor], bias: Optional[Tensor], spec: GdpaSpec,
-                           num_targets: Optional[Tensor] = None) -> Tensor:
+                           num_targets: Optional[Tensor] = None, kv_mask: Optional[Tensor] = None) -> Tensor:
     """q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype. With
     spec.relative_offset, bias is a relative table: bias[b, h, i, j] = table[j - i + relative_offset, h]."""
     bias = _dense_bias(bias, q, k, spec)
-    _, _, a, _, _, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec)
+    _, _, a, _, _, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec, kv_mask)
     return (torch.matmul(a, vf) * c).to(q.dtype).contiguous()
 
 
 def reference_gdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, q_lengths: Optional[Tensor],
                             kv_lengths: Optional[Tensor], bias: Optional[Tensor], spec: GdpaSpec,
-                            num_targets: Optional[Tensor] = None, bias_requires_grad: bool = False):
+                            num_targets: Optional[Tensor] = None, bias_requires_grad: bool = False,
+                            kv_mask: Optional[Tensor] = None):
     """(dq like q, dk, dv, dbias like bias); dbias is an empty tensor unless bias_requires_grad. With
     spec.relative_offset, bias is a relative table and dbias is its gradient (the dense gradient's
     diagonal sums)."""
     table, bias = bias, _dense_bias(bias, q, k, spec)
     B, H, _, D = k.shape
     Lq = q.shape[2]
-    s, valid, a, qf, kf, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec)
+    s, valid, a, qf, kf, vf, c = _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec, kv_mask)
     do = zero_invalid_rows(grad_out.to(s.dtype), row_mask(q_lengths, B, Lq, q.device))
     dv = torch.matmul(a.transpose(-1, -2), do) * c
     da = torch.where(valid, torch.matmul(do, vf.transpose(-1, -2)) * c, s.new_zeros(()))

@@ -27,6 +27,15 @@ contextual rows before its causal start (masked) too. The clamped ids make the w
 start of the key range, the end of the query range) non-trivial: with targets or a prefix it is not
 used to skip tiles (the unmasked window bounds stay valid: the clamped distance never exceeds i - j).
 
+A key mask (HAS_KV_MASK: kv_mask (B, Lk) bool, read in place as uint8 through its strides; never with
+targets or a prefix): the launcher derives per batch, with torch ops on the device, kv_lo (the first valid
+key, Lk if none) and kv_hi (the last valid key + 1, 0 if none; valid = the mask and j < kv_len). Query
+tiles visit key tiles only from kv_lo rounded down to a tile up to kv_hi (left and right padding skip
+whole tiles), unmasked tiles stay whole tiles below kv_hi, and every visited tile ANDs the loaded mask
+vector into its validity and its K/V loads (masked-out keys read as 0: no garbage leaks). dK/dV programs
+whose key tile holds no valid key write zeros and exit; the others zero the rows of masked-out keys. The
+forward and dQ programs are ordered by kv_hi - kv_lo. HAS_KV_MASK False compiles to the code without it.
+
 Forward (``_gdpa_fwd_kernel``): one program per (query tile, batch*head), 1-D grid of static size.
 acc = sum_j act(s_ij) v_j in fp32, out = c_b * acc with c_b = out_scale (/ kv_len_b).
 
@@ -76,10 +85,11 @@ from ..common.attention_triton import (
     program_coordinates,
     store_rows,
 )
+from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, launch
 from .diagonal_sums_triton import relative_table_grad_triton
-from .pairs_triton import act, act_grad, output_scale, pair_mask, sample_bounds
+from .pairs_triton import act, act_grad, key_keep, masked_key_range, output_scale, pair_mask, sample_bounds
 from .relative_table import table_heads, toeplitz_view
 from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
@@ -111,7 +121,7 @@ _DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # DIVIDE (a per-program scalar) does not change the cost: not part of the key.
 # HAS_TARGETS / HAS_CONTEXT are flags only (never the contextual length nor the number of targets).
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL", "HAS_WINDOW",
-                 "HAS_TARGETS", "HAS_CONTEXT", "ACT", "FAST_ACT", "DOT_PRECISION"]
+                 "HAS_TARGETS", "HAS_CONTEXT", "HAS_KV_MASK", "ACT", "FAST_ACT", "DOT_PRECISION"]
 
 
 def activation_code(name: str) -> int:
@@ -198,21 +208,28 @@ def _query_range(n0, q_len, kv_len, window, u, CAUSAL: tl.constexpr, HAS_WINDOW:
 
 
 @triton.jit
-def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
-               ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale, lo, hi,
-               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-               ACT: tl.constexpr, FAST_ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def _fwd_inner(acc, q, k_base, v_base, bias_base, kvm_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+               n_targets, ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn,
+               scale, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
+               HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if HAS_KV_MASK:  # masked-out keys load as 0 (no garbage) and are dropped from every tile
+            keep = key_keep(kvm_base, cols, col_ok, stride_mn)
+            col_ok = col_ok & keep
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, True)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
             valid = pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            if HAS_KV_MASK:
+                valid = valid & keep[None, :]
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                   + cols.to(tl.int64)[None, :] * stride_zn)
@@ -224,7 +241,12 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
         a = act(s, ACT, FAST_ACT)
         if MASKED:
             a = tl.where(valid, a, 0.0)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        elif HAS_KV_MASK:
+            a = tl.where(keep[None, :], a, 0.0)
+        if HAS_KV_MASK:
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
+        else:
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc
 
@@ -233,18 +255,19 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len,
 @triton.jit
 def _gdpa_fwd_kernel(
     Q, K, V, Bias, Out,
-    QLengths, KVLengths, NumTargets, Order,
+    QLengths, KVLengths, NumTargets, Order, KVMask, KVBounds,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_ob, stride_oh, stride_om, stride_od,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
@@ -268,22 +291,25 @@ def _gdpa_fwd_kernel(
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
+    m_base = KVMask + b64 * stride_mb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, u, contextual_len, CAUSAL, HAS_WINDOW,
                                         HAS_TARGETS, HAS_CONTEXT, BLOCK_M, BLOCK_N)
+    if HAS_KV_MASK:
+        lo, mid_lo, mid_hi, hi = masked_key_range(KVBounds, b, lo, mid_lo, mid_hi, hi, BLOCK_N)
     if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
-        acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+        acc = _fwd_inner(acc, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
                          n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
-                         stride_zn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
-                         HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
-    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
-                     contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
-                     mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT,
-                     ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_N)
-    acc = _fwd_inner(acc, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, window, n_targets,
-                     contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, scale,
-                     mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT,
-                     FAST_ACT, True, DOT_PRECISION, BLOCK_N)
+                         stride_zn, stride_mn, scale, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                         HAS_TARGETS, HAS_CONTEXT, HAS_KV_MASK, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                     n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn,
+                     stride_mn, scale, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
+                     HAS_TARGETS, HAS_CONTEXT, HAS_KV_MASK, ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_N)
+    acc = _fwd_inner(acc, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
+                     n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn,
+                     stride_mn, scale, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_TARGETS,
+                     HAS_CONTEXT, HAS_KV_MASK, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
     c = output_scale(out_scale, kv_len, DIVIDE)
     out = tl.where(row_ok[:, None], acc * c, 0.0)
     store_rows(o_base, offs_m, offs_d, stride_om, stride_od, out, store_mask, HEAD_D)
@@ -334,19 +360,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
 @triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, DK, DV,
-    QLengths, KVLengths, NumTargets, Order,
+    QLengths, KVLengths, NumTargets, Order, KVMask,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -360,13 +387,18 @@ def _gdpa_bwd_dkdv_kernel(
     dk_base = DK + b64 * stride_dkb + h64 * stride_dkh
     dv_base = DV + b64 * stride_dkb + h64 * stride_dkh
     store_mask = offs_n < max_kv_len
-    if n0 >= kv_len:
+    col_ok = offs_n < kv_len
+    skip = n0 >= kv_len
+    if HAS_KV_MASK:  # a key tile without a valid key (in padding or a hole of the mask): zeros
+        keep = key_keep(KVMask + b64 * stride_mb, offs_n, col_ok, stride_mn)
+        col_ok = col_ok & keep
+        skip = skip | (tl.max(keep.to(tl.int32), 0) == 0)
+    if skip:
         zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
         store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
         return
 
-    col_ok = offs_n < kv_len
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_gb + h64 * stride_gh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
@@ -401,27 +433,39 @@ def _gdpa_bwd_dkdv_kernel(
                          stride_zn, scale, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, HAS_WINDOW,
                          HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_M)
     c = output_scale(out_scale, kv_len, DIVIDE)
+    if HAS_KV_MASK:  # a row of dK/dV is one key's: masked-out keys (scored as k = 0 above) get exactly 0
+        dk = tl.where(keep[:, None], dk, 0.0)
+        dv = tl.where(keep[:, None], dv, 0.0)
     store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * (c * scale), store_mask, HEAD_D)
     store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv * c, store_mask, HEAD_D)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-              n_targets, ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm,
-              scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, kvm_base, offs_m, offs_n, offs_d, q_len, kv_len,
+              window, n_targets, ctx, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn,
+              stride_sm, stride_mn, scale, c, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+              ACT: tl.constexpr, FAST_ACT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if HAS_KV_MASK:  # masked-out keys load as 0 (no garbage) and are dropped from every tile
+            keep = key_keep(kvm_base, cols, col_ok, stride_mn)
+            col_ok = col_ok & keep
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, True)
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if MASKED:
             valid = pair_mask(offs_m[:, None], cols[None, :], q_len, kv_len, window, n_targets, ctx, CAUSAL,
                               HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT)
+            if HAS_KV_MASK:
+                valid = valid & keep[None, :]
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
                                + cols.to(tl.int64)[None, :] * stride_zn)
@@ -434,6 +478,8 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
         ds = da * act_grad(s, ACT, FAST_ACT)
         if MASKED:
             ds = tl.where(valid, ds, 0.0)
+        elif HAS_KV_MASK:
+            ds = tl.where(keep[None, :], ds, 0.0)
         if BIAS_GRAD:
             s_ptrs = ds_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols.to(tl.int64)[None, :]
             tl.store(s_ptrs, ds * c, mask=row_ok[:, None] & col_ok[None, :])
@@ -446,7 +492,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d
 @triton.jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, Bias, DO, DQ, DS,
-    QLengths, KVLengths, NumTargets, Order,
+    QLengths, KVLengths, NumTargets, Order, KVMask, KVBounds,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -454,12 +500,14 @@ def _gdpa_bwd_dq_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr,
+    FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
@@ -486,24 +534,29 @@ def _gdpa_bwd_dq_kernel(
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
+    m_base = KVMask + b64 * stride_mb
     c = output_scale(out_scale, kv_len, DIVIDE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(m0, q_len, kv_len, window, u, contextual_len, CAUSAL, HAS_WINDOW,
                                         HAS_TARGETS, HAS_CONTEXT, BLOCK_M, BLOCK_N)
+    if HAS_KV_MASK:
+        lo, mid_lo, mid_hi, hi = masked_key_range(KVBounds, b, lo, mid_lo, mid_hi, hi, BLOCK_N)
     if HAS_WINDOW:  # the window's left edge: masked tiles before the unmasked ones
-        dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
-                       window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_zm, stride_zn, stride_sm, scale, c, lo, mid_lo, HEAD_D, BLOCK_D, HAS_BIAS,
-                       BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True,
-                       DOT_PRECISION, BLOCK_N)
-    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                   n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
-                   stride_zn, stride_sm, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
-                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, False, DOT_PRECISION, BLOCK_N)
-    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len, window,
-                   n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
-                   stride_zn, stride_sm, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL,
-                   HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, ACT, FAST_ACT, True, DOT_PRECISION, BLOCK_N)
+        dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+                       kv_len, window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd,
+                       stride_zm, stride_zn, stride_sm, stride_mn, scale, c, lo, mid_lo, HEAD_D, BLOCK_D,
+                       HAS_BIAS, BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, HAS_KV_MASK, ACT,
+                       FAST_ACT, True, DOT_PRECISION, BLOCK_N)
+    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+                   window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
+                   stride_zn, stride_sm, stride_mn, scale, c, mid_lo, mid_hi, HEAD_D, BLOCK_D, HAS_BIAS,
+                   BIAS_GRAD, CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, HAS_KV_MASK, ACT, FAST_ACT, False,
+                   DOT_PRECISION, BLOCK_N)
+    dq = _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+                   window, n_targets, contextual_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm,
+                   stride_zn, stride_sm, stride_mn, scale, c, mid_hi, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD,
+                   CAUSAL, HAS_WINDOW, HAS_TARGETS, HAS_CONTEXT, HAS_KV_MASK, ACT, FAST_ACT, True,
+                   DOT_PRECISION, BLOCK_N)
     dq = tl.where(row_ok[:, None], dq * (c * scale), 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -525,6 +578,39 @@ def _sides(q, k, q_lengths, kv_lengths):
 def _order_by(first: Side, second: Side, B: int, device) -> torch.Tensor:
     """Batches longest first by the lengths of ``first`` (``second``'s when first has none)."""
     return batch_order(first if first.sort_key() is not None else second, B, device)
+
+
+def _key_loop_order(q_side: Side, kv_side: Side, kv_span, B: int, device) -> torch.Tensor:
+    """The batch order of the programs that loop over keys (forward, dQ): by kv lengths (q lengths when
+    none), or with a kv_mask by its span kv_hi - kv_lo (what they iterate)."""
+    if kv_span is None:
+        return _order_by(kv_side, q_side, B, device)
+    return longest_first_order(kv_span)
+
+
+def _query_loop_order(q_side: Side, kv_side: Side, kv_order, kv_span, q_lengths, kv_lengths, B: int, device):
+    """The batch order of the programs that loop over queries (dK/dV; the bias-gradient kernel's prefix
+    search needs it): by q lengths, else kv_order (also when kv_order is by the same lengths)."""
+    if q_side.sort_key() is None or (kv_span is None and q_lengths is kv_lengths):
+        return kv_order
+    return _order_by(q_side, kv_side, B, device)
+
+
+def _kv_mask_args(kv_mask, kv_lengths, B: int, Lk: int, dummy: torch.Tensor):
+    """(the mask the kernels read (uint8 view, its strides: read in place), its (b, n) strides, KVBounds
+    (B, 2) int32 [kv_lo, kv_hi), the span (B,) int32 kv_hi - kv_lo or None). kv_lo: the first valid key
+    (Lk if none), kv_hi: the last valid key + 1 (0 if none), valid = kv_mask and j < kv_len. Device-side
+    torch ops, no host sync. Lk > 0."""
+    if kv_mask is None:
+        return dummy, (0, 0), dummy, None
+    pos = torch.arange(Lk, device=kv_mask.device, dtype=torch.int32)
+    ok = kv_mask if kv_lengths is None else kv_mask & (pos[None, :] < kv_lengths[:, None])
+    ok = ok.expand(B, Lk)
+    kv_lo = torch.where(ok, pos, Lk).amin(1)
+    kv_hi = torch.where(ok, pos + 1, 0).amax(1)
+    bounds = torch.stack((kv_lo, kv_hi), 1).to(torch.int32)
+    span = (kv_hi - kv_lo).clamp_min(0).to(torch.int32)
+    return kv_mask.view(torch.uint8), kv_mask.stride(), bounds, span
 
 
 def _bias_args(bias, q, B, H, Lq, Lk, relative_offset=None):
@@ -549,17 +635,18 @@ def sfu_activation(dtype: torch.dtype) -> bool:
     return SFU_ACTIVATIONS and not INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
-def _flags(q, D, q_side, kv_side, has_bias, spec: GdpaSpec, has_targets):
+def _flags(q, D, q_side, kv_side, has_bias, spec: GdpaSpec, has_targets, has_kv_mask=False):
     return dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
                 CAUSAL=bool(spec.causal), HAS_WINDOW=int(spec.window) > 0, HAS_TARGETS=bool(has_targets),
-                HAS_CONTEXT=int(spec.contextual_len) > 0, ACT=activation_code(spec.activation),
+                HAS_CONTEXT=int(spec.contextual_len) > 0, HAS_KV_MASK=bool(has_kv_mask),
+                ACT=activation_code(spec.activation),
                 FAST_ACT=sfu_activation(q.dtype), DIVIDE=bool(spec.divide_by_kv_length),
                 DOT_PRECISION=dot_precision(q.dtype))
 
 
-def _loop_bounds(spec: GdpaSpec, num_targets) -> tuple[int, int]:
+def _loop_bounds(spec: GdpaSpec, num_targets, kv_mask=None) -> tuple[int, int]:
     """(window, contextual_len) as ints, checked: the loop bounds of targets / a contextual prefix
-    assume causal."""
+    assume causal; a kv_mask's span is not combined with them."""
     window, contextual_len = int(spec.window), int(spec.contextual_len)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
@@ -567,15 +654,17 @@ def _loop_bounds(spec: GdpaSpec, num_targets) -> tuple[int, int]:
         raise ValueError(f"contextual_len must be >= 0, got {contextual_len}")
     if (num_targets is not None or contextual_len > 0) and not spec.causal:
         raise ValueError("num_targets and contextual_len > 0 require causal=True")
+    if kv_mask is not None and (num_targets is not None or contextual_len > 0):
+        raise ValueError("kv_mask is not served together with num_targets or contextual_len > 0")
     return window, contextual_len
 
 
-def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None):
+def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None, kv_mask=None):
     """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
     num_targets (B,) int or None, spec.contextual_len >= 0: HSTU's target mask and contextual prefix
     (causal). spec.relative_offset: bias is a relative table (T,) or (T, Hz),
-    bias[b, h, i, j] = table[j - i + offset, h]."""
-    window, contextual_len = _loop_bounds(spec, num_targets)
+    bias[b, h, i, j] = table[j - i + offset, h]. kv_mask: None or bool (B, Lk), any strides."""
+    window, contextual_len = _loop_bounds(spec, num_targets, kv_mask)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
@@ -585,7 +674,8 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
         return out.zero_()
     q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
     bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, spec.relative_offset)
-    order = _order_by(kv_side, q_side, B, q.device)
+    mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, B, Lk, kv_side.lengths)
+    order = _key_loop_order(q_side, kv_side, span, B, q.device)
     buckets = (length_bucket(Lq), length_bucket(Lk))
 
     def grid(meta):
@@ -593,15 +683,16 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
 
     targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
     launch(_gdpa_fwd_kernel, grid, (
-        q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order,
-        *bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(),
+        q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order, mask_t, bounds,
+        *bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(), *m_strides,
         H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
-    ), _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None), buckets)
+    ), _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None, kv_mask is not None),
+        buckets)
     return out
 
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
-                         bias_requires_grad: bool = False, *, bias_grad_splits: int | None = None):
+                         bias_requires_grad: bool = False, kv_mask=None, *, bias_grad_splits: int | None = None):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
     full (Lq, Lk) dims gets its gradient from bias_grad_triton.py (reduced over the shared batch and
     head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
@@ -609,7 +700,7 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
     in-kernel parts' diagonal sums (diagonal_sums_triton.py)."""
     from .bias_grad_triton import bias_grad_parts, bias_grad_triton, full_bias_grad_supported
 
-    window, contextual_len = _loop_bounds(spec, num_targets)
+    window, contextual_len = _loop_bounds(spec, num_targets, kv_mask)
     relative_offset = spec.relative_offset
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -630,32 +721,34 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
         else:
             ds_t, ds_strides = ds, ds.stride()[:3]
-        flags = _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None)
+        flags = _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None,
+                       kv_mask is not None)
         buckets = (length_bucket(Lq), length_bucket(Lk))
         scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets)
         targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
         q_strides = bhld_strides(q, shared_q)
+        mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, B, Lk, kv_side.lengths)
         # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
-        kv_order = _order_by(kv_side, q_side, B, q.device)
-        if q_lengths is kv_lengths or (q_side.mode == MODE_FULL and kv_side.mode == MODE_FULL):
-            q_order = kv_order
-        else:
-            q_order = _order_by(q_side, kv_side, B, q.device)
+        kv_order = _key_loop_order(q_side, kv_side, span, B, q.device)
+        q_order = _query_loop_order(q_side, kv_side, kv_order, span, q_lengths, kv_lengths, B, q.device)
         launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
-            q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order,
-            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(),
+            q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order, mask_t,
+            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(), *m_strides,
             *scalars), flags, buckets)
         launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
-            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dq_buffer.stride(),
-            *ds_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None), buckets)
+            mask_t, bounds, *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),
+            *dq_buffer.stride(), *ds_strides, *m_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None),
+            buckets)
+        key_mask = (mask_t, m_strides)
         if in_kernel_bias_grad and relative:
             part = bias_grad_parts(q, k, v, bias_t, 1, table_heads(bias), grad_out, q_side, kv_side, targets,
-                                   q_order, q_strides, z_strides, flags, scalars[:7], bias_grad_splits)
+                                   q_order, q_strides, z_strides, flags, scalars[:7], bias_grad_splits,
+                                   key_mask=key_mask)
             dbias = relative_table_grad_triton(part, bias, relative_offset)
         elif in_kernel_bias_grad:
             dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides,
-                                     z_strides, flags, scalars[:7], bias_grad_splits)
+                                     z_strides, flags, scalars[:7], bias_grad_splits, key_mask=key_mask)
     else:
         dk.zero_()
         dv.zero_()
