@@ -388,7 +388,8 @@ def test_kv_mask_no_host_sync(single_config):
     def step():
         grads = []
         for block, window in ((64, -1), (0, 128)):
-            out = ops.block_attention(*leaves, lengths, block, window, False, cos, sin, "half", 0.125, kv_mask)
+            args = (lengths, block, window, False, cos, sin, "half", 0.125, kv_mask)
+            out = ops.block_attention(*leaves, *args)
             grads += torch.autograd.grad(out, leaves, torch.ones_like(out))
         return grads
 

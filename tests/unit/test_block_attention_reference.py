@@ -401,7 +401,8 @@ def test_kv_mask_garbage_in_dropped_keys_never_leaks():
     drop = (~mask)[:, None, :, None]
     args = (lengths, 8, 2, False, cos, sin, "half", 0.3, mask)
     clean = ops.block_attention(q, k, v, *args)
-    dirty = ops.block_attention(q, k.masked_fill(drop, float("nan")), v.masked_fill(drop, float("inf")), *args)
+    dirty_k, dirty_v = k.masked_fill(drop, float("nan")), v.masked_fill(drop, float("inf"))
+    dirty = ops.block_attention(q, dirty_k, dirty_v, *args)
     torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
 
 
@@ -492,7 +493,8 @@ def test_kv_mask_pair_count_matches_the_mask(kind, block, window, causal):
 
 
 def test_kv_mask_flop_counter_counts_useful_pairs():
-    q, k, v, lengths, cos, sin = make_case(B=4, H=2, L=32, D=16, lengths=torch.tensor([32, 0, 9, 17]), seed=47)
+    lengths = torch.tensor([32, 0, 9, 17])
+    q, k, v, lengths, cos, sin = make_case(B=4, H=2, L=32, D=16, lengths=lengths, seed=47)
     q.requires_grad_(True)
     mask = make_kv_mask("holes", 4, 32, seed=5)
     pairs = block_attention_pairs(lengths, 32, 8, 3, True, mask)

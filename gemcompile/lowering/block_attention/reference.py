@@ -3,8 +3,8 @@
 Semantics (shared with the Triton kernels, see op.py): every query row i of the padded
 length L (padded rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and
 (window >= 0) |i - j| <= window, and (causal) j <= i, and (kv_mask given) kv_mask[b, j]. A row with no
-allowed key is exactly 0 with zero gradients. With rotary, q and k are rotated first: x * cos + rot(x) * sin, rot = rotate_half ("half")
-or rotate-every-two ("interleaved"); v is not rotated.
+allowed key is exactly 0 with zero gradients. With rotary, q and k are rotated first: x * cos + rot(x) *
+sin, rot = rotate_half ("half") or rotate-every-two ("interleaved"); v is not rotated.
 
 Block attention is jagged attention (q_lengths None: every row is a query; kv_lengths = lengths) with
 an additive 0/-inf bias of the (L, L) block/window/causal pattern, on rotated q and k. So the reference

@@ -529,7 +529,8 @@ def _fwd_kernel(
     H, L, window, qk_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
@@ -601,7 +602,8 @@ def _bwd_dkdv_kernel(
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_N))
@@ -687,7 +689,8 @@ def _bwd_dq_kernel(
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per query tile; loops over its key range. dQ: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
@@ -888,8 +891,8 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
             out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
             H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, *strides, *dk.stride(), *scalars), consts,
-               buckets)
+               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, *strides, *dk.stride(), *scalars),
+               consts, buckets)
         launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
                (*inputs, lse, delta, dq, lengths, mask, kv_range, *strides, *dq.stride(), *scalars), consts,
                buckets)
