@@ -13,8 +13,8 @@ eager padded SDPA with the boolean mask computes them) attends key j iff j < len
 (block > 0) i // block == j // block, and (window >= 0) |i - j| <= window, and (causal) j <= i, and
 (kv_mask given) kv_mask[b, j]. block = 0 means no block, window = -1 no window; one of them must be
 given (otherwise this is jagged_attention). So padded rows of the last, partial block see that block's
-valid keys; rows in blocks wholly past the length see none. A row with no allowed key is exactly 0 with zero gradients
-(what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
+valid keys; rows in blocks wholly past the length see none. A row with no allowed key is exactly 0 with
+zero gradients (what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
 
 kv_mask: None or a bool (B, L) tensor on q's device, any strides (a (1, L) mask expanded to (B, L) is
 read with batch stride 0). It only removes keys: positions stay absolute (holes or left padding shift
