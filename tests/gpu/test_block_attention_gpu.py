@@ -79,24 +79,24 @@ def make_case(B, H, L, D, dtype, tables="shared", seed=0, table_dtype=None):
     return q, k, v, lengths, cos, sin
 
 
-def run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out):
+def run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask=None):
     # detach (not clone): permuted and expanded views must reach the op with their strides
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    out = ops.block_attention(*leaves, lengths, block, window, causal, cos, sin, rotary, scale)
+    out = ops.block_attention(*leaves, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     out.backward(grad_out)
     return out.detach(), [x.grad for x in leaves]
 
 
-def check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, seed=1):
+def check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, seed=1, kv_mask=None):
     dtype = q.dtype
     scale = 1 / math.sqrt(q.shape[-1])
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
-    out, grads = run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out)
+    out, grads = run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask)
     d64 = [x.double() for x in (q, k, v)]
     t64 = [None if t is None else t.double() for t in (cos, sin)]
-    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale)
+    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask)
     ref = reference_backward(grad_out.double(), *d64, ref_out, ref_lse, lengths, block, window, causal, *t64,
-                             rotary, scale)
+                             rotary, scale, kv_mask)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
     assert not out.isnan().any()
@@ -106,6 +106,9 @@ def check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, seed=1
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert not got.isnan().any(), name
         assert rel(got, want) < bwd_tol, (name, rel(got, want))
+    if kv_mask is not None:  # keys the mask drops get exactly zero dK and dV
+        dropped = (~kv_mask)[:, None, :, None].expand_as(grads[1])
+        assert (grads[1][dropped] == 0).all() and (grads[2][dropped] == 0).all()
 
 
 CASES = [  # dtype, D, L, block, window, causal, rotary, tables
@@ -305,3 +308,132 @@ def test_flop_counter_on_cuda(single_config):
     with FlopCounterMode(display=False) as counter:
         ops.block_attention(q, k, v, lengths, 64, -1, False, cos, sin, "half", 0.125).sum().backward()
     assert counter.get_total_flops() == int(3.5 * 4 * 2 * 64 * pairs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv_mask
+
+
+def make_kv_mask(kind, B, L, seed=0):
+    """(B, L) bool key mask on the GPU; "expanded" is a (1, L) mask expanded to (B, L) (batch stride 0)."""
+    g = torch.Generator().manual_seed(seed)
+    j = torch.arange(L)[None, :]
+    if kind == "holes":
+        mask = torch.rand(B, L, generator=g) > 0.4
+    elif kind == "left_padding":  # a valid suffix, starting anywhere in the first half
+        mask = j >= torch.randint(0, L // 2 + 1, (B, 1), generator=g)
+    elif kind == "right_padding":
+        mask = j < torch.randint(L // 2, L + 1, (B, 1), generator=g)
+    elif kind == "empty_row":
+        mask = torch.rand(B, L, generator=g) > 0.3
+        mask[2] = False  # sample 2 has length L: only the mask makes it empty
+    elif kind == "all_true":
+        mask = torch.ones(B, L, dtype=torch.bool)
+    elif kind == "expanded":
+        return (torch.rand(1, L, generator=g) > 0.3).to(DEV).expand(B, L)
+    else:
+        raise ValueError(kind)
+    return mask.to(DEV)
+
+
+KV_MASK_KINDS = ["holes", "left_padding", "right_padding", "empty_row", "all_true", "expanded"]
+KV_MASK_CASES = [  # dtype, D, L, block, window, causal, rotary, tables
+    (torch.bfloat16, 64, 1000, 64, -1, False, "half", "shared"),  # closed kernels
+    (torch.bfloat16, 128, 1000, 16, 8, True, "none", "none"),  # closed, four blocks per tile
+    (torch.bfloat16, 64, 1000, 128, -1, True, "interleaved", "per_sample"),  # general: block > tile
+    (torch.bfloat16, 128, 1024, 0, 100, False, "half", "shared"),  # sliding window
+    (torch.float32, 64, 1000, 64, -1, True, "none", "none"),
+    (torch.float32, 128, 777, 0, 33, True, "half", "shared"),
+]
+
+
+@pytest.mark.parametrize("kind", KV_MASK_KINDS)
+@pytest.mark.parametrize(
+    "case",
+    KV_MASK_CASES,
+    ids=lambda c: (f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-block{c[3]}-w{c[4]}-{'causal' if c[5] else 'full'}"
+                   f"-{c[6]}"),
+)
+def test_kv_mask_matches_float64_reference(single_config, case, kind):
+    dtype, D, L, block, window, causal, rotary, tables = case
+    if rotary == "interleaved" and tables == "shared":
+        tables = "interleaved_tables"
+    B = 6
+    q, k, v, lengths, cos, sin = make_case(B, 2, L, D, dtype, tables, seed=D + L)
+    kv_mask = make_kv_mask(kind, B, L, seed=L)
+    check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, kv_mask=kv_mask)
+    # the key mask from data: full lengths, the mask alone says which keys are valid
+    full = torch.full((B,), L, device=DEV)
+    check_case(q, k, v, full, block, window, causal, cos, sin, rotary, kv_mask=kv_mask)
+
+
+def test_kv_mask_all_true_matches_no_mask_bitwise(single_config):
+    q, k, v, lengths, cos, sin = make_case(5, 2, 700, 64, torch.bfloat16, seed=13)
+    ones = torch.ones(5, 700, dtype=torch.bool, device=DEV)
+    g = torch.randn_like(q)
+    for block, window in ((64, -1), (0, 50)):
+        args = (lengths, block, window, True, cos, sin, "half", 0.125)
+        plain = run_op(q, k, v, *args, g)
+        masked = run_op(q, k, v, *args, g, ones)
+        assert torch.equal(plain[0], masked[0])
+        for a, b in zip(plain[1], masked[1]):
+            assert torch.equal(a, b)
+
+
+def test_kv_mask_no_host_sync(single_config):
+    q, k, v, lengths, cos, sin = make_case(6, 2, 1024, 64, torch.bfloat16, seed=14)
+    kv_mask = make_kv_mask("holes", 6, 1024)
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+
+    def step():
+        grads = []
+        for block, window in ((64, -1), (0, 128)):
+            args = (lengths, block, window, False, cos, sin, "half", 0.125, kv_mask)
+            out = ops.block_attention(*leaves, *args)
+            grads += torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return grads
+
+    step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_kv_mask_eager_path_and_custom_ops_agree_bitwise(single_config):
+    q, k, v, lengths, cos, sin = make_case(5, 2, 600, 128, torch.bfloat16, seed=15)
+    g = torch.randn_like(q)
+    args = (lengths, 64, 16, True, cos, sin, "half", 0.125, make_kv_mask("left_padding", 5, 600))
+
+    def grads(call):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = call(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = grads(lambda q, k, v: ops.block_attention(q, k, v, *args))
+    via_ops = grads(lambda q, k, v: ops.block_attention_fwd(q, k, v, *args)[0])
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)
+
+
+def test_kv_mask_compile_fullgraph_no_recompile(single_config):
+    B, H, L, D = 6, 2, 512, 64
+    q, k, v, _, cos, sin = make_case(B, H, L, D, torch.bfloat16, seed=16)
+    lengths = torch.full((B,), L, device=DEV)
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+
+    def f(q, k, v, kv_mask):
+        out = ops.block_attention(q, k, v, lengths, 64, -1, False, cos, sin, "half", 0.125, kv_mask)
+        return out.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            kv_mask = make_kv_mask("holes", B, L, seed=seed)
+            got = torch.autograd.grad(compiled(*leaves, kv_mask), leaves)
+            want = torch.autograd.grad(f(*leaves, kv_mask), leaves)
+            for a, b in zip(got, want):
+                assert rel(a, b) < 1e-2

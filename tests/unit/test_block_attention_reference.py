@@ -311,3 +311,212 @@ def test_compile_fullgraph_without_recompiles():
             want = torch.autograd.grad(f(*leaves, lengths), leaves)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv_mask: keys j with kv_mask[b, j] False take no part (positions stay absolute)
+
+MASK_KINDS = ["holes", "left_padding", "right_padding", "empty_row", "all_true", "expanded"]
+
+
+def make_kv_mask(kind, B, L, seed=0):
+    """(B, L) bool key mask of one kind; "expanded" is a (1, L) mask expanded to (B, L) (batch stride 0)."""
+    g = torch.Generator().manual_seed(seed)
+    j = torch.arange(L)[None, :]
+    if kind == "holes":
+        return torch.rand(B, L, generator=g) > 0.4
+    if kind == "left_padding":  # a valid suffix
+        return j >= torch.randint(0, L + 1, (B, 1), generator=g)
+    if kind == "right_padding":
+        return j < torch.randint(0, L + 1, (B, 1), generator=g)
+    if kind == "empty_row":
+        mask = torch.rand(B, L, generator=g) > 0.3
+        mask[1] = False
+        return mask
+    if kind == "all_true":
+        return torch.ones(B, L, dtype=torch.bool)
+    if kind == "expanded":
+        return (torch.rand(1, L, generator=g) > 0.3).expand(B, L)
+    raise ValueError(kind)
+
+
+def eager_masked_attention(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask):
+    L = q.shape[2]
+    q, k = eager_rotary(q, cos, sin, rotary), eager_rotary(k, cos, sin, rotary)
+    mask = eager_mask(lengths, L, block, window, causal) & kv_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+KV_MASK_PATTERNS = [(8, -1, False), (16, -1, True), (0, 3, False), (8, 2, True), (12, -1, False)]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("block,window,causal", KV_MASK_PATTERNS)
+@pytest.mark.parametrize("rotary", ["none", "half"])
+def test_kv_mask_matches_eager_sdpa(kind, block, window, causal, rotary):
+    q, k, v, lengths, cos, sin = make_case(seed=block + window + 40)
+    if rotary == "none":
+        cos = sin = None
+    kv_mask = make_kv_mask(kind, 4, 37, seed=block + 3)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = ops.block_attention(*leaves, lengths, block, window, causal, cos, sin, rotary, 0.3, kv_mask)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref = eager_masked_attention(*ref_leaves, lengths, block, window, causal, cos, sin, rotary, 0.3, kv_mask)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(ref, ref_leaves, g)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+    dropped = (~kv_mask)[:, None, :, None].expand_as(got[1])
+    assert (got[1][dropped] == 0).all() and (got[2][dropped] == 0).all()  # exactly zero, not just small
+
+
+def test_kv_mask_all_true_equals_no_mask_and_empty_row_is_zero():
+    q, k, v, lengths, _, _ = make_case(seed=41)
+    args = (lengths, 8, 3, False, None, None, "none", 0.3)
+    out, lse = ops.block_attention_fwd(q, k, v, *args)
+    out_t, lse_t = ops.block_attention_fwd(q, k, v, *args, torch.ones(4, 37, dtype=torch.bool))
+    torch.testing.assert_close(out_t, out, rtol=0, atol=1e-15)
+    assert torch.equal(torch.isposinf(lse_t), torch.isposinf(lse))
+    mask = make_kv_mask("empty_row", 4, 37)
+    out_e, lse_e = ops.block_attention_fwd(q, k, v, *args, mask)
+    assert (out_e[1] == 0).all() and torch.isposinf(lse_e[1]).all()
+
+
+def test_kv_mask_positions_stay_absolute():
+    """Left padding does not shift positions: a causal row i still sees keys j <= i by absolute index."""
+    q, k, v, _, _, _ = make_case(B=1, H=1, L=16, seed=42)
+    lengths = torch.tensor([16])
+    mask = torch.arange(16)[None, :] >= 5
+    out, lse = ops.block_attention_fwd(q, k, v, lengths, 8, -1, True, None, None, "none", 0.3, mask)
+    assert torch.isposinf(lse[0, 0, :5]).all() and (out[0, 0, :5] == 0).all()  # rows 0..4 see no key
+    assert torch.isfinite(lse[0, 0, 5:]).all()
+
+
+def test_kv_mask_garbage_in_dropped_keys_never_leaks():
+    q, k, v, lengths, cos, sin = make_case(seed=43)
+    mask = make_kv_mask("holes", 4, 37, seed=1)
+    drop = (~mask)[:, None, :, None]
+    args = (lengths, 8, 2, False, cos, sin, "half", 0.3, mask)
+    clean = ops.block_attention(q, k, v, *args)
+    dirty_k, dirty_v = k.masked_fill(drop, float("nan")), v.masked_fill(drop, float("inf"))
+    dirty = ops.block_attention(q, dirty_k, dirty_v, *args)
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
+def test_kv_mask_eager_function_matches_the_ops():
+    from gemcompile.lowering.block_attention.op import EagerBlockAttention
+
+    q, k, v, lengths, cos, sin = make_case(seed=44)
+    args = (lengths, 8, 4, True, cos, sin, "half", 0.3, make_kv_mask("holes", 4, 37))
+    a = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    b = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out_a = EagerBlockAttention.apply(*a, *args)
+    out_b = ops.block_attention_fwd(*b, *args)[0]
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    g = torch.randn_like(out_a)
+    for x, y in zip(torch.autograd.grad(out_a, a, g), torch.autograd.grad(out_b, b, g)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_kv_mask_gradcheck_float64():
+    q, k, v, lengths, cos, sin = make_case(B=2, H=1, L=9, D=4, lengths=torch.tensor([9, 6]), seed=45)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    inputs = [x.requires_grad_(True) for x in (q, k, v)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ops.block_attention(q, k, v, lengths, 4, 2, True, cos, sin, "half", 0.4, mask),
+        inputs,
+        fast_mode=True,
+    )
+
+
+def _kv_mask_opcheck_cases():
+    q, k, v, lengths, cos, sin = make_case(B=3, H=2, L=10, D=8, lengths=torch.tensor([10, 0, 7]), seed=46)
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    mask = make_kv_mask("holes", 3, 10, seed=2)
+    expanded = make_kv_mask("expanded", 3, 10, seed=3)
+    out, lse = ops.block_attention_fwd(q, k, v, lengths, 4, -1, False, cos, sin, "half", 0.3, mask)
+    g = torch.randn_like(out)
+    return [
+        ("fwd", ops.block_attention_fwd.default,
+         (qr, kr, vr, lengths, 4, -1, False, cos, sin, "half", 0.3, mask)),
+        ("fwd_expanded", ops.block_attention_fwd.default,
+         (qr, kr, vr, lengths, 0, 2, True, None, None, "none", 0.3, expanded)),
+        ("bwd", ops.block_attention_bwd.default,
+         (g, q, k, v, out, lse, lengths, 4, -1, False, cos, sin, "half", 0.3, mask)),
+        ("public", ops.block_attention.default,
+         (qr, kr, vr, lengths, 4, 3, True, cos[None], sin[None], "interleaved", 0.3, mask)),
+        ("public_expanded", ops.block_attention.default,
+         (qr, kr, vr, lengths, 4, -1, False, None, None, "none", 0.3, expanded)),
+    ]
+
+
+@pytest.mark.parametrize("case", _kv_mask_opcheck_cases(), ids=lambda c: c[0])
+def test_kv_mask_opcheck(case):
+    _, op, args = case
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        (torch.ones(2, 8, dtype=torch.uint8), "kv_mask must be a torch.bool"),
+        (torch.ones(2, 9, dtype=torch.bool), r"kv_mask must have shape \(B, L\)"),
+        (torch.ones(1, 8, dtype=torch.bool), r"kv_mask must have shape \(B, L\)"),
+        (torch.ones(2, 1, 8, dtype=torch.bool), r"kv_mask must have shape \(B, L\)"),
+        (torch.ones(2, 8, dtype=torch.bool, device="meta"), "kv_mask is on meta"),
+        ([[True] * 8] * 2, "kv_mask must be a torch.Tensor"),
+    ],
+)
+def test_kv_mask_bad_inputs_raise(mask, match):
+    args = _args(kv_mask=mask)
+    with pytest.raises(ValueError, match=match):
+        block_attention(**args)
+    if isinstance(mask, torch.Tensor):
+        with pytest.raises(ValueError, match=match):
+            ops.block_attention(*args.values())
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("block,window,causal", PATTERNS + [(1, -1, True), (5, 0, False)])
+def test_kv_mask_pair_count_matches_the_mask(kind, block, window, causal):
+    L = 37
+    lengths = torch.tensor([0, 1, 5, 16, 17, 36, 37, 40])
+    kv_mask = make_kv_mask(kind, 8, L, seed=block)
+    valid_rows = torch.arange(L)[None, :] < lengths.clamp(max=L)[:, None]
+    mask = eager_mask(lengths.clamp(max=L), L, block, window, causal)[:, 0] & valid_rows[:, :, None]
+    mask = mask & kv_mask[:, None, :]
+    assert block_attention_pairs(lengths, L, block, window, causal, kv_mask) == int(mask.sum())
+
+
+def test_kv_mask_flop_counter_counts_useful_pairs():
+    lengths = torch.tensor([32, 0, 9, 17])
+    q, k, v, lengths, cos, sin = make_case(B=4, H=2, L=32, D=16, lengths=lengths, seed=47)
+    q.requires_grad_(True)
+    mask = make_kv_mask("holes", 4, 32, seed=5)
+    pairs = block_attention_pairs(lengths, 32, 8, 3, True, mask)
+    assert pairs < block_attention_pairs(lengths, 32, 8, 3, True)
+    with FlopCounterMode(display=False) as counter:
+        ops.block_attention(q, k, v, lengths, 8, 3, True, cos, sin, "half", 0.3, mask).sum().backward()
+    assert counter.get_total_flops() == int(3.5 * 4 * 2 * 16 * pairs)
+
+
+def test_kv_mask_compile_fullgraph_without_recompiles():
+    B, H, L, D = 3, 2, 24, 16
+    q, k, v, lengths, cos, sin = make_case(B, H, L, D, seed=48)
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+
+    def f(q, k, v, mask):
+        return ops.block_attention(q, k, v, lengths, 8, 4, False, cos, sin, "half", 0.3, mask).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            mask = make_kv_mask("holes", B, L, seed=seed)
+            got = torch.autograd.grad(compiled(*leaves, mask), leaves)
+            want = torch.autograd.grad(f(*leaves, mask), leaves)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)

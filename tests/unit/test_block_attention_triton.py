@@ -52,13 +52,13 @@ def make_inputs(B, H, L, D, dtype, tables="shared", seed=0, lengths=None, table_
     return q, k, v, lengths, cos, sin
 
 
-def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, seed=1):
+def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, seed=1, kv_mask=None):
     dtype = q.dtype
-    args = (lengths, block, window, causal, cos, sin, rotary, scale)
+    args = (lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     out, lse = block_attention_forward_triton(q, k, v, *args)
     d64 = [x.double() for x in (q, k, v)]
     t64 = [None if t is None else t.double() for t in (cos, sin)]
-    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale)
+    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and out.shape == q.shape
     assert not out.isnan().any()
@@ -71,11 +71,14 @@ def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     grads = block_attention_backward_triton(grad_out, q, k, v, out, lse, *args)
     want = reference_backward(grad_out.double(), *d64, ref_out, ref_lse, lengths, block, window, causal, *t64,
-                              rotary, scale)
+                              rotary, scale, kv_mask)
     for name, got, ref, like in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name
         assert rel(got, ref) < bwd_tol, (name, rel(got, ref))
+    if kv_mask is not None:  # keys the mask drops get exactly zero dK and dV
+        dropped = (~kv_mask)[:, None, :, None].expand_as(grads[1])
+        assert (grads[1][dropped] == 0).all() and (grads[2][dropped] == 0).all()
     return out, lse, grads
 
 
@@ -239,3 +242,119 @@ def test_closed_tile_serves():
     assert closed_tile_serves(16, 64) and closed_tile_serves(32, 64)
     assert not closed_tile_serves(64, 64)  # the interpreter's closed tile is 32 rows
     assert not closed_tile_serves(12, 64) and not closed_tile_serves(0, 64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv_mask
+
+
+def make_kv_mask(kind, B, L, seed=0):
+    """(B, L) bool key mask of one kind; "expanded" is a (1, L) mask expanded to (B, L) (batch stride 0)."""
+    g = torch.Generator().manual_seed(seed)
+    j = torch.arange(L)[None, :]
+    if kind == "holes":
+        return torch.rand(B, L, generator=g) > 0.4
+    if kind == "left_padding":  # a valid suffix; the last sample's first 40 keys (over a tile) are dropped
+        start = torch.randint(0, L // 2 + 1, (B, 1), generator=g)  # (at most half: not degenerate)
+        start[-1] = min(40, L)
+        return j >= start
+    if kind == "right_padding":
+        return j < torch.randint(0, L + 1, (B, 1), generator=g)
+    if kind == "empty_row":
+        mask = torch.rand(B, L, generator=g) > 0.3
+        mask[0] = False
+        return mask
+    if kind == "all_true":
+        return torch.ones(B, L, dtype=torch.bool)
+    if kind == "expanded":
+        return (torch.rand(1, L, generator=g) > 0.3).expand(B, L)
+    raise ValueError(kind)
+
+
+MASK_KINDS = ["holes", "left_padding", "right_padding", "empty_row", "all_true", "expanded"]
+KV_MASK_CASES = [  # block, window, causal, rotary, tables, dtype, L
+    (16, -1, False, "none", "none", torch.float32, 70),  # closed kernels
+    (32, 4, True, "half", "shared", torch.float16, 67),  # closed, block and window
+    (64, -1, True, "interleaved", "per_sample", torch.float32, 80),  # general kernels
+    (0, 9, False, "none", "none", torch.float16, 75),  # window: general kernels
+    (12, -1, False, "half", "shared", torch.float32, 50),  # a block that is not a power of two
+]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize(
+    "case", KV_MASK_CASES,
+    ids=lambda c: f"block{c[0]}-w{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}-{str(c[5])[6:]}",
+)
+def test_kv_mask_kernels_match_reference(case, kind):
+    block, window, causal, rotary, tables, dtype, L = case
+    B = 4
+    q, k, v, lengths, cos, sin = make_inputs(B, 2, L, 32, dtype, tables, seed=L + block)
+    kv_mask = make_kv_mask(kind, B, L, seed=L)
+    check(q, k, v, lengths, block, window, causal, cos, sin, rotary, kv_mask=kv_mask)
+    if kind == "left_padding":  # lengths from data: full lengths, the mask alone says which keys are valid
+        check(q, k, v, torch.full((B,), L), block, window, causal, cos, sin, rotary, kv_mask=kv_mask)
+
+
+@pytest.mark.parametrize("block,window", [(64, -1), (16, 3)])
+def test_kv_mask_closed_64_row_tiles(monkeypatch, block, window):
+    _pin_closed(monkeypatch, 64)
+    q, k, v, lengths, cos, sin = make_inputs(4, 2, 150, 32, torch.float16, "per_sample", seed=block,
+                                             lengths=torch.tensor([150, 0, 65, 150]))
+    for kind in ("holes", "left_padding"):
+        check(q, k, v, lengths, block, window, True, cos, sin, "half", kv_mask=make_kv_mask(kind, 4, 150))
+
+
+def test_kv_mask_general_kernels_other_tile_shapes(monkeypatch):
+    for fwd, dkdv in (((64, 64), (64, 64)), ((16, 64), (64, 16))):
+        for kernel, (m, n) in ((kernels._fwd_kernel, fwd), (kernels._bwd_dq_kernel, fwd),
+                               (kernels._bwd_dkdv_kernel, dkdv)):
+            monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4,
+                                                                  num_stages=1)])
+        q, k, v, lengths, _, _ = make_inputs(3, 1, 150, 32, torch.float32, "none", seed=fwd[0],
+                                             lengths=torch.tensor([150, 150, 120]))
+        mask = make_kv_mask("left_padding", 3, 150, seed=9) & make_kv_mask("holes", 3, 150, seed=9)
+        check(q, k, v, lengths, 0, 20, True, None, None, "none", kv_mask=mask)
+        check(q, k, v, lengths, 128, -1, False, None, None, "none", kv_mask=mask)
+
+
+def test_kv_mask_range():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]],
+                        dtype=torch.bool)
+    lengths = torch.tensor([6, 6, 4, 3])
+    got = kernels.kv_mask_range(mask, lengths, 6)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[1, 5], [6, 0], [0, 4], [6, 0]]  # no valid key: [L, 0)
+
+
+def test_kv_mask_garbage_in_dropped_keys_never_leaks():
+    B, H, L, D = 3, 1, 70, 32
+    q, k, v, lengths, cos, sin = make_inputs(B, H, L, D, torch.float32, "shared", seed=10)
+    mask = make_kv_mask("left_padding", B, L, seed=3) & make_kv_mask("holes", B, L, seed=3)
+    drop = (~mask)[:, None, :, None]
+    dirty_k, dirty_v = k.masked_fill(drop, float("nan")), v.masked_fill(drop, float("inf"))
+    for block, window in ((16, -1), (0, 9)):
+        args = (lengths, block, window, False, cos, sin, "half", 0.3, mask)
+        clean_out, clean_lse = block_attention_forward_triton(q, k, v, *args)
+        out, lse = block_attention_forward_triton(q, dirty_k, dirty_v, *args)
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0)
+        g = torch.randn_like(out)
+        got = block_attention_backward_triton(g, q, dirty_k, dirty_v, out, lse, *args)
+        want = block_attention_backward_triton(g, q, k, v, clean_out, clean_lse, *args)
+        for a, b in zip(got, want):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kv_mask_all_true_matches_no_mask():
+    q, k, v, lengths, cos, sin = make_inputs(4, 2, 70, 32, torch.float32, "shared", seed=11)
+    ones = torch.ones(4, 70, dtype=torch.bool)
+    for block, window in ((16, -1), (0, 9)):
+        args = (lengths, block, window, True, cos, sin, "half", 0.3)
+        out, lse = block_attention_forward_triton(q, k, v, *args)
+        out_m, lse_m = block_attention_forward_triton(q, k, v, *args, ones)
+        torch.testing.assert_close(out_m, out, rtol=0, atol=0)
+        g = torch.randn_like(out)
+        for a, b in zip(block_attention_backward_triton(g, q, k, v, out, lse, *args, ones),
+                        block_attention_backward_triton(g, q, k, v, out, lse, *args)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -6,6 +6,10 @@ forward = 4 * H * D * pairs, backward = 2.5 x forward (common/flops.py, ARCHITEC
 count is closed-form per sequence (no L x L mask): a sequence of n tokens splits into n // block full
 blocks and one partial block of n % block tokens (block 0: one block of n); within a block of b tokens,
 a window w allows b + 2 * sum_{d=1..m} (b - d) pairs, m = min(w, b - 1) (causal: one side only).
+
+With a kv_mask (keys j with kv_mask[b, j] False take no part; query rows are still i < len) the count
+goes per key instead, O(B * L): key j < len is seen by the rows of one contiguous range (its block,
+its window, i >= j if causal, i < len), so pairs = sum over the valid keys of that range's size.
 """
 
 from __future__ import annotations
@@ -32,9 +36,31 @@ def _pairs(n: torch.Tensor, block: int, window: int, causal: bool) -> int:
     return int(_pairs_in_span(n, window, causal).sum())
 
 
-def block_attention_pairs(lengths: torch.Tensor, L: int, block: int, window: int, causal: bool) -> int:
-    """Sum over the batch of useful pairs; lengths are clamped into [0, L] as the kernels do."""
+def _masked_pairs(n: torch.Tensor, kv_mask: torch.Tensor, L: int, block: int, window: int,
+                  causal: bool) -> int:
+    """Per key j of each sample: the rows [lo, hi) that see it, summed over keys j < n with kv_mask."""
+    j = torch.arange(L, dtype=torch.int64)[None, :]
+    lo = torch.zeros_like(j)
+    hi = n[:, None].expand(-1, L)
+    if block > 0:
+        lo = (j // block) * block
+        hi = torch.minimum(hi, lo + block)
+    if window >= 0:
+        lo = torch.maximum(lo, j - window)
+        hi = torch.minimum(hi, j + window + 1)
+    if causal:
+        lo = torch.maximum(lo, j)
+    keys = kv_mask.detach().to("cpu", torch.bool) & (j < n[:, None])
+    return int(((hi - lo).clamp(min=0) * keys).sum())
+
+
+def block_attention_pairs(lengths: torch.Tensor, L: int, block: int, window: int, causal: bool,
+                          kv_mask: torch.Tensor | None = None) -> int:
+    """Sum over the batch of useful pairs; lengths are clamped into [0, L] as the kernels do. kv_mask
+    (B, L) bool drops the keys it marks False (query rows stay i < len)."""
     n = lengths.detach().to("cpu", torch.int64).clamp(0, int(L))
+    if kv_mask is not None:
+        return _masked_pairs(n, kv_mask, int(L), int(block), int(window), bool(causal))
     return _pairs(n, int(block), int(window), bool(causal))
 
 

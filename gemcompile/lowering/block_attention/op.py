@@ -4,16 +4,23 @@ sequences, with rotary embeddings on q and k fused into the kernels.
 Public op (what the block_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
-        int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale) -> Tensor
+        int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale,
+        Tensor? kv_mask=None) -> Tensor
 
 q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
 int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
 eager padded SDPA with the boolean mask computes them) attends key j iff j < len[b], and
-(block > 0) i // block == j // block, and (window >= 0) |i - j| <= window, and (causal) j <= i.
-block = 0 means no block, window = -1 no window; one of them must be given (otherwise this is
-jagged_attention). So padded rows of the last, partial block see that block's valid keys; rows in
-blocks wholly past the length see none. A row with no allowed key is exactly 0 with zero gradients
-(what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
+(block > 0) i // block == j // block, and (window >= 0) |i - j| <= window, and (causal) j <= i, and
+(kv_mask given) kv_mask[b, j]. block = 0 means no block, window = -1 no window; one of them must be
+given (otherwise this is jagged_attention). So padded rows of the last, partial block see that block's
+valid keys; rows in blocks wholly past the length see none. A row with no allowed key is exactly 0 with
+zero gradients (what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
+
+kv_mask: None or a bool (B, L) tensor on q's device, any strides (a (1, L) mask expanded to (B, L) is
+read with batch stride 0). It only removes keys: positions stay absolute (holes or left padding shift
+nothing), every query row is still computed, and keys it drops get exactly zero dk and dv. The pass
+gives full lengths when the key mask comes from data. The kernels skip key tiles outside each sample's
+[first valid key, last valid key + 1) (triton.py).
 
 Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
 sin are (L, D), (B, L, D) or (1|B, 1, L, D) (shared tables are read with batch stride 0, never copied),
@@ -34,7 +41,7 @@ of reference.py (dense).
 No host syncs; length values are checked on CPU (and on CUDA under ``strict_length_checks``).
 
 FLOPs: the fwd and bwd ops have flop_counter formulas counting useful pairs (i, j < len, allowed) from
-the actual lengths (the padded count when they are fake): forward 4*H*D*pairs, backward 2.5x.
+the actual lengths and kv_mask (the padded count when they are fake): forward 4*H*D*pairs, backward 2.5x.
 """
 
 from __future__ import annotations
@@ -50,9 +57,9 @@ from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward
 
-__all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
+__all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args", "check_kv_mask"]
 
-_INPUTS = 11  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
+_INPUTS = 12  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,7 +86,23 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
         )
 
 
-def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale) -> None:
+def check_kv_mask(kv_mask, B: int, L: int, device) -> None:
+    """kv_mask: None or a bool (B, L) tensor on q's device (ValueError naming it otherwise)."""
+    if kv_mask is None:
+        return
+    if not isinstance(kv_mask, torch.Tensor):
+        raise ValueError(f"kv_mask must be a torch.Tensor or None, got {type(kv_mask).__name__}")
+    if kv_mask.dtype != torch.bool:
+        raise ValueError(f"kv_mask must be a torch.bool tensor, got dtype {kv_mask.dtype}")
+    if tuple(kv_mask.shape) != (B, L):
+        raise ValueError(f"kv_mask must have shape (B, L) = {(B, L)}, got {tuple(kv_mask.shape)}")
+    if kv_mask.device != device:
+        raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}; every tensor must be on one "
+                         "device")
+
+
+def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
+                               kv_mask=None) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
     checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
     if k.shape != q.shape or v.shape != q.shape:
@@ -102,6 +125,7 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
             "plain jagged attention: use gemcompile::jagged_attention"
         )
     checks.check_flags(causal, scale)
+    check_kv_mask(kv_mask, B, L, q.device)
     if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
     if rotary == "none":
@@ -154,24 +178,25 @@ def block_attention_fwd(
     sin: Tensor | None,
     rotary: str,
     scale: float,
+    kv_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key)."""
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     _check_values(q, lengths)
-    return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
 
 
 @block_attention_fwd.register_kernel("cuda")
-def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     _check_values(q, lengths)
     forward, _ = _kernels(q, block, window)
-    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
 
 
 @block_attention_fwd.register_fake
-def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     B, H, L, D = q.shape
     return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=compute_dtype(q.dtype))
 
@@ -196,40 +221,42 @@ def block_attention_bwd(
     sin: Tensor | None,
     rotary: str,
     scale: float,
+    kv_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
     return reference_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale)
+                              scale, kv_mask)
 
 
 @block_attention_bwd.register_kernel("cuda")
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale):
+                              scale, kv_mask=None):
     _, backward = _kernels(q, block, window)
-    return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale)
+    return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
+                    kv_mask)
 
 
 @block_attention_bwd.register_fake
 def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale):
+                              scale, kv_mask=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale = inputs
+    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask = inputs
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin), (block, window, causal, rotary, scale),
-                      lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask),
+                      (block, window, causal, rotary, scale), lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
-    q, k, v, out, lse, lengths, cos, sin = ctx.saved_tensors
+    q, k, v, out, lse, lengths, cos, sin, kv_mask = ctx.saved_tensors
     block, window, causal, rotary, scale = ctx.args
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
-        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale
+        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
     )
     return input_grads(_INPUTS, dq, dk, dv)
 
@@ -242,24 +269,25 @@ block_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_co
 
 
 class EagerBlockAttention(torch.autograd.Function):
-    """out = block_attention(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale); arguments
-    checked by the caller. The lse stays inside the Function: no gradient is materialized for it."""
+    """out = block_attention(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask);
+    arguments checked by the caller. The lse stays inside the Function: no gradient is materialized for it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
+    def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
         _check_values(q, lengths)
         forward, _ = _kernels(q, block, window)
-        out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
-        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin), (block, window, causal, rotary, scale))
+        out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask),
+                          (block, window, causal, rotary, scale))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, lengths, cos, sin = ctx.saved_tensors
+        q, k, v, out, lse, lengths, cos, sin, kv_mask = ctx.saved_tensors
         block, window, causal, rotary, scale = ctx.args
         _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale)
+                              scale, kv_mask)
         return input_grads(_INPUTS, dq, dk, dv)
 
 
@@ -269,17 +297,19 @@ class EagerBlockAttention(torch.autograd.Function):
 
 LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
-    "Tensor? cos, Tensor? sin, str rotary, float scale) -> Tensor"
+    "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None) -> Tensor"
 )
 
 
-def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
+                               kv_mask=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     _check_tables_need_no_grad(cos, sin)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+        return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
+                                         kv_mask)
     return torch.ops.gemcompile.block_attention_fwd(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
     )[0]
 
 
@@ -298,6 +328,7 @@ def block_attention(
     sin: Tensor | None = None,
     rotary: str = "none",
     scale: float | None = None,
+    kv_mask: Tensor | None = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
 
@@ -308,32 +339,32 @@ def block_attention(
     if scale is None and isinstance(q, torch.Tensor):
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale)
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
     return torch.ops.gemcompile.block_attention(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale)
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask
     )
 
 
 # ---------------------------------------------------------------------------------------------------
-# FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
+# FLOP formulas (raw tensors: the lengths and kv_mask are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, lengths, block, window, causal) -> int:
+def _forward_flops(q, lengths, block, window, causal, kv_mask=None) -> int:
     B, H, L, D = q.shape
-    if is_fake(lengths):
+    if is_fake(lengths) or (kv_mask is not None and is_fake(kv_mask)):
         pairs = padded_block_attention_pairs(B, L, block, window, causal)
     else:
-        pairs = block_attention_pairs(lengths, L, block, window, causal)
+        pairs = block_attention_pairs(lengths, L, block, window, causal, kv_mask)
     return forward_flops(H, D, pairs)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0, *,
-               out_val=None, **kwargs) -> int:
-    return _forward_flops(q, lengths, block, window, causal)
+def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0,
+               kv_mask=None, *, out_val=None, **kwargs) -> int:
+    return _forward_flops(q, lengths, block, window, causal, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
-               rotary="none", scale=1.0, *, out_val=None, **kwargs) -> int:
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal))
+               rotary="none", scale=1.0, kv_mask=None, *, out_val=None, **kwargs) -> int:
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal, kv_mask))

@@ -2,13 +2,15 @@
 
 Semantics (shared with the Triton kernels, see op.py): every query row i of the padded
 length L (padded rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and
-(window >= 0) |i - j| <= window, and (causal) j <= i. A row with no allowed key is exactly 0 with zero
-gradients. With rotary, q and k are rotated first: x * cos + rot(x) * sin, rot = rotate_half ("half")
-or rotate-every-two ("interleaved"); v is not rotated.
+(window >= 0) |i - j| <= window, and (causal) j <= i, and (kv_mask given) kv_mask[b, j]. A row with no
+allowed key is exactly 0 with zero gradients. With rotary, q and k are rotated first: x * cos + rot(x) *
+sin, rot = rotate_half ("half") or rotate-every-two ("interleaved"); v is not rotated.
 
 Block attention is jagged attention (q_lengths None: every row is a query; kv_lengths = lengths) with
 an additive 0/-inf bias of the (L, L) block/window/causal pattern, on rotated q and k. So the reference
-rotates, builds that pattern once (not per batch) and calls the jagged-attention reference; its
+rotates, builds that pattern once (not per batch; a kv_mask adds its (B, 1, 1, L) -inf columns, and its
+masked keys and values are zeroed so that garbage there cannot leak) and calls the jagged-attention
+reference; its
 backward applies the transposed rotation to dq and dk. Dense: memory O(B*H*L*L). Math in float32 for
 half inputs, float64 for float64.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common.reference import compute_dtype
+from ..common.reference import compute_dtype, zero_invalid_rows
 from ..jagged_attention.reference import reference_backward as jagged_reference_backward
 from ..jagged_attention.reference import reference_forward as jagged_reference_forward
 
@@ -93,34 +95,46 @@ def _pattern_bias(L: int, block: int, window: int, causal: bool, dtype, device) 
     return torch.zeros(1, 1, L, L, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
 
 
-def _rotated(q, k, cos, sin, rotary):
+def _bias(L: int, block: int, window: int, causal: bool, kv_mask, dtype, device) -> Tensor:
+    """(1 | B, 1, L, L) additive 0/-inf bias: the position pattern, AND the key mask when given."""
+    bias = _pattern_bias(L, block, window, causal, dtype, device)
+    if kv_mask is None:
+        return bias
+    keys = torch.zeros(kv_mask.shape, dtype=dtype, device=device).masked_fill(~kv_mask, float("-inf"))
+    return bias + keys[:, None, None, :]
+
+
+def _rotated(q, k, v, cos, sin, rotary, kv_mask):
+    """q, k rotated and v, all in the compute dtype; keys and values the kv_mask drops read as 0."""
     cdt = compute_dtype(q.dtype)
-    q, k = q.to(cdt), k.to(cdt)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     if rotary != "none":
         q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
-    return q, k
+    if kv_mask is not None:
+        k, v = zero_invalid_rows(k, kv_mask), zero_invalid_rows(v, kv_mask)
+    return q, k, v
 
 
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
-                      scale: float):
+                      scale: float, kv_mask=None):
     """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys)."""
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    qr, kr = _rotated(q, k, cos, sin, rotary)
-    bias = _pattern_bias(L, block, window, causal, cdt, q.device)
-    out, lse = jagged_reference_forward(qr, kr, v.to(cdt), None, lengths, bias, False, scale)
+    qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
+    bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
+    out, lse = jagged_reference_forward(qr, kr, vr, None, lengths, bias, False, scale)
     return out.to(q.dtype).contiguous(), lse
 
 
 def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window: int, causal: bool, cos,
-                       sin, rotary: str, scale: float):
+                       sin, rotary: str, scale: float, kv_mask=None):
     """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    qr, kr = _rotated(q, k, cos, sin, rotary)
-    bias = _pattern_bias(L, block, window, causal, cdt, q.device)
+    qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
+    bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
     dq, dk, dv, _ = jagged_reference_backward(
-        grad_out.to(cdt), qr, kr, v.to(cdt), out.to(cdt), lse, None, lengths, bias, False, scale, False
+        grad_out.to(cdt), qr, kr, vr, out.to(cdt), lse, None, lengths, bias, False, scale, False
     )
     if rotary != "none":
         dq, dk = apply_rotary_transpose(dq, cos, sin, rotary), apply_rotary_transpose(dk, cos, sin, rotary)

@@ -12,6 +12,14 @@ the static block/window and the length it loads from the device, and touches not
   min(L, block end of n1, n1 + window + 1)).
 Time is linear in L: each tile meets O(block + window) keys.
 
+kv_mask (optional, bool (B, L), any strides, read as a uint8 view): the launcher derives per sample,
+with torch ops on the device, [kv_lo, kv_hi) = [first valid key, last valid key + 1] (valid: the mask
+and j < len; :func:`kv_mask_range`), which replaces [0, len) above: key loops start at the tile of
+kv_lo and stop at kv_hi, and programs whose keys lie wholly outside write zeros (lse +inf) and exit.
+Every key tile a program processes ANDs the loaded mask vector into its validity (masked keys and
+values read as 0, get exactly zero dK and dV). HAS_KV_MASK is a constexpr: without a mask the kernels
+compile to the code they had before.
+
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
   to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
@@ -64,6 +72,7 @@ __all__ = [
     "block_attention_backward_triton",
     "block_attention_forward_triton",
     "closed_tile_serves",
+    "kv_mask_range",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -111,7 +120,7 @@ _FWD_CONFIGS = _general_configs(_FWD_SHAPES, (32, 16))
 _DKDV_CONFIGS = _general_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = _general_configs(_DQ_SHAPES, (32, 16))
 _AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDOW", "CAUSAL", "ROTARY",
-                 "DOT_PRECISION"]
+                 "DOT_PRECISION", "HAS_KV_MASK"]
 
 
 def _variant(head_dim: int, rotary: int) -> str:
@@ -174,11 +183,43 @@ def _kv_length(Lengths, b, L):
 
 
 @triton.jit
-def _key_range(r0, r1, kv_len, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               CAUSAL: tl.constexpr):
+def _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK: tl.constexpr):
+    """(kv_lo, kv_hi): sample b's keys lie in [kv_lo, kv_hi). Without kv_mask [0, clamped length); with it
+    the launcher's (first valid key, last valid key + 1), already limited by the length."""
+    if HAS_KV_MASK:
+        kv_lo = tl.load(KvRange + 2 * b)
+        kv_hi = tl.load(KvRange + 2 * b + 1)
+    else:
+        kv_hi = _kv_length(Lengths, b, L)
+        kv_lo = kv_hi * 0
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def _key_ok(KvMask, b64, cols, kv_hi, stride_mb, stride_mn, HAS_KV_MASK: tl.constexpr):
+    """Keys of ``cols`` that take part: cols < kv_hi, AND kv_mask[b, cols] when given."""
+    ok = cols < kv_hi
+    if HAS_KV_MASK:
+        m = tl.load(KvMask + b64 * stride_mb + cols.to(tl.int64) * stride_mn, mask=ok, other=0)
+        ok = ok & (m != 0)
+    return ok
+
+
+@triton.jit
+def _no_keys(c0, c1, kv_lo, kv_hi, HAS_KV_MASK: tl.constexpr):
+    """Whether keys c0..c1 - 1 lie wholly outside [kv_lo, kv_hi)."""
+    out = c0 >= kv_hi
+    if HAS_KV_MASK:
+        out = out | (c1 <= kv_lo)
+    return out
+
+
+@triton.jit
+def _key_range(r0, r1, kv_lo, kv_hi, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_KV_MASK: tl.constexpr):
     """Keys [lo, hi) that query rows r0..r1 (inclusive) may see; lo >= hi: none."""
     lo = r0 * 0
-    hi = kv_len
+    hi = kv_hi
     if ATTN_BLOCK > 0:
         lo = (r0 // ATTN_BLOCK) * ATTN_BLOCK
         hi = tl.minimum(hi, (r1 // ATTN_BLOCK + 1) * ATTN_BLOCK)
@@ -187,6 +228,8 @@ def _key_range(r0, r1, kv_len, window, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.
         hi = tl.minimum(hi, r1 + window + 1)
     if CAUSAL:
         hi = tl.minimum(hi, r1 + 1)
+    if HAS_KV_MASK:  # no key tile before the first valid key is visited
+        lo = tl.maximum(lo, kv_lo)
     return lo, hi
 
 
@@ -343,20 +386,21 @@ def _finish_softmax(acc, l_i, m_i):
                  prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @triton.jit
 def _closed_fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_cb, stride_cm, stride_cd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mn,
     H, L, window, qk_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
-    kv_len = _kv_length(Lengths, b, L)
+    kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
@@ -364,11 +408,11 @@ def _closed_fwd_kernel(
     row_ok = rows < L
     o_base = Out + b64 * stride_ob + h64 * stride_oh
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
-    if m0 >= kv_len:  # the tile's blocks hold no valid key
+    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK):  # the tile's blocks hold no valid key
         _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK, HEAD_D)
         tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
         return
-    col_ok = rows < kv_len
+    col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     k_base = K + b64 * stride_kb + h64 * stride_kh
@@ -379,7 +423,9 @@ def _closed_fwd_kernel(
     v = load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
                   col_ok, HEAD_D, HEAD_D, True)
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-    ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+    ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+    if HAS_KV_MASK:
+        ok = ok & col_ok[None, :]
     s = tl.where(ok, s, float("-inf"))
     m = tl.max(s, 1)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -394,7 +440,7 @@ def _closed_fwd_kernel(
                  prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @triton.jit
 def _closed_bwd_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths,
+    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -402,26 +448,27 @@ def _closed_bwd_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
+    stride_mb, stride_mn,
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*)
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
-    kv_len = _kv_length(Lengths, b, L)
+    kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
     row_ok = rows < L
     x_off = b64 * stride_xb + h64 * stride_xh
-    if m0 >= kv_len:
+    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK):
         _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         _store_zero_rows(DK + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         return
-    col_ok = rows < kv_len
+    col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     k_base = K + b64 * stride_kb + h64 * stride_kh
@@ -434,7 +481,9 @@ def _closed_bwd_kernel(
     do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=float("inf"))
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-    ok = _closed_allowed(rows, kv_len, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+    ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+    if HAS_KV_MASK:
+        ok = ok & col_ok[None, :]
     p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
     store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
@@ -469,20 +518,22 @@ def _closed_bwd_kernel(
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_cb, stride_cm, stride_cd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mn,
     H, L, window, qk_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
-    kv_len = _kv_length(Lengths, b, L)
+    kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -491,7 +542,8 @@ def _fwd_kernel(
     offs_d = tl.arange(0, HEAD_D)
     o_base = Out + b64 * stride_ob + h64 * stride_oh
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
-    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
+                        HAS_WINDOW, CAUSAL, HAS_KV_MASK)
     if lo >= hi:  # no row of the tile has a key (e.g. a tile past the length)
         _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK_M, HEAD_D)
         tl.store(l_ptrs, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)
@@ -510,14 +562,16 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_len
+        col_ok = _key_ok(KvMask, b64, cols, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
         ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
         if ROTARY != 0:
             kca, kcb, ksa, ksb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D,
                                               ROTARY)
             ka, kb = _rotate(ka, kb, kca, kcb, ksa, ksb)
         s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-        ok = _allowed(rows[:, None], cols[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        ok = _allowed(rows[:, None], cols[None, :], kv_hi, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        if HAS_KV_MASK:
+            ok = ok & col_ok[None, :]
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key so far: avoid inf - inf
@@ -536,7 +590,7 @@ def _fwd_kernel(
                  prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -544,25 +598,27 @@ def _bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
+    stride_mb, stride_mn,
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_N))
-    kv_len = _kv_length(Lengths, b, L)
+    kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     store_ok = cols < L
     x_off = b64 * stride_xb + h64 * stride_xh
-    if n0 >= kv_len:  # keys past the length get no gradient
+    if _no_keys(n0, n0 + BLOCK_N, kv_lo, kv_hi, HAS_KV_MASK):  # no valid key here: no gradient
         _store_zero_rows(DK + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
         _store_zero_rows(DV + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
         return
-    col_ok = cols < kv_len
+    col_ok = _key_ok(KvMask, b64, cols, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     offs_d = tl.arange(0, HEAD_D)
     cos_base = Cos + b64 * stride_cb
     sin_base = Sin + b64 * stride_cb
@@ -583,7 +639,10 @@ def _bwd_dkdv_kernel(
     v = load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
                   HEAD_D, True)
     dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
-    lo, hi = _query_range(n0, tl.minimum(n0 + BLOCK_N, kv_len) - 1, L, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    c0 = n0
+    if HAS_KV_MASK:
+        c0 = tl.maximum(n0, kv_lo)
+    lo, hi = _query_range(c0, tl.minimum(n0 + BLOCK_N, kv_hi) - 1, L, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
     for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < L
@@ -596,7 +655,9 @@ def _bwd_dkdv_kernel(
         lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
         delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
         s_t = _dot_rows(ka, kb, qa, qb, ROTARY, DOT_PRECISION) * qk_scale
-        ok = _allowed(rows[None, :], cols[:, None], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        ok = _allowed(rows[None, :], cols[:, None], kv_hi, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        if HAS_KV_MASK:
+            ok = ok & col_ok[:, None]
         p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * LOG2E), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -616,7 +677,7 @@ def _bwd_dkdv_kernel(
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -624,21 +685,24 @@ def _bwd_dq_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
+    stride_mb, stride_mn,
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per query tile; loops over its key range. dQ: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
-    kv_len = _kv_length(Lengths, b, L)
+    kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < L
     x_off = b64 * stride_xb + h64 * stride_xh
-    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
+                        HAS_WINDOW, CAUSAL, HAS_KV_MASK)
     if lo >= hi:
         _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK_M, HEAD_D)
         return
@@ -664,7 +728,7 @@ def _bwd_dq_kernel(
     delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
     for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_len
+        col_ok = _key_ok(KvMask, b64, cols, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
         ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
         if ROTARY != 0:
             kca, kcb, ksa, ksb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D,
@@ -672,7 +736,9 @@ def _bwd_dq_kernel(
             ka, kb = _rotate(ka, kb, kca, kcb, ksa, ksb)
         v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
         s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-        ok = _allowed(rows[:, None], cols[None, :], kv_len, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        ok = _allowed(rows[:, None], cols[None, :], kv_hi, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+        if HAS_KV_MASK:
+            ok = ok & col_ok[None, :]
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(ka.dtype)
@@ -738,13 +804,32 @@ def _rotated_inputs(q, k, cos, sin, rotary):
     return qr, kr
 
 
-def _consts(D, block, window, causal, rotary, dtype):
+def _consts(D, block, window, causal, rotary, dtype, kv_mask=None):
     return {"HEAD_D": D, "ATTN_BLOCK": int(block), "HAS_WINDOW": window >= 0, "CAUSAL": bool(causal),
-            "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": dot_precision(dtype)}
+            "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": dot_precision(dtype),
+            "HAS_KV_MASK": kv_mask is not None}
+
+
+def kv_mask_range(kv_mask, lengths, L: int) -> torch.Tensor:
+    """(B, 2) int32 per sample: [first valid key (L if none), last valid key + 1 (0 if none)], a key
+    valid when kv_mask[b, j] and j < lengths[b]. Torch ops on the device: no host sync."""
+    pos = torch.arange(L, device=kv_mask.device, dtype=torch.int32)
+    valid = kv_mask & (pos[None, :] < lengths[:, None])
+    lo = torch.where(valid, pos, L).amin(1)
+    hi = torch.where(valid, pos + 1, 0).amax(1)
+    return torch.stack((lo, hi), 1).to(torch.int32)
+
+
+def _kv_mask_args(kv_mask, lengths, L: int) -> tuple:
+    """(KvMask, KvRange, stride_mb, stride_mn) kernel arguments; lengths stand in without a mask."""
+    if kv_mask is None:
+        return lengths, lengths, 0, 0
+    # a uint8 view of the bool mask (same strides, no copy: an expanded mask keeps batch stride 0)
+    return (kv_mask.view(torch.uint8), kv_mask_range(kv_mask, lengths, L), *kv_mask.stride())
 
 
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
-                                   rotary: str, scale: float):
+                                   rotary: str, scale: float, kv_mask=None):
     """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32)."""
     B, H, L, D = q.shape
     out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
@@ -757,9 +842,11 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
         rotary = "none"
     cos, sin, c_strides = _tables(cos, sin, q)
     buckets = (length_bucket(L), _window_bucket(window))
-    args = (q, k, v, cos, sin, out, lse, lengths, *q.stride(), *k.stride(), *v.stride(), *c_strides,
-            *out.stride(), *lse.stride(), H, L, int(window), float(scale) * _LOG2E, *buckets)
-    consts = _consts(D, block, window, causal, rotary, q.dtype)
+    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, L)
+    args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, *q.stride(), *k.stride(), *v.stride(),
+            *c_strides, *out.stride(), *lse.stride(), *m_strides, H, L, int(window), float(scale) * _LOG2E,
+            *buckets)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
                buckets)
@@ -769,7 +856,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
 
 
 def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
-                                    causal: bool, cos, sin, rotary: str, scale: float):
+                                    causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None):
     """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
     B, H, L, D = q.shape
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
@@ -787,13 +874,15 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
         rotary = "none"
     cos, sin, c_strides = _tables(cos, sin, q)
     buckets = (length_bucket(L), _window_bucket(window))
-    consts = _consts(D, block, window, causal, rotary, q.dtype)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask)
     inputs = (q, k, v, cos, sin, grad_out)
+    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, L)
     strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
-    scalars = (H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
+    scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
-               (*inputs, lse, dq, dk, dv, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+               (*inputs, lse, dq, dk, dv, lengths, mask, kv_range, *strides, *dq.stride(), *scalars), consts,
+               buckets)
     else:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
         delta_block = 32 if INTERPRET else 64
@@ -802,9 +891,11 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
             out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
             H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-               (*inputs, lse, delta, dk, dv, lengths, *strides, *dk.stride(), *scalars), consts, buckets)
+               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, *strides, *dk.stride(), *scalars),
+               consts, buckets)
         launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
-               (*inputs, lse, delta, dq, lengths, *strides, *dq.stride(), *scalars), consts, buckets)
+               (*inputs, lse, delta, dq, lengths, mask, kv_range, *strides, *dq.stride(), *scalars), consts,
+               buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
         dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)
