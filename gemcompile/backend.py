@@ -94,7 +94,7 @@ class GemBackend:
         target = active_log() or PassLog()
         self.last_log = target
         with recording(target):
-            run_pre_grad(gm, passes)
+            run_pre_grad(gm, passes, example_inputs)
             patches.update(self.slot_managers(passes, patches))
             return compile_fx(gm, example_inputs, config_patches=patches)
 

@@ -147,7 +147,7 @@ class _ExplainBackend:
 
         passes = self.gem.make_passes()
         before = _copy_graph_module(gm)
-        run_pre_grad(gm, passes)
+        run_pre_grad(gm, passes, example_inputs)
         self.graphs.append((before, gm))
         joint = PassManager("joint", passes)
         post = PassManager("post_grad", passes)

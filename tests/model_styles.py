@@ -168,3 +168,22 @@ class EncoderLayerCausal(nn.Module):
     def forward(self, hidden, ids):
         causal = nn.Transformer.generate_square_subsequent_mask(hidden.shape[1], device=hidden.device)
         return self.layer(hidden, src_mask=causal, src_key_padding_mask=ids == 0)
+
+
+class HstuResearchStyle(_Attention):
+    """The research HSTU encoder's attention: a registered triu(ones, diagonal=1) buffer, used as
+    1 - mask (float) times silu(q k^T) / n; padded positions are zeros and are dropped afterwards."""
+
+    def __init__(self, heads: int, head_dim: int, max_len: int = 64):
+        super().__init__(heads, head_dim)
+        self.uvqk = nn.Linear(self.width, 4 * self.width)
+        self.register_buffer("_attn_mask", torch.triu(torch.ones((max_len, max_len), dtype=torch.bool), diagonal=1))
+
+    def forward(self, x, lengths):
+        n = x.shape[1]
+        x = x * (torch.arange(n, device=x.device)[None, :] < lengths[:, None])[..., None]  # zero padding
+        _, v, q, k = (self.split(t) for t in F.silu(self.uvqk(x)).chunk(4, dim=-1))
+        invalid_attn_mask = 1.0 - self._attn_mask[:n, :n].to(x.dtype)
+        attn = F.silu(torch.einsum("bhnd,bhmd->bhnm", q, k)) / n
+        attn = attn * invalid_attn_mask.unsqueeze(0).unsqueeze(0)
+        return self.merge(torch.einsum("bhnm,bhmd->bhnd", attn, v))

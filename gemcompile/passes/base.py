@@ -32,6 +32,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemcompile.config import GemConfig
+from gemcompile.passes.graph import mark_buffer_values
 from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
 from gemcompile.version import versions
 
@@ -177,9 +178,11 @@ def instantiate(pass_types: Iterable[type[GemPass]], config: GemConfig) -> list[
     return [t(config) for t in pass_types]
 
 
-def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass]) -> None:
-    """Run the pre-grad passes on a Dynamo GraphModule and regenerate its code."""
+def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass], example_inputs: Sequence = ()) -> None:
+    """Run the pre-grad passes on a Dynamo GraphModule and regenerate its code. ``example_inputs`` (the
+    backend's) lets the mask prover read registered buffers' values (graph.mark_buffer_values)."""
     manager = PassManager("pre_grad", passes)
     if manager:
+        mark_buffer_values(gm.graph, example_inputs)
         manager(gm.graph)
         gm.recompile()

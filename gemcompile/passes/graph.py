@@ -143,3 +143,22 @@ def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:
             return True
         todo.extend(n.all_input_nodes)
     return False
+
+
+BUFFER_VALUE = "gemcompile_buffer_value"
+"""Placeholder meta key: the value of a registered module buffer at compile time (masks/constants.py reads
+it to recognize a causal buffer, and checks it on the device at every call)."""
+
+
+def mark_buffer_values(graph: fx.Graph, example_inputs) -> None:
+    """Attach the compile-time value of each registered buffer (a placeholder whose Dynamo source is a
+    module's ``_buffers`` entry) to its node. Only small 2-D buffers: masks, not weights."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if source is None or "._buffers[" not in source.name or isinstance(value, FakeTensor):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.numel() <= 1 << 24:
+            node.meta[BUFFER_VALUE] = value

@@ -99,6 +99,11 @@ def sdpa_block32_additive(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(1.0 - keep.float()) * -1e9)
 
 
+def sdpa_block32_additive_inf(q, k, v, n, x):
+    keep = blocks(32)[None, None] & key_mask(n)[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(keep.shape).masked_fill(~keep, -math.inf))
+
+
 def hand_block64_div_floor_masked_fill(q, k, v, n, x):
     i = torch.arange(L)
     ids = torch.div(i, 64, rounding_mode="floor")
@@ -112,6 +117,13 @@ def hand_block16_where_causal(q, k, v, n, x):
     keep = blocks(16) & causal & key_mask(n)[:, None, None, :]
     s = torch.matmul(q, k.transpose(2, 3)) * 0.25
     return F.softmax(torch.where(keep, s, torch.finfo(s.dtype).min), dim=-1) @ v
+
+
+def hand_block16_where_causal_inf(q, k, v, n, x):
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    keep = blocks(16) & causal & key_mask(n)[:, None, None, :]
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    return F.softmax(torch.where(keep, s, -math.inf), dim=-1) @ v
 
 
 def sdpa_window_abs(q, k, v, n, x):
@@ -147,6 +159,18 @@ def hand_window_band_additive(q, k, v, n, x):
     keep = near[None, None] * key_mask(n)[:, None, None, :].float()
     s = q @ k.transpose(-2, -1) * 0.25 + (1 - keep) * -1e9
     return s.softmax(-1) @ v
+
+
+def hand_window_band_bool(q, k, v, n, x):
+    ones = torch.ones(L, L)
+    near = torch.tril(ones, diagonal=2) * torch.triu(ones, diagonal=-2)  # 1 inside |i - j| <= 2
+    keep = (near[None, None] * key_mask(n)[:, None, None, :].float()) > 0
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def block_mask_also_from_input(q, k, v, n, x):
+    keep = blocks(16) & key_mask(n)[:, None, None, :] & x["bool_mask"][:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
 def sdpa_block_and_window(q, k, v, n, x):
@@ -252,15 +276,16 @@ def rope_only_on_q(q, k, v, n, x):
 # idiom -> (block, window, causal, rotary)
 IDIOMS = {
     sdpa_block16_bool: (16, -1, False, "none"),
-    sdpa_block32_additive: (32, -1, False, "none"),
+    sdpa_block32_additive_inf: (32, -1, False, "none"),
     hand_block64_div_floor_masked_fill: (64, -1, False, "none"),
-    hand_block16_where_causal: (16, -1, True, "none"),
+    hand_block16_where_causal_inf: (16, -1, True, "none"),
     sdpa_window_abs: (0, 3, False, "none"),
     sdpa_window_abs_less_than: (0, 5, False, "none"),
     sdpa_window_two_comparisons: (0, 4, False, "none"),
     sdpa_window_causal: (0, 6, True, "none"),
     sdpa_window_tril_triu: (0, 5, True, "none"),
-    hand_window_band_additive: (0, 2, False, "none"),
+    hand_window_band_bool: (0, 2, False, "none"),
+    block_mask_also_from_input: (16, -1, False, "none"),
     sdpa_block_and_window: (16, 4, False, "none"),
     hand_blhd_einsum_blocks: (16, -1, False, "none"),
     sdpa_rope_half_positions: (16, -1, False, "half"),
@@ -282,9 +307,11 @@ NOT_FUSED = {rope_wrong_sign: "neither rotate-half", rope_wrong_split: "neither 
 # gradients of v: those idioms run on lengths where every row keeps a key
 # rows i >= len[b] without an allowed key: eager's additive / finite-fill / -inf softmax gives an average or
 # NaN there, the kernel 0 (the documented exception); every other idiom is compared on every row
-ROWS_PAST_THE_LENGTH_DIFFER = {sdpa_block32_additive, hand_block64_div_floor_masked_fill, hand_block16_where_causal,
-                               hand_window_band_additive, hand_rope_interleaved_time_gaps, hand_blhd_einsum_blocks}
-NO_EMPTY_ROWS = {hand_block64_div_floor_masked_fill, hand_rope_interleaved_time_gaps, hand_blhd_einsum_blocks}
+ROWS_PAST_THE_LENGTH_DIFFER = {sdpa_block32_additive_inf, hand_block64_div_floor_masked_fill,
+                               hand_block16_where_causal_inf, hand_rope_interleaved_time_gaps,
+                               hand_blhd_einsum_blocks, block_mask_also_from_input}
+NO_EMPTY_ROWS = {hand_block64_div_floor_masked_fill, hand_rope_interleaved_time_gaps, hand_blhd_einsum_blocks,
+                 hand_block16_where_causal_inf}
 
 
 def _inputs(idiom=None, seed=0):
@@ -296,6 +323,7 @@ def _inputs(idiom=None, seed=0):
         "learned_cos": (1.0 + 0.1 * torch.randn(L, D, generator=g)).requires_grad_(),
         "learned_sin": (0.3 * torch.randn(L, D, generator=g)).requires_grad_(),
         "w_out": torch.randn(H * D, H * D, generator=g, requires_grad=True) / 8,
+        "bool_mask": torch.rand(B, L, generator=g) > 0.3,
     }
     return q, k, v, lengths, extra
 
@@ -407,11 +435,6 @@ def miss_window_per_sample(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=near[:, None] & key_mask(n)[:, None, None, :])
 
 
-def miss_mask_also_from_input(q, k, v, n, x):
-    keep = blocks(16) & key_mask(n)[:, None, None, :] & x["bool_mask"][:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-
-
 def miss_block_without_padding(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16))
 
@@ -441,7 +464,9 @@ NEAR_MISSES = {
     miss_not_equal_blocks: "different blocks",
     miss_window_from_tensor: r"integer tensor of shape \(\)",
     miss_window_per_sample: "window .* depends on the tensor",
-    miss_mask_also_from_input: "mask comes from the input",
+    sdpa_block32_additive: "finite fill .* blocks",
+    hand_block16_where_causal: "finite fill .* blocks",
+    hand_window_band_additive: "finite fill .* sliding window",
     miss_block_without_padding: "no key-padding mask",
     miss_cross_attention: "cross-attention",
     miss_additive_bias: "additive bias",

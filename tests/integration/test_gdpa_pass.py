@@ -248,7 +248,7 @@ def miss_mask_on_heads(q, k, v, n, x):
 
 NEAR_MISSES = {
     miss_mask_inside_the_activation: "not to a matmul with the values|between the scores and the activation",
-    miss_mask_from_input: "mask comes from the input",
+    miss_mask_from_input: "mask comes from the float input",
     miss_weighted_not_masked: "values other than 0 and 1",
     miss_block_diagonal: "not a combination of key padding",
     miss_scores_used_elsewhere: "also used elsewhere",

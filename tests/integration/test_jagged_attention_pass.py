@@ -108,13 +108,22 @@ def pma_learned_queries(q, k, v, n, x):
     return F.scaled_dot_product_attention(qs, k, v, attn_mask=key_mask(n)[:, None, None, :])
 
 
-IDIOMS = [sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query,
-          hand_masked_fill_inf, hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum,
-          hand_blhd_permute, relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
-# eager returns NaN (softmax over all -inf) or an average over padding for a row with no valid key:
-# those rows are the documented exception, so these idioms are checked on lengths >= 1
-NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_masked_fill_large_negative, hand_where, hand_additive,
-                 hand_blhd_einsum, hand_blhd_permute, relative_bias}
+def sdpa_key_mask_from_input(q, k, v, n, x):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=x["bool_mask"][:, None, None, :])
+
+
+def sdpa_keys_below_float_lengths(q, k, v, n, x):
+    keep = torch.arange(L)[None, :] < (n.float() * 0.5)[:, None]  # a bool tensor from data: read as such
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, sdpa_key, sdpa_key_causal_tril,
+          sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf,
+          hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute,
+          relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
+# eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
+# those idioms are checked on lengths >= 1 (finite fills are exact there, see test_finite_fills.py)
+NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_blhd_einsum, hand_blhd_permute, relative_bias}
 
 
 def _inputs(idiom):
@@ -125,6 +134,7 @@ def _inputs(idiom):
         "table": torch.randn(2 * L - 1, H, generator=g, requires_grad=True),
         "q_lengths": torch.tensor([LQ, 0, 3, 7]),
         "seeds": torch.randn(H, 3, D, generator=g, requires_grad=True),
+        "bool_mask": torch.rand(B, L, generator=g) > 0.3,
     }
     return q, k, v, lengths, extra
 
@@ -200,8 +210,8 @@ def test_multihead_attention_with_key_padding_mask():
 
 # -- near-misses: left alone, with a reason ---------------------------------------------------------------
 
-def miss_mask_from_input(q, k, v, n, x):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=x["bool_mask"][:, None, None, :])
+def miss_mask_from_float_input(q, k, v, n, x):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=x["float_mask"][:, None, None, :])
 
 
 def miss_softmax_over_queries(q, k, v, n, x):
@@ -246,11 +256,6 @@ def miss_block_diagonal(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & block)
 
 
-def miss_float_lengths(q, k, v, n, x):
-    keep = torch.arange(L)[None, :] < (n.float() * 0.5)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
-
-
 def miss_constant_over_scores(q, k, v, n, x):
     s = 4.0 / (q @ k.transpose(-2, -1))
     s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
@@ -259,7 +264,7 @@ def miss_constant_over_scores(q, k, v, n, x):
 
 NEAR_MISSES = {
     miss_constant_over_scores: "divided by the scores",
-    miss_mask_from_input: "not from lengths",
+    miss_mask_from_float_input: "comes from the float input",
     miss_softmax_over_queries: "not over the keys",
     miss_sliding_window: "the mask is not (key index < lengths)",
     miss_small_fill: "large negative",
@@ -267,14 +272,13 @@ NEAR_MISSES = {
     miss_weights_returned: "used elsewhere",
     miss_lengths_on_the_query_dim_only: "no key-padding mask",
     miss_block_diagonal: "floor",
-    miss_float_lengths: "float",
 }
 
 
 @pytest.mark.parametrize("idiom, reason", list(NEAR_MISSES.items()), ids=lambda f: getattr(f, "__name__", ""))
 def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
     q, k, v, lengths, extra = _inputs(idiom)
-    extra["bool_mask"] = torch.rand(B, L) > 0.3
+    extra["float_mask"] = torch.zeros(B, L).masked_fill(torch.rand(B, L) > 0.7, -math.inf)
     # (block-diagonal and windowed masks are the block_attention pass's: off here, to see this pass refuse)
     report = explain(idiom, q, k, v, lengths, extra, config=GemConfig(block_attention={"enabled": False}))
     assert report.counts["jagged_attention"] == 0

@@ -19,7 +19,7 @@ from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
 from gemcompile.passes.masks.classify import Unclassified
-from gemcompile.passes.masks.key_vector import emit_key_mask, emit_zero_one_checks
+from gemcompile.passes.masks.key_vector import emit_key_mask
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
@@ -91,11 +91,9 @@ def lengths_operand(emit: Emitter, lengths: fx.Node | None, offset: int, x: fx.N
 
 
 def key_mask_operand(emit: Emitter, mask: AttentionMask, k: fx.Node) -> fx.Node | None:
-    """The op's (B, Lk) bool kv_mask when the key padding is read from data (with the device checks of the
-    integer masks read as 0/1), or None."""
+    """The op's (B, Lk) bool kv_mask when the key padding is read from data, or None."""
     if mask.key_vector is None:
         return None
-    emit_zero_one_checks(emit, mask.key_vector.evaluator)
     return emit_key_mask(emit, mask.key_vector, k, size_of(emit, k, 0), size_of(emit, k, 2))
 
 

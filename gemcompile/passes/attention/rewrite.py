@@ -111,6 +111,9 @@ class AttentionRewritePass(GemPass):
                 if isinstance(mask, Unproven):
                     raise mask
                 family.accept(site, mask)
+                with graph.inserting_before(site.output):
+                    for check in mask.checks:
+                        check(emit)
                 before, detail = family.rewrite(emit, site, mask)
             except Unproven as reason:
                 emit.rollback(mark)
@@ -153,6 +156,7 @@ class AttentionRewritePass(GemPass):
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
             if site.activation is None:
                 mask = dataclasses.replace(mask, fill=finite_fill(evaluator, site))
+            mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
             if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):
                 family = self.block  # a mask meant as blocks or a window: the block family's refusal

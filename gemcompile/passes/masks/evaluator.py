@@ -21,6 +21,7 @@ alone and ``explain`` shows the reason.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
 
-from gemcompile.passes.graph import Unproven, example_value, target_name
+from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
+from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
 
 NEG_FILL_LIMIT = -1.0e4
 """Fill values at or below this act as -inf in a softmax (exp underflows to exactly 0 in every float
@@ -196,6 +198,7 @@ class MaskEvaluator:
         self.leaves: dict[str, fx.Node] = {}  # opaque per-sample integer tensors, by function name
         self.data: dict[str, DataLeaf] = {}  # opaque data tensors (masks read from data), by function name
         self.zero_one: dict[str, fx.Node] = {}  # integer data read as 0/1 (checked at run time by the rewrite)
+        self.checks: list = []  # device-side checks the rewrite must emit: each a callable(emitter)
         self.fills: set[float] = set()  # the values an additive mask drops scores with
         self.why: dict[str, str] = {}  # why a lengths leaf is opaque, for refusals
         self._memo: dict[fx.Node, Abstract] = {}
@@ -313,6 +316,15 @@ class MaskEvaluator:
         if not isinstance(value, torch.Tensor):
             raise Unproven(f"{node.name} is not a tensor")
         if node.op in ("placeholder", "get_attr"):
+            buffer = node.meta.get(BUFFER_VALUE)
+            triangle = find_triangle(buffer) if buffer is not None else None
+            if triangle is not None:  # a registered causal buffer: its formula, checked at every call
+                self.checks.append(functools.partial(emit_triangle_check, node=node, triangle=triangle, value=buffer))
+                inside = self.atoms.compare("le" if triangle.lower else "ge", index_symbol(0) - index_symbol(1),
+                                            triangle.k)
+                if value.dtype == torch.bool:
+                    return BoolTensor(2, inside if triangle.inside else sympy.Not(inside))
+                return _piecewise(2, [(float(triangle.inside), inside), (float(triangle.outside), sympy.Not(inside))])
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
@@ -439,14 +451,17 @@ class MaskEvaluator:
         index = index + (slice(None),) * (src.ndim - consumed)
         out_ndim = example_value(node).dim()
         mapping: dict[int, int | None] = {}
-        subs = {}
+        subs, shifts = {}, {}
         src_dim, out_dim = 0, 0  # left-aligned positions
         for i in index:
             if i is None:
                 out_dim += 1
             elif isinstance(i, slice):
-                if not (i.start is None and i.stop is None and i.step is None):
-                    raise Unproven("a sliced mask (only full slices and None are modeled)")
+                start = 0 if i.start is None else i.start
+                if i.step not in (None, 1) or not isinstance(start, int) or start < 0:
+                    raise Unproven("a sliced mask (only slices x[a:b] with a constant a >= 0 are modeled)")
+                if start:  # value[p] = src[p + start]
+                    shifts[index_symbol(src.ndim - 1 - src_dim)] = start
                 mapping[src.ndim - 1 - src_dim] = out_ndim - 1 - out_dim
                 src_dim += 1
                 out_dim += 1
@@ -457,6 +472,7 @@ class MaskEvaluator:
                 src_dim += 1
             else:
                 raise Unproven("tensor indexing in the mask")
+        subs.update({x: x + c for x, c in shifts.items()})
         return self.relabel(self._subs(src, subs), mapping, out_ndim)
 
     def _gather(self, node: fx.Node, src: Abstract, index: tuple[fx.Node, ...]) -> Abstract:
@@ -668,6 +684,8 @@ class MaskEvaluator:
                 # An integer mask read from data and used as a float (HF's (1 - mask) * min): read as 0/1,
                 # which the rewrite checks on the device (masks/assumptions: a value outside {0, 1} stops
                 # the run with a message instead of a silent wrong answer).
+                if src.expr.func.__name__ not in self.zero_one:
+                    self.checks.append(functools.partial(emit_zero_one_check, node=leaf.node))
                 self.zero_one[src.expr.func.__name__] = leaf.node
                 nonzero = sympy.Not(self.atoms.eq0(src.expr))
                 return _piecewise(src.ndim, [(1.0, nonzero), (0.0, sympy.Not(nonzero))])
@@ -687,7 +705,7 @@ class MaskEvaluator:
         if value.dtype in _INT_DTYPES and all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)):
             ea = va.expr if isinstance(va, IntTensor) else va
             eb = vb.expr if isinstance(vb, IntTensor) else vb
-            if ndim == 1 and (self._from_fallback(ea) or self._from_fallback(eb)):
+            if ndim == 1 and (self._from_fallback(ea) or self._from_fallback(eb) or _shifted_reads(ea - eb)):
                 # lengths = offsets[1:] - offsets[:-1]: one per-sample integer, not two unknowns
                 raise Unproven("integer arithmetic on a tensor the prover reads as data")
             if op is operator.floordiv:
@@ -704,6 +722,25 @@ class MaskEvaluator:
         if any(math.isnan(v) for v, _ in pieces):
             raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")
         return _piecewise(ndim, pieces)
+
+
+def _shifted_reads(expr) -> bool:
+    """Whether one leaf is read at two positions (offsets[1:] - offsets[:-1])."""
+    seen: dict[str, tuple] = {}
+    for f in sympy.sympify(expr).atoms(sympy.Function):
+        if seen.setdefault(f.func.__name__, f.args) != f.args:
+            return True
+    return False
+
+
+def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
+    """A device-side assert (no host sync) that an integer mask read as 0/1 holds only 0 and 1: the run stops
+    with this message instead of computing a mask the model did not mean."""
+    ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
+    emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
+                                    f"gemcompile: the mask {node.name} holds values other than 0 and 1; the "
+                                    "attention rewrite read it as a 0/1 mask (compile without gemcompile's "
+                                    "attention passes for this model)"))
 
 
 # -- a mask term of the scores as the condition that keeps a score -----------------------------------

@@ -122,14 +122,3 @@ def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> 
         raise Unproven(f"the key mask is on {example_value(mask).device}, the attention on "
                        f"{example_value(k).device}")
     return emit.call(torch.Tensor.expand, (mask, batch, keys))
-
-
-def emit_zero_one_checks(emit: Emitter, evaluator: MaskEvaluator) -> None:
-    """A device-side assert (no host sync) per integer mask read as 0/1: the run stops with this message
-    instead of computing a mask the model did not mean."""
-    for node in evaluator.zero_one.values():
-        ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
-        emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
-                                        f"gemcompile: the mask {node.name} holds values other than 0 and 1; the "
-                                        "attention rewrite read it as a 0/1 mask (compile without gemcompile's "
-                                        "attention passes for this model)"))
