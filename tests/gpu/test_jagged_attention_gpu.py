@@ -21,7 +21,11 @@ from kernel_checks import TOL, pin_tiles, rel  # noqa: E402
 import gemcompile.lowering  # noqa: E402,F401
 from gemcompile.lowering.jagged_attention import triton as kernels  # noqa: E402
 from gemcompile.lowering.common.checks import strict_length_checks  # noqa: E402
-from gemcompile.lowering.jagged_attention.reference import reference_backward, reference_forward  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import (  # noqa: E402
+    key_mask,
+    reference_backward,
+    reference_forward,
+)
 
 ops = torch.ops.gemcompile
 DEV = "cuda"
@@ -56,26 +60,26 @@ def make_case(B, H, Lq, Lk, D, dtype, shared_q=False, bias_shape=None, q_lengths
     return q, k, v, ql, kl, bias
 
 
-def run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad=True):
+def run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad=True, kv_mask=None):
     # detach (not clone): permuted and expanded views must reach the op with their strides
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     b = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
-    out = ops.jagged_attention(*leaves, ql, kl, b, causal, scale)
+    out = ops.jagged_attention(*leaves, ql, kl, b, causal, scale, kv_mask)
     out.backward(grad_out)
     grads = [x.grad for x in leaves] + [None if (b is None or not bias_grad) else b.grad]
     return out.detach(), grads
 
 
-def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1):
+def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1, kv_mask=None):
     dtype = q.dtype
     D = q.shape[-1]
     scale = 1 / math.sqrt(D)
     grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=torch.Generator().manual_seed(seed)).to(
         DEV, dtype
     )
-    out, grads = run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad)
+    out, grads = run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad, kv_mask)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale)
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, kv_mask)
     ref = reference_backward(
         grad_out.double(),
         *d64[:3],
@@ -87,6 +91,7 @@ def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1):
         causal,
         scale,
         bias is not None and bias_grad,
+        kv_mask,
     )
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
@@ -100,6 +105,9 @@ def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1):
             continue
         assert not got.isnan().any(), name
         assert rel(got, want) < bwd_tol, (name, rel(got, want))
+    if kv_mask is not None:  # keys that are not valid: exactly zero dK and dV
+        bad = ~key_mask(kl, kv_mask, k.shape[0], k.shape[2], DEV)
+        assert (grads[1].transpose(1, 2)[bad] == 0).all() and (grads[2].transpose(1, 2)[bad] == 0).all()
 
 
 CASES = [  # dtype, D, L (q and kv), causal, bias, shared_q, q_lengths
@@ -306,5 +314,95 @@ def test_eager_path_and_custom_ops_agree_bitwise(single_config):
 
     fast = grads(lambda q, k, v, b: ops.jagged_attention(q, k, v, ql, kl, b, True, 0.125))
     via_ops = grads(lambda q, k, v, b: ops.jagged_attention_fwd(q, k, v, ql, kl, b, True, 0.125)[0])
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv_mask (keys masked by data) and kv_lengths None
+
+
+def make_kv_mask(kind, B, L, seed=0):
+    """(B, L) bool on the GPU: "holes" random, "left_pad" a valid suffix, "right_pad" a valid prefix,
+    "expanded" one (1, L) row expanded to (B, L); rows 0 and 1 are all-False and all-True."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(L)
+    if kind == "holes":
+        m = torch.rand(B, L, generator=g) < 0.6
+    elif kind == "expanded":
+        return (torch.rand(1, L, generator=g) < 0.6).expand(B, L).to(DEV)
+    else:
+        edges = torch.randint(0, L + 1, (B,), generator=g)
+        m = pos[None, :] >= edges[:, None] if kind == "left_pad" else pos[None, :] < edges[:, None]
+    m[0] = False
+    m[1] = True
+    return m.to(DEV)
+
+
+MASK_CASES = [  # dtype, D, L, causal, mask kind, with kv_lengths, bias
+    (torch.bfloat16, 64, 1000, False, "holes", True, None),
+    (torch.bfloat16, 64, 1000, True, "left_pad", False, None),
+    (torch.bfloat16, 128, 1000, False, "right_pad", True, "heads_keys"),
+    (torch.bfloat16, 128, 777, True, "holes", False, "full"),
+    (torch.bfloat16, 64, 513, False, "expanded", True, None),
+    (torch.float32, 64, 1000, True, "holes", True, None),
+    (torch.float32, 128, 1000, False, "left_pad", False, "heads_keys"),
+    (torch.float32, 128, 300, True, "right_pad", True, None),
+    (torch.float32, 64, 257, False, "expanded", False, "full"),
+]
+
+
+@pytest.mark.parametrize(
+    "case", MASK_CASES,
+    ids=lambda c: f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{'causal' if c[3] else 'full'}-{c[4]}-"
+                  f"{'kvlen' if c[5] else 'nokvlen'}-bias_{c[6]}",
+)
+def test_kv_mask_matches_float64_reference(single_config, case):
+    dtype, D, L, causal, kind, with_kv_lengths, bias_kind = case
+    B, H = 6, 2
+    bias_shape = {None: None, "full": (B, H, L, L), "heads_keys": (1, H, 1, L)}[bias_kind]
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, bias_shape=bias_shape, seed=D + L)
+    mask = make_kv_mask(kind, B, L, L)
+    check_case(q, k, v, ql, kl if with_kv_lengths else None, bias, causal, kv_mask=mask)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_kv_mask_autotuned(D):
+    """No pinned config: whatever the autotuner picks, with a mask and no kv_lengths."""
+    q, k, v, ql, _, _ = make_case(4, 2, 1000, 1000, D, torch.bfloat16, seed=D)
+    check_case(q, k, v, ql, None, None, True, kv_mask=make_kv_mask("left_pad", 4, 1000, D))
+
+
+def test_kv_mask_cross_lengths(single_config):
+    q, k, v, ql, kl, _ = make_case(5, 2, 16, 1000, 64, torch.bfloat16, seed=3)
+    check_case(q, k, v, ql, kl, None, False, kv_mask=make_kv_mask("holes", 5, 1000, 3))
+    check_case(q, k, v, None, None, None, False, kv_mask=make_kv_mask("right_pad", 5, 1000, 4))
+
+
+def test_no_kv_lengths_no_mask(single_config):
+    q, k, v, ql, _, bias = make_case(4, 2, 300, 300, 64, torch.bfloat16, bias_shape=(1, 2, 300, 300))
+    check_case(q, k, v, ql, None, bias, True)
+    check_case(q, k, v, None, None, None, False)
+
+
+def test_kv_mask_no_host_sync_and_eager_matches_ops(single_config):
+    q, k, v, ql, kl, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
+    mask = make_kv_mask("holes", 6, 512)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    g = torch.randn(6, 2, 512, 64, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        out = ops.jagged_attention(leaves[0], leaves[1], leaves[2], ql, None, leaves[3], True, 0.125, mask)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = step()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    via_ops = (ops.jagged_attention_fwd(*leaves[:3], ql, None, leaves[3], True, 0.125, mask)[0],)
+    via_ops = (*via_ops, *torch.autograd.grad(via_ops[0], leaves, g))
     for a, b in zip(fast, via_ops):
         assert torch.equal(a, b)

@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(
     from gemcompile.lowering.common import attention_triton
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
-                "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64"}
+                "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8", "KVLo": "i32",
+                "KVHi": "i32"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
 
     def jit_fn(kernel):
@@ -48,7 +49,8 @@ SCRIPT = textwrap.dedent(
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif name in ("qk_scale", "scale"):
                 signature[name] = "fp32"
-            elif name.startswith("stride_") and (name.endswith("d") or name in ("stride_lm", "stride_zn")):
+            elif name.startswith("stride_") and (name.endswith("d") or name in ("stride_lm", "stride_zn",
+                                                                                "stride_mn")):
                 constants[name] = 1
                 signature[name] = "constexpr"
             else:
@@ -72,15 +74,16 @@ SCRIPT = textwrap.dedent(
         return int(m.group(1)) if m else None
 
     results = []
-    variants = [  # dtype, D, q mode, kv mode, bias, causal, dot precision
-        ("bf16", 64, 1, 1, True, True, "tf32"),
-        ("fp16", 96, 0, 1, True, False, "tf32"),  # head dim padded to BLOCK_D = 128
-        ("fp32", 32, 1, 1, False, True, "tf32x3"),
-        ("bf16", 128, 2, 2, False, True, "tf32"),  # packed layout
+    variants = [  # dtype, D, q mode, kv mode, bias, causal, dot precision, kv_mask
+        ("bf16", 64, 1, 1, True, True, "tf32", False),
+        ("fp16", 96, 0, 1, True, False, "tf32", False),  # head dim padded to BLOCK_D = 128
+        ("fp32", 32, 1, 1, False, True, "tf32x3", False),
+        ("bf16", 128, 2, 2, False, True, "tf32", False),  # packed layout
+        ("bf16", 128, 1, 0, True, True, "tf32", True),  # kv_mask, no kv_lengths
     ]
-    for dtype, D, q_mode, kv_mode, bias, causal, precision in variants:
+    for dtype, D, q_mode, kv_mode, bias, causal, precision, kv_mask in variants:
         flags = dict(HEAD_D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), Q_MODE=q_mode, KV_MODE=kv_mode,
-                     HAS_BIAS=bias, CAUSAL=causal, DOT_PRECISION=precision)
+                     HAS_BIAS=bias, CAUSAL=causal, DOT_PRECISION=precision, HAS_KV_MASK=kv_mask)
         for name, kernel, extra in (("fwd", T._fwd_kernel, {}), ("dkdv", T._bwd_dkdv_kernel, {}),
                                     ("dq", T._bwd_dq_kernel, {"BIAS_GRAD": bias})):
             compile_kernel(kernel, dtype, dict(flags, BLOCK_M=64, BLOCK_N=64, **extra), 4, 3)
@@ -90,7 +93,7 @@ SCRIPT = textwrap.dedent(
         results.append(["delta", dtype, D, "compiled", None])
     # the largest tile of each kernel that the autotuner offers at D = 128 must not spill registers
     flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
-                 DOT_PRECISION="tf32")
+                 DOT_PRECISION="tf32", HAS_KV_MASK=False)
     for name, kernel, shapes, extra in (("fwd", T._fwd_kernel, T._FWD_SHAPES, {}),
                                         ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {}),
                                         ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False})):
@@ -115,7 +118,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
-    assert sum(r[3] == "compiled" for r in results) == 16
+    assert sum(r[3] == "compiled" for r in results) == 20
     spills = [r for r in results if r[3] != "compiled"]
     assert spills, "no autotune config checked for spills"
     for name, dtype, D, config, stack in spills:

@@ -38,6 +38,7 @@ __all__ = [
     "dot_precision",
     "fit_shared_memory",
     "kernel_configs",
+    "kv_mask_bounds",
     "length_bucket",
     "load_rows",
     "make_prune",
@@ -263,3 +264,16 @@ def bhld_strides(t: torch.Tensor, batch_broadcast: bool):
     """Strides (b, h, l, d) of a padded (B, H, L, D) tensor; batch stride 0 when shared by the batch."""
     sb, sh, sl, sd = t.stride()
     return (0 if batch_broadcast else sb), sh, sl, sd
+
+
+def kv_mask_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None, L: int):
+    """Per batch, on the device (no host sync): (lo, hi) int32 (B,) with lo = the first valid key (L if
+    none) and hi = the last valid key + 1 (0 if none); a key is valid iff kv_mask[b, j] and j < kv_len[b]
+    (kv_lengths None: every j). Kernels visit key tiles from (lo // BLOCK_N) * BLOCK_N up to hi only."""
+    pos = torch.arange(L, device=kv_mask.device, dtype=torch.int32)
+    valid = kv_mask
+    if kv_lengths is not None:
+        valid = valid & (pos[None, :] < kv_lengths[:, None])
+    lo = torch.where(valid, pos, L).amin(dim=1)
+    hi = torch.where(valid, pos + 1, 0).amax(dim=1)
+    return lo.to(torch.int32), hi.to(torch.int32)

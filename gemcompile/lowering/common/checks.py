@@ -30,6 +30,7 @@ __all__ = [
     "check_bias",
     "check_flags",
     "check_index_vector",
+    "check_kv_mask",
     "check_length_values",
     "check_number",
     "check_qkv_tensors",
@@ -193,3 +194,17 @@ def check_length_values(name: str, lengths: torch.Tensor | None, max_len: int) -
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{name}[{i}] = {int(lengths[i])} is outside [0, {max_len}] (the padded length)")
+
+
+def check_kv_mask(kv_mask, B: int, Lk: int, device) -> None:
+    """kv_mask: None or a torch.bool (B, Lk) tensor on q's device, any strides (metadata only)."""
+    if kv_mask is None:
+        return
+    if not isinstance(kv_mask, torch.Tensor):
+        raise TypeError(f"kv_mask must be a torch.Tensor or None, got {type(kv_mask).__name__}")
+    if kv_mask.dtype != torch.bool:
+        raise ValueError(f"kv_mask must be a torch.bool tensor, got dtype {kv_mask.dtype}")
+    if kv_mask.dim() != 2 or tuple(kv_mask.shape) != (B, Lk):
+        raise ValueError(f"kv_mask must have shape (B, Lk) = {(B, Lk)}, got {tuple(kv_mask.shape)}")
+    if kv_mask.device != device:
+        raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}")

@@ -22,14 +22,27 @@ def padded_pairs(B: int, Lq: int, Lk: int, causal: bool) -> int:
     return int(B) * int(Lq) * int(Lk)
 
 
-def attention_pairs(q_lengths, kv_lengths, Lq: int, Lk: int, causal: bool) -> int:
-    """Sum over the batch of valid (i, j) pairs; lengths are clamped to [0, L]; q_lengths None means Lq."""
+def attention_pairs(q_lengths, kv_lengths, Lq: int, Lk: int, causal: bool, kv_mask=None) -> int:
+    """Sum over the batch of valid (i, j) pairs; lengths are clamped to [0, L]; q_lengths None means Lq;
+    a kv_mask (B, Lk) removes keys (positions stay absolute)."""
     kv = kv_lengths.detach().to("cpu", torch.int64).clamp(0, int(Lk))
     if q_lengths is None:
         qn = torch.full_like(kv, int(Lq))
     else:
         qn = q_lengths.detach().to("cpu", torch.int64).clamp(0, int(Lq))
+    if kv_mask is not None:
+        return _masked_pairs(qn, kv, kv_mask.detach().to("cpu"), int(Lk), causal)
     if causal:
         return int(_causal_pairs(qn, kv).sum())
     return int((qn * kv).sum())
 
+
+def _masked_pairs(qn, kv, kv_mask, Lk: int, causal: bool) -> int:
+    """Key j of batch b counts for every row i < q_len (causal: for the rows j <= i < q_len)."""
+    pos = torch.arange(Lk)
+    valid = kv_mask & (pos[None, :] < kv[:, None])
+    if causal:
+        rows = (qn[:, None] - pos[None, :]).clamp_min(0)
+    else:
+        rows = qn[:, None].expand(-1, Lk)
+    return int((rows * valid).sum())

@@ -3,13 +3,16 @@
 Public op (what the jagged_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths,
-        Tensor kv_lengths, Tensor? bias, bool causal, float scale) -> Tensor
+        Tensor? kv_lengths, Tensor? bias, bool causal, float scale, Tensor? kv_mask=None) -> Tensor
 
 q (Bq, H, Lq, D) with Bq in {1, B}; k, v (B, H, Lk, D); any strides (permuted or expanded views are read
-in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling. Output: contiguous
-(B, H, Lq, D) in q's dtype. For row i < q_len[b]: softmax over keys j < kv_len[b] (and j <= i when
-causal, top-left aligned). Rows i >= q_len and rows without a valid key are exactly 0 with zero
-gradients (eager SDPA gives NaN on an all-masked row; we give 0, as its math backend does).
+in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling; kv_lengths None
+means Lk; kv_mask None or torch.bool (B, Lk), any strides (a (1, Lk) mask expanded to (B, Lk) is read
+in place). Output: contiguous (B, H, Lq, D) in q's dtype. For row i < q_len[b]: softmax over keys
+j < kv_len[b] with kv_mask[b, j] (and j <= i when causal, top-left aligned; positions are absolute: holes
+or left padding in the mask do not shift them). Rows i >= q_len and rows without a valid key are exactly
+0 with zero gradients (eager SDPA gives NaN on an all-masked row; we give 0, as its math backend does);
+keys that are not valid get exactly zero dK and dV.
 
 Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
 (out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)
@@ -24,7 +27,8 @@ are clamped into [0, L] inside the kernels and checked only under
 :func:`gemcompile.lowering.common.checks.strict_length_checks`.
 
 FLOPs: the fwd and bwd ops have ``torch.utils.flop_counter`` formulas that count useful pairs from the
-actual lengths (padded count when the lengths are fake): forward 4*H*D*pairs, backward 2.5x forward.
+actual lengths and kv_mask (padded count when any of them is fake): forward 4*H*D*pairs, backward 2.5x
+forward.
 """
 
 from __future__ import annotations
@@ -44,17 +48,17 @@ from .reference import reference_backward, reference_forward
 
 __all__ = ["EagerJaggedAttention", "check_jagged_attention_args", "jagged_attention"]
 
-_INPUTS = 8  # q, k, v, q_lengths, kv_lengths, bias, causal, scale
+_INPUTS = 9  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask
+_SAVED = 8  # q, k, v, out, lse, q_lengths, kv_lengths, bias (then kv_mask, the bwd op's last argument)
 
 
-def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale) -> None:
+def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None) -> None:
     """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "jagged attention kernel")
-    if kv_lengths is None:
-        checks.check_index_vector("kv_lengths", kv_lengths, B, "B", q.device)
     if bias is not None:
         checks.check_bias(bias, (B, H, Lq, Lk), q.device)
     checks.check_flags(causal, scale)
+    checks.check_kv_mask(kv_mask, B, Lk, q.device)
 
 
 def _check_values(q, k, q_lengths, kv_lengths) -> None:
@@ -82,28 +86,29 @@ def jagged_attention_fwd(
     k: Tensor,
     v: Tensor,
     q_lengths: Optional[Tensor],
-    kv_lengths: Tensor,
+    kv_lengths: Optional[Tensor],
     bias: Optional[Tensor],
     causal: bool,
     scale: float,
+    kv_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key)."""
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
     _check_values(q, k, q_lengths, kv_lengths)
-    return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
 
 
 @jagged_attention_fwd.register_kernel("cuda")
-def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
     _check_values(q, k, q_lengths, kv_lengths)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
 
 
 @jagged_attention_fwd.register_fake
-def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
+def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
     B, H, _, D = k.shape
     Lq = q.shape[2]
     return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
@@ -118,15 +123,16 @@ def jagged_attention_bwd(
     out: Tensor,
     lse: Tensor,
     q_lengths: Optional[Tensor],
-    kv_lengths: Tensor,
+    kv_lengths: Optional[Tensor],
     bias: Optional[Tensor],
     causal: bool,
     scale: float,
     bias_requires_grad: bool,
+    kv_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     return reference_backward(
-        grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad
+        grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask
     )
 
 
@@ -139,23 +145,24 @@ def _jagged_attention_bwd_cuda(grad_out, q, *rest):
 
 @jagged_attention_bwd.register_fake
 def _jagged_attention_bwd_fake(
-    grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad
+    grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None
 ):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, q_lengths, kv_lengths, bias, causal, scale = inputs
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask = inputs
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias), (causal, scale), bias=bias,
-                      bias_index=5, lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask), (causal, scale),
+                      bias=bias, bias_index=5, lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
+    saved = ctx.saved_tensors
     dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
-        grad_out, *ctx.saved_tensors, *ctx.args, ctx.bias_requires_grad
+        grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad, saved[_SAVED]
     )
     return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
@@ -168,23 +175,25 @@ jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_c
 
 
 class EagerJaggedAttention(torch.autograd.Function):
-    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale) through the same kernels
-    as the custom ops; arguments checked by the caller. The lse stays inside the Function, so no gradient
-    is ever materialized for it."""
+    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask) through the same
+    kernels as the custom ops; arguments checked by the caller. The lse stays inside the Function, so no
+    gradient is ever materialized for it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None):
         _check_values(q, k, q_lengths, kv_lengths)
         forward, _ = _kernels(q)
-        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
-        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias), (causal, scale), bias=bias,
-                          bias_index=5)
+        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask), (causal, scale),
+                          bias=bias, bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        _, backward = _kernels(ctx.saved_tensors[0])
-        dq, dk, dv, dbias = backward(grad_out, *ctx.saved_tensors, *ctx.args, ctx.bias_requires_grad)
+        saved = ctx.saved_tensors
+        _, backward = _kernels(saved[0])
+        dq, dk, dv, dbias = backward(grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad,
+                                     saved[_SAVED])
         return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -193,16 +202,18 @@ class EagerJaggedAttention(torch.autograd.Function):
 
 
 LIB.define(
-    "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor kv_lengths, Tensor? bias, "
-    "bool causal, float scale) -> Tensor"
+    "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, "
+    "bool causal, float scale, Tensor? kv_mask=None) -> Tensor"
 )
 
 
-def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale):
+def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
-        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
-    return torch.ops.gemcompile.jagged_attention_fwd(q, k, v, q_lengths, kv_lengths, bias, causal, scale)[0]
+        check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    return torch.ops.gemcompile.jagged_attention_fwd(
+        q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask
+    )[0]
 
 
 LIB.impl("jagged_attention", _jagged_attention_composite, "CompositeImplicitAutograd")
@@ -213,39 +224,44 @@ def jagged_attention(
     k: Tensor,
     v: Tensor,
     q_lengths: Optional[Tensor],
-    kv_lengths: Tensor,
+    kv_lengths: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
     causal: bool = False,
     scale: Optional[float] = None,
+    kv_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale)
-    return torch.ops.gemcompile.jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, float(scale))
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    return torch.ops.gemcompile.jagged_attention(
+        q, k, v, q_lengths, kv_lengths, bias, causal, float(scale), kv_mask
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
-# FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
+# FLOP formulas (raw tensors: lengths and kv_mask are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, k, q_lengths, kv_lengths, causal) -> int:
+def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None) -> int:
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
-    if is_fake(kv_lengths) or (q_lengths is not None and is_fake(q_lengths)):
+    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, kv_mask)):
         pairs = padded_pairs(B, Lq, Lk, causal)
     else:
-        pairs = attention_pairs(q_lengths, kv_lengths, Lq, Lk, causal)
+        if kv_lengths is None:
+            kv_lengths = torch.full((B,), Lk, dtype=torch.int64)
+        pairs = attention_pairs(q_lengths, kv_lengths, Lq, Lk, causal, kv_mask)
     return forward_flops(H, D, pairs)
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, *, out_val=None,
-               **kwargs) -> int:
-    return _forward_flops(q, k, q_lengths, kv_lengths, causal)
+def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None, *,
+               out_val=None, **kwargs) -> int:
+    return _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
-               scale=1.0, bias_requires_grad=False, *, out_val=None, **kwargs) -> int:
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal))
+               scale=1.0, bias_requires_grad=False, kv_mask=None, *, out_val=None, **kwargs) -> int:
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask))

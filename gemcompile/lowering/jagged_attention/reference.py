@@ -2,8 +2,9 @@
 
 Semantics (shared with the Triton kernels, see op.py): for batch b, head h and query row
 i < q_len[b], ``out[b,h,i] = softmax_j(scale * q_i . k_j + bias[b,h,i,j]) @ v`` over keys j < kv_len[b]
-(and j <= i when causal, top-left aligned). Rows with no valid key and rows i >= q_len are exactly 0.
-Lengths above the padded length mean "all positions" (the eager ``arange(L) < length`` mask).
+(and j <= i when causal, top-left aligned) and with kv_mask[b, j] (when a kv_mask is given; positions
+stay absolute). Rows with no valid key and rows i >= q_len are exactly 0. Lengths above the padded
+length mean "all positions" (the eager ``arange(L) < length`` mask); kv_lengths None means Lk.
 
 The forward returns ``(out, lse)``; ``lse`` is the natural-log sum-exp of each row's scores, and +inf on
 rows without a valid key so that ``exp(s - lse) = 0`` there. The backward is the flash-attention
@@ -21,13 +22,20 @@ import torch
 
 from ..common.reference import compute_dtype, reduce_bias_grad, row_mask, zero_invalid_rows
 
-__all__ = ["reference_backward", "reference_forward", "valid_mask"]
+__all__ = ["key_mask", "reference_backward", "reference_forward", "valid_mask"]
 
 
-def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device) -> torch.Tensor:
+def key_mask(kv_lengths, kv_mask, B: int, Lk: int, device) -> torch.Tensor:
+    """(B, Lk) bool: the valid keys (j < kv_len and kv_mask[b, j])."""
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    return kv_ok if kv_mask is None else kv_ok & kv_mask.to(device)
+
+
+def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device,
+               kv_mask=None) -> torch.Tensor:
     """(B, 1, Lq, Lk) bool mask of the (i, j) score entries that take part in the softmax."""
     q_ok = row_mask(q_lengths, B, Lq, device)
-    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    kv_ok = key_mask(kv_lengths, kv_mask, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     if causal:
         rows = torch.arange(Lq, device=device)
@@ -36,17 +44,17 @@ def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, de
     return valid
 
 
-def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale):
+def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask):
     """Returns (probabilities or scores, valid, zeroed q, zeroed k) in the compute dtype."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
-    kf = zero_invalid_rows(k.to(cdt), row_mask(kv_lengths, B, Lk, k.device))
+    kf = zero_invalid_rows(k.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, k.device))
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.to(cdt)
-    valid = valid_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, q.device)
+    valid = valid_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, q.device, kv_mask)
     s = s.masked_fill(~valid, float("-inf"))
     if lse is None:
         return s, valid, qf, kf
@@ -54,16 +62,16 @@ def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale):
     return p, valid, qf, kf
 
 
-def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None):
     """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale)
+    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
     lse = torch.logsumexp(s, dim=-1) if Lk > 0 else s.new_full((B, H, Lq), float("-inf"))
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     p = torch.exp(s - lse[..., None])
-    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    vf = zero_invalid_rows(v.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, v.device))
     out = torch.matmul(p, vf)
     return out.to(q.dtype).contiguous(), lse.to(compute_dtype(q.dtype)).contiguous()
 
@@ -81,16 +89,17 @@ def reference_backward(
     causal: bool,
     scale: float,
     bias_requires_grad: bool,
+    kv_mask=None,
 ):
     """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale)
+    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
     q_ok = row_mask(q_lengths, B, Lq, q.device)
     do = zero_invalid_rows(grad_out.to(cdt), q_ok)
     o = zero_invalid_rows(out.to(cdt), q_ok)
-    vf = zero_invalid_rows(v.to(cdt), row_mask(kv_lengths, B, Lk, v.device))
+    vf = zero_invalid_rows(v.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, v.device))
     delta = (do * o).sum(dim=-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vf.transpose(-1, -2))

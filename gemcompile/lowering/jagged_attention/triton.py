@@ -14,6 +14,14 @@ sequence's kv length (and at the diagonal when causal). The key loop runs in two
 need no masking (inside kv_len and fully below the diagonal) and the tiles that do. Online softmax in
 fp32 with exp2 (log2 e is folded into the scale); a row with no valid key gets out = 0 and lse = +inf.
 
+kv_mask (constexpr HAS_KV_MASK; without a mask the kernels compile to the length-only code): the
+launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1:
+common/attention_triton.kv_mask_bounds) and orders batches by kv_hi - kv_lo. The fwd and dQ key loops
+run from kv_lo's tile to kv_hi only, AND the loaded mask vector into every tile's validity and load
+masked keys as 0 (garbage there never reaches P.V or dS). dK/dV programs whose key tile lies outside
+[kv_lo, kv_hi) write zeros and exit; the others zero the rows of masked keys at the end (a row of dK/dV
+depends only on its own key). kv_lengths None: the key side is MODE_FULL.
+
 Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
 delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
 ``_bwd_dq_kernel`` runs one program per query tile and loops over key tiles accumulating dQ. When the
@@ -47,6 +55,7 @@ from ..common.attention_triton import (
     bwd_delta_kernel,
     dot_precision,
     kernel_configs,
+    kv_mask_bounds,
     length_bucket,
     load_rows,
     make_prune,
@@ -55,6 +64,7 @@ from ..common.attention_triton import (
     sequence,
     store_rows,
 )
+from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, launch
 
@@ -87,7 +97,21 @@ _DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL",
-                 "DOT_PRECISION"]
+                 "DOT_PRECISION", "HAS_KV_MASK"]
+
+
+@triton.jit
+def _key_mask(m_base, cols, stride_mn, col_ok):
+    """kv_mask[b, cols] as a bool vector (False past the key length); m_base points at row b."""
+    return tl.load(m_base + cols.to(tl.int64) * stride_mn, mask=col_ok, other=0) != 0
+
+
+@triton.jit
+def _key_range(KVLo, KVHi, b, kv_len, BLOCK_N: tl.constexpr):
+    """The key tiles to visit with a kv_mask: from the tile of the first valid key up to the last + 1."""
+    lo = (tl.load(KVLo + b) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(kv_len, tl.load(KVHi + b))
+    return lo, hi
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,15 +119,21 @@ _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_B
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, offs_m, offs_n, offs_d, q_len, kv_len,
-               stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, qk_scale, lo, hi,
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, hi,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_KV_MASK: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if HAS_KV_MASK:
+            # masked keys read as 0 (garbage in k or v there must not reach p @ v)
+            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -115,16 +145,23 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, offs_m, offs_n, offs
             s += z.to(tl.float32) * LOG2E
         if MASKED:
             valid = col_ok[None, :]
+            if HAS_KV_MASK:
+                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             s = tl.where(valid, s, float("-inf"))
+        elif HAS_KV_MASK:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row whose scores are all -inf so far (e.g. a -inf bias) must not produce inf - inf = NaN
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if HAS_KV_MASK:
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
+        else:
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -134,18 +171,19 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, offs_m, offs_n, offs
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -176,24 +214,31 @@ def _fwd_kernel(
     k_base = K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn
     v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
+    m_base = KVMask + b64 * stride_mb
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = 0
     hi = kv_len
-    full_end = (kv_len // BLOCK_N) * BLOCK_N
+    if HAS_KV_MASK:
+        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+    full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    mid = full_end
+    if HAS_KV_MASK:
+        mid = tl.maximum(lo, full_end)  # (causal can put full_end below lo)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn, stride_kd,
-        stride_vn, stride_vd, stride_zm, stride_zn, qk_scale, 0, full_end, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL,
-        False, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, full_end, HEAD_D,
+        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, z_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn, stride_kd,
-        stride_vn, stride_vd, stride_zm, stride_zn, qk_scale, full_end, hi, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL,
-        True, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, mid, hi, HEAD_D,
+        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -250,7 +295,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -258,11 +303,12 @@ def _bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -279,7 +325,10 @@ def _bwd_dkdv_kernel(
         store_mask = offs_n < kv_len
     else:
         store_mask = offs_n < max_kv_len
-    if n0 >= kv_len:
+    skip = n0 >= kv_len
+    if HAS_KV_MASK:  # a key tile wholly outside [kv_lo, kv_hi) has no valid key
+        skip = skip | (n0 >= tl.load(KVHi + b)) | (n0 + BLOCK_N <= tl.load(KVLo + b))
+    if skip:
         if KV_MODE != 2:
             zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
@@ -287,6 +336,9 @@ def _bwd_dkdv_kernel(
         return
 
     col_ok = offs_n < kv_len
+    if HAS_KV_MASK:
+        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last
+        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok)
     start64 = q_start.to(tl.int64)
     q_base = Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm
     do_base = DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm
@@ -326,21 +378,31 @@ def _bwd_dkdv_kernel(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_end, q_len,
             HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+    if HAS_KV_MASK:
+        dk = tl.where(col_ok[:, None], dk, 0.0)
+        dv = tl.where(col_ok[:, None], dv, 0.0)
     store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, dk * scale, store_mask, HEAD_D)
     store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, dv, store_mask, HEAD_D)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
-              stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, qk_scale, lo, hi,
-              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-              CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+              kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
+              qk_scale, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr):
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if HAS_KV_MASK:
+            # masked keys read as 0: garbage there must not reach dS (through dP) or dS @ K
+            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -353,9 +415,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, o
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = col_ok[None, :]
+            if HAS_KV_MASK:
+                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
+        elif HAS_KV_MASK:
+            p = tl.where(key_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:
@@ -370,7 +436,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, o
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -379,11 +445,12 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
+    stride_mb, stride_mn,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -418,21 +485,30 @@ def _bwd_dq_kernel(
     v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
+    m_base = KVMask + b64 * stride_mb
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = 0
     hi = kv_len
-    full_end = (kv_len // BLOCK_N) * BLOCK_N
+    if HAS_KV_MASK:
+        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+    full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    mid = full_end
+    if HAS_KV_MASK:
+        mid = tl.maximum(lo, full_end)
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, qk_scale, 0, full_end,
-        HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False, DOT_PRECISION, BLOCK_N)
+        dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+        kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
+        qk_scale, lo, full_end, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False, DOT_PRECISION, BLOCK_N,
+        HAS_KV_MASK)
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, offs_m, offs_n, offs_d, q_len, kv_len,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, qk_scale, full_end, hi,
-        HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION, BLOCK_N)
+        dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+        kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
+        qk_scale, mid, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION, BLOCK_N,
+        HAS_KV_MASK)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -441,32 +517,55 @@ def _bwd_dq_kernel(
 # Launchers
 
 
+class _KeyMask:
+    """What the kernels get for a kv_mask: the mask as uint8 (a view, no copy), its (b, n) strides, the
+    per-batch key range [lo, hi) (device side, kv_mask_bounds) and the batch order longest span first.
+    Without a mask: dummies that are never read, and the kv lengths' order."""
+
+    def __init__(self, kv_mask, kv_side: Side, B: int, device):
+        self.has = kv_mask is not None
+        if self.has:
+            lengths = kv_side.lengths if kv_side.mode == MODE_LENGTHS else None
+            self.mask, self.strides = kv_mask.view(torch.uint8), kv_mask.stride()
+            self.lo, self.hi = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
+            self.order = longest_first_order(self.hi - self.lo)
+        else:
+            self.mask = self.lo = self.hi = kv_side.lengths
+            self.strides = (0, 0)
+            self.order = batch_order(kv_side, B, device)
+
+    def args(self):
+        return self.mask, self.lo, self.hi
+
+
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
-             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides):
+             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     if bias is not None:
         z_strides = bias.expand(B, H, Lq, Lk).stride()
     else:
         bias, z_strides = q, (0, 0, 0, 0)
-    order = batch_order(kv_side, B, q.device)
+    keys = _KeyMask(kv_mask, kv_side, B, q.device)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, order,
-        *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(),
+        *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
         H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
-           HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype)),
+           HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
+           HAS_KV_MASK=keys.has),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
-              o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides):
+              o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
+              kv_mask=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -482,35 +581,40 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
         H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
 
+    keys = _KeyMask(kv_mask, kv_side, B, q.device)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
-                 DOT_PRECISION=dot_precision(q.dtype))
+                 DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has)
     scalars = (H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, float(scale),
                length_bucket(Lq), length_bucket(Lk))
-    # dQ programs loop over keys: order batches by kv length; dK/dV programs loop over query rows: by
-    # query length (the same order when both sides share their lengths)
-    kv_order = batch_order(kv_side, B, q.device)
+    # dQ programs loop over keys: order batches by kv length (key span with a mask); dK/dV programs loop
+    # over query rows: by query length (the same order when both sides share their lengths)
+    kv_order = keys.order
     shared = q_side.mode == MODE_FULL or same_sequences(q_side, kv_side)
     q_order = kv_order if shared else batch_order(q_side, B, q.device)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(),
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
-        *scalars), flags, scalars[-2:])
+        *keys.strides, *scalars), flags, scalars[-2:])
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(),
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
-        *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
+        *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
 
 
-def _padded_sides(q, k, q_lengths, kv_lengths):
+def _padded_sides(q, k, q_lengths, kv_lengths, dummy):
+    """kv_lengths None: every key position is valid (MODE_FULL); ``dummy`` fills unused pointers."""
     Lq, Lk = q.shape[2], k.shape[2]
-    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, kv_lengths)
-    kv_side = Side(MODE_LENGTHS, None, kv_lengths, Lk, Lk, kv_lengths)
+    if kv_lengths is not None:
+        dummy = kv_lengths
+    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
+    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
     return q_side, kv_side
 
 
-def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float):
+def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float,
+                                    kv_mask=None):
     """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -520,14 +624,15 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
         return out, lse
     if Lk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths)
+    q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse)
     _forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale,
-             bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride())
+             bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride(),
+             kv_mask)
     return out, lse
 
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
-                                     scale: float, bias_requires_grad: bool):
+                                     scale: float, bias_requires_grad: bool, kv_mask=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -538,12 +643,12 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
     dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
     ds = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
     if B * H > 0 and Lq > 0 and Lk > 0:
-        q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths)
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, delta)
         _backward(grad_out, q, k, v, out, lse, bias, bias_grad, q_side, kv_side, B, H, D, causal, scale,
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
-                  ds, None if ds is None else ds.stride()[:3])
+                  ds, None if ds is None else ds.stride()[:3], kv_mask)
     else:
         dk.zero_()
         dv.zero_()

@@ -1,0 +1,176 @@
+"""The jagged attention Triton kernels with a kv_mask (and kv_lengths None), run by the Triton interpreter
+on CPU (TRITON_INTERPRET=1, set by conftest), against the float64 reference. The launchers are called directly
+with CPU tensors. float32 and float16 only (the interpreter's tl.dot on bfloat16 is wrong)."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "interpreter tests: run on a machine without CUDA (conftest sets TRITON_INTERPRET=1)",
+        allow_module_level=True,
+    )
+triton = pytest.importorskip("triton")
+
+from test_jagged_attention_kv_mask import MASK_KINDS, make_kv_mask  # noqa: E402
+
+from gemcompile.lowering.common.attention_triton import kv_mask_bounds  # noqa: E402
+from gemcompile.lowering.jagged_attention.reference import (  # noqa: E402
+    key_mask,
+    reference_backward,
+    reference_forward,
+)
+from gemcompile.lowering.jagged_attention.triton import (  # noqa: E402
+    jagged_attention_backward_triton,
+    jagged_attention_forward_triton,
+)
+
+TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, H, Lq, Lk, D, dtype, kind, *, q_lengths=True, kv_lengths=True, shared_q=False,
+                bias_shape=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1 if shared_q else B, H, Lq, D, generator=g).to(dtype)
+    k = torch.randn(B, H, Lk, D, generator=g).to(dtype)
+    v = torch.randn(B, H, Lk, D, generator=g).to(dtype)
+    ql = torch.tensor([Lq, (Lq // 2) | 1, 1, Lq][:B]) if q_lengths else None
+    kl = torch.tensor([Lk, Lk - 7, (Lk // 3) | 1, Lk][:B]) if kv_lengths else None
+    bias = None if bias_shape is None else torch.randn(bias_shape, generator=g).to(dtype)
+    return q, k, v, ql, kl, make_kv_mask(kind, B, Lk, seed + 1), bias
+
+
+def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_grad=True, seed=1):
+    dtype = q.dtype
+    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, scale, mask)
+    d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, mask)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert out.dtype == dtype and out.is_contiguous() and not out.isnan().any()
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    want_bias_grad = bias is not None and bias_grad
+    dq, dk, dv, dbias = jagged_attention_backward_triton(
+        grad_out, q, k, v, out, lse, ql, kl, bias, causal, scale, want_bias_grad, mask)
+    ref = reference_backward(grad_out.double(), *d64[:3], ref_out, ref_lse, ql, kl, d64[3], causal, scale,
+                             want_bias_grad, mask)
+    for name, got, want, like in (("dq", dq, ref[0], q), ("dk", dk, ref[1], k), ("dv", dv, ref[2], v)):
+        assert got.shape == like.shape and got.dtype == like.dtype, name
+        assert not got.isnan().any(), name
+        assert rel(got, want) < bwd_tol, (name, rel(got, want))
+    if want_bias_grad:
+        assert rel(dbias, ref[3]) < bwd_tol, ("dbias", rel(dbias, ref[3]))
+    # keys that are not valid get exactly zero dK and dV
+    bad = ~key_mask(kl, mask, k.shape[0], k.shape[2], "cpu")
+    assert (dk.transpose(1, 2)[bad] == 0).all() and (dv.transpose(1, 2)[bad] == 0).all()
+    return out, lse, (dq, dk, dv, dbias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_kernels_match_reference(kind, causal, dtype):
+    B, H, L, D = 4, 2, 40, 32
+    q, k, v, ql, kl, mask, _ = make_inputs(B, H, L, L, D, dtype, kind, seed=len(kind))
+    check_against_reference(q, k, v, ql, kl, mask, None, causal, D**-0.5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_without_kv_lengths(kind, causal):
+    B, H, Lq, Lk, D = 4, 1, 24, 40, 16
+    q, k, v, ql, kl, mask, _ = make_inputs(B, H, Lq, Lk, D, torch.float32, kind, kv_lengths=False, seed=3)
+    check_against_reference(q, k, v, ql, None, mask, None, causal, 0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_no_mask_no_kv_lengths(causal):
+    B, H, L, D = 3, 2, 33, 16
+    q, k, v, ql, _, _, bias = make_inputs(B, H, L, L, D, torch.float32, "all_true", bias_shape=(1, H, L, L))
+    check_against_reference(q, k, v, ql, None, None, bias, causal, 0.3)
+    check_against_reference(q, k, v, None, None, None, None, causal, 0.3)
+
+
+@pytest.mark.parametrize("bias_kind", ["full", "batch_keys"])
+@pytest.mark.parametrize("kind", ["holes", "left_pad", "expanded"])
+def test_with_bias_and_shared_queries(kind, bias_kind):
+    B, H, L, D = 3, 2, 40, 16
+    shape = {"full": (B, H, L, L), "batch_keys": (B, 1, 1, L)}[bias_kind]
+    for causal, shared_q in ((False, True), (True, False)):
+        q, k, v, ql, kl, mask, bias = make_inputs(B, H, L, L, D, torch.float32, kind, shared_q=shared_q,
+                                                  bias_shape=shape, seed=5)
+        check_against_reference(q, k, v, ql, kl, mask, bias, causal, 0.25)
+
+
+@pytest.mark.parametrize(
+    "fwd_tile,dkdv_tile",
+    [((16, 32), (32, 16)), ((16, 16), (16, 16)), ((64, 16), (16, 64))],
+    ids=["wide_keys", "square", "tall_queries"],
+)
+def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
+    """Tile skipping from the left and the right, the unmasked/masked split and the diagonal with a mask."""
+    from gemcompile.lowering.jagged_attention import triton as kernels
+
+    def config(m, n):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
+
+    monkeypatch.setattr(kernels._fwd_kernel, "configs", config(*fwd_tile))
+    monkeypatch.setattr(kernels._bwd_dq_kernel, "configs", config(*fwd_tile))
+    monkeypatch.setattr(kernels._bwd_dkdv_kernel, "configs", config(*dkdv_tile))
+    B, H, L, D = 4, 1, 72, 16
+    for kind in ("left_pad", "right_pad", "holes"):
+        q, k, v, ql, kl, mask, bias = make_inputs(B, H, L, L, D, torch.float32, kind, bias_shape=(1, H, L, L),
+                                                  seed=31)
+        for causal in (False, True):
+            check_against_reference(q, k, v, ql, kl, mask, bias, causal, 0.25)
+
+
+def test_mask_garbage_never_leaks():
+    B, H, L, D = 3, 2, 40, 16
+    q, k, v, ql, kl, mask, bias = make_inputs(B, H, L, L, D, torch.float32, "holes", bias_shape=(B, H, L, L),
+                                              seed=7)
+    bad = ~mask[:, None, :, None]
+    dirty = (k.masked_fill(bad, float("nan")), v.masked_fill(bad, float("inf")),
+             bias.masked_fill(bad.transpose(2, 3), float("nan")))
+    for causal in (False, True):
+        clean_out, clean_lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, 0.25, mask)
+        out, lse = jagged_attention_forward_triton(q, *dirty[:2], ql, kl, dirty[2], causal, 0.25, mask)
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0)
+        g = torch.randn_like(out)
+        got = jagged_attention_backward_triton(g, q, *dirty[:2], out, lse, ql, kl, dirty[2], causal, 0.25,
+                                               True, mask)
+        want = jagged_attention_backward_triton(g, q, k, v, clean_out, clean_lse, ql, kl, bias, causal, 0.25,
+                                                True, mask)
+        for a, b in zip(got, want):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_all_true_mask_matches_the_length_path():
+    B, H, L, D = 3, 2, 40, 16
+    q, k, v, ql, kl, mask, _ = make_inputs(B, H, L, L, D, torch.float32, "all_true", seed=2)
+    for causal in (False, True):
+        a, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, causal, 0.3, mask)
+        b, _ = jagged_attention_forward_triton(q, k, v, ql, kl, None, causal, 0.3)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_kv_mask_bounds():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0] * 6, [1] * 6, [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    lo, hi = kv_mask_bounds(mask, None, 6)
+    assert lo.tolist() == [1, 6, 0, 0] and hi.tolist() == [5, 0, 6, 6] and lo.dtype == torch.int32
+    lo, hi = kv_mask_bounds(mask, torch.tensor([4, 6, -1, 3]), 6)
+    assert lo.tolist() == [1, 6, 6, 0] and hi.tolist() == [3, 0, 0, 2]
+    lo, hi = kv_mask_bounds(mask[:1].expand(3, 6), torch.tensor([99, 2, 5]), 6)
+    assert lo.tolist() == [1, 1, 1] and hi.tolist() == [5, 2, 5]
