@@ -8,7 +8,10 @@ and the kernels' data-mask path costs what the length path costs on the same bat
 Models (tests/model_styles.py, written as their authors' public code writes them):
   sasrec: ``--layers`` SASRecBlocks (nn.MultiheadAttention, causal attn_mask, key_padding_mask = ids == 0,
           timeline mask), item ids from data;
-  bert:   ``--layers`` BertStyleLayers (HF-style extended mask (1 - m) * finfo.min added to the scores).
+  bert:   ``--layers`` BertStyleLayers (HF-style extended mask (1 - m) * finfo.min added to the scores;
+          attention dropout 0: the kernels have none, a model training with it keeps eager attention).
+SASRec with left padding and a key_padding_mask: rows before a sequence's first item see no key, and
+nn.MultiheadAttention gives NaN there (the loss of eager and inductor is NaN); gem_compile gives 0.
 Batches: lengths uniform in [1, L] scaled to a mean fill of ``--fill`` (0.5: half the tokens are padding),
 one full-length sequence; right-padded (tokens first) and left-padded (tokens last, SASRec's and BERT4Rec's
 loaders). One train step = forward under bf16 autocast, loss = out.float().square().mean(), backward.

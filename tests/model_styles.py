@@ -27,11 +27,11 @@ class _Attention(nn.Module):
 class BertStyleSelfAttention(_Attention):
     """HF BERT: mask (B, L) of 1 (token) / 0 (padding), extended to (1 - m) * finfo.min and added."""
 
-    def __init__(self, heads: int, head_dim: int, sdpa: bool = False):
+    def __init__(self, heads: int, head_dim: int, sdpa: bool = False, attention_dropout: float = 0.1):
         super().__init__(heads, head_dim)
         e = self.width
         self.query, self.key, self.value = nn.Linear(e, e), nn.Linear(e, e), nn.Linear(e, e)
-        self.dropout = nn.Dropout(0.1)
+        self.dropout = nn.Dropout(attention_dropout)
         self.sdpa = sdpa
 
     def forward(self, hidden, attention_mask):
@@ -49,12 +49,14 @@ class BertStyleSelfAttention(_Attention):
 
 
 class BertStyleLayer(nn.Module):
-    """A BERT encoder layer: self-attention, output projection, residual + LayerNorm, GELU feed-forward."""
+    """A BERT encoder layer: self-attention, output projection, residual + LayerNorm, GELU feed-forward.
+    Attention dropout defaults to 0 here: the kernels have none, so a model training with it keeps its
+    eager attention (refused, with the reason)."""
 
-    def __init__(self, heads: int, head_dim: int):
+    def __init__(self, heads: int, head_dim: int, attention_dropout: float = 0.0):
         super().__init__()
         e = heads * head_dim
-        self.attention = BertStyleSelfAttention(heads, head_dim)
+        self.attention = BertStyleSelfAttention(heads, head_dim, attention_dropout=attention_dropout)
         self.output = nn.Linear(e, e)
         self.norm1, self.norm2 = nn.LayerNorm(e), nn.LayerNorm(e)
         self.ffn = nn.Sequential(nn.Linear(e, 4 * e), nn.GELU(), nn.Linear(4 * e, e))

@@ -22,6 +22,7 @@ from tests.model_styles import (
     Bert4RecAttention,
     BertStyleSelfAttention,
     EncoderLayerCausal,
+    HstuResearchStyle,
     HstuStyleAttention,
     IndexedBoolMaskAttention,
     LeftPaddedCausal,
@@ -71,6 +72,7 @@ MODELS = {
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),
     "hstu_offsets": (HstuStyleAttention, "offsets", "gdpa"),
+    "hstu_research_buffer": (functools.partial(HstuResearchStyle, max_len=L), "lengths", "gdpa"),
     "left_padded_causal": (LeftPaddedCausal, "lengths", "jagged_attention"),
     "encoder_layer_causal": (EncoderLayerCausal, "ids_right", "jagged_attention"),
 }
@@ -124,3 +126,40 @@ def test_twenty_batches_of_changing_masks_compile_once(name, monkeypatch):
             out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
             torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
     assert len(calls) == 1
+
+
+def test_a_registered_causal_buffer_changed_in_place_stops_the_run():
+    torch.manual_seed(0)
+    model = HstuResearchStyle(H, D, max_len=L).eval()
+    hidden, lengths = _batch("lengths", torch.Generator().manual_seed(1))
+    compiled = gem_compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(hidden, lengths), model(hidden, lengths), atol=2e-5, rtol=1e-4)
+        model._attn_mask.fill_(False)  # the buffer no longer holds the causal triangle the proof read
+        with pytest.raises(Exception, match="no longer holds"):
+            compiled(hidden, lengths)
+
+
+def test_data_masks_that_are_not_a_per_key_vector_are_refused_with_the_tensor_named():
+    def pairwise(q, k, v, ids):  # same-item pairs: data at both the query and the key position
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(ids[:, :, None] == ids[:, None, :])[:, None])
+
+    def per_head(q, k, v, ids):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ids[:, :, None, :] > 0)
+
+    def after_softmax(q, k, v, ids):
+        p = torch.softmax(q @ k.transpose(-2, -1), dim=-1) * (ids > 0)[:, None, None, :]
+        return p @ v
+
+    def small_fill(q, k, v, ids):
+        s = (q @ k.transpose(-2, -1)).masked_fill((ids == 0)[:, None, None, :], -10.0)
+        return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    ids = torch.randint(0, 5, (B, L))
+    for fn, reason, arg in ((pairwise, "at both the query and the key position", ids),
+                            (per_head, "differs between heads", torch.randint(0, 5, (B, H, L))),
+                            (after_softmax, "", ids), (small_fill, "large negative", ids)):
+        report = explain(fn, q, k, v, arg)
+        assert sum(report.counts.values()) == 0, fn.__name__
+        assert report.refusals and reason in report.refusals[0].reason, (fn.__name__, report.refusals)

@@ -70,9 +70,8 @@ class JaggedAttention(AttentionFamily):
             kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask, bias)
             detail += f"; fill {mask.fill:g} kept exact"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
-        if kv_mask is not None or uniform is not None:
-            args += (kv_mask, uniform)
-        out = emit.call(torch.ops.gemcompile.jagged_attention.default, args)
+        extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
+        out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, extra)
         return out, detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:

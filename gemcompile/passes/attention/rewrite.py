@@ -65,7 +65,9 @@ class AttentionRewritePass(GemPass):
     stage = "pre_grad"
     source_modules = ("gemcompile.passes.graph", "gemcompile.passes.attention.match",
                       "gemcompile.passes.attention.scores", "gemcompile.passes.attention.rotary",
-                      "gemcompile.passes.attention.kernels", "gemcompile.passes.masks.evaluator",
+                      "gemcompile.passes.attention.kernels", "gemcompile.passes.attention.finite_fill",
+                      "gemcompile.passes.masks.values", "gemcompile.passes.masks.constants",
+                      "gemcompile.passes.masks.key_vector", "gemcompile.passes.masks.evaluator",
                       "gemcompile.passes.masks.terms", "gemcompile.passes.masks.prover",
                       "gemcompile.passes.masks.model", "gemcompile.passes.masks.classify",
                       "gemcompile.passes.masks.rows")

@@ -129,20 +129,22 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
     """A mask read from data must be a per-key vector (b, j): Unproven, naming the tensor, otherwise."""
     b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
     for _, e in comparisons:
-        for f in e.atoms(sympy.Function):
-            leaf = evaluator.data_function(f)
-            if leaf is None:
-                continue
-            where = set().union(*[a.free_symbols for a in f.args]) if f.args else set()
-            why = f" ({leaf.why})" if leaf.why else ""
-            if {i, j} <= where:
-                raise Unproven(f"the mask reads {leaf.node.name}{why} as data at both the query and the key "
-                               "position: only a per-key vector (b, j) read from data is served")
-            if i in where:
-                raise Unproven(f"the mask reads {leaf.node.name}{why} as data per query row: only a per-key "
-                               "vector (b, j) read from data is served")
-            if not where <= {b, j}:
-                raise Unproven(f"the mask reads {leaf.node.name}{why} as data at positions other than (b, j)")
+        reads = [(f, evaluator.data_function(f)) for f in e.atoms(sympy.Function)]
+        reads = [(f, leaf) for f, leaf in reads if leaf is not None]
+        if not reads:
+            continue
+        where = set().union(*[a.free_symbols for f, _ in reads for a in f.args])
+        leaf = reads[0][1]
+        names = ", ".join(sorted({r.node.name for _, r in reads}))
+        why = f" ({leaf.why})" if leaf.why and len(reads) == 1 else ""
+        if {i, j} <= where:
+            raise Unproven(f"the mask reads {names}{why} as data at both the query and the key position: only a "
+                           "per-key vector (b, j) read from data is served")
+        if i in where:
+            raise Unproven(f"the mask reads {names}{why} as data per query row: only a per-key vector (b, j) "
+                           "read from data is served")
+        if not where <= {b, j}:
+            raise Unproven(f"the mask reads {names}{why} as data at positions other than (b, j)")
 
 
 def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) -> AttentionMask | None:

@@ -24,128 +24,30 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
-from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
+from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
+from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
+    Abstract,
+    Atoms,
+    BoolTensor,
+    DataLeaf,
+    IntTensor,
+    PiecewiseTensor,
+    piecewise,
+    simplify_pred,
+    index_symbol,
+)
 
 NEG_FILL_LIMIT = -1.0e4
 """Fill values at or below this act as -inf in a softmax (exp underflows to exactly 0 in every float
 dtype for scores of ordinary magnitude); -inf, -1e9 and finfo.min all qualify."""
-
-
-def index_symbol(k: int) -> sympy.Symbol:
-    """The index along the k-th dim from the right."""
-    return sympy.Symbol(f"r{k}", integer=True, nonnegative=True)
-
-
-@dataclass(frozen=True)
-class DataLeaf:
-    """A tensor of the mask the evaluator reads as data: ``node`` (int or bool), and why it is opaque."""
-
-    node: fx.Node
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class IntTensor:
-    """value[idx] = expr(idx), an integer."""
-
-    ndim: int
-    expr: sympy.Expr
-
-
-@dataclass(frozen=True)
-class BoolTensor:
-    """value[idx] = pred(idx)."""
-
-    ndim: int
-    pred: Boolean
-
-
-@dataclass(frozen=True)
-class PiecewiseTensor:
-    """value[idx] = v for the one (v, cond) piece whose cond holds at idx."""
-
-    ndim: int
-    pieces: tuple[tuple[float, Boolean], ...]
-
-    def as_bool(self) -> Boolean:
-        return _simplify(sympy.Or(*[c for v, c in self.pieces if v != 0]))
-
-
-Abstract = IntTensor | BoolTensor | PiecewiseTensor
-
-
-def _simplify(pred: Boolean) -> Boolean:
-    if isinstance(pred, (BooleanTrue, BooleanFalse)):
-        return pred
-    return sympy.simplify_logic(pred, force=True) if len(pred.free_symbols) <= 8 else pred
-
-
-def _piecewise(ndim: int, pieces) -> PiecewiseTensor:
-    """Merge pieces with equal values, drop impossible ones."""
-    merged: dict[float, Boolean] = {}
-    for v, c in pieces:
-        if c is sympy.false:
-            continue
-        key = float(v)
-        merged[key] = sympy.Or(merged[key], c) if key in merged else c
-    return PiecewiseTensor(ndim, tuple((v, _simplify(c)) for v, c in merged.items()))
-
-
-# -- canonical comparisons --------------------------------------------------------------------------
-
-@dataclass
-class Atoms:
-    """The propositions of one evaluation: each canonical integer comparison -> its sympy symbol."""
-
-    by_key: dict[tuple[str, sympy.Expr], sympy.Symbol] = field(default_factory=dict)
-    expr_of: dict[sympy.Symbol, tuple[str, sympy.Expr]] = field(default_factory=dict)
-
-    def _symbol(self, kind: str, e: sympy.Expr) -> sympy.Symbol:
-        key = (kind, e)
-        if key not in self.by_key:
-            s = sympy.Symbol(f"A{len(self.by_key)}")
-            self.by_key[key] = s
-            self.expr_of[s] = key
-        return self.by_key[key]
-
-    def lt0(self, e: sympy.Expr) -> Boolean:
-        """The proposition `e < 0` for integer e; `e < 0` and `-e - 1 < 0` share one symbol."""
-        e = sympy.expand(e)
-        if e.is_number:
-            return sympy.true if e < 0 else sympy.false
-        other = sympy.expand(-e - 1)
-        if sympy.default_sort_key(other) < sympy.default_sort_key(e):
-            return sympy.Not(self._symbol("lt", other))
-        return self._symbol("lt", e)
-
-    def eq0(self, e: sympy.Expr) -> Boolean:
-        e = sympy.expand(e)
-        if e.is_number:
-            return sympy.true if e == 0 else sympy.false
-        neg = sympy.expand(-e)
-        if sympy.default_sort_key(neg) < sympy.default_sort_key(e):
-            e = neg
-        return self._symbol("eq", e)
-
-    def compare(self, op: str, a: sympy.Expr, b: sympy.Expr) -> Boolean:
-        d = a - b
-        return {
-            "lt": lambda: self.lt0(d),
-            "le": lambda: self.lt0(d - 1),
-            "gt": lambda: self.lt0(-d),
-            "ge": lambda: self.lt0(-d - 1),
-            "eq": lambda: self.eq0(d),
-            "ne": lambda: sympy.Not(self.eq0(d)),
-        }[op]()
 
 
 # -- the evaluator -----------------------------------------------------------------------------------
@@ -229,7 +131,7 @@ class MaskEvaluator:
             return IntTensor(value.ndim, value.expr.subs(subs, simultaneous=True))
         if isinstance(value, BoolTensor):
             return BoolTensor(value.ndim, self._subs_pred(value.pred, subs))
-        return _piecewise(value.ndim, [(v, self._subs_pred(c, subs)) for v, c in value.pieces])
+        return piecewise(value.ndim, [(v, self._subs_pred(c, subs)) for v, c in value.pieces])
 
     def _subs_pred(self, pred: Boolean, subs: dict) -> Boolean:
         """Substitute index symbols inside the comparisons a formula's propositions stand for."""
@@ -238,7 +140,7 @@ class MaskEvaluator:
             kind, e = self.atoms.expr_of[atom]
             new_e = e.subs(subs, simultaneous=True)
             replace[atom] = self.atoms.lt0(new_e) if kind == "lt" else self.atoms.eq0(new_e)
-        return _simplify(pred.xreplace(replace)) if replace else pred
+        return simplify_pred(pred.xreplace(replace)) if replace else pred
 
     def relabel(self, value: Abstract, mapping: dict[int, int | None], ndim: int) -> Abstract:
         """Move right-aligned dim k to dim mapping[k] (None: the dim is gone, its index is 0)."""
@@ -324,7 +226,7 @@ class MaskEvaluator:
                                             triangle.k)
                 if value.dtype == torch.bool:
                     return BoolTensor(2, inside if triangle.inside else sympy.Not(inside))
-                return _piecewise(2, [(float(triangle.inside), inside), (float(triangle.outside), sympy.Not(inside))])
+                return piecewise(2, [(float(triangle.inside), inside), (float(triangle.outside), sympy.Not(inside))])
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
@@ -347,7 +249,7 @@ class MaskEvaluator:
             diagonal = self.atoms.compare("eq", index_symbol(1), index_symbol(0))
             if value.dtype == torch.bool:
                 return BoolTensor(2, diagonal)
-            return _piecewise(2, [(1.0, diagonal), (0.0, sympy.Not(diagonal))])
+            return piecewise(2, [(1.0, diagonal), (0.0, sympy.Not(diagonal))])
         if name in _CONSTANT_MAKERS:  # by name: torch.full and aten.full alike
             return self._constant(node, value)
         if name in ("tensor", "as_tensor") and isinstance(args[0], (int, float, bool)):  # torch.tensor(1.0)
@@ -368,13 +270,13 @@ class MaskEvaluator:
             return self._compare(_COMPARE[target], args[0], args[1], ndim)
         if target in _AND or name in _AND:
             a, b = self._pred(args[0]), self._pred(args[1])
-            return BoolTensor(ndim, _simplify(sympy.And(a, b)))
+            return BoolTensor(ndim, simplify_pred(sympy.And(a, b)))
         if target in _OR or name in _OR:
-            return BoolTensor(ndim, _simplify(sympy.Or(self._pred(args[0]), self._pred(args[1]))))
+            return BoolTensor(ndim, simplify_pred(sympy.Or(self._pred(args[0]), self._pred(args[1]))))
         if target in _XOR or name in _XOR:
-            return BoolTensor(ndim, _simplify(sympy.Xor(self._pred(args[0]), self._pred(args[1]))))
+            return BoolTensor(ndim, simplify_pred(sympy.Xor(self._pred(args[0]), self._pred(args[1]))))
         if target in _NOT or name in _NOT:
-            return BoolTensor(ndim, _simplify(sympy.Not(self._pred(args[0]))))
+            return BoolTensor(ndim, simplify_pred(sympy.Not(self._pred(args[0]))))
         if name in ("tril", "triu"):
             return self._tril(node, name)
         if target is torch.where or name == "where":
@@ -435,7 +337,7 @@ class MaskEvaluator:
             return BoolTensor(value.dim(), sympy.true if fill else sympy.false)
         if value.dtype in _INT_DTYPES:
             return IntTensor(value.dim(), sympy.Integer(int(fill)))
-        return _piecewise(value.dim(), [(float(fill), sympy.true)])
+        return piecewise(value.dim(), [(float(fill), sympy.true)])
 
     def _getitem(self, node: fx.Node) -> Abstract:
         base, index = node.args
@@ -562,7 +464,7 @@ class MaskEvaluator:
                 eb = sympy.Integer(int(eb))
             else:
                 raise Unproven("an integer index compared with a fractional float")
-        return BoolTensor(ndim, _simplify(self.compare_exprs(op, ea, eb)))
+        return BoolTensor(ndim, simplify_pred(self.compare_exprs(op, ea, eb)))
 
     def compare_exprs(self, op: str, ea, eb) -> Boolean:
         """ea op eb; an |u|, min(u, w) or max(u, w) inside is split exactly into its two cases."""
@@ -621,7 +523,7 @@ class MaskEvaluator:
         cmp = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
                "ne": operator.ne}[op]
         c = float(vb)
-        return _simplify(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
+        return simplify_pred(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
 
     def _tril(self, node: fx.Node, name: str) -> Abstract:
         src = self.tensor(node.args[0])
@@ -630,9 +532,9 @@ class MaskEvaluator:
         # tril keeps col <= row + k; triu keeps col >= row + k
         keep = self.atoms.compare("le" if name == "tril" else "ge", col, row + k)
         if isinstance(src, BoolTensor):
-            return BoolTensor(src.ndim, _simplify(sympy.And(src.pred, keep)))
+            return BoolTensor(src.ndim, simplify_pred(sympy.And(src.pred, keep)))
         if isinstance(src, PiecewiseTensor):
-            return _piecewise(src.ndim, [(v, sympy.And(c, keep)) for v, c in src.pieces]
+            return piecewise(src.ndim, [(v, sympy.And(c, keep)) for v, c in src.pieces]
                               + [(0.0, sympy.Not(keep))])
         raise Unproven(f"{name} of an integer tensor")
 
@@ -651,10 +553,10 @@ class MaskEvaluator:
         if example_value(node).dtype == torch.bool:
             px = self._pred(node.args[1]) if isinstance(node.args[1], fx.Node) else sympy.true if x else sympy.false
             py = self._pred(node.args[2]) if isinstance(node.args[2], fx.Node) else sympy.true if y else sympy.false
-            return BoolTensor(ndim, _simplify(sympy.Or(sympy.And(cond, px), sympy.And(sympy.Not(cond), py))))
+            return BoolTensor(ndim, simplify_pred(sympy.Or(sympy.And(cond, px), sympy.And(sympy.Not(cond), py))))
         pieces = [(v, sympy.And(cond, c)) for v, c in self._as_pieces(x, ndim)]
         pieces += [(v, sympy.And(sympy.Not(cond), c)) for v, c in self._as_pieces(y, ndim)]
-        return _piecewise(ndim, pieces)
+        return piecewise(ndim, pieces)
 
     def _masked_fill(self, node: fx.Node, ndim: int) -> Abstract:
         base, mask, fill = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["value"]
@@ -663,11 +565,11 @@ class MaskEvaluator:
         m = self._pred(mask)
         f = self.evaluate(fill)
         if example_value(node).dtype == torch.bool:
-            return BoolTensor(ndim, _simplify(sympy.Or(sympy.And(m, sympy.true if f else sympy.false),
+            return BoolTensor(ndim, simplify_pred(sympy.Or(sympy.And(m, sympy.true if f else sympy.false),
                                                        sympy.And(sympy.Not(m), self._pred(base)))))
         pieces = [(float(f), m)] + [(v, sympy.And(sympy.Not(m), c)) for v, c in self._as_pieces(self.evaluate(base),
                                                                                             ndim)]
-        return _piecewise(ndim, pieces)
+        return piecewise(ndim, pieces)
 
     def _cast(self, node: fx.Node, value: torch.Tensor) -> Abstract:
         src = self.tensor(node.args[0])
@@ -688,16 +590,16 @@ class MaskEvaluator:
                     self.checks.append(functools.partial(emit_zero_one_check, node=leaf.node))
                 self.zero_one[src.expr.func.__name__] = leaf.node
                 nonzero = sympy.Not(self.atoms.eq0(src.expr))
-                return _piecewise(src.ndim, [(1.0, nonzero), (0.0, sympy.Not(nonzero))])
+                return piecewise(src.ndim, [(1.0, nonzero), (0.0, sympy.Not(nonzero))])
             if isinstance(src, IntTensor):
                 raise Unproven("an integer index converted to float")
-            return _piecewise(src.ndim, self._as_pieces(src, src.ndim))
+            return piecewise(src.ndim, self._as_pieces(src, src.ndim))
         if dtype in _INT_DTYPES:
             if isinstance(src, IntTensor):
                 return src
             pieces = self._as_pieces(src, src.ndim)
             if all(float(v).is_integer() for v, _ in pieces):
-                return _piecewise(src.ndim, pieces)
+                return piecewise(src.ndim, pieces)
         raise Unproven(f"a cast to {dtype} in the mask")
 
     def _arith(self, op, a, b, ndim: int, value: torch.Tensor) -> Abstract:
@@ -721,7 +623,7 @@ class MaskEvaluator:
                 pieces.append((with_nan, sympy.And(cx, cy)))
         if any(math.isnan(v) for v, _ in pieces):
             raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")
-        return _piecewise(ndim, pieces)
+        return piecewise(ndim, pieces)
 
 
 def _shifted_reads(expr) -> bool:
@@ -765,4 +667,4 @@ def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boole
             evaluator.fills.add(float(v))
         else:
             raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
-    return _simplify(sympy.Or(*keep))
+    return simplify_pred(sympy.Or(*keep))

@@ -1,0 +1,124 @@
+"""The abstract tensors of the mask evaluator (masks/evaluator.py) and the propositions they are made of.
+
+Index symbols are right-aligned (``r0`` is the last dim): an integer tensor is a sympy expression in them,
+a boolean tensor a propositional formula over canonical integer comparisons (``Atoms``: ``e < 0`` and
+``e == 0``, each complementary pair sharing one proposition), a float tensor a few (value, condition)
+pieces that partition the index space. A tensor read as data (``DataLeaf``) is an opaque function of its
+indices inside those expressions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch.fx as fx
+from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
+
+
+def index_symbol(k: int) -> sympy.Symbol:
+    """The index along the k-th dim from the right."""
+    return sympy.Symbol(f"r{k}", integer=True, nonnegative=True)
+
+
+@dataclass(frozen=True)
+class DataLeaf:
+    """A tensor of the mask the evaluator reads as data: ``node`` (int or bool), and why it is opaque."""
+
+    node: fx.Node
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class IntTensor:
+    """value[idx] = expr(idx), an integer."""
+
+    ndim: int
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class BoolTensor:
+    """value[idx] = pred(idx)."""
+
+    ndim: int
+    pred: Boolean
+
+
+@dataclass(frozen=True)
+class PiecewiseTensor:
+    """value[idx] = v for the one (v, cond) piece whose cond holds at idx."""
+
+    ndim: int
+    pieces: tuple[tuple[float, Boolean], ...]
+
+    def as_bool(self) -> Boolean:
+        return simplify_pred(sympy.Or(*[c for v, c in self.pieces if v != 0]))
+
+
+Abstract = IntTensor | BoolTensor | PiecewiseTensor
+
+
+def simplify_pred(pred: Boolean) -> Boolean:
+    if isinstance(pred, (BooleanTrue, BooleanFalse)):
+        return pred
+    return sympy.simplify_logic(pred, force=True) if len(pred.free_symbols) <= 8 else pred
+
+
+def piecewise(ndim: int, pieces) -> PiecewiseTensor:
+    """Merge pieces with equal values, drop impossible ones."""
+    merged: dict[float, Boolean] = {}
+    for v, c in pieces:
+        if c is sympy.false:
+            continue
+        key = float(v)
+        merged[key] = sympy.Or(merged[key], c) if key in merged else c
+    return PiecewiseTensor(ndim, tuple((v, simplify_pred(c)) for v, c in merged.items()))
+
+
+# -- canonical comparisons --------------------------------------------------------------------------
+
+@dataclass
+class Atoms:
+    """The propositions of one evaluation: each canonical integer comparison -> its sympy symbol."""
+
+    by_key: dict[tuple[str, sympy.Expr], sympy.Symbol] = field(default_factory=dict)
+    expr_of: dict[sympy.Symbol, tuple[str, sympy.Expr]] = field(default_factory=dict)
+
+    def _symbol(self, kind: str, e: sympy.Expr) -> sympy.Symbol:
+        key = (kind, e)
+        if key not in self.by_key:
+            s = sympy.Symbol(f"A{len(self.by_key)}")
+            self.by_key[key] = s
+            self.expr_of[s] = key
+        return self.by_key[key]
+
+    def lt0(self, e: sympy.Expr) -> Boolean:
+        """The proposition `e < 0` for integer e; `e < 0` and `-e - 1 < 0` share one symbol."""
+        e = sympy.expand(e)
+        if e.is_number:
+            return sympy.true if e < 0 else sympy.false
+        other = sympy.expand(-e - 1)
+        if sympy.default_sort_key(other) < sympy.default_sort_key(e):
+            return sympy.Not(self._symbol("lt", other))
+        return self._symbol("lt", e)
+
+    def eq0(self, e: sympy.Expr) -> Boolean:
+        e = sympy.expand(e)
+        if e.is_number:
+            return sympy.true if e == 0 else sympy.false
+        neg = sympy.expand(-e)
+        if sympy.default_sort_key(neg) < sympy.default_sort_key(e):
+            e = neg
+        return self._symbol("eq", e)
+
+    def compare(self, op: str, a: sympy.Expr, b: sympy.Expr) -> Boolean:
+        d = a - b
+        return {
+            "lt": lambda: self.lt0(d),
+            "le": lambda: self.lt0(d - 1),
+            "gt": lambda: self.lt0(-d),
+            "ge": lambda: self.lt0(-d - 1),
+            "eq": lambda: self.eq0(d),
+            "ne": lambda: sympy.Not(self.eq0(d)),
+        }[op]()
