@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8", "KVLo": "i32",
-                "KVHi": "i32"}
+                "KVHi": "i32", "KVHoles": "i32"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
 
     def jit_fn(kernel):

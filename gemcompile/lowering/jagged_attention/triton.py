@@ -15,12 +15,16 @@ need no masking (inside kv_len and fully below the diagonal) and the tiles that 
 fp32 with exp2 (log2 e is folded into the scale); a row with no valid key gets out = 0 and lse = +inf.
 
 kv_mask (constexpr HAS_KV_MASK; without a mask the kernels compile to the length-only code): the
-launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1:
-common/attention_triton.kv_mask_bounds) and orders batches by kv_hi - kv_lo. The fwd and dQ key loops
-run from kv_lo's tile to kv_hi only, AND the loaded mask vector into every tile's validity and load
-masked keys as 0 (garbage there never reaches P.V or dS). dK/dV programs whose key tile lies outside
-[kv_lo, kv_hi) write zeros and exit; the others zero the rows of masked keys at the end (a row of dK/dV
-depends only on its own key). kv_lengths None: the key side is MODE_FULL.
+launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1) and a holes
+flag (fewer valid keys than kv_hi - kv_lo: common/attention_triton.kv_mask_bounds) and orders batches by
+kv_hi - kv_lo. The fwd and dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
+(left/right padding, any contiguous run) has exactly the keys kv_lo <= j < kv_hi: its loop is split like
+the length path (masked first tile, unmasked inner tiles that load neither the mask nor any row mask,
+masked last tile, bounds only), so it costs what lengths cost. A sequence with holes runs every tile
+masked and ANDs the mask vector in (masked keys load as 0: garbage never reaches P.V or dS). The flag is
+one scalar per program, so the split is a runtime choice of loop bounds, not a branch per tile. dK/dV
+programs whose key tile lies outside [kv_lo, kv_hi) write zeros and exit; the others zero the rows of
+masked keys at the end (a row of dK/dV depends only on its own key). kv_lengths None: MODE_FULL keys.
 
 Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
 delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
@@ -101,17 +105,34 @@ _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_B
 
 
 @triton.jit
-def _key_mask(m_base, cols, stride_mn, col_ok):
-    """kv_mask[b, cols] as a bool vector (False past the key length); m_base points at row b."""
-    return tl.load(m_base + cols.to(tl.int64) * stride_mn, mask=col_ok, other=0) != 0
+def _key_mask(m_base, cols, stride_mn, col_ok, holes):
+    """kv_mask[b, cols] as a bool vector, read only where col_ok and only for a sequence with holes; True
+    elsewhere (AND it with the bounds). m_base points at row b."""
+    read = tl.where(holes, col_ok, False)  # (col_ok & holes: the interpreter mistypes a scalar bool &)
+    return tl.load(m_base + cols.to(tl.int64) * stride_mn, mask=read, other=1) != 0
 
 
 @triton.jit
-def _key_range(KVLo, KVHi, b, kv_len, BLOCK_N: tl.constexpr):
-    """The key tiles to visit with a kv_mask: from the tile of the first valid key up to the last + 1."""
-    lo = (tl.load(KVLo + b) // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(kv_len, tl.load(KVHi + b))
-    return lo, hi
+def _key_bounds(KVLo, KVHi, KVHoles, b, kv_len):
+    """With a kv_mask: (key_lo, key_hi, holes) of batch b. Without holes the valid keys are exactly
+    key_lo <= j < key_hi; with holes they are a subset and the mask vector must be applied too."""
+    key_lo = tl.load(KVLo + b)
+    key_hi = tl.minimum(kv_len, tl.load(KVHi + b))
+    holes = tl.load(KVHoles + b) != 0
+    return key_lo, key_hi, holes
+
+
+@triton.jit
+def _key_split(key_lo, hi, full_end, holes, BLOCK_N: tl.constexpr):
+    """Loop split of a kv_mask key loop over [lo, hi): a masked head [lo, head_end) (the tile holding key_lo,
+    or every tile when the mask has holes), unmasked tiles [first_full, full_end), a masked tail
+    [tail, hi). Without holes only the first and last tiles are masked (as with lengths)."""
+    lo = (key_lo // BLOCK_N) * BLOCK_N
+    first_full = tl.cdiv(key_lo, BLOCK_N) * BLOCK_N
+    first_full = tl.where(holes, hi, first_full)  # holes: the head takes all, the rest are empty
+    head_end = tl.minimum(first_full, hi)
+    tail = tl.maximum(first_full, full_end)  # (causal can put full_end below first_full)
+    return lo, head_end, first_full, tail
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,19 +142,21 @@ def _key_range(KVLo, KVHi, b, kv_len, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, hi,
+               key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_KV_MASK: tl.constexpr):
+    """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
+    nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        if HAS_KV_MASK:
+        if MASKED and HAS_KV_MASK:
             # masked keys read as 0 (garbage in k or v there must not reach p @ v)
-            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            col_ok = col_ok & (cols >= key_lo)
+            col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -145,23 +168,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
             s += z.to(tl.float32) * LOG2E
         if MASKED:
             valid = col_ok[None, :]
-            if HAS_KV_MASK:
-                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             s = tl.where(valid, s, float("-inf"))
-        elif HAS_KV_MASK:
-            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row whose scores are all -inf so far (e.g. a -inf bias) must not produce inf - inf = NaN
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_KV_MASK:
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -171,7 +187,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -220,25 +236,32 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = 0
-    hi = kv_len
+    key_lo = 0
+    holes = False
     if HAS_KV_MASK:
-        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+    hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    mid = full_end
+    first_full = 0
+    tail = full_end
     if HAS_KV_MASK:
-        mid = tl.maximum(lo, full_end)  # (causal can put full_end below lo)
+        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
+            head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
+            HAS_KV_MASK)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, full_end, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
+        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, mid, hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
+        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -295,7 +318,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -337,8 +360,11 @@ def _bwd_dkdv_kernel(
 
     col_ok = offs_n < kv_len
     if HAS_KV_MASK:
-        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last
-        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok)
+        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last;
+        # without holes the bounds are exact and the mask is not read
+        key_lo, key_hi, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+        col_ok = (offs_n >= key_lo) & (offs_n < key_hi)
+        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok, holes)
     start64 = q_start.to(tl.int64)
     q_base = Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm
     do_base = DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm
@@ -388,21 +414,20 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
               kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-              qk_scale, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr):
+    """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        if HAS_KV_MASK:
+        if MASKED and HAS_KV_MASK:
             # masked keys read as 0: garbage there must not reach dS (through dP) or dS @ K
-            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            col_ok = col_ok & (cols >= key_lo)
+            col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -415,13 +440,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = col_ok[None, :]
-            if HAS_KV_MASK:
-                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
-        elif HAS_KV_MASK:
-            p = tl.where(key_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:
@@ -436,7 +457,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -488,27 +509,34 @@ def _bwd_dq_kernel(
     m_base = KVMask + b64 * stride_mb
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = 0
-    hi = kv_len
+    key_lo = 0
+    holes = False
     if HAS_KV_MASK:
-        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+    hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    mid = full_end
+    first_full = 0
+    tail = full_end
     if HAS_KV_MASK:
-        mid = tl.maximum(lo, full_end)
+        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+            kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
+            qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-        qk_scale, lo, full_end, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False, DOT_PRECISION, BLOCK_N,
-        HAS_KV_MASK)
+        qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
+        DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-        qk_scale, mid, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-        HAS_KV_MASK)
+        qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
+        BLOCK_N, HAS_KV_MASK)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -527,15 +555,15 @@ class _KeyMask:
         if self.has:
             lengths = kv_side.lengths if kv_side.mode == MODE_LENGTHS else None
             self.mask, self.strides = kv_mask.view(torch.uint8), kv_mask.stride()
-            self.lo, self.hi = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
+            self.lo, self.hi, self.holes = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
             self.order = longest_first_order(self.hi - self.lo)
         else:
-            self.mask = self.lo = self.hi = kv_side.lengths
+            self.mask = self.lo = self.hi = self.holes = kv_side.lengths
             self.strides = (0, 0)
             self.order = batch_order(kv_side, B, device)
 
     def args(self):
-        return self.mask, self.lo, self.hi
+        return self.mask, self.lo, self.hi, self.holes
 
 
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
