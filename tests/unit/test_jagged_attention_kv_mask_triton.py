@@ -47,11 +47,11 @@ def make_inputs(B, H, Lq, Lk, D, dtype, kind, *, q_lengths=True, kv_lengths=True
     return q, k, v, ql, kl, make_kv_mask(kind, B, Lk, seed + 1), bias
 
 
-def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_grad=True, seed=1):
+def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_grad=True, seed=1, uniform=None):
     dtype = q.dtype
-    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, scale, mask)
+    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, scale, mask, uniform)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, mask)
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, mask, uniform)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and not out.isnan().any()
     assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
@@ -62,9 +62,9 @@ def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_gra
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     want_bias_grad = bias is not None and bias_grad
     dq, dk, dv, dbias = jagged_attention_backward_triton(
-        grad_out, q, k, v, out, lse, ql, kl, bias, causal, scale, want_bias_grad, mask)
+        grad_out, q, k, v, out, lse, ql, kl, bias, causal, scale, want_bias_grad, mask, uniform)
     ref = reference_backward(grad_out.double(), *d64[:3], ref_out, ref_lse, ql, kl, d64[3], causal, scale,
-                             want_bias_grad, mask)
+                             want_bias_grad, mask, uniform)
     for name, got, want, like in (("dq", dq, ref[0], q), ("dk", dk, ref[1], k), ("dv", dv, ref[2], v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name

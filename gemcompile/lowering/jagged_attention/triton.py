@@ -101,7 +101,7 @@ _DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL",
-                 "DOT_PRECISION", "HAS_KV_MASK"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM"]
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_KV_MASK: tl.constexpr):
+               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
     nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
@@ -166,6 +166,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s = tl.where(uniform, 0.0, s)
         if MASKED:
             valid = col_ok[None, :]
             if CAUSAL:
@@ -187,7 +189,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -199,7 +201,7 @@ def _fwd_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -231,6 +233,9 @@ def _fwd_kernel(
     v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     m_base = KVMask + b64 * stride_mb
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -253,15 +258,15 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK)
+            HAS_KV_MASK, uniform, HAS_UNIFORM)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
-        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
-        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -279,7 +284,8 @@ def _fwd_kernel(
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len,
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
+                HAS_UNIFORM: tl.constexpr):
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -301,6 +307,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
             else:
                 z = tl.load(z_ptrs)
             s_t += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s_t = tl.where(uniform, 0.0, s_t)
         p_t = tl.exp2(s_t - lse[None, :] * LOG2E)
         if MASKED:
             valid = col_ok[:, None] & row_ok[None, :]
@@ -318,7 +326,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -331,7 +339,7 @@ def _bwd_dkdv_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -377,6 +385,9 @@ def _bwd_dkdv_kernel(
                   stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
     m_lo = 0
     if CAUSAL:
         m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
@@ -385,7 +396,7 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo, q_len, HEAD_D,
-            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
     else:
         # query tiles crossing the diagonal (causal), then full tiles unmasked, then the partial last tile
         diag_end = m_lo
@@ -395,15 +406,15 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo,
-            tl.minimum(diag_end, q_len), HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            tl.minimum(diag_end, q_len), HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, diag_end, mid_end,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M)
+            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_end, q_len,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -416,7 +427,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
               kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
               qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
+              HAS_UNIFORM: tl.constexpr):
     """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
@@ -437,6 +449,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s = tl.where(uniform, 0.0, s)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = col_ok[None, :]
@@ -457,7 +471,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -471,7 +485,7 @@ def _bwd_dq_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -507,6 +521,9 @@ def _bwd_dq_kernel(
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
     m_base = KVMask + b64 * stride_mb
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     key_lo = 0
@@ -526,17 +543,17 @@ def _bwd_dq_kernel(
             dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
             qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
-            DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
-        DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
-        BLOCK_N, HAS_KV_MASK)
+        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -566,34 +583,42 @@ class _KeyMask:
         return self.mask, self.lo, self.hi, self.holes
 
 
+def _uniform_arg(uniform_keys, keys: _KeyMask):
+    """uniform_keys as contiguous uint8 (the kernels read element b; B bytes at most are copied); without
+    it a dummy pointer that is never read."""
+    return keys.mask if uniform_keys is None else uniform_keys.contiguous().view(torch.uint8)
+
+
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
-             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None):
+             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None,
+             uniform_keys=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     if bias is not None:
         z_strides = bias.expand(B, H, Lq, Lk).stride()
     else:
         bias, z_strides = q, (0, 0, 0, 0)
     keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    uniform = _uniform_arg(uniform_keys, keys)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
         H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
-           HAS_KV_MASK=keys.has),
+           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
-              kv_mask=None):
+              kv_mask=None, uniform_keys=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -610,8 +635,10 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    uniform = _uniform_arg(uniform_keys, keys)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
-                 DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has)
+                 DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has,
+                 HAS_UNIFORM=uniform_keys is not None)
     scalars = (H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, float(scale),
                length_bucket(Lq), length_bucket(Lk))
     # dQ programs loop over keys: order batches by kv length (key span with a mask); dK/dV programs loop
@@ -621,12 +648,12 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     q_order = kv_order if shared else batch_order(q_side, B, q.device)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
         *keys.strides, *scalars), flags, scalars[-2:])
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
         *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
 
@@ -642,7 +669,7 @@ def _padded_sides(q, k, q_lengths, kv_lengths, dummy):
 
 
 def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float,
-                                    kv_mask=None):
+                                    kv_mask=None, uniform_keys=None):
     """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -655,12 +682,12 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
     q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse)
     _forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale,
              bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride(),
-             kv_mask)
+             kv_mask, uniform_keys)
     return out, lse
 
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
-                                     scale: float, bias_requires_grad: bool, kv_mask=None):
+                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -676,7 +703,7 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
         _backward(grad_out, q, k, v, out, lse, bias, bias_grad, q_side, kv_side, B, H, D, causal, scale,
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
-                  ds, None if ds is None else ds.stride()[:3], kv_mask)
+                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys)
     else:
         dk.zero_()
         dv.zero_()
