@@ -214,3 +214,14 @@ def test_kv_mask_bounds():
     assert lo.tolist() == [1, 6, 6, 0] and hi.tolist() == [3, 0, 0, 2] and holes.tolist() == [0, 0, 0, 0]
     lo, hi, holes = kv_mask_bounds(mask[:1].expand(3, 6), torch.tensor([99, 2, 5]), 6)
     assert lo.tolist() == [1, 1, 1] and hi.tolist() == [5, 2, 5] and holes.tolist() == [1, 0, 1]
+
+
+def test_right_padding_mask_takes_the_length_split():
+    """Without holes the key loop is the lengths path's (same tiles, unmasked inside): same forward bits."""
+    B, H, L, D = 4, 1, 72, 16
+    q, k, v, ql, kl, _, bias = make_inputs(B, H, L, L, D, torch.float32, "all_true", bias_shape=(1, H, L, L))
+    mask = torch.arange(L)[None, :] < kl[:, None]
+    for causal in (False, True):
+        a, la = jagged_attention_forward_triton(q, k, v, ql, None, bias, causal, 0.3, mask)
+        b, lb = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, 0.3)
+        assert torch.equal(a, b) and torch.equal(la, lb)

@@ -26,6 +26,10 @@ one scalar per program, so the split is a runtime choice of loop bounds, not a b
 programs whose key tile lies outside [kv_lo, kv_hi) write zeros and exit; the others zero the rows of
 masked keys at the end (a row of dK/dV depends only on its own key). kv_lengths None: MODE_FULL keys.
 
+uniform_keys (constexpr HAS_UNIFORM; without it the code is unchanged): one flag per program, loaded once;
+for a flagged sequence s = where(uniform, 0, s) after the bias, in the forward and in the P recomputation
+of both backward kernels (the dS, dQ, dK formulas are unchanged and use the real q and k).
+
 Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
 delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
 ``_bwd_dq_kernel`` runs one program per query tile and loops over key tiles accumulating dQ. When the
