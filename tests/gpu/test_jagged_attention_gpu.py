@@ -60,26 +60,26 @@ def make_case(B, H, Lq, Lk, D, dtype, shared_q=False, bias_shape=None, q_lengths
     return q, k, v, ql, kl, bias
 
 
-def run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad=True, kv_mask=None):
+def run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad=True, kv_mask=None, uniform_keys=None):
     # detach (not clone): permuted and expanded views must reach the op with their strides
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     b = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
-    out = ops.jagged_attention(*leaves, ql, kl, b, causal, scale, kv_mask)
+    out = ops.jagged_attention(*leaves, ql, kl, b, causal, scale, kv_mask, uniform_keys)
     out.backward(grad_out)
     grads = [x.grad for x in leaves] + [None if (b is None or not bias_grad) else b.grad]
     return out.detach(), grads
 
 
-def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1, kv_mask=None):
+def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1, kv_mask=None, uniform_keys=None):
     dtype = q.dtype
     D = q.shape[-1]
     scale = 1 / math.sqrt(D)
     grad_out = torch.randn(k.shape[0], *q.shape[1:], generator=torch.Generator().manual_seed(seed)).to(
         DEV, dtype
     )
-    out, grads = run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad, kv_mask)
+    out, grads = run_op(q, k, v, ql, kl, bias, causal, scale, grad_out, bias_grad, kv_mask, uniform_keys)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, kv_mask)
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, kv_mask, uniform_keys)
     ref = reference_backward(
         grad_out.double(),
         *d64[:3],
@@ -92,6 +92,7 @@ def check_case(q, k, v, ql, kl, bias, causal, bias_grad=True, seed=1, kv_mask=No
         scale,
         bias is not None and bias_grad,
         kv_mask,
+        uniform_keys,
     )
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
@@ -324,13 +325,17 @@ def test_eager_path_and_custom_ops_agree_bitwise(single_config):
 
 def make_kv_mask(kind, B, L, seed=0):
     """(B, L) bool on the GPU: "holes" random, "left_pad" a valid suffix, "right_pad" a valid prefix,
-    "expanded" one (1, L) row expanded to (B, L); rows 0 and 1 are all-False and all-True."""
+    "window" one contiguous run (no holes), "expanded" one (1, L) row expanded to (B, L); rows 0 and 1 are
+    all-False and all-True."""
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(L)
     if kind == "holes":
         m = torch.rand(B, L, generator=g) < 0.6
     elif kind == "expanded":
         return (torch.rand(1, L, generator=g) < 0.6).expand(B, L).to(DEV)
+    elif kind == "window":
+        ends = torch.randint(0, L + 1, (2, B), generator=g).sort(dim=0).values
+        m = (pos[None, :] >= ends[0][:, None]) & (pos[None, :] < ends[1][:, None])
     else:
         edges = torch.randint(0, L + 1, (B,), generator=g)
         m = pos[None, :] >= edges[:, None] if kind == "left_pad" else pos[None, :] < edges[:, None]
@@ -349,6 +354,8 @@ MASK_CASES = [  # dtype, D, L, causal, mask kind, with kv_lengths, bias
     (torch.float32, 128, 1000, False, "left_pad", False, "heads_keys"),
     (torch.float32, 128, 300, True, "right_pad", True, None),
     (torch.float32, 64, 257, False, "expanded", False, "full"),
+    (torch.bfloat16, 64, 1000, True, "window", False, "full"),
+    (torch.float32, 128, 700, False, "window", True, None),
 ]
 
 
@@ -403,6 +410,72 @@ def test_kv_mask_no_host_sync_and_eager_matches_ops(single_config):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     via_ops = (ops.jagged_attention_fwd(*leaves[:3], ql, None, leaves[3], True, 0.125, mask)[0],)
+    via_ops = (*via_ops, *torch.autograd.grad(via_ops[0], leaves, g))
+    for a, b in zip(fast, via_ops):
+        assert torch.equal(a, b)
+
+
+def test_kv_mask_without_holes_runs_like_lengths(single_config):
+    """A right-padding mask (no holes) takes the lengths path's loop split: the same tiles, unmasked
+    inside, so the same forward bits as kv_lengths; the backward agrees closely."""
+    B, H, L, D = 6, 2, 1000, 64
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, torch.bfloat16, bias_shape=(1, H, L, L), seed=5)
+    mask = torch.arange(L, device=DEV)[None, :] < kl[:, None]
+    g = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16)
+    for causal in (False, True):
+        a, ga = run_op(q, k, v, ql, None, bias, causal, 0.125, g, kv_mask=mask)
+        b, gb = run_op(q, k, v, ql, kl, bias, causal, 0.125, g)
+        assert torch.equal(a, b)
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# uniform_keys (a sequence's scores all taken as 0)
+
+
+UNIFORM_CASES = [  # dtype, D, L, causal, mask kind (None: no kv_mask), bias
+    (torch.bfloat16, 64, 1000, False, None, "full"),
+    (torch.bfloat16, 128, 777, True, "holes", "heads_keys"),
+    (torch.bfloat16, 64, 513, True, "left_pad", None),
+    (torch.float32, 64, 1000, False, "holes", "full"),
+    (torch.float32, 128, 300, True, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    "case", UNIFORM_CASES,
+    ids=lambda c: f"{str(c[0])[6:]}-D{c[1]}-L{c[2]}-{'causal' if c[3] else 'full'}-mask_{c[4]}-bias_{c[5]}",
+)
+def test_uniform_keys_match_float64_reference(single_config, case):
+    dtype, D, L, causal, kind, bias_kind = case
+    B, H = 6, 2
+    bias_shape = {None: None, "full": (B, H, L, L), "heads_keys": (1, H, 1, L)}[bias_kind]
+    q, k, v, ql, kl, bias = make_case(B, H, L, L, D, dtype, bias_shape=bias_shape, seed=D + L + 1)
+    mask = None if kind is None else make_kv_mask(kind, B, L, L)
+    uniform = torch.tensor([True, True, False, True, False, True], device=DEV)
+    check_case(q, k, v, ql, kl, bias, causal, kv_mask=mask, uniform_keys=uniform)
+
+
+def test_uniform_keys_eager_matches_ops_without_host_sync(single_config):
+    q, k, v, ql, _, bias = make_case(6, 2, 512, 512, 64, torch.bfloat16, bias_shape=(1, 2, 512, 512))
+    mask = make_kv_mask("window", 6, 512)
+    uniform = torch.tensor([False, True, True, False, True, False], device=DEV)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    g = torch.randn(6, 2, 512, 64, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        out = ops.jagged_attention(*leaves[:3], ql, None, leaves[3], True, 0.125, mask, uniform)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    fast = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    via_ops = (ops.jagged_attention_fwd(*leaves[:3], ql, None, leaves[3], True, 0.125, mask, uniform)[0],)
     via_ops = (*via_ops, *torch.autograd.grad(via_ops[0], leaves, g))
     for a, b in zip(fast, via_ops):
         assert torch.equal(a, b)

@@ -13,12 +13,13 @@ from gemcompile.lowering.jagged_attention.reference import valid_mask
 
 ops = torch.ops.gemcompile
 
-MASK_KINDS = ["holes", "left_pad", "right_pad", "empty_row", "all_true", "expanded"]
+MASK_KINDS = ["holes", "left_pad", "right_pad", "window", "empty_row", "all_true", "expanded"]
 
 
 def make_kv_mask(kind, B, Lk, seed=0):
-    """(B, Lk) bool; "left_pad": a valid suffix per row, "right_pad": a valid prefix, "expanded": one
-    (1, Lk) row expanded to (B, Lk) (batch stride 0)."""
+    """(B, Lk) bool; "left_pad": a valid suffix per row, "right_pad": a valid prefix, "window": one
+    contiguous run per row (no holes; unaligned ends), "expanded": one (1, Lk) row expanded to (B, Lk)
+    (batch stride 0)."""
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(Lk)
     if kind == "holes":
@@ -31,6 +32,12 @@ def make_kv_mask(kind, B, Lk, seed=0):
         return torch.ones(B, Lk, dtype=torch.bool)
     if kind == "expanded":
         return (torch.rand(1, Lk, generator=g) < 0.6).expand(B, Lk)
+    if kind == "window":
+        starts = torch.randint(0, Lk, (B,), generator=g)
+        ends = starts + 1 + torch.randint(0, Lk, (B,), generator=g)
+        starts[: min(B, 3)] = torch.tensor([1, Lk // 3, Lk - 1])[: min(B, 3)]
+        ends[: min(B, 3)] = torch.tensor([Lk - 2, Lk // 3 + 1, Lk])[: min(B, 3)]
+        return (pos[None, :] >= starts[:, None]) & (pos[None, :] < ends[:, None])
     edges = torch.randint(0, Lk + 1, (B,), generator=g)
     edges[: min(B, 3)] = torch.tensor([0, Lk // 2, Lk - 1])[: min(B, 3)]
     if kind == "left_pad":
@@ -243,7 +250,8 @@ def test_schemas():
     assert "Tensor? kv_lengths" in str(ops.jagged_attention.default._schema)
     for op in (ops.jagged_attention, ops.jagged_attention_fwd, ops.jagged_attention_bwd):
         schema = str(op.default._schema)
-        assert "Tensor? kv_lengths" in schema and "Tensor? kv_mask=None) ->" in schema, schema
+        assert "Tensor? kv_lengths" in schema and "Tensor? kv_mask=None, Tensor? uniform_keys=None) ->" in schema, \
+            schema
 
 
 # ---------------------------------------------------------------------------------------------------

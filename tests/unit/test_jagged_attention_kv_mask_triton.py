@@ -47,11 +47,11 @@ def make_inputs(B, H, Lq, Lk, D, dtype, kind, *, q_lengths=True, kv_lengths=True
     return q, k, v, ql, kl, make_kv_mask(kind, B, Lk, seed + 1), bias
 
 
-def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_grad=True, seed=1):
+def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_grad=True, seed=1, uniform=None):
     dtype = q.dtype
-    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, scale, mask)
+    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, scale, mask, uniform)
     d64 = [None if x is None else x.double() for x in (q, k, v, bias)]
-    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, mask)
+    ref_out, ref_lse = reference_forward(*d64[:3], ql, kl, d64[3], causal, scale, mask, uniform)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and not out.isnan().any()
     assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
@@ -62,9 +62,9 @@ def check_against_reference(q, k, v, ql, kl, mask, bias, causal, scale, bias_gra
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     want_bias_grad = bias is not None and bias_grad
     dq, dk, dv, dbias = jagged_attention_backward_triton(
-        grad_out, q, k, v, out, lse, ql, kl, bias, causal, scale, want_bias_grad, mask)
+        grad_out, q, k, v, out, lse, ql, kl, bias, causal, scale, want_bias_grad, mask, uniform)
     ref = reference_backward(grad_out.double(), *d64[:3], ref_out, ref_lse, ql, kl, d64[3], causal, scale,
-                             want_bias_grad, mask)
+                             want_bias_grad, mask, uniform)
     for name, got, want, like in (("dq", dq, ref[0], q), ("dk", dk, ref[1], k), ("dv", dv, ref[2], v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name
@@ -136,6 +136,45 @@ def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
             check_against_reference(q, k, v, ql, kl, mask, bias, causal, 0.25)
 
 
+def _runs(L, tile):
+    """(B, L) masks: contiguous runs with ends around tile edges, then the same runs with one hole each."""
+    pos = torch.arange(L)
+    spans = [(0, L), (1, L - 1), (tile - 1, tile + 1), (tile, 2 * tile), (tile + 3, tile + 5), (5, 6),
+             (L - 1, L), (2, 3 * tile - 1)]
+    runs = torch.stack([(pos >= a) & (pos < b) for a, b in spans])
+    holed = runs.clone()
+    for i, (a, b) in enumerate(spans):
+        if b - a >= 3:
+            holed[i, (a + b) // 2] = False
+    return runs, holed
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_contiguous_runs_and_single_holes(monkeypatch, tile):
+    """No holes: the bounds mask the first and last tiles and inner tiles are unmasked; one hole (the
+    mask vector in every tile) must stay exact; kv_lengths that cut a run turn it into a shorter run."""
+    from gemcompile.lowering.jagged_attention import triton as kernels
+
+    other = 48 - tile
+    config = [triton.Config({"BLOCK_M": other, "BLOCK_N": tile}, num_warps=4, num_stages=1)]
+    monkeypatch.setattr(kernels._fwd_kernel, "configs", config)
+    monkeypatch.setattr(kernels._bwd_dq_kernel, "configs", config)
+    monkeypatch.setattr(kernels._bwd_dkdv_kernel, "configs",
+                        [triton.Config({"BLOCK_M": other, "BLOCK_N": tile}, num_warps=4, num_stages=1)])
+    B, H, L, D = 8, 1, 80, 16
+    runs, holed = _runs(L, tile)
+    g = torch.Generator().manual_seed(tile)
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    bias = torch.randn(1, H, L, L, generator=g)
+    ql = torch.tensor([L, L, 40, L, 17, L, L, 50])
+    kl = torch.tensor([L, 60, L, 2 * tile - 3, L, L, L, 30])
+    for mask, flags in ((runs, [0] * B), (holed, [1, 1, 0, 1, 0, 0, 0, 1])):
+        assert kv_mask_bounds(mask, None, L)[2].tolist() == flags
+        for causal in (False, True):
+            for lengths in (None, kl):
+                check_against_reference(q, k, v, ql, lengths, mask, bias, causal, 0.25)
+
+
 def test_mask_garbage_never_leaks():
     B, H, L, D = 3, 2, 40, 16
     q, k, v, ql, kl, mask, bias = make_inputs(B, H, L, L, D, torch.float32, "holes", bias_shape=(B, H, L, L),
@@ -168,9 +207,21 @@ def test_all_true_mask_matches_the_length_path():
 
 def test_kv_mask_bounds():
     mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0] * 6, [1] * 6, [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
-    lo, hi = kv_mask_bounds(mask, None, 6)
+    lo, hi, holes = kv_mask_bounds(mask, None, 6)
     assert lo.tolist() == [1, 6, 0, 0] and hi.tolist() == [5, 0, 6, 6] and lo.dtype == torch.int32
-    lo, hi = kv_mask_bounds(mask, torch.tensor([4, 6, -1, 3]), 6)
-    assert lo.tolist() == [1, 6, 6, 0] and hi.tolist() == [3, 0, 0, 2]
-    lo, hi = kv_mask_bounds(mask[:1].expand(3, 6), torch.tensor([99, 2, 5]), 6)
-    assert lo.tolist() == [1, 1, 1] and hi.tolist() == [5, 2, 5]
+    assert holes.tolist() == [1, 0, 0, 1]
+    lo, hi, holes = kv_mask_bounds(mask, torch.tensor([4, 6, -1, 3]), 6)
+    assert lo.tolist() == [1, 6, 6, 0] and hi.tolist() == [3, 0, 0, 2] and holes.tolist() == [0, 0, 0, 0]
+    lo, hi, holes = kv_mask_bounds(mask[:1].expand(3, 6), torch.tensor([99, 2, 5]), 6)
+    assert lo.tolist() == [1, 1, 1] and hi.tolist() == [5, 2, 5] and holes.tolist() == [1, 0, 1]
+
+
+def test_right_padding_mask_takes_the_length_split():
+    """Without holes the key loop is the lengths path's (same tiles, unmasked inside): same forward bits."""
+    B, H, L, D = 4, 1, 72, 16
+    q, k, v, ql, kl, _, bias = make_inputs(B, H, L, L, D, torch.float32, "all_true", bias_shape=(1, H, L, L))
+    mask = torch.arange(L)[None, :] < kl[:, None]
+    for causal in (False, True):
+        a, la = jagged_attention_forward_triton(q, k, v, ql, None, bias, causal, 0.3, mask)
+        b, lb = jagged_attention_forward_triton(q, k, v, ql, kl, bias, causal, 0.3)
+        assert torch.equal(a, b) and torch.equal(la, lb)

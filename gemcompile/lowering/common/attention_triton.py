@@ -267,13 +267,16 @@ def bhld_strides(t: torch.Tensor, batch_broadcast: bool):
 
 
 def kv_mask_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None, L: int):
-    """Per batch, on the device (no host sync): (lo, hi) int32 (B,) with lo = the first valid key (L if
-    none) and hi = the last valid key + 1 (0 if none); a key is valid iff kv_mask[b, j] and j < kv_len[b]
-    (kv_lengths None: every j). Kernels visit key tiles from (lo // BLOCK_N) * BLOCK_N up to hi only."""
+    """Per batch, on the device (no host sync): (lo, hi, holes) int32 (B,) with lo = the first valid key (L
+    if none), hi = the last valid key + 1 (0 if none) and holes = 1 where fewer than hi - lo keys are valid;
+    a key is valid iff kv_mask[b, j] and j < kv_len[b] (kv_lengths None: every j). Kernels visit key tiles
+    from (lo // BLOCK_N) * BLOCK_N up to hi only; without holes the valid keys are exactly [lo, hi), so
+    they mask by the bounds like the length-only path and read the mask vector only when holes."""
     pos = torch.arange(L, device=kv_mask.device, dtype=torch.int32)
     valid = kv_mask
     if kv_lengths is not None:
         valid = valid & (pos[None, :] < kv_lengths[:, None])
-    lo = torch.where(valid, pos, L).amin(dim=1)
-    hi = torch.where(valid, pos + 1, 0).amax(dim=1)
-    return lo.to(torch.int32), hi.to(torch.int32)
+    lo = torch.where(valid, pos, L).amin(dim=1).to(torch.int32)
+    hi = torch.where(valid, pos + 1, 0).amax(dim=1).to(torch.int32)
+    holes = (valid.sum(dim=1, dtype=torch.int32) < hi - lo).to(torch.int32)
+    return lo, hi, holes

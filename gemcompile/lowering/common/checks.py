@@ -34,6 +34,7 @@ __all__ = [
     "check_length_values",
     "check_number",
     "check_qkv_tensors",
+    "check_uniform_keys",
     "kernel_supports",
     "should_check_values",
     "strict_length_checks",
@@ -208,3 +209,17 @@ def check_kv_mask(kv_mask, B: int, Lk: int, device) -> None:
         raise ValueError(f"kv_mask must have shape (B, Lk) = {(B, Lk)}, got {tuple(kv_mask.shape)}")
     if kv_mask.device != device:
         raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}")
+
+
+def check_uniform_keys(uniform_keys, B: int, device) -> None:
+    """uniform_keys: None or a torch.bool (B,) tensor on q's device (metadata only)."""
+    if uniform_keys is None:
+        return
+    if not isinstance(uniform_keys, torch.Tensor):
+        raise TypeError(f"uniform_keys must be a torch.Tensor or None, got {type(uniform_keys).__name__}")
+    if uniform_keys.dtype != torch.bool:
+        raise ValueError(f"uniform_keys must be a torch.bool tensor, got dtype {uniform_keys.dtype}")
+    if uniform_keys.dim() != 1 or tuple(uniform_keys.shape) != (B,):
+        raise ValueError(f"uniform_keys must have shape (B,) = {(B,)}, got {tuple(uniform_keys.shape)}")
+    if uniform_keys.device != device:
+        raise ValueError(f"uniform_keys is on {uniform_keys.device} but q is on {device}")

@@ -3,7 +3,8 @@
 Public op (what the jagged_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths,
-        Tensor? kv_lengths, Tensor? bias, bool causal, float scale, Tensor? kv_mask=None) -> Tensor
+        Tensor? kv_lengths, Tensor? bias, bool causal, float scale, Tensor? kv_mask=None,
+        Tensor? uniform_keys=None) -> Tensor
 
 q (Bq, H, Lq, D) with Bq in {1, B}; k, v (B, H, Lk, D); any strides (permuted or expanded views are read
 in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling; kv_lengths None
@@ -13,6 +14,13 @@ j < kv_len[b] with kv_mask[b, j] (and j <= i when causal, top-left aligned; posi
 or left padding in the mask do not shift them). Rows i >= q_len and rows without a valid key are exactly
 0 with zero gradients (eager SDPA gives NaN on an all-masked row; we give 0, as its math backend does);
 keys that are not valid get exactly zero dK and dV.
+
+uniform_keys None or torch.bool (B,) on q's device: for a sequence b with uniform_keys[b], every score
+(bias included) is taken as 0, so each row's probabilities P are uniform over its valid keys; the
+backward still applies the usual formulas to those P with the real q and k (dS = P * (dP - delta),
+dQ = scale * dS @ K, dK = scale * dS^T @ Q, dV = P^T @ dO, dbias = dS). Why: eager softmax(s + F) with a
+huge finite fill F rounds s + F to F (a uniform forward) while autograd still passes gradients through
+s + F with derivative 1; the pass uses this for sequences whose keys are all padding under a finite fill.
 
 Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
 (out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)
@@ -48,17 +56,19 @@ from .reference import reference_backward, reference_forward
 
 __all__ = ["EagerJaggedAttention", "check_jagged_attention_args", "jagged_attention"]
 
-_INPUTS = 9  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask
-_SAVED = 8  # q, k, v, out, lse, q_lengths, kv_lengths, bias (then kv_mask, the bwd op's last argument)
+_INPUTS = 10  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys
+_SAVED = 8  # q, k, v, out, lse, q_lengths, kv_lengths, bias (then kv_mask, uniform_keys: the bwd op's last)
 
 
-def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None) -> None:
+def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
+                                uniform_keys=None) -> None:
     """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "jagged attention kernel")
     if bias is not None:
         checks.check_bias(bias, (B, H, Lq, Lk), q.device)
     checks.check_flags(causal, scale)
     checks.check_kv_mask(kv_mask, B, Lk, q.device)
+    checks.check_uniform_keys(uniform_keys, B, q.device)
 
 
 def _check_values(q, k, q_lengths, kv_lengths) -> None:
@@ -91,24 +101,27 @@ def jagged_attention_fwd(
     causal: bool,
     scale: float,
     kv_mask: Optional[Tensor] = None,
+    uniform_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key)."""
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
     _check_values(q, k, q_lengths, kv_lengths)
-    return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
 
 
 @jagged_attention_fwd.register_kernel("cuda")
-def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
+                               uniform_keys=None):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
     _check_values(q, k, q_lengths, kv_lengths)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
 
 
 @jagged_attention_fwd.register_fake
-def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
+                               uniform_keys=None):
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
     B, H, _, D = k.shape
     Lq = q.shape[2]
     return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
@@ -129,10 +142,12 @@ def jagged_attention_bwd(
     scale: float,
     bias_requires_grad: bool,
     kv_mask: Optional[Tensor] = None,
+    uniform_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     return reference_backward(
-        grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask
+        grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask,
+        uniform_keys,
     )
 
 
@@ -145,24 +160,25 @@ def _jagged_attention_bwd_cuda(grad_out, q, *rest):
 
 @jagged_attention_bwd.register_fake
 def _jagged_attention_bwd_fake(
-    grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None
+    grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None,
+    uniform_keys=None,
 ):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask = inputs
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys = inputs
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask), (causal, scale),
-                      bias=bias, bias_index=5, lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask, uniform_keys),
+                      (causal, scale), bias=bias, bias_index=5, lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
     saved = ctx.saved_tensors
     dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
-        grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad, saved[_SAVED]
+        grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad, *saved[_SAVED:]
     )
     return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
@@ -175,17 +191,18 @@ jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_c
 
 
 class EagerJaggedAttention(torch.autograd.Function):
-    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask) through the same
-    kernels as the custom ops; arguments checked by the caller. The lse stays inside the Function, so no
-    gradient is ever materialized for it."""
+    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
+    through the same kernels as the custom ops; arguments checked by the caller. The lse stays inside the
+    Function, so no gradient is ever materialized for it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None):
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,
+                uniform_keys=None):
         _check_values(q, k, q_lengths, kv_lengths)
         forward, _ = _kernels(q)
-        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
-        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask), (causal, scale),
-                          bias=bias, bias_index=5)
+        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
+        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask, uniform_keys),
+                          (causal, scale), bias=bias, bias_index=5)
         return out
 
     @staticmethod
@@ -193,7 +210,7 @@ class EagerJaggedAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         _, backward = _kernels(saved[0])
         dq, dk, dv, dbias = backward(grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad,
-                                     saved[_SAVED])
+                                     *saved[_SAVED:])
         return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -203,16 +220,18 @@ class EagerJaggedAttention(torch.autograd.Function):
 
 LIB.define(
     "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, "
-    "bool causal, float scale, Tensor? kv_mask=None) -> Tensor"
+    "bool causal, float scale, Tensor? kv_mask=None, Tensor? uniform_keys=None) -> Tensor"
 )
 
 
-def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None):
+def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
+                                uniform_keys=None):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
-        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+        check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
+        return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask,
+                                          uniform_keys)
     return torch.ops.gemcompile.jagged_attention_fwd(
-        q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask
+        q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys
     )[0]
 
 
@@ -229,13 +248,14 @@ def jagged_attention(
     causal: bool = False,
     scale: Optional[float] = None,
     kv_mask: Optional[Tensor] = None,
+    uniform_keys: Optional[Tensor] = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
     return torch.ops.gemcompile.jagged_attention(
-        q, k, v, q_lengths, kv_lengths, bias, causal, float(scale), kv_mask
+        q, k, v, q_lengths, kv_lengths, bias, causal, float(scale), kv_mask, uniform_keys
     )
 
 
@@ -256,12 +276,13 @@ def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None) -> int:
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None, *,
-               out_val=None, **kwargs) -> int:
+def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None,
+               uniform_keys=None, *, out_val=None, **kwargs) -> int:
     return _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
-               scale=1.0, bias_requires_grad=False, kv_mask=None, *, out_val=None, **kwargs) -> int:
+               scale=1.0, bias_requires_grad=False, kv_mask=None, uniform_keys=None, *, out_val=None,
+               **kwargs) -> int:
     return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask))

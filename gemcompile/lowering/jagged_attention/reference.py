@@ -3,7 +3,9 @@
 Semantics (shared with the Triton kernels, see op.py): for batch b, head h and query row
 i < q_len[b], ``out[b,h,i] = softmax_j(scale * q_i . k_j + bias[b,h,i,j]) @ v`` over keys j < kv_len[b]
 (and j <= i when causal, top-left aligned) and with kv_mask[b, j] (when a kv_mask is given; positions
-stay absolute). Rows with no valid key and rows i >= q_len are exactly 0. Lengths above the padded
+stay absolute). Where uniform_keys[b] is True every score of sequence b (bias included) is replaced by 0
+before masking, so each row is uniform over its valid keys; the backward still applies the usual formulas
+to those probabilities with the real q and k. Rows with no valid key and rows i >= q_len are exactly 0. Lengths above the padded
 length mean "all positions" (the eager ``arange(L) < length`` mask); kv_lengths None means Lk.
 
 The forward returns ``(out, lse)``; ``lse`` is the natural-log sum-exp of each row's scores, and +inf on
@@ -44,7 +46,7 @@ def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, de
     return valid
 
 
-def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask):
+def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys):
     """Returns (probabilities or scores, valid, zeroed q, zeroed k) in the compute dtype."""
     B, _, Lk, _ = k.shape
     Lq = q.shape[2]
@@ -54,6 +56,8 @@ def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mas
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.to(cdt)
+    if uniform_keys is not None:
+        s = torch.where(uniform_keys.to(s.device)[:, None, None, None], torch.zeros_like(s), s)
     valid = valid_mask(q_lengths, kv_lengths, B, Lq, Lk, causal, q.device, kv_mask)
     s = s.masked_fill(~valid, float("-inf"))
     if lse is None:
@@ -62,12 +66,14 @@ def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mas
     return p, valid, qf, kf
 
 
-def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None):
+def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,
+                      uniform_keys=None):
     """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    s, _, _, _ = _probabilities(q, k, None, q_lengths, kv_lengths, bias, causal, scale, kv_mask,
+                                uniform_keys)
     lse = torch.logsumexp(s, dim=-1) if Lk > 0 else s.new_full((B, H, Lq), float("-inf"))
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     p = torch.exp(s - lse[..., None])
@@ -90,12 +96,14 @@ def reference_backward(
     scale: float,
     bias_requires_grad: bool,
     kv_mask=None,
+    uniform_keys=None,
 ):
     """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
-    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask)
+    p, _, qf, kf = _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mask,
+                                  uniform_keys)
     q_ok = row_mask(q_lengths, B, Lq, q.device)
     do = zero_invalid_rows(grad_out.to(cdt), q_ok)
     o = zero_invalid_rows(out.to(cdt), q_ok)

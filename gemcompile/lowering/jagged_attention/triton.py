@@ -15,12 +15,20 @@ need no masking (inside kv_len and fully below the diagonal) and the tiles that 
 fp32 with exp2 (log2 e is folded into the scale); a row with no valid key gets out = 0 and lse = +inf.
 
 kv_mask (constexpr HAS_KV_MASK; without a mask the kernels compile to the length-only code): the
-launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1:
-common/attention_triton.kv_mask_bounds) and orders batches by kv_hi - kv_lo. The fwd and dQ key loops
-run from kv_lo's tile to kv_hi only, AND the loaded mask vector into every tile's validity and load
-masked keys as 0 (garbage there never reaches P.V or dS). dK/dV programs whose key tile lies outside
-[kv_lo, kv_hi) write zeros and exit; the others zero the rows of masked keys at the end (a row of dK/dV
-depends only on its own key). kv_lengths None: the key side is MODE_FULL.
+launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1) and a holes
+flag (fewer valid keys than kv_hi - kv_lo: common/attention_triton.kv_mask_bounds) and orders batches by
+kv_hi - kv_lo. The fwd and dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
+(left/right padding, any contiguous run) has exactly the keys kv_lo <= j < kv_hi: its loop is split like
+the length path (masked first tile, unmasked inner tiles that load neither the mask nor any row mask,
+masked last tile, bounds only), so it costs what lengths cost. A sequence with holes runs every tile
+masked and ANDs the mask vector in (masked keys load as 0: garbage never reaches P.V or dS). The flag is
+one scalar per program, so the split is a runtime choice of loop bounds, not a branch per tile. dK/dV
+programs whose key tile lies outside [kv_lo, kv_hi) write zeros and exit; the others zero the rows of
+masked keys at the end (a row of dK/dV depends only on its own key). kv_lengths None: MODE_FULL keys.
+
+uniform_keys (constexpr HAS_UNIFORM; without it the code is unchanged): one flag per program, loaded once;
+for a flagged sequence s = where(uniform, 0, s) after the bias, in the forward and in the P recomputation
+of both backward kernels (the dS, dQ, dK formulas are unchanged and use the real q and k).
 
 Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
 delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
@@ -97,21 +105,38 @@ _DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL",
-                 "DOT_PRECISION", "HAS_KV_MASK"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM"]
 
 
 @triton.jit
-def _key_mask(m_base, cols, stride_mn, col_ok):
-    """kv_mask[b, cols] as a bool vector (False past the key length); m_base points at row b."""
-    return tl.load(m_base + cols.to(tl.int64) * stride_mn, mask=col_ok, other=0) != 0
+def _key_mask(m_base, cols, stride_mn, col_ok, holes):
+    """kv_mask[b, cols] as a bool vector, read only where col_ok and only for a sequence with holes; True
+    elsewhere (AND it with the bounds). m_base points at row b."""
+    read = tl.where(holes, col_ok, False)  # (col_ok & holes: the interpreter mistypes a scalar bool &)
+    return tl.load(m_base + cols.to(tl.int64) * stride_mn, mask=read, other=1) != 0
 
 
 @triton.jit
-def _key_range(KVLo, KVHi, b, kv_len, BLOCK_N: tl.constexpr):
-    """The key tiles to visit with a kv_mask: from the tile of the first valid key up to the last + 1."""
-    lo = (tl.load(KVLo + b) // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(kv_len, tl.load(KVHi + b))
-    return lo, hi
+def _key_bounds(KVLo, KVHi, KVHoles, b, kv_len):
+    """With a kv_mask: (key_lo, key_hi, holes) of batch b. Without holes the valid keys are exactly
+    key_lo <= j < key_hi; with holes they are a subset and the mask vector must be applied too."""
+    key_lo = tl.load(KVLo + b)
+    key_hi = tl.minimum(kv_len, tl.load(KVHi + b))
+    holes = tl.load(KVHoles + b) != 0
+    return key_lo, key_hi, holes
+
+
+@triton.jit
+def _key_split(key_lo, hi, full_end, holes, BLOCK_N: tl.constexpr):
+    """Loop split of a kv_mask key loop over [lo, hi): a masked head [lo, head_end) (the tile holding key_lo,
+    or every tile when the mask has holes), unmasked tiles [first_full, full_end), a masked tail
+    [tail, hi). Without holes only the first and last tiles are masked (as with lengths)."""
+    lo = (key_lo // BLOCK_N) * BLOCK_N
+    first_full = tl.cdiv(key_lo, BLOCK_N) * BLOCK_N
+    first_full = tl.where(holes, hi, first_full)  # holes: the head takes all, the rest are empty
+    head_end = tl.minimum(first_full, hi)
+    tail = tl.maximum(first_full, full_end)  # (causal can put full_end below first_full)
+    return lo, head_end, first_full, tail
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,19 +146,21 @@ def _key_range(KVLo, KVHi, b, kv_len, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, hi,
+               key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_KV_MASK: tl.constexpr):
+               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr):
+    """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
+    nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        if HAS_KV_MASK:
+        if MASKED and HAS_KV_MASK:
             # masked keys read as 0 (garbage in k or v there must not reach p @ v)
-            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            col_ok = col_ok & (cols >= key_lo)
+            col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -143,25 +170,20 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s = tl.where(uniform, 0.0, s)
         if MASKED:
             valid = col_ok[None, :]
-            if HAS_KV_MASK:
-                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             s = tl.where(valid, s, float("-inf"))
-        elif HAS_KV_MASK:
-            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row whose scores are all -inf so far (e.g. a -inf bias) must not produce inf - inf = NaN
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_KV_MASK:
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -171,7 +193,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -183,7 +205,7 @@ def _fwd_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -215,30 +237,40 @@ def _fwd_kernel(
     v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     m_base = KVMask + b64 * stride_mb
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = 0
-    hi = kv_len
+    key_lo = 0
+    holes = False
     if HAS_KV_MASK:
-        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+    hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    mid = full_end
+    first_full = 0
+    tail = full_end
     if HAS_KV_MASK:
-        mid = tl.maximum(lo, full_end)  # (causal can put full_end below lo)
+        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
+            head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
+            HAS_KV_MASK, uniform, HAS_UNIFORM)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo, full_end, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
+        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, mid, hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK)
+        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
+        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -256,7 +288,8 @@ def _fwd_kernel(
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len,
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
+                HAS_UNIFORM: tl.constexpr):
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -278,6 +311,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
             else:
                 z = tl.load(z_ptrs)
             s_t += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s_t = tl.where(uniform, 0.0, s_t)
         p_t = tl.exp2(s_t - lse[None, :] * LOG2E)
         if MASKED:
             valid = col_ok[:, None] & row_ok[None, :]
@@ -295,7 +330,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -308,7 +343,7 @@ def _bwd_dkdv_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -337,8 +372,11 @@ def _bwd_dkdv_kernel(
 
     col_ok = offs_n < kv_len
     if HAS_KV_MASK:
-        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last
-        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok)
+        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last;
+        # without holes the bounds are exact and the mask is not read
+        key_lo, key_hi, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+        col_ok = (offs_n >= key_lo) & (offs_n < key_hi)
+        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok, holes)
     start64 = q_start.to(tl.int64)
     q_base = Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm
     do_base = DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm
@@ -351,6 +389,9 @@ def _bwd_dkdv_kernel(
                   stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
     m_lo = 0
     if CAUSAL:
         m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
@@ -359,7 +400,7 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo, q_len, HEAD_D,
-            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
     else:
         # query tiles crossing the diagonal (causal), then full tiles unmasked, then the partial last tile
         diag_end = m_lo
@@ -369,15 +410,15 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo,
-            tl.minimum(diag_end, q_len), HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            tl.minimum(diag_end, q_len), HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, diag_end, mid_end,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M)
+            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
             stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_end, q_len,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M)
+            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -388,21 +429,21 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
               kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-              qk_scale, lo, hi, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr):
+              qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
+              HAS_UNIFORM: tl.constexpr):
+    """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < kv_len
-        if HAS_KV_MASK:
+        if MASKED and HAS_KV_MASK:
             # masked keys read as 0: garbage there must not reach dS (through dP) or dS @ K
-            key_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok)
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, key_ok, HEAD_D, BLOCK_D, True)
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, key_ok, HEAD_D, BLOCK_D, True)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            col_ok = col_ok & (cols >= key_lo)
+            col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
+        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -412,16 +453,14 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
             else:
                 z = tl.load(z_ptrs, mask=row_ok[:, None], other=0.0)
             s += z.to(tl.float32) * LOG2E
+        if HAS_UNIFORM:
+            s = tl.where(uniform, 0.0, s)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = col_ok[None, :]
-            if HAS_KV_MASK:
-                valid = key_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
-        elif HAS_KV_MASK:
-            p = tl.where(key_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:
@@ -436,7 +475,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -450,7 +489,7 @@ def _bwd_dq_kernel(
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -486,29 +525,39 @@ def _bwd_dq_kernel(
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     ds_base = DS + b64 * stride_sb + h64 * stride_sh
     m_base = KVMask + b64 * stride_mb
+    uniform = False
+    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+        uniform = tl.load(Uniform + b) != 0
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = 0
-    hi = kv_len
+    key_lo = 0
+    holes = False
     if HAS_KV_MASK:
-        lo, hi = _key_range(KVLo, KVHi, b, kv_len, BLOCK_N)
+        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+    hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
         full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    mid = full_end
+    first_full = 0
+    tail = full_end
     if HAS_KV_MASK:
-        mid = tl.maximum(lo, full_end)
+        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
+            kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
+            qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-        qk_scale, lo, full_end, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False, DOT_PRECISION, BLOCK_N,
-        HAS_KV_MASK)
+        qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
+        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
-        qk_scale, mid, hi, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-        HAS_KV_MASK)
+        qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
+        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -527,45 +576,53 @@ class _KeyMask:
         if self.has:
             lengths = kv_side.lengths if kv_side.mode == MODE_LENGTHS else None
             self.mask, self.strides = kv_mask.view(torch.uint8), kv_mask.stride()
-            self.lo, self.hi = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
+            self.lo, self.hi, self.holes = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
             self.order = longest_first_order(self.hi - self.lo)
         else:
-            self.mask = self.lo = self.hi = kv_side.lengths
+            self.mask = self.lo = self.hi = self.holes = kv_side.lengths
             self.strides = (0, 0)
             self.order = batch_order(kv_side, B, device)
 
     def args(self):
-        return self.mask, self.lo, self.hi
+        return self.mask, self.lo, self.hi, self.holes
+
+
+def _uniform_arg(uniform_keys, keys: _KeyMask):
+    """uniform_keys as contiguous uint8 (the kernels read element b; B bytes at most are copied); without
+    it a dummy pointer that is never read."""
+    return keys.mask if uniform_keys is None else uniform_keys.contiguous().view(torch.uint8)
 
 
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
-             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None):
+             q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None,
+             uniform_keys=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     if bias is not None:
         z_strides = bias.expand(B, H, Lq, Lk).stride()
     else:
         bias, z_strides = q, (0, 0, 0, 0)
     keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    uniform = _uniform_arg(uniform_keys, keys)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
         H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
-           HAS_KV_MASK=keys.has),
+           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
-              kv_mask=None):
+              kv_mask=None, uniform_keys=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -582,8 +639,10 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    uniform = _uniform_arg(uniform_keys, keys)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
-                 DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has)
+                 DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has,
+                 HAS_UNIFORM=uniform_keys is not None)
     scalars = (H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, float(scale),
                length_bucket(Lq), length_bucket(Lk))
     # dQ programs loop over keys: order batches by kv length (key span with a mask); dK/dV programs loop
@@ -593,12 +652,12 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     q_order = kv_order if shared else batch_order(q_side, B, q.device)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
         *keys.strides, *scalars), flags, scalars[-2:])
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(),
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
         *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
         *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
 
@@ -614,7 +673,7 @@ def _padded_sides(q, k, q_lengths, kv_lengths, dummy):
 
 
 def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float,
-                                    kv_mask=None):
+                                    kv_mask=None, uniform_keys=None):
     """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -627,12 +686,12 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
     q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse)
     _forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale,
              bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride(),
-             kv_mask)
+             kv_mask, uniform_keys)
     return out, lse
 
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
-                                     scale: float, bias_requires_grad: bool, kv_mask=None):
+                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -648,7 +707,7 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
         _backward(grad_out, q, k, v, out, lse, bias, bias_grad, q_side, kv_side, B, H, D, causal, scale,
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
-                  ds, None if ds is None else ds.stride()[:3], kv_mask)
+                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys)
     else:
         dk.zero_()
         dv.zero_()
