@@ -128,14 +128,17 @@ def _key_bounds(KVLo, KVHi, KVHoles, b, kv_len):
 
 @triton.jit
 def _key_split(key_lo, hi, full_end, holes, BLOCK_N: tl.constexpr):
-    """Loop split of a kv_mask key loop over [lo, hi): a masked head [lo, head_end) (the tile holding key_lo,
-    or every tile when the mask has holes), unmasked tiles [first_full, full_end), a masked tail
-    [tail, hi). Without holes only the first and last tiles are masked (as with lengths)."""
+    """Loop split of a kv_mask key loop over [lo, hi) -> (lo, head_end, first_full, tail): the masked tile
+    holding an unaligned key_lo [lo, head_end), unmasked tiles [first_full, full_end), masked tiles
+    [tail, hi). Without holes only the first and last tiles are masked (as with lengths); with holes the
+    masked tail loop takes every tile. The head is at most one tile and its loop is not pipelined: a
+    third pipelined loop (or one masked loop that skips the unmasked tiles: non-affine addresses) made
+    the forward spill registers on sm_90 at 128x128 tiles, D=128."""
     lo = (key_lo // BLOCK_N) * BLOCK_N
     first_full = tl.cdiv(key_lo, BLOCK_N) * BLOCK_N
-    first_full = tl.where(holes, hi, first_full)  # holes: the head takes all, the rest are empty
-    head_end = tl.minimum(first_full, hi)
-    tail = tl.maximum(first_full, full_end)  # (causal can put full_end below first_full)
+    first_full = tl.where(holes, hi, first_full)  # holes: nothing unmasked
+    head_end = tl.where(holes, lo, tl.minimum(first_full, hi))
+    tail = tl.where(holes, lo, tl.maximum(first_full, full_end))  # (causal: full_end can be < first_full)
     return lo, head_end, first_full, tail
 
 
@@ -149,11 +152,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr):
+               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, STAGES: tl.constexpr = None):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
     nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + offs_n
         col_ok = cols < kv_len
         if MASKED and HAS_KV_MASK:
@@ -262,11 +265,12 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM)
+            HAS_KV_MASK, uniform, HAS_UNIFORM, 1)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
-        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
+        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
+        HAS_UNIFORM)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
@@ -432,10 +436,10 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
               qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
-              HAS_UNIFORM: tl.constexpr):
+              HAS_UNIFORM: tl.constexpr, STAGES: tl.constexpr = None):
     """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + offs_n
         col_ok = cols < kv_len
         if MASKED and HAS_KV_MASK:
@@ -547,7 +551,7 @@ def _bwd_dq_kernel(
             dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
             qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
-            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, 1)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
