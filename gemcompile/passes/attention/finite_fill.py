@@ -13,7 +13,8 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
      (up to eager's own rounding of s + F). For F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the
      row is uniform, and the kernel is told so (``uniform_keys``: scores taken as 0, gradients as eager's
      autograd gives them), with a device-side check that the scores are small enough to round away
-     (|s| < ulp(F) / 2; always true for finfo.min);
+     (|s| < ulp(F) / 2; always true for finfo.min). Written over the scores (masked_fill, where), the fill
+     passes no gradient to them: q and k of such a sequence are detached, as eager's autograd gives;
    - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
    - a window, blocks, HSTU or query padding with a finite fill: refused (rows that see no key are common
      there), with the reason; -inf or a bool mask is rewritten.
@@ -53,8 +54,8 @@ def check_fill_served(mask: AttentionMask) -> None:
 
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,
                     kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None):
-    """(kv_len, kv_mask, uniform_keys) for the kernel such that the finite fill's rows match eager (module
-    doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds away."""
+    """(q, k, kv_len, kv_mask, uniform_keys) for the kernel such that the finite fill's rows match eager
+    (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds away."""
     check_fill_served(mask)
     fill = mask.fill
     bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
@@ -64,14 +65,14 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                                             "so eager does not drop the masked keys and the kernel would; fill "
                                             "with -inf or a bool mask, or scale the scores"))
     if kv_len is None and kv_mask is None:
-        return kv_len, kv_mask, None  # no key padding: every row sees a key (causal: key 0)
+        return q, k, kv_len, kv_mask, None  # no key padding: every row sees a key (causal: key 0)
     if mask.causal:
         first = _first_key_valid(emit, kv_len, kv_mask)
         emit.call(torch._assert_async, (emit.call(torch.all, (first,)),
                                         f"gemcompile: a sequence whose first key is padding under a causal mask "
                                         f"filled with {fill:g}: eager averages padding in its first rows, the "
                                         "kernel gives 0 (fill with -inf or use a bool mask)"))
-        return kv_len, kv_mask, None
+        return q, k, kv_len, kv_mask, None
     empty = _no_valid_key(emit, kv_len, kv_mask)
     keys = example_value(k).shape[2]
     if kv_len is not None:
@@ -79,15 +80,28 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
     if kv_mask is not None:
         kv_mask = emit.call(torch.logical_or, (kv_mask, emit.call(torch.unsqueeze, (empty, 1))))
     if fill > UNIFORM_FILL:
-        return kv_len, kv_mask, None
+        return q, k, kv_len, kv_mask, None
+    if mask.fill_replaces:
+        q, k = (_detached_where(emit, empty, x) for x in (q, k))
     if bound is None:
-        return kv_len, kv_mask, empty
-    rounded_away = emit.call(operator.lt, (bound, math.ulp(abs(fill)) / 2))
+        return q, k, kv_len, kv_mask, empty
+    rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
     ok = emit.call(torch.logical_or, (rounded_away, emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))))
     emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
                                         "scores large enough that eager's s + fill does not round to the fill: "
                                         "its eager value depends on that rounding; fill with -inf or finfo.min"))
-    return kv_len, kv_mask, empty
+    return q, k, kv_len, kv_mask, empty
+
+
+def _detached_where(emit: Emitter, empty: fx.Node, x: fx.Node) -> fx.Node:
+    """x with no gradient in the sequences ``empty`` flags ((B,) bool; x (B, H, L, D))."""
+    flags = emit.call(torch.reshape, (empty, (-1, 1, 1, 1)))
+    return emit.call(torch.where, (flags, emit.call(torch.Tensor.detach, (x,)), x))
+
+
+def _fp32_ulp(x: float) -> float:
+    """The spacing of float32 numbers at x: s + x rounds to x in fp32 when |s| < ulp / 2."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 23)
 
 
 def _no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:

@@ -67,7 +67,8 @@ class JaggedAttention(AttentionFamily):
         bias = summed_bias(emit, site.bias)
         detail, uniform = "mask proven: " + mask.describe(), None
         if mask.fill is not None:
-            kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask, bias)
+            q, k, kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask,
+                                                             bias)
             detail += f"; fill {mask.fill:g} kept exact"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}

@@ -157,7 +157,8 @@ class AttentionRewritePass(GemPass):
             keep = keep_formula(evaluator, site)
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
             if site.activation is None:
-                mask = dataclasses.replace(mask, fill=finite_fill(evaluator, site))
+                fill, replaces = finite_fill(evaluator, site)
+                mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces)
             mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
             if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):
@@ -190,19 +191,25 @@ def keep_formula(evaluator: MaskEvaluator, site: AttentionSite):
     return keep
 
 
-def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> float | None:
-    """The one finite value the site's softmax mask drops scores with, or None for -inf and bool masks;
-    Unproven when dropped scores get several values (eager then ranks them: rows with no valid key attend
-    to the least negative)."""
-    fills = set(evaluator.fills) | {t.fill for t in site.masks if t.fill is not None}
+def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> tuple[float | None, bool]:
+    """(the one finite value the site's softmax mask drops scores with, or None for -inf and bool masks;
+    whether it replaces the scores (masked_fill, where) rather than adding to them). Unproven when dropped
+    scores get several values (eager then ranks them: rows with no valid key attend to the least negative)
+    or both spellings (their gradients differ)."""
+    added = {f for f in evaluator.fills if math.isfinite(f)}
+    replaced = {t.fill for t in site.masks if t.fill is not None}
+    fills = set(evaluator.fills) | replaced
     finite = sorted(f for f in fills if math.isfinite(f))
     if not finite:
-        return None
+        return None, False
     if len(fills) > 1:
         shown = ", ".join(f"{f:g}" for f in sorted(fills))
         raise Unproven(f"the mask drops scores with several values ({shown}): a row with no valid key would "
                        "attend, in eager, to the keys of the least negative one")
-    return finite[0]
+    if added and replaced:
+        raise Unproven(f"the fill {finite[0]:g} is both added to the scores and written over them: the two "
+                       "spellings give a row with no valid key different gradients")
+    return finite[0], bool(replaced)
 
 
 def _batch_is_one(site: AttentionSite) -> bool:

@@ -55,6 +55,9 @@ class AttentionMask:
     fill: float | None = field(default=None, compare=False)
     """The one finite value a softmax mask drops scores with (-1e9, finfo.min...); None: -inf or a bool
     mask. attention/finite_fill.py keeps a finite fill exact (rows that see no valid key, large scores)."""
+    fill_replaces: bool = field(default=False, compare=False)
+    """Whether that fill is written over the scores (masked_fill, where: no gradient reaches a filled score)
+    rather than added to them."""
     checks: tuple = field(default=(), compare=False)
     """Device-side checks the rewrite emits with the op (callables of an Emitter): what the proof assumed of
     data (an integer mask read as 0/1, a registered buffer still holding its triangle)."""
