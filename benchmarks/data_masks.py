@@ -24,12 +24,14 @@ compiled after warm-up (masks change every step: there should be none).
 Kernel path (``kernel``): gemcompile::jagged_attention forward + backward on one batch (B, H, L, D, bf16,
 causal and not), with the key padding given as lengths (kv_lengths) and as a kv_mask of the same keys
 (right-padded), plus a left-padded kv_mask of the same lengths; ratio = mask ms / lengths ms. Timed with
-triton.testing.do_bench (median), and also under CUDA-graph replay.
+triton.testing.do_bench (median), and also under CUDA-graph replay; shape ``--kernel-batch`` x ``--heads``
+x ``--kernel-length`` x ``--head-dim``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -41,7 +43,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: gemcompile and tests.model_styles
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, graphed, write_json  # noqa: E402
+from harness import bench_ms, environment, format_table, graphed, results_path  # noqa: E402
 
 from gemcompile import GemConfig, explain, gem_compile  # noqa: E402
 from tests.model_styles import BertStyleLayer, SASRecBlock  # noqa: E402
@@ -120,39 +122,38 @@ _COLUMNS = [("model", "model", "s"), ("padding", "pad", "s"), ("inductor_ms", "i
             ("gem_ms", "gem ms", ".2f"), ("speedup_gem_vs_inductor", "x", ".2f")]
 
 
-def bench_models(args, device) -> list[dict]:
-    """Per model: one compile per method, then the right- and the left-padded batches (same shapes, other
-    mask values: nothing may recompile)."""
+def bench_models(args, device, model_name: str) -> list[dict]:
+    """One compile per method, then the right- and the left-padded batches (same shapes, other mask values:
+    nothing may recompile)."""
     rows = []
-    for model_name in args.models.split(","):
-        g = torch.Generator().manual_seed(0)
-        sides = {side: [_batch(model_name, args, side, g, device) for _ in range(args.batches)]
-                 for side in ("right", "left")}
-        torch.manual_seed(0)
-        model = Stack(model_name, args.layers, args.heads, args.head_dim).to(device)
-        report = explain(model, *sides["right"][0][:2])
-        found = {side: {"model": model_name, "padding": side, "batch": args.batch, "length": args.length,
-                        "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
-                        "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
-                        "rewrites": {k: v for k, v in report.counts.items() if v},
-                        "refusals": [r.reason for r in report.refusals]}
-                 for side, batches in sides.items()}
-        for method in ("inductor", "gem"):
-            torch._dynamo.reset()
-            fn = torch.compile(model) if method == "inductor" else gem_compile(model, config=GemConfig())
-            t0 = time.perf_counter()
-            _step(fn, *sides["right"][0][:2], device)  # compiles
-            compile_s = time.perf_counter() - t0
-            for side, batches in sides.items():
-                ms, loss, recompiles = _time_steps(fn, batches, args, device)
-                row = found[side]
-                row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
-                row[f"{method}_recompiles"], row[f"{method}_compile_s"] = recompiles, compile_s
-            model.zero_grad(set_to_none=True)
-        for row in found.values():
-            row["speedup_gem_vs_inductor"] = row["inductor_ms"] / row["gem_ms"]
-            rows.append(row)
-        print(format_table(list(found.values()), _COLUMNS), flush=True)
+    g = torch.Generator().manual_seed(0)
+    sides = {side: [_batch(model_name, args, side, g, device) for _ in range(args.batches)]
+             for side in ("right", "left")}
+    torch.manual_seed(0)
+    model = Stack(model_name, args.layers, args.heads, args.head_dim).to(device)
+    report = explain(model, *sides["right"][0][:2])
+    found = {side: {"model": model_name, "padding": side, "batch": args.batch, "length": args.length,
+                    "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+                    "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
+                    "rewrites": {k: v for k, v in report.counts.items() if v},
+                    "refusals": [r.reason for r in report.refusals]}
+             for side, batches in sides.items()}
+    for method in ("inductor", "gem"):
+        torch._dynamo.reset()
+        fn = torch.compile(model) if method == "inductor" else gem_compile(model, config=GemConfig())
+        t0 = time.perf_counter()
+        _step(fn, *sides["right"][0][:2], device)  # compiles
+        compile_s = time.perf_counter() - t0
+        for side, batches in sides.items():
+            ms, loss, recompiles = _time_steps(fn, batches, args, device)
+            row = found[side]
+            row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
+            row[f"{method}_recompiles"], row[f"{method}_compile_s"] = recompiles, compile_s
+        model.zero_grad(set_to_none=True)
+    for row in found.values():
+        row["speedup_gem_vs_inductor"] = row["inductor_ms"] / row["gem_ms"]
+        rows.append(row)
+    print(format_table(list(found.values()), _COLUMNS), flush=True)
     return rows
 
 
@@ -161,7 +162,7 @@ def bench_kernel(args, device) -> list[dict]:
     from gemcompile.lowering.jagged_attention.op import jagged_attention
 
     g = torch.Generator().manual_seed(1)
-    B, H, L, D = args.kernel_batch, args.heads, args.length, args.head_dim
+    B, H, L, D = args.kernel_batch, args.heads, args.kernel_length, args.head_dim
     lengths = _lengths(B, L, args.fill, g).to(device)
     q, k, v = (torch.randn(B, H, L, D, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(3))
     dout = torch.randn(B, H, L, D, generator=g).to(device, torch.bfloat16)
@@ -186,7 +187,8 @@ def bench_kernel(args, device) -> list[dict]:
                 row[f"{name}_graph_ms"] = bench_ms(graphed(train), rep_ms=args.kernel_reps * 50)
         for key in ("", "_graph"):
             if f"lengths{key}_ms" in row:
-                row[f"mask_right_vs_lengths{key}"] = row[f"mask_right{key}_ms"] / row[f"lengths{key}_ms"]
+                for side in ("right", "left"):
+                    row[f"mask_{side}_vs_lengths{key}"] = row[f"mask_{side}{key}_ms"] / row[f"lengths{key}_ms"]
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -197,23 +199,33 @@ def main() -> None:
     p.add_argument("--models", default="sasrec,bert")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--length", type=int, default=512)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--fill", type=float, default=0.5)
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--kernel-batch", type=int, default=32)
+    p.add_argument("--kernel-batch", type=int, default=16)
+    p.add_argument("--kernel-length", type=int, default=2048)
     p.add_argument("--kernel-reps", type=int, default=4)
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    payload = {"environment": environment(), "args": vars(args), "models": bench_models(args, device)}
+    path = results_path("data_masks", args.out)
+    payload = {"environment": environment(), "args": vars(args), "kernel": [], "models": []}
+
+    def save():  # after every part: a run cut short keeps what it measured
+        path.write_text(json.dumps(payload, indent=1, default=str))
+
     if not args.skip_kernel and device.type == "cuda":
         payload["kernel"] = bench_kernel(args, device)
-    print("wrote", write_json("data_masks", payload, args.out))
+        save()
+    for name in args.models.split(","):
+        payload["models"] += bench_models(args, device, name)
+        save()
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -189,3 +189,19 @@ class HstuResearchStyle(_Attention):
         attn = F.silu(torch.einsum("bhnd,bhmd->bhnm", q, k)) / n
         attn = attn * invalid_attn_mask.unsqueeze(0).unsqueeze(0)
         return self.merge(torch.einsum("bhnm,bhmd->bhnd", attn, v))
+
+
+class DistilBertStyleAttention(_Attention):
+    """DistilBERT: q scaled first, mask = (m == 0).view(B, 1, 1, L).expand_as(scores), filled with
+    torch.tensor(finfo.min)."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.q_lin, self.k_lin, self.v_lin = (nn.Linear(self.width, self.width) for _ in range(3))
+
+    def forward(self, hidden, mask):
+        q, k, v = self.split(self.q_lin(hidden)), self.split(self.k_lin(hidden)), self.split(self.v_lin(hidden))
+        scores = torch.matmul(q / math.sqrt(self.head_dim), k.transpose(2, 3))
+        dropped = (mask == 0).view(hidden.shape[0], 1, 1, hidden.shape[1]).expand_as(scores)
+        scores = scores.masked_fill(dropped, torch.tensor(torch.finfo(scores.dtype).min))
+        return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))

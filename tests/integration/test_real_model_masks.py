@@ -1,15 +1,14 @@
 """Attention as recommendation and transformer code writes it, masks read from data included.
 
-The modules below are written for these tests from the public behaviour of the models they are named
-after (no third-party code is copied): a Hugging Face style BERT self-attention (its extended attention
-mask, eager and SDPA), the transformers 5 style boolean mask indexed by batch and key index tensors,
-SASRec blocks (nn.MultiheadAttention with a causal mask and a key padding mask from item ids, and the
-2020 version with a timeline mask), BERT4Rec's mask from ``x > 0`` with ``.repeat``, an HSTU layer with
-lengths from offsets and causal written as ``eye | (i - j > 0)``, left-padded batches, and
-nn.TransformerEncoderLayer with a causal mask next to a boolean padding mask. Each: every attention is
-rewritten (explain), compiled == eager for outputs and every gradient (float32), and 20 batches whose
-masks change compile once.
-"""
+The modules (tests/model_styles.py) are written for these tests from the public behaviour of the models
+they are named after (no third-party code is copied): a Hugging Face style BERT self-attention (its
+extended attention mask, eager and SDPA), DistilBERT's filled mask, the transformers 5 style boolean mask
+indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
+padding mask from item ids, and the 2020 version with a timeline mask), BERT4Rec's mask from ``x > 0``
+with ``.repeat``, HSTU layers (lengths from offsets and causal written as ``eye | (i - j > 0)``; the
+research encoder's registered triu buffer), left-padded batches, and nn.TransformerEncoderLayer with a
+causal mask next to a boolean padding mask. Each: every attention is rewritten (explain), compiled ==
+eager for outputs and every gradient (float32), and 20 batches whose masks change compile once."""
 
 import functools
 
@@ -22,6 +21,7 @@ from gemcompile.backend import GemBackend
 from tests.model_styles import (
     Bert4RecAttention,
     BertStyleSelfAttention,
+    DistilBertStyleAttention,
     EncoderLayerCausal,
     HstuResearchStyle,
     HstuStyleAttention,
@@ -69,6 +69,7 @@ MODELS = {
     "bert_eager": (functools.partial(BertStyleSelfAttention, sdpa=False), "attention_mask", "jagged_attention"),
     "bert_sdpa": (functools.partial(BertStyleSelfAttention, sdpa=True), "attention_mask", "jagged_attention"),
     "transformers5_indexed": (IndexedBoolMaskAttention, "attention_mask", "jagged_attention"),
+    "distilbert": (DistilBertStyleAttention, "attention_mask", "jagged_attention"),
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),

@@ -142,8 +142,8 @@ def test_cross_lengths_few_queries_many_keys():
 
 @pytest.mark.parametrize(
     "fwd_tile,dkdv_tile",
-    [((16, 32), (32, 16)), ((16, 16), (16, 16)), ((64, 16), (16, 64))],
-    ids=["wide_keys", "square", "tall_queries"],
+    [((16, 32), (32, 16)), ((64, 16), (16, 64))],  # (16, 16) tiles: the slowest under the interpreter (CI time)
+    ids=["wide_keys", "tall_queries"],
 )
 def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """The span [kv_lo, kv_hi) cut into the loop bounds (unmasked tiles stay whole) for other tiles."""

@@ -115,8 +115,8 @@ def test_with_bias_and_shared_queries(kind, bias_kind):
 
 @pytest.mark.parametrize(
     "fwd_tile,dkdv_tile",
-    [((16, 32), (32, 16)), ((16, 16), (16, 16)), ((64, 16), (16, 64))],
-    ids=["wide_keys", "square", "tall_queries"],
+    [((16, 32), (32, 16)), ((64, 16), (16, 64))],  # (16, 16) tiles: the slowest under the interpreter (CI time)
+    ids=["wide_keys", "tall_queries"],
 )
 def test_other_tile_shapes(monkeypatch, fwd_tile, dkdv_tile):
     """Tile skipping from the left and the right, the unmasked/masked split and the diagonal with a mask."""
@@ -149,7 +149,7 @@ def _runs(L, tile):
     return runs, holed
 
 
-@pytest.mark.parametrize("tile", [16, 32])
+@pytest.mark.parametrize("tile", [16])  # the smaller tile puts more runs across tile edges
 def test_contiguous_runs_and_single_holes(monkeypatch, tile):
     """No holes: the bounds mask the first and last tiles and inner tiles are unmasked; one hole (the
     mask vector in every tile) must stay exact; kv_lengths that cut a run turn it into a shorter run."""

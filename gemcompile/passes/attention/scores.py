@@ -31,16 +31,29 @@ def is_call(node: Any, *names: str) -> bool:
 
 
 def constant_float(x: Any) -> float | None:
+    """x as a float when it is a constant: a Python number, or a 0-d tensor made of one in the graph
+    (``torch.tensor(finfo.min)``, DistilBERT's fill)."""
     if isinstance(x, bool):
         return None
     if isinstance(x, (int, float)):
         return float(x)
+    if isinstance(x, fx.Node) and x.op == "call_function" and target_name(x) in ("tensor", "scalar_tensor") \
+            and x.args and isinstance(x.args[0], (int, float)) and not isinstance(x.args[0], bool):
+        return float(x.args[0])
     return None
 
 
+def _reads_shape_only(user: fx.Node, node: fx.Node) -> bool:
+    """``mask.expand_as(scores)`` (DistilBERT) reads the scores' shape, not their values."""
+    name = target_name(user) if user.op in ("call_function", "call_method") else ""
+    if name in ("expand_as", "view_as", "reshape_as"):
+        return len(user.args) > 1 and user.args[1] is node and user.args[0] is not node
+    return name in ("size", "dim") and user.args[0] is node
+
+
 def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
-    """Add ``node`` to the site's nodes; Unproven when something besides the attention uses it."""
-    if len(node.users) != 1:
+    """Add ``node`` to the site's nodes; Unproven when something besides the attention uses its values."""
+    if len([u for u in node.users if not _reads_shape_only(u, node)]) != 1:
         raise Unproven(f"{node.name} (part of the attention) is also used elsewhere: "
                        "attention weights that are returned or reused cannot be skipped")
     site_nodes.append(node)
