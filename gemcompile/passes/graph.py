@@ -146,19 +146,24 @@ def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:
 
 
 BUFFER_VALUE = "gemcompile_buffer_value"
-"""Placeholder meta key: the value of a registered module buffer at compile time (masks/constants.py reads
-it to recognize a causal buffer, and checks it on the device at every call)."""
+"""Placeholder meta key: the compile-time value of a small 2-D graph input (a registered mask buffer, or a
+mask passed in such as nn.Transformer.generate_square_subsequent_mask(L)); masks/constants.py reads it to
+recognize a triangle, which the rewrite then checks on the device at every call."""
 
 
 def mark_buffer_values(graph: fx.Graph, example_inputs) -> None:
-    """Attach the compile-time value of each registered buffer (a placeholder whose Dynamo source is a
-    module's ``_buffers`` entry) to its node. Only small 2-D buffers: masks, not weights."""
+    """Attach the compile-time value of each small 2-D registered buffer, and of each square float input (an
+    additive causal mask passed in), to its placeholder. Integer and bool inputs stay data: their values
+    change from batch to batch, and the data path is exact for any of them."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return
     for node, value in zip(placeholders, example_inputs):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if source is None or "._buffers[" not in source.name or isinstance(value, FakeTensor):
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.requires_grad:
             continue
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.numel() <= 1 << 24:
+        if value.dim() != 2 or value.numel() > 1 << 24:
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        buffer = source is not None and "._buffers[" in source.name
+        if buffer or (value.is_floating_point() and value.shape[0] == value.shape[1]):
             node.meta[BUFFER_VALUE] = value

@@ -170,3 +170,23 @@ def test_data_masks_that_are_not_a_per_key_vector_are_refused_with_the_tensor_na
         report = explain(fn, q, k, v, arg)
         assert sum(report.counts.values()) == 0, fn.__name__
         assert report.refusals and reason in report.refusals[0].reason, (fn.__name__, report.refusals)
+
+
+def test_a_causal_mask_passed_in_is_read_and_checked_at_every_call():
+    """The PyTorch tutorial spelling: generate_square_subsequent_mask(L) made outside, passed as src_mask."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(E, H, 2 * E, dropout=0.0, batch_first=True).eval()
+
+    def encode(hidden, padding, causal):
+        return layer(hidden, src_mask=causal, src_key_padding_mask=padding)
+
+    hidden, ids = _batch("ids_right", torch.Generator().manual_seed(1))
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(L)
+    report = explain(encode, hidden, ids == 0, causal)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    assert "causal" in report.rewrites[0].detail
+    compiled = gem_compile(encode)  # with gradients: under no_grad, eval() runs torch's fused encoder instead
+    torch.testing.assert_close(compiled(hidden, ids == 0, causal), encode(hidden, ids == 0, causal),
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(Exception, match="no longer holds the triangle"):
+        compiled(hidden, ids == 0, torch.zeros(L, L))

@@ -1,6 +1,7 @@
-"""Registered mask buffers: a causal ``triu(ones)`` or ``tril`` kept as a module buffer, read as what it is.
+"""Constant masks given as inputs: a causal ``triu(ones)`` kept as a module buffer, or a float causal mask
+passed in (``nn.Transformer.generate_square_subsequent_mask(L)``), read as what it is.
 
-A buffer is an input of the Dynamo graph, so the evaluator would see data. When its compile-time value
+Either is an input of the Dynamo graph, so the evaluator would see data. When its compile-time value
 (graph.mark_buffer_values) is a triangle, ``x[i, j] = (j - i <= k)`` (tril) or ``(j - i >= k)`` (triu),
 as bool, 0/1, or 0 and one fill value (float), the evaluator reads it as that formula, and the rewrite adds
 a device-side check that the buffer still holds it at every call (a buffer changed in place stops the run
@@ -69,6 +70,7 @@ def emit_triangle_check(emit: Emitter, node: fx.Node, triangle: Triangle, value:
         expected = emit.call(torch.where, (inside, float(triangle.inside), float(triangle.outside)))
         expected = emit.call(torch.Tensor.to, (expected, value.dtype))
     same = emit.call(torch.all, (emit.call(operator.eq, (node, expected)),))
-    emit.call(torch._assert_async, (same, f"gemcompile: the buffer {node.name} no longer holds the "
-                                          f"{triangle.describe()} mask it held when the model was compiled; the "
-                                          "attention rewrite relied on it (recompile after changing it)"))
+    emit.call(torch._assert_async, (same, f"gemcompile: the mask {node.name} no longer holds the triangle "
+                                          f"({triangle.describe()}) it held when the model was compiled; the "
+                                          "attention rewrite relied on it (pass masks that change as bool or "
+                                          "integer key masks, or recompile)"))

@@ -110,7 +110,8 @@ def render(evaluator: MaskEvaluator, pred: Boolean) -> str:
         kind, e = evaluator.atoms.expr_of[atom]
         if kind == "eq" and sympy.Add.make_args(e)[0].could_extract_minus_sign():
             e = -e  # e == 0 reads better with a positive lead
-        data = {f: sympy.Symbol(f"{evaluator.data[f.func.__name__].node.name}[{', '.join(map(str, f.args))}]")
+        data = {f: sympy.Symbol(f"{evaluator.data[f.func.__name__].node.name}"
+                                f"[{', '.join(str(sympy.sympify(a).subs(names)) for a in f.args)}]")
                 for f in e.atoms(sympy.Function) if f.func.__name__ in evaluator.data}
         e = e.xreplace(data).subs(names)
         replace[atom] = sympy.Symbol(f"({e} {'< 0' if kind == 'lt' else '== 0'})")
