@@ -205,3 +205,20 @@ class DistilBertStyleAttention(_Attention):
         dropped = (mask == 0).view(hidden.shape[0], 1, 1, hidden.shape[1]).expand_as(scores)
         scores = scores.masked_fill(dropped, torch.tensor(torch.finfo(scores.dtype).min))
         return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))
+
+
+class RecBoleStyleAttention(_Attention):
+    """RecBole's SASRec: mask = tril((ids != 0)[:, None, None, :].expand(B, 1, L, L)) as where(m, 0, -1e4),
+    added to the scaled scores."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.query, self.key, self.value = (nn.Linear(self.width, self.width) for _ in range(3))
+
+    def forward(self, hidden, item_seq):
+        extended = (item_seq != 0).unsqueeze(1).unsqueeze(2)
+        extended = torch.tril(extended.expand((-1, -1, item_seq.size(-1), -1)))
+        extended = torch.where(extended, 0.0, -10000.0)
+        q, k, v = self.split(self.query(hidden)), self.split(self.key(hidden)), self.split(self.value(hidden))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim) + extended
+        return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))

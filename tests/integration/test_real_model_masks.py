@@ -4,7 +4,7 @@ The modules (tests/model_styles.py) are written for these tests from the public 
 they are named after (no third-party code is copied): a Hugging Face style BERT self-attention (its
 extended attention mask, eager and SDPA), DistilBERT's filled mask, the transformers 5 style boolean mask
 indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
-padding mask from item ids, and the 2020 version with a timeline mask), BERT4Rec's mask from ``x > 0``
+padding mask from item ids, the 2020 version with a timeline mask, RecBole's -1e4 tril mask), BERT4Rec's mask from ``x > 0``
 with ``.repeat``, HSTU layers (lengths from offsets and causal written as ``eye | (i - j > 0)``; the
 research encoder's registered triu buffer), left-padded batches, and nn.TransformerEncoderLayer with a
 causal mask next to a boolean padding mask. Each: every attention is rewritten (explain), compiled ==
@@ -27,6 +27,7 @@ from tests.model_styles import (
     HstuStyleAttention,
     IndexedBoolMaskAttention,
     LeftPaddedCausal,
+    RecBoleStyleAttention,
     SASRecBlock,
 )
 
@@ -73,6 +74,7 @@ MODELS = {
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),
+    "recbole_sasrec": (RecBoleStyleAttention, "ids_right", "jagged_attention"),
     "hstu_offsets": (HstuStyleAttention, "offsets", "gdpa"),
     "hstu_research_buffer": (functools.partial(HstuResearchStyle, max_len=L), "lengths", "gdpa"),
     "left_padded_causal": (LeftPaddedCausal, "lengths", "jagged_attention"),
