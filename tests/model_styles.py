@@ -222,3 +222,46 @@ class RecBoleStyleAttention(_Attention):
         q, k, v = self.split(self.query(hidden)), self.split(self.key(hidden)), self.split(self.value(hidden))
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim) + extended
         return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))
+
+
+def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: int = 0):
+    """generative-recommenders' visibility (as its PyTorch reference builds it): position ids clamped at
+    the first target, causal as eye | (row - col > 0), no key-padding term."""
+    device = seq_lengths.device
+    ids = torch.arange(0, n, device=device).view(1, n)
+    max_ids = seq_lengths.view(-1, 1, 1)
+    if num_targets is not None:
+        max_ids = max_ids - num_targets.view(-1, 1, 1)
+        ids = torch.clamp(ids, max=max_ids)
+        row_ids = ids.view(-1, n, 1).expand(-1, n, n)
+        col_ids = ids.view(-1, 1, n).expand(-1, n, n)
+    else:
+        row_ids = ids.view(n, 1).expand(n, n)
+        col_ids = row_ids.t()
+        row_ids, col_ids = row_ids.view(1, n, n), col_ids.view(1, n, n)
+    dist = row_ids - col_ids
+    valid = torch.logical_or(torch.eye(n, dtype=torch.bool, device=device).view(1, n, n), dist > 0)
+    if max_attn_len > 0:
+        valid = torch.logical_and(valid, dist <= max_attn_len)
+    return valid
+
+
+class HstuTargetsStyle(_Attention):
+    """HSTU with targets, mask without a padding term; ``drop_rows``: the output is multiplied by the valid
+    rows afterwards (what makes padded rows irrelevant)."""
+
+    def __init__(self, heads: int, head_dim: int, drop_rows: bool = True):
+        super().__init__(heads, head_dim)
+        self.uvqk = nn.Linear(self.width, 4 * self.width)
+        self.drop_rows = drop_rows
+
+    def forward(self, x, seq_offsets, num_targets):
+        n = x.shape[1]
+        lengths = seq_offsets[1:] - seq_offsets[:-1]
+        _, v, q, k = (self.split(t) for t in F.silu(self.uvqk(x)).chunk(4, dim=-1))
+        attn = F.silu(torch.einsum("bhxa,bhya->bhxy", q, k) * (1.0 / math.sqrt(self.head_dim))) / n
+        attn = attn * hstu_valid_attn_mask(n, lengths, num_targets).unsqueeze(1)
+        out = torch.einsum("bhxd,bhdv->bhxv", attn, v)
+        if self.drop_rows:
+            out = out * (torch.arange(n, device=x.device)[None, :] < lengths[:, None])[:, None, :, None]
+        return self.merge(out)

@@ -4,9 +4,10 @@ The modules (tests/model_styles.py) are written for these tests from the public 
 they are named after (no third-party code is copied): a Hugging Face style BERT self-attention (its
 extended attention mask, eager and SDPA), DistilBERT's filled mask, the transformers 5 style boolean mask
 indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
-padding mask from item ids, the 2020 version with a timeline mask, RecBole's -1e4 tril mask), BERT4Rec's mask from ``x > 0``
-with ``.repeat``, HSTU layers (lengths from offsets and causal written as ``eye | (i - j > 0)``; the
-research encoder's registered triu buffer), left-padded batches, and nn.TransformerEncoderLayer with a
+padding mask from item ids, the 2020 version with a timeline mask, RecBole's -1e4 tril mask), BERT4Rec's
+mask from ``x > 0`` with ``.repeat``, HSTU layers (lengths from offsets, causal written as
+``eye | (i - j > 0)``, the target mask without a padding term, the research encoder's registered triu
+buffer), left-padded batches, and nn.TransformerEncoderLayer with a
 causal mask next to a boolean padding mask. Each: every attention is rewritten (explain), compiled ==
 eager for outputs and every gradient (float32), and 20 batches whose masks change compile once."""
 
@@ -25,6 +26,7 @@ from tests.model_styles import (
     EncoderLayerCausal,
     HstuResearchStyle,
     HstuStyleAttention,
+    HstuTargetsStyle,
     IndexedBoolMaskAttention,
     LeftPaddedCausal,
     RecBoleStyleAttention,
@@ -151,7 +153,8 @@ def test_a_registered_causal_buffer_changed_in_place_stops_the_run():
 
 def test_data_masks_that_are_not_a_per_key_vector_are_refused_with_the_tensor_named():
     def pairwise(q, k, v, ids):  # same-item pairs: data at both the query and the key position
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(ids[:, :, None] == ids[:, None, :])[:, None])
+        same_item = (ids[:, :, None] == ids[:, None, :])[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same_item)
 
     def per_head(q, k, v, ids):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ids[:, :, None, :] > 0)
@@ -192,3 +195,25 @@ def test_a_causal_mask_passed_in_is_read_and_checked_at_every_call():
                                atol=2e-5, rtol=1e-4)
     with pytest.raises(Exception, match="no longer holds the triangle"):
         compiled(hidden, ids == 0, torch.zeros(L, L))
+
+
+@pytest.mark.parametrize("drop_rows", [True, False])
+def test_hstu_target_mask_without_a_padding_term(drop_rows):
+    """Upstream's target mask has no j < length term: equal to HSTU's mask on rows i < length only, so it
+    is rewritten when the model drops the other rows after the attention, and refused (with why) if not."""
+    torch.manual_seed(0)
+    model = HstuTargetsStyle(H, D, drop_rows=drop_rows).eval()
+    hidden, offsets = _batch("offsets", torch.Generator().manual_seed(1))
+    targets = torch.tensor([2, 1, 0, 3]).clamp(max=offsets[1:] - offsets[:-1])
+    report = explain(model, hidden, offsets, targets)
+    if not drop_rows:
+        assert report.counts["gdpa"] == 0
+        assert any("no key-padding term" in r.reason for r in report.refusals), report.refusals
+        return
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    out, ref = gem_compile(model)(hidden, offsets, targets), model(hidden, offsets, targets)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    leaves = [hidden, *model.parameters()]
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    for g, g_ref in zip(grads, torch.autograd.grad(ref.square().sum(), leaves)):
+        torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)

@@ -70,6 +70,19 @@ class Gdpa(AttentionFamily):
     def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
         """The mask with the query-row mask a model applies after the attention, when it is provable (else
         the mask as is: every row is computed, exactly as in eager), and its description."""
+        if mask.rows_dropped_after:  # the mask equals the model's on rows i < kv_lengths only
+            why = ("the mask has no key-padding term, so eager attends on rows past the length too; rewritten "
+                   "only when the model drops those rows after the attention")
+            if site.out_perm is not None:
+                raise Unproven(why)
+            try:
+                rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
+            except Unproven as reason:
+                raise Unproven(f"{why} ({reason})") from None
+            if rows is not mask.kv_lengths or offset > 0:
+                raise Unproven(f"{why} (the model masks rows by {rows.name}[b] + {offset} instead)")
+            mask = dataclasses.replace(mask, q_lengths=rows, q_offset=offset)
+            return mask, f"{mask.describe()} (rows past the length dropped after the attention)"
         if mask.q_lengths is not None or site.out_perm is not None:
             return mask, mask.describe()
         try:

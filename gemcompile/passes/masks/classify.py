@@ -251,4 +251,24 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMa
                 if equivalent(evaluator, keep, candidate):
                     return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
                                          num_targets=t_node, contextual_len=contextual)
+    if not keys:
+        return _hstu_without_padding(evaluator, keep, contextual_options)
+    return None
+
+
+def _hstu_without_padding(evaluator: MaskEvaluator, keep, contextual_options) -> AttentionMask | None:
+    """generative-recommenders' target mask has no `j < n` term (padded keys are zeros there, padded rows
+    are dropped afterwards): the mask that equals HSTU's visibility with key padding on every row i < n,
+    with ``rows_dropped_after`` set (the family must prove the model drops rows i >= n, or refuse)."""
+    b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
+    for n_node, t_node in itertools.permutations(list(evaluator.leaves.values()), 2):
+        n = sympy.Function(f"len_{n_node.name}")(b)
+        t = sympy.Function(f"len_{t_node.name}")(b)
+        rows = evaluator.atoms.compare("lt", i, n)
+        for contextual in contextual_options:
+            visible = hstu_visible(evaluator, i, j, n, t, contextual, 0)
+            if equivalent(evaluator, sympy.And(keep, rows),
+                          sympy.And(visible, evaluator.atoms.compare("lt", j, n), rows)):
+                return AttentionMask(kv_lengths=n_node, causal=True, num_targets=t_node, contextual_len=contextual,
+                                     rows_dropped_after=True)
     return None

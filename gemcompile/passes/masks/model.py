@@ -49,6 +49,9 @@ class AttentionMask:
     window: int | None = None
     num_targets: fx.Node | None = None
     contextual_len: int = 0
+    rows_dropped_after: bool = False
+    """The model's mask equals this one only on rows i < kv_lengths[b] (HSTU's target mask without a padding
+    term): the family rewrites only when the model provably drops the other rows after the attention."""
     key_vector: KeyVector | None = None
     """Key padding read from data: key j of sample b is kept iff this (b, j) formula holds (and-ed with the
     rest); the families pass it to the kernels as a (B, Lk) bool kv_mask."""

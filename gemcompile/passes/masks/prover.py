@@ -16,6 +16,7 @@ from sympy.logic.boolalg import Boolean
 from sympy.logic.inference import satisfiable
 
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
+from gemcompile.passes.masks.linear import feasible
 
 
 def _order_axioms(evaluator: MaskEvaluator, formula):
@@ -98,8 +99,20 @@ def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> b
     # few atoms: a truth table is far faster than sympy's CNF conversion of the Xor of two formulas
     differs = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
     consistent = sympy.lambdify(atoms, axioms, "math")
-    return not any(differs(*bits) and consistent(*bits)
-                   for bits in itertools.product((False, True), repeat=len(atoms)))
+    rows = [bits for bits in itertools.product((False, True), repeat=len(atoms))
+            if differs(*bits) and consistent(*bits)]
+    if not rows:
+        return True
+    if len(rows) > _LINEAR_ROWS:
+        return False
+    # rows that differ but are impossible in integer arithmetic (the order axioms relate one form only)
+    indices = {index_symbol(k) for k in range(4)}
+    exprs = [evaluator.atoms.expr_of[a] for a in atoms]
+    return not any(feasible([(kind, e, bit) for (kind, e), bit in zip(exprs, bits)], indices) for bits in rows)
+
+
+_LINEAR_ROWS = 64
+"""The most differing truth-table rows checked by linear arithmetic (each a Fourier-Motzkin run)."""
 
 
 def render(evaluator: MaskEvaluator, pred: Boolean) -> str:
