@@ -30,6 +30,11 @@ def hstu_silu_causal(q, k, v, n, x):
     return (a * m) @ v
 
 
+def silu_key_mask_from_ids(q, k, v, n, x):
+    """Key padding read from data (item ids, 0 = padding, with holes) as a bool mask: gdpa's kv_mask."""
+    return (F.silu(q @ k.transpose(-2, -1)) * (x["ids"] > 0)[:, None, None, :]) @ v
+
+
 def gelu_key_padding_float_mask(q, k, v, n, x):
     a = F.gelu(q @ k.transpose(-2, -1) / math.sqrt(D))
     return (a * valid(n)[:, None, None, :].float()) @ v
@@ -131,7 +136,7 @@ IDIOMS = {f.__name__: f for f in (
     hstu_targets, hstu_contextual, hstu_targets_and_contextual,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
     sigmoid_mean_over_keys, relu_local_window, silu_blhd_einsum, pma_learned_queries,
-    cross_attention_rows_masked_after,
+    cross_attention_rows_masked_after, silu_key_mask_from_ids,
 )}
 
 
@@ -146,6 +151,7 @@ def _inputs(seed=0):
         "summary_v": torch.randn(B, H, NS, D, generator=g, requires_grad=True),
         "w_out": torch.randn(H * D, H * D, generator=g, requires_grad=True),
         "targets": torch.tensor([2, 1, 1, 0]),  # at most each sample's length
+        "ids": torch.randint(0, 4, (B, L), generator=g),
     }
     return q, k, v, lengths, extra
 
@@ -154,8 +160,8 @@ def _used(name, out, lengths):
     """The output positions the model defines: rows of valid queries (all rows for PMA)."""
     if name == "pma_learned_queries":
         return torch.ones_like(out, dtype=torch.bool)
-    if name == "cross_attention_rows_masked_after":
-        return torch.ones_like(out, dtype=torch.bool)  # masked by the model itself
+    if name in ("cross_attention_rows_masked_after", "silu_key_mask_from_ids"):
+        return torch.ones_like(out, dtype=torch.bool)  # masked by the model itself / every row computed
     return valid(lengths)[:, None, :, None].expand_as(out)
 
 

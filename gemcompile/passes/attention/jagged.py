@@ -78,6 +78,27 @@ class JaggedAttention(AttentionFamily):
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)
 
+    @staticmethod
+    def _in_projections(emit: Emitter, site: AttentionSite, w: fx.Node, b: fx.Node, embed: int):
+        """(source, projection) for q, k, v in MHA's (L, B, E) layout; inputs that are one tensor share one
+        GEMM over their rows of the packed weight, as nn.MultiheadAttention does (self-attention: one)."""
+        sources = (site.q, site.k, site.v)
+        out, i = [], 0
+        while i < 3:
+            n = 1
+            while i + n < 3 and sources[i + n] is sources[i]:
+                n += 1
+            wi = emit.call(operator.getitem, (w, slice(i * embed, (i + n) * embed)))
+            bi = emit.call(operator.getitem, (b, slice(i * embed, (i + n) * embed)))
+            proj = emit.call(torch.nn.functional.linear, (sources[i], wi, bi))
+            if n == 1:
+                out.append((sources[i], proj))
+            else:
+                chunks = emit.call(torch.chunk, (proj, n, -1))
+                out += [(sources[i], emit.call(operator.getitem, (chunks, p))) for p in range(n)]
+            i += n
+        return out
+
     def _rewrite_mha(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         """nn.MultiheadAttention (one Dynamo node): in-projection, jagged attention, out-projection."""
         node = site.anchor
@@ -86,12 +107,8 @@ class JaggedAttention(AttentionFamily):
         users = list(node.users)
         before = describe_nodes([node])
         with emit.graph.inserting_before(node):
-            w, b = a["in_proj_weight"], a["in_proj_bias"]
             heads_view = []
-            for i, src in enumerate((site.q, site.k, site.v)):  # (L, B, E): MHA's internal layout
-                wi = emit.call(operator.getitem, (w, slice(i * embed, (i + 1) * embed)))
-                bi = emit.call(operator.getitem, (b, slice(i * embed, (i + 1) * embed)))
-                proj = emit.call(torch.nn.functional.linear, (src, wi, bi))
+            for src, proj in self._in_projections(emit, site, a["in_proj_weight"], a["in_proj_bias"], embed):
                 length, batch = example_value(src).shape[:2]
                 split = emit.call(torch.reshape, (proj, (length, batch, heads, embed // heads)))
                 heads_view.append(emit.call(torch.permute, (split, (1, 2, 0, 3))))  # (B, H, L, Dh)

@@ -156,8 +156,10 @@ def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) 
     windows += [(True, w, [causal_atom, p]) for w, p in sorted(back.items())]
     windows += [(False, w, [p, forward[w]]) for w, p in sorted(back.items()) if w in forward]
     block_options = [(None, [])] + [(size, [atom]) for size, atom in sorted(blocks.items())]
+    # key lengths first: an equivalent mask without them (i < n and j <= i implies j < n) tells the kernels
+    # and unpad less
     for kv, q, (block, block_part), (causal, window, extra) in itertools.product(
-            [None, *keys], [None, *queries], block_options, windows):
+            [*keys, None], [None, *queries], block_options, windows):
         parts = ([kv[2]] if kv else []) + ([q[2]] if q else []) + block_part + extra
         if parts and equivalent(evaluator, keep, sympy.And(*parts)):
             return AttentionMask(kv_lengths=kv[0] if kv else None, kv_offset=kv[1] if kv else 0,
