@@ -103,8 +103,12 @@ RULES = {"full": (False, 0), "causal": (True, 0), "window": (False, 5), "causal_
 KINDS = ["holes", "left_pad", "right_pad", "empty_row", "all_true", "expanded", "tile_hole"]
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("kind", KINDS)
+# each mask kind under two of the rules, the rules taking turns (the full grid costs minutes under the
+# interpreter; the GPU tests run every kind under every rule)
+MASK_GRID = [(kind, list(RULES)[(i + j) % len(RULES)]) for i, kind in enumerate(KINDS) for j in (0, 2)]
+
+
+@pytest.mark.parametrize("kind,rule", MASK_GRID, ids=[f"{k}-{r}" for k, r in MASK_GRID])
 def test_masks_fp32(kind, rule):
     causal, window = RULES[rule]
     B, H, L, D = 4, 1, 40, 16
@@ -113,8 +117,7 @@ def test_masks_fp32(kind, rule):
     check(q, k, v, *LENGTHS, bias, make_mask(kind, B, L, len(rule)), act, 0.3, 1.5, True, causal, window)
 
 
-@pytest.mark.parametrize("kind", ["holes", "left_pad", "expanded"])
-@pytest.mark.parametrize("rule", ["full", "causal_window"])
+@pytest.mark.parametrize("kind,rule", [("holes", "full"), ("left_pad", "causal_window"), ("expanded", "full")])
 def test_masks_fp16_shared_queries(kind, rule):
     causal, window = RULES[rule]
     B, H, L, D = 4, 2, 40, 32
@@ -122,7 +125,7 @@ def test_masks_fp16_shared_queries(kind, rule):
     check(q, k, v, None, LENGTHS[1], bias, make_mask(kind, B, L, 3), "silu", 0.3, 1.0, False, causal, window)
 
 
-@pytest.mark.parametrize("bias_shape", ["B,H,L,L", "B,1,1,L", "1,H,1,L", None])
+@pytest.mark.parametrize("bias_shape", ["B,H,L,L", "1,H,1,L", None])
 def test_bias_paths_and_no_lengths(bias_shape):
     """Full-dims biases take the bias-gradient kernel; broadcast rows take the dQ kernel's buffer."""
     B, H, L, D = 3, 2, 37, 16
