@@ -10,7 +10,8 @@ The table, by op name (call_function's target name or call_method's method name)
 
 - elementwise ops (broadcasting operands are aligned to the packed layout: an operand with the N dim
   is gathered by position, one with only the B dim by sample, one with neither is left as is);
-- linear, layer_norm / rms_norm over trailing dims, embedding lookups of (B, N, ...) ids;
+- linear, layer_norm / rms_norm over trailing dims, embedding lookups of (B, N, ...) ids (``F.embedding`` and
+  gemcompile::sparse_embedding in its nn.Embedding mode, the lookup of a sparsely trained table);
 - softmax / reductions / cat / unflatten / flatten / transpose / getitem over trailing dims only.
 
 ``packed_args`` rewrites the dim arguments: dim d >= 2 becomes d - 1 (B and N fold into T), a negative
@@ -202,6 +203,8 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
             return TokenWise(node, "structural", tuple(parts), translate)
         return None
     in_shape = shape_of(first)
+    if name == "sparse_embedding" and _arg(node, 4, "mode") == 0:  # MODE_LOOKUP: F.embedding's rule
+        name = "embedding"
     if not has_rows(in_shape, batch, seq) and name != "embedding":
         return None
     rank = len(in_shape)

@@ -15,10 +15,17 @@ from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_meth
 
 def test_methods_follow_the_config_sections():
     methods = available_methods()
-    assert methods[:3] == ["eager", "inductor", "gem"]
+    assert methods[:5] == ["eager", "inductor", "inductor-sparse-grad", "gem", "gem-dense-tables"]
     assert "gem-no-jagged_attention" in methods and "gem-no-gdpa" in methods
     assert "gem+mxfp8" in methods  # off by default: offered switched on
     assert not any("parallel" in m for m in methods)  # needs torchrun
+
+
+def test_how_each_method_trains_its_tables():
+    """The peers train tables the PyTorch ways (dense, or torch's sparse gradients); gem methods sparsely."""
+    assert [e2e_bench.table_training(m) for m in ("eager", "inductor@reduce-overhead", "inductor-sparse-grad",
+                                                  "gem", "gem-no-unpad", "gem-dense-tables@reduce-overhead")] == \
+        ["dense", "dense", "torch-sparse", "sparse-rows", "sparse-rows", "dense"]
 
 
 def test_variant_configs():

@@ -114,10 +114,23 @@ class TrainConfig:
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (over every mesh when parallel); None = no clipping."""
 
+    sparse_tables: bool | None = None
+    """Train the embedding tables sparsely: lookups give row gradients and SparseAdagrad reads and writes
+    only the looked-up rows (runtime/training/sparse_adagrad.py; the update equals dense Adagrad's). None:
+    on for one process without grad_clip (clipping needs every gradient as a tensor, and the parallel
+    runtime's sharded tables keep dense gradients); False: dense gradients and torch's Adagrad."""
+
     parallel: Any = None
     """A gemcompile.config.ParallelConfig (or a dict of its fields) with enabled=True: train with the 5D
     plan under torchrun (gloo on the CPU, NCCL on GPUs); batch_size is then the global batch. None or
     enabled=False: one process."""
+
+    @property
+    def trains_tables_sparsely(self) -> bool:
+        """Whether the run's tables train sparsely (sparse_tables, with None resolved)."""
+        if self.sparse_tables is not None:
+            return self.sparse_tables
+        return self.grad_clip is None and not (self.parallel is not None and getattr(self.parallel, "enabled", False))
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
@@ -159,12 +172,17 @@ class TrainConfig:
         check(isinstance(self.deterministic, bool), "deterministic", "a bool")
         check(isinstance(self.explain, bool), "explain", "a bool")
         check(isinstance(self.quiet, bool), "quiet", "a bool")
+        check(self.sparse_tables in (None, True, False), "sparse_tables", "None, True or False")
+        check(not (self.sparse_tables and self.grad_clip is not None), "sparse_tables",
+              "None or False with grad_clip (sparse tables have no gradient tensor to clip)")
         check(self.grad_clip is None or (_is_number(self.grad_clip) and math.isfinite(self.grad_clip)
                                          and self.grad_clip > 0), "grad_clip", "None or a finite float > 0")
         if isinstance(self.parallel, dict):
             object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
         check(self.parallel is None or isinstance(self.parallel, ParallelConfig), "parallel",
               "None, a ParallelConfig or a dict of its fields")
+        check(not (self.sparse_tables and self.parallel is not None and self.parallel.enabled), "sparse_tables",
+              "None or False with parallel (the sharded tables keep dense gradients)")
         check(self.mxfp8 is None or self.mxfp8 in MXFP8_RECIPES, "mxfp8",
               f"None or one of {', '.join(MXFP8_RECIPES)}")
         check(self.mxfp8_min_dim is None or (_is_int(self.mxfp8_min_dim) and self.mxfp8_min_dim >= 1),

@@ -19,7 +19,10 @@ Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths 
   eager step), forward + backward, compiled the method's way, timed with CUDA events, against its own
   useful FLOPs; no recomputation, no communication.
 
-Methods: ``eager``, ``inductor`` (torch.compile default), ``gem`` (gem_compile, default GemConfig),
+Methods: ``eager``, ``inductor`` (torch.compile default), ``inductor-sparse-grad`` (torch.compile with
+torch's own sparse table gradients: ``sparse=True`` tables under torch's Adagrad, as nn.Embedding's
+documentation offers for large tables), ``gem`` (gem_compile, default GemConfig, tables trained sparsely
+by SparseAdagrad; ``gem-dense-tables`` keeps them dense),
 ``gem-no-<pass>`` (one default-on pass group off) and ``gem+<pass>`` (one default-off group on, e.g.
 ``gem+mxfp8``), named variants (VARIANTS); each but eager with an optional ``@reduce-overhead`` (CUDA
 graphs). The JSON written by ``gemcompile bench e2e --out`` feeds benchmarks/render_report.py.
@@ -73,6 +76,18 @@ Inductor says so and runs it without CUDA graphs); cpp-wrapper has Inductor emit
 wrapper in C++ instead of Python (GEM-ref small at B 256 launches ~3900 kernels a step, H200 profile)."""
 
 
+TABLE_TRAINING = {"eager": "dense", "inductor": "dense", "inductor-sparse-grad": "torch-sparse",
+                  "gem-dense-tables": "dense"}
+"""How a method trains its embedding tables: "dense" (a (rows x dim) gradient, torch's Adagrad), "torch-sparse"
+(sparse=True: torch's sparse COO gradient, torch's Adagrad) or "sparse-rows" (gemcompile's row gradients and
+SparseAdagrad, runtime/training/sparse_adagrad.py); every gem method not listed here: "sparse-rows"."""
+
+
+def table_training(method: str) -> str:
+    """The method's way of training its embedding tables (TABLE_TRAINING)."""
+    return TABLE_TRAINING.get(split_method(method)[0], "sparse-rows")
+
+
 def split_method(method: str) -> tuple[str, str | None]:
     """``"gem@reduce-overhead"`` -> ``("gem", "reduce-overhead")``; a plain name -> ``(name, None)``."""
     base, sep, mode = method.partition("@")
@@ -83,7 +98,7 @@ def available_methods() -> list[str]:
     """Every method name the bench understands, given the passes GemConfig has (each compiled one also
     with an ``@<suffix>`` from COMPILE_SUFFIXES)."""
     config = GemConfig()
-    methods = ["eager", "inductor", "gem"]
+    methods = ["eager", "inductor", "inductor-sparse-grad", "gem", "gem-dense-tables"]
     for f in dataclasses.fields(config):
         section = getattr(config, f.name)
         if not dataclasses.is_dataclass(section) or not hasattr(section, "enabled"):
@@ -177,7 +192,7 @@ def methods_help() -> str:
 
 
 def _gem_config(method: str) -> GemConfig:
-    if method == "gem":
+    if method in ("gem", "gem-dense-tables"):
         return GemConfig()
     if method in VARIANTS:
         return GemConfig(**VARIANTS[method])
@@ -194,7 +209,7 @@ def compile_method(module: torch.nn.Module, method: str):
     kwargs = dict(COMPILE_SUFFIXES[suffix]) if suffix else {}
     if method == "eager":
         return module
-    if method == "inductor":
+    if method in ("inductor", "inductor-sparse-grad"):
         return torch.compile(module, **kwargs)
     from gemcompile import gem_compile
 
@@ -334,7 +349,12 @@ class _MethodRun:
         data = SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed))
         torch.manual_seed(cfg.seed)
         model = GemRef(model_cfg).to(device)
-        optimizers = build_optimizers(model, 1e-3, 0.01)
+        tables = table_training(method)
+        if tables == "torch-sparse":
+            for m in model.modules():
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                    m.sparse = True
+        optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=tables == "sparse-rows")
         formula = GemFlopFormula.from_model(model)
         window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
         run = cls(cfg, method, device, batch_size, data, model, optimizers, formula, window)
@@ -421,6 +441,7 @@ def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile |
         "kernel_profile": profiled.as_json() if profiled is not None else None,
         # fused (one kernel per update) or foreach optimizers: their launches are part of the host time
         "optimizers": [f"{type(o).__name__}(fused={bool(o.defaults.get('fused'))})" for o in run.optimizers],
+        "tables": table_training(run.method),
         "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": _graph_count() - graphs_after_warmup,

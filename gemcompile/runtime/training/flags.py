@@ -79,6 +79,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(default: the pass's 16384 tokens / 2048 features)")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                         help="clip the global gradient norm (all meshes when --parallel)")
+    parser.add_argument("--dense-tables", action="store_true",
+                        help="train the embedding tables with dense gradients and torch's Adagrad (default: "
+                        "sparse row updates, the same update; dense anyway with --grad-clip or --parallel)")
     add_parallel_arguments(parser)
     return parser
 
@@ -107,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mxfp8=args.mxfp8,
         mxfp8_min_dim=args.mxfp8_min_dim,
         grad_clip=getattr(args, "grad_clip", None),
+        sparse_tables=False if getattr(args, "dense_tables", False) else None,
         parallel=parallel_config_from_args(args),
     )
 

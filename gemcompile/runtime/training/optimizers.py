@@ -1,5 +1,10 @@
 """The optimizers of a single-process run: Adam on dense weights, Adagrad on embedding tables (the parallel
-runtime splits the same way per mesh: ParallelRuntime.build_optimizers in runtime/distributed/apply.py)."""
+runtime splits the same way per mesh: ParallelRuntime.build_optimizers in runtime/distributed/apply.py).
+
+With ``sparse_embeddings`` the tables train sparsely: their lookups give row gradients instead of a dense
+(rows x dim) ``.grad`` and SparseAdagrad updates only the looked-up rows (sparse_tables.py,
+sparse_adagrad.py); the update equals dense Adagrad's. Tables that cannot (max_norm, mode "max" bags, ...)
+stay dense under torch's Adagrad."""
 
 from __future__ import annotations
 
@@ -7,29 +12,38 @@ import torch
 from torch import nn
 
 from gemcompile.runtime.training.checkpoint import unwrap_model
+from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.training.sparse_tables import use_sparse_row_gradients
 
 __all__ = ["build_optimizers"]
 
 
-def build_optimizers(model: nn.Module, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
-    """Adam for dense parameters, Adagrad for embedding tables (nn.Embedding / nn.EmbeddingBag weights).
+def build_optimizers(model: nn.Module, lr: float, embedding_lr: float,
+                     sparse_embeddings: bool = False) -> list[torch.optim.Optimizer]:
+    """Adam for dense parameters, Adagrad for embedding tables (nn.Embedding / nn.EmbeddingBag weights);
+    with `sparse_embeddings`, SparseAdagrad over the tables that can train sparsely (the model's eligible
+    tables are turned into SparseGrad tables here, in place: call it before the model's first forward).
 
     Adagrad on embeddings is the recsys default: a row that is not in the batch has a zero gradient
     and Adagrad leaves it exactly unchanged, where Adam's momentum would keep moving every row of the
     table. Both are deterministic and checkpoint their full state, so resume is bit-exact.
     """
     module = unwrap_model(model)
+    sparse_tables = use_sparse_row_gradients(module) if sparse_embeddings else []
+    sparse_ids = {id(t.weight) for t in sparse_tables}
     embedding_ids = {
         id(p)
         for m in module.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
         for p in m.parameters()
     }
-    embeddings = [p for p in module.parameters() if id(p) in embedding_ids]
+    embeddings = [p for p in module.parameters() if id(p) in embedding_ids and id(p) not in sparse_ids]
     dense = [p for p in module.parameters() if id(p) not in embedding_ids]
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, lr=lr, fused=_fused_adam(dense))]
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, lr=lr, fused=_fused_adam(dense))] if dense else []
     if embeddings:
         optimizers.append(torch.optim.Adagrad(embeddings, lr=embedding_lr))
+    if sparse_tables:
+        optimizers.append(SparseAdagrad(sparse_tables, lr=embedding_lr))
     return optimizers
 
 

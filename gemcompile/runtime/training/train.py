@@ -157,7 +157,7 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
     formula = GemFlopFormula.from_model(model)
     if parallel is None:
         padded_counter = PaddedFlopCounter(model)
-        optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr)
+        optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr, sparse_embeddings=cfg.trains_tables_sparsely)
     else:
         padded_counter = parallel.apply(model)  # the model sharded; FLOPs counted on a meta-device copy
         optimizers = parallel.build_optimizers(cfg.lr, cfg.embedding_lr)

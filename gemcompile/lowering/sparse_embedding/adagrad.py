@@ -1,0 +1,35 @@
+"""Adagrad on the looked-up rows of a table: the Triton kernel on CUDA, the plain-PyTorch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference import adagrad_rows_reference_
+
+__all__ = ["adagrad_rows_"]
+
+
+def _check(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor) -> None:
+    if weight.dim() != 2 or state_sum.shape != weight.shape:
+        raise ValueError(f"adagrad_rows_: weight and state_sum must be one (rows, dim) shape, got "
+                         f"{tuple(weight.shape)} and {tuple(state_sum.shape)}")
+    if ids.dim() != 1 or grads.dim() != 2 or grads.shape != (ids.shape[0], weight.shape[1]):
+        raise ValueError(f"adagrad_rows_: ids must be (n,) and grads (n, {weight.shape[1]}), got "
+                         f"{tuple(ids.shape)} and {tuple(grads.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"adagrad_rows_: ids must be an integer tensor, got {ids.dtype}")
+    if len({weight.device, state_sum.device, ids.device, grads.device}) != 1:
+        raise ValueError("adagrad_rows_: weight, state_sum, ids and grads must be on one device")
+
+
+def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor, lr: float, eps: float) -> None:
+    """``sum += g * g; w -= lr * g / (sqrt(sum) + eps)`` on the rows in `ids` only, g a row's summed
+    gradient rows; in place. Equals torch.optim.Adagrad (lr_decay = weight_decay = 0) on the dense gradient."""
+    _check(weight, state_sum, ids, grads)
+    if weight.device.type == "cuda" and weight.stride(1) == 1 and state_sum.stride(1) == 1:
+        from .adagrad_triton import adagrad_rows_triton_
+
+        adagrad_rows_triton_(weight, state_sum, ids, grads, lr, eps)
+    else:
+        adagrad_rows_reference_(weight, state_sum, ids, grads, lr, eps)

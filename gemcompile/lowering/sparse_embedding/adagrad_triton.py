@@ -1,0 +1,110 @@
+"""Adagrad on the looked-up rows of a table on CUDA, with no host sync.
+
+1. The ids (every lookup's since the last step, concatenated) are sorted; each distinct id gets a slot
+   (its rank among the distinct ids: a cumulative sum of "differs from the previous sorted id").
+2. The gradient rows are added into their id's slot (``index_add_``, in parallel: a row looked up 200k
+   times in a step, as a 3-row action table is, costs no more than 200k rows of distinct ids).
+3. One Triton launch updates every slot's table row: reads the row's Adagrad sum and weight once, writes
+   both once.
+
+The slot buffer has min(ids, table rows) rows, so the number of distinct ids never has to be read back
+to the host. Ids < 0 (padding) and ids >= rows (cannot come from a valid lookup) are skipped, so a bad id
+never touches memory outside the table. The adds of step 2 are atomic: their order, hence the last bits
+of a row's summed gradient, varies run to run. Under ``torch.use_deterministic_algorithms(True)`` step 2
+instead walks each id's run of sorted positions in order in the update kernel (deterministic, but serial
+per row: slow for rows looked up many times).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.tuned_launch import INTERPRET
+
+__all__ = ["adagrad_rows_triton_"]
+
+
+@triton.jit
+def _adagrad_slots_kernel(RowOf, Acc, Weight, Sum, n_rows, dim, stride_a, stride_w, stride_s, lr, eps,
+                          BLOCK_D: tl.constexpr):
+    slot = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    row = tl.load(RowOf + slot)
+    if (row >= 0) & (row < n_rows):
+        g = tl.load(Acc + slot.to(tl.int64) * stride_a + cols, mask=col_ok, other=0.0)
+        r = row.to(tl.int64)
+        s = tl.load(Sum + r * stride_s + cols, mask=col_ok, other=0.0) + g * g
+        tl.store(Sum + r * stride_s + cols, s, mask=col_ok)
+        w = tl.load(Weight + r * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = w + (-lr) * (g / (tl.sqrt(s) + eps))
+        tl.store(Weight + r * stride_w + cols, w.to(Weight.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _adagrad_runs_kernel(SortedIds, Perm, Grads, Weight, Sum, n, n_rows, dim, stride_g, stride_w, stride_s,
+                         lr, eps, BLOCK_D: tl.constexpr):
+    # the deterministic variant: the first sorted position of each id sums its run in order
+    j = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    row = tl.load(SortedIds + j)
+    prev = tl.load(SortedIds + j - 1, mask=j > 0, other=-1)
+    head = ((j == 0) | (row != prev)) & (row >= 0) & (row < n_rows)
+    if head:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        k = j
+        cur = row
+        while cur == row:
+            src = tl.load(Perm + k).to(tl.int64)
+            acc += tl.load(Grads + src * stride_g + cols, mask=col_ok, other=0.0).to(tl.float32)
+            k += 1
+            cur = tl.load(SortedIds + k, mask=k < n, other=-2)
+        r = row.to(tl.int64)
+        s = tl.load(Sum + r * stride_s + cols, mask=col_ok, other=0.0) + acc * acc
+        tl.store(Sum + r * stride_s + cols, s, mask=col_ok)
+        w = tl.load(Weight + r * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = w + (-lr) * (acc / (tl.sqrt(s) + eps))
+        tl.store(Weight + r * stride_w + cols, w.to(Weight.dtype.element_ty), mask=col_ok)
+
+
+def _block(dim: int) -> int:
+    return min(128 if not INTERPRET else 32, triton.next_power_of_2(dim))
+
+
+@torch.no_grad()
+def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
+                         lr: float, eps: float, deterministic: bool | None = None) -> None:
+    """In place on `weight` and `state_sum` (rows x dim, unit column stride, fp32 sum): ids (n,) int, their
+    gradient rows (n, dim); ids < 0 are ignored. `deterministic` None follows
+    torch.are_deterministic_algorithms_enabled()."""
+    n = ids.numel()
+    if n == 0:
+        return
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    ids = ids.to(torch.int64)
+    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
+    n_rows, dim = weight.shape
+    block = _block(dim)
+    warps = 1 if block <= 64 else 2
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    if deterministic:
+        _adagrad_runs_kernel[(n, triton.cdiv(dim, block))](
+            sorted_ids, perm, grads, weight, state_sum, n, n_rows, dim, grads.stride(0), weight.stride(0),
+            state_sum.stride(0), float(lr), float(eps), BLOCK_D=block, num_warps=warps)
+        return
+    new_id = torch.ones(n, dtype=torch.int64, device=ids.device)
+    new_id[1:] = (sorted_ids[1:] != sorted_ids[:-1]).to(torch.int64)
+    slot_sorted = new_id.cumsum_(0).sub_(1)  # slot of each sorted position
+    slots = min(n, n_rows + 1)  # distinct ids: at most one per table row, plus the padding id -1
+    row_of = torch.full((slots,), -1, dtype=torch.int64, device=ids.device)
+    row_of.scatter_(0, slot_sorted, sorted_ids)  # every position of a slot writes the same id
+    slot_of = torch.empty_like(slot_sorted).scatter_(0, perm, slot_sorted)  # slot of each position, unsorted
+    acc = torch.zeros((slots, dim), dtype=torch.float32, device=ids.device)
+    acc.index_add_(0, slot_of, grads.to(torch.float32))
+    _adagrad_slots_kernel[(slots, triton.cdiv(dim, block))](
+        row_of, acc, weight, state_sum, n_rows, dim, acc.stride(0), weight.stride(0), state_sum.stride(0),
+        float(lr), float(eps), BLOCK_D=block, num_warps=warps)

@@ -1,0 +1,72 @@
+"""Adagrad for embedding tables that only reads and writes the rows a step looked up.
+
+``SparseAdagrad`` is ``torch.optim.Adagrad`` (same hyperparameters, same state: ``sum`` and ``step`` per
+table, so checkpoints are interchangeable with dense Adagrad's) over SparseGrad tables
+(sparse_tables.py). ``step()`` takes the (ids, gradient rows) every lookup of a table filed since the last
+step, and updates only those rows: one stable sort and one Triton launch per table on CUDA, the
+plain-PyTorch reference elsewhere (lowering/sparse_embedding/). A row that was not looked up keeps its
+weight and sum exactly, as under dense Adagrad, whose gradient is zero there; the looked-up rows get the
+dense update: bit for bit on the CPU in fp32 for an nn.Embedding looked up once per step, within fp32
+rounding otherwise (a row's gradient rows are summed in the order the ids were filed; torch's CPU bag
+backward and autograd's sum over several lookups add them in other orders).
+
+What it does not do: lr_decay, weight_decay, maximize (a ValueError at construction); gradient clipping of
+the table gradients (they never exist as tensors: build dense tables when you clip); accumulating
+gradients over several backward passes before a step (each backward's rows are kept and summed at the
+step, which is the same thing; a ``zero_grad()`` drops them). A table parameter that got a dense ``.grad``
+anyway (a lookup through another path) is updated by dense Adagrad as well.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
+from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
+from gemcompile.runtime.training.sparse_tables import is_sparse_grad_table
+
+__all__ = ["SparseAdagrad"]
+
+
+class SparseAdagrad(torch.optim.Adagrad):
+    """Adagrad over the weights of SparseGrad tables, updating only the looked-up rows at each step."""
+
+    def __init__(self, tables: list[nn.Module], lr: float = 1e-2, eps: float = 1e-10,
+                 initial_accumulator_value: float = 0.0) -> None:
+        if not tables or not all(is_sparse_grad_table(t) for t in tables):
+            raise TypeError("SparseAdagrad takes a non-empty list of SparseGrad tables "
+                            "(runtime/training/sparse_tables.py: use_sparse_row_gradients)")
+        self._keys = {id(t.weight): t.table_key for t in tables}
+        super().__init__([t.weight for t in tables], lr=lr, eps=eps,
+                         initial_accumulator_value=initial_accumulator_value, foreach=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        dense_pending = False
+        for group in self.param_groups:
+            if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
+                raise ValueError("SparseAdagrad supports lr_decay = weight_decay = 0 and maximize = False only")
+            for p in group["params"]:
+                if p.grad is not None:
+                    dense_pending = True
+                filed = take_rows(self._keys[id(p)])
+                if not filed:
+                    continue
+                state = self.state[p]
+                state["step"] += 1  # dense Adagrad counts a step for every table with a gradient
+                ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
+                grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
+                adagrad_rows_(p, state["sum"], ids, grads, group["lr"], group["eps"])
+        if dense_pending:
+            super().step()  # the dense .grad of a table looked up outside the sparse path
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for key in self._keys.values():
+            clear(key)

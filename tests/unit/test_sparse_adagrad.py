@@ -1,0 +1,169 @@
+"""Sparse row gradients + SparseAdagrad (runtime/training/sparse_{tables,adagrad}.py) against the dense
+path they replace: nn.Embedding / nn.EmbeddingBag with a dense gradient and torch.optim.Adagrad.
+
+On the CPU in fp32 an nn.Embedding looked up once per step must match bit for bit (weights, Adagrad sums,
+outputs). Bags and tables looked up several times per step match within fp32 rounding: torch's CPU bag
+backward adds a row's contributions in another order than the order of the ids."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.training.sparse_tables import (SparseGradEmbedding, SparseGradEmbeddingBag,
+                                                       use_sparse_row_gradients)
+
+ROWS, DIM = 50, 6
+
+
+class Lookups(nn.Module):
+    """One table, looked up `uses` times per forward, then a small dense head."""
+
+    def __init__(self, table: nn.Module, uses: int = 1):
+        super().__init__()
+        self.table, self.uses = table, uses
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids, offsets=None):
+        outs = [self.table(ids if offsets is None else ids, *(() if offsets is None else (offsets,)))
+                for _ in range(self.uses)]
+        out = sum(o * (k + 1) for k, o in enumerate(outs))
+        return self.head(out).pow(2).sum(), out
+
+
+def _tables():
+    return {
+        "embedding": lambda: nn.Embedding(ROWS, DIM),
+        "embedding-padding": lambda: nn.Embedding(ROWS, DIM, padding_idx=0),
+        "bag-sum-2d": lambda: nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=0),
+        "bag-mean-2d": lambda: nn.EmbeddingBag(ROWS, DIM, mode="mean", padding_idx=0),
+        "bag-sum-offsets": lambda: nn.EmbeddingBag(ROWS, DIM, mode="sum"),
+        "bag-mean-last-offset": lambda: nn.EmbeddingBag(ROWS, DIM, mode="mean", include_last_offset=True),
+    }
+
+
+def _batch(kind: str, step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    hot = (torch.rand(8, 5, generator=g) ** 2 * 12).long()  # small ids repeat often; 0 is frequent
+    if kind.startswith("embedding"):
+        return (hot,)
+    if kind.endswith("2d"):
+        return (hot,)
+    sizes = torch.randint(0, 4, (7,), generator=g)  # empty bags included
+    ids = torch.randint(0, ROWS, (int(sizes.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]])
+    if kind.endswith("last-offset"):
+        offsets = torch.cat([offsets, torch.tensor([ids.numel()])])
+    return ids, offsets
+
+
+def _train(model, optimizers, kind, steps=3):
+    outs = []
+    for step in range(steps):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss, out = model(*_batch(kind, step))
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        outs.append(out.detach())
+    return outs
+
+
+def _pair(kind, uses=1):
+    torch.manual_seed(0)
+    dense = Lookups(_tables()[kind](), uses)
+    sparse = copy.deepcopy(dense)
+    tables = use_sparse_row_gradients(sparse)
+    assert tables == [sparse.table]
+    dense_opts = [torch.optim.Adagrad([dense.table.weight], lr=0.3), torch.optim.SGD(dense.head.parameters(), lr=0.1)]
+    sparse_opts = [SparseAdagrad(tables, lr=0.3), torch.optim.SGD(sparse.head.parameters(), lr=0.1)]
+    return dense, dense_opts, sparse, sparse_opts
+
+
+@pytest.mark.parametrize("kind", list(_tables()))
+def test_bit_exact_against_dense_adagrad(kind):
+    dense, dense_opts, sparse, sparse_opts = _pair(kind)
+    want, got = _train(dense, dense_opts, kind), _train(sparse, sparse_opts, kind)
+    assert sparse.table.weight.grad is None  # no (rows x dim) gradient
+    d_state, s_state = dense_opts[0].state[dense.table.weight], sparse_opts[0].state[sparse.table.weight]
+    assert not torch.equal(dense.table.weight, _pair(kind)[0].table.weight)  # training moved the table
+    assert torch.equal(d_state["step"], s_state["step"])
+    if kind.startswith("embedding"):
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+        assert torch.equal(dense.table.weight, sparse.table.weight)
+        assert torch.equal(d_state["sum"], s_state["sum"])
+    else:
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sparse.table.weight, dense.table.weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s_state["sum"], d_state["sum"], rtol=1e-5, atol=1e-7)
+        untouched = d_state["sum"].sum(1) == 0  # rows no step looked up: exactly as initialised
+        assert untouched.any() and torch.equal(sparse.table.weight[untouched], dense.table.weight[untouched])
+
+
+def test_several_lookups_per_step_within_rounding():
+    dense, dense_opts, sparse, sparse_opts = _pair("embedding-padding", uses=3)
+    _train(dense, dense_opts, "embedding-padding"), _train(sparse, sparse_opts, "embedding-padding")
+    torch.testing.assert_close(sparse.table.weight, dense.table.weight, rtol=1e-6, atol=1e-7)
+    assert torch.equal(sparse.table.weight[0], dense.table.weight[0])  # padding row untouched
+
+
+def test_checkpoint_state_is_dense_adagrads():
+    """A SparseAdagrad state dict loads into dense Adagrad and back: same keys, same tensors."""
+    dense, dense_opts, sparse, sparse_opts = _pair("embedding")
+    _train(sparse, sparse_opts, "embedding", steps=2)
+    dense_opts[0].load_state_dict(sparse_opts[0].state_dict())
+    state = dense_opts[0].state[dense.table.weight]
+    assert torch.equal(state["sum"], sparse_opts[0].state[sparse.table.weight]["sum"])
+    assert "row_grad_token" not in sparse.state_dict() and set(sparse.state_dict()) == set(dense.state_dict())
+
+
+def test_zero_grad_drops_rows_of_a_step_never_taken():
+    _, _, sparse, sparse_opts = _pair("embedding")
+    before = sparse.table.weight.detach().clone()
+    sparse(*_batch("embedding", 0))[0].backward()
+    for opt in sparse_opts:
+        opt.zero_grad()
+        opt.step()
+    assert torch.equal(sparse.table.weight, before)
+
+
+def test_ineligible_tables_stay_dense_and_bad_input_errors():
+    model = nn.ModuleDict({"max_norm": nn.Embedding(5, 2, max_norm=1.0), "sparse": nn.Embedding(5, 2, sparse=True),
+                           "max_bag": nn.EmbeddingBag(5, 2, mode="max"), "ok": nn.Embedding(5, 2)})
+    tables = use_sparse_row_gradients(model)
+    assert tables == [model["ok"]] and isinstance(model["ok"], SparseGradEmbedding)
+    assert type(model["max_bag"]) is nn.EmbeddingBag and type(model["max_norm"]) is nn.Embedding
+    with pytest.raises(IndexError):
+        model["ok"](torch.tensor([0, 5]))
+    bag = use_sparse_row_gradients(nn.EmbeddingBag(5, 2))[0]
+    assert isinstance(bag, SparseGradEmbeddingBag)
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        bag(torch.tensor([[1, 2]]), per_sample_weights=torch.ones(1, 2))
+    with pytest.raises(TypeError, match="SparseGrad tables"):
+        SparseAdagrad([nn.Embedding(3, 2)])
+    with pytest.raises(ValueError, match="lr_decay"):
+        opt = SparseAdagrad([model["ok"]])
+        opt.param_groups[0]["lr_decay"] = 0.1
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager(backend):
+    """The filing op mutates a forward input from the backward graph: compiled runs must file the same rows."""
+    torch._dynamo.reset()
+    _, _, eager, eager_opts = _pair("embedding-padding", uses=2)
+    compiled, compiled_opts = copy.deepcopy(eager), None
+    tables = [compiled.table]
+    compiled.table.table_key = eager.table.table_key + 10_000  # its own key (deepcopy copied the attribute)
+    compiled_opts = [SparseAdagrad(tables, lr=0.3), torch.optim.SGD(compiled.head.parameters(), lr=0.1)]
+    want = _train(eager, eager_opts, "embedding-padding")
+    got = _train(torch.compile(compiled, backend=backend, fullgraph=True), compiled_opts, "embedding-padding")
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled.table.weight, eager.table.weight, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(compiled.table.weight, _pair("embedding-padding")[0].table.weight)

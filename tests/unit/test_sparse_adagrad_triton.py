@@ -1,0 +1,44 @@
+"""The row-wise Adagrad kernel (lowering/sparse_embedding/adagrad_triton.py) under the Triton interpreter,
+against the plain-PyTorch reference: repeated ids, padding ids (-1), ids past the table (skipped, never
+written), empty input, dims that are not a power of two."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter tests: run on a machine without CUDA (conftest sets TRITON_INTERPRET=1)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_rows_triton_
+from gemcompile.lowering.sparse_embedding.reference import adagrad_rows_reference_
+
+
+@pytest.mark.parametrize("rows,dim,n,grad_dtype,deterministic", [
+    (40, 6, 30, torch.float32, False), (9, 33, 50, torch.float16, True), (200, 64, 120, torch.float32, True),
+    (3, 16, 90, torch.float32, False), (5, 1, 0, torch.float32, False)])
+def test_matches_reference(rows, dim, n, grad_dtype, deterministic):
+    g = torch.Generator().manual_seed(rows * dim + n)
+    weight = torch.randn(rows, dim, generator=g)
+    state = torch.rand(rows, dim, generator=g)
+    ids = (torch.rand(n, generator=g) ** 2 * rows).long()  # skewed: many repeats
+    ids[::7] = -1  # padding
+    grads = torch.randn(n, dim, generator=g).to(grad_dtype)
+    want_w, want_s = weight.clone(), state.clone()
+    adagrad_rows_reference_(want_w, want_s, ids, grads, 0.05, 1e-10)
+    adagrad_rows_triton_(weight, state, ids, grads, 0.05, 1e-10, deterministic=deterministic)
+    torch.testing.assert_close(state, want_s, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weight, want_w, rtol=1e-6, atol=1e-6)
+    if n:
+        assert not torch.equal(weight, torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows * dim + n)))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_ids_past_the_table_are_skipped(deterministic):
+    weight, state = torch.zeros(4, 3), torch.zeros(4, 3)
+    ids = torch.tensor([1, 4, 99, 1, -1])
+    adagrad_rows_triton_(weight, state, ids, torch.ones(5, 3), 0.1, 1e-10, deterministic=deterministic)
+    assert torch.equal(state[1], torch.full((3,), 4.0))  # row 1 twice: g = 2, sum = 4
+    assert torch.count_nonzero(state) == 3 and torch.count_nonzero(weight) == 3
