@@ -18,8 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-@pytest.mark.parametrize("rows,dim,n", [(1000, 128, 5000), (7, 33, 300), (1 << 20, 64, 200_000), (10, 16, 0),
-                                        (3, 128, 600_000)])
+@pytest.mark.parametrize("rows,dim,n", [(1000, 128, 5000), (7, 33, 300), (1 << 20, 64, 200_000), (10, 16, 0)])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_kernel_matches_reference(rows, dim, n, grad_dtype, deterministic):
@@ -35,6 +34,27 @@ def test_kernel_matches_reference(rows, dim, n, grad_dtype, deterministic):
     # fp32 sums of up to thousands of rows against float64: relative error ~ sqrt(k) * 2^-24
     torch.testing.assert_close(state, want_s.float(), rtol=5e-5, atol=1e-5)
     torch.testing.assert_close(weight, want_w.float(), rtol=5e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rows_looked_up_200k_times_as_accurate_as_dense(deterministic):
+    """A 3-row table (GEM-ref's action tables) with 600k lookups: fp32 sums of 200k terms are far from
+    float64 whichever way they are added, so the check is against the dense path's own fp32 result."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    table = nn.Embedding(3, 128).cuda()
+    ids = torch.randint(0, 3, (600_000,), device="cuda", generator=g)
+    grad_out = torch.randn(600_000, 128, device="cuda", generator=g)
+    weight, state = table.weight.detach().clone(), torch.zeros(3, 128, device="cuda")
+    table(ids).backward(grad_out)
+    opt = torch.optim.Adagrad(table.parameters(), lr=0.05)
+    opt.step()
+    exact_w, exact_s = weight.double(), state.double()
+    adagrad_rows_reference_(exact_w, exact_s, ids, grad_out.double(), 0.05, 1e-10)
+    adagrad_rows_triton_(weight, state, ids, grad_out, 0.05, 1e-10, deterministic=deterministic)
+    dense_err = (opt.state[table.weight]["sum"].double() - exact_s).abs().max()
+    ours_err = (state.double() - exact_s).abs().max()
+    assert ours_err <= 4 * dense_err + 1e-3, (ours_err, dense_err)
+    torch.testing.assert_close(weight, table.weight.detach(), rtol=1e-3, atol=1e-4)
 
 
 class Lookups(nn.Module):
