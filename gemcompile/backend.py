@@ -65,7 +65,8 @@ def check_mode_and_options(mode: Any, options: Any) -> None:
             raise RuntimeError(f"gem_compile: unknown option {key!r}{hint}; valid options are Inductor's "
                                f"config names (torch._inductor.list_options()): {', '.join(public)}")
         expected = inductor_config.get_type(name)
-        if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+        plain_type = typing.get_origin(expected) is None and isinstance(expected, type)
+        if plain_type and not isinstance(value, expected):
             raise RuntimeError(f"gem_compile: option {key!r} = {value!r} is of type {type(value).__name__}, "
                                f"expected {expected.__name__}")
 

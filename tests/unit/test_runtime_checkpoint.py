@@ -156,7 +156,8 @@ def _flip(path, count=64):
     (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes()[:100]),
      r"^__0_0\.distcp is truncated \(100 of \d+ bytes\)$"),
     (lambda p: (p / "__0_0.distcp").unlink(), r"^__0_0\.distcp is missing$"),
-    (lambda p: _flip(p / "__0_0.distcp"), r"^__0_0\.distcp is corrupt: its sha256 differs from the manifest's$"),
+    (lambda p: _flip(p / "__0_0.distcp"),
+     r"^__0_0\.distcp is corrupt: its sha256 differs from the manifest's$"),
     (lambda p: (p / ".metadata").write_bytes(b""), r"^\.metadata is truncated \(0 of \d+ bytes\)$"),
     (lambda p: _flip(p / ".metadata", 8), r"^\.metadata is corrupt"),
     (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes() + b"x"),
@@ -184,7 +185,8 @@ def test_a_checkpoint_without_manifest_is_checked_structurally(tmp_path):
         (path / MANIFEST).unlink()
     assert choose_checkpoint(tmp_path).path == newer and choose_checkpoint(tmp_path).skipped == []
     (newer / "__0_0.distcp").write_bytes(b"")  # the in-place re-write: old .metadata, 0-byte data
-    assert re.match(r"^__0_0\.distcp is truncated \(0 bytes, \.metadata needs \d+\)$", verify_checkpoint(newer))
+    assert re.match(r"^__0_0\.distcp is truncated \(0 bytes, \.metadata needs \d+\)$",
+                    verify_checkpoint(newer))
     (older / ".metadata").write_bytes(b"garbage")
     assert verify_checkpoint(older).startswith(".metadata cannot be read (UnpicklingError")
     (older / ".metadata").unlink()

@@ -152,8 +152,8 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)
-    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("extra"), dict)
-            and "rng" in meta):
+    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int)
+            and isinstance(meta.get("extra"), dict) and "rng" in meta):
         raise ValueError("its meta record has no step, RNG state or extras")
     return meta
 

@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader
+
 __all__ = [
     "MANIFEST",
     "CheckpointError",
@@ -207,8 +209,6 @@ def _check_against_manifest(folder: Path, files: dict) -> str | None:
 def _check_structure(folder: Path) -> str | None:
     """A checkpoint without a manifest: its DCP metadata must load and every data file must hold the
     byte ranges the metadata lists. (Catches missing and truncated files, not flipped bits.)"""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not (folder / ".metadata").is_file():
         return f"no {MANIFEST} and no .metadata: an interrupted save"
     try:
@@ -230,7 +230,8 @@ def _check_structure(folder: Path) -> str | None:
 
 
 def verify_files(folder: str | Path) -> tuple[str | None, bool]:
-    """(what is wrong with the files of checkpoint `folder` in one line or None, whether it has a manifest)."""
+    """(what is wrong with the files of checkpoint `folder`, in one line, or None; whether it has a
+    manifest)."""
     folder = Path(folder)
     if not (folder / MANIFEST).exists():
         return _check_structure(folder), False

@@ -60,7 +60,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps per metrics window")
     parser.add_argument("--checkpoint-dir", default=None, help="directory of DCP checkpoints")
     parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint that verifies")
     parser.add_argument(
         "--deterministic",
         action="store_true",

@@ -83,7 +83,8 @@ def _check_paths(cfg: TrainConfig) -> None:
     if cfg.checkpoint_dir is not None:
         problem = check_checkpoint_dir(cfg.checkpoint_dir)
         if problem is not None:
-            raise CheckpointError(f"TrainConfig.checkpoint_dir = {cfg.checkpoint_dir!r} is unusable: {problem}")
+            raise CheckpointError(
+                f"TrainConfig.checkpoint_dir = {cfg.checkpoint_dir!r} is unusable: {problem}")
 
 
 @contextlib.contextmanager
@@ -195,14 +196,16 @@ def _choose_resume_point(cfg: TrainConfig) -> CheckpointChoice:
     for line in choice.skipped if _is_rank0() else ():  # on stderr even when quiet: never silent
         print(f"gemcompile: skipping checkpoint {line}", file=sys.stderr, flush=True)
     if choice.path is None and choice.skipped:
-        _fail_everywhere(f"cannot resume: none of the {len(choice.skipped)} checkpoints in {cfg.checkpoint_dir} "
-                         "verifies (each is reported above)")
+        _fail_everywhere(f"cannot resume: none of the {len(choice.skipped)} checkpoints in "
+                         f"{cfg.checkpoint_dir} verifies (each is reported above)")
     if choice.path is not None:
         saved = choice.meta["extra"].get("config", {})
-        mismatched = {k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v}
+        now = cfg.trajectory_fingerprint()
+        mismatched = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if mismatched:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-            _fail_everywhere(f"cannot resume from {choice.path}: it was written with other settings ({detail})")
+            _fail_everywhere(f"cannot resume from {choice.path}: it was written with other settings "
+                             f"({detail})")
     return choice
 
 
