@@ -165,7 +165,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
 
 
 def _verify(path: Path) -> tuple[str | None, dict[str, Any] | None]:
-    problem, _ = verify_files(path)
+    problem = verify_files(path)
     if problem is not None:
         return problem, None
     try:

@@ -229,16 +229,13 @@ def _check_structure(folder: Path) -> str | None:
     return None
 
 
-def verify_files(folder: str | Path) -> tuple[str | None, bool]:
-    """(what is wrong with the files of checkpoint `folder`, in one line, or None; whether it has a
-    manifest)."""
+def verify_files(folder: str | Path) -> str | None:
+    """What is wrong with the files of checkpoint `folder`, in one line that names the file, or None."""
     folder = Path(folder)
     if not (folder / MANIFEST).exists():
-        return _check_structure(folder), False
+        return _check_structure(folder)
     files, problem = _read_manifest(folder)
-    if problem is None:
-        problem = _check_against_manifest(folder, files)
-    return problem, True
+    return problem if problem is not None else _check_against_manifest(folder, files)
 
 
 def _first_line(e: BaseException) -> str:
