@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gemcompile.backend import GemBackend, allow_warnings_in_graphs
+from gemcompile.backend import GemBackend, allow_warnings_in_graphs, check_mode_and_options
 from gemcompile.config import GemConfig
 
 
@@ -40,12 +40,15 @@ def gem_compile(model_or_fn: Any = None, *, config: GemConfig | None = None, **t
             returns a decorator (``@gem_compile(config=...)``).
         config: what the passes do; ``GemConfig()`` when None.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``,
-            ``options``, ...); ``backend`` is gemcompile's own and cannot be given.
+            ``options``, ...); ``backend`` is gemcompile's own and cannot be given. ``mode`` and
+            ``options`` are checked here (RuntimeError listing the valid names), as torch.compile does.
     """
     if config is not None and not isinstance(config, GemConfig):
         raise TypeError(f"gem_compile: config must be a gemcompile.GemConfig, got {type(config).__name__}")
     if "backend" in torch_compile_kwargs:
         raise TypeError("gem_compile sets its own backend; for another backend call torch.compile directly")
+    # Checked now, as torch.compile checks them for Inductor, not at the first call.
+    check_mode_and_options(torch_compile_kwargs.get("mode"), torch_compile_kwargs.get("options"))
     if model_or_fn is None:
         return functools.partial(gem_compile, config=config, **torch_compile_kwargs)
 

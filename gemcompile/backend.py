@@ -35,10 +35,45 @@ def allow_warnings_in_graphs() -> None:
     torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
 
 
+def check_mode_and_options(mode: Any, options: Any) -> None:
+    """Raise at once, as torch.compile does for Inductor, when `mode` or `options` cannot be used: a
+    RuntimeError that leads with what is wrong and lists the valid names."""
+    import difflib
+    import typing
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    if mode is not None and options is not None:
+        raise RuntimeError("gem_compile: give either mode or options, not both (as torch.compile)")
+    if mode is not None:
+        modes = list(list_mode_options())
+        if not isinstance(mode, str) or mode not in modes:
+            raise RuntimeError(f"gem_compile: unknown mode {mode!r}; valid modes: {', '.join(modes)}")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise RuntimeError(f"gem_compile: options must be a dict of Inductor config names to values, got "
+                           f"{type(options).__name__}")
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in known:
+            close = difflib.get_close_matches(str(name), list(known), n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            public = sorted(k for k in known if not k.startswith("_") and k != "TYPE_CHECKING")
+            raise RuntimeError(f"gem_compile: unknown option {key!r}{hint}; valid options are Inductor's "
+                               f"config names (torch._inductor.list_options()): {', '.join(public)}")
+        expected = inductor_config.get_type(name)
+        plain_type = typing.get_origin(expected) is None and isinstance(expected, type)
+        if plain_type and not isinstance(value, expected):
+            raise RuntimeError(f"gem_compile: option {key!r} = {value!r} is of type {type(value).__name__}, "
+                               f"expected {expected.__name__}")
+
+
 def _inductor_patches(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
     """What torch.compile(mode=..., options=...) would have patched into Inductor's config."""
-    if mode is not None and options is not None:
-        raise ValueError("gem_compile: give either mode or options, not both (as torch.compile)")
+    check_mode_and_options(mode, options)
     patches: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
@@ -62,6 +97,9 @@ class GemBackend:
         if not isinstance(config, GemConfig):
             raise TypeError(f"config must be a gemcompile.GemConfig, got {type(config).__name__}")
         self.config = config
+        # Dynamo names the backend by __name__ in its errors (BackendCompilerFailed): a short name, so
+        # that the reason comes first, not this backend's repr (the whole GemConfig).
+        self.__name__ = "gemcompile"
         self.pass_types = tuple(PIPELINE if passes is None else passes)
         self.last_log = PassLog()
 

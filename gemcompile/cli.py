@@ -19,6 +19,13 @@ def _explain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn on a pass that is off by default (repeatable), e.g. --enable mxfp8")
     parser.add_argument("--graphs", action="store_true", help="also print the Dynamo graph after the passes")
     parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
+    _debug_argument(parser)
+
+
+def _debug_argument(parser: argparse.ArgumentParser) -> None:
+    from gemcompile.runtime.training.flags import add_debug_argument
+
+    add_debug_argument(parser)
 
 
 def explain_gem_ref(size: str = "tiny", *, batch_size: int = 8, fill: float = 0.5, seed: int = 0,
@@ -113,6 +120,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     e2e.add_argument("--layers", action="store_true", help="also measure each layer's local MFU")
     e2e.add_argument("--out", default=None, help="directory of the results JSON (default: print only)")
+    _debug_argument(e2e)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -161,16 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status. Every failure is one line on stderr (exit 2 for bad
+    input, 1 otherwise) and no traceback, unless --debug."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the user typed, for results JSON
+    from gemcompile.runtime.training.flags import report_error, run_train_from_args
+
     try:
         if args.command == "explain":
             return run_explain(args)
         if args.command == "bench":
             return run_bench(args)
-        from gemcompile.runtime.training.flags import run_train_from_args
-
         try:
             return run_train_from_args(args)
         finally:  # `torchrun ... train --parallel`: leave the process group cleanly
@@ -178,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-    except (ValueError, TypeError) as e:
-        # Bad input from the command line: one clear line, no traceback from deep inside torch.
-        print(f"gemcompile {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        # One clear line, no traceback from deep inside torch (--debug shows it).
+        return report_error(args.command, e, args.debug)
 
 
 if __name__ == "__main__":

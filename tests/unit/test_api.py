@@ -114,3 +114,33 @@ def test_options_reach_inductor(monkeypatch):
     compiled = gem_compile(TinyNet(), options={"epilogue_fusion": False})
     compiled(torch.randn(2, 8))
     assert seen.get("epilogue_fusion") is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "not-a-mode"}, r"unknown mode 'not-a-mode'; valid modes: default, .*max-autotune"),
+    ({"mode": 3}, r"unknown mode 3; valid modes"),
+    ({"options": {"no_such_option": 1}}, r"unknown option 'no_such_option'.*valid options .*epilogue_fusion"),
+    ({"options": {"epilogue_fusio": True}}, r"did you mean 'epilogue_fusion'"),
+    ({"options": {"epilogue-fusion": 1}}, r"option 'epilogue-fusion' = 1 is of type int, expected bool"),
+    ({"options": ["max_autotune"]}, r"options must be a dict"),
+])
+def test_mode_and_options_are_checked_when_called_like_torch_compile(kwargs, message, backend_calls):
+    with pytest.raises(RuntimeError, match=message) as info:
+        gem_compile(TinyNet(), **kwargs)
+    assert str(info.value).startswith("gem_compile: ")  # the reason first, never the config's repr
+    with pytest.raises(RuntimeError, match=message):  # the decorator form checks at once too
+        gem_compile(**kwargs)
+    assert backend_calls == []
+
+
+def test_a_backend_error_leads_with_the_reason_not_the_config(monkeypatch):
+    import gemcompile.backend as backend
+
+    def failing_pass(*args, **kwargs):
+        raise ValueError("the pass found something wrong")
+
+    monkeypatch.setattr(backend, "run_pre_grad", failing_pass)
+    with pytest.raises(Exception, match="the pass found something wrong") as info:
+        gem_compile(TinyNet())(torch.randn(2, 8))
+    head = str(info.value)[:120]
+    assert "the pass found something wrong" in head and "GemConfig" not in str(info.value)

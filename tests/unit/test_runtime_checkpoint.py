@@ -1,5 +1,9 @@
-"""runtime/training/checkpoint.py: DCP save / load in one process, compiled wrappers, RNG, latest
-checkpoint."""
+"""runtime/training/checkpoint.py and checkpoint_files.py: DCP save / load in one process, compiled
+wrappers, RNG, latest checkpoint; atomic folders, manifests, and the one-line verdict on each kind of
+damage."""
+
+import json
+import re
 
 import pytest
 import torch
@@ -7,11 +11,14 @@ from torch import nn
 
 from gemcompile.runtime.training.checkpoint import (
     checkpoint_path,
+    choose_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     unwrap_model,
+    verify_checkpoint,
 )
+from gemcompile.runtime.training.checkpoint_files import MANIFEST, check_checkpoint_dir, partial_path
 from gemcompile.runtime.training.optimizers import build_optimizers
 
 
@@ -104,3 +111,93 @@ def test_bad_arguments(tmp_path):
         save_checkpoint(tmp_path, -1, model, optimizers)
     with pytest.raises(TypeError, match="optimizers must be"):
         save_checkpoint(tmp_path, 1, model, [])
+
+
+# --- on disk: atomic folders, manifests, verification (checkpoint_files.py) ---------------------------
+
+def _saved(tmp_path, *steps):
+    model, optimizers = _fresh()
+    return [save_checkpoint(tmp_path, s, model, optimizers) for s in steps]
+
+
+def test_a_checkpoint_is_sealed_by_a_manifest_and_leaves_nothing_behind(tmp_path):
+    (path,) = _saved(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
+    names = sorted(p.name for p in path.iterdir())
+    assert names == [".metadata", "__0_0.distcp", MANIFEST]
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 3 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert manifest["files"]["__0_0.distcp"]["size"] == (path / "__0_0.distcp").stat().st_size
+    assert verify_checkpoint(path) is None
+
+
+def test_an_existing_step_is_replaced_whole_never_rewritten_in_place(tmp_path):
+    (path,) = _saved(tmp_path, 2)
+    (path / "from_the_old_save").write_text("x")
+    stale = partial_path(path)
+    stale.mkdir()  # what a killed save leaves
+    (stale / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / ".step_00000009.old").mkdir()
+    _saved(tmp_path, 2)
+    assert not (path / "from_the_old_save").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    assert verify_checkpoint(path) is None
+
+
+def _flip(path, count=64):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes()[:100]),
+     r"^__0_0\.distcp is truncated \(100 of \d+ bytes\)$"),
+    (lambda p: (p / "__0_0.distcp").unlink(), r"^__0_0\.distcp is missing$"),
+    (lambda p: _flip(p / "__0_0.distcp"),
+     r"^__0_0\.distcp is corrupt: its sha256 differs from the manifest's$"),
+    (lambda p: (p / ".metadata").write_bytes(b""), r"^\.metadata is truncated \(0 of \d+ bytes\)$"),
+    (lambda p: _flip(p / ".metadata", 8), r"^\.metadata is corrupt"),
+    (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes() + b"x"),
+     r"^__0_0\.distcp has \d+ bytes, the manifest records \d+$"),
+    (lambda p: (p / MANIFEST).write_text("{garbage"), r"^manifest\.json is not valid JSON"),
+    (lambda p: (p / MANIFEST).write_text("[]"), r"^manifest\.json is not a gemcompile checkpoint manifest"),
+    (lambda p: (p / MANIFEST).write_text((p / MANIFEST).read_text().replace('"step": 4', '"step": 5')),
+     r"^manifest\.json records step 5, the folder's name says 4$"),
+])
+def test_damage_is_named_in_one_line_and_the_previous_checkpoint_is_chosen(tmp_path, damage, message):
+    older, newer = _saved(tmp_path, 2, 4)
+    damage(newer)
+    problem = verify_checkpoint(newer)
+    assert problem is not None and "\n" not in problem
+    assert re.match(message, problem), problem
+    choice = choose_checkpoint(tmp_path)
+    assert choice.path == older and choice.meta["step"] == 2
+    assert choice.skipped == [f"{newer}: {problem}"]
+
+
+def test_a_checkpoint_without_manifest_is_checked_structurally(tmp_path):
+    """Written before manifests: the DCP metadata must load and cover the data files' byte ranges."""
+    older, newer = _saved(tmp_path, 2, 4)
+    for path in (older, newer):
+        (path / MANIFEST).unlink()
+    assert choose_checkpoint(tmp_path).path == newer and choose_checkpoint(tmp_path).skipped == []
+    (newer / "__0_0.distcp").write_bytes(b"")  # the issue's in-place re-write: old .metadata, 0-byte data
+    assert re.match(r"^__0_0\.distcp is truncated \(0 bytes, \.metadata needs \d+\)$",
+                    verify_checkpoint(newer))
+    (older / ".metadata").write_bytes(b"garbage")
+    assert verify_checkpoint(older).startswith(".metadata cannot be read (UnpicklingError")
+    (older / ".metadata").unlink()
+    assert verify_checkpoint(older) == "no manifest.json and no .metadata: an interrupted save"
+    assert choose_checkpoint(tmp_path).path is None and len(choose_checkpoint(tmp_path).skipped) == 2
+
+
+def test_checkpoint_dir_problems_are_found_before_anything_runs(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert check_checkpoint_dir(afile) == "it is a file, not a directory"
+    assert check_checkpoint_dir(afile / "sub" / "ckpt") == f"{afile} is a file"
+    assert check_checkpoint_dir(tmp_path / "new" / "ckpt") is None and (tmp_path / "new" / "ckpt").is_dir()
+    assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the write probe is removed

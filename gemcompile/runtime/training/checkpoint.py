@@ -6,8 +6,14 @@ One checkpoint = one DCP directory `<checkpoint_dir>/step_00000020/` holding
   - "meta":  one opaque bytes blob (torch.save) with the step, the RNG states and caller extras
              (e.g. loss history, metric window, a config fingerprint).
 Works in a single process without a process group (DCP's no_dist mode) and, unchanged, under
-torch.distributed. DCP writes `.metadata` last, so a directory without it is an interrupted save and
-is ignored by latest_checkpoint().
+torch.distributed.
+
+On disk (checkpoint_files.py): DCP writes into a hidden `.step_00000020.partial/`; rank 0 then seals it
+with `manifest.json` (each file's size and sha256) and renames it into place, swapping atomically with
+a folder of the same step if there is one. choose_checkpoint() takes the newest folder that verifies
+against its manifest and whose state can be read, and says in one line per folder what is wrong with
+each newer one; its step, RNG states and extras are read before any model is built, so a resume can be
+refused (other settings) before anything is loaded.
 
 What makes resume bit-exact: parameters, optimizer moments and step counters (the Adam bias
 correction depends on the step), the CPU and CUDA RNG states (dropout, sampling), and the training
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,18 +34,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from gemcompile.runtime.training.checkpoint_files import (
+    CheckpointError,
+    commit_folder,
+    kill_point,
+    partial_path,
+    remove_leftovers,
+    step_folders,
+    verify_files,
+    write_manifest,
+)
+
 __all__ = [
+    "CheckpointChoice",
+    "CheckpointError",
     "CheckpointState",
     "checkpoint_path",
+    "choose_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
+    "on_rank0",
+    "read_checkpoint_meta",
     "save_checkpoint",
     "unwrap_model",
+    "verify_checkpoint",
 ]
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -104,17 +125,96 @@ def checkpoint_path(checkpoint_dir: str | Path, step: int) -> Path:
     return Path(checkpoint_dir) / f"step_{step:08d}"
 
 
+def on_rank0(fn):
+    """fn() run by rank 0 alone, its result handed to every rank (in one process: just fn()). Every
+    rank waits for it; when it raises, every rank raises the same CheckpointError."""
+    if _no_dist():
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:
+            box[0] = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        error = CheckpointError(value)
+        error.same_on_every_rank = True
+        raise error
+    return value
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The step, RNG states and extras of a checkpoint, without loading any model or optimizer state
+    (reads locally, no collective)."""
+    state = {"meta": b""}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)
+    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int)
+            and isinstance(meta.get("extra"), dict) and "rng" in meta):
+        raise ValueError("its meta record has no step, RNG state or extras")
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when the checkpoint at `path` verifies (its files match its manifest and its state can be
+    read), else what is wrong, in one line that names the file."""
+    return _verify(Path(path))[0]
+
+
+def _verify(path: Path) -> tuple[str | None, dict[str, Any] | None]:
+    problem = verify_files(path)
+    if problem is not None:
+        return problem, None
+    try:
+        return None, read_checkpoint_meta(path)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"its state cannot be read ({type(e).__name__}: {first})", None
+
+
+@dataclass
+class CheckpointChoice:
+    """What choose_checkpoint() found under a checkpoint directory."""
+
+    path: Path | None = None
+    """The newest checkpoint that verifies, or None."""
+    meta: dict[str, Any] | None = None
+    """Its step, RNG states and extras ("step", "rng", "extra"), read without loading the model."""
+    skipped: list[str] = field(default_factory=list)
+    """One line per newer checkpoint that did not verify: "<folder>: <file> <what is wrong>"."""
+
+
+def choose_checkpoint(checkpoint_dir: str | Path) -> CheckpointChoice:
+    """The newest `step_*` checkpoint under `checkpoint_dir` that verifies; each newer one that does not
+    is listed in `skipped`. Reads files only (call it on one rank and share the answer: on_rank0)."""
+    choice = CheckpointChoice()
+    for _, path in step_folders(checkpoint_dir):
+        problem, meta = _verify(path)
+        if problem is None:
+            choice.path, choice.meta = path, meta
+            break
+        choice.skipped.append(f"{path}: {problem}")
+    return choice
+
+
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `checkpoint_dir`, or None."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return None
-    complete = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()
-    ]
-    return max(complete)[1] if complete else None
+    """The newest checkpoint under `checkpoint_dir` that verifies, or None."""
+    return choose_checkpoint(checkpoint_dir).path
+
+
+class _KillPointWriter(FileSystemWriter):
+    """DCP's file writer with the test hook between the data files and `.metadata`."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        super().__init__(str(path))
+        self._step = step
+
+    def finish(self, metadata, results) -> None:
+        kill_point(f"save:{self._step}:metadata")
+        super().finish(metadata, results)
 
 
 @dataclass
@@ -144,6 +244,8 @@ def save_checkpoint(
     `extra` holds small Python objects (lists, dicts, numbers, strings, bytes, tensors) saved as-is.
     `flatten_optimizer` keys the optimizer state and hyperparameters by parameter name (needed when ranks
     hold different parameters, e.g. expert parallelism; load with the same flag).
+    Written atomically: into a hidden folder sealed by a manifest, then renamed into place; the folder of
+    a step that already exists is swapped whole, never rewritten in place.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -152,13 +254,30 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(module, _as_optimizer_list(optimizers), options=options)
     meta = {"step": step, "rng": _rng_state(), "extra": dict(extra or {})}
     path = checkpoint_path(checkpoint_dir, step)
-    path.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(path)
+    world = 1 if _no_dist() else dist.get_world_size()
+
+    def prepare() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(path.parent)
+        partial.mkdir()
+
+    def seal() -> None:
+        kill_point(f"save:{step}:manifest")
+        write_manifest(partial, step, world)
+        kill_point(f"save:{step}:rename")
+        commit_folder(partial, path, step)
+
+    on_rank0(prepare)
+    kill_point(f"save:{step}:begin")
     with _single_process_quiet():
         dcp.save(
             {"model": model_state, "optim": optim_state, "meta": _to_bytes(meta)},
-            checkpoint_id=str(path),
+            storage_writer=_KillPointWriter(partial, step),
             no_dist=_no_dist(),
         )
+    on_rank0(seal)  # every rank waits until the checkpoint is in place
+    kill_point(f"save:{step}:done")
     return path
 
 
@@ -172,7 +291,8 @@ def load_checkpoint(
 ) -> CheckpointState:
     """Load a checkpoint directory into `model` and `optimizers` (in place) and restore the RNG state.
 
-    The optimizers must be built the same way as when saving (same parameter groups).
+    The optimizers must be built the same way as when saving (same parameter groups). The files are not
+    verified here (choose_checkpoint does that); a load that fails raises a one-line CheckpointError.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
@@ -184,8 +304,12 @@ def load_checkpoint(
     options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer)
     model_state, optim_state = get_state_dict(module, optimizer_list, options=options)
     state = {"model": model_state, "optim": optim_state, "meta": b""}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {first}") from e
     set_state_dict(module, optimizer_list, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
     meta = torch.load(io.BytesIO(state["meta"]), weights_only=True)

@@ -82,13 +82,15 @@ class TrainConfig:
 
     checkpoint_dir: str | None = None
     """Directory of DCP checkpoints (step_XXXXXXXX/ inside); None = no checkpoints. With a directory,
-    the final step is always saved."""
+    the final step is always saved. train() creates it and checks that it can write there before the
+    model is built."""
 
     save_every: int | None = None
     """Also save a checkpoint every save_every steps (needs checkpoint_dir)."""
 
     resume: bool = False
-    """Continue from the latest complete checkpoint in checkpoint_dir (from step 0 if there is none)."""
+    """Continue from the newest checkpoint in checkpoint_dir that verifies against its manifest (from step
+    0 if there is none; an error if there are checkpoints and none verifies)."""
 
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) for the run (restored afterwards). Needed for bit-exact

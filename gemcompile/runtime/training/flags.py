@@ -5,6 +5,7 @@ how a parsed command line runs (cli.py wires the subcommand to add_train_argumen
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gemcompile.config import ParallelConfig
@@ -20,8 +21,8 @@ from gemcompile.runtime.training.config import (
 )
 from gemcompile.runtime.training.train import train
 
-__all__ = ["add_parallel_arguments", "add_train_arguments", "config_from_args", "parallel_config_from_args",
-           "run_train_from_args"]
+__all__ = ["add_debug_argument", "add_parallel_arguments", "add_train_arguments", "config_from_args",
+           "parallel_config_from_args", "report_error", "run_train_from_args"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,7 +60,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps per metrics window")
     parser.add_argument("--checkpoint-dir", default=None, help="directory of DCP checkpoints")
     parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint that verifies")
     parser.add_argument(
         "--deterministic",
         action="store_true",
@@ -71,6 +73,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="print what gemcompile's passes rewrite before training (--compile gem)",
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
+    add_debug_argument(parser)
     parser.add_argument("--mxfp8", choices=MXFP8_RECIPES, default=None, metavar="RECIPE",
                         help="block-scaled FP8 GEMMs with this recipe (" + ", ".join(MXFP8_RECIPES)
                         + "; --compile gem)")
@@ -84,6 +87,31 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "sparse row updates, the same update; dense anyway with --grad-clip or --parallel)")
     add_parallel_arguments(parser)
     return parser
+
+
+def add_debug_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback instead of one line")
+
+
+def report_error(command: str, error: BaseException, debug: bool) -> int:
+    """What a command does with an exception: with --debug, re-raise it (the traceback); else one line
+    on stderr and the exit status: 2 for a bad argument, path, input or checkpoint (ValueError,
+    TypeError, OSError), 1 for anything else, 130 for Ctrl-C."""
+    if isinstance(error, KeyboardInterrupt):
+        print(f"gemcompile {command}: interrupted", file=sys.stderr)
+        return 130
+    if debug:
+        raise error
+    expected = isinstance(error, (ValueError, TypeError, OSError))
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if not expected or not line:
+        line = f"{type(error).__name__}: {line}".rstrip(": ") + " (run with --debug for the traceback)"
+    rank = os.environ.get("RANK", "0")
+    if not (getattr(error, "same_on_every_rank", False) and rank != "0"):  # said once under torchrun
+        print(f"gemcompile {command}: error: {line}", file=sys.stderr, flush=True)
+    return 2 if expected else 1
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -116,16 +144,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train_from_args(args: argparse.Namespace) -> int:
-    """Run `gemcompile train`; returns the exit status. A bad flag value or input is one error line on
-    stderr (exit 2), never a traceback."""
+    """Run `gemcompile train`; returns the exit status. Every failure is one error line on stderr (exit 2
+    for a bad flag value, path, input or checkpoint, 1 otherwise), never a traceback unless --debug."""
     try:
         train(config_from_args(args))
-    except ValueError as e:
-        print(f"gemcompile train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("gemcompile train: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as e:
+        return report_error("train", e, getattr(args, "debug", False))
     return 0
 
 

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,15 @@ from gemcompile.api import gem_compile
 from gemcompile.explain import explain
 from gemcompile.models.data import GemBatch, SyntheticData
 from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config, masked_bce_loss
-from gemcompile.runtime.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gemcompile.runtime.training.checkpoint import (
+    CheckpointChoice,
+    CheckpointError,
+    choose_checkpoint,
+    load_checkpoint,
+    on_rank0,
+    save_checkpoint,
+)
+from gemcompile.runtime.training.checkpoint_files import check_checkpoint_dir, kill_point
 from gemcompile.runtime.training.config import TrainConfig, gem_config
 from gemcompile.runtime.training.flops import GemFlopFormula, PaddedFlopCounter, mfu
 from gemcompile.runtime.training.metrics import MetricWindow
@@ -64,8 +73,18 @@ def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
             "TrainConfig.device = 'cuda' but no CUDA device is available (torch.cuda.is_available() "
             "is False); use device='cpu'"
         )
+    _check_paths(cfg)
     with _deterministic(cfg.deterministic, cfg.device):
         return _train(cfg)
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    """The paths the run will write, checked before the model is built or a collective runs."""
+    if cfg.checkpoint_dir is not None:
+        problem = check_checkpoint_dir(cfg.checkpoint_dir)
+        if problem is not None:
+            raise CheckpointError(
+                f"TrainConfig.checkpoint_dir = {cfg.checkpoint_dir!r} is unusable: {problem}")
 
 
 @contextlib.contextmanager
@@ -89,7 +108,7 @@ def _deterministic(enabled: bool, device: str):
 
 def _train(cfg: TrainConfig) -> TrainResult:
     run = _start(cfg)
-    if run.cfg.resume:
+    if run.resume_from is not None:
         _resume(run, TrainReporter(run.cfg, 0))
     reporter = TrainReporter(run.cfg, run.start_step)
     _compile(run, reporter)
@@ -122,6 +141,8 @@ class _TrainingRun:
     window: MetricWindow
     parallel: ParallelTraining | None = None
     """The run's side of the parallel plan under torchrun, else None."""
+    resume_from: CheckpointChoice | None = None
+    """With cfg.resume: the checkpoint chosen (and checked against cfg) before the model was built."""
     runner: Any = None
     """The model as the loop calls it (compiled or not)."""
     start_step: int = 0
@@ -151,6 +172,7 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
     if cfg.parallel is not None and cfg.parallel.enabled:
         parallel = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
         cfg = parallel.cfg
+    resume_from = _choose_resume_point(cfg) if cfg.resume else None  # before the model is built
     device = torch.device(cfg.device) if parallel is None else parallel.device
     torch.manual_seed(cfg.seed)
     model = GemRef(model_cfg).to(device)
@@ -163,23 +185,49 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
         optimizers = parallel.build_optimizers(cfg.lr, cfg.embedding_lr)
     window = MetricWindow(model_cfg.n_tasks, window=cfg.log_every)
     return _TrainingRun(cfg, model_cfg, data, device, model, formula, padded_counter, optimizers, window,
-                        parallel)
+                        parallel, resume_from)
+
+
+def _choose_resume_point(cfg: TrainConfig) -> CheckpointChoice:
+    """The newest checkpoint of cfg.checkpoint_dir that verifies (rank 0 verifies, every rank takes its
+    answer), each newer one that does not reported in one line on stderr; a checkpoint written under
+    other trajectory settings refused, all before any model state is built or loaded."""
+    choice = on_rank0(lambda: choose_checkpoint(cfg.checkpoint_dir))
+    for line in choice.skipped if _is_rank0() else ():  # on stderr even when quiet: never silent
+        print(f"gemcompile: skipping checkpoint {line}", file=sys.stderr, flush=True)
+    if choice.path is None and choice.skipped:
+        _fail_everywhere(f"cannot resume: none of the {len(choice.skipped)} checkpoints in "
+                         f"{cfg.checkpoint_dir} verifies (each is reported above)")
+    if choice.path is not None:
+        saved = choice.meta["extra"].get("config", {})
+        now = cfg.trajectory_fingerprint()
+        mismatched = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if mismatched:
+            detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
+            _fail_everywhere(f"cannot resume from {choice.path}: it was written with other settings "
+                             f"({detail})")
+    return choice
+
+
+def _is_rank0() -> bool:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
+
+
+def _fail_everywhere(message: str) -> None:
+    """Raise the CheckpointError every rank raises alike (reported once, by rank 0)."""
+    error = CheckpointError(message)
+    error.same_on_every_rank = True
+    raise error
 
 
 def _resume(run: _TrainingRun, reporter: TrainReporter) -> None:
-    """Load the latest checkpoint of cfg.checkpoint_dir, if any, into the run; refuse one written under
-    other trajectory settings."""
-    cfg = run.cfg
-    path = latest_checkpoint(cfg.checkpoint_dir)
+    """Load the checkpoint chosen by _choose_resume_point, if any, into the run."""
+    cfg, path = run.cfg, run.resume_from.path
     if path is None:
         reporter.print(f"no checkpoint in {cfg.checkpoint_dir}: starting from step 0")
         return
     state = load_checkpoint(path, run.model, run.optimizers, flatten_optimizer=run.parallel is not None)
-    saved = state.extra.get("config", {})
-    mismatched = {k: (saved.get(k), v) for k, v in cfg.trajectory_fingerprint().items() if saved.get(k) != v}
-    if mismatched:
-        detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-        raise ValueError(f"cannot resume from {path}: it was written with other settings ({detail})")
     run.start_step = state.step
     run.losses = list(state.extra["losses"])
     run.windows = [WindowSummary(**w) for w in state.extra["windows"]]
@@ -269,6 +317,7 @@ def _record_step(run: _TrainingRun, step: int, cpu_batch: GemBatch, batch: GemBa
         run.window_losses = []
     rate = (len(run.step_times) / sum(run.step_times)) if run.step_times else None
     reporter.step(done, loss_value, metrics.ne, rate)
+    kill_point(f"step:{done}")  # test hook (checkpoint_files.kill_point)
     if cfg.checkpoint_dir is not None and (
         done == cfg.steps or (cfg.save_every is not None and done % cfg.save_every == 0)
     ):
