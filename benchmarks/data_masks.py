@@ -31,7 +31,6 @@ x ``--kernel-length`` x ``--head-dim``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

@@ -180,11 +180,12 @@ def load(name: str) -> tuple[Path, dict]:
     return path, json.loads(path.read_text())
 
 
-def newest(prefix: str, written_by_writer: bool = False) -> tuple[Path, dict] | None:
-    """The newest results file named <prefix>-<stamp>.json (the stamp right after the prefix)."""
-    pattern = re.compile(re.escape(prefix) + r"-\d{8}(?:-\d{6})?\.json$")
+def newest(prefix: str | tuple[str, ...], written_by_writer: bool = False) -> tuple[Path, dict] | None:
+    """The newest results file named <prefix>-<stamp>.json (the stamp right after the prefix; any of several)."""
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    pattern = re.compile("(?:" + "|".join(re.escape(p) for p in prefixes) + r")-\d{8}(?:-\d{6})?\.json$")
     found = []
-    for path in RESULTS.glob(f"{prefix}-*.json"):
+    for path in RESULTS.glob("*.json"):
         if not pattern.fullmatch(path.name) or path.name in HAND_MADE:
             continue
         payload = json.loads(path.read_text())
@@ -318,8 +319,8 @@ def _jagged_peer_setup(payload: dict) -> str:
 @block("jagged-anchors")
 def jagged_anchors() -> str:
     path, payload = load("jagged_attention-anchors-20261130.json")
-    lines = [f"Eager calls, every method in one run ({payload.get('timing', 'eager calls')}); ratios are peer time / "
-             f"our time. Source: {source_line((path, payload))}", ""]
+    lines = [f"Timing: {payload.get('timing', 'eager calls')}, every method in one run; ratios are peer time / our "
+             f"time. Source: {source_line((path, payload))}", ""]
     lines += _jagged_table(path, payload)
     lines += ["", _jagged_peer_setup(payload)]
     return "\n".join(lines)
@@ -345,7 +346,7 @@ def jagged_grid() -> str:
 
 @block("jagged-rerun")
 def jagged_rerun() -> str:
-    found = newest("jagged_attention-anchors", written_by_writer=True)
+    found = newest(("jagged_attention-anchors", "jagged_attention"), written_by_writer=True)
     if found is None:
         return ("**Not re-run yet** with the corrected peers (the torch.compile and FlexAttention peers compiled "
                 "per shape, `dynamic=False`): `scratch/issue28_gpu.sh` does it; until then the ratios above are "
@@ -506,6 +507,7 @@ def gdpa_bias_grad_sweeps() -> str:
 # --- block attention ---------------------------------------------------------------------------------
 
 def _block_table(payload: dict, with_sdpa: bool = True) -> list[str]:
+    per_setup = "peer_setup" in payload  # runs since issue 28: each Flex set-up's ratio, SDPA checked on valid rows
     rows = []
     for s in payload["shapes"]:
         if not s.get("results"):
@@ -518,17 +520,25 @@ def _block_table(payload: dict, with_sdpa: bool = True) -> list[str]:
                f"{f(_res(s, 'ours_no_rotary', 'fwd_ms'), '.3f')} / {f(_res(s, 'ours_no_rotary', 'fwdbwd_ms'), '.3f')}",
                f(_speed(s, "fused_vs_rotary_outside", "fwdbwd")),
                f(_speed(s, "vs_flex", "fwdbwd"))]
+        if per_setup:
+            row.append(f"{f(_speed(s, 'vs_flex_b64', 'fwdbwd'))} / {f(_speed(s, 'vs_flex_b128', 'fwdbwd'))}")
         if with_sdpa:
             sd = _speed(s, "vs_sdpa", "fwdbwd")
             err = (_res(s, "sdpa_rotary_outside", "error") or "")
             row.append(f(sd) if sd is not None else (err.split(" (")[0] or "-"))
         row.append("ok" if fused.get("ok") else "FAILED" if fused else "-")
+        if per_setup:
+            sdpa_check = check.get("sdpa_rotary_outside") or {}
+            row.append(f(sdpa_check.get("out"), ".4f") if "out" in sdpa_check else "-")
         rows.append(row)
     header = ["shape", "ours, RoPE fused, ms fwd / fwd+bwd", "ours, no RoPE, ms fwd / fwd+bwd",
               "x same kernel, RoPE outside (fwd+bwd)", "x Flex, no RoPE either side (fwd+bwd)"]
+    if per_setup:
+        header.append("x Flex per set-up: 64-token mask blocks / 128-token (fwd+bwd)")
     if with_sdpa:
         header.append("x padded SDPA + mask, RoPE outside (fwd+bwd)")
-    return table(header + ["ours vs float64"], rows)
+    return table(header + ["ours vs float64"] + (["padded SDPA output vs float64, valid rows"] if per_setup else []),
+                 rows)
 
 
 def _block_peer_setup(payload: dict) -> str:
@@ -566,7 +576,7 @@ def block_attention_linear() -> str:
 
 @block("block-attention-rerun")
 def block_attention_rerun() -> str:
-    found = newest("block_attention", written_by_writer=True)
+    found = newest(("block_attention-claims", "block_attention"), written_by_writer=True)
     if found is None:
         return ("**Not re-run yet** with the corrected FlexAttention peer (a BlockMask at the mask's block size with "
                 "full blocks marked, kernel tiles that fit it, compiled per shape): `scratch/issue28_gpu.sh` does it. "
