@@ -1218,9 +1218,10 @@ def check_history() -> list[str]:
             payload = json.loads(path.read_text())
             if "writer" not in (payload.get("environment") or {}):
                 continue
-            out = subprocess.run(["git", "log", "--format=%H", "--follow", "--", rel(path)], cwd=REPO, capture_output=True,
-                                 text=True, timeout=20)
-            if out.returncode == 0 and len(out.stdout.split()) > 1:
+            # commits that modified the file in place (a results file is added once, by the run's commit)
+            out = subprocess.run(["git", "log", "--format=%H", "--diff-filter=M", "--", rel(path)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0 and out.stdout.split():
                 problems.append(f"{rel(path)}: changed after it was first committed (results files are never edited)")
     except (OSError, subprocess.SubprocessError):
         pass
