@@ -1,6 +1,7 @@
 """Block attention with fused rotary: gemcompile::block_attention against the peers a user would pick instead.
 
-    python benchmarks/block_attention.py [--quick] [--only grid|linear] [--budget-s 360] [--out DIR]
+    python benchmarks/block_attention.py [--quick] [--only grid|linear|claims] [--budget-s 360] [--out DIR]
+                                         [--flex-blocks 64[,128]]
     python benchmarks/block_attention.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
 The workload (issue 5, the TLX BlockAttention regime): jagged sequences in padded (B, H, L, D) tensors,
@@ -10,21 +11,36 @@ one run, forward and forward+backward:
   ours_rotary_outside   the rotation in eager PyTorch (x * cos + rotate_half(x) * sin), then the op
                         with rotary="none": the same kernels, rotary unfused
   ours_no_rotary        the op without any rotary: attention alone
-  flex_no_rotary        compiled FlexAttention on the padded tensors, BlockMask built from the lengths
-                        (one 128-block per 128 query rows, none past the length) with mask_mod
-                        "same 64-block and key < length": attention alone
+  flex_no_rotary        compiled FlexAttention on the padded tensors, set up as its documentation
+                        recommends for this mask: a BlockMask with BLOCK_SIZE = the mask's 64-token
+                        block, built from the lengths (query block i meets key block i only; a block
+                        wholly below the length is a *full* block, where mask_mod is not evaluated; the
+                        block the length cuts is partial, with mask_mod "same 64-block and key <
+                        length"; nothing past the length), the Triton tiles capped at 64 to fit it
+                        (kernel_options: Inductor's default tile of 128 does not divide a 64-token
+                        sparse block), compiled per shape (torch._dynamo.reset(), dynamic=False):
+                        attention alone. What create_block_mask(mask_mod, ..., BLOCK_SIZE=64) would
+                        build, without evaluating mask_mod on all B * L * L pairs
+                        (tests/unit/test_benchmark_peers.py checks the two agree)
+  flex_no_rotary_b128   the set-up of the runs before issue 28, for comparison: 128-token BlockMask
+                        blocks, all partial (no full blocks): FlexAttention evaluates the mask on about
+                        twice the valid pairs (``--flex-blocks 64,128``)
   flex_rotary_outside   the eager rotation, then FlexAttention
   sdpa_rotary_outside   the eager rotation, then padded SDPA with the (B, 1, L, L) bool mask (skipped,
                         recorded as "skipped: memory", when the mask would exceed 8 GB, and as
                         "skipped: dense cost" when its dense work would take seconds per call)
 Ratios (peer ms / our ms) in each shape's ``speedup``: ``fused_vs_rotary_outside`` (target >= 1.3),
-``vs_flex`` = flex_no_rotary / ours_no_rotary (attention alone, target >= 2), ``vs_flex_with_rotary``
-and ``vs_sdpa`` against ours_fused_rotary.
+``vs_flex`` = the fastest FlexAttention set-up measured (flex_no_rotary, flex_no_rotary_b128) /
+ours_no_rotary (attention alone, target >= 2; ``vs_flex_b64``, ``vs_flex_b128`` per set-up),
+``vs_flex_with_rotary`` and ``vs_sdpa`` against ours_fused_rotary.
 
 Shapes. ``grid`` (the default): B from 4 to 1152, L up to 16384, fill 0.5 and 0.7, D 64 and 128, with
 B * L <= 2^22 tokens so that every method's tensors fit (q, k, v, their rotated copies and all
 gradients: at most ~60 GB at D 128). ``linear``: fixed B = 64, L = 2k, 4k, 8k, 16k (D 64, fill 0.7):
-time per valid token should stay flat (time linear in L). ``--quick``: two small GPU shapes.
+time per valid token should stay flat (time linear in L). ``claims``: the shapes the README's
+claims against FlexAttention rest on (the two smallest, where the target was missed, and B1152 L1024 at
+D 64 and D 128), without flex_rotary_outside: what scratch/issue28_gpu.sh re-runs. ``--quick``: two
+small GPU shapes.
 ``--smoke``: CPU, tiny shapes, no timing: every method runs once (FlexAttention uncompiled) and is
 checked against the float64 reference.
 
@@ -33,8 +49,11 @@ The kernels are memory-bound at block 64 (about 32 FLOP per byte), so each shape
 ``ours_no_rotary`` forward bandwidth against the bytes it must move (q, k, v read and out written for
 the rows of every block that holds a valid token). Every shape records a correctness check of
 ours_fused_rotary (out, dq, dk, dv) and of the peers' outputs against a float64 reference on three
-sequences (longest, median, shortest), rows [0, 2048): block attention is exact on a block-aligned
-slice. The JSON is rewritten after every shape, so a killed run keeps what it measured.
+sequences (longest, median, shortest), the valid rows of [0, 2048) (rows past a sequence's length
+are padding: padded SDPA gives them a value, the reference and our op do not, so they are not
+compared; their upstream gradient is zero): block attention is exact on a block-aligned slice. The
+JSON is rewritten after every shape (through the one results writer), so a killed run keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -54,7 +73,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, rotation_count, tflops, write_json
+from harness import bench_ms, environment, format_table, rewrite_results, rotation_count, tflops, write_json
 
 import gemcompile.lowering  # noqa: F401  (registers torch.ops.gemcompile.*)
 from gemcompile.lowering.block_attention.flops import block_attention_pairs
@@ -85,6 +104,15 @@ SMOKE = [{"B": 3, "L": 160, "D": 32, "fill": 0.5}, {"B": 2, "L": 96, "D": 16, "f
 METHODS = ["ours_fused_rotary", "ours_rotary_outside", "ours_no_rotary", "flex_no_rotary",
            "flex_rotary_outside", "sdpa_rotary_outside"]
 LINEAR_METHODS = ["ours_fused_rotary", "ours_no_rotary", "flex_no_rotary"]
+CLAIMS = [GRID[6], GRID[7], GRID[0], GRID[4]]  # B64 L4096 D64, B4 L16384 D64, B1152 L1024 D64 and D128
+CLAIMS_METHODS = ["ours_fused_rotary", "ours_no_rotary", "flex_no_rotary", "ours_rotary_outside",
+                  "sdpa_rotary_outside", "flex_no_rotary_b128"]
+FLEX_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+             "num_warps": 4, "num_stages": 3}
+"""FlexAttention's Triton tiles for a 64-token BlockMask: Inductor's sm90 defaults (forward 128 x 128 at D 64,
+128 x 64 at D 128; backward 64 x 128 / 128 x 64 at D 128) do not divide a 64-token sparse block, and a single
+default config that does not fit is an error, so the tiles are capped at the block, as the sm90 default
+for small head dims (64, 64, 3 stages, 4 warps) has them."""
 
 
 def draw_lengths(B: int, L: int, fill: float, seed: int, device) -> torch.Tensor:
@@ -115,42 +143,62 @@ def rotate_outside(x, cos, sin):
 # FlexAttention
 
 
-_compiled_flex: dict = {}
+PEER_SETUP = {
+    "flex_no_rotary": "FlexAttention, BlockMask BLOCK_SIZE 64 (= the mask's block) with full blocks marked, "
+                      "kernel_options " + ", ".join(f"{k}={v}" for k, v in FLEX_TILE.items()) + "; "
+                      "torch.compile(flex_attention, dynamic=False), compiled per shape after torch._dynamo.reset()",
+    "flex_no_rotary_b128": "FlexAttention, BlockMask BLOCK_SIZE 128, all blocks partial (the set-up before issue "
+                           "28), Inductor's default tiles; compiled per shape as above",
+    "sdpa_rotary_outside": "F.scaled_dot_product_attention with the (B, 1, L, L) bool mask built once per shape "
+                           "(PyTorch picks the backend)",
+    "ours": "our kernels autotuned per shape (Triton autotune keys on the shape)",
+}
+"""How each peer is set up, recorded in the JSON (``peer_setup``)."""
 
 
-def flex(compiled: bool, head_dim: int):
-    """FlexAttention, compiled once per head dim (shapes that differ in B and L then share one compile
-    under automatic dynamic shapes; a head dim is never made dynamic)."""
+def flex(compiled: bool):
+    """FlexAttention; compiled: a fresh torch.compile with static shapes (the caller resets Dynamo per shape,
+    so each shape gets its own compile, as our kernels get their own autotuning)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not compiled:
-        return flex_attention
-    if head_dim not in _compiled_flex:
-        _compiled_flex[head_dim] = torch.compile(flex_attention)
-    return _compiled_flex[head_dim]
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def flex_block_mask(lengths: torch.Tensor, L: int, block: int = BLOCK, flex_block: int = 128):
+def flex_block_mask(lengths: torch.Tensor, L: int, block: int = BLOCK, flex_block: int = BLOCK):
     """BlockMask of "same `block`-token block and key < length" over padded (B, L) sequences, built
-    directly (create_block_mask would evaluate mask_mod on all B * L * L pairs): query block i meets key
-    block i only (flex_block is a multiple of block), and nothing once i * flex_block >= length."""
+    directly (create_block_mask would evaluate mask_mod on all B * L * L pairs).
+
+    flex_block == block (the documented set-up): query block i meets key block i only; the block is full
+    (no mask_mod) when it lies wholly below the length, partial when the length cuts it, absent past it.
+    flex_block a multiple of block (the earlier set-up): query block i meets key block i, always partial
+    (the off-diagonal sub-blocks are masked by mask_mod), nothing once i * flex_block >= length."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if flex_block != block and flex_block % block:
+        raise ValueError(f"flex_block {flex_block} must equal the mask block {block} or be a multiple of it")
     B = lengths.numel()
     n = math.ceil(L / flex_block)
     starts = torch.arange(n, device=lengths.device) * flex_block
-    count = (starts[None, :] < lengths[:, None]).to(torch.int32)[:, None]  # (B, 1, n)
+    ends = starts + flex_block
+    started = starts[None, :] < lengths[:, None]  # (B, n): the block holds a valid key
+    if flex_block == block:
+        full = (ends[None, :] <= lengths[:, None]).to(torch.int32)[:, None]
+        partial = (started & (ends[None, :] > lengths[:, None])).to(torch.int32)[:, None]
+    else:
+        full, partial = None, started.to(torch.int32)[:, None]
     indices = torch.arange(n, device=lengths.device, dtype=torch.int32).view(1, 1, n, 1).expand(B, 1, n, n)
-    indices = indices.contiguous()  # column 0 holds block i; the rest are never read (count <= 1)
+    indices = indices.contiguous()  # column 0 holds block i; the rest are never read (counts <= 1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx // block == kv_idx // block) & (kv_idx < lengths[b])
 
+    kwargs = dict(BLOCK_SIZE=flex_block, mask_mod=mask_mod)
+    if full is not None:
+        kwargs.update(full_kv_num_blocks=full, full_kv_indices=indices)
     try:
-        return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=flex_block, mask_mod=mask_mod,
-                                        seq_lengths=(L, L))
+        return BlockMask.from_kv_blocks(partial, indices, seq_lengths=(L, L), **kwargs)
     except TypeError:  # older signature without seq_lengths
-        return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=flex_block, mask_mod=mask_mod)
+        return BlockMask.from_kv_blocks(partial, indices, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,10 +219,14 @@ def make_methods(shape, lengths, cos, sin, device, names, compiled_flex=True):
                                                               "none", scale),
     }
     bm = flex_block_mask(lengths, L)
-    fa = flex(compiled_flex, D)
-    methods["flex_no_rotary"] = lambda q, k, v: fa(q, k, v, block_mask=bm, scale=scale)
+    fa = flex(compiled_flex)
+    opts = {"kernel_options": dict(FLEX_TILE)} if compiled_flex else {}
+    methods["flex_no_rotary"] = lambda q, k, v: fa(q, k, v, block_mask=bm, scale=scale, **opts)
     methods["flex_rotary_outside"] = lambda q, k, v: fa(
-        rotate_outside(q, cos, sin), rotate_outside(k, cos, sin), v, block_mask=bm, scale=scale)
+        rotate_outside(q, cos, sin), rotate_outside(k, cos, sin), v, block_mask=bm, scale=scale, **opts)
+    if "flex_no_rotary_b128" in names:
+        bm128, fa128 = flex_block_mask(lengths, L, flex_block=128), flex(compiled_flex)
+        methods["flex_no_rotary_b128"] = lambda q, k, v: fa128(q, k, v, block_mask=bm128, scale=scale)
 
     if "sdpa_rotary_outside" in names and skip_reason("sdpa_rotary_outside", shape) is None:
         # the mask is built once, as a model would
@@ -214,6 +266,7 @@ def correctness(methods, q, k, v, g, lengths, cos, sin, names):
     pick = order[torch.tensor([0, len(order) // 2, len(order) - 1], device=order.device)].unique()
     sl = (pick, slice(None), slice(0, rows))
     n = lengths[pick].clamp(max=rows)
+    valid = (torch.arange(rows, device=q.device)[None, :] < n[:, None])[:, None, :, None]  # (P, 1, rows, 1)
     d64 = [x.detach()[sl].double() for x in (q, k, v)]
     t64 = [t[:rows].double() for t in (cos, sin)]
     refs = {
@@ -226,12 +279,14 @@ def correctness(methods, q, k, v, g, lengths, cos, sin, names):
                                    D**-0.5)
     result = {}
 
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+    def rel(a, b):  # over the valid rows only: a padded row has no defined value
+        m = valid.expand_as(b)
+        a, b = a.double()[m], b[m]
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
     for name in names:
         try:
-            want = refs["none" if name.endswith("no_rotary") else "half"][0]
+            want = refs["none" if "no_rotary" in name else "half"][0]
             if name == "ours_fused_rotary":
                 leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
                 out = methods[name](*leaves)
@@ -273,10 +328,15 @@ def run_shape(shape, args, index, device, names):
                results={}, speedup={})
     print(f"\n== {rec['label']}: {valid} valid tokens", flush=True)
     torch.manual_seed(index)
+    if not args.smoke:
+        torch._dynamo.reset()  # the compiled peers compile for this shape alone (dynamic=False, fresh compile)
     cos, sin = rope_tables(L, D, device, DTYPE)
     n_sets = 1 if args.smoke else rotation_count(3 * B * H * L * D * q_bytes())
-    sets = [tuple(torch.randn(B, H, L, D, device=device, dtype=DTYPE) for _ in range(4))  # q, k, v, grad
+    row_valid = (torch.arange(L, device=device)[None, :] < lengths[:, None])[:, None, :, None]
+    sets = [tuple(torch.randn(B, H, L, D, device=device, dtype=DTYPE) for _ in range(3))  # q, k, v
+            + ((torch.randn(B, H, L, D, device=device, dtype=DTYPE) * row_valid),)  # grad: 0 at padded rows
             for _ in range(n_sets)]
+    del row_valid
     rec["input_sets"] = n_sets
     methods = make_methods(shape, lengths, cos, sin, device, names, compiled_flex=not args.smoke)
     check_names = [m for m in names if skip_reason(m, shape) is None]
@@ -351,9 +411,17 @@ def speedups(results):
         return {m: (a[f"{m}_ms"] / b[f"{m}_ms"]) if (f"{m}_ms" in a and f"{m}_ms" in b) else None
                 for m in ("fwd", "fwdbwd")}
 
+    def best_flex(mode):  # the fastest FlexAttention set-up measured, per mode
+        times = [results.get(name, {}).get(f"{mode}_ms") for name in ("flex_no_rotary", "flex_no_rotary_b128")]
+        ours = results.get("ours_no_rotary", {}).get(f"{mode}_ms")
+        times = [t for t in times if t is not None]
+        return min(times) / ours if times and ours else None
+
     return {
         "fused_vs_rotary_outside": ratio("ours_rotary_outside", "ours_fused_rotary"),
-        "vs_flex": ratio("flex_no_rotary", "ours_no_rotary"),
+        "vs_flex": {m: best_flex(m) for m in ("fwd", "fwdbwd")},
+        "vs_flex_b64": ratio("flex_no_rotary", "ours_no_rotary"),
+        "vs_flex_b128": ratio("flex_no_rotary_b128", "ours_no_rotary"),
         "vs_flex_with_rotary": ratio("flex_rotary_outside", "ours_fused_rotary"),
         "vs_sdpa": ratio("sdpa_rotary_outside", "ours_fused_rotary"),
     }
@@ -405,8 +473,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small GPU shapes")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, correctness only")
-    parser.add_argument("--only", default="grid", choices=["grid", "linear"],
-                        help="which shapes (default grid)")
+    parser.add_argument("--only", default="grid", choices=["grid", "linear", "claims"],
+                        help="which shapes (default grid; claims: the shapes the README's claims rest on)")
+    parser.add_argument("--flex-blocks", default=None,
+                        help="FlexAttention BlockMask block sizes to time: 64 (the documented set-up, "
+                             "flex_no_rotary) and/or 128 (the earlier one, flex_no_rotary_b128); default 64,128 "
+                             "for --only claims, else 64")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="do not start a shape or method after this many seconds (default 360)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
@@ -426,8 +498,17 @@ def main(argv=None):
         shapes, names = QUICK, METHODS
     elif args.only == "linear":
         shapes, names = LINEAR, LINEAR_METHODS
+    elif args.only == "claims":
+        shapes, names = CLAIMS, CLAIMS_METHODS
     else:
         shapes, names = GRID, METHODS
+    blocks = (args.flex_blocks or ("64,128" if args.only == "claims" and not (args.smoke or args.quick) else "64"))
+    blocks = {b.strip() for b in blocks.split(",")}
+    names = [m for m in names if m != "flex_no_rotary_b128"]
+    if "64" not in blocks:
+        names = [m for m in names if m not in ("flex_no_rotary", "flex_rotary_outside")]
+    if "128" in blocks:
+        names.append("flex_no_rotary_b128")
     payload = {
         "benchmark": "block_attention", "environment": environment(), "dtype": str(DTYPE), "block": BLOCK,
         "heads": H,
@@ -437,6 +518,9 @@ def main(argv=None):
         "speedup_convention": "peer ms / our ms (see the docstring for which of ours)",
         "budget_s": args.budget_s,
         "timing": "eager calls, triton.testing.do_bench median", "shapes": [],
+        "peer_setup": {k: v for k, v in PEER_SETUP.items() if k == "ours" or k in names},
+        "correctness_convention": "relative error norm against float64 over the valid rows of [0, 2048) of three "
+                                  "sequences; upstream gradient zero at padded rows",
     }
     path = None
     for i, shape in enumerate(shapes):
@@ -457,11 +541,10 @@ def main(argv=None):
         if args.smoke:
             continue
         if path is None:
-            suffix = "-quick" if args.quick else "-linear" if args.only == "linear" else ""
+            suffix = "-quick" if args.quick else {"linear": "-linear", "claims": "-claims"}.get(args.only, "")
             path = write_json("block_attention" + suffix, payload, args.out)
         else:
-            with open(path, "w") as fh:
-                json.dump(payload, fh, indent=1, default=str)
+            rewrite_results(path, payload)
     bad = [(s["label"], m) for s in payload["shapes"] for m, c in s.get("correctness", {}).items()
            if not c.get("ok")]
     if args.smoke:
@@ -470,8 +553,7 @@ def main(argv=None):
         print(f"\nsmoke: failed checks: {bad or 'none'}")
         sys.exit(1 if bad else 0)
     payload["autotune_choices"] = autotune_choices()
-    with open(path, "w") as fh:
-        json.dump(payload, fh, indent=1, default=str)
+    rewrite_results(path, payload)
     print("\n" + summary(payload["shapes"]))
     print(f"\ncorrectness checks failed on: {bad}" if bad else "\ncorrectness checks: all ok")
     print(f"elapsed {payload['elapsed_s']} s; results in {path}")

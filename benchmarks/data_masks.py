@@ -31,7 +31,6 @@ x ``--kernel-length`` x ``--head-dim``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: gemcompile and tests.model_styles
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, graphed, results_path  # noqa: E402
+from harness import bench_ms, environment, format_table, graphed, results_path, rewrite_results  # noqa: E402
 
 from gemcompile import GemConfig, explain, gem_compile  # noqa: E402
 from tests.model_styles import BertStyleLayer, SASRecBlock  # noqa: E402
@@ -217,7 +216,7 @@ def main() -> None:
     payload = {"environment": environment(), "args": vars(args), "kernel": [], "models": []}
 
     def save():  # after every part: a run cut short keeps what it measured
-        path.write_text(json.dumps(payload, indent=1, default=str))
+        rewrite_results(path, payload)
 
     if not args.skip_kernel and device.type == "cuda":
         payload["kernel"] = bench_kernel(args, device)

@@ -1,5 +1,11 @@
 """Shared helpers of the gemcompile benchmarks: timing, the environment record, JSON results, a table.
 
+Results files are written only through the package's one writer
+(``gemcompile/runtime/training/results.py``: ``write_json``/``write_results`` for a new file,
+``rewrite_results`` to update it after every shape), which adds the environment block (GPU, driver,
+torch, triton, CUDA, git commit and dirty flag, source digest, UTC date, host, the exact command,
+whether the machine was shared).
+
 Timing is ``triton.testing.do_bench`` (median of many runs after warm-up; do_bench also flushes L2
 between runs). ``bench_ms`` can rotate among several input sets so that L2 does not flatter small
 shapes either. Results go to ``$OUT/<name>-<date>.json`` when OUT is set (the GPU machine copies OUT
@@ -8,12 +14,8 @@ back), else to ``--out DIR``, else to ``benchmarks/results/``.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import math
 import os
-import platform
-import shlex
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -24,12 +26,12 @@ __all__ = [
     "environment",
     "results_path",
     "write_json",
+    "write_results",
+    "rewrite_results",
     "tflops",
     "format_table",
     "graphed",
 ]
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def bench_ms(
@@ -68,51 +70,32 @@ def _l2_bytes() -> int:
         return 50 * 2**20
 
 
-def environment() -> dict:
-    """GPU, versions, date and the exact command line of this run."""
-    import torch
+def _load_writer():
+    """The package's results writer (gemcompile/runtime/training/results.py), loaded from its file: it
+    imports nothing of gemcompile, so a script that times another source tree (refactor_ab.py) can use it
+    without importing this tree's package."""
+    import importlib.util
 
-    env = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "host": platform.node(),
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception as e:  # pragma: no cover - triton missing
-        env["triton"] = f"unavailable: {e}"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env.update(
-            gpu=props.name,
-            gpu_count=torch.cuda.device_count(),
-            sm_count=props.multi_processor_count,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            capability=".".join(map(str, torch.cuda.get_device_capability())),
-        )
-    else:
-        env["gpu"] = None
-    return env
+    name = "_gemcompile_results_writer"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "gemcompile" / "runtime" / "training" / "results.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def results_path(name: str, out_dir: str | os.PathLike | None = None) -> Path:
-    """$OUT wins over out_dir, which wins over benchmarks/results/."""
-    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(out_dir) if out_dir else RESULTS_DIR
-    base.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return base / f"{name}-{stamp}.json"
+_writer = _load_writer()
+environment = _writer.environment  # GPU, driver, versions, git commit, date, host, command, machine_shared
+results_path = _writer.results_path  # $OUT, else --out, else benchmarks/results/; a UTC stamp in the name
+write_results = _writer.write_results  # a new stamped file, environment block included
+rewrite_results = _writer.rewrite_results  # the same file again (a run that writes after every shape)
 
 
 def write_json(name: str, payload: dict, out_dir: str | os.PathLike | None = None) -> Path:
-    path = results_path(name, out_dir)
-    with open(path, "w") as fh:
-        json.dump(payload, fh, indent=1, default=str)
-    return path
+    """The one writer (gemcompile.runtime.training.results.write_results)."""
+    return write_results(name, payload, out_dir)
 
 
 def tflops(flops: float | None, ms: float | None) -> float | None:

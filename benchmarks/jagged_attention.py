@@ -8,8 +8,14 @@ Side by side in one run, forward only and forward+backward, bf16, non-causal, no
   sdpa_padded_mask     F.scaled_dot_product_attention on the padded tensors with a boolean key mask
   compiled_padded      torch.compile of hand-written masked attention (q@k^T*scale, masked_fill, softmax, @v)
   flex_document_mask   compiled FlexAttention over packed tokens with a document mask (block mask built
-                       directly from the offsets; mask_mod as in shared/bench/anchors.py)
-  njt_sdpa             nested jagged tensors + SDPA (as in anchors.py)
+                       directly from the offsets, 128-token blocks, the blocks wholly inside one document
+                       marked full as create_block_mask would; mask_mod as in shared/bench/anchors.py)
+  njt_sdpa             nested jagged tensors + SDPA (as in anchors.py), eager
+
+The compiled peers are compiled per shape, as our kernels are autotuned per shape: Dynamo is reset at
+the start of every shape and each peer is a fresh ``torch.compile(..., dynamic=False)`` (before issue
+28 they were compiled once and reused across shapes under automatic dynamic shapes). The JSON's
+``peer_setup`` says how each peer ran.
 
 Useful TFLOP/s count only valid (i, j) pairs: forward 4*H*D*sum(len^2), forward+backward 3.5x that
 (ARCHITECTURE.md conventions). ``speedup`` = peer time / gemcompile time. Every shape also records a
@@ -41,7 +47,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, graphed, rotation_count, tflops, write_json  # noqa: E402
+from harness import (bench_ms, environment, format_table, graphed, rewrite_results, rotation_count, tflops,  # noqa: E402
+                     write_json)
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
 from gemcompile.lowering.common.flops import BACKWARD_FLOPS_RATIO  # noqa: E402
@@ -87,17 +94,30 @@ def padded_masked_attention(q, k, v, keymask, scale):
     return p @ v
 
 
-_compiled_padded = torch.compile(padded_masked_attention)
-_compiled_flex = None
+PEER_SETUP = {
+    "sdpa_padded_mask": "F.scaled_dot_product_attention on the padded tensors with the (B, 1, 1, L) bool key mask "
+                        "(PyTorch picks the backend)",
+    "compiled_padded": "torch.compile(padded_masked_attention, dynamic=False), a fresh compile per shape after "
+                       "torch._dynamo.reset()",
+    "flex_document_mask": "FlexAttention over packed tokens, document BlockMask with 128-token blocks, full blocks "
+                          "marked; torch.compile(flex_attention, dynamic=False), a fresh compile per shape after "
+                          "torch._dynamo.reset(); Inductor's default kernel options",
+    "njt_sdpa": "nested jagged tensors (torch.nested, layout=jagged) + F.scaled_dot_product_attention, eager",
+    "gemcompile": "torch.ops.gemcompile.jagged_attention, eager calls, kernels autotuned per shape",
+}
+"""How each method is set up, recorded in the JSON (``peer_setup``)."""
+
+
+def compiled_padded():
+    """A fresh compile of the padded peer with static shapes (run_shape resets Dynamo for every shape)."""
+    return torch.compile(padded_masked_attention, dynamic=False)
 
 
 def compiled_flex():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    """A fresh compile of FlexAttention with static shapes (run_shape resets Dynamo for every shape)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def document_block_mask(lengths: torch.Tensor, block: int = 128):
@@ -191,7 +211,8 @@ def make_methods(shape, sets, lengths, keymask):
     methods["sdpa_padded_mask"] = padded(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=am)
     )
-    methods["compiled_padded"] = padded(lambda q, k, v: _compiled_padded(q, k, v, keymask, scale))
+    padded_peer = compiled_padded()
+    methods["compiled_padded"] = padded(lambda q, k, v: padded_peer(q, k, v, keymask, scale))
 
     def packed_sets():
         return [tuple(leaf(pack(x, keymask)) for x in (q, k, v, g)) for q, k, v, g in sets]
@@ -316,6 +337,7 @@ def run_shape(shape, args, index):
         g = torch.randn(B, H, L, D, device=DEV, dtype=DTYPE) * keymask[:, None, :, None]
         sets.append((q, k, v, g))
     rec["input_sets"] = n_sets
+    torch._dynamo.reset()  # the compiled peers compile for this shape alone (dynamic=False, fresh compiles)
     print(f"\n== {label}: {T} tokens, {n_sets} input set(s)", flush=True)
     try:
         rec["correctness"] = correctness(sets, lengths, keymask, shape)
@@ -457,6 +479,7 @@ def main(argv=None):
         speedup_convention="peer ms / gemcompile ms",
         budget_s=args.budget_s,
         timing="CUDA graph replay" if args.cuda_graph else "eager calls",
+        peer_setup=PEER_SETUP,
         shapes=[],
     )
     path = None
@@ -488,12 +511,10 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         payload["elapsed_s"] = round(time.time() - args.t0, 1)
         if path is None:
-            path = write_json("jagged_attention" + ("-cudagraph" if args.cuda_graph else ""), payload, args.out)
+            name = "jagged_attention" + ("" if args.quick or args.only == "all" else f"-{args.only}")
+            path = write_json(name + ("-cudagraph" if args.cuda_graph else ""), payload, args.out)
         else:
-            with open(path, "w") as fh:
-                import json
-
-                json.dump(payload, fh, indent=1, default=str)
+            rewrite_results(path, payload)
 
     print(
         "\n"

@@ -2,7 +2,18 @@
 against a float64 computation of a few single sequences (tensors of more than 2**31 elements, so batch
 indices on both sides of the int32 boundary are checked).
 
-    python benchmarks/jagged_attention_check_large.py [--B 1152 --L 4096 --H 4 --D 128 --fill 0.5] [--out F]
+    python benchmarks/jagged_attention_check_large.py [--B 1152 --L 4096 --H 4 --D 128 --fill 0.5] [--out DIR]
+
+The upstream gradient is zero at padded query rows (as benchmarks/jagged_attention.py draws it): the
+float64 reference sees the valid rows only, and padded SDPA gives padded query rows a real output (they
+attend to the valid keys), so a gradient drawn at those rows flows into SDPA's dK and dV and into nothing
+the reference computes. The first version of this script drew it at every row, and every "error" it
+reported for SDPA's dK/dV was sqrt((L - n) / n), the share of upstream gradient the reference leaves out
+(benchmarks/check_large_reanalysis.py shows it from that run's JSON). ``--unmasked-upstream`` repeats
+that (wrong) comparison, for the record.
+
+Writes ``jagged_attention-check-large-<stamp>.json`` through the one results writer ($OUT, else --out,
+else benchmarks/results/).
 """
 
 import argparse
@@ -16,7 +27,7 @@ import torch.nn.functional as F
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
-from harness import environment  # noqa: E402
+from harness import write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401
 
@@ -49,7 +60,9 @@ def main() -> None:
     for name, default in (("B", 1152), ("L", 4096), ("H", 4), ("D", 128)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--fill", type=float, default=0.5)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else benchmarks/results/)")
+    p.add_argument("--unmasked-upstream", action="store_true",
+                   help="draw the upstream gradient at padded query rows too (the first version's error)")
     a = p.parse_args()
     B, L, H, D = a.B, a.L, a.H, a.D
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -61,6 +74,8 @@ def main() -> None:
     picks = sorted({0, 1, B // 2, max(0, boundary - 1), min(B - 1, boundary), min(B - 1, boundary + 1), B - 1}
                    | {int(i) for i in torch.topk(n, 2).indices})
     keymask = torch.arange(L, device="cuda")[None, :] < n[:, None]
+    if not a.unmasked_upstream:  # padded query rows get no upstream gradient (in place: no second 4.8 GB copy)
+        do.mul_(keymask[:, None, :, None])
 
     methods = {
         "gemcompile": lambda q_, k_, v_: torch.ops.gemcompile.jagged_attention(q_, k_, v_, n, n, None, False, scale),
@@ -81,14 +96,13 @@ def main() -> None:
         print(json.dumps(row))
     result = {
         "benchmark": "jagged_attention_check_large",
-        "environment": environment(),
-        "command": "python " + " ".join(sys.argv),
         "shape": {"B": B, "L": L, "H": H, "D": D, "fill": a.fill, "dtype": "bfloat16"},
-        "note": "relative error norm of each method against float64 on single valid sequences",
+        "upstream_gradient": "drawn at every row, padded query rows included (the first version's error)"
+        if a.unmasked_upstream else "zero at padded query rows (rows >= length)",
+        "metric": "relative error norm of each method against float64 on single sequences, valid rows",
         "rows": rows,
     }
-    if a.out:
-        a.out.write_text(json.dumps(result, indent=1))
+    print(f"results in {write_json('jagged_attention-check-large', result, a.out)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 graph (what mode="reduce-overhead" would give: no Python or launch overhead), and where the CPU time of
 an eager step goes (enqueue time of each layer of the call, and the top functions under cProfile).
 
-    python benchmarks/jagged_attention_profile.py [--B 32 --L 2048 --H 8 --D 64 --fill 0.5] [--cprofile]
+    python benchmarks/jagged_attention_profile.py [--B 32 --L 2048 --H 8 --D 64 --fill 0.5] [--cprofile] [--out DIR]
+
+What it prints also goes to ``jagged_attention-profile-<stamp>.json`` through the one results writer
+(harness.write_json: $OUT, else --out, else benchmarks/results/): nothing of it is typed in by hand.
 """
 
 import argparse
@@ -14,6 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import write_json  # noqa: E402
+
 import gemcompile.lowering  # noqa: E402,F401
 
 
@@ -37,7 +43,7 @@ def enqueue_us(fn, reps: int = 200) -> float:
     return 1e6 * (t1 - t0) / reps
 
 
-def layer_costs(a) -> None:
+def layer_costs(a) -> dict:
     """Enqueue time of each layer: raw launchers, the custom ops, autograd around them."""
     from gemcompile.lowering.jagged_attention import triton as jt
 
@@ -63,11 +69,14 @@ def layer_costs(a) -> None:
         "one torch.empty": lambda: torch.empty(16, device="cuda"),
         "one argsort": lambda: torch.argsort(n, descending=True),
     }
+    costs = {}
     for name, fn in rows.items():
-        print(f"  {enqueue_us(fn):8.1f} us  {name}")
+        costs[name] = enqueue_us(fn)
+        print(f"  {costs[name]:8.1f} us  {name}")
+    return costs
 
 
-def cprofile_step(step, reps: int = 200) -> None:
+def cprofile_step(step, reps: int = 200) -> list[dict]:
     import cProfile
     import pstats
 
@@ -77,7 +86,11 @@ def cprofile_step(step, reps: int = 200) -> None:
         step()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    stats.print_stats(25)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # (file, line, fn) -> (cc, nc, tt, ct, ...)
+    return [{"function": f"{f}:{line}({fn})", "calls_per_step": nc / reps, "tottime_us_per_step": 1e6 * tt / reps,
+             "cumtime_us_per_step": 1e6 * ct / reps} for (f, line, fn), (cc, nc, tt, ct, _) in top]
 
 
 def make_step(a):
@@ -92,13 +105,17 @@ def make_step(a):
     return step
 
 
-def kernel_times(step, steps: int) -> None:
+def kernel_times(step, steps: int) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    rows = []
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
-        print(f"  {e.device_time_total / steps / 1000:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}")
+        rows.append({"kernel": e.key, "ms_per_step": e.device_time_total / steps / 1000,
+                     "calls_per_step": e.count // steps})
+        print(f"  {rows[-1]['ms_per_step']:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}")
+    return rows
 
 
 def step_times(step, reps: int) -> tuple[float, float, float]:
@@ -134,19 +151,24 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--fill", type=float, default=0.5)
     p.add_argument("--cprofile", action="store_true", help="also: enqueue cost per layer and a cProfile table")
+    p.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else benchmarks/results/)")
     a = p.parse_args()
     step = make_step(a)
     for _ in range(5):  # autotune and warm up
         step()
     torch.cuda.synchronize()
     print(f"B{a.B} L{a.L} H{a.H} D{a.D} fill {a.fill}: GPU time per step by kernel")
-    kernel_times(step, 5)
+    payload = {"benchmark": "jagged_attention_profile", "dtype": "bfloat16", "causal": False,
+               "shape": {"B": a.B, "L": a.L, "H": a.H, "D": a.D, "fill": a.fill},
+               "kernel_ms_per_fwd_bwd_step": kernel_times(step, 5)}
     enqueue, wall, graph = step_times(step, 30)
+    payload["step_ms"] = {"eager_enqueue": enqueue, "eager_wall": wall, "cuda_graph_replay": graph}
     print(f"  eager enqueue {enqueue:.3f} ms/step, eager wall {wall:.3f} ms/step, CUDA graph replay {graph:.3f} ms/step")
     if a.cprofile:
         print("CPU enqueue time per call, by layer")
-        layer_costs(a)
-        cprofile_step(step)
+        payload["enqueue_us_per_call"] = layer_costs(a)
+        payload["cprofile_top"] = cprofile_step(step)
+    print(f"results in {write_json('jagged_attention-profile', payload, a.out)}")
 
 
 if __name__ == "__main__":

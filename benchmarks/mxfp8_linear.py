@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import warnings
@@ -39,7 +38,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, graphed, results_path, rotation_count, tflops
+from harness import (bench_ms, environment, format_table, graphed, results_path, rewrite_results, rotation_count,
+                     tflops)
 
 import gemcompile.lowering  # noqa: F401  (registers torch.ops.gemcompile.fp8_mm)
 from gemcompile.lowering.fp8 import scaled_mm as sm
@@ -303,8 +303,7 @@ def main(argv=None):
                         args.out)
 
     def save(payload):
-        with open(path, "w") as fh:
-            json.dump(payload, fh, indent=1, default=str)
+        rewrite_results(path, payload)
 
     payload = {
         "benchmark": "mxfp8_linear", "environment": environment(), "dtype": str(DTYPE), "rule": args.rule,

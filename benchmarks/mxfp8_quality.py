@@ -46,7 +46,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, results_path
+from harness import environment, format_table, results_path, rewrite_results
 
 RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
 NO_FP8 = "none"
@@ -437,8 +437,7 @@ def parse_args(argv=None):
 
 
 def _dump(path: Path, payload: dict) -> None:
-    with open(path, "w") as fh:
-        json.dump(payload, fh, indent=1, default=str)
+    rewrite_results(path, payload)
 
 
 def _concurrent_workers(plan, args) -> int:

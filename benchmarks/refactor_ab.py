@@ -122,7 +122,7 @@ def _rows(cases: list[str], runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def parent(args) -> int:
-    from harness import environment, results_path
+    from harness import environment, results_path, rewrite_results
 
     path = results_path("refactor_ab", args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def parent(args) -> int:
         payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(),
                    "before": args.before, "after": args.after, "repeats_done": repeat + 1, "rows": rows,
                    "runs": runs}
-        path.write_text(json.dumps(payload, indent=1) + "\n")
+        rewrite_results(path, payload)
     for row in rows:
         print(f"{row['case']:18s} {row['metric']:13s} before {row['before_ms']:8.3f} ms  "
               f"after {row['after_ms']:8.3f} ms  after/before {row['after_over_before']:.3f}")

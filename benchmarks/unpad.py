@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, write_json
+from harness import environment, format_table, rewrite_results, write_json
 
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, sequence_arch
@@ -328,8 +327,7 @@ def main(argv=None) -> int:
         if path is None:
             path = write_json("unpad", payload, out_dir=args.out)
         else:
-            with open(path, "w") as fh:
-                json.dump(payload, fh, indent=1, default=str)
+            rewrite_results(path, payload)
 
     for method in args.methods:
         torch._dynamo.reset()  # each method compiles from scratch (and its counts start clean)

@@ -304,7 +304,8 @@ IDIOMS = {
 NOT_FUSED = {rope_wrong_sign: "neither rotate-half", rope_wrong_split: "neither rotate-half",
              rope_learned_tables: "requires grad", rope_only_on_q: "only q is rotated"}
 # a masked_fill(-inf) softmax gives NaN on rows without any allowed key, whose NaN then reaches eager's
-# gradients of v: those idioms run on lengths where every row keeps a key
+# gradients of v: those idioms are compared with eager on lengths where every row keeps a key, and an empty
+# sequence, where the two differ, is checked against the documented 0 (_empty_sequence_is_zero)
 # rows i >= len[b] without an allowed key: eager's additive / finite-fill / -inf softmax gives an average or
 # NaN there, the kernel 0 (the documented exception); every other idiom is compared on every row
 ROWS_PAST_THE_LENGTH_DIFFER = {sdpa_block32_additive_inf, hand_block64_div_floor_masked_fill,
@@ -365,7 +366,32 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(idiom):
         assert (g is None) == (g_ref is None)
         if g is not None:
             torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    if idiom in NO_EMPTY_ROWS:
+        _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights)
     assert counters["gemcompile"]["block_attention"] == 1
+
+
+def _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights, empty=2):
+    """Where eager and the kernel differ, an empty sequence (every row past its length): eager's softmax over
+    all -inf gives NaN there, the kernel 0 with no gradient into that sequence's q, k, v (the documented
+    exception above ROWS_PAST_THE_LENGTH_DIFFER). The other sequences keep eager's values and gradients. The
+    same compiled function: no recompile."""
+    lengths = lengths.clone()
+    lengths[empty] = 0
+    out, ref = compiled(q, k, v, lengths, extra), idiom(q, k, v, lengths, extra)
+    assert ref[empty].isnan().all()
+    assert (out[empty] == 0).all() and torch.isfinite(out).all()
+    keep = torch.arange(out.shape[0]) != empty
+    rows = key_mask(lengths)[:, None, :, None]  # the rows every idiom defines: queries i < len[b]
+    torch.testing.assert_close(torch.where(rows, out, 0)[keep], torch.where(rows, ref, 0)[keep], atol=1e-5,
+                               rtol=1e-4)
+    # the same rows for the kernel, plus every row of the empty sequence: its 0 must carry no gradient
+    with_empty = rows | ~keep[:, None, None, None]
+    grads = torch.autograd.grad((torch.where(with_empty, out, 0) * weights).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((torch.where(rows, ref, 0) * weights).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g[empty] == 0).all()
+        torch.testing.assert_close(g[keep], g_ref[keep], atol=1e-5, rtol=1e-4)
 
 
 def test_fused_rope_passes_the_unrotated_q_and_k():

@@ -170,7 +170,7 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(name):
     idiom = IDIOMS[name]
     q, k, v, lengths, extra = _inputs()
     if name == "sigmoid_mean_over_keys":
-        lengths = torch.tensor([L, 5, 1, 3])  # eager divides 0 by 0 on an empty sample (NaN gradients)
+        lengths = torch.tensor([L, 5, 1, 3])  # eager divides 0 by 0 on an empty sample: _empty_sample_stays_nan
     report = explain(idiom, q, k, v, lengths, extra)
     assert report.counts["gdpa"] == 1, report.refusals
     assert report.counts.get("jagged_attention", 0) == 0
@@ -189,7 +189,28 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(name):
         assert (g is None) == (g_ref is None)
         if g is not None:
             torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+    if name == "sigmoid_mean_over_keys":
+        _empty_sample_stays_nan(compiled, idiom, q, k, v, lengths, extra, weights)
     assert counters["gemcompile"]["gdpa"] == 1
+
+
+def _empty_sample_stays_nan(compiled, idiom, q, k, v, lengths, extra, weights, empty=3):
+    """A mean over a sample's valid keys, on an empty sample: eager divides 0 by 0, and so does gem_compile (the
+    model's own divisor is applied to the op's output: "0 / 0 stays eager's NaN", passes/attention/gdpa.py).
+    Both are NaN on that sample and nowhere else; the other samples keep eager's values and q/k/v gradients.
+    The same compiled function: no recompile."""
+    lengths = lengths.clone()
+    lengths[empty] = 0
+    out, ref = compiled(q, k, v, lengths, extra), idiom(q, k, v, lengths, extra)
+    assert ref[empty].isnan().all() and out[empty].isnan().all()
+    keep = torch.arange(out.shape[0]) != empty
+    assert torch.isfinite(out[keep]).all()
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    rows = keep[:, None, None, None]
+    grads = torch.autograd.grad((torch.where(rows, out, 0) * weights).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((torch.where(rows, ref, 0) * weights).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g[keep], g_ref[keep], atol=5e-5, rtol=1e-4)
 
 
 def test_explain_describes_the_proven_mask():

@@ -122,8 +122,28 @@ IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, sdpa_key, sdp
           hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute,
           relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
 # eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
-# those idioms are checked on lengths >= 1 (finite fills are exact there, see test_finite_fills.py)
+# those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is
+# checked against the documented semantics (_empty_sequence_is_zero; finite fills: test_finite_fills.py)
 NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_blhd_einsum, hand_blhd_permute, relative_bias}
+
+
+def _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights, empty=3):
+    """Where eager and the kernel differ, a sequence with no valid key: eager gives NaN (a softmax over all -inf),
+    gemcompile 0 with no gradient into that sequence's q, k, v (passes/attention/jagged.py, Semantics). The
+    other sequences keep eager's values and q/k/v gradients. The same compiled function: no recompile."""
+    lengths = lengths.clone()
+    lengths[empty] = 0
+    out, ref = compiled(q, k, v, lengths, extra), idiom(q, k, v, lengths, extra)
+    assert ref[empty].isnan().all()
+    assert (out[empty] == 0).all() and torch.isfinite(out).all()
+    keep = torch.arange(out.shape[0]) != empty
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    kept_rows = keep.view(-1, *([1] * (ref.dim() - 1)))
+    grads_ref = torch.autograd.grad((torch.where(kept_rows, ref, 0) * weights).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g[empty] == 0).all()
+        torch.testing.assert_close(g[keep], g_ref[keep], atol=2e-5, rtol=1e-4)
 
 
 def _inputs(idiom):
@@ -174,6 +194,8 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(idiom):
         assert (g is None) == (g_ref is None)
         if g is not None:
             torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    if idiom in NO_EMPTY_ROWS:
+        _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights)
     assert counters["gemcompile"]["jagged_attention"] == 1
 
 

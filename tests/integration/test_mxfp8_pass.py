@@ -18,10 +18,9 @@ from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
 from gemcompile.config import ConfigError
+from gemcompile.lowering.fp8 import scaled_mm
 from gemcompile.lowering.fp8.numerics import fake_quantize
 from gemcompile.passes.mxfp8 import Mxfp8Pass, decisions, module_path
-
-scaled_mm = pytest.importorskip("gemcompile.lowering.fp8.scaled_mm", reason="gemcompile::fp8_mm not available yet")
 
 ALL_SIZES = {"min_m": 1, "min_k": 1, "min_n": 1}
 

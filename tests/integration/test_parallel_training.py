@@ -1,12 +1,13 @@
 """The 5D plan trains GEM-ref tiny under torchrun on gloo (CPU) like one process does.
 
-Each run trains 5 steps of the same global batch (16 samples) from the same initialization; the losses
-must equal single-process training within LOSS_TOL (float32; observed differences are ~3e-8, summation
-order). World 2 = one node of 2 (dp_shard, ep, emb_inner = 2); world 4 = 2 nodes of 2 (every axis 2:
-dp_replicate, dp_shard, ep, emb_outer, emb_inner), grid embeddings and, separately, replicated groups
-with experts FSDP-sharded over efsdp = 2. A checkpoint saved at world 4 resumes at world 2. One step's
-collectives per (op, axis) equal the plan's. Eager mode, except one compiled case (gem_compile of each GEM layer under the plan, world 2), which
-takes ~5 minutes on 2 shared cores and runs only with GEMCOMPILE_SLOW_TESTS=1.
+Each eager run trains 5 steps of the same global batch (16 samples) from the same initialization; every
+step's loss must equal single-process training within LOSS_TOL (float32; observed differences are ~3e-8,
+summation order). World 2 = one node of 2 (dp_shard, ep, emb_inner = 2); world 4 = 2 nodes of 2 (every
+axis 2: dp_replicate, dp_shard, ep, emb_outer, emb_inner), grid embeddings and, separately, replicated
+groups with experts FSDP-sharded over efsdp = 2. A checkpoint saved at world 4 resumes at world 2. One
+step's collectives per (op, axis) equal the plan's. One compiled case (gem_compile of each GEM layer under
+the plan, world 2, 3 steps, within COMPILED_LOSS_TOL of eager single-process training) is marked slow
+(about 2 minutes on 2 CPU cores) and runs with the rest of the suite.
 """
 
 import json
@@ -28,6 +29,8 @@ WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
 STEPS, BATCH = 5, 16
 LOSS_TOL = 1e-5
 """Absolute tolerance on each step's loss against single-process training."""
+COMPILED_LOSS_TOL = 1e-4
+"""The same for gem_compile under the plan (compiled kernels change the summation order more)."""
 
 
 def _env() -> dict:
@@ -66,10 +69,11 @@ def reference():
     return {"plain": plain, "clipped": clipped}
 
 
-def _assert_close(losses, expected):
-    assert len(losses) == len(expected)
+def _assert_close(losses, expected, tol: float = LOSS_TOL):
+    """Every step's loss within tol; a run that trained no step (or another count of steps) fails."""
+    assert expected and len(losses) == len(expected), (losses, expected)
     for step, (a, b) in enumerate(zip(losses, expected), 1):
-        assert abs(a - b) <= LOSS_TOL, f"step {step}: parallel {a} vs single process {b}"
+        assert abs(a - b) <= tol, f"step {step}: parallel {a} vs single process {b}"
 
 
 def test_world_2_matches_single_process_with_clipping(tmp_path, reference):
@@ -112,8 +116,7 @@ def test_world_4_replicated_groups_and_expert_fsdp(tmp_path, reference):
 @pytest.mark.slow  # ~2 minutes on 2 CPU cores: GEM-ref tiny's units compiled in two processes
 def test_world_2_gem_compile_matches_eager(tmp_path, reference):
     run = _run(tmp_path, 2, {"steps": 3, "batch_size": BATCH, "compile": "gem"}, "w2-gem", timeout=900)
-    for a, b in zip(run["losses"], reference["plain"][:3]):
-        assert abs(a - b) <= 1e-4
+    _assert_close(run["losses"], reference["plain"][:3], tol=COMPILED_LOSS_TOL)
     assert run["pass_counts"]["sharding"] > 0  # each compiled layer annotated with the runtime's plan
     # each layer builds its masks from the lengths, so the attention passes rewrite inside the units too
     for name in ("jagged_attention", "gdpa", "block_attention"):

@@ -84,7 +84,10 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     assert r["kernel_ms_per_step"] is None and r["host_share"] is None and r["mfu_at_kernel_time"] is None
     assert r["recompiles_after_warmup"] == 0 and r["graphs_compiled"] == 0  # eager compiles nothing
     assert len(r["ne"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["ne"])
-    assert r["speedup_vs_eager"] == pytest.approx(1.0) and r["ne_rel_diff_vs_eager"] == 0.0
+    # the results writer's environment block travels with the payload (benchmarks/render_report.py needs it)
+    env = payload["environment"]
+    assert env["writer"].startswith("gemcompile.runtime.training.results") and env["gpu"] is None
+    assert env["torch"] == torch.__version__ and env["machine_shared"] in ("yes", "no", "unknown")
     assert [row["layer"] for row in r["layers"]] == [0, 1] and all(row["ms"] > 0 for row in r["layers"])
     assert r["host_load"]["cpus"] >= 1 and r["host_load"]["load_avg_1min"] >= 0
 
@@ -93,9 +96,27 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
         "render_report", Path(__file__).resolve().parents[2] / "benchmarks" / "render_report.py")
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
-    (tmp_path / "e2e-tiny-20261130-000000.json").write_text(json.dumps(payload))
-    markdown = render.render_markdown(render.latest_results(tmp_path))
-    assert "| eager |" in markdown and "samples/s" in markdown
+    path = tmp_path / "e2e-tiny-20261130-000000.json"
+    path.write_text(json.dumps(payload))
+    markdown = "\n".join(render._e2e_table(path, json.loads(path.read_text())))
+    assert "| eager |" in markdown and "samples/s" in markdown and "torch 2." in markdown
+
+
+def test_ratios_against_the_peers_come_from_their_rows():
+    """speedup_vs_inductor/eager, compile_time_vs_inductor and the NE gap, on rows with known values."""
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=1, warmup=2, methods=("eager", "inductor", "gem"),
+                         device="cpu", dtype="float32")
+    rows = [{"method": "eager", "samples_per_s": 100.0, "compile_s": 0.0, "ne": [1.0, 2.0]},
+            {"method": "inductor", "samples_per_s": 200.0, "compile_s": 10.0, "ne": [1.2, 2.0]},
+            {"method": "gem", "samples_per_s": 300.0, "compile_s": 15.0, "ne": [1.05, 1.8]},
+            {"method": "gem-no-unpad", "error": "OutOfMemoryError: ..."}]
+    by = {r["method"]: r for r in e2e_bench._payload(cfg, rows)["results"]}
+    assert by["gem"]["speedup_vs_inductor"] == pytest.approx(1.5)
+    assert by["gem"]["speedup_vs_eager"] == pytest.approx(3.0)
+    assert by["gem"]["compile_time_vs_inductor"] == pytest.approx(1.5)
+    assert by["gem"]["ne_rel_diff_vs_eager"] == pytest.approx(0.1)  # max(0.05 / 1.0, 0.2 / 2.0)
+    assert by["inductor"]["ne_rel_diff_vs_eager"] == pytest.approx(0.2)
+    assert "speedup_vs_inductor" not in by["gem-no-unpad"]  # a failed method gets no ratios
 
 
 def test_cli_records_the_command_in_the_results_json(tmp_path):

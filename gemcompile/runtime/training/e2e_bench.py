@@ -49,6 +49,7 @@ from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD, GemFlopFo
 from gemcompile.runtime.training.kernel_time import KernelProfile, kernel_profile
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
+from gemcompile.runtime.training.results import environment as results_environment
 
 __all__ = ["E2EBenchConfig", "available_methods", "compile_method", "methods_help", "run_e2e_bench",
            "split_method", "step_begin", "unknown_methods"]
@@ -535,6 +536,7 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
         batch_size = DEFAULT_BATCH_SIZE[cfg.size]
     return {
         "benchmark": "e2e",
+        "environment": results_environment(),  # the one results writer's block (GPU, versions, commit, command)
         "config": {**dataclasses.asdict(cfg), "batch_size": batch_size},
         "peak_bf16_dense_tflops": (peak_flops(device) or 0) / 1e12 or None,
         "conventions": {
