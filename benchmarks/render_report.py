@@ -979,6 +979,32 @@ def readme_e2e() -> str:
             f"runs is in benchmarks/README.md.")
 
 
+@block("readme-e2e-sparse-tables")
+def readme_e2e_sparse_tables() -> str:
+    mpath, medium = load("e2e-medium-fill0.5-20261201-214826.json")
+    tpath, tables = load("sparse_tables-medium-b256-20261201-214406.json")
+    m = {r["method"]: r for r in medium["results"]}
+    t = {r["method"]: r for r in tables["results"]}
+    env = medium["environment"]
+    g, i = m["gem"], m["inductor"]
+    return (f"With the embedding tables trained sparsely (row gradients and SparseAdagrad, gem_compile's "
+            f"default; the torch.compile peer keeps dense tables and torch's Adagrad), GEM-ref medium at batch "
+            f"{medium['config']['batch_size']}, fill {medium['config']['fill']} ({cite(mpath)}, {env['gpu']}, torch "
+            f"{env['torch']}, triton {env['triton']}, {env['date_utc'][:10]}): gem_compile trains "
+            f"{f(g['speedup_vs_inductor'])}x torch.compile's samples/s ({f(g['samples_per_s'], '.0f')} against "
+            f"{f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU; kernel time {f(g['kernel_ms_per_step'], '.1f')} "
+            f"against {f(i['kernel_ms_per_step'], '.1f')} ms a step, {f(g['kernel_profile']['kernels_per_step'], '.0f')} "
+            f"against {f(i['kernel_profile']['kernels_per_step'], '.0f')} kernels a step, peak memory "
+            f"{f(g['peak_memory_gib'], '.1f')} against {f(i['peak_memory_gib'], '.1f')} GiB (compile times in this file "
+            f"are Inductor cache hits: not a compile-time measurement). The tables alone, eager, one step of lookups, "
+            f"backward and optimizer ({cite(tpath)}): dense {f(t['dense']['step_ms'], '.1f')} ms, torch's sparse "
+            f"gradients {f(t['torch-sparse']['step_ms'], '.1f')} ms, SparseAdagrad {f(t['sparse-rows']['step_ms'], '.1f')} "
+            f"ms: in isolation the sparse path is not faster than dense Adagrad on these tables (its optimizer "
+            f"step {f(t['sparse-rows']['optimizer_ms'], '.1f')} against {f(t['dense']['optimizer_ms'], '.1f')} ms, host-bound: "
+            f"about ten launches per table); in the whole step it removes the dense table gradients and "
+            f"their radix sorts.")
+
+
 @block("readme-scaling")
 def readme_scaling() -> str:
     path, payload = load("parallel_scaling-20261130-081802.json")

@@ -6,9 +6,8 @@ The environment block (``payload["environment"]``) holds:
 - ``gpu``, ``gpu_count``, ``capability``, ``sm_count``, ``gpu_memory_gib``, ``driver`` (None on a machine
   without a CUDA GPU; ``driver`` from ``nvidia-smi``, None when that is not available);
 - ``torch``, ``triton``, ``cuda``, ``python``;
-- ``git_commit`` and ``git_dirty`` (from ``git`` in the source tree; on a machine that was handed a copy of
-  the tree without ``.git``, from the environment variables ``GEMCOMPILE_GIT_COMMIT`` and
-  ``GEMCOMPILE_GIT_DIRTY``, else None) and ``source_digest``: a SHA-256 over the package's and the
+- ``git_commit`` and ``git_dirty`` (the environment variables ``GEMCOMPILE_GIT_COMMIT`` and
+  ``GEMCOMPILE_GIT_DIRTY`` when set, else ``git`` in the source tree, else None) and ``source_digest``: a SHA-256 over the package's and the
   benchmarks' Python sources, which identifies the code that ran even without git;
 - ``date_utc``, ``host``;
 - ``argv`` (``sys.argv`` as a list) and ``command`` (the same, shell-quoted, with the interpreter);
@@ -59,6 +58,10 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def _git() -> tuple[str | None, bool | None]:
+    if os.environ.get("GEMCOMPILE_GIT_COMMIT"):  # the person running knows better than a copied .git: the
+        # GPU machine's copy of the tree carried a stale HEAD (65d3793 on 2026-12-01's runs, at 3f582a0)
+        dirty = os.environ.get("GEMCOMPILE_GIT_DIRTY")
+        return os.environ["GEMCOMPILE_GIT_COMMIT"], None if dirty is None else dirty.strip().lower() in ("1", "yes", "true")
     commit = _run(["git", "rev-parse", "HEAD"], REPO) if (REPO / ".git").exists() else None
     if commit:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO)
