@@ -19,6 +19,7 @@ Importing this package registers every op. One folder per op, one file per conce
     gdpa/                 gemcompile::gdpa               op.py spec.py reference.py triton.py pairs_triton.py
                           bias_grad_triton.py relative_table.py diagonal_sums_triton.py flops.py
     relative_bias/        gemcompile::relative_bias      op.py
+    sparse_embedding/     gemcompile::sparse_embedding   op.py pending.py adagrad.py reference.py adagrad_triton.py
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index
 
@@ -34,5 +35,6 @@ from .fp8 import scaled_mm  # noqa: F401  registers gemcompile::fp8_mm (its kern
 from .gdpa import op as gdpa_op  # noqa: F401  registers gemcompile::gdpa*
 from .jagged_attention import op as jagged_attention_op  # noqa: F401  registers gemcompile::jagged_attention*
 from .relative_bias import op as relative_bias_op  # noqa: F401  registers gemcompile::relative_bias
+from .sparse_embedding import op as sparse_embedding_op  # noqa: F401  registers gemcompile::sparse_embedding
 
 __all__ = ["strict_length_checks"]
