@@ -58,7 +58,8 @@ class LengthSites(_Sites):
         i = torch.arange(L, device=x.device)
         block = (i // BS)[:, None] == (i // BS)[None, :]
         q, k, v = self.qkv(2, x)
-        x = x + _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=block[None, None] & valid[:, None, None, :]))
+        mask = block[None, None] & valid[:, None, None, :]
+        x = x + _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         q, k, v = self.qkv(3, x)
         x = x + _merge(F.gelu(q @ k.transpose(-2, -1)) / L @ v) * valid[..., None]
         valid2 = torch.arange(L2, device=y.device)[None, :] < lengths2[:, None]

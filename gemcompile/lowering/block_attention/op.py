@@ -56,7 +56,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values, key_bounds
-from ..common.opkit import LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
+                           use_triton)
 from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward

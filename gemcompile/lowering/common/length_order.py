@@ -85,7 +85,8 @@ def key_span(bounds: Tensor) -> Tensor:
 
 def check_plan(B: int, device, kv_mask, q_order=None, kv_order=None, kv_bounds=None) -> None:
     """Metadata checks of the derived tensors an attention op may be given (they run on fake tensors too)."""
-    for name, t, dtype, shape in (("q_order", q_order, torch.int64, (B,)), ("kv_order", kv_order, torch.int64, (B,)),
+    for name, t, dtype, shape in (("q_order", q_order, torch.int64, (B,)),
+                                  ("kv_order", kv_order, torch.int64, (B,)),
                                   ("kv_bounds", kv_bounds, torch.int32, (B, KV_BOUNDS_WIDTH))):
         if t is None:
             continue

@@ -122,7 +122,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
-from ..common.opkit import LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
+                           use_triton)
 from ..length_order import derive_plan
 from .flops import gdpa_pairs, padded_gdpa_pairs
 from .reference import reference_gdpa_backward, reference_gdpa_forward

@@ -79,10 +79,10 @@ from ..common.attention_triton import (
     block_d,
     dot_precision,
     kernel_configs,
-    mask_key_bounds,
     length_bucket,
     load_rows,
     make_prune,
+    mask_key_bounds,
     program_coordinates,
     store_rows,
 )

@@ -16,8 +16,9 @@ fp32 with exp2 (log2 e is folded into the scale); a row with no valid key gets o
 
 kv_mask (constexpr HAS_KV_MASK; without a mask the kernels compile to the length-only code): the
 launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1) and a holes
-flag (fewer valid keys than kv_hi - kv_lo: common/attention_triton.mask_key_bounds, one (B, 3) int32
-tensor) and orders batches by kv_hi - kv_lo. The fwd and dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
+flag (fewer valid keys than kv_hi - kv_lo), one (B, 3) int32 tensor (common/attention_triton.mask_key_bounds;
+given to the op when the graph derived it once per step), and orders batches by kv_hi - kv_lo. The fwd and
+dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
 (left/right padding, any contiguous run) has exactly the keys kv_lo <= j < kv_hi: its loop is split like
 the length path (masked first tile, unmasked inner tiles that load neither the mask nor any row mask,
 masked last tile, bounds only), so it costs what lengths cost. A sequence with holes runs every tile
@@ -52,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ..common.attention_triton import (
-    LN2,
     KV_BOUNDS_WIDTH,
+    LN2,
     LOG2E,
     MODE_FULL,
     MODE_LENGTHS,
@@ -64,10 +65,10 @@ from ..common.attention_triton import (
     bwd_delta_kernel,
     dot_precision,
     kernel_configs,
-    mask_key_bounds,
     length_bucket,
     load_rows,
     make_prune,
+    mask_key_bounds,
     program_coordinates,
     same_sequences,
     sequence,
