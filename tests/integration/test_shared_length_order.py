@@ -204,3 +204,31 @@ def test_triton_launchers_take_the_shared_tensors_and_give_the_same_bits(monkeyp
     assert runs[False][1] == {"order": 3 * 2 + 3}
     _assert_same(runs[True][0], runs[False][0], exact=True)
     _assert_same(runs[True][0], step(model, length_inputs()))
+
+
+def test_unpad_regions_over_one_lengths_tensor_share_one_valid_token_index():
+    """Two packed regions (two inputs, one lengths tensor) read one valid-token index: one host read of the
+    token count per step, saved for the backward."""
+    from tests.integration.test_unpad_pass import D_IN, N, MaskedResidualFfn
+
+    class TwoStreams(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = MaskedResidualFfn(), MaskedResidualFfn()
+
+        def forward(self, x, y, lengths):
+            return self.a(x, lengths) + self.b(y, lengths)
+
+    torch.manual_seed(0)
+    model, graphs = TwoStreams(), {}
+    compiled = _compiled(model, graphs)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4, N, D_IN, generator=g, requires_grad=True) for _ in range(2))
+    for lengths in ([9, 0, 3, 5], [1, 2, 8, 4]):
+        inputs = (x, y, torch.tensor(lengths))
+        _assert_same(step(compiled, inputs), step(model, inputs))
+
+    def indices(gm):
+        return [n for n in gm.graph.nodes if "valid_token_index" in str(n.target)]
+
+    assert len(indices(graphs["fw"])) == 1 and indices(graphs["bw"]) == []
