@@ -157,7 +157,7 @@ def test_one_order_per_lengths_tensor_per_step_and_fresh_after_an_in_place_chang
     _assert_same(got, step(model, inputs))
 
 
-def test_one_key_bounds_per_mask_perstep():
+def test_one_key_bounds_per_mask_per_step():
     torch.manual_seed(0)
     model, graphs = MaskSites(), {}
     compiled = _compiled(model, graphs)
