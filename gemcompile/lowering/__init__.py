@@ -12,6 +12,7 @@ Importing this package registers every op. One folder per op, one file per conce
       flops.py            the attention FLOP conventions
       tuned_launch.py     TRITON_INTERPRET and the launcher that asks the autotuner once per key
       attention_triton.py the Triton toolkit of the attention kernels (loads, stores, order, prune)
+      length_order.py     what the attention ops derive from lengths / a key mask (order, key bounds), counted
       length_order_triton.py  batch order longest first (a counting argsort in one launch)
       jagged.py           jagged <-> padded conversions, the length bucket
     jagged_attention/     gemcompile::jagged_attention   op.py reference.py triton.py flops.py
@@ -22,12 +23,14 @@ Importing this package registers every op. One folder per op, one file per conce
     sparse_embedding/     gemcompile::sparse_embedding   op.py pending.py adagrad.py reference.py adagrad_triton.py
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index
+    length_order.py       gemcompile::length_order, gemcompile::key_bounds (derived once per step, shared)
 
 A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from
 common/opkit.py), ``reference.py``, ``triton.py``, ``flops.py``, and one import line below. lowering/
 imports nothing outside lowering/.
 """
 
+from . import length_order  # noqa: F401  registers gemcompile::length_order, gemcompile::key_bounds
 from . import valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from .block_attention import op as block_attention_op  # noqa: F401  registers gemcompile::block_attention*
 from .common.checks import strict_length_checks

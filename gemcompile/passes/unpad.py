@@ -313,6 +313,9 @@ class UnpadPass(GemPass):
         masks = self.length_masks(graph)
         if not masks:
             return
+        # (lengths, offset, padded length) -> the index nodes of a region already packed: every region over
+        # the same rows reuses them (one valid_token_index, i.e. one host read of T, per lengths per step)
+        self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for reason in region.stays_padded.values():
@@ -343,13 +346,19 @@ class UnpadPass(GemPass):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
-        with graph.inserting_before(first):
-            lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
-            hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) \
-                if isinstance(mask.batch, int) else 0
-            index = emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
-            batch_index = emit.call(operator.floordiv, (index, seq))
-            seq_index = emit.call(operator.mod, (index, seq))
+        index_key = (mask.lengths, mask.offset, seq)
+        shared = self._indices.get(index_key)
+        if shared is not None and order[shared[0]] < order[first]:  # (regions come in graph order)
+            index, batch_index, seq_index = shared[-3:]
+        else:
+            with graph.inserting_before(first):
+                lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
+                hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) \
+                    if isinstance(mask.batch, int) else 0
+                index = emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
+                batch_index = emit.call(operator.floordiv, (index, seq))
+                seq_index = emit.call(operator.mod, (index, seq))
+            shared = (*([lengths] if lengths is not mask.lengths else []), index, batch_index, seq_index)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -399,6 +408,7 @@ class UnpadPass(GemPass):
                   f"{len(region.nodes)} ops on packed tokens ({op_text}); {len(entries)} gathers in, "
                   f"{n_exits} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
                   f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
+        self._indices[index_key] = shared
         self.rewrote(first, "\n".join(snapshot), (
             f"index = gemcompile.valid_token_index({mask.lengths.name}, {seq})  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "

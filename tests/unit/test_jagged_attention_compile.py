@@ -28,9 +28,8 @@ SCRIPT = textwrap.dedent(
     from gemcompile.lowering.common import attention_triton
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
-                "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8", "KVLo": "i32",
-                "KVHi": "i32", "KVHoles": "i32",
-                "Uniform": "u8"}
+                "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8",
+                "KVBounds": "i32", "Uniform": "u8"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
 
     def jit_fn(kernel):

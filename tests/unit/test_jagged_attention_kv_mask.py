@@ -250,8 +250,9 @@ def test_schemas():
     assert "Tensor? kv_lengths" in str(ops.jagged_attention.default._schema)
     for op in (ops.jagged_attention, ops.jagged_attention_fwd, ops.jagged_attention_bwd):
         schema = str(op.default._schema)
-        assert "Tensor? kv_lengths" in schema and "Tensor? kv_mask=None, Tensor? uniform_keys=None) ->" in schema, \
-            schema
+        tail = ("Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None, Tensor? kv_order=None, "
+                "Tensor? kv_bounds=None) ->")
+        assert "Tensor? kv_lengths" in schema and tail in schema, schema
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def test_opcheck(case):
 
 def test_schemas():
     for op in (ops.jagged_attention, ops.jagged_attention_fwd, ops.jagged_attention_bwd):
-        assert "Tensor? kv_mask=None, Tensor? uniform_keys=None) ->" in str(op.default._schema)
+        assert "Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None" in str(op.default._schema)
 
 
 BAD = [

@@ -28,3 +28,76 @@ def test_empty_and_bad_keys():
     assert torch.equal(longest_first_order(torch.tensor([0, 0, 7, 0])), torch.tensor([2, 0, 1, 3]))
     with pytest.raises(ValueError, match="1-D int32/int64"):
         longest_first_order(torch.ones(3))
+
+
+def _given_and_derived(run, q_lengths, kv_lengths, kv_mask):
+    """run(**plan) with the plan derived by the caller (the launchers must derive nothing) and without one;
+    both results, bitwise equal."""
+    from gemcompile.lowering.common import length_order as lo
+    from gemcompile.lowering.length_order import derive_plan
+
+    plan = dict(zip(("q_order", "kv_order", "kv_bounds"), derive_plan(q_lengths, kv_lengths, kv_mask)))
+    lo.reset_counts()
+    given = run(**plan)
+    assert dict(lo.COUNTS) == {}
+    derived = run()
+    for a, b in zip(given, derived):
+        assert torch.equal(a, b)
+
+
+def test_gdpa_launchers_take_given_orders():
+    """Distinct q and kv lengths and a full bias whose gradient is reduced in-kernel: its prefix search walks
+    the batches by the given q_order."""
+    from gemcompile.lowering.gdpa.spec import GdpaSpec
+    from gemcompile.lowering.gdpa.triton import gdpa_backward_triton, gdpa_forward_triton
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(3, 1, 16, 16, generator=g) for _ in range(4))
+    bias = torch.randn(1, 1, 16, 16, generator=g)
+    ql, kl = torch.tensor([16, 3, 9]), torch.tensor([5, 16, 0])
+    spec = GdpaSpec("silu", 0.25)
+
+    def run(**plan):
+        out = gdpa_forward_triton(q, k, v, ql, kl, bias, spec, **plan)
+        return (out, *gdpa_backward_triton(grad, q, k, v, ql, kl, bias, spec, None, True, **plan))
+
+    _given_and_derived(run, ql, kl, None)
+
+
+def test_jagged_launchers_take_given_orders_and_bounds():
+    from gemcompile.lowering.jagged_attention.triton import (
+        jagged_attention_backward_triton,
+        jagged_attention_forward_triton,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(3, 1, 16, 16, generator=g) for _ in range(4))
+    ql, kl = torch.tensor([16, 3, 9]), torch.tensor([12, 16, 7])
+    mask = torch.rand(3, 16, generator=g) > 0.3
+
+    def run(**plan):
+        out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, None, True, 0.25, mask, **plan)
+        return (out, *jagged_attention_backward_triton(grad, q, k, v, out, lse, ql, kl, None, True, 0.25, False,
+                                                       mask, **plan)[:3])
+
+    _given_and_derived(run, ql, kl, mask)
+
+
+def test_block_launchers_take_given_bounds():
+    from gemcompile.lowering.block_attention.triton import (
+        block_attention_backward_triton,
+        block_attention_forward_triton,
+    )
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v, grad = (torch.randn(3, 1, 16, 16, generator=g) for _ in range(4))
+    lengths = torch.tensor([16, 11, 0])
+    mask = torch.rand(3, 16, generator=g) > 0.3
+
+    def run(**plan):
+        out, lse = block_attention_forward_triton(q, k, v, lengths, 8, -1, False, None, None, "none", 0.25, mask,
+                                                  kv_bounds=plan.get("kv_bounds"))
+        return (out, *block_attention_backward_triton(grad, q, k, v, out, lse, lengths, 8, -1, False, None, None,
+                                                      "none", 0.25, mask, kv_bounds=plan.get("kv_bounds")))
+
+    _given_and_derived(run, None, lengths, mask)

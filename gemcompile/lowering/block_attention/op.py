@@ -5,7 +5,7 @@ Public op (what the block_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
         int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale,
-        Tensor? kv_mask=None) -> Tensor
+        Tensor? kv_mask=None, Tensor? kv_bounds=None) -> Tensor
 
 q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
 int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
@@ -20,7 +20,10 @@ kv_mask: None or a bool (B, L) tensor on q's device, any strides (a (1, L) mask 
 read with batch stride 0). It only removes keys: positions stay absolute (holes or left padding shift
 nothing), every query row is still computed, and keys it drops get exactly zero dk and dv. The pass
 gives full lengths when the key mask comes from data. The kernels skip key tiles outside each sample's
-[first valid key, last valid key + 1) (triton.py).
+[first valid key, last valid key + 1) (triton.py): ``kv_bounds`` (optional, int32 (B, 3), the key bounds of
+kv_mask and lengths, common/length_order.py) when the graph derived them once per step for every op that
+reads this mask (``gemcompile::key_bounds``); left out, each call derives its own. Wrong ones are refused on
+CPU and under ``strict_length_checks``.
 
 Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
 sin are (L, D), (B, L, D) or (1|B, 1, L, D) (shared tables are read with batch stride 0, never copied),
@@ -52,14 +55,16 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
-from ..common.opkit import LIB, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.length_order import check_plan, check_plan_values, key_bounds
+from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
+                           use_triton)
 from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward
 
 __all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args", "check_kv_mask"]
 
-_INPUTS = 12  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
+_INPUTS = 13  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def check_kv_mask(kv_mask, B: int, L: int, device) -> None:
 
 
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None) -> None:
+                               kv_mask=None, kv_bounds=None) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
     checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
     if k.shape != q.shape or v.shape != q.shape:
@@ -126,6 +131,7 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
         )
     checks.check_flags(causal, scale)
     check_kv_mask(kv_mask, B, L, q.device)
+    check_plan(B, q.device, kv_mask, kv_bounds=kv_bounds)
     if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
     if rotary == "none":
@@ -147,8 +153,10 @@ def _check_tables_need_no_grad(cos, sin) -> None:
             )
 
 
-def _check_values(q, lengths) -> None:
+def _check_values(q, lengths, kv_mask=None, kv_bounds=None) -> None:
     checks.check_length_values("lengths", lengths, q.shape[2])
+    if kv_bounds is not None and checks.should_check_values(kv_bounds):
+        check_plan_values(None, lengths, kv_mask, kv_bounds=kv_bounds)
 
 
 def _kernels(q: Tensor, block: int, window: int):
@@ -158,7 +166,7 @@ def _kernels(q: Tensor, block: int, window: int):
         from . import triton as kernels
 
         return kernels.block_attention_forward_triton, kernels.block_attention_backward_triton
-    return reference_forward, reference_backward
+    return ignoring_plan(reference_forward), ignoring_plan(reference_backward)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,24 +187,31 @@ def block_attention_fwd(
     rotary: str,
     scale: float,
     kv_mask: Tensor | None = None,
+    kv_bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key)."""
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
-    _check_values(q, lengths)
-    return reference_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                               kv_bounds)
+    _check_values(q, lengths, kv_mask, kv_bounds)
+    forward, _ = _kernels(q, block, window)  # the reference (tests may route CPU tensors to the interpreter)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds=kv_bounds)
 
 
 @block_attention_fwd.register_kernel("cuda")
-def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
-    _check_values(q, lengths)
+def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
+                              kv_bounds=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                               kv_bounds)
+    _check_values(q, lengths, kv_mask, kv_bounds)
     forward, _ = _kernels(q, block, window)
-    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds=kv_bounds)
 
 
 @block_attention_fwd.register_fake
-def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
+                              kv_bounds=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                               kv_bounds)
     B, H, L, D = q.shape
     return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=compute_dtype(q.dtype))
 
@@ -222,41 +237,43 @@ def block_attention_bwd(
     rotary: str,
     scale: float,
     kv_mask: Tensor | None = None,
+    kv_bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
-    return reference_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask)
+    _, backward = _kernels(q, block, window)
+    return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
+                    kv_mask, kv_bounds=kv_bounds)
 
 
 @block_attention_bwd.register_kernel("cuda")
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None):
+                              scale, kv_mask=None, kv_bounds=None):
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask)
+                    kv_mask, kv_bounds=kv_bounds)
 
 
 @block_attention_bwd.register_fake
 def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None):
+                              scale, kv_mask=None, kv_bounds=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask = inputs
+    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds = inputs
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask),
+    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds),
                       (block, window, causal, rotary, scale), lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
-    q, k, v, out, lse, lengths, cos, sin, kv_mask = ctx.saved_tensors
+    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds = ctx.saved_tensors
     block, window, causal, rotary, scale = ctx.args
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
-        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
+        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
     )
     return input_grads(_INPUTS, dq, dk, dv)
 
@@ -273,21 +290,25 @@ class EagerBlockAttention(torch.autograd.Function):
     arguments checked by the caller. The lse stays inside the Function: no gradient is materialized for it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None):
-        _check_values(q, lengths)
+    def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
+                kv_bounds=None):
+        _check_values(q, lengths, kv_mask, kv_bounds)
         forward, _ = _kernels(q, block, window)
-        out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
-        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask),
+        if kv_mask is not None and kv_bounds is None:  # derived once here and saved: the backward reuses it
+            kv_bounds = key_bounds(kv_mask, lengths)
+        out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                           kv_bounds=kv_bounds)
+        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds),
                           (block, window, causal, rotary, scale))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, lengths, cos, sin, kv_mask = ctx.saved_tensors
+        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds = ctx.saved_tensors
         block, window, causal, rotary, scale = ctx.args
         _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask)
+                              scale, kv_mask, kv_bounds=kv_bounds)
         return input_grads(_INPUTS, dq, dk, dv)
 
 
@@ -297,19 +318,20 @@ class EagerBlockAttention(torch.autograd.Function):
 
 LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
-    "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None) -> Tensor"
+    "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None, Tensor? kv_bounds=None) -> Tensor"
 )
 
 
 def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+                               kv_mask=None, kv_bounds=None):
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                               kv_bounds)
     _check_tables_need_no_grad(cos, sin)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                                         kv_mask)
+                                         kv_mask, kv_bounds)
     return torch.ops.gemcompile.block_attention_fwd(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
     )[0]
 
 
@@ -329,6 +351,7 @@ def block_attention(
     rotary: str = "none",
     scale: float | None = None,
     kv_mask: Tensor | None = None,
+    kv_bounds: Tensor | None = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
 
@@ -339,9 +362,10 @@ def block_attention(
     if scale is None and isinstance(q, torch.Tensor):
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                               kv_bounds)
     return torch.ops.gemcompile.block_attention(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds
     )
 
 
@@ -360,11 +384,11 @@ def _forward_flops(q, lengths, block, window, causal, kv_mask=None) -> int:
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0,
-               kv_mask=None, *, out_val=None, **kwargs) -> int:
+               kv_mask=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
     return _forward_flops(q, lengths, block, window, causal, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
-               rotary="none", scale=1.0, kv_mask=None, *, out_val=None, **kwargs) -> int:
+               rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
     return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal, kv_mask))

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ..common.attention_triton import (
+    KV_BOUNDS_WIDTH,
     LN2,
     LOG2E,
     MODE_FULL,
@@ -63,6 +64,7 @@ from ..common.attention_triton import (
     fit_shared_memory,
     length_bucket,
     load_rows,
+    mask_key_bounds,
     store_rows,
 )
 from ..common.tuned_launch import INTERPRET, launch
@@ -185,10 +187,11 @@ def _kv_length(Lengths, b, L):
 @triton.jit
 def _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK: tl.constexpr):
     """(kv_lo, kv_hi): sample b's keys lie in [kv_lo, kv_hi). Without kv_mask [0, clamped length); with it
-    the launcher's (first valid key, last valid key + 1), already limited by the length."""
+    the launcher's (first valid key, last valid key + 1), already limited by the length (KvRange: the (B, 3)
+    int32 key bounds [lo, hi, holes] of common/length_order.py)."""
     if HAS_KV_MASK:
-        kv_lo = tl.load(KvRange + 2 * b)
-        kv_hi = tl.load(KvRange + 2 * b + 1)
+        kv_lo = tl.load(KvRange + KV_BOUNDS_WIDTH * b)
+        kv_hi = tl.load(KvRange + KV_BOUNDS_WIDTH * b + 1)
     else:
         kv_hi = _kv_length(Lengths, b, L)
         kv_lo = kv_hi * 0
@@ -812,24 +815,22 @@ def _consts(D, block, window, causal, rotary, dtype, kv_mask=None):
 
 def kv_mask_range(kv_mask, lengths, L: int) -> torch.Tensor:
     """(B, 2) int32 per sample: [first valid key (L if none), last valid key + 1 (0 if none)], a key
-    valid when kv_mask[b, j] and j < lengths[b]. Torch ops on the device: no host sync."""
-    pos = torch.arange(L, device=kv_mask.device, dtype=torch.int32)
-    valid = kv_mask & (pos[None, :] < lengths[:, None])
-    lo = torch.where(valid, pos, L).amin(1)
-    hi = torch.where(valid, pos + 1, 0).amax(1)
-    return torch.stack((lo, hi), 1).to(torch.int32)
+    valid when kv_mask[b, j] and j < lengths[b] (a view of the key bounds). No host sync."""
+    assert kv_mask.shape[1] == L
+    return mask_key_bounds(kv_mask, lengths)[:, :2]
 
 
-def _kv_mask_args(kv_mask, lengths, L: int) -> tuple:
-    """(KvMask, KvRange, stride_mb, stride_mn) kernel arguments; lengths stand in without a mask."""
+def _kv_mask_args(kv_mask, lengths, given_bounds=None) -> tuple:
+    """(KvMask, KvRange, stride_mb, stride_mn) kernel arguments; lengths stand in without a mask. KvRange:
+    the (B, 3) key bounds, ``given_bounds`` when the graph derived them once per step."""
     if kv_mask is None:
         return lengths, lengths, 0, 0
     # a uint8 view of the bool mask (same strides, no copy: an expanded mask keeps batch stride 0)
-    return (kv_mask.view(torch.uint8), kv_mask_range(kv_mask, lengths, L), *kv_mask.stride())
+    return (kv_mask.view(torch.uint8), mask_key_bounds(kv_mask, lengths, given_bounds), *kv_mask.stride())
 
 
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
-                                   rotary: str, scale: float, kv_mask=None):
+                                   rotary: str, scale: float, kv_mask=None, *, kv_bounds=None):
     """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32)."""
     B, H, L, D = q.shape
     out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
@@ -842,7 +843,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
         rotary = "none"
     cos, sin, c_strides = _tables(cos, sin, q)
     buckets = (length_bucket(L), _window_bucket(window))
-    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, L)
+    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
     args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, *q.stride(), *k.stride(), *v.stride(),
             *c_strides, *out.stride(), *lse.stride(), *m_strides, H, L, int(window), float(scale) * _LOG2E,
             *buckets)
@@ -856,7 +857,8 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
 
 
 def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
-                                    causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None):
+                                    causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None, *,
+                                    kv_bounds=None):
     """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
     B, H, L, D = q.shape
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
@@ -876,7 +878,7 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     buckets = (length_bucket(L), _window_bucket(window))
     consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask)
     inputs = (q, k, v, cos, sin, grad_out)
-    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, L)
+    mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
     strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
     scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):

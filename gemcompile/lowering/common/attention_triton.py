@@ -1,7 +1,9 @@
 """The Triton toolkit the three attention kernels share (jagged attention, block attention, GDPA).
 
 Host side: how a kernel finds the sequences of one side (:class:`Side`, the modes), the batch order
-longest first (:func:`batch_order`), the autotune key of a length (:func:`length_bucket`), config lists
+longest first (:func:`batch_order`: the order given to the op when the graph derived it once per step,
+common/length_order.py, else one launch here), the key bounds of a kv_mask (:func:`mask_key_bounds`,
+likewise), the autotune key of a length (:func:`length_bucket`), config lists
 and their prune (:func:`kernel_configs`, :func:`make_prune`, fewer pipeline stages until the tiles fit
 the shared memory), strides and dot precision. Device side (``@triton.jit``): a sequence's start row and
 length (:func:`sequence`), the program -> (tile, batch, head) map (:func:`program_coordinates`), masked
@@ -19,11 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import length_order
 from .jagged import bucket_length
 from .length_order_triton import longest_first_order
 from .tuned_launch import INTERPRET
 
 __all__ = [
+    "KV_BOUNDS_WIDTH",
     "LN2",
     "LOG2E",
     "MODE_FULL",
@@ -38,6 +42,7 @@ __all__ = [
     "dot_precision",
     "fit_shared_memory",
     "kernel_configs",
+    "mask_key_bounds",
     "kv_mask_bounds",
     "length_bucket",
     "load_rows",
@@ -51,6 +56,8 @@ __all__ = [
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+KV_BOUNDS_WIDTH = tl.constexpr(length_order.KV_BOUNDS_WIDTH)
+"""int32 entries per sample of the key bounds (lo, hi, holes): the kernels read sample b's at 3 * b."""
 
 
 # How a side (queries or keys) finds its sequences.
@@ -221,8 +228,12 @@ gemcompile's kernels apart by it in profiles."""
 class Side:
     """How a kernel finds the sequences of one side (queries or keys/values)."""
 
-    def __init__(self, mode: int, offsets, lengths, max_len: int, total_rows: int, dummy: torch.Tensor):
+    def __init__(self, mode: int, offsets, lengths, max_len: int, total_rows: int, dummy: torch.Tensor,
+                 order: torch.Tensor | None = None):
         self.mode = mode
+        self.order = order
+        """The longest-first order of this side's lengths when the caller has it (derived once per step in
+        the graph), else None: :func:`batch_order` computes it."""
         self.offsets = offsets if offsets is not None else dummy
         self.lengths = lengths if lengths is not None else dummy
         self.max_len = int(max_len)
@@ -237,10 +248,13 @@ class Side:
 
 
 def batch_order(primary: Side, B: int, device) -> torch.Tensor:
-    """Batch indices, longest sequence first (a device-side stable argsort in one launch, no host sync)."""
+    """Batch indices, longest sequence first: the side's given order, else a device-side stable argsort in
+    one launch (no host sync); arange without lengths."""
     key = primary.sort_key()
     if key is None:
         return torch.arange(B, device=device)
+    if primary.mode == MODE_LENGTHS and primary.order is not None:
+        return primary.order
     return longest_first_order(key)
 
 
@@ -266,17 +280,17 @@ def bhld_strides(t: torch.Tensor, batch_broadcast: bool):
     return (0 if batch_broadcast else sb), sh, sl, sd
 
 
+def mask_key_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None,
+              given: torch.Tensor | None = None) -> torch.Tensor:
+    """The (B, 3) int32 key bounds [lo, hi, holes] of a kv_mask (common/length_order.py): ``given`` when the
+    graph derived them once per step, else computed here on the device (no host sync). Kernels visit key
+    tiles from (lo // BLOCK_N) * BLOCK_N up to hi only; without holes the valid keys are exactly [lo, hi),
+    so they mask by the bounds like the length-only path and read the mask vector only when holes."""
+    return given if given is not None else length_order.key_bounds(kv_mask, kv_lengths)
+
+
 def kv_mask_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None, L: int):
-    """Per batch, on the device (no host sync): (lo, hi, holes) int32 (B,) with lo = the first valid key (L
-    if none), hi = the last valid key + 1 (0 if none) and holes = 1 where fewer than hi - lo keys are valid;
-    a key is valid iff kv_mask[b, j] and j < kv_len[b] (kv_lengths None: every j). Kernels visit key tiles
-    from (lo // BLOCK_N) * BLOCK_N up to hi only; without holes the valid keys are exactly [lo, hi), so
-    they mask by the bounds like the length-only path and read the mask vector only when holes."""
-    pos = torch.arange(L, device=kv_mask.device, dtype=torch.int32)
-    valid = kv_mask
-    if kv_lengths is not None:
-        valid = valid & (pos[None, :] < kv_lengths[:, None])
-    lo = torch.where(valid, pos, L).amin(dim=1).to(torch.int32)
-    hi = torch.where(valid, pos + 1, 0).amax(dim=1).to(torch.int32)
-    holes = (valid.sum(dim=1, dtype=torch.int32) < hi - lo).to(torch.int32)
-    return lo, hi, holes
+    """(lo, hi, holes) int32 (B,) views of :func:`mask_key_bounds` (L = kv_mask.shape[1])."""
+    assert kv_mask.shape[1] == L
+    bounds = mask_key_bounds(kv_mask, kv_lengths)
+    return bounds[:, 0], bounds[:, 1], bounds[:, 2]

@@ -4,7 +4,8 @@
 descending argsort by counting, O(B^2) compares, which for the batch sizes of a training step (tens to a
 few thousands) is one launch. ``torch.argsort`` takes two (an arange and a bitonic sort): 4.5 us per call
 on the H200 at B 32, called once in the forward and once in the backward of every attention op
-(benchmarks/results/gdpa-hstu-cudagraph-20261130-183648.json).
+(benchmarks/results/gdpa-hstu-cudagraph-20261130-183648.json). Compiled graphs compute it once per lengths
+tensor per step (``gemcompile::length_order``, common/length_order.py) and hand it to every attention op.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .length_order import COUNTS
 from .tuned_launch import INTERPRET
 
 __all__ = ["longest_first_order"]
@@ -36,6 +38,7 @@ def longest_first_order(key: torch.Tensor) -> torch.Tensor:
     if key.dim() != 1 or key.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"longest_first_order: key must be a 1-D int32/int64 tensor, got {key.dtype} "
                          f"{tuple(key.shape)}")
+    COUNTS["order"] += 1
     B = key.shape[0]
     order = torch.empty(B, dtype=torch.int64, device=key.device)
     if B == 0:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["LIB", "input_grads", "is_fake", "save_for_backward", "takes_eager_path", "use_triton"]
+__all__ = ["LIB", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path", "use_triton"]
 
 LIB = torch.library.Library("gemcompile", "FRAGMENT")
 """The one torch.library handle of the gemcompile namespace (schemas and impls of the public ops)."""
@@ -85,3 +85,13 @@ def input_grads(count: int, dq, dk, dv, dbias=None, bias_index: int = 5) -> tupl
     if dbias is not None:
         grads[bias_index] = dbias
     return tuple(grads)
+
+
+def ignoring_plan(reference):
+    """``reference`` callable like the Triton launchers, which take the derived tensors (q_order, kv_order,
+    kv_bounds: common/length_order.py) as keywords; a reference derives nothing, so it drops them."""
+
+    def call(*args, q_order=None, kv_order=None, kv_bounds=None, **kwargs):
+        return reference(*args, **kwargs)
+
+    return call

@@ -5,10 +5,19 @@ Public op (the signature is fixed)::
     torch.ops.gemcompile.gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths,
         Tensor? bias, str activation, float scale, float out_scale, bool divide_by_kv_length,
         bool causal, int window, Tensor? num_targets=None, int contextual_len=0,
-        int? relative_offset=None, Tensor? kv_mask=None) -> Tensor
+        int? relative_offset=None, Tensor? kv_mask=None, Tensor? q_order=None, Tensor? kv_order=None,
+        Tensor? kv_bounds=None) -> Tensor
 
-The last four arguments (HSTU's target mask and contextual prefix, a relative bias table, a key mask) have
-defaults: callers that pass the first twelve keep the plain causal/window semantics and a dense bias.
+The last seven arguments (HSTU's target mask and contextual prefix, a relative bias table, a key mask, the
+derived tensors) have defaults: callers that pass the first twelve keep the plain causal/window semantics
+and a dense bias.
+
+q_order, kv_order, kv_bounds (optional; defined in common/length_order.py): the longest-first order of
+q_lengths, of kv_lengths (of the key span with a kv_mask), and the (B, 3) key bounds of kv_mask. The
+attention rewrite passes them from one ``gemcompile::length_order`` / ``gemcompile::key_bounds`` per
+distinct lengths or mask, so a step derives each once for all its attention calls, forward and backward;
+left out, the kernels derive their own. They change no value; wrong ones are refused on CPU and under
+``strict_length_checks``. They travel beside the spec, like num_targets and kv_mask.
 
 Inputs
 ------
@@ -112,7 +121,10 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
-from ..common.opkit import LIB, input_grads, is_fake, save_for_backward, takes_eager_path, use_triton
+from ..common.length_order import check_plan, check_plan_values
+from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
+                           use_triton)
+from ..length_order import derive_plan
 from .flops import gdpa_pairs, padded_gdpa_pairs
 from .reference import reference_gdpa_backward, reference_gdpa_forward
 from .relative_table import check_relative_table
@@ -120,8 +132,16 @@ from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
 __all__ = ["EagerGDPA", "check_gdpa_args", "gdpa"]
 
-_SCHEMA_INPUTS = 16  # gdpa_fwd's arguments, q to kv_mask
-_EAGER_INPUTS = 9  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask
+_SCHEMA_INPUTS = 19  # gdpa_fwd's arguments, q to kv_bounds
+_EAGER_INPUTS = 12  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, q_order,
+# kv_order, kv_bounds
+_FLAGS = 10  # gdpa_fwd's arguments after bias up to kv_mask (GdpaSpec.from_schema's); then the 3 derived
+_PLAN = ("q_order", "kv_order", "kv_bounds")
+
+
+def _split_plan(flags: tuple, count: int = _FLAGS) -> tuple[tuple, dict]:
+    """(the schema's flags after bias up to kv_mask, {q_order, kv_order, kv_bounds} that follow them)."""
+    return flags[:count], dict(zip(_PLAN, flags[count:]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,7 +149,7 @@ _EAGER_INPUTS = 9  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, nu
 
 
 def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
-                    kv_mask=None) -> None:
+                    kv_mask=None, q_order=None, kv_order=None, kv_bounds=None) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "gdpa kernels")
     if spec.relative_offset is not None:
@@ -150,6 +170,7 @@ def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_ta
     _check_hstu_args(q, k, kv_lengths, spec.causal, num_targets, spec.contextual_len)
     if kv_mask is not None:
         _check_kv_mask(kv_mask, B, Lk, q.device, num_targets, spec.contextual_len)
+    check_plan(B, q.device, kv_mask, q_order, kv_order, kv_bounds)
 
 
 def _check_kv_mask(kv_mask, B, Lk, device, num_targets, contextual_len) -> None:
@@ -196,9 +217,13 @@ def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> N
         )
 
 
-def _check_values(q, k, q_lengths, kv_lengths, num_targets=None) -> None:
+def _check_values(q, k, q_lengths, kv_lengths, num_targets=None, kv_mask=None, q_order=None, kv_order=None,
+                  kv_bounds=None) -> None:
     checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
+    plan = (q_order, kv_order, kv_bounds)
+    if any(t is not None and checks.should_check_values(t) for t in plan):
+        check_plan_values(q_lengths, kv_lengths, kv_mask, *plan)
     if num_targets is None or kv_lengths is None or not checks.should_check_values(num_targets):
         return
     n = kv_lengths.clamp(0, k.shape[2])
@@ -213,19 +238,20 @@ def _check_values(q, k, q_lengths, kv_lengths, num_targets=None) -> None:
 
 def _kernels(q: Tensor):
     """(forward, backward): the Triton launchers on CUDA (imported lazily: CPU-only installs never need
-    triton), else the reference. Both take (..., bias, spec, num_targets[, bias_requires_grad])."""
+    triton), else the reference. Both take (..., bias, spec, num_targets[, bias_requires_grad], kv_mask) and
+    the derived tensors as keywords (q_order, kv_order, kv_bounds)."""
     if use_triton(q):
         from . import triton as kernels
 
         return kernels.gdpa_forward_triton, kernels.gdpa_backward_triton
-    return reference_gdpa_forward, reference_gdpa_backward
+    return ignoring_plan(reference_gdpa_forward), ignoring_plan(reference_gdpa_backward)
 
 
-def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None):
+def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None, **plan):
     """The checked forward of every path (the ops' CPU and CUDA kernels, the eager Function)."""
-    _check_values(q, k, q_lengths, kv_lengths, num_targets)
+    _check_values(q, k, q_lengths, kv_lengths, num_targets, kv_mask, **plan)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,26 +276,33 @@ def gdpa_fwd(
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
     kv_mask: Optional[Tensor] = None,
+    q_order: Optional[Tensor] = None,
+    kv_order: Optional[Tensor] = None,
+    kv_bounds: Optional[Tensor] = None,
 ) -> Tensor:
     """out (B, H, Lq, D) contiguous in q's dtype."""
     spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
                                                       causal, window, num_targets, contextual_len,
                                                       relative_offset, kv_mask)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
-    _check_values(q, k, q_lengths, kv_lengths, num_targets)
-    return reference_gdpa_forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+    plan = dict(q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
+    _check_values(q, k, q_lengths, kv_lengths, num_targets, kv_mask, **plan)
+    forward, _ = _kernels(q)  # the reference (tests may route CPU tensors to the Triton interpreter)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
 
 
 @gdpa_fwd.register_kernel("cuda")
 def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, *flags):
+    flags, plan = _split_plan(flags)
     spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
-    return _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
+    return _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
 
 
 @gdpa_fwd.register_fake
 def _gdpa_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, *flags):
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_schema(*flags))
+    flags, plan = _split_plan(flags)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_schema(*flags), **plan)
     B, H, _, D = k.shape
     return q.new_empty((B, H, q.shape[2], D))
 
@@ -294,39 +327,48 @@ def gdpa_bwd(
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
     kv_mask: Optional[Tensor] = None,
+    q_order: Optional[Tensor] = None,
+    kv_order: Optional[Tensor] = None,
+    kv_bounds: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     flags = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
                                      bias_requires_grad, num_targets, contextual_len, relative_offset,
                                      kv_mask)
-    return reference_gdpa_backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
+    _, backward = _kernels(q)
+    return backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags, q_order=q_order, kv_order=kv_order,
+                    kv_bounds=kv_bounds)
 
 
 @gdpa_bwd.register_kernel("cuda")
 def _gdpa_bwd_cuda(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags):
     _, backward = _kernels(q)
-    return backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_bwd_schema(*flags))
+    flags, plan = _split_plan(flags, _FLAGS + 1)
+    return backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_bwd_schema(*flags), **plan)
 
 
 @gdpa_bwd.register_fake
 def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
                    divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None,
-                   contextual_len=0, relative_offset=None, kv_mask=None):
+                   contextual_len=0, relative_offset=None, kv_mask=None, q_order=None, kv_order=None,
+                   kv_bounds=None):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, q_lengths, kv_lengths, bias, *flags = inputs
+    flags, plan = _split_plan(tuple(flags))
     spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
-    save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask), spec, bias=bias,
-                      bias_index=5)
+    save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan.values()), spec,
+                      bias=bias, bias_index=5)
 
 
 def _fwd_backward(ctx, grad_out):
-    q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask = ctx.saved_tensors
+    q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan = ctx.saved_tensors
     flags = ctx.args.bwd_schema_args(ctx.bias_requires_grad, num_targets, kv_mask)
-    dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags)
+    dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags,
+                                                      *plan)
     return input_grads(_SCHEMA_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -343,18 +385,21 @@ class EagerGDPA(torch.autograd.Function):
     Taken for plain eager CUDA calls; runs the reference elsewhere."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None):
-        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
-        save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask), spec, bias=bias,
-                          bias_index=5)
+    def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None,
+                q_order=None, kv_order=None, kv_bounds=None):
+        # derived once here (unless given) and saved: the backward reuses them
+        plan = derive_plan(q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
+        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **dict(zip(_PLAN, plan)))
+        save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan), spec,
+                          bias=bias, bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask = ctx.saved_tensors
+        q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan = ctx.saved_tensors
         _, backward = _kernels(q)
         dq, dk, dv, dbias = backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, ctx.args, num_targets,
-                                     ctx.bias_requires_grad, kv_mask)
+                                     ctx.bias_requires_grad, kv_mask, **dict(zip(_PLAN, plan)))
         return input_grads(_EAGER_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -365,16 +410,17 @@ class EagerGDPA(torch.autograd.Function):
 LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
     "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
-    "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None, Tensor? kv_mask=None) "
-    "-> Tensor"
+    "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None, Tensor? kv_mask=None, "
+    "Tensor? q_order=None, Tensor? kv_order=None, Tensor? kv_bounds=None) -> Tensor"
 )
 
 
 def _gdpa_composite(q, k, v, q_lengths, kv_lengths, bias, *flags):
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
-        spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
-        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
-        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+        spec_flags, plan = _split_plan(flags)
+        spec, num_targets, kv_mask = GdpaSpec.from_schema(*spec_flags)
+        check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
+        return EagerGDPA.apply(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, *plan.values())
     return torch.ops.gemcompile.gdpa_fwd(q, k, v, q_lengths, kv_lengths, bias, *flags)
 
 
@@ -398,6 +444,9 @@ def gdpa(
     contextual_len: int = 0,
     relative_offset: Optional[int] = None,
     kv_mask: Optional[Tensor] = None,
+    q_order: Optional[Tensor] = None,
+    kv_order: Optional[Tensor] = None,
+    kv_bounds: Optional[Tensor] = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5).
     relative_offset: ``bias`` is a relative-position table (T,) or (T, Hz) read as
@@ -408,10 +457,11 @@ def gdpa(
     spec = GdpaSpec(activation, scale, out_scale, divide_by_kv_length, causal, window, contextual_len,
                     relative_offset)
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
-    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask)
+    check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, q_order, kv_order,
+                    kv_bounds)
     spec = dataclasses.replace(spec, scale=float(scale), out_scale=float(out_scale))
     flags = spec.schema_args(num_targets, kv_mask)
-    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *flags)
+    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *flags, q_order, kv_order, kv_bounds)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -433,7 +483,8 @@ def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets, kv_
 @register_flop_formula(torch.ops.gemcompile.gdpa_fwd, get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0, out_scale=1.0,
                divide_by_kv_length=False, causal=False, window=0, num_targets=None, contextual_len=0,
-               relative_offset=None, kv_mask=None, *, out_val=None, **kwargs) -> int:
+               relative_offset=None, kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, *, out_val=None,
+               **kwargs) -> int:
     spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
                                                       causal, window, num_targets, contextual_len,
                                                       relative_offset, kv_mask)
@@ -443,8 +494,8 @@ def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="
 @register_flop_formula(torch.ops.gemcompile.gdpa_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0,
                out_scale=1.0, divide_by_kv_length=False, causal=False, window=0, bias_requires_grad=False,
-               num_targets=None, contextual_len=0, relative_offset=None, kv_mask=None, *, out_val=None,
-               **kwargs) -> int:
+               num_targets=None, contextual_len=0, relative_offset=None, kv_mask=None, q_order=None,
+               kv_order=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
     spec, num_targets, _, kv_mask = GdpaSpec.from_bwd_schema(activation, scale, out_scale,
                                                              divide_by_kv_length, causal, window,
                                                              bias_requires_grad, num_targets, contextual_len,

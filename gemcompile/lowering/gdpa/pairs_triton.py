@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common.attention_triton import sequence
+from ..common.attention_triton import KV_BOUNDS_WIDTH, sequence
 
 __all__ = ["act", "act_grad", "key_keep", "masked_key_range", "output_scale", "pair_mask", "sample_bounds"]
 
@@ -181,10 +181,11 @@ def key_keep(mask_base, cols, col_ok, stride_mn):
 @triton.jit
 def masked_key_range(KVBounds, b, lo, mid_lo, mid_hi, hi, BLOCK_N: tl.constexpr):
     """A query tile's key range (lo, mid_lo, mid_hi, hi) cut to batch b's kv_mask span [kv_lo, kv_hi)
-    (KVBounds: (B, 2) int32 from the launcher): tiles wholly in left or right padding are not visited.
-    lo stays a multiple of BLOCK_N and the unmasked tiles [mid_lo, mid_hi) stay whole (below kv_hi)."""
-    kv_lo = tl.load(KVBounds + 2 * b)
-    kv_hi = tl.load(KVBounds + 2 * b + 1)
+    (KVBounds: the (B, 3) int32 key bounds [lo, hi, holes], common/length_order.py): tiles wholly in left or
+    right padding are not visited. lo stays a multiple of BLOCK_N and the unmasked tiles [mid_lo, mid_hi)
+    stay whole (below kv_hi)."""
+    kv_lo = tl.load(KVBounds + KV_BOUNDS_WIDTH * b)
+    kv_hi = tl.load(KVBounds + KV_BOUNDS_WIDTH * b + 1)
     lo = tl.maximum(lo, (kv_lo // BLOCK_N) * BLOCK_N)
     hi = tl.maximum(tl.minimum(hi, kv_hi), lo)
     mid_hi = tl.minimum(mid_hi, (kv_hi // BLOCK_N) * BLOCK_N)

@@ -82,9 +82,11 @@ from ..common.attention_triton import (
     length_bucket,
     load_rows,
     make_prune,
+    mask_key_bounds,
     program_coordinates,
     store_rows,
 )
+from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, launch
@@ -565,13 +567,15 @@ def _gdpa_bwd_dq_kernel(
 # Launchers
 
 
-def _sides(q, k, q_lengths, kv_lengths):
+def _sides(q, k, q_lengths, kv_lengths, q_order=None, kv_order=None, kv_mask=None):
+    """The two sides, each with its given order (kv_order is the kv lengths' only without a kv_mask)."""
     Lq, Lk = q.shape[2], k.shape[2]
     dummy = kv_lengths if kv_lengths is not None else q_lengths
     if dummy is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
-    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
+    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy, q_order)
+    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy,
+                   kv_order if kv_mask is None else None)
     return q_side, kv_side
 
 
@@ -580,12 +584,12 @@ def _order_by(first: Side, second: Side, B: int, device) -> torch.Tensor:
     return batch_order(first if first.sort_key() is not None else second, B, device)
 
 
-def _key_loop_order(q_side: Side, kv_side: Side, kv_span, B: int, device) -> torch.Tensor:
+def _key_loop_order(q_side: Side, kv_side: Side, kv_span, B: int, device, kv_order=None) -> torch.Tensor:
     """The batch order of the programs that loop over keys (forward, dQ): by kv lengths (q lengths when
-    none), or with a kv_mask by its span kv_hi - kv_lo (what they iterate)."""
+    none), or with a kv_mask by its span kv_hi - kv_lo (what they iterate; ``kv_order`` when given)."""
     if kv_span is None:
         return _order_by(kv_side, q_side, B, device)
-    return longest_first_order(kv_span)
+    return kv_order if kv_order is not None else longest_first_order(kv_span)
 
 
 def _query_loop_order(q_side: Side, kv_side: Side, kv_order, kv_span, q_lengths, kv_lengths, B: int, device):
@@ -596,21 +600,14 @@ def _query_loop_order(q_side: Side, kv_side: Side, kv_order, kv_span, q_lengths,
     return _order_by(q_side, kv_side, B, device)
 
 
-def _kv_mask_args(kv_mask, kv_lengths, B: int, Lk: int, dummy: torch.Tensor):
+def _kv_mask_args(kv_mask, kv_lengths, dummy: torch.Tensor, given_bounds=None):
     """(the mask the kernels read (uint8 view, its strides: read in place), its (b, n) strides, KVBounds
-    (B, 2) int32 [kv_lo, kv_hi), the span (B,) int32 kv_hi - kv_lo or None). kv_lo: the first valid key
-    (Lk if none), kv_hi: the last valid key + 1 (0 if none), valid = kv_mask and j < kv_len. Device-side
-    torch ops, no host sync. Lk > 0."""
+    (B, 3) int32 [kv_lo, kv_hi, holes] (common/length_order.py; ``given_bounds`` when the graph derived
+    them), the span (B,) int32 max(kv_hi - kv_lo, 0) or None). Device-side torch ops, no host sync."""
     if kv_mask is None:
         return dummy, (0, 0), dummy, None
-    pos = torch.arange(Lk, device=kv_mask.device, dtype=torch.int32)
-    ok = kv_mask if kv_lengths is None else kv_mask & (pos[None, :] < kv_lengths[:, None])
-    ok = ok.expand(B, Lk)
-    kv_lo = torch.where(ok, pos, Lk).amin(1)
-    kv_hi = torch.where(ok, pos + 1, 0).amax(1)
-    bounds = torch.stack((kv_lo, kv_hi), 1).to(torch.int32)
-    span = (kv_hi - kv_lo).clamp_min(0).to(torch.int32)
-    return kv_mask.view(torch.uint8), kv_mask.stride(), bounds, span
+    bounds = mask_key_bounds(kv_mask, kv_lengths, given_bounds)
+    return kv_mask.view(torch.uint8), kv_mask.stride(), bounds, key_span(bounds)
 
 
 def _bias_args(bias, q, B, H, Lq, Lk, relative_offset=None):
@@ -659,11 +656,14 @@ def _loop_bounds(spec: GdpaSpec, num_targets, kv_mask=None) -> tuple[int, int]:
     return window, contextual_len
 
 
-def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None, kv_mask=None):
+def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None, kv_mask=None,
+                        *, q_order=None, kv_order=None, kv_bounds=None):
     """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
     num_targets (B,) int or None, spec.contextual_len >= 0: HSTU's target mask and contextual prefix
     (causal). spec.relative_offset: bias is a relative table (T,) or (T, Hz),
-    bias[b, h, i, j] = table[j - i + offset, h]. kv_mask: None or bool (B, Lk), any strides."""
+    bias[b, h, i, j] = table[j - i + offset, h]. kv_mask: None or bool (B, Lk), any strides. q_order,
+    kv_order, kv_bounds: the derived tensors of common/length_order.py when the caller has them (computed
+    here otherwise)."""
     window, contextual_len = _loop_bounds(spec, num_targets, kv_mask)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -672,10 +672,10 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
         return out
     if Lk == 0:
         return out.zero_()
-    q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
+    q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask)
     bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, spec.relative_offset)
-    mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, B, Lk, kv_side.lengths)
-    order = _key_loop_order(q_side, kv_side, span, B, q.device)
+    mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, kv_side.lengths, kv_bounds)
+    order = _key_loop_order(q_side, kv_side, span, B, q.device, kv_order)
     buckets = (length_bucket(Lq), length_bucket(Lk))
 
     def grid(meta):
@@ -692,7 +692,8 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
 
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
-                         bias_requires_grad: bool = False, kv_mask=None, *, bias_grad_splits: int | None = None):
+                         bias_requires_grad: bool = False, kv_mask=None, *, bias_grad_splits: int | None = None,
+                         q_order=None, kv_order=None, kv_bounds=None):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
     full (Lq, Lk) dims gets its gradient from bias_grad_triton.py (reduced over the shared batch and
     head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
@@ -715,7 +716,7 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
     ds = (torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
           if bias_grad and not in_kernel_bias_grad else None)
     if B * H > 0 and Lq > 0 and Lk > 0:
-        q_side, kv_side = _sides(q, k, q_lengths, kv_lengths)
+        q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask)
         bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
         if ds is None:
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
@@ -727,9 +728,9 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
         scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets)
         targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
         q_strides = bhld_strides(q, shared_q)
-        mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, B, Lk, kv_side.lengths)
+        mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, kv_side.lengths, kv_bounds)
         # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
-        kv_order = _key_loop_order(q_side, kv_side, span, B, q.device)
+        kv_order = _key_loop_order(q_side, kv_side, span, B, q.device, kv_order)
         q_order = _query_loop_order(q_side, kv_side, kv_order, span, q_lengths, kv_lengths, B, q.device)
         launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
             q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order, mask_t,

@@ -16,8 +16,9 @@ fp32 with exp2 (log2 e is folded into the scale); a row with no valid key gets o
 
 kv_mask (constexpr HAS_KV_MASK; without a mask the kernels compile to the length-only code): the
 launcher derives per batch, on the device, kv_lo/kv_hi (first valid key, last valid key + 1) and a holes
-flag (fewer valid keys than kv_hi - kv_lo: common/attention_triton.kv_mask_bounds) and orders batches by
-kv_hi - kv_lo. The fwd and dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
+flag (fewer valid keys than kv_hi - kv_lo), one (B, 3) int32 tensor (common/attention_triton.mask_key_bounds;
+given to the op when the graph derived it once per step), and orders batches by kv_hi - kv_lo. The fwd and
+dQ key loops run from kv_lo's tile to kv_hi only. A sequence without holes
 (left/right padding, any contiguous run) has exactly the keys kv_lo <= j < kv_hi: its loop is split like
 the length path (masked first tile, unmasked inner tiles that load neither the mask nor any row mask,
 masked last tile, bounds only), so it costs what lengths cost. A sequence with holes runs every tile
@@ -52,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ..common.attention_triton import (
+    KV_BOUNDS_WIDTH,
     LN2,
     LOG2E,
     MODE_FULL,
@@ -63,15 +65,16 @@ from ..common.attention_triton import (
     bwd_delta_kernel,
     dot_precision,
     kernel_configs,
-    kv_mask_bounds,
     length_bucket,
     load_rows,
     make_prune,
+    mask_key_bounds,
     program_coordinates,
     same_sequences,
     sequence,
     store_rows,
 )
+from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, launch
@@ -117,12 +120,14 @@ def _key_mask(m_base, cols, stride_mn, col_ok, holes):
 
 
 @triton.jit
-def _key_bounds(KVLo, KVHi, KVHoles, b, kv_len):
-    """With a kv_mask: (key_lo, key_hi, holes) of batch b. Without holes the valid keys are exactly
-    key_lo <= j < key_hi; with holes they are a subset and the mask vector must be applied too."""
-    key_lo = tl.load(KVLo + b)
-    key_hi = tl.minimum(kv_len, tl.load(KVHi + b))
-    holes = tl.load(KVHoles + b) != 0
+def _key_bounds(KVBounds, b, kv_len):
+    """With a kv_mask: (key_lo, key_hi, holes) of batch b (row b of the (B, 3) int32 key bounds). Without
+    holes the valid keys are exactly key_lo <= j < key_hi; with holes they are a subset and the mask vector
+    must be applied too."""
+    row = KVBounds + KV_BOUNDS_WIDTH * b
+    key_lo = tl.load(row)
+    key_hi = tl.minimum(kv_len, tl.load(row + 1))
+    holes = tl.load(row + 2) != 0
     return key_lo, key_hi, holes
 
 
@@ -196,7 +201,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -251,7 +256,7 @@ def _fwd_kernel(
     key_lo = 0
     holes = False
     if HAS_KV_MASK:
-        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+        key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
     hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
@@ -334,7 +339,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -366,7 +371,8 @@ def _bwd_dkdv_kernel(
         store_mask = offs_n < max_kv_len
     skip = n0 >= kv_len
     if HAS_KV_MASK:  # a key tile wholly outside [kv_lo, kv_hi) has no valid key
-        skip = skip | (n0 >= tl.load(KVHi + b)) | (n0 + BLOCK_N <= tl.load(KVLo + b))
+        skip = skip | (n0 >= tl.load(KVBounds + KV_BOUNDS_WIDTH * b + 1)) | (
+            n0 + BLOCK_N <= tl.load(KVBounds + KV_BOUNDS_WIDTH * b))
     if skip:
         if KV_MODE != 2:
             zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -378,7 +384,7 @@ def _bwd_dkdv_kernel(
     if HAS_KV_MASK:
         # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last;
         # without holes the bounds are exact and the mask is not read
-        key_lo, key_hi, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+        key_lo, key_hi, holes = _key_bounds(KVBounds, b, kv_len)
         col_ok = (offs_n >= key_lo) & (offs_n < key_hi)
         col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok, holes)
     start64 = q_start.to(tl.int64)
@@ -479,7 +485,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVLo, KVHi, KVHoles, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -537,7 +543,7 @@ def _bwd_dq_kernel(
     key_lo = 0
     holes = False
     if HAS_KV_MASK:
-        key_lo, kv_len, holes = _key_bounds(KVLo, KVHi, KVHoles, b, kv_len)
+        key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
     hi = kv_len
     full_end = (hi // BLOCK_N) * BLOCK_N
     if CAUSAL:
@@ -572,23 +578,24 @@ def _bwd_dq_kernel(
 
 class _KeyMask:
     """What the kernels get for a kv_mask: the mask as uint8 (a view, no copy), its (b, n) strides, the
-    per-batch key range [lo, hi) (device side, kv_mask_bounds) and the batch order longest span first.
-    Without a mask: dummies that are never read, and the kv lengths' order."""
+    per-batch key bounds (B, 3) [lo, hi, holes] (device side, common/attention_triton.mask_key_bounds) and
+    the batch order longest span first; each the one given (``bounds``, ``order``: derived once per step by the
+    graph) or computed here. Without a mask: dummies that are never read, and the kv lengths' order."""
 
-    def __init__(self, kv_mask, kv_side: Side, B: int, device):
+    def __init__(self, kv_mask, kv_side: Side, B: int, device, bounds=None, order=None):
         self.has = kv_mask is not None
         if self.has:
             lengths = kv_side.lengths if kv_side.mode == MODE_LENGTHS else None
             self.mask, self.strides = kv_mask.view(torch.uint8), kv_mask.stride()
-            self.lo, self.hi, self.holes = kv_mask_bounds(kv_mask, lengths, kv_side.max_len)
-            self.order = longest_first_order(self.hi - self.lo)
+            self.bounds = mask_key_bounds(kv_mask, lengths, bounds)
+            self.order = order if order is not None else longest_first_order(key_span(self.bounds))
         else:
-            self.mask = self.lo = self.hi = self.holes = kv_side.lengths
+            self.mask = self.bounds = kv_side.lengths
             self.strides = (0, 0)
             self.order = batch_order(kv_side, B, device)
 
     def args(self):
-        return self.mask, self.lo, self.hi, self.holes
+        return self.mask, self.bounds
 
 
 def _uniform_arg(uniform_keys, keys: _KeyMask):
@@ -599,13 +606,13 @@ def _uniform_arg(uniform_keys, keys: _KeyMask):
 
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
              q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None,
-             uniform_keys=None):
+             uniform_keys=None, kv_order=None, kv_bounds=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     if bias is not None:
         z_strides = bias.expand(B, H, Lq, Lk).stride()
     else:
         bias, z_strides = q, (0, 0, 0, 0)
-    keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
 
     def grid(meta):
@@ -626,7 +633,7 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
-              kv_mask=None, uniform_keys=None):
+              kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -642,7 +649,7 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
         H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
 
-    keys = _KeyMask(kv_mask, kv_side, B, q.device)
+    keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
                  DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has,
@@ -652,8 +659,10 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     # dQ programs loop over keys: order batches by kv length (key span with a mask); dK/dV programs loop
     # over query rows: by query length (the same order when both sides share their lengths)
     kv_order = keys.order
-    shared = q_side.mode == MODE_FULL or same_sequences(q_side, kv_side)
-    q_order = kv_order if shared else batch_order(q_side, B, q.device)
+    if q_side.mode == MODE_FULL or (q_side.order is None and same_sequences(q_side, kv_side)):
+        q_order = kv_order
+    else:
+        q_order = batch_order(q_side, B, q.device)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
@@ -666,19 +675,24 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
 
 
-def _padded_sides(q, k, q_lengths, kv_lengths, dummy):
-    """kv_lengths None: every key position is valid (MODE_FULL); ``dummy`` fills unused pointers."""
+def _padded_sides(q, k, q_lengths, kv_lengths, dummy, q_order=None, kv_order=None, kv_mask=None):
+    """kv_lengths None: every key position is valid (MODE_FULL); ``dummy`` fills unused pointers. The given
+    orders go with their sides (kv_order is the kv lengths' only without a kv_mask)."""
     Lq, Lk = q.shape[2], k.shape[2]
     if kv_lengths is not None:
         dummy = kv_lengths
-    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy)
-    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy)
+    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy, q_order)
+    kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy,
+                   kv_order if kv_mask is None else None)
     return q_side, kv_side
 
 
 def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float,
-                                    kv_mask=None, uniform_keys=None):
-    """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
+                                    kv_mask=None, uniform_keys=None, *, q_order=None, kv_order=None,
+                                    kv_bounds=None):
+    """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq)).
+    q_order, kv_order, kv_bounds: the derived tensors of common/length_order.py when the caller has them
+    (computed here otherwise)."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
@@ -687,15 +701,16 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
         return out, lse
     if Lk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse)
+    q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse, q_order, kv_order, kv_mask)
     _forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale,
              bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride(),
-             kv_mask, uniform_keys)
+             kv_mask, uniform_keys, kv_order, kv_bounds)
     return out, lse
 
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
-                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None):
+                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None, *,
+                                     q_order=None, kv_order=None, kv_bounds=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -707,11 +722,11 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
     ds = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else None
     if B * H > 0 and Lq > 0 and Lk > 0:
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-        q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, delta)
+        q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, delta, q_order, kv_order, kv_mask)
         _backward(grad_out, q, k, v, out, lse, bias, bias_grad, q_side, kv_side, B, H, D, causal, scale,
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
-                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys)
+                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys, kv_order, kv_bounds)
     else:
         dk.zero_()
         dv.zero_()

@@ -14,6 +14,9 @@ over the graph; for each attention it
 4. lets the family accept the mask and site (or say why not) and emit its op, rolling the graph back when
    it refuses midway.
 
+Then every attention op gets the batch order / key bounds of its lengths and mask from one shared node per
+distinct lengths or mask (attention/plans.py), instead of deriving them on each call, forward and backward.
+
 What cannot be proven is left alone, with the reason in ``explain`` under the family that would have
 served it. Each family keeps its name, config section and row in explain; its rewrites and refusals are
 recorded family by family (block, jagged, gdpa), each in graph order.
@@ -46,6 +49,7 @@ from gemcompile.passes.attention.match import (
     match_sdpa,
     match_softmax,
 )
+from gemcompile.passes.attention.plans import share_derived_tensors
 from gemcompile.passes.attention.scores import is_call
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, example_value
@@ -66,6 +70,7 @@ class AttentionRewritePass(GemPass):
     source_modules = ("gemcompile.passes.graph", "gemcompile.passes.attention.match",
                       "gemcompile.passes.attention.scores", "gemcompile.passes.attention.rotary",
                       "gemcompile.passes.attention.kernels", "gemcompile.passes.attention.finite_fill",
+                      "gemcompile.passes.attention.plans",
                       "gemcompile.passes.masks.values", "gemcompile.passes.masks.constants",
                       "gemcompile.passes.masks.key_vector", "gemcompile.passes.masks.evaluator",
                       "gemcompile.passes.masks.terms", "gemcompile.passes.masks.prover",
@@ -124,6 +129,7 @@ class AttentionRewritePass(GemPass):
                 continue
             after = describe_nodes(emit.created[mark:])
             records[family.name].append(functools.partial(family.rewrote, site.anchor, before, after, detail))
+        share_derived_tensors(graph)  # one order / key bounds per lengths or mask, for every op (plans.py)
         for family in self.families:
             for record in records[family.name]:
                 record()
