@@ -119,6 +119,25 @@ def test_ratios_against_the_peers_come_from_their_rows():
     assert "speedup_vs_inductor" not in by["gem-no-unpad"]  # a failed method gets no ratios
 
 
+def test_ne_past_the_base_rate_only_is_compared_and_printed():
+    """NE >= 1 (a short run that has not beaten the base rate yet) is neither compared with eager's nor printed."""
+    assert e2e_bench.ne_meaningful([0.9, 0.99]) and not e2e_bench.ne_meaningful([0.9, 1.0])
+    assert not e2e_bench.ne_meaningful([float("nan"), 0.5]) and not e2e_bench.ne_meaningful([])
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=1, warmup=2, methods=("eager", "gem"), device="cpu",
+                         dtype="float32")
+    rows = [{"method": "eager", "samples_per_s": 100.0, "compile_s": 0.0, "ne": [45.0, 7.6], "ne_meaningful": False},
+            {"method": "gem", "samples_per_s": 150.0, "compile_s": 1.0, "ne": [0.9, 0.95], "ne_meaningful": True}]
+    by = {r["method"]: r for r in e2e_bench._payload(cfg, rows)["results"]}
+    assert by["gem"]["ne_rel_diff_vs_eager"] is None
+    printed = []
+    result = {"method": "eager", "samples_per_s": 1.0, "useful_tflops": 1.0, "mfu": None, "compile_s": 0.0,
+              "recompiles_after_warmup": 0, "kernel_ms_per_step": None, "step_ms_median": 1.0, **rows[0]}
+    e2e_bench._log_method(printed.append, result, None)
+    assert "NE n/a" in printed[0] and "45.0" not in printed[0]
+    e2e_bench._log_method(printed.append, {**result, "ne": [0.9, 0.95], "ne_meaningful": True}, None)
+    assert "NE 0.90000, 0.95000" in printed[1]
+
+
 def test_cli_records_the_command_in_the_results_json(tmp_path):
     from gemcompile.cli import main
 

@@ -451,10 +451,26 @@ def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile |
         # host-bound step's time is only comparable between runs on an equally quiet host
         "host_load": {"load_avg_1min": _load_average(), "cpus": os.cpu_count()},
         "ne": list(run.window.compute().ne),  # per task
+        # NE >= 1: the model does not yet beat predicting the base rate (a short run from a cold start: every
+        # method reads 4-70 after 20 steps of GEM-ref medium); NE then says nothing about quality, so the
+        # console prints none and the gap to eager is not computed
+        "ne_meaningful": ne_meaningful(list(run.window.compute().ne)),
         "final_loss": losses[-1],
         "losses": losses,
         "diverged": not all(math.isfinite(v) for v in losses),
     }
+
+
+def ne_meaningful(ne: list[float]) -> bool:
+    """Whether the NEs of a run say something about its quality: every task's NE finite and below 1 (the
+    model beats predicting the base rate)."""
+    return bool(ne) and all(math.isfinite(v) and v < 1.0 for v in ne)
+
+
+def _ne_text(result: dict[str, Any]) -> str:
+    if result.get("ne_meaningful", True):
+        return f"NE {', '.join(f'{v:.5f}' for v in result['ne'])}"
+    return "NE n/a (>= 1: not past the base rate yet; more --steps)"
 
 
 def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> None:
@@ -462,7 +478,7 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
     log(f"  {result['method']:22s} {result['samples_per_s']:10.0f} samples/s  "
         f"{result['useful_tflops']:7.2f} TF/s  "
         f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
-        f"{result['recompiles_after_warmup']}  NE {', '.join(f'{v:.5f}' for v in result['ne'])}"
+        f"{result['recompiles_after_warmup']}  {_ne_text(result)}"
         + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
     if profiled is not None:
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
@@ -528,8 +544,10 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
                 r[f"speedup_vs_{peer}"] = r["samples_per_s"] / by_name[peer]["samples_per_s"]
         if "inductor" in by_name and by_name["inductor"]["compile_s"] > 0:
             r["compile_time_vs_inductor"] = r["compile_s"] / by_name["inductor"]["compile_s"]
-        if "eager" in by_name:  # the largest relative gap over the tasks
-            gaps = [abs(a - b) / abs(b) for a, b in zip(r["ne"], by_name["eager"]["ne"]) if b]
+        if "eager" in by_name:  # the largest relative gap over the tasks, where both NEs mean something
+            eager = by_name["eager"]
+            both = r.get("ne_meaningful", True) and eager.get("ne_meaningful", True)
+            gaps = [abs(a - b) / abs(b) for a, b in zip(r["ne"], eager["ne"]) if b] if both else []
             r["ne_rel_diff_vs_eager"] = max(gaps) if gaps else None
     batch_size = cfg.batch_size
     if batch_size is None:
@@ -544,7 +562,9 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
             "compile_s": "warm-up wall time minus warm-up steps x the median measured step",
             "recompiles_after_warmup": "Dynamo graphs compiled during the measured steps",
             "ne_rel_diff_vs_eager": "max over tasks of |NE - NE_eager| / NE_eager over the last ne_window "
-                                    "steps, same batches",
+                                    "steps, same batches; None unless both runs' NEs are meaningful",
+            "ne_meaningful": "every task's NE finite and < 1 (beats the base rate); NE >= 1 after a short run "
+                             "from a cold start says nothing about quality",
         },
         "results": results,
     }
