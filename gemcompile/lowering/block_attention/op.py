@@ -62,7 +62,7 @@ from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward
 
-__all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args", "check_kv_mask"]
+__all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
 
 _INPUTS = 13  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
 
@@ -91,21 +91,6 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
         )
 
 
-def check_kv_mask(kv_mask, B: int, L: int, device) -> None:
-    """kv_mask: None or a bool (B, L) tensor on q's device (ValueError naming it otherwise)."""
-    if kv_mask is None:
-        return
-    if not isinstance(kv_mask, torch.Tensor):
-        raise ValueError(f"kv_mask must be a torch.Tensor or None, got {type(kv_mask).__name__}")
-    if kv_mask.dtype != torch.bool:
-        raise ValueError(f"kv_mask must be a torch.bool tensor, got dtype {kv_mask.dtype}")
-    if tuple(kv_mask.shape) != (B, L):
-        raise ValueError(f"kv_mask must have shape (B, L) = {(B, L)}, got {tuple(kv_mask.shape)}")
-    if kv_mask.device != device:
-        raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}; every tensor must be on one "
-                         "device")
-
-
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
                                kv_mask=None, kv_bounds=None) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
@@ -130,7 +115,7 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
             "plain jagged attention: use gemcompile::jagged_attention"
         )
     checks.check_flags(causal, scale)
-    check_kv_mask(kv_mask, B, L, q.device)
+    checks.check_kv_mask(kv_mask, B, L, q.device)
     check_plan(B, q.device, kv_mask, kv_bounds=kv_bounds)
     if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")

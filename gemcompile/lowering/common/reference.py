@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "reduce_bias_grad", "reduce_to_shape", "row_mask", "zero_invalid_rows"]
+__all__ = ["compute_dtype", "key_mask", "reduce_bias_grad", "reduce_to_shape", "row_mask", "zero_invalid_rows"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -19,6 +19,12 @@ def row_mask(lengths: torch.Tensor | None, B: int, L: int, device) -> torch.Tens
     if lengths is None:
         return torch.ones(B, L, dtype=torch.bool, device=device)
     return pos[None, :] < lengths.to(device)[:, None]
+
+
+def key_mask(kv_lengths, kv_mask, B: int, Lk: int, device) -> torch.Tensor:
+    """(B, Lk) bool: the valid keys, j < kv_len and kv_mask[b, j] (either may be None)."""
+    kv_ok = row_mask(kv_lengths, B, Lk, device)
+    return kv_ok if kv_mask is None else kv_ok & kv_mask.to(device, torch.bool)
 
 
 def zero_invalid_rows(x: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:

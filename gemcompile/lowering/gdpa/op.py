@@ -174,16 +174,8 @@ def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_ta
 
 
 def _check_kv_mask(kv_mask, B, Lk, device, num_targets, contextual_len) -> None:
-    """kv_mask: a bool (B, Lk) tensor on q's device, any strides; not with HSTU's targets or prefix."""
-    if not isinstance(kv_mask, torch.Tensor):
-        raise TypeError(f"kv_mask must be a torch.Tensor or None, got {type(kv_mask).__name__}")
-    if kv_mask.dtype != torch.bool:
-        raise ValueError(f"kv_mask must be a torch.bool tensor, got dtype {kv_mask.dtype}")
-    if kv_mask.dim() != 2 or kv_mask.shape[0] != B or kv_mask.shape[1] != Lk:
-        raise ValueError(f"kv_mask must have shape (B, Lk) = ({B}, {Lk}) (B and Lk of k), "
-                         f"got {tuple(kv_mask.shape)}")
-    if kv_mask.device != device:
-        raise ValueError(f"kv_mask is on {kv_mask.device} but q is on {device}")
+    """kv_mask: common/checks.py's check, and not with HSTU's targets or prefix."""
+    checks.check_kv_mask(kv_mask, B, Lk, device)
     if num_targets is not None or (isinstance(contextual_len, int) and contextual_len != 0):
         raise ValueError("kv_mask is not served together with num_targets or contextual_len > 0")
 

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..common.reference import compute_dtype, reduce_bias_grad, reduce_to_shape, row_mask, zero_invalid_rows
+from ..common.reference import compute_dtype, key_mask, reduce_bias_grad, reduce_to_shape, row_mask, zero_invalid_rows
 from .relative_table import dense_relative_bias, relative_table_grad
 from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
@@ -148,7 +148,7 @@ def valid_pair_mask(
     """
     c = int(contextual_len)
     q_ok = row_mask(q_lengths, B, Lq, device)
-    kv_ok = _key_mask(kv_lengths, kv_mask, B, Lk, device)
+    kv_ok = key_mask(kv_lengths, kv_mask, B, Lk, device)
     valid = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
     rows = torch.arange(Lq, device=device)[:, None]
     cols = torch.arange(Lk, device=device)[None, :]
@@ -183,12 +183,6 @@ def valid_pair_mask(
     return valid & visible[:, None]
 
 
-def _key_mask(kv_lengths, kv_mask, B: int, Lk: int, device) -> Tensor:
-    """(B, Lk) bool: the valid keys, j < kv_len and kv_mask[b, j]."""
-    kv_ok = row_mask(kv_lengths, B, Lk, device)
-    return kv_ok if kv_mask is None else kv_ok & kv_mask.to(device, torch.bool)
-
-
 def _output_scale(kv_lengths, B: int, Lk: int, out_scale: float, divide: bool, dtype, device) -> Tensor:
     """(B, 1, 1, 1) c_b = out_scale (/ kv_len_b, clamped into [0, Lk]; 0 pairs when kv_len_b = 0)."""
     c = torch.full((B,), float(out_scale), dtype=dtype, device=device)
@@ -208,7 +202,7 @@ def _terms(q, k, v, q_lengths, kv_lengths, bias, num_targets, spec: GdpaSpec, kv
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qf = zero_invalid_rows(q.to(cdt), row_mask(q_lengths, B, Lq, q.device))
-    key_ok = _key_mask(kv_lengths, kv_mask, B, Lk, k.device)
+    key_ok = key_mask(kv_lengths, kv_mask, B, Lk, k.device)
     kf = zero_invalid_rows(k.to(cdt), key_ok)
     vf = zero_invalid_rows(v.to(cdt), key_ok)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * spec.scale

@@ -22,15 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..common.reference import compute_dtype, reduce_bias_grad, row_mask, zero_invalid_rows
+from ..common.reference import compute_dtype, key_mask, reduce_bias_grad, row_mask, zero_invalid_rows
 
 __all__ = ["key_mask", "reference_backward", "reference_forward", "valid_mask"]
-
-
-def key_mask(kv_lengths, kv_mask, B: int, Lk: int, device) -> torch.Tensor:
-    """(B, Lk) bool: the valid keys (j < kv_len and kv_mask[b, j])."""
-    kv_ok = row_mask(kv_lengths, B, Lk, device)
-    return kv_ok if kv_mask is None else kv_ok & kv_mask.to(device)
 
 
 def valid_mask(q_lengths, kv_lengths, B: int, Lq: int, Lk: int, causal: bool, device,
