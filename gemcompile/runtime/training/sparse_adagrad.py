@@ -13,8 +13,9 @@ backward and autograd's sum over several lookups add them in other orders).
 What it does not do: lr_decay, weight_decay, maximize (a ValueError at construction); gradient clipping of
 the table gradients (they never exist as tensors: build dense tables when you clip); accumulating
 gradients over several backward passes before a step (each backward's rows are kept and summed at the
-step, which is the same thing; a ``zero_grad()`` drops them). A table parameter that got a dense ``.grad``
-anyway (a lookup through another path) is updated by dense Adagrad as well.
+step, which is the same thing; a ``zero_grad()`` drops them). A table whose weight also gets a dense
+``.grad`` (tied to an output layer, ``logits = h @ table.weight.T``, as SASRec and BERT4Rec do) gets its
+filed rows added into that gradient and one dense Adagrad update, exactly what dense training does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
 from gemcompile.runtime.training.sparse_tables import is_sparse_grad_table
 
 __all__ = ["SparseAdagrad"]
+
+
+def _add_rows_(grad: torch.Tensor, filed: list) -> None:
+    for ids, rows in filed:
+        keep = ids >= 0
+        grad.index_add_(0, ids[keep], rows[keep].to(grad.dtype))
 
 
 class SparseAdagrad(torch.optim.Adagrad):
@@ -52,9 +59,11 @@ class SparseAdagrad(torch.optim.Adagrad):
             if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
                 raise ValueError("SparseAdagrad supports lr_decay = weight_decay = 0 and maximize = False only")
             for p in group["params"]:
-                if p.grad is not None:
-                    dense_pending = True
                 filed = take_rows(self._keys[id(p)])
+                if p.grad is not None:  # also used outside its lookups (a weight tied to an output layer)
+                    _add_rows_(p.grad, filed)  # one dense update of the whole gradient, as dense Adagrad does
+                    dense_pending = True
+                    continue
                 if not filed:
                     continue
                 state = self.state[p]
@@ -63,7 +72,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
                 adagrad_rows_(p, state["sum"], ids, grads, group["lr"], group["eps"])
         if dense_pending:
-            super().step()  # the dense .grad of a table looked up outside the sparse path
+            super().step()  # the tables with a dense .grad (their filed rows added in), and only those
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -19,7 +19,15 @@ from gemcompile.lowering.sparse_embedding.pending import new_table_key
 __all__ = ["SparseGradEmbedding", "SparseGradEmbeddingBag", "is_sparse_grad_table", "use_sparse_row_gradients"]
 
 
-class SparseGradEmbedding(nn.Embedding):
+class _FreshKeyOnCopy:
+    """A copied or unpickled table (deepcopy, an EMA copy) files under a key of its own, never its source's."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.table_key = new_table_key()
+
+
+class SparseGradEmbedding(_FreshKeyOnCopy, nn.Embedding):
     """nn.Embedding whose backward files row gradients under ``table_key`` (see the module docstring)."""
 
     table_key: int
@@ -29,7 +37,7 @@ class SparseGradEmbedding(nn.Embedding):
                                 self.table_key)
 
 
-class SparseGradEmbeddingBag(nn.EmbeddingBag):
+class SparseGradEmbeddingBag(_FreshKeyOnCopy, nn.EmbeddingBag):
     """nn.EmbeddingBag (sum, mean) whose backward files row gradients under ``table_key``."""
 
     table_key: int
