@@ -5,7 +5,14 @@ step's loss must equal single-process training within LOSS_TOL (float32; observe
 summation order). World 2 = one node of 2 (dp_shard, ep, emb_inner = 2); world 4 = 2 nodes of 2 (every
 axis 2: dp_replicate, dp_shard, ep, emb_outer, emb_inner), grid embeddings and, separately, replicated
 groups with experts FSDP-sharded over efsdp = 2. A checkpoint saved at world 4 resumes at world 2. One
-step's collectives per (op, axis) equal the plan's. One compiled case (gem_compile of each GEM layer under
+step's collectives per (op, axis) equal the plan's.
+
+Sparse tables (row gradients of the local shards, SparseAdagrad) are the default without clipping: the
+world 4 runs train sparsely, and the world 4 grid checkpoint resumes at world 2 with dense tables. In
+the world 2 launch the plan is also trained directly with sparse and with dense tables (replicated
+groups over emb_outer = 2, and rows over emb_inner = 2): losses, table weights and Adagrad sums agree
+within fp32 rounding (observed: bit for bit), the replicas stay identical, and a checkpoint of either
+resumes in the other mode. One compiled case (gem_compile of each GEM layer under
 the plan, world 2, 3 steps, within COMPILED_LOSS_TOL of eager single-process training) is marked slow
 (about 2 minutes on 2 CPU cores) and runs with the rest of the suite.
 """
@@ -29,6 +36,8 @@ WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
 STEPS, BATCH = 5, 16
 LOSS_TOL = 1e-5
 """Absolute tolerance on each step's loss against single-process training."""
+TABLE_TOL = 1e-6
+"""Absolute tolerance on table weights and Adagrad sums, sparse tables against dense (fp32 rounding)."""
 COMPILED_LOSS_TOL = 1e-4
 """The same for gem_compile under the plan (compiled kernels change the summation order more)."""
 
@@ -76,12 +85,27 @@ def _assert_close(losses, expected, tol: float = LOSS_TOL):
         assert abs(a - b) <= tol, f"step {step}: parallel {a} vs single process {b}"
 
 
-def test_world_2_matches_single_process_with_clipping(tmp_path, reference):
-    run = _run(tmp_path, 2, {"steps": STEPS, "batch_size": BATCH, "grad_clip": 0.5, "count": True}, "w2")
+def test_world_2_clipping_matches_and_sparse_tables_equal_dense(tmp_path, reference):
+    compare = [{"parallel": {"emb_outer": 2, "emb_inner": 1, "embedding_sharding": "replicated_groups"},
+                "checkpoint_dir": str(tmp_path / "replicated")},
+               {"parallel": {"emb_outer": 1, "emb_inner": 2}}]
+    run = _run(tmp_path, 2, {"steps": STEPS, "batch_size": BATCH, "grad_clip": 0.5, "count": True,
+                             "compare": compare, "compare_steps": 3}, "w2")
     _assert_close(run["losses"], reference["clipped"])
+    assert run["sparse_tables"] is False  # clipping keeps the tables dense
     assert run["observed"] == run["expected"]
     # one node of 2: dp_shard, ep and emb_inner are the same two ranks, counted under one group
     assert run["observed"]["all_to_all@dp_shard"] == 8 and run["observed"]["all_reduce@world"] == 2
+    replicated, rows = run["compare"]
+    assert set(replicated["max_diff"]) == {"sparse", "sparse<-dense", "dense<-sparse"}
+    assert set(rows["max_diff"]) == {"sparse"}
+    for case in (replicated, rows):
+        assert case["moved"] > 1e-3  # every table trained
+        for name, diff in case["max_diff"].items():
+            assert diff["loss"] <= LOSS_TOL, (name, diff)
+            assert diff["weight"] <= TABLE_TOL and diff["sum"] <= TABLE_TOL, (name, diff)
+    assert len(replicated["losses"]["sparse<-dense"]) == 2  # resumed after step 1 of 3
+    assert replicated["replicas_identical"]
 
 
 def test_world_4_grid_matches_and_resumes_at_world_2(tmp_path, reference):
@@ -90,15 +114,17 @@ def test_world_4_grid_matches_and_resumes_at_world_2(tmp_path, reference):
             "parallel": {"gpus_per_node": 2}}
     run = _run(tmp_path, 4, spec, "w4")
     _assert_close(run["losses"], reference["plain"])
+    assert run["sparse_tables"] is True  # the default without clipping
     assert run["observed"] == run["expected"]
     assert {"all_to_all@emb_outer", "all_gather@emb_outer", "all_reduce@dp_replicate", "all_gather@ep"} <= set(
         run["observed"])
-    # resume the step-3 checkpoint of world 4 at world 2 (DCP reshards the DTensors)
+    # resume the step-3 checkpoint of world 4 (sparse tables) at world 2 with dense tables (DCP reshards
+    # the DTensors: weights and Adagrad sums)
     resumed_dir = tmp_path / "resume"
     shutil.copytree(checkpoint_path(saved, 3), checkpoint_path(resumed_dir, 3))
     resumed = _run(tmp_path, 2, {"steps": STEPS, "batch_size": BATCH, "checkpoint_dir": str(resumed_dir),
-                                 "resume": True}, "w2-resumed")
-    assert resumed["start_step"] == 3
+                                 "resume": True, "sparse_tables": False}, "w2-resumed")
+    assert resumed["start_step"] == 3 and resumed["sparse_tables"] is False
     _assert_close(resumed["losses"], reference["plain"])
 
 
@@ -108,8 +134,11 @@ def test_world_4_replicated_groups_and_expert_fsdp(tmp_path, reference):
                          "embedding_sharding": "replicated_groups"}}
     run = _run(tmp_path, 4, spec, "w4-replicated")
     _assert_close(run["losses"], reference["plain"])
+    assert run["sparse_tables"] is True
     assert run["observed"] == run["expected"]
-    assert run["observed"]["all_reduce@emb_outer"] == 5  # one per table (4 sparse + item)
+    # sparse tables: the row gradients of every table in one exchange (counts, ids, rows), where dense
+    # tables all-reduce one gradient per table (4 sparse + item: tests/unit/parallel_fake_pg.py)
+    assert run["observed"]["all_gather@emb_outer"] == 3 and "all_reduce@emb_outer" not in run["observed"]
     assert run["observed"]["all_gather@efsdp"] == 4  # the local experts' FSDP unit, per layer
 
 

@@ -6,8 +6,8 @@ One process plays RANK of a WORLD-rank job on the fake process group (collective
 1. GEM-ref small on the meta device, with the plan applied: every parameter's mesh axes, placements and
    local shape are the plan's, the rank holds exactly its ep position's experts, and its parameter bytes
    are the plan's bytes per rank (rank 0 holds the largest shards; others hold at most as much);
-2. GEM-ref tiny on the CPU, one training step under CollectiveCounter: the collectives per (op, axis)
-   are the plan's. Prints OK.
+2. GEM-ref tiny on the CPU, one training step under CollectiveCounter, with dense and with sparse
+   tables: the collectives per (op, axis) are the plan's. Prints OK.
 """
 
 import sys
@@ -40,7 +40,8 @@ def main() -> None:
     extra = dict(item.split("=") for item in sys.argv[3].replace(" ", "").split(",") if item) if len(sys.argv) > 3 else {}
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    config = ParallelConfig(enabled=True, gpus_per_node=8, **{k: int(v) for k, v in extra.items()})
+    fields = {k: int(v) if v.isdigit() else v for k, v in extra.items()}
+    config = ParallelConfig(enabled=True, gpus_per_node=8, **fields)
 
     # 1. placements and bytes, GEM-ref small on the meta device
     with torch.device("meta"):
@@ -72,25 +73,27 @@ def main() -> None:
     print(f"small: {len(names)} parameters placed as planned, {held} bytes on rank {rank} "
           f"(plan: {plan.bytes_per_rank()} on the most loaded rank)")
 
-    # 2. collectives of one training step, GEM-ref tiny on the CPU
-    cfg = gem_ref_config("tiny")
-    torch.manual_seed(0)
-    model = GemRef(cfg)
-    plan = plan_for_model(model, config, world)
-    runtime = ParallelRuntime.setup(model, plan, "cpu")
-    optimizers = runtime.build_optimizers(1e-3, 0.01)
-    batch = runtime.local_batch(SyntheticData(cfg.data_config(world, seed=0)).batch(0))
-    counter = runtime.meshes.counter()
-    with counter:
-        loss = runtime.loss(model(**batch.features()), batch.labels, batch.label_mask)
-        loss.backward()
-        runtime.finish_gradients()
-        runtime.clip_grad_norm_(1.0)
-    for optimizer in optimizers:
-        optimizer.step()
-    observed, planned = counter.as_dict(), runtime.expected_collectives()
-    assert observed == planned, (observed, planned)
-    print(f"tiny: one step issued {sum(observed.values())} collectives, as planned: {sorted(observed.items())}")
+    # 2. collectives of one training step, GEM-ref tiny on the CPU, dense and sparse tables
+    for sparse in (False, True):
+        cfg = gem_ref_config("tiny")
+        torch.manual_seed(0)
+        model = GemRef(cfg)
+        plan = plan_for_model(model, config, world)
+        runtime = ParallelRuntime.setup(model, plan, "cpu")
+        optimizers = runtime.build_optimizers(1e-3, 0.01, sparse_tables=sparse)
+        batch = runtime.local_batch(SyntheticData(cfg.data_config(world, seed=0)).batch(0))
+        counter = runtime.meshes.counter()
+        with counter:
+            loss = runtime.loss(model(**batch.features()), batch.labels, batch.label_mask)
+            loss.backward()
+            runtime.finish_gradients()
+            runtime.clip_grad_norm_(None if sparse else 1.0)
+        for optimizer in optimizers:
+            optimizer.step()
+        observed, planned = counter.as_dict(), runtime.expected_collectives()
+        assert observed == planned, (sparse, observed, planned)
+        print(f"tiny, {'sparse' if sparse else 'dense'} tables: one step issued {sum(observed.values())} "
+              f"collectives, as planned: {sorted(observed.items())}")
     dist.destroy_process_group()
     print("OK")
 

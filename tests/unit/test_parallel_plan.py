@@ -256,11 +256,12 @@ def test_sharding_pass_off_by_default():
 # -- the fake process group: world 64 and 256 ----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("world", "rank", "extra"), [(64, 0, ""), (256, 37, "emb_outer=16, emb_inner=16")])
+@pytest.mark.parametrize(("world", "rank", "extra"), [(64, 0, "embedding_sharding=replicated_groups"),
+                                                      (256, 37, "emb_outer=16, emb_inner=16")])
 def test_fake_process_group_placements_bytes_and_collectives(world, rank, extra):
     """One process simulates `rank` of `world` (collectives are no-ops): the meshes are built, the plan is
     applied to GEM-ref small on the meta device (placements and bytes per rank) and tiny on the CPU (one
-    training step, its collectives counted per axis)."""
+    training step with dense and one with sparse tables, their collectives counted per axis)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     env.pop("LOCAL_WORLD_SIZE", None)

@@ -112,3 +112,24 @@ def test_arguments_round_trip():
         quiet=True,
     )
     assert config_from_args(parser.parse_args([])) == TrainConfig()
+
+
+def test_sparse_tables_resolution(monkeypatch):
+    """None: sparse tables unless grad_clip, under parallel too (both embedding shardings train their
+    shards sparsely); a sharding that could not would keep them dense, and refuse sparse_tables=True."""
+    import gemcompile.runtime.training.config as config_module
+    from gemcompile.config import ParallelConfig
+
+    grid = ParallelConfig(enabled=True)
+    replicated = ParallelConfig(enabled=True, embedding_sharding="replicated_groups")
+    assert TrainConfig().trains_tables_sparsely and not TrainConfig(grad_clip=1.0).trains_tables_sparsely
+    assert TrainConfig(parallel=grid).trains_tables_sparsely
+    assert TrainConfig(parallel=replicated, sparse_tables=True).trains_tables_sparsely
+    assert not TrainConfig(parallel=grid, grad_clip=1.0).trains_tables_sparsely
+    assert not TrainConfig(parallel=grid, sparse_tables=False).trains_tables_sparsely
+    with pytest.raises(ValueError, match="sparse_tables = True is invalid: expected None or False with"):
+        TrainConfig(parallel=grid, sparse_tables=True, grad_clip=1.0)
+    monkeypatch.setattr(config_module, "SPARSE_ROW_SHARDINGS", ("grid",))
+    assert not TrainConfig(parallel=replicated).trains_tables_sparsely
+    with pytest.raises(ValueError, match="with parallel embedding_sharding other than grid"):
+        TrainConfig(parallel=replicated, sparse_tables=True)

@@ -23,13 +23,17 @@ def _check(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor) -> Non
         raise ValueError("adagrad_rows_: weight, state_sum, ids and grads must be on one device")
 
 
-def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor, lr: float, eps: float) -> None:
+def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor, lr: float, eps: float,
+                  deterministic: bool | None = None) -> None:
     """``sum += g * g; w -= lr * g / (sqrt(sum) + eps)`` on the rows in `ids` only, g a row's summed
-    gradient rows; in place. Equals torch.optim.Adagrad (lr_decay = weight_decay = 0) on the dense gradient."""
+    gradient rows; in place. Equals torch.optim.Adagrad (lr_decay = weight_decay = 0) on the dense gradient.
+    `deterministic`: True sums each row's gradient rows in a fixed order on CUDA too (replicas that must
+    stay bit for bit identical); None follows torch.are_deterministic_algorithms_enabled(). The CPU
+    reference is deterministic either way."""
     _check(weight, state_sum, ids, grads)
     if weight.device.type == "cuda" and weight.stride(1) == 1 and state_sum.stride(1) == 1:
         from .adagrad_triton import adagrad_rows_triton_
 
-        adagrad_rows_triton_(weight, state_sum, ids, grads, lr, eps)
+        adagrad_rows_triton_(weight, state_sum, ids, grads, lr, eps, deterministic=deterministic)
     else:
         adagrad_rows_reference_(weight, state_sum, ids, grads, lr, eps)

@@ -6,6 +6,12 @@
     loss, reported = runtime.loss(logits, labels, label_mask)         # normalized over the global batch
     loss.backward(); runtime.finish_gradients(); runtime.clip_grad_norm_(max_norm)
 
+With ``build_optimizers(..., sparse_tables=True)`` the sharded tables train sparsely: each local
+lookup files the row gradients of its shard and SparseAdagrad updates only those rows of the shard
+(embedding.py; no dense table gradient, so the gradient norm cannot include them: clipping needs
+dense tables). finish_gradients then all-gathers the replicated groups' row gradients instead of
+all-reducing dense ones.
+
 What it does to the model (in place; parameter names never change, so checkpoints move between
 world sizes and between parallel and single-process runs):
 - embedding tables -> ShardedTable modules with DTensor weights on the embedding mesh, looked up by
@@ -42,10 +48,17 @@ from gemcompile.runtime.distributed.embedding import (
     ShardedCollection,
     ShardedTable,
     install_prefetch,
+    reduce_replicated_rows,
     shard_table_weight,
 )
 from gemcompile.runtime.distributed.experts import ExpertParallelMixture
-from gemcompile.runtime.distributed.plan import ParallelPlan, ParallelPlanError, collection_of
+from gemcompile.runtime.distributed.plan import (
+    SPARSE_ROW_SHARDINGS,
+    ParallelPlan,
+    ParallelPlanError,
+    collection_of,
+)
+from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
 
 __all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
 
@@ -169,6 +182,8 @@ class ParallelRuntime:
         self.fsdp_modules: list[nn.Module] = []
         self.table_params: list[nn.Parameter] = []
         self.expert_params: list[nn.Parameter] = []
+        self.sparse_tables = False
+        """Whether the sharded tables train sparsely (set by build_optimizers)."""
 
     # -- setup --------------------------------------------------------------------------------------
     @classmethod
@@ -285,31 +300,64 @@ class ParallelRuntime:
             out.append(buffer)
         return out
 
+    @property
+    def sharded_tables(self) -> list[ShardedTable]:
+        return [t for c in self.collections for t in c.tables]
+
+    @property
+    def supports_sparse_tables(self) -> bool:
+        """Whether the plan's embedding sharding can train its tables sparsely (SPARSE_ROW_SHARDINGS)."""
+        return self.plan.config.embedding_sharding in SPARSE_ROW_SHARDINGS
+
     def finish_gradients(self) -> None:
-        """After backward: the replicated-groups table gradients summed over emb_outer."""
+        """After backward: the replicated-groups table gradients summed over emb_outer (dense tables), or
+        their row gradients all-gathered over emb_outer (sparse tables)."""
+        if self.sparse_tables:
+            reduce_replicated_rows(self.sharded_tables, self._embedding_groups())
         for collection in self.collections:
             collection.all_reduce_replicated_grads()
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
-        """Gradient norm over all meshes (one scalar all-reduce); clips when max_norm is given."""
+        """Gradient norm over all meshes (one scalar all-reduce); clips when max_norm is given. Sparse
+        tables have no gradient to count or clip: clipping them is refused."""
+        if max_norm is not None and self.sparse_tables:
+            raise ValueError("clip_grad_norm_: the sharded tables train sparsely (no gradient tensors to "
+                             "clip); build the optimizers with sparse_tables=False to clip")
         return grad_norm_(self.model.parameters(), max_norm, group=self.meshes.world_group)
 
-    def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
+    def build_optimizers(self, lr: float, embedding_lr: float,
+                         sparse_tables: bool = False) -> list[torch.optim.Optimizer]:
         """runtime/training/optimizers.py's split (Adam on dense weights, Adagrad on every embedding table, small
         tables included), with one optimizer per mesh: a foreach step must not mix DTensors of different
         meshes. Order: dense Adam, expert Adam, table-shard Adagrad, small-table Adagrad (empty ones
-        left out; the same list at every world size, so checkpoints load across world sizes)."""
+        left out; the same list at every world size, so checkpoints load across world sizes).
+
+        `sparse_tables`: the sharded tables file row gradients of their shards and the table-shard
+        optimizer is SparseAdagrad (the same state as Adagrad's, so checkpoints load either way); the
+        small tables (FSDP-managed dense weights) keep Adagrad. Call it before the first forward."""
+        if sparse_tables:
+            if not self.supports_sparse_tables:
+                raise ValueError(f"embedding_sharding={self.plan.config.embedding_sharding!r} cannot train "
+                                 f"its tables sparsely (supported: {', '.join(SPARSE_ROW_SHARDINGS)})")
+            replicated = self.meshes.embedding.size(0) > 1 and self.plan.config.embedding_sharding != "grid"
+            for table in self.sharded_tables:
+                table.use_sparse_row_gradients(identical_replicas=replicated)
+            self.sparse_tables = True
         tables = {id(p) for p in self.table_params}
         experts = {id(p) for p in self.expert_params}
         small = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-        groups: list[tuple[type, list[nn.Parameter], float]] = [
-            (torch.optim.Adam, [p for p in self.model.parameters()
-                                if id(p) not in tables | experts | small], lr),
-            (torch.optim.Adam, list(self.expert_params), lr),
-            (torch.optim.Adagrad, list(self.table_params), embedding_lr),
-            (torch.optim.Adagrad, [p for p in self.model.parameters() if id(p) in small], embedding_lr),
+        dense = [p for p in self.model.parameters() if id(p) not in tables | experts | small]
+        small_params = [p for p in self.model.parameters() if id(p) in small]
+        optimizers: list[torch.optim.Optimizer | None] = [
+            torch.optim.Adam(dense, lr=lr) if dense else None,
+            torch.optim.Adam(list(self.expert_params), lr=lr) if self.expert_params else None,
+            None,
+            torch.optim.Adagrad(small_params, lr=embedding_lr) if small_params else None,
         ]
-        return [cls(params, lr=rate) for cls, params, rate in groups if params]
+        if self.table_params:
+            optimizers[2] = (SparseAdagrad(self.sharded_tables, lr=embedding_lr) if self.sparse_tables
+                             else torch.optim.Adagrad(list(self.table_params), lr=embedding_lr))
+        return [o for o in optimizers if o is not None]
 
     def expected_collectives(self) -> dict[tuple[str, str], int]:
         """The plan's collectives per step, keyed the way CollectiveCounter reports them: axes whose
@@ -319,7 +367,7 @@ class ParallelRuntime:
         mesh_of = {"dp_replicate": m.dense, "dp_shard": m.dense, "efsdp": m.expert, "ep": m.expert,
                    "emb_outer": m.embedding, "emb_inner": m.embedding}
         out: dict[tuple[str, str], int] = {}
-        for (op, axis), n in self.plan.collective_counts().items():
+        for (op, axis), n in self.plan.collective_counts(self.sparse_tables).items():
             label = "world" if axis == "world" else m.axis_of_group[mesh_of[axis].get_group(axis).group_name]
             out[(op, label)] = out.get((op, label), 0) + n
         return out

@@ -4,7 +4,8 @@ Layout on the embedding mesh (emb_outer, emb_inner), rank (c, i):
 - "grid": columns [c * D/O, (c+1) * D/O) of rows [i * ceil(R/I), (i+1) * ceil(R/I)) of every sharded
   table: placements (Shard(1), Shard(0)), every parameter byte on exactly one rank;
 - "replicated_groups": all columns of row range i, replicated over emb_outer ((Replicate(), Shard(0)),
-  TorchRec's 2D / DMPCollection layout); gradients are all-reduced over emb_outer after backward.
+  TorchRec's 2D / DMPCollection layout); gradients are all-reduced over emb_outer after backward
+  (dense tables) or their row gradients all-gathered (sparse tables, below).
 
 The weights are DTensors with these placements (global shapes, so DCP reshards a checkpoint to another
 world size); the lookup works on the local shards. One fused exchange serves every lookup of a
@@ -26,6 +27,18 @@ its share of the loss (so that FSDP's average is the global gradient, apply.py),
 rows a shard serves carry the whole world's samples, so looked-up rows scale their gradient by
 1 / world_size.
 
+Sparse tables (``ShardedTable.use_sparse_row_gradients``, chosen by ParallelRuntime.build_optimizers):
+step 3 looks the rows up with gemcompile::sparse_embedding (lowering/sparse_embedding/op.py), whose
+backward files (local row ids, gradient rows) of the shard instead of a dense ``.grad`` of the shard
+(the rows are the 1 / world_size-scaled ones: the scaling sits above the local lookup), and SparseAdagrad
+(runtime/training/sparse_adagrad.py) updates only those rows of ``weight.to_local()`` and of its
+Adagrad sum's local shard. "grid": nothing else, the rows are local. "replicated_groups": the replicas
+of a row shard serve different samples, so after backward ``reduce_replicated_rows`` sums each
+replica's rows per id and all-gathers the sums over emb_outer (counts first, padded to the largest),
+in one exchange for every sparse table of the runtime; every replica then files the same rows in
+the same (replica) order and sums them in a fixed order at the update, so the replicas stay
+identical, bit for bit.
+
 A table's module is replaced by a ShardedTable that holds the DTensor weight under the original name
 (``tables.3.weight``) and returns the output its collection prefetched in a forward pre-hook of the
 owning module. Modules without a known prefetch (``PREFETCH``) look each call up on its own.
@@ -41,9 +54,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gemcompile.lowering.sparse_embedding.op import MODE_LOOKUP, sparse_embedding
+from gemcompile.lowering.sparse_embedding.pending import file_rows, new_table_key, take_rows
 from gemcompile.runtime.distributed.collectives import all_gather, all_to_all, scale_grad
 
-__all__ = ["PREFETCH", "EmbeddingGroups", "ShardedCollection", "ShardedTable", "shard_table_weight"]
+__all__ = ["PREFETCH", "EmbeddingGroups", "ShardedCollection", "ShardedTable", "reduce_replicated_rows",
+           "shard_table_weight"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,36 @@ class ShardedTable(nn.Module):
         self.pooled = pooled
         self.collection: ShardedCollection | None = None
         self._pending: list[Tensor] = []
+        self.table_key: int | None = None
+        """Set by use_sparse_row_gradients: the key its lookups file row gradients under."""
+        self.identical_replicas = False
+        """Sparse and replicated over emb_outer: the row update must sum in a fixed order."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if getattr(self, "table_key", None) is not None:  # a copy files under a key of its own, as in
+            self.table_key = new_table_key()  # sparse_tables.py
+
+    @property
+    def files_row_gradients(self) -> bool:
+        """True once use_sparse_row_gradients was called: no dense gradient, SparseAdagrad updates it."""
+        return self.table_key is not None
+
+    def use_sparse_row_gradients(self, identical_replicas: bool = False) -> None:
+        """From now on the local lookup files (local row ids, gradient rows) instead of giving the weight
+        a gradient (see the module docstring); call it before the first forward."""
+        if self.table_key is None:
+            self.table_key = new_table_key()
+            # the counter the filing op bumps (lowering/sparse_embedding/op.py); not part of checkpoints
+            token = torch.zeros(1, dtype=torch.int64, device=self.weight.device)
+            self.register_buffer("row_grad_token", token, persistent=False)
+        self.identical_replicas = identical_replicas
+
+    def local_lookup(self, rows: Tensor, weight: Tensor) -> Tensor:
+        """Rows `rows` (local row ids, no padding) of this rank's shard `weight` (= weight.to_local())."""
+        if self.table_key is None:
+            return F.embedding(rows, weight)
+        return sparse_embedding(rows, weight, None, self.row_grad_token, MODE_LOOKUP, None, self.table_key)
 
     def forward(self, ids: Tensor, *args, **kwargs) -> Tensor:
         if args or kwargs:
@@ -222,15 +268,16 @@ class ShardedCollection:
     def _local_rows(tables: Sequence[ShardedTable], r_row: Tensor, r_table: Tensor) -> Tensor:
         weights = [t.weight.to_local() for t in tables]
         if len(tables) == 1:
-            return F.embedding(r_row, weights[0])
+            return tables[0].local_lookup(r_row, weights[0])
         order = torch.argsort(r_table, stable=True)
         counts = torch.bincount(r_table, minlength=len(tables)).tolist()
-        parts = [F.embedding(rows, w) for rows, w in zip(r_row[order].split(counts), weights)]
+        parts = [t.local_lookup(rows, w) for t, rows, w in zip(tables, r_row[order].split(counts), weights)]
         sorted_rows = torch.cat(parts)
         return sorted_rows.new_zeros(sorted_rows.shape).index_add(0, order, sorted_rows)
 
     def all_reduce_replicated_grads(self) -> None:
-        """Replicated groups: sum the gradients of the row shards over emb_outer (the replicas)."""
+        """Replicated groups: sum the dense gradients of the row shards over emb_outer (the replicas);
+        sparse tables have none (reduce_replicated_rows)."""
         g = self.groups
         if g.grid or g.outer_size == 1:
             return
@@ -239,6 +286,75 @@ class ShardedCollection:
             if grad is not None:
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=g.outer_group)
+
+
+def _coalesce(filed: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One lookup's worth of filed (ids, rows) -> (distinct ids, their summed rows); padding ids dropped."""
+    ids = torch.cat([i for i, _ in filed])
+    rows = torch.cat([r for _, r in filed]).to(dtype)
+    keep = ids >= 0
+    ids, rows = ids[keep], rows[keep]
+    distinct, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return distinct, rows.new_zeros((distinct.numel(), rows.shape[1])).index_add_(0, inverse, rows)
+
+
+@torch.no_grad()
+def reduce_replicated_rows(tables: Sequence[ShardedTable], groups: EmbeddingGroups) -> None:
+    """Replicated groups with sparse tables, after backward: every replica (emb_outer) of a row shard ends
+    up with the row gradients of all replicas filed, in replica order, identically.
+
+    Each replica sums its filed rows per id (a row appears at most once per replica), then three
+    all-gathers over emb_outer, for all `tables` at once: the counts (ids per table, and which tables
+    filed anything: the one host sync), the ids and the rows (flat, in the promoted dtype of the tables),
+    each padded to the largest replica's count. Every rank must call it with the same tables in the same
+    order."""
+    if groups.grid or groups.outer_size == 1 or not tables:
+        return
+    n_tables = len(tables)
+    device = tables[0].weight.device
+    dtype = tables[0].weight.dtype
+    for t in tables[1:]:
+        dtype = torch.promote_types(dtype, t.weight.dtype)
+    dims = [t.weight.to_local().shape[1] for t in tables]
+    ids_parts, row_parts = [], []
+    local = [0] * (2 * n_tables)  # ids per table, then 1 for each table that filed anything
+    for k, table in enumerate(tables):
+        if not table.files_row_gradients:
+            raise ValueError(f"reduce_replicated_rows: table {k} has dense gradients")
+        filed = take_rows(table.table_key)
+        if not filed:
+            continue
+        ids, rows = _coalesce(filed, dtype)
+        ids_parts.append(ids)
+        row_parts.append(rows.reshape(-1))
+        local[k], local[n_tables + k] = ids.numel(), 1
+    counts = all_gather(torch.tensor(local, device=device)[None], groups.outer_group).cpu()  # (O, 2 * tables)
+    ids_per = counts[:, :n_tables]
+    n_of = ids_per.sum(1).tolist()
+    e_of = (ids_per * torch.tensor(dims)).sum(1).tolist()
+    n_max, e_max = max(1, max(n_of)), max(1, max(e_of))
+    n_self, e_self = sum(local[:n_tables]), sum(c * d for c, d in zip(local, dims))
+    ids = torch.cat([*ids_parts, torch.full((n_max - n_self,), -1, dtype=torch.int64, device=device)])
+    flat = torch.cat([*row_parts, torch.zeros(e_max - e_self, dtype=dtype, device=device)])
+    ids_all = all_gather(ids, groups.outer_group).view(groups.outer_size, n_max)
+    flat_all = all_gather(flat, groups.outer_group).view(groups.outer_size, e_max)
+    per_table: list[list[tuple[Tensor, Tensor]]] = [[] for _ in tables]
+    for replica in range(groups.outer_size):
+        per = ids_per[replica].tolist()
+        table_ids = ids_all[replica, :n_of[replica]].split(per)
+        table_rows = flat_all[replica, :e_of[replica]].split([c * d for c, d in zip(per, dims)])
+        for k in range(n_tables):
+            if per[k]:
+                per_table[k].append((table_ids[k], table_rows[k].view(per[k], dims[k])))
+    for k, table in enumerate(tables):
+        if not bool(counts[:, n_tables + k].any()):
+            continue  # looked up by no replica this step: no gradient, no step (as dense Adagrad)
+        entries = per_table[k]
+        if entries:
+            ids, rows = torch.cat([i for i, _ in entries]), torch.cat([r for _, r in entries])
+            file_rows(table.table_key, ids, rows)
+        else:
+            file_rows(table.table_key, flat.new_zeros(0, dtype=torch.int64), flat.new_zeros((0, dims[k])))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from torch import nn
 from gemcompile.config import PARALLEL_AXES, ParallelConfig
 
 __all__ = [
+    "SPARSE_ROW_SHARDINGS",
     "CollectiveCount",
     "MeshAxes",
     "ParallelPlan",
@@ -57,6 +58,11 @@ __all__ = [
 ]
 
 ParamKind = Literal["embedding", "expert", "dense"]
+
+SPARSE_ROW_SHARDINGS = ("grid", "replicated_groups")
+"""ParallelConfig.embedding_sharding values whose sharded tables can train sparsely (row gradients of the
+local shard and SparseAdagrad: runtime/distributed/embedding.py); tables of any other sharding stay
+dense."""
 
 MESH_AXES: dict[str, tuple[str, ...]] = {
     "dense": ("dp_replicate", "dp_shard"),
@@ -362,8 +368,9 @@ class ParallelPlan:
         """Parameter bytes of the unsharded model."""
         return sum(math.prod(p.info.shape) * p.info.itemsize for p in self.params)
 
-    def collectives(self) -> list[CollectiveCount]:
-        """The collectives one training step issues (forward and backward), per op and axis.
+    def collectives(self, sparse_tables: bool = False) -> list[CollectiveCount]:
+        """The collectives one training step issues (forward and backward), per op and axis;
+        `sparse_tables`: the sharded tables train sparsely (row gradients, SparseAdagrad).
 
         Counted the way the runtime issues them (degenerate axes of size 1 issue nothing):
         - each dense FSDP unit with parameters: all-gather on dp_shard in forward and again in backward
@@ -375,7 +382,8 @@ class ParallelPlan:
         - each embedding collection: ids all-gather on emb_outer, counts + ids + outputs all-to-all on
           emb_inner, outputs all-to-all on emb_outer in forward; the two output all-to-alls reversed in
           backward (replicated groups: no emb_outer traffic in the lookup; one gradient all-reduce per
-          table on emb_outer);
+          table on emb_outer, or with sparse tables three all-gathers on emb_outer for all tables
+          together: counts, ids, rows);
         - over the world: one scalar all-reduce of the global label count (the loss is the global masked
           mean) and one of the squared gradient norm (clipping).
         """
@@ -406,6 +414,10 @@ class ParallelPlan:
             add("all_gather", "emb_outer", cols, "ids to every column group", a.emb_outer)
             add("all_to_all", "emb_outer", 2 * cols, "pooled outputs back to the samples' ranks, and grads",
                 a.emb_outer)
+        elif sparse_tables:
+            tables = 3 if self.by_kind("embedding") else 0
+            add("all_gather", "emb_outer", tables, "row gradients across replica groups (counts, ids, rows)",
+                a.emb_outer)
         else:
             tables = len(self.by_kind("embedding"))
             add("all_reduce", "emb_outer", tables, "table gradients across replica groups", a.emb_outer)
@@ -415,9 +427,9 @@ class ParallelPlan:
             "(clipping)", a.world_size)
         return [CollectiveCount(op, axis, n, "; ".join(why)) for (op, axis), (n, why) in counts.items()]
 
-    def collective_counts(self) -> dict[tuple[str, str], int]:
+    def collective_counts(self, sparse_tables: bool = False) -> dict[tuple[str, str], int]:
         """{(op, axis): count per step}."""
-        return {(c.op, c.axis): c.count for c in self.collectives()}
+        return {(c.op, c.axis): c.count for c in self.collectives(sparse_tables)}
 
     def _unit_has_params(self, unit: str) -> bool:
         return any(_unit_of(p.name, self.dense_units) == unit for p in self.by_kind("dense"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gemcompile.config import GemConfig, ParallelConfig
+from gemcompile.runtime.distributed.plan import SPARSE_ROW_SHARDINGS
 
 __all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEVICES", "DTYPES", "LENGTH_DISTS", "MXFP8_RECIPES",
            "SIZES", "TRAJECTORY_FIELDS", "TrainConfig", "gem_config"]
@@ -118,9 +119,11 @@ class TrainConfig:
 
     sparse_tables: bool | None = None
     """Train the embedding tables sparsely: lookups give row gradients and SparseAdagrad reads and writes
-    only the looked-up rows (runtime/training/sparse_adagrad.py; the update equals dense Adagrad's). None:
-    on for one process without grad_clip (clipping needs every gradient as a tensor, and the parallel
-    runtime's sharded tables keep dense gradients); False: dense gradients and torch's Adagrad."""
+    only the looked-up rows (runtime/training/sparse_adagrad.py; the update equals dense Adagrad's); under
+    parallel, the sharded tables do so on their local shards (runtime/distributed/embedding.py) and the
+    small tables, FSDP-managed dense weights, stay dense. None: on without grad_clip (clipping needs every
+    gradient as a tensor) unless parallel with an embedding_sharding that cannot (none today:
+    runtime/distributed/plan.py SPARSE_ROW_SHARDINGS); False: dense gradients and torch's Adagrad."""
 
     parallel: Any = None
     """A gemcompile.config.ParallelConfig (or a dict of its fields) with enabled=True: train with the 5D
@@ -132,7 +135,13 @@ class TrainConfig:
         """Whether the run's tables train sparsely (sparse_tables, with None resolved)."""
         if self.sparse_tables is not None:
             return self.sparse_tables
-        return self.grad_clip is None and not (self.parallel is not None and getattr(self.parallel, "enabled", False))
+        return self.grad_clip is None and self._parallel_tables_can_be_sparse()
+
+    def _parallel_tables_can_be_sparse(self) -> bool:
+        """True for one process, or under parallel with an embedding sharding that trains sparsely."""
+        if self.parallel is None or not self.parallel.enabled:
+            return True
+        return self.parallel.embedding_sharding in SPARSE_ROW_SHARDINGS
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
@@ -183,8 +192,9 @@ class TrainConfig:
             object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
         check(self.parallel is None or isinstance(self.parallel, ParallelConfig), "parallel",
               "None, a ParallelConfig or a dict of its fields")
-        check(not (self.sparse_tables and self.parallel is not None and self.parallel.enabled), "sparse_tables",
-              "None or False with parallel (the sharded tables keep dense gradients)")
+        check(not (self.sparse_tables and not self._parallel_tables_can_be_sparse()), "sparse_tables",
+              f"None or False with parallel embedding_sharding other than {', '.join(SPARSE_ROW_SHARDINGS)} "
+              "(its sharded tables keep dense gradients)")
         check(self.mxfp8 is None or self.mxfp8 in MXFP8_RECIPES, "mxfp8",
               f"None or one of {', '.join(MXFP8_RECIPES)}")
         check(self.mxfp8_min_dim is None or (_is_int(self.mxfp8_min_dim) and self.mxfp8_min_dim >= 1),

@@ -84,7 +84,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="clip the global gradient norm (all meshes when --parallel)")
     parser.add_argument("--dense-tables", action="store_true",
                         help="train the embedding tables with dense gradients and torch's Adagrad (default: "
-                        "sparse row updates, the same update; dense anyway with --grad-clip or --parallel)")
+                        "sparse row updates, the same update, on the local shards with --parallel; dense "
+                        "anyway with --grad-clip)")
     add_parallel_arguments(parser)
     return parser
 

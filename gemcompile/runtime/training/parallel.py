@@ -115,8 +115,9 @@ class ParallelTraining:
     def compile(self, gem_config) -> nn.Module:
         return compile_units(self.runtime, self.cfg.compile, gem_config, self.cfg.parallel)
 
-    def build_optimizers(self, lr: float, embedding_lr: float) -> list[torch.optim.Optimizer]:
-        return self.runtime.build_optimizers(lr, embedding_lr)
+    def build_optimizers(self, lr: float, embedding_lr: float,
+                         sparse_tables: bool = False) -> list[torch.optim.Optimizer]:
+        return self.runtime.build_optimizers(lr, embedding_lr, sparse_tables=sparse_tables)
 
     def local_batch(self, batch):
         return self.runtime.local_batch(batch)

@@ -10,6 +10,12 @@ dense update: bit for bit on the CPU in fp32 for an nn.Embedding looked up once 
 rounding otherwise (a row's gradient rows are summed in the order the ids were filed; torch's CPU bag
 backward and autograd's sum over several lookups add them in other orders).
 
+The tables may also be sparse ShardedTables of the parallel runtime (runtime/distributed/embedding.py):
+their weight and Adagrad sum are DTensors (the same placements as dense Adagrad's sum, so DCP saves,
+loads and reshards them alike), and the filed ids are rows of this rank's shard, which is what the
+update reads and writes (``to_local()``). A replicated shard's update sums each row in a fixed order
+(``identical_replicas``), so that its replicas stay identical.
+
 What it does not do: lr_decay, weight_decay, maximize (a ValueError at construction); gradient clipping of
 the table gradients (they never exist as tensors: build dense tables when you clip); accumulating
 gradients over several backward passes before a step (each backward's rows are kept and summed at the
@@ -21,7 +27,8 @@ filed rows added into that gradient and one dense Adagrad update, exactly what d
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
@@ -37,14 +44,17 @@ def _add_rows_(grad: torch.Tensor, filed: list) -> None:
 
 
 class SparseAdagrad(torch.optim.Adagrad):
-    """Adagrad over the weights of SparseGrad tables, updating only the looked-up rows at each step."""
+    """Adagrad over the weights of SparseGrad tables (or sparse ShardedTables), updating only the
+    looked-up rows at each step."""
 
     def __init__(self, tables: list[nn.Module], lr: float = 1e-2, eps: float = 1e-10,
                  initial_accumulator_value: float = 0.0) -> None:
         if not tables or not all(is_sparse_grad_table(t) for t in tables):
             raise TypeError("SparseAdagrad takes a non-empty list of SparseGrad tables "
-                            "(runtime/training/sparse_tables.py: use_sparse_row_gradients)")
+                            "(runtime/training/sparse_tables.py: use_sparse_row_gradients) or sparse "
+                            "ShardedTables (runtime/distributed/embedding.py)")
         self._keys = {id(t.weight): t.table_key for t in tables}
+        self._fixed_order = {id(t.weight) for t in tables if getattr(t, "identical_replicas", False)}
         super().__init__([t.weight for t in tables], lr=lr, eps=eps,
                          initial_accumulator_value=initial_accumulator_value, foreach=False)
 
@@ -61,7 +71,8 @@ class SparseAdagrad(torch.optim.Adagrad):
             for p in group["params"]:
                 filed = take_rows(self._keys[id(p)])
                 if p.grad is not None:  # also used outside its lookups (a weight tied to an output layer)
-                    _add_rows_(p.grad, filed)  # one dense update of the whole gradient, as dense Adagrad does
+                    # one dense update of the whole gradient, as dense Adagrad does
+                    _add_rows_(_local(p.grad), filed)
                     dense_pending = True
                     continue
                 if not filed:
@@ -70,7 +81,8 @@ class SparseAdagrad(torch.optim.Adagrad):
                 state["step"] += 1  # dense Adagrad counts a step for every table with a gradient
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
-                adagrad_rows_(p, state["sum"], ids, grads, group["lr"], group["eps"])
+                adagrad_rows_(_local(p), _local(state["sum"]), ids, grads, group["lr"], group["eps"],
+                              deterministic=True if id(p) in self._fixed_order else None)
         if dense_pending:
             super().step()  # the tables with a dense .grad (their filed rows added in), and only those
         return loss
@@ -79,3 +91,8 @@ class SparseAdagrad(torch.optim.Adagrad):
         super().zero_grad(set_to_none)
         for key in self._keys.values():
             clear(key)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (an alias: in-place updates write the DTensor), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -69,7 +69,10 @@ def _eligible(module: nn.Module) -> bool:
 
 
 def is_sparse_grad_table(module: nn.Module) -> bool:
-    return isinstance(module, (SparseGradEmbedding, SparseGradEmbeddingBag))
+    """A SparseGrad table, or a sharded table of the parallel runtime that files row gradients
+    (runtime/distributed/embedding.py ShardedTable.use_sparse_row_gradients)."""
+    return (isinstance(module, (SparseGradEmbedding, SparseGradEmbeddingBag))
+            or getattr(module, "files_row_gradients", False) is True)
 
 
 def use_sparse_row_gradients(model: nn.Module) -> list[nn.Module]:

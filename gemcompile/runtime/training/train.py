@@ -182,7 +182,8 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
         optimizers = build_optimizers(model, cfg.lr, cfg.embedding_lr, sparse_embeddings=cfg.trains_tables_sparsely)
     else:
         padded_counter = parallel.apply(model)  # the model sharded; FLOPs counted on a meta-device copy
-        optimizers = parallel.build_optimizers(cfg.lr, cfg.embedding_lr)
+        optimizers = parallel.build_optimizers(cfg.lr, cfg.embedding_lr,
+                                               sparse_tables=cfg.trains_tables_sparsely)
     window = MetricWindow(model_cfg.n_tasks, window=cfg.log_every)
     return _TrainingRun(cfg, model_cfg, data, device, model, formula, padded_counter, optimizers, window,
                         parallel, resume_from)
