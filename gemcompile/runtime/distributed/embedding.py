@@ -289,7 +289,7 @@ class ShardedCollection:
 
 
 def _coalesce(filed: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """One lookup's worth of filed (ids, rows) -> (distinct ids, their summed rows); padding ids dropped."""
+    """A table's filed (ids, rows) since its last step -> (distinct ids, their summed rows), ids < 0 out."""
     ids = torch.cat([i for i, _ in filed])
     rows = torch.cat([r for _, r in filed]).to(dtype)
     keep = ids >= 0
