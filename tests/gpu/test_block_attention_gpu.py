@@ -79,24 +79,29 @@ def make_case(B, H, L, D, dtype, tables="shared", seed=0, table_dtype=None):
     return q, k, v, lengths, cos, sin
 
 
-def run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask=None):
+def run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask=None,
+           q_lengths=None):
     # detach (not clone): permuted and expanded views must reach the op with their strides
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    out = ops.block_attention(*leaves, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
+    out = ops.block_attention(*leaves, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, None,
+                              q_lengths)
     out.backward(grad_out)
     return out.detach(), [x.grad for x in leaves]
 
 
-def check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, seed=1, kv_mask=None):
+def check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, seed=1, kv_mask=None,
+               q_lengths=None):
     dtype = q.dtype
     scale = 1 / math.sqrt(q.shape[-1])
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
-    out, grads = run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask)
+    out, grads = run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, grad_out, kv_mask,
+                        q_lengths)
     d64 = [x.double() for x in (q, k, v)]
     t64 = [None if t is None else t.double() for t in (cos, sin)]
-    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask)
+    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask,
+                                         q_lengths=q_lengths)
     ref = reference_backward(grad_out.double(), *d64, ref_out, ref_lse, lengths, block, window, causal, *t64,
-                             rotary, scale, kv_mask)
+                             rotary, scale, kv_mask, q_lengths=q_lengths)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous()
     assert not out.isnan().any()
@@ -140,6 +145,21 @@ def test_matches_float64_reference(single_config, case):
         tables = "interleaved_tables"
     q, k, v, lengths, cos, sin = make_case(7, 2, L, D, dtype, tables, seed=D + L)
     check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=["closed", "closed_window", "general"])
+def test_q_lengths_skip_rows(single_config, case):
+    """Rows past q_lengths (what the pass gives when the model zeroes them afterwards) are 0 with zero dq;
+    the other rows and dk, dv match the reference, for q_lengths equal to, below and above the lengths."""
+    dtype, D, L, block, window, causal, rotary, tables = case
+    q, k, v, lengths, cos, sin = make_case(6, 2, L, D, dtype, tables, seed=L + 1)
+    for q_lengths in (lengths, (lengths.flip(0) * 3) // 4):
+        check_case(q, k, v, lengths, block, window, causal, cos, sin, rotary, q_lengths=q_lengths)
+    skipped = (torch.arange(L, device=DEV)[None, :] >= q_lengths[:, None])[:, None, :, None].expand_as(q)
+    grad_out = torch.randn(q.shape, device=DEV, dtype=dtype)
+    out, (dq, _, _) = run_op(q, k, v, lengths, block, window, causal, cos, sin, rotary, 0.125, grad_out,
+                             q_lengths=q_lengths)
+    assert (out[skipped] == 0).all() and (dq[skipped] == 0).all()
 
 
 def test_float32_tables_with_bf16_inputs(single_config):

@@ -183,7 +183,33 @@ def _opcheck_cases():
          (g, q, k, v, out, lse, lengths, 4, -1, False, cos, sin, "half", 0.3)),
         ("public", ops.block_attention.default,
          (qr, kr, vr, lengths, 4, 3, True, cos[None], sin[None], "interleaved", 0.3)),
+        ("fwd_q_lengths", ops.block_attention_fwd.default,
+         (qr, kr, vr, lengths, 4, 1, False, cos, sin, "half", 0.3, None, None, torch.tensor([5, 0, 10]))),
+        ("bwd_q_lengths", ops.block_attention_bwd.default,
+         (g, q, k, v, out, lse, lengths, 4, -1, False, cos, sin, "half", 0.3, None, None, lengths)),
     ]
+
+
+def test_q_lengths_skip_the_rows_a_model_zeroes():
+    """Rows i >= q_lengths[b] come out 0 and the others as without q_lengths, so a model that zeroes those
+    rows afterwards gets the same outputs and gradients (what the pass folds, passes/masks/rows.py)."""
+    q, k, v, lengths, cos, sin = make_case(B=3, H=2, L=10, D=8, lengths=torch.tensor([10, 0, 7]), seed=5)
+    q_lengths = torch.tensor([6, 3, 10])  # fewer, more and as many rows as keys
+    rows = (torch.arange(10)[None, :] < q_lengths[:, None])[:, None, :, None]
+    w = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for given in (q_lengths, None):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = ops.block_attention(*leaves, lengths, 4, 1, False, cos, sin, "half", 0.3, None, None, given)
+        if given is not None:
+            assert (out[~rows.expand_as(out)] == 0).all()
+        masked = out * rows
+        grads.append((masked, torch.autograd.grad((masked * w).sum(), leaves)))
+    (got, got_grads), (want, want_grads) = grads
+    torch.testing.assert_close(got, want)
+    for g, g_ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, g_ref)
+    assert (got_grads[0][~rows.expand_as(q)] == 0).all()  # dq of the skipped rows
 
 
 @pytest.mark.parametrize("case", _opcheck_cases(), ids=lambda c: c[0])

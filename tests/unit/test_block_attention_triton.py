@@ -52,13 +52,15 @@ def make_inputs(B, H, L, D, dtype, tables="shared", seed=0, lengths=None, table_
     return q, k, v, lengths, cos, sin
 
 
-def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, seed=1, kv_mask=None):
+def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, seed=1, kv_mask=None,
+          q_lengths=None):
     dtype = q.dtype
     args = (lengths, block, window, causal, cos, sin, rotary, scale, kv_mask)
-    out, lse = block_attention_forward_triton(q, k, v, *args)
+    out, lse = block_attention_forward_triton(q, k, v, *args, q_lengths=q_lengths)
     d64 = [x.double() for x in (q, k, v)]
     t64 = [None if t is None else t.double() for t in (cos, sin)]
-    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask)
+    ref_out, ref_lse = reference_forward(*d64, lengths, block, window, causal, *t64, rotary, scale, kv_mask,
+                                         q_lengths=q_lengths)
     fwd_tol, bwd_tol = TOL[dtype]
     assert out.dtype == dtype and out.is_contiguous() and out.shape == q.shape
     assert not out.isnan().any()
@@ -69,9 +71,17 @@ def check(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale=0.3, 
     torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], rtol=0, atol=LSE_TOL[dtype])
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    grads = block_attention_backward_triton(grad_out, q, k, v, out, lse, *args)
-    want = reference_backward(grad_out.double(), *d64, ref_out, ref_lse, lengths, block, window, causal, *t64,
-                              rotary, scale, kv_mask)
+    skipped = None
+    if q_lengths is not None:  # rows not computed: exactly 0, and whatever reaches them does not leak back
+        skipped = (torch.arange(q.shape[2])[None, :] >= q_lengths[:, None])[:, None, :, None].expand_as(out)
+        assert (out[skipped] == 0).all() and torch.isposinf(lse[skipped[..., 0]]).all()
+        grad_out = grad_out.masked_fill(skipped, float("nan"))
+    grads = block_attention_backward_triton(grad_out, q, k, v, out, lse, *args, q_lengths=q_lengths)
+    grad_ref = grad_out.double() if skipped is None else grad_out.double().masked_fill(skipped, 0.0)
+    want = reference_backward(grad_ref, *d64, ref_out, ref_lse, lengths, block, window, causal, *t64,
+                              rotary, scale, kv_mask, q_lengths=q_lengths)
+    if skipped is not None:
+        assert (grads[0][skipped] == 0).all()  # dq of rows not computed
     for name, got, ref, like in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert got.shape == like.shape and got.dtype == like.dtype, name
         assert not got.isnan().any(), name
@@ -104,6 +114,22 @@ def test_kernels_match_reference(case):
     block, window, causal, rotary, tables, dtype, L = case
     q, k, v, lengths, cos, sin = make_inputs(5 if L < 64 else 4, 2, L, 32, dtype, tables, seed=L + block)
     check(q, k, v, lengths, block, window, causal, cos, sin, rotary)
+
+
+@pytest.mark.parametrize("block,window,causal,rotary,L", [
+    (16, -1, False, "none", 48),  # closed kernels
+    (0, 5, True, "half", 45),  # general kernels
+    (64, 3, False, "none", 80),  # general kernels, block larger than the tile
+])
+def test_query_rows_past_q_lengths_are_skipped(block, window, causal, rotary, L):
+    """q_lengths (the rows the model keeps; the pass gives the lengths) smaller than, equal to and larger
+    than the key lengths: computed rows match the reference, the others are 0 with zero dq and no part in
+    dk, dv even when their upstream gradient is NaN."""
+    tables = "none" if rotary == "none" else "shared"
+    q, k, v, lengths, cos, sin = make_inputs(5, 2, L, 32, torch.float32, tables, seed=L)
+    q_lengths = torch.tensor([L // 2, 0, 3, L // 2, L])  # against lengths [L, 0, 1, L // 3 | 1, random]
+    check(q, k, v, lengths, block, window, causal, cos, sin, rotary, q_lengths=q_lengths,
+          kv_mask=make_kv_mask("holes", 5, L, seed=3) if block == 64 else None)
 
 
 def test_window_zero_is_the_diagonal():

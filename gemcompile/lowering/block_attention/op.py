@@ -5,7 +5,7 @@ Public op (what the block_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
         int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale,
-        Tensor? kv_mask=None, Tensor? kv_bounds=None) -> Tensor
+        Tensor? kv_mask=None, Tensor? kv_bounds=None, Tensor? q_lengths=None) -> Tensor
 
 q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
 int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
@@ -15,6 +15,10 @@ eager padded SDPA with the boolean mask computes them) attends key j iff j < len
 given (otherwise this is jagged_attention). So padded rows of the last, partial block see that block's
 valid keys; rows in blocks wholly past the length see none. A row with no allowed key is exactly 0 with
 zero gradients (what SDPA's safe softmax gives). ``scale`` multiplies q.k before the softmax.
+
+q_lengths: None (every row < L is a query row, as above) or (B,) int32/int64 on q's device: query rows
+i >= q_lengths[b] (clamped into [0, L]) are not computed: exactly 0, lse +inf, zero dq, and no part in dk
+and dv. The pass gives it when the model zeroes those rows after the attention (passes/masks/rows.py).
 
 kv_mask: None or a bool (B, L) tensor on q's device, any strides (a (1, L) mask expanded to (B, L) is
 read with batch stride 0). It only removes keys: positions stay absolute (holes or left padding shift
@@ -64,7 +68,8 @@ from .reference import ROTARY_MODES, reference_backward, reference_forward
 
 __all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
 
-_INPUTS = 13  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
+_INPUTS = 14  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+# q_lengths
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +97,7 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
 
 
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None, kv_bounds=None) -> None:
+                               kv_mask=None, kv_bounds=None, q_lengths=None) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
     checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
     if k.shape != q.shape or v.shape != q.shape:
@@ -102,6 +107,8 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
         )
     B, _, L, D = q.shape
     checks.check_index_vector("lengths", lengths, B, "B", q.device)
+    if q_lengths is not None:
+        checks.check_index_vector("q_lengths", q_lengths, B, "B", q.device)
     for name, value in (("block", block), ("window", window)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -138,8 +145,9 @@ def _check_tables_need_no_grad(cos, sin) -> None:
             )
 
 
-def _check_values(q, lengths, kv_mask=None, kv_bounds=None) -> None:
+def _check_values(q, lengths, kv_mask=None, kv_bounds=None, q_lengths=None) -> None:
     checks.check_length_values("lengths", lengths, q.shape[2])
+    checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     if kv_bounds is not None and checks.should_check_values(kv_bounds):
         check_plan_values(None, lengths, kv_mask, kv_bounds=kv_bounds)
 
@@ -173,30 +181,33 @@ def block_attention_fwd(
     scale: float,
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
+    q_lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key)."""
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds)
-    _check_values(q, lengths, kv_mask, kv_bounds)
+                               kv_bounds, q_lengths)
+    _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
     forward, _ = _kernels(q, block, window)  # the reference (tests may route CPU tensors to the interpreter)
-    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds=kv_bounds)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                   kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
 @block_attention_fwd.register_kernel("cuda")
 def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None):
+                              kv_bounds=None, q_lengths=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds)
-    _check_values(q, lengths, kv_mask, kv_bounds)
+                               kv_bounds, q_lengths)
+    _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
     forward, _ = _kernels(q, block, window)
-    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds=kv_bounds)
+    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+                   kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
 @block_attention_fwd.register_fake
 def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None):
+                              kv_bounds=None, q_lengths=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds)
+                               kv_bounds, q_lengths)
     B, H, L, D = q.shape
     return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=compute_dtype(q.dtype))
 
@@ -223,42 +234,44 @@ def block_attention_bwd(
     scale: float,
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
+    q_lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask, kv_bounds=kv_bounds)
+                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
 @block_attention_bwd.register_kernel("cuda")
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None, kv_bounds=None):
+                              scale, kv_mask=None, kv_bounds=None, q_lengths=None):
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask, kv_bounds=kv_bounds)
+                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
 @block_attention_bwd.register_fake
 def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None, kv_bounds=None):
+                              scale, kv_mask=None, kv_bounds=None, q_lengths=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds = inputs
+    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths = inputs
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds),
+    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths),
                       (block, window, causal, rotary, scale), lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
-    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds = ctx.saved_tensors
+    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths = ctx.saved_tensors
     block, window, causal, rotary, scale = ctx.args
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
-        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
+        grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
+        kv_bounds, q_lengths
     )
     return input_grads(_INPUTS, dq, dk, dv)
 
@@ -276,24 +289,24 @@ class EagerBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                kv_bounds=None):
-        _check_values(q, lengths, kv_mask, kv_bounds)
+                kv_bounds=None, q_lengths=None):
+        _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
         forward, _ = _kernels(q, block, window)
         if kv_mask is not None and kv_bounds is None:  # derived once here and saved: the backward reuses it
             kv_bounds = key_bounds(kv_mask, lengths)
         out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                           kv_bounds=kv_bounds)
-        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds),
+                           kv_bounds=kv_bounds, q_lengths=q_lengths)
+        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths),
                           (block, window, causal, rotary, scale))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds = ctx.saved_tensors
+        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths = ctx.saved_tensors
         block, window, causal, rotary, scale = ctx.args
         _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask, kv_bounds=kv_bounds)
+                              scale, kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
         return input_grads(_INPUTS, dq, dk, dv)
 
 
@@ -303,20 +316,21 @@ class EagerBlockAttention(torch.autograd.Function):
 
 LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
-    "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None, Tensor? kv_bounds=None) -> Tensor"
+    "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None, Tensor? kv_bounds=None, "
+    "Tensor? q_lengths=None) -> Tensor"
 )
 
 
 def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None, kv_bounds=None):
+                               kv_mask=None, kv_bounds=None, q_lengths=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds)
+                               kv_bounds, q_lengths)
     _check_tables_need_no_grad(cos, sin)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                                         kv_mask, kv_bounds)
+                                         kv_mask, kv_bounds, q_lengths)
     return torch.ops.gemcompile.block_attention_fwd(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths
     )[0]
 
 
@@ -337,6 +351,7 @@ def block_attention(
     scale: float | None = None,
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
+    q_lengths: Tensor | None = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
 
@@ -348,9 +363,9 @@ def block_attention(
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds)
+                               kv_bounds, q_lengths)
     return torch.ops.gemcompile.block_attention(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds, q_lengths
     )
 
 
@@ -369,11 +384,12 @@ def _forward_flops(q, lengths, block, window, causal, kv_mask=None) -> int:
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0,
-               kv_mask=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
+               kv_mask=None, kv_bounds=None, q_lengths=None, *, out_val=None, **kwargs) -> int:
     return _forward_flops(q, lengths, block, window, causal, kv_mask)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
-               rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
+               rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, q_lengths=None, *, out_val=None,
+               **kwargs) -> int:
     return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal, kv_mask))

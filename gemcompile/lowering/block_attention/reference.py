@@ -1,18 +1,18 @@
 """Plain-PyTorch reference of block attention: what runs on CPU (and on CUDA for what the kernels skip).
 
-Semantics (shared with the Triton kernels, see op.py): every query row i of the padded
-length L (padded rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and
-(window >= 0) |i - j| <= window, and (causal) j <= i, and (kv_mask given) kv_mask[b, j]. A row with no
-allowed key is exactly 0 with zero gradients. With rotary, q and k are rotated first: x * cos + rot(x) *
-sin, rot = rotate_half ("half") or rotate-every-two ("interleaved"); v is not rotated.
+Semantics (shared with the Triton kernels, see op.py): every query row i of the padded length L (padded
+rows too) attends key j iff j < len[b], and (block > 0) i // block == j // block, and (window >= 0)
+|i - j| <= window, and (causal) j <= i, and (kv_mask given) kv_mask[b, j]. A row with no allowed key is
+exactly 0 with zero gradients, and so are rows i >= q_lengths[b] when q_lengths is given. With rotary, q
+and k are rotated first: x * cos + rot(x) * sin, rot = rotate_half ("half") or rotate-every-two
+("interleaved"); v is not rotated.
 
-Block attention is jagged attention (q_lengths None: every row is a query; kv_lengths = lengths) with
-an additive 0/-inf bias of the (L, L) block/window/causal pattern, on rotated q and k. So the reference
-rotates, builds that pattern once (not per batch; a kv_mask adds its (B, 1, 1, L) -inf columns, and its
-masked keys and values are zeroed so that garbage there cannot leak) and calls the jagged-attention
-reference; its
-backward applies the transposed rotation to dq and dk. Dense: memory O(B*H*L*L). Math in float32 for
-half inputs, float64 for float64.
+Block attention is jagged attention (q_lengths as given, None: every row is a query; kv_lengths = lengths)
+with an additive 0/-inf bias of the (L, L) block/window/causal pattern, on rotated q and k. So the
+reference rotates, builds that pattern once (not per batch; a kv_mask adds its (B, 1, 1, L) -inf columns,
+and its masked keys and values are zeroed so that garbage there cannot leak) and calls the
+jagged-attention reference; its backward applies the transposed rotation to dq and dk. Dense: memory
+O(B*H*L*L). Math in float32 for half inputs, float64 for float64.
 """
 
 from __future__ import annotations
@@ -116,25 +116,25 @@ def _rotated(q, k, v, cos, sin, rotary, kv_mask):
 
 
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
-                      scale: float, kv_mask=None):
+                      scale: float, kv_mask=None, q_lengths=None):
     """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys)."""
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
     bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
-    out, lse = jagged_reference_forward(qr, kr, vr, None, lengths, bias, False, scale)
+    out, lse = jagged_reference_forward(qr, kr, vr, q_lengths, lengths, bias, False, scale)
     return out.to(q.dtype).contiguous(), lse
 
 
 def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window: int, causal: bool, cos,
-                       sin, rotary: str, scale: float, kv_mask=None):
+                       sin, rotary: str, scale: float, kv_mask=None, q_lengths=None):
     """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
     bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
     dq, dk, dv, _ = jagged_reference_backward(
-        grad_out.to(cdt), qr, kr, vr, out.to(cdt), lse, None, lengths, bias, False, scale, False
+        grad_out.to(cdt), qr, kr, vr, out.to(cdt), lse, q_lengths, lengths, bias, False, scale, False
     )
     if rotary != "none":
         dq, dk = apply_rotary_transpose(dq, cos, sin, rotary), apply_rotary_transpose(dk, cos, sin, rotary)

@@ -12,6 +12,12 @@ the static block/window and the length it loads from the device, and touches not
   min(L, block end of n1, n1 + window + 1)).
 Time is linear in L: each tile meets O(block + window) keys.
 
+q_lengths (optional, constexpr HAS_Q_LENGTHS; without it the kernels compile to the code they had before):
+query rows i >= q_len[b] (clamped into [0, L]) are not computed. Query tiles wholly past q_len write zeros
+(lse +inf; dQ 0) and exit; the rows past q_len of a tile that straddles it see no key (out 0, lse +inf)
+and, in the backward, read dO, lse and delta as 0 / +inf / 0 (so a NaN upstream gradient there cannot
+leak): their dQ is exactly 0 and they add nothing to dK, dV, whose query loops stop at q_len.
+
 kv_mask (optional, bool (B, L), any strides, read as a uint8 view): the launcher derives per sample,
 with torch ops on the device, [kv_lo, kv_hi) = [first valid key, last valid key + 1] (valid: the mask
 and j < len; :func:`kv_mask_range`), which replaces [0, len) above: key loops start at the tile of
@@ -122,7 +128,7 @@ _FWD_CONFIGS = _general_configs(_FWD_SHAPES, (32, 16))
 _DKDV_CONFIGS = _general_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = _general_configs(_DQ_SHAPES, (32, 16))
 _AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDOW", "CAUSAL", "ROTARY",
-                 "DOT_PRECISION", "HAS_KV_MASK"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_Q_LENGTHS"]
 
 
 def _variant(head_dim: int, rotary: int) -> str:
@@ -182,6 +188,16 @@ def _coordinates(H, num_tiles):
 @triton.jit
 def _kv_length(Lengths, b, L):
     return tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), L)
+
+
+@triton.jit
+def _q_rows(QLengths, b, L, HAS_Q_LENGTHS: tl.constexpr):
+    """The query rows of sample b that are computed: [0, q_lengths[b]) clamped into [0, L]; all L without."""
+    if HAS_Q_LENGTHS:
+        q_hi = tl.minimum(tl.maximum(tl.load(QLengths + b).to(tl.int32), 0), L)
+    else:
+        q_hi = L
+    return q_hi
 
 
 @triton.jit
@@ -389,7 +405,7 @@ def _finish_softmax(acc, l_i, m_i):
                  prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @triton.jit
 def _closed_fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -400,10 +416,12 @@ def _closed_fwd_kernel(
     H, L, window, qk_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
+    q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
@@ -411,7 +429,8 @@ def _closed_fwd_kernel(
     row_ok = rows < L
     o_base = Out + b64 * stride_ob + h64 * stride_oh
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
-    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK):  # the tile's blocks hold no valid key
+    # the tile's blocks hold no valid key, or no computed query row
+    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
         _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK, HEAD_D)
         tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
         return
@@ -429,6 +448,8 @@ def _closed_fwd_kernel(
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
+    if HAS_Q_LENGTHS:  # rows not computed see no key: out 0, lse +inf
+        ok = ok & (rows < q_hi)[:, None]
     s = tl.where(ok, s, float("-inf"))
     m = tl.max(s, 1)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -443,7 +464,7 @@ def _closed_fwd_kernel(
                  prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @triton.jit
 def _closed_bwd_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange,
+    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange, QLengths,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -455,18 +476,21 @@ def _closed_bwd_kernel(
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*)
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
+    q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
     row_ok = rows < L
     x_off = b64 * stride_xb + h64 * stride_xh
-    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK):
+    # no valid key, or no computed query row (whose keys are the tile's own: no dK, dV either)
+    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
         _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         _store_zero_rows(DK + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
@@ -481,12 +505,15 @@ def _closed_bwd_kernel(
                                       row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
     offs_d = tl.arange(0, HEAD_D)
     do_base = DO + b64 * stride_gb + h64 * stride_gh
-    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
-    lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=float("inf"))
+    q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
+    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
+    lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=q_ok, other=float("inf"))
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
+    if HAS_Q_LENGTHS:
+        ok = ok & q_ok[:, None]
     p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
     store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
@@ -521,7 +548,7 @@ def _closed_bwd_kernel(
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -532,11 +559,12 @@ def _fwd_kernel(
     H, L, window, qk_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
+    q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -545,9 +573,10 @@ def _fwd_kernel(
     offs_d = tl.arange(0, HEAD_D)
     o_base = Out + b64 * stride_ob + h64 * stride_oh
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
-    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, q_hi) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
                         HAS_WINDOW, CAUSAL, HAS_KV_MASK)
-    if lo >= hi:  # no row of the tile has a key (e.g. a tile past the length)
+    # no row of the tile has a key (e.g. a tile past the length), or none is computed
+    if (lo >= hi) | (m0 >= q_hi):
         _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK_M, HEAD_D)
         tl.store(l_ptrs, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)
         return
@@ -575,6 +604,8 @@ def _fwd_kernel(
         ok = _allowed(rows[:, None], cols[None, :], kv_hi, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
         if HAS_KV_MASK:
             ok = ok & col_ok[None, :]
+        if HAS_Q_LENGTHS:  # rows not computed see no key: out 0, lse +inf
+            ok = ok & (rows < q_hi)[:, None]
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key so far: avoid inf - inf
@@ -593,7 +624,7 @@ def _fwd_kernel(
                  prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -605,12 +636,13 @@ def _bwd_dkdv_kernel(
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_N))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
+    q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
@@ -645,10 +677,12 @@ def _bwd_dkdv_kernel(
     c0 = n0
     if HAS_KV_MASK:
         c0 = tl.maximum(n0, kv_lo)
-    lo, hi = _query_range(c0, tl.minimum(n0 + BLOCK_N, kv_hi) - 1, L, window, ATTN_BLOCK, HAS_WINDOW, CAUSAL)
+    # the computed query rows only (q_hi <= L): the others have no part in dK, dV
+    lo, hi = _query_range(c0, tl.minimum(n0 + BLOCK_N, kv_hi) - 1, q_hi, window, ATTN_BLOCK, HAS_WINDOW,
+                          CAUSAL)
     for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        row_ok = rows < L
+        row_ok = rows < q_hi
         qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
         if ROTARY != 0:
             qca, qcb, qsa, qsb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
@@ -680,7 +714,7 @@ def _bwd_dkdv_kernel(
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -692,21 +726,22 @@ def _bwd_dq_kernel(
     H, L, window, qk_scale, scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per query tile; loops over its key range. dQ: contiguous."""
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
+    q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < L
     x_off = b64 * stride_xb + h64 * stride_xh
-    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, L) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
+    lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, q_hi) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
                         HAS_WINDOW, CAUSAL, HAS_KV_MASK)
-    if lo >= hi:
+    if (lo >= hi) | (m0 >= q_hi):
         _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK_M, HEAD_D)
         return
     offs_d = tl.arange(0, HEAD_D)
@@ -725,10 +760,11 @@ def _bwd_dq_kernel(
         dqa = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         dqb = dqa
     do_base = DO + b64 * stride_gb + h64 * stride_gh
-    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, HEAD_D, True)
+    q_ok = rows < q_hi  # rows not computed: dO read as 0 and P = 0, so their dQ is exactly 0
+    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
     l_rows = b64 * stride_lb + h64 * stride_lh + rows * stride_lm
-    lse2 = tl.load(Lse + l_rows, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
+    lse2 = tl.load(Lse + l_rows, mask=q_ok, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + l_rows, mask=q_ok, other=0.0)
     for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = _key_ok(KvMask, b64, cols, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
@@ -807,10 +843,10 @@ def _rotated_inputs(q, k, cos, sin, rotary):
     return qr, kr
 
 
-def _consts(D, block, window, causal, rotary, dtype, kv_mask=None):
+def _consts(D, block, window, causal, rotary, dtype, kv_mask=None, q_lengths=None):
     return {"HEAD_D": D, "ATTN_BLOCK": int(block), "HAS_WINDOW": window >= 0, "CAUSAL": bool(causal),
             "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": dot_precision(dtype),
-            "HAS_KV_MASK": kv_mask is not None}
+            "HAS_KV_MASK": kv_mask is not None, "HAS_Q_LENGTHS": q_lengths is not None}
 
 
 def kv_mask_range(kv_mask, lengths, L: int) -> torch.Tensor:
@@ -830,7 +866,8 @@ def _kv_mask_args(kv_mask, lengths, given_bounds=None) -> tuple:
 
 
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
-                                   rotary: str, scale: float, kv_mask=None, *, kv_bounds=None):
+                                   rotary: str, scale: float, kv_mask=None, *, kv_bounds=None,
+                                   q_lengths=None):
     """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32)."""
     B, H, L, D = q.shape
     out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
@@ -844,10 +881,11 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     cos, sin, c_strides = _tables(cos, sin, q)
     buckets = (length_bucket(L), _window_bucket(window))
     mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
-    args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, *q.stride(), *k.stride(), *v.stride(),
-            *c_strides, *out.stride(), *lse.stride(), *m_strides, H, L, int(window), float(scale) * _LOG2E,
-            *buckets)
-    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask)
+    q_rows = lengths if q_lengths is None else q_lengths  # (unread without q_lengths)
+    args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, q_rows, *q.stride(), *k.stride(),
+            *v.stride(), *c_strides, *out.stride(), *lse.stride(), *m_strides, H, L, int(window),
+            float(scale) * _LOG2E, *buckets)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
                buckets)
@@ -858,7 +896,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
 
 def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
                                     causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None, *,
-                                    kv_bounds=None):
+                                    kv_bounds=None, q_lengths=None):
     """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
     B, H, L, D = q.shape
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
@@ -876,15 +914,16 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
         rotary = "none"
     cos, sin, c_strides = _tables(cos, sin, q)
     buckets = (length_bucket(L), _window_bucket(window))
-    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths)
     inputs = (q, k, v, cos, sin, grad_out)
     mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
+    q_rows = lengths if q_lengths is None else q_lengths  # (unread without q_lengths)
     strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
     scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
-               (*inputs, lse, dq, dk, dv, lengths, mask, kv_range, *strides, *dq.stride(), *scalars), consts,
-               buckets)
+               (*inputs, lse, dq, dk, dv, lengths, mask, kv_range, q_rows, *strides, *dq.stride(), *scalars),
+               consts, buckets)
     else:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
         delta_block = 32 if INTERPRET else 64
@@ -893,11 +932,11 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
             out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
             H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, *strides, *dk.stride(), *scalars),
-               consts, buckets)
+               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, q_rows, *strides, *dk.stride(),
+                *scalars), consts, buckets)
         launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
-               (*inputs, lse, delta, dq, lengths, mask, kv_range, *strides, *dq.stride(), *scalars), consts,
-               buckets)
+               (*inputs, lse, delta, dq, lengths, mask, kv_range, q_rows, *strides, *dq.stride(), *scalars),
+               consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
         dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)

@@ -19,11 +19,13 @@ block or window term:
    or the reason a candidate was left alone.
 
 Query padding. The op computes every query row, also rows i >= len[b] (their keys j < len[b] in the same
-block / window), exactly as eager does for a mask without a query term. A mask that also has a query term
-``i < len'[b]`` makes eager return 0 (SDPA) or NaN / an average (hand-written) at rows i >= len'[b], where
-the op would return nonzero values. Such a mask is rewritten only when the rows do not matter: the model
-multiplies the attention's output by ``row < len'[b] + c`` downstream (masks/rows.py,
-through row-wise ops), with the same lengths and an offset no larger than the mask's; otherwise refused.
+block / window), exactly as eager does for a mask without a query term, unless it is given q_lengths: when
+the model zeroes the rows n >= len'[b] + c of the attention's output before any use (``o * valid[..., None]``,
+``where``, ``masked_fill``, after merge_heads / out_proj too: masks/rows.py, the proof every family shares,
+attention/family.py ``fold_query_rows``), the op skips them (0, with zero gradients). A mask that also has a
+query term ``i < len'[b]`` makes eager return 0 (SDPA) or NaN / an average (hand-written) at rows
+i >= len'[b]: it is rewritten only when the model zeroes those rows, with the same lengths and an offset no
+larger than the mask's; otherwise refused.
 
 Semantics (exact up to rounding at every position the model uses): rows without an allowed key come out
 as 0 (eager SDPA also gives 0; a hand-written softmax gives NaN or an average over masked keys there).
@@ -40,6 +42,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    fold_query_rows,
     operands,
     permuted,
     key_mask_operand,
@@ -53,7 +56,6 @@ from gemcompile.passes.attention.scores import is_call
 from gemcompile.passes.attention.finite_fill import check_fill_served
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
 from gemcompile.passes.masks.model import AttentionMask
-from gemcompile.passes.masks.rows import downstream_row_mask
 from gemcompile.passes.records import describe_nodes
 
 
@@ -76,21 +78,15 @@ class BlockAttention(AttentionFamily):
             raise Unproven("an additive bias on the scores (the block-attention kernel has none)")
 
     @staticmethod
-    def _check_rows(site: AttentionSite, mask: AttentionMask) -> str:
-        """'' without a query term; the note for explain when a query term is harmless; Unproven otherwise."""
+    def _query_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
+        """(the mask whose q_lengths the kernel skips, the note for explain): the query rows the model zeroes
+        after the attention (attention/family.py). A mask with a query term of its own is rewritten only
+        with such a proof (eager's rows past it are 0 or NaN, not attention); Unproven otherwise."""
         if mask.q_lengths is None:
-            return ""
-        why = (f"the mask also drops query rows i >= {mask.q_lengths.name}[b], which the kernel computes: "
-               "rewritten only when the model masks those rows after the attention")
-        if site.out_perm is not None:
-            raise Unproven(why)
-        try:
-            rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
-        except Unproven as reason:
-            raise Unproven(f"{why} ({reason})") from None
-        if rows is not mask.q_lengths or offset > mask.q_offset:
-            raise Unproven(f"{why} (the model masks rows by {rows.name}[b] + {offset} instead)")
-        return " (the query rows it drops are masked after the attention)"
+            return fold_query_rows(site, mask)
+        why = (f"the mask also drops query rows i >= {mask.q_lengths.name}[b], where eager's rows are not "
+               "attention: rewritten only when the model masks those rows after the attention")
+        return fold_query_rows(site, mask, within=(mask.q_lengths, mask.q_offset), why=why)
 
     @staticmethod
     def _check_shapes(q, k, v, block: int, window: int) -> None:
@@ -146,7 +142,7 @@ class BlockAttention(AttentionFamily):
         return lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
-        rows_note = self._check_rows(site, mask)
+        rows, rows_note = self._query_rows(site, mask)
         pair, not_fused = self._rotary(site)
         # what explain shows as replaced: the attention, and the rotations the kernel now applies
         rotations = [] if pair is None else [m.node for m in pair if len(m.node.users) == 1]
@@ -162,11 +158,14 @@ class BlockAttention(AttentionFamily):
             self._check_shapes(*(example_value(n) for n in (q, k, v)), block, window)
             lengths = self._lengths(emit, mask, q, k)
             kv_mask = key_mask_operand(emit, mask, k)
+            same = rows.q_lengths is mask.kv_lengths and rows.q_offset == mask.kv_offset  # one clamp node
+            q_len = lengths if same else lengths_operand(emit, rows.q_lengths, rows.q_offset, q)
             rotary = "none" if pair is None else pair[0].style
             args = (q, k, v, lengths, block, window, bool(mask.causal), cos, sin, rotary, float(site.scale))
             try:  # the op's own argument checks run on the fake tensors: what they reject is not rewritten
                 out = emit.call(torch.ops.gemcompile.block_attention.default,
-                                args + ((kv_mask,) if kv_mask is not None else ()))
+                                args + ((kv_mask,) if kv_mask is not None else ()),
+                                {} if q_len is None else {"q_lengths": q_len})
             except (TypeError, ValueError) as error:
                 raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
             out = permuted(emit, out, site.out_perm)
@@ -177,7 +176,7 @@ class BlockAttention(AttentionFamily):
         else:
             rope = "rotary none" + (f" (not fused: {not_fused})" if not_fused else "")
         return before, (f"block={block} window={window} causal={mask.causal}; {rope}; "
-                        f"mask proven: {mask.describe()}{rows_note}")
+                        f"mask proven: {mask.describe()}" + (f"; {rows_note}" if rows_note else ""))
 
 
 def _transposed_source(node: fx.Node) -> fx.Node | None:

@@ -9,6 +9,7 @@ and picks the family. A family is a GemPass for its name (counts and explain row
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
 from gemcompile.passes.masks.classify import Unclassified
 from gemcompile.passes.masks.key_vector import emit_key_mask
 from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.rows import RowFold, downstream_row_mask
 from gemcompile.passes.records import describe_nodes
 
 
@@ -95,6 +97,42 @@ def key_mask_operand(emit: Emitter, mask: AttentionMask, k: fx.Node) -> fx.Node 
     if mask.key_vector is None:
         return None
     return emit_key_mask(emit, mask.key_vector, k, size_of(emit, k, 0), size_of(emit, k, 2))
+
+
+def output_row_mask(site: AttentionSite) -> RowFold:
+    """The query-row mask the model applies to the site's output before any use (masks/rows.py), read in the
+    output's own layout: (B, H, Lq, D) permuted by ``out_perm``; nn.MultiheadAttention's (Lq, B, E)."""
+    if site.kind == "mha":
+        outs = [u for u in site.output.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(outs) != 1:
+            raise Unproven(f"{site.output.name}'s output is read {len(outs)} times")
+        return downstream_row_mask(outs[0], batch_dim=1, row_dim=0)
+    perm = [0, 1, 2, 3] if site.out_perm is None else [p % 4 for p in site.out_perm]
+    return downstream_row_mask(site.output, batch_dim=perm.index(0), row_dim=perm.index(2))
+
+
+def fold_query_rows(site: AttentionSite, mask: AttentionMask, *, within: tuple[fx.Node, int] | None = None,
+                    why: str = "") -> tuple[AttentionMask, str]:
+    """(the mask the kernel computes, the note for explain): the query rows the model zeroes after the
+    attention (``n >= lengths[b] + c`` on every use, masks/rows.py) become the kernel's q_lengths, so that it
+    skips them and writes them as 0 (which the model's zeroing keeps exact, values and gradients).
+
+    No proof: the mask as it is and '' (every query row is computed, as in eager), or, with ``why`` (the
+    reason the fold is needed), Unproven. ``within`` = (lengths, offset): the fold must keep no row past
+    lengths[b] + offset (rows the model's mask treats in a way the kernel does not compute)."""
+    try:
+        fold = output_row_mask(site)
+        lengths = example_value(fold.lengths)
+        if lengths.device != example_value(site.q).device:
+            raise Unproven(f"the row mask's lengths ({fold.lengths.name}) are on {lengths.device}, the "
+                           f"attention on {example_value(site.q).device}")
+        if within is not None and (fold.lengths is not within[0] or fold.offset > within[1]):
+            raise Unproven(f"the model masks rows by {fold.rows()} instead")
+    except Unproven as reason:
+        if why:
+            raise Unproven(f"{why} ({reason})") from None
+        return mask, ""
+    return dataclasses.replace(mask, q_lengths=fold.lengths, q_offset=fold.offset), fold.describe()
 
 
 def check_lengths_device(q: fx.Node, *lengths: fx.Node | None) -> None:

@@ -4,8 +4,9 @@ Serves each activation that sits between ``q @ k^T`` and ``@ v`` (attention/matc
 attention, the first mask op on the raw scores) whose mask is proven (masks/) to be key padding, query
 padding, causal, a local window, HSTU's target/contextual visibility, or none, with the normalizer a
 constant or the key lengths per sample. Query rows are skipped when the mask says so or when the model
-multiplies the attention's output by a query-row mask downstream (what GEM-ref's PFFN cross-attention
-does; masks/rows.py); otherwise every query row is computed, as in eager.
+zeroes them in the attention's output downstream (what GEM-ref's PFFN cross-attention does; the proof the
+jagged and block families share, attention/family.py ``fold_query_rows``, masks/rows.py); otherwise every
+query row is computed, as in eager.
 
 Semantics (exact up to rounding at every position the model uses): pairs the mask drops contribute
 nothing; rows without a valid pair, and skipped query rows, come out as 0.
@@ -13,7 +14,6 @@ nothing; rows without a valid pair, and skipped query rows, come out as 0.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
 import torch
@@ -23,6 +23,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    fold_query_rows,
     key_mask_operand,
     lengths_operand,
     summed_bias,
@@ -31,7 +32,6 @@ from gemcompile.passes.attention.kernels import GDPA_NO_WINDOW, HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.graph import Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.model import AttentionMask
-from gemcompile.passes.masks.rows import downstream_row_mask
 
 _LENGTH_VIEWS = ("view", "reshape", "unsqueeze", "to", "float", "double", "half", "bfloat16", "type_as",
                  "getitem", "expand", "expand_as", "contiguous")
@@ -68,29 +68,18 @@ class Gdpa(AttentionFamily):
 
     @staticmethod
     def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
-        """The mask with the query-row mask a model applies after the attention, when it is provable (else
-        the mask as is: every row is computed, exactly as in eager), and its description."""
+        """The mask with the query rows the model zeroes after the attention skipped, when that is proven
+        (attention/family.py, masks/rows.py; else the mask as is: every row is computed, exactly as in eager),
+        and its description."""
         if mask.rows_dropped_after:  # the mask equals the model's on rows i < kv_lengths only
             why = ("the mask has no key-padding term, so eager attends on rows past the length too; rewritten "
                    "only when the model drops those rows after the attention")
-            if site.out_perm is not None:
-                raise Unproven(why)
-            try:
-                rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
-            except Unproven as reason:
-                raise Unproven(f"{why} ({reason})") from None
-            if rows is not mask.kv_lengths or offset > 0:
-                raise Unproven(f"{why} (the model masks rows by {rows.name}[b] + {offset} instead)")
-            mask = dataclasses.replace(mask, q_lengths=rows, q_offset=offset)
-            return mask, f"{mask.describe()} (rows past the length dropped after the attention)"
-        if mask.q_lengths is not None or site.out_perm is not None:
+            folded, note = fold_query_rows(site, mask, within=(mask.kv_lengths, 0), why=why)
+            return folded, f"{mask.describe()}; {note}"
+        if mask.q_lengths is not None:
             return mask, mask.describe()
-        try:
-            rows, offset = downstream_row_mask(site.output, batch_dim=0, row_dim=2)
-        except Unproven:
-            return mask, mask.describe()
-        mask = dataclasses.replace(mask, q_lengths=rows, q_offset=offset)
-        return mask, f"{mask.describe()} (query rows masked after the attention)"
+        folded, note = fold_query_rows(site, mask)
+        return folded, mask.describe() + (f"; {note}" if note else "")
 
     def emit(self, emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node, k: fx.Node,
              v: fx.Node) -> tuple[fx.Node, str]:

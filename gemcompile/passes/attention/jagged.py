@@ -7,6 +7,11 @@ q_lengths[b] and key <= query); blocks, windows and HSTU masks are other familie
 Key padding may also be read from data (a per-key vector: ``x > 0``, ``attention_mask``, left padding):
 the kernel then takes it as a (B, Lk) kv_mask built in the graph from the same tensors.
 
+Query rows the model zeroes after the attention (``o * valid[..., None]``, ``where``, ``masked_fill``, after
+merge_heads / out_proj too; masks/rows.py proves every use goes through the zeroing) become the kernel's
+q_lengths when the mask has no query term: the kernel skips them and writes them as 0, which the zeroing
+keeps exact (values, and gradients: the rows' upstream gradient is 0); explain says "query rows: ...".
+
 Semantics (exact up to rounding at every position the eager model defines): rows with no valid key,
 where eager SDPA returns 0 and a softmax of -inf returns NaN, come out as 0; with a finite fill
 (-1e9, finfo.min) they come out as eager computes them (attention/finite_fill.py); query rows past
@@ -24,6 +29,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    fold_query_rows,
     key_mask_operand,
     lengths_operand,
     summed_bias,
@@ -61,15 +67,19 @@ class JaggedAttention(AttentionFamily):
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
         check_fill_served(mask)
+        # query rows the model zeroes afterwards are skipped (the fill's rules are about the model's own mask)
+        rows, rows_note = (mask, "") if mask.q_lengths is not None else fold_query_rows(site, mask)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
         kv_mask = key_mask_operand(emit, mask, k)
-        q_len = lengths_operand(emit, mask.q_lengths, mask.q_offset, q)
+        q_len = lengths_operand(emit, rows.q_lengths, rows.q_offset, q)
         bias = summed_bias(emit, site.bias)
         detail, uniform = "mask proven: " + mask.describe(), None
         if mask.fill is not None:
             q, k, kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask,
                                                              bias)
             detail += f"; fill {mask.fill:g} kept exact"
+        if rows_note:
+            detail += f"; {rows_note}"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
         out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, extra)

@@ -115,9 +115,12 @@ _LINEAR_ROWS = 64
 """The most differing truth-table rows checked by linear arithmetic (each a Fourier-Motzkin run)."""
 
 
-def render(evaluator: MaskEvaluator, pred: Boolean) -> str:
-    """The formula with its comparisons spelled over b, h, i, j, for explain (data read as x[b, j])."""
-    names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
+def render(evaluator: MaskEvaluator, pred: Boolean, names: dict | None = None) -> str:
+    """The formula with its comparisons spelled over b, h, i, j (or ``names``: index symbol -> name), for
+    explain (data read as x[b, j])."""
+    if names is None:
+        names = {index_symbol(3): "b", index_symbol(2): "h", index_symbol(1): "i", index_symbol(0): "j"}
+    names = {s: sympy.Symbol(n) if isinstance(n, str) else n for s, n in names.items()}
     replace = {}
     for atom in pred.free_symbols:
         kind, e = evaluator.atoms.expr_of[atom]
