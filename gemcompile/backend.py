@@ -4,7 +4,9 @@ It runs gemcompile's pre-grad passes on the Dynamo graph, then hands the rewritt
 ``compile_fx`` with ``config_patches`` that put gemcompile's joint and post-grad pass managers in
 Inductor's ``joint_custom_pre_pass`` and ``post_grad_custom_pre_pass`` slots for this compile only
 (no global config is touched). A pass the user had installed in one of those slots keeps running,
-chained before ours.
+chained before ours. The same patches put gemcompile's partitioner (passes/activation_memory.py: Inductor's
+min-cut partitioner under GemConfig.memory) in ``custom_partitioner_fn``, and the memory budget is patched
+into functorch's config around the compile only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch.fx as fx
 
 from gemcompile.config import GemConfig
 from gemcompile.passes import PIPELINE, GemPass, PassManager
+from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
+                                                  has_partitioner_slot)
 from gemcompile.passes.base import instantiate, run_pre_grad
 from gemcompile.passes.records import PassLog, active_log, recording
 
@@ -122,6 +126,23 @@ class GemBackend:
                 managers[slot] = manager
         return managers
 
+    def partitioner(self, patches: dict[str, Any]) -> dict[str, Any]:
+        """``{"custom_partitioner_fn": ...}``: gemcompile's partitioner, chaining one already installed; empty
+        on a torch without the slot (the budget still applies; the attention tags and the record do not)."""
+        import torch._inductor.config as inductor_config
+
+        if not has_partitioner_slot():
+            if self.config.memory.budget is not None and not self.config.memory.recompute_attention:
+                warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory.budget "
+                              "applies, but gemcompile's attention kernels may be recomputed", stacklevel=3)
+            return {}
+        existing = patches.get("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
+        if existing is not None and not self.config.chain_existing_passes:
+            warnings.warn("gemcompile replaces the partitioner installed in torch._inductor.config."
+                          "custom_partitioner_fn (GemConfig.chain_existing_passes=False)", stacklevel=3)
+            existing = None
+        return {"custom_partitioner_fn": ActivationMemoryPartitioner(self.config, chained=existing)}
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -134,7 +155,10 @@ class GemBackend:
         with recording(target):
             run_pre_grad(gm, passes, example_inputs)
             patches.update(self.slot_managers(passes, patches))
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            patches.update(self.partitioner(patches))
+            # around the whole compile, so that AOTAutograd's cache key (it hashes functorch's config) sees it
+            with budget_patch(self.config.memory.budget):
+                return compile_fx(gm, example_inputs, config_patches=patches)
 
     def __repr__(self) -> str:
         return f"GemBackend({self.config!r})"

@@ -17,6 +17,9 @@ def _explain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn a pass off (repeatable), e.g. --disable jagged_attention")
     parser.add_argument("--enable", action="append", default=[], metavar="PASS",
                         help="turn on a pass that is off by default (repeatable), e.g. --enable mxfp8")
+    parser.add_argument("--memory-budget", type=float, default=None, metavar="FRACTION",
+                        help="activation memory budget in (0, 1] (GemConfig.memory.budget): the saved-tensor "
+                        "tables then show what it recomputes and the bytes saved with no budget")
     parser.add_argument("--graphs", action="store_true", help="also print the Dynamo graph after the passes")
     parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
     _debug_argument(parser)
@@ -56,13 +59,16 @@ def run_explain(args: argparse.Namespace) -> int:
 
     from gemcompile import GemConfig
 
-    sections = {}
-    valid = [name for name in GemConfig.__dataclass_fields__ if name != "chain_existing_passes"]
+    sections: dict = {}
+    defaults = GemConfig()
+    valid = [name for name in GemConfig.__dataclass_fields__ if hasattr(getattr(defaults, name), "enabled")]
     for flag, names, enabled in (("--disable", args.disable, False), ("--enable", args.enable, True)):
         for name in names:
             if name not in valid:
                 raise ValueError(f"{flag} {name}: unknown pass; passes: {', '.join(valid)}")
             sections[name] = {"enabled": enabled}
+    if args.memory_budget is not None:
+        sections["memory"] = {"budget": args.memory_budget}
     report, batch = explain_gem_ref(args.size, batch_size=args.batch_size, fill=args.fill, seed=args.seed,
                                     config=GemConfig(**sections))
     console = Console(width=args.width)

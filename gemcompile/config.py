@@ -271,6 +271,46 @@ class Mxfp8Config:
                                           f"compile: {e}") from None
 
 
+@config_section
+class MemoryConfig:
+    """What each compiled graph's forward saves for its backward (passes/activation_memory.py).
+
+    Inductor's min-cut partitioner splits every joint graph into a forward and a backward and decides
+    which forward values the backward reads (saved, held from the forward to the backward) and which it
+    recomputes. gemcompile runs that partitioner under this section, per compiled graph (per unit under
+    the parallel plan); ``explain`` prints what each graph saves, with shapes, dtypes and bytes.
+    """
+
+    budget: float | None = None
+    """Activation memory budget, a fraction in (0, 1], handed to Inductor's partitioner as
+    ``torch._functorch.config.activation_memory_budget`` for gemcompile's compiles only (the global
+    setting is never changed). 1.0 saves what the partitioner saves by default (the runtime-optimal
+    choice); lower values save less and recompute more in the backward, choosing by a knapsack the
+    recomputes that cost the fewest FLOPs (pointwise ops, norms, gathers, RoPE before any GEMM). torch's
+    scale runs from 0 = save only the graph's inputs (parameters included) to 1 = the default, so the
+    fraction applies to what is saved beyond the inputs; a graph whose inputs outweigh what it saves by
+    default is left as it is (torch's rule). None (the default): the partitioner's own setting,
+    untouched. ``explain`` shows the saved bytes against the default's."""
+
+    recompute_attention: bool = False
+    """Let the partitioner recompute the forward of gemcompile's attention kernels (jagged_attention,
+    gdpa, block_attention) and the per-step batch order / key bounds they share, in the backward, when
+    a budget makes it worth it. False (the default): their outputs are always saved (tagged
+    ``CheckpointPolicy.MUST_SAVE`` in the joint graph): recomputing an attention costs a whole kernel
+    to save an output the size of q. Data-dependent sizes (unpad's token index) are never recomputed
+    either way (a second host sync); a region the user wrapped in torch.utils.checkpoint keeps the
+    user's choice."""
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.budget is not None and not 0.0 < self.budget <= 1.0:  # also refuses NaN
+            raise ConfigError(f"MemoryConfig.budget = {self.budget} is invalid: expected a fraction in "
+                              "(0, 1] (1.0 = what the partitioner saves by default; lower saves less and "
+                              "recomputes more) or None (off)")
+        if self.budget is not None:
+            object.__setattr__(self, "budget", float(self.budget))
+
+
 PARALLEL_AXES = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner")
 """The five mesh axes of the plan, in the order ParallelConfig lists them."""
 
@@ -372,6 +412,10 @@ class GemConfig:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""
+
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """What the forward saves for the backward: an activation memory budget for the partitioner, and
+    gemcompile's attention kernels kept out of recomputation (joint graph, at partitioning)."""
 
     chain_existing_passes: bool = True
     """Run a pass the user installed in an Inductor slot gemcompile also uses (before gemcompile's own).

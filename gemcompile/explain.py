@@ -4,6 +4,8 @@ Dynamo captures the model on the example inputs; the pre-grad passes run on each
 AOTAutograd (with Inductor's decompositions) builds the joint graph, where the joint passes run, and
 the forward/backward graphs, where the post-grad passes run. No Inductor code generation: the graphs
 execute as plain ATen, so explain is fast and runs anywhere. One forward runs; no backward, no update.
+The joint graphs are partitioned by gemcompile's partitioner (passes/activation_memory.py) under
+GemConfig.memory, and what each forward saves for its backward is reported (``report.memory``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from rich.text import Text
 from gemcompile.backend import GemBackend, allow_warnings_in_graphs
 from gemcompile.config import GemConfig
 from gemcompile.passes import PassManager
+from gemcompile.passes.activation_memory import ActivationMemoryPartitioner, memory_tables
 from gemcompile.passes.base import run_pre_grad
-from gemcompile.passes.records import PassLog, Refusal, Rewrite, recording
+from gemcompile.passes.records import GraphMemory, PassLog, Refusal, Rewrite, recording
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -58,6 +61,9 @@ class ExplainReport:
     """("forward" | "backward" | "inference", graph) after the joint and post-grad passes."""
     passes: list[tuple[str, str, bool]] = field(default_factory=list)
     """(name, stage, enabled) for each pass of the pipeline."""
+    memory: list[GraphMemory] = field(default_factory=list)
+    """What each joint graph's forward saves for its backward under GemConfig.memory (shape, dtype, bytes,
+    producer; with a budget, also what the budget recomputes and the bytes saved with no budget)."""
 
     def __rich_console__(self, console, options):
         n_graphs = len(self.graphs)
@@ -114,6 +120,7 @@ class ExplainReport:
             for (name, where, reason), n in seen.items():
                 table.add_row(escape(name), escape(where + (f" (x{n})" if n > 1 else "")), escape(reason))
             yield table
+        yield from memory_tables(self.memory)
 
     @property
     def parallel_plan(self) -> Any:
@@ -137,11 +144,12 @@ class _ExplainBackend:
 
     def __init__(self, config: GemConfig, pass_types=None):
         self.gem = GemBackend(config, passes=pass_types)
+        self.partitioner = ActivationMemoryPartitioner(config, measure_default=True)
         self.graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
         self.aot_graphs: list[tuple[str, fx.GraphModule]] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
@@ -155,7 +163,7 @@ class _ExplainBackend:
         def partition(joint_gm, joint_inputs, **kwargs):
             joint(joint_gm.graph)
             joint_gm.recompile()
-            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            return self.partitioner(joint_gm, joint_inputs, **kwargs)
 
         def compiler(kind):
             def compile_graph(graph_gm, inputs):
@@ -219,4 +227,5 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
         graphs=backend.graphs,
         aot_graphs=backend.aot_graphs,
         passes=[(p.name, p.stage, p.enabled) for p in passes],
+        memory=log.memory,
     )

@@ -1,4 +1,5 @@
-"""What passes report: each rewrite and each refusal, with where it came from in the user's source.
+"""What passes report: each rewrite and each refusal, with where it came from in the user's source, and
+what the partitioner saved for each backward (passes/activation_memory.py).
 
 A pass calls ``GemPass.rewrote`` / ``GemPass.refused``; they land in the ``PassLog`` active for the
 compile (a context variable, so nested or concurrent compiles keep separate logs) and in
@@ -139,12 +140,74 @@ class Refusal:
     """Facts a pass reports with the refusal (e.g. mxfp8's GEMM role and sizes), for tools."""
 
 
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a forward graph hands to its backward (or handed by default, and recomputes now)."""
+
+    name: str
+    """The value's node name (the same in the joint, forward and backward graphs)."""
+    op: str
+    """What produced it: an op (``aten.mm``, ``gemcompile.jagged_attention_fwd[0]`` for an output of a
+    tuple), or ``input`` / ``parameter`` for a graph input."""
+    shape: str
+    """Its shape as text; a symbolic size prints as its expression (``s0``, ``u0``)."""
+    dtype: str
+    nbytes: int
+    """Bytes it keeps alive: its storage's size (a symbolic size at its hint, as the partitioner sizes it),
+    counted once: a view of a storage an earlier row already holds adds 0 (``alias_of`` names that row)."""
+    kind: str
+    """"activation" (computed in the forward), "input" (a graph input other than a parameter, or a view of
+    one: under the parallel plan, the previous unit's output) or "parameter" (parameters and buffers, or
+    views of them: alive anyway, so never counted against the budget)."""
+    status: str
+    """"saved" (saved by default and under the budget), "recomputed" (saved by default, recomputed in
+    the backward under the budget) or "saved instead" (saved only under the budget, in place of what
+    is recomputed from it)."""
+    where: str = ""
+    """Where in the model it was produced: the user's source line when the node kept its stack trace, else
+    the innermost module (``blocks.0.ffn.0 (Linear)``)."""
+    alias_of: str = ""
+    """The earlier saved tensor whose storage this one views (its bytes are counted there)."""
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """What one joint graph's partition saves for the backward."""
+
+    graph: int
+    """The joint graph's number, in the order the partitioner saw them (one per compiled graph)."""
+    budget: float | None
+    """The activation memory budget it ran under: GemConfig.memory.budget, or one set in torch's own config
+    (None: no budget, i.e. 1.0)."""
+    tensors: tuple[SavedTensor, ...]
+    """Every tensor saved under the budget, and (when the default was measured) each saved by default
+    and now recomputed."""
+    default_bytes: int | None
+    """Bytes the partitioner saves with no budget (activations and inputs, parameters excluded), when
+    measured (explain measures it when a budget is set); None when not measured."""
+    recomputed_ops: tuple[str, ...] = ()
+    """Forward ops the backward graph recomputes (one entry per op, repeated for each recompute)."""
+    kept: int = 0
+    """Attention / plan nodes kept out of recomputation (MUST_SAVE) in this graph."""
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes saved for the backward under the budget (activations and inputs, parameters excluded)."""
+        return sum(t.nbytes for t in self.tensors if t.kind != "parameter" and t.status != "recomputed")
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors if t.kind == "parameter" and t.status != "recomputed")
+
+
 @dataclass
 class PassLog:
     """Everything the passes of one compile reported, in order."""
 
     rewrites: list[Rewrite] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    memory: list[GraphMemory] = field(default_factory=list)
+    """What each joint graph's partition saved for the backward, in partition order."""
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

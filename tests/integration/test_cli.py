@@ -36,3 +36,11 @@ def test_explain_with_a_default_off_pass_enabled(capsys):
     assert "yes" in row and int(row.split("│")[-2]) > 0  # refusals, each a GEMM with its reason
     assert "below" in out or "min" in out
     assert main(["explain", "--size", "tiny", "--enable", "mxfp9"]) == 2
+
+
+def test_explain_refuses_a_bad_memory_budget_and_memory_is_not_a_pass(capsys):
+    assert main(["explain", "--size", "tiny", "--memory-budget", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "MemoryConfig.budget = 1.5" in err and "(0, 1]" in err and "Traceback" not in err
+    assert main(["explain", "--size", "tiny", "--disable", "memory"]) == 2
+    assert "unknown pass" in capsys.readouterr().err

@@ -137,3 +137,42 @@ def test_same_config_hits_the_fx_graph_cache_and_a_new_knob_misses():
         assert hits >= 1 and misses == 0
         hits, misses = _compile_and_count(GemConfig(jagged_attention={"min_kv_len": 7}))
         assert hits == 0 and misses >= 1
+
+
+def test_the_partitioner_uuid_covers_the_memory_section_and_a_chained_partitioner():
+    from gemcompile.passes.activation_memory import ActivationMemoryPartitioner
+
+    uuid = lambda config, **kw: ActivationMemoryPartitioner(config, **kw).uuid()  # noqa: E731
+    base = uuid(GemConfig())
+    assert base == uuid(GemConfig()) and base == uuid(GemConfig(jagged_attention={"min_kv_len": 3}))
+    assert base != uuid(GemConfig(memory={"budget": 0.5})) != uuid(GemConfig(memory={"budget": 0.25}))
+    assert base != uuid(GemConfig(memory={"recompute_attention": True}))
+    assert uuid(GemConfig(), chained=lambda gm, inputs, **kw: None) is None  # no uuid: uncacheable
+
+
+def test_a_partitioner_already_in_the_slot_is_chained_under_the_budget():
+    from gemcompile.passes.activation_memory import has_partitioner_slot
+
+    if not has_partitioner_slot():
+        pytest.skip("this torch's Inductor has no custom_partitioner_fn")
+    import torch._functorch.config as functorch_config
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class UserPartitioner(CustomPartitionerFn):
+        budgets = []
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            UserPartitioner.budgets.append(functorch_config.activation_memory_budget)
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return "user-partitioner-v1"
+
+    x = torch.randn(16, 4)
+    w1, w2 = torch.randn(4, 16, requires_grad=True), torch.randn(16, 2, requires_grad=True)
+    with inductor_config.patch(custom_partitioner_fn=UserPartitioner()), fresh_cache():
+        backend = GemBackend(GemConfig(memory={"budget": 0.5}))
+        torch.compile(lambda x, a, b: (x @ a) @ b, backend=backend)(x, w1, w2)  # GEMMs only: no C++ to build
+    assert UserPartitioner.budgets == [0.5]
+    assert len(backend.last_log.memory) == 1

@@ -169,3 +169,8 @@ def test_cpp_wrapper_suffix_reaches_torch_compile_as_an_inductor_option(monkeypa
     monkeypatch.setattr(torch, "compile", lambda module, **kw: seen.append(kw) or module)
     e2e_bench.compile_method(torch.nn.Identity(), "inductor@cpp-wrapper")
     assert seen == [{"options": {"cpp_wrapper": True}}]
+
+
+def test_the_memory_budget_variants_set_the_budget():
+    assert e2e_bench._gem_config("gem-memory-budget-0.5").memory.budget == 0.5
+    assert "gem-memory-budget-0.2" in e2e_bench.available_methods()

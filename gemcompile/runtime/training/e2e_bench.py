@@ -62,7 +62,10 @@ VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
             "gem-unpad-pad-reductions": {"unpad": {"pad_reductions": True}},
             # every Linear-like GEMM the name patterns allow, however narrow (the MXFP8 quality study's
             # setting; the default minimum sizes leave GEM-ref small's layers, at most 1024 wide, in bf16)
-            "gem+mxfp8-all": {"mxfp8": {"enabled": True, "min_m": 1, "min_k": 1, "min_n": 1}}}
+            "gem+mxfp8-all": {"mxfp8": {"enabled": True, "min_m": 1, "min_k": 1, "min_n": 1}},
+            # the partitioner under an activation memory budget (GemConfig.memory): peak memory vs step time
+            "gem-memory-budget-0.5": {"memory": {"budget": 0.5}},
+            "gem-memory-budget-0.2": {"memory": {"budget": 0.2}}}
 """Named GemConfig variants beyond one pass group on or off (A/B of a pass's option)."""
 
 
