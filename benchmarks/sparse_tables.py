@@ -5,7 +5,7 @@ optimizer step), side by side in one process on GEM-ref's table shapes:
   on CUDA): what a model gets by default, and what the e2e peers run;
 - ``torch-sparse``: the same modules with ``sparse=True`` (torch's sparse COO gradient) and torch's Adagrad,
   as nn.Embedding's documentation offers for large tables;
-- ``sparse-rows``: gemcompile's row gradients and SparseAdagrad (runtime/training/sparse_adagrad.py).
+- ``sparse-rows``: gemcompile's row gradients and SparseAdagrad (runtime/tables/sparse_adagrad.py).
 
 Per method: the median step time (triton.testing.do_bench), the optimizer step alone (CUDA events around
 ``step()`` over the timed steps), and the tables' max difference from ``dense`` after three identical steps

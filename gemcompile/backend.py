@@ -127,10 +127,16 @@ class GemBackend:
         return managers
 
     def partitioner(self, patches: dict[str, Any]) -> dict[str, Any]:
-        """``{"custom_partitioner_fn": ...}``: gemcompile's partitioner, chaining one already installed; empty
-        on a torch without the slot (the budget still applies; the attention tags and the record do not)."""
+        """``{"custom_partitioner_fn": ...}``: gemcompile's partitioner, chaining one already installed, when
+        GemConfig.memory asks for something (a budget, or recompute_attention); empty otherwise, and on a
+        torch without the slot (the budget still applies; the attention tags and the record do not)."""
         import torch._inductor.config as inductor_config
 
+        memory = self.config.memory
+        if memory.budget is None and not memory.recompute_attention:
+            # the default compile keeps Inductor's own partitioner untouched (the path measured on the GPU);
+            # explain still records the saved tensors through its own backend
+            return {}
         if not has_partitioner_slot():
             if self.config.memory.budget is not None and not self.config.memory.recompute_attention:
                 warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory.budget "

@@ -1,4 +1,4 @@
-"""The runtime of GEM-ref, in two floors; nothing is imported or re-exported here (importing a module of
+"""The runtime of GEM-ref, in three floors; nothing is imported or re-exported here (importing a module of
 one floor never pulls in the other, and importing gemcompile pulls in neither).
 
     training/      the training loop and what it needs; may import anything in gemcompile but cli
@@ -6,7 +6,7 @@ one floor never pulls in the other, and importing gemcompile pulls in neither).
       config.py        TrainConfig (validated), gem_config()
       flags.py         `gemcompile train`: its flags (the --parallel sizes too) and how they run
       report.py        TrainResult, WindowSummary, TrainReporter (progress bar, log lines, summary)
-      optimizers.py    Adam on dense weights, Adagrad on embedding tables
+      optimizers.py    Adam on dense weights, Adagrad on embedding tables (sparse: tables/)
       parallel.py      `train --parallel`: torchrun, the plan applied, compile per FSDP unit
       checkpoint.py    DCP save / resume (bit-exact), single process or distributed, compiled models too
       metrics.py       normalized entropy and exact AUC per task; MetricWindow over the last steps
@@ -14,6 +14,9 @@ one floor never pulls in the other, and importing gemcompile pulls in neither).
       flops.py         padded FLOPs (FlopCounterMode), useful FLOPs (section-8 formula), peak table, mfu()
       kernel_time.py   the GPU's own time of a step and where it goes (torch.profiler)
       e2e_bench.py     `gemcompile bench e2e`: the training step under eager, inductor and gem_compile
+    tables/        tables trained on their looked-up rows, used by both floors above; imports only lowering/
+      sparse_tables.py SparseGrad modules: lookups file row gradients instead of a dense .grad
+      sparse_adagrad.py SparseAdagrad: torch's Adagrad state, updates only the filed rows
     distributed/   the 5D parallel plan and its application under torch.distributed
       plan.py          the plan as pure functions (no torch.distributed calls): imports only config;
                        the sharding pass (passes/sharding.py) and explain read it

@@ -10,7 +10,7 @@ from torch import nn
 from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_rows_triton_
 from gemcompile.lowering.sparse_embedding.reference import adagrad_rows_reference_
 from gemcompile.runtime.training.optimizers import build_optimizers
-from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
 
 pytestmark = pytest.mark.gpu
 

@@ -129,6 +129,13 @@ def _two_matmuls(x, w1, w2):
 
 
 @pytest.mark.skipif(not has_partitioner_slot(), reason="this torch's Inductor has no custom_partitioner_fn")
+def test_no_memory_setting_leaves_inductors_partitioner_alone():
+    backend = GemBackend(GemConfig())
+    assert backend.partitioner({}) == {}
+    assert "custom_partitioner_fn" in GemBackend(GemConfig(memory={"budget": 0.5})).partitioner({}) or \
+        not has_partitioner_slot()
+
+
 def test_inductor_runs_the_partitioner_under_the_budget_and_the_budget_does_not_leak():
     try:
         from torch._inductor.utils import fresh_cache
@@ -140,7 +147,7 @@ def test_inductor_runs_the_partitioner_under_the_budget_and_the_budget_does_not_
     want_grads = torch.autograd.grad(want, [w1, w2], torch.ones_like(want))
     before = functorch_config.activation_memory_budget
     saved = {}
-    for budget in (None, 0.1):
+    for budget in (1.0, 0.1):  # 1.0: torch's default partition (no budget installs no partitioner at all)
         backend = GemBackend(GemConfig(memory={"budget": budget}))
         with fresh_cache():  # a cache hit would skip the partition
             out = torch.compile(_two_matmuls, backend=backend)(x, w1, w2)
@@ -149,9 +156,9 @@ def test_inductor_runs_the_partitioner_under_the_budget_and_the_budget_does_not_
         for got, expected in zip(grads, want_grads):
             torch.testing.assert_close(got, expected)
         (record,) = backend.last_log.memory
-        assert record.budget == budget and record.default_bytes is None  # a real compile measures no default
+        assert record.budget == (None if budget == 1.0 else budget) and record.default_bytes is None  # 1.0: the default
         saved[budget] = record.saved_bytes
         assert functorch_config.activation_memory_budget == before  # patched for the compile only
         torch._dynamo.reset()
-    assert saved[None] >= 256 * 256 * 4  # h
-    assert saved[0.1] < saved[None] / 4  # h recomputed: only x and the weights are read back
+    assert saved[1.0] >= 256 * 256 * 4  # h
+    assert saved[0.1] < saved[1.0] / 4  # h recomputed: only x and the weights are read back

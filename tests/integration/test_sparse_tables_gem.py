@@ -12,7 +12,7 @@ from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 from gemcompile.passes import PIPELINE
 from gemcompile.passes.base import instantiate, run_pre_grad
 from gemcompile.runtime.training.optimizers import build_optimizers
-from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
 
 
 def _rewritten(model):

@@ -7,6 +7,7 @@ Floors, lowest first (a module may import its own floor and those below):
   runtime/distributed/plan.py          the pure parallel plan (no torch.distributed calls)
   passes/                              graph rewrites: may add lowering/ and the pure plan
   backend, explain, api                the compiler front end
+  runtime/tables/                      tables trained on their looked-up rows (imports only lowering/)
   runtime/distributed/ (the rest)      the plan applied under torchrun
   runtime/training/                    the training loop, its config, report, metrics, checkpoints, bench
   cli                                  the command line
@@ -36,7 +37,8 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("gemcompile.explain", ("gemcompile.backend", "gemcompile.passes", "gemcompile.runtime.distributed.plan",
                             "gemcompile.config", "gemcompile.version")),
     ("gemcompile.api", ("gemcompile.backend", "gemcompile.config")),
-    ("gemcompile.runtime.distributed", ("gemcompile.runtime.distributed", "gemcompile.lowering",
+    ("gemcompile.runtime.tables", ("gemcompile.runtime.tables", "gemcompile.lowering")),
+    ("gemcompile.runtime.distributed", ("gemcompile.runtime.distributed", "gemcompile.runtime.tables", "gemcompile.lowering",
                                         "gemcompile.models", "gemcompile.config", "gemcompile.version")),
     ("gemcompile.runtime.training", ("gemcompile",)),
     ("gemcompile.runtime", ()),  # runtime/__init__.py: a docstring of the floors, nothing imported

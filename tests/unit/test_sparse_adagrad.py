@@ -1,4 +1,4 @@
-"""Sparse row gradients + SparseAdagrad (runtime/training/sparse_{tables,adagrad}.py) against the dense
+"""Sparse row gradients + SparseAdagrad (runtime/tables/sparse_{tables,adagrad}.py) against the dense
 path they replace: nn.Embedding / nn.EmbeddingBag with a dense gradient and torch.optim.Adagrad.
 
 On the CPU in fp32 an nn.Embedding looked up once per step must match bit for bit (weights, Adagrad sums,
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
-from gemcompile.runtime.training.sparse_tables import (SparseGradEmbedding, SparseGradEmbeddingBag,
+from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.tables.sparse_tables import (SparseGradEmbedding, SparseGradEmbeddingBag,
                                                        use_sparse_row_gradients)
 
 ROWS, DIM = 50, 6

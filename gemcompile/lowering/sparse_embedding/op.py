@@ -5,7 +5,7 @@ Forward: the table's own kernels (F.embedding / F.embedding_bag), so outputs are
 Backward: ``gemcompile::file_row_grads_`` turns the output gradient into one gradient row per looked-up id
 (a bag's rows get their bag's gradient, divided by its size for mean) and files (ids, rows) in pending.py
 under the table's key; the table's weight gets no ``.grad``. The sparse optimizer
-(runtime/training/sparse_adagrad.py) reads and writes only those rows at ``step()``.
+(runtime/tables/sparse_adagrad.py) reads and writes only those rows at ``step()``.
 
 The filing op mutates a one-element ``token`` (a counter of filed lookups, a buffer of the table's module):
 an op that returns nothing and mutates nothing would be dead code to AOTAutograd and Inductor. Mutating

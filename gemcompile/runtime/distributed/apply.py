@@ -58,7 +58,7 @@ from gemcompile.runtime.distributed.plan import (
     ParallelPlanError,
     collection_of,
 )
-from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
 
 __all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
 

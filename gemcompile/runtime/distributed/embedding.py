@@ -31,7 +31,7 @@ Sparse tables (``ShardedTable.use_sparse_row_gradients``, chosen by ParallelRunt
 step 3 looks the rows up with gemcompile::sparse_embedding (lowering/sparse_embedding/op.py), whose
 backward files (local row ids, gradient rows) of the shard instead of a dense ``.grad`` of the shard
 (the rows are the 1 / world_size-scaled ones: the scaling sits above the local lookup), and SparseAdagrad
-(runtime/training/sparse_adagrad.py) updates only those rows of ``weight.to_local()`` and of its
+(runtime/tables/sparse_adagrad.py) updates only those rows of ``weight.to_local()`` and of its
 Adagrad sum's local shard. "grid": nothing else, the rows are local. "replicated_groups": the replicas
 of a row shard serve different samples, so after backward ``reduce_replicated_rows`` sums each
 replica's rows per id and all-gathers the sums over emb_outer (counts first, padded to the largest),

@@ -119,7 +119,7 @@ class TrainConfig:
 
     sparse_tables: bool | None = None
     """Train the embedding tables sparsely: lookups give row gradients and SparseAdagrad reads and writes
-    only the looked-up rows (runtime/training/sparse_adagrad.py; the update equals dense Adagrad's); under
+    only the looked-up rows (runtime/tables/sparse_adagrad.py; the update equals dense Adagrad's); under
     parallel, the sharded tables do so on their local shards (runtime/distributed/embedding.py) and the
     small tables, FSDP-managed dense weights, stay dense. None: on without grad_clip (clipping needs every
     gradient as a tensor) unless parallel with an embedding_sharding that cannot (none today:

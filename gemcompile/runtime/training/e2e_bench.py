@@ -84,7 +84,7 @@ TABLE_TRAINING = {"eager": "dense", "inductor": "dense", "inductor-sparse-grad":
                   "gem-dense-tables": "dense"}
 """How a method trains its embedding tables: "dense" (a (rows x dim) gradient, torch's Adagrad), "torch-sparse"
 (sparse=True: torch's sparse COO gradient, torch's Adagrad) or "sparse-rows" (gemcompile's row gradients and
-SparseAdagrad, runtime/training/sparse_adagrad.py); every gem method not listed here: "sparse-rows"."""
+SparseAdagrad, runtime/tables/sparse_adagrad.py); every gem method not listed here: "sparse-rows"."""
 
 
 def table_training(method: str) -> str:

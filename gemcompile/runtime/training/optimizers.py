@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from gemcompile.runtime.training.checkpoint import unwrap_model
-from gemcompile.runtime.training.sparse_adagrad import SparseAdagrad
-from gemcompile.runtime.training.sparse_tables import use_sparse_row_gradients
+from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
+from gemcompile.runtime.tables.sparse_tables import use_sparse_row_gradients
 
 __all__ = ["build_optimizers"]
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
-from gemcompile.runtime.training.sparse_tables import is_sparse_grad_table
+from gemcompile.runtime.tables.sparse_tables import is_sparse_grad_table
 
 __all__ = ["SparseAdagrad"]
 
@@ -51,7 +51,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                  initial_accumulator_value: float = 0.0) -> None:
         if not tables or not all(is_sparse_grad_table(t) for t in tables):
             raise TypeError("SparseAdagrad takes a non-empty list of SparseGrad tables "
-                            "(runtime/training/sparse_tables.py: use_sparse_row_gradients) or sparse "
+                            "(runtime/tables/sparse_tables.py: use_sparse_row_gradients) or sparse "
                             "ShardedTables (runtime/distributed/embedding.py)")
         self._keys = {id(t.weight): t.table_key for t in tables}
         self._fixed_order = {id(t.weight) for t in tables if getattr(t, "identical_replicas", False)}
