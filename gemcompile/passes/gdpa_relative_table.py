@@ -17,14 +17,13 @@ reason reported.
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import fx
 
 from gemcompile.lowering.gdpa.relative_table import check_relative_table
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.graph import Unproven, erase_dead, example_value, fed_by
+from gemcompile.passes.graph import Unproven, erase_dead, example_value, fed_by, schema_arguments
 
 # what a dim of the bias holds; None: a size-1 or broadcast dim
 _ROWS, _COLS, _HEADS = "rows", "cols", "heads"
@@ -121,20 +120,6 @@ def _index(index: tuple, layout: list) -> list:
     return out + rest
 
 
-def _arguments_by_name(node: fx.Node) -> dict[str, Any]:
-    """The op call's arguments by their schema names, defaults filled in (never by position: the schema may
-    grow)."""
-    call = {}
-    for i, argument in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            call[argument.name] = node.args[i]
-        elif argument.name in node.kwargs:
-            call[argument.name] = node.kwargs[argument.name]
-        else:
-            call[argument.name] = argument.default_value if argument.has_default_value() else None
-    return call
-
-
 class GdpaRelativeTablePass(GemPass):
     """gdpa(..., bias = views of relative_bias(table, ...)) -> gdpa(..., table, relative_offset=offset)."""
 
@@ -150,7 +135,7 @@ class GdpaRelativeTablePass(GemPass):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.gemcompile.gdpa.default:
                 continue
-            call = _arguments_by_name(node)
+            call = schema_arguments(node)
             bias = call["bias"]
             if not isinstance(bias, fx.Node) or call["relative_offset"] is not None:
                 continue  # no bias, or already a table

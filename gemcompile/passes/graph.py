@@ -35,6 +35,20 @@ def target_name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
+def schema_arguments(node: fx.Node) -> dict[str, Any]:
+    """An OpOverload call's arguments by their schema names, defaults filled in (never by position: a
+    schema may grow)."""
+    call = {}
+    for i, argument in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            call[argument.name] = node.args[i]
+        elif argument.name in node.kwargs:
+            call[argument.name] = node.kwargs[argument.name]
+        else:
+            call[argument.name] = argument.default_value if argument.has_default_value() else None
+    return call
+
+
 class Emitter:
     """Inserts nodes at the graph's insertion point with their fake value computed in the fake mode the
     inputs live in (the tracing context may hold another one), so later passes (ours and Inductor's) see

@@ -31,6 +31,7 @@ from gemcompile.runtime.training.checkpoint import checkpoint_path, choose_check
 from gemcompile.runtime.training.checkpoint_files import KILL_ENV, MANIFEST
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
+from tests.integration.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, BATCH = 4, 2, 16
@@ -261,23 +262,6 @@ def test_the_command_line_itself_exits_2_with_one_line(tmp_path):
                                         f"'{afile / 'ckpt'}' is unusable: {afile} is a file"]
 
 
-def _torchrun(args: list[str], env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    """torchrun (2 ranks, gloo) in a session of its own: killed with its ranks on timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    env = {**{k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK",
-                                                                "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                          start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
 def test_world_2_killed_in_a_save_resumes_past_a_corrupted_checkpoint(reference, tmp_path):
     """gloo, 2 ranks, 3 steps, a checkpoint every step: rank 1 is killed as the step-3 save begins; the
     step-2 checkpoint is then bit-flipped. Rank 0 verifies, both ranks resume from step 1, and the losses
@@ -286,13 +270,13 @@ def test_world_2_killed_in_a_save_resumes_past_a_corrupted_checkpoint(reference,
     worker = str(ROOT / "tests" / "integration" / "parallel_worker.py")
     directory = tmp_path / "ckpt"
     spec = {"steps": 3, "batch_size": BATCH, "checkpoint_dir": str(directory), "save_every": 1}
-    killed = _torchrun([worker, str(tmp_path / "killed.json"), json.dumps(spec)],
-                       {KILL_ENV: "save:3:begin@1"})  # rank 1 only
+    killed = torchrun(2, [worker, str(tmp_path / "killed.json"), json.dumps(spec)],
+                      {KILL_ENV: "save:3:begin@1"})  # rank 1 only
     assert killed.returncode != 0 and not (tmp_path / "killed.json").exists()
     assert sorted(p.name for p in directory.iterdir()) == [".step_00000003.partial", "step_00000001",
                                                            "step_00000002"]
     _flip_payload(checkpoint_path(directory, 2) / "__1_0.distcp")
-    resumed = _torchrun([worker, str(tmp_path / "resumed.json"), json.dumps({**spec, "resume": True})], {})
+    resumed = torchrun(2, [worker, str(tmp_path / "resumed.json"), json.dumps({**spec, "resume": True})], {})
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     skipped = [line for line in resumed.stderr.splitlines() if "skipping checkpoint" in line]
     assert skipped == [f"gemcompile: skipping checkpoint {checkpoint_path(directory, 2)}: __1_0.distcp is "

@@ -18,11 +18,7 @@ the plan, world 2, 3 steps, within COMPILED_LOSS_TOL of eager single-process tra
 """
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +26,7 @@ import pytest
 from gemcompile.runtime.training.checkpoint import checkpoint_path
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
+from tests.integration.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
@@ -42,30 +39,9 @@ COMPILED_LOSS_TOL = 1e-4
 """The same for gem_compile under the plan (compiled kernels change the summation order more)."""
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """torchrun in a session of its own: on timeout its ranks are killed with it, not left running."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                          start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
 def _run(tmp_path: Path, nproc: int, spec: dict, name: str, timeout: int = 240) -> dict:
     out = tmp_path / f"{name}.json"
-    proc = _torchrun(nproc, [str(WORKER), str(out), json.dumps(spec)], timeout=timeout)
+    proc = torchrun(nproc, [str(WORKER), str(out), json.dumps(spec)], timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -153,7 +129,7 @@ def test_world_2_gem_compile_matches_eager(tmp_path, reference):
 
 
 def test_bad_plan_fails_before_any_collective():
-    proc = _torchrun(2, ["-m", "gemcompile.cli", "train", "--parallel", "--ep", "4", "--steps", "1",
+    proc = torchrun(2, ["-m", "gemcompile.cli", "train", "--parallel", "--ep", "4", "--steps", "1",
                          "--batch-size", "16"], timeout=120)
     assert proc.returncode != 0
     assert "gemcompile train: error: ep=4 does not divide dp_shard=2" in proc.stderr

@@ -27,6 +27,18 @@ __all__ = ["adagrad_rows_triton_"]
 
 
 @triton.jit
+def _update_row(Weight, Sum, row, g, cols, col_ok, stride_w, stride_s, lr, eps):
+    """Adagrad on one table row's columns, g its summed gradient (fp32): sum += g * g, then
+    w += -lr * (g / (sqrt(sum) + eps)), the order of torch's single-tensor Adagrad."""
+    r = row.to(tl.int64)
+    s = tl.load(Sum + r * stride_s + cols, mask=col_ok, other=0.0) + g * g
+    tl.store(Sum + r * stride_s + cols, s, mask=col_ok)
+    w = tl.load(Weight + r * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = w + (-lr) * (g / (tl.sqrt(s) + eps))
+    tl.store(Weight + r * stride_w + cols, w.to(Weight.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
 def _adagrad_slots_kernel(RowOf, Acc, Weight, Sum, n_rows, dim, stride_a, stride_w, stride_s, lr, eps,
                           BLOCK_D: tl.constexpr):
     slot = tl.program_id(0)
@@ -35,12 +47,7 @@ def _adagrad_slots_kernel(RowOf, Acc, Weight, Sum, n_rows, dim, stride_a, stride
     row = tl.load(RowOf + slot)
     if (row >= 0) & (row < n_rows):
         g = tl.load(Acc + slot.to(tl.int64) * stride_a + cols, mask=col_ok, other=0.0)
-        r = row.to(tl.int64)
-        s = tl.load(Sum + r * stride_s + cols, mask=col_ok, other=0.0) + g * g
-        tl.store(Sum + r * stride_s + cols, s, mask=col_ok)
-        w = tl.load(Weight + r * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = w + (-lr) * (g / (tl.sqrt(s) + eps))
-        tl.store(Weight + r * stride_w + cols, w.to(Weight.dtype.element_ty), mask=col_ok)
+        _update_row(Weight, Sum, row, g, cols, col_ok, stride_w, stride_s, lr, eps)
 
 
 @triton.jit
@@ -62,12 +69,7 @@ def _adagrad_runs_kernel(SortedIds, Perm, Grads, Weight, Sum, n, n_rows, dim, st
             acc += tl.load(Grads + src * stride_g + cols, mask=col_ok, other=0.0).to(tl.float32)
             k += 1
             cur = tl.load(SortedIds + k, mask=k < n, other=-2)
-        r = row.to(tl.int64)
-        s = tl.load(Sum + r * stride_s + cols, mask=col_ok, other=0.0) + acc * acc
-        tl.store(Sum + r * stride_s + cols, s, mask=col_ok)
-        w = tl.load(Weight + r * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = w + (-lr) * (acc / (tl.sqrt(s) + eps))
-        tl.store(Weight + r * stride_w + cols, w.to(Weight.dtype.element_ty), mask=col_ok)
+        _update_row(Weight, Sum, row, acc, cols, col_ok, stride_w, stride_s, lr, eps)
 
 
 def _block(dim: int) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.graph import Emitter, example_value, target_name
+from gemcompile.passes.graph import Emitter, example_value, schema_arguments, target_name
 
 __all__ = ["share_derived_tensors"]
 
@@ -63,19 +63,6 @@ def _mutates(node: fx.Node) -> bool:
         return False  # operator's names, not in-place methods
     name = target_name(node)
     return name.endswith("_") and not name.endswith("__")
-
-
-def _arguments(node: fx.Node) -> dict[str, Any]:
-    """The call's arguments by schema name, defaults filled in."""
-    call = {}
-    for i, argument in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            call[argument.name] = node.args[i]
-        elif argument.name in node.kwargs:
-            call[argument.name] = node.kwargs[argument.name]
-        else:
-            call[argument.name] = argument.default_value if argument.has_default_value() else None
-    return call
 
 
 def _set_arguments(node: fx.Node, values: dict[str, fx.Node]) -> None:
@@ -180,7 +167,7 @@ def _share(graph: fx.Graph, kinds: dict, shared: _Shared, changed: list) -> None
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in kinds:
             continue
-        call = _arguments(node)
+        call = schema_arguments(node)
         mask = call["kv_mask"]
         new: dict[str, fx.Node] = {}
         if kinds[node.target] == "block":
