@@ -19,7 +19,9 @@ loaders). One train step = forward under bf16 autocast, loss = out.float().squar
 Methods, each in this process on the same batches: ``inductor`` (torch.compile, default options) and ``gem``
 (gem_compile, default GemConfig); explain's rewrite counts are recorded. Timing: CUDA events around each
 step, median over ``--steps`` steps after ``--warmup`` (the first compiles); ``recompiles`` counts graphs
-compiled after warm-up (masks change every step: there should be none).
+compiled after warm-up (masks change every step: there should be none). On CUDA three more steps per
+method run under torch.profiler: ``<method>_kernel_ms`` is the GPU's own time per step (the rest of the
+step's time is the host's) and ``<method>_profile`` its top kernels and kernel classes.
 
 Kernel path (``kernel``): gemcompile::jagged_attention forward + backward on one batch (B, H, L, D, bf16,
 causal and not), with the key padding given as lengths (kv_lengths) and as a kv_mask of the same keys
@@ -45,6 +47,7 @@ sys.path.insert(0, str(_HERE))
 from harness import bench_ms, environment, format_table, graphed, results_path, rewrite_results  # noqa: E402
 
 from gemcompile import GemConfig, explain, gem_compile  # noqa: E402
+from gemcompile.runtime.training.kernel_time import kernel_profile  # noqa: E402
 from tests.model_styles import BertStyleLayer, SASRecBlock  # noqa: E402
 
 
@@ -118,7 +121,8 @@ def _graph_count() -> int:
 
 
 _COLUMNS = [("model", "model", "s"), ("padding", "pad", "s"), ("inductor_ms", "inductor ms", ".2f"),
-            ("gem_ms", "gem ms", ".2f"), ("speedup_gem_vs_inductor", "x", ".2f")]
+            ("gem_ms", "gem ms", ".2f"), ("speedup_gem_vs_inductor", "x", ".2f"),
+            ("inductor_kernel_ms", "inductor GPU ms", ".2f"), ("gem_kernel_ms", "gem GPU ms", ".2f")]
 
 
 def bench_models(args, device, model_name: str) -> list[dict]:
@@ -148,6 +152,10 @@ def bench_models(args, device, model_name: str) -> list[dict]:
             row = found[side]
             row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
             row[f"{method}_recompiles"], row[f"{method}_compile_s"] = recompiles, compile_s
+            profiled = kernel_profile(lambda b: _step(fn, b[0], b[1], device), batches, steps=3, top=12)
+            if profiled is not None:  # GPU time apart from the host's: is the step host-bound?
+                row[f"{method}_kernel_ms"] = profiled.ms_per_step
+                row[f"{method}_profile"] = profiled.as_json()
         model.zero_grad(set_to_none=True)
     for row in found.values():
         row["speedup_gem_vs_inductor"] = row["inductor_ms"] / row["gem_ms"]
