@@ -481,3 +481,19 @@ def test_reference_forward_is_exposed_for_peers():
     q, k, v, ql, kl, _ = make_case(2, 1, 4, 4, 16, seed=0)
     out, lse = reference_forward(q, k, v, ql, kl, None, False, 0.5)
     torch.testing.assert_close(out, direct_attention(q, k, v, ql, kl, None, False, 0.5))
+
+
+@pytest.mark.parametrize("trailing", [0, 2, 5])
+def test_cuda_backward_registration_takes_partial_argument_lists(trailing):
+    """The CUDA kernel of jagged_attention_bwd is called with the trailing optional arguments left out
+    (autograd, FlopCounterMode): it must bind them by name, as the op's schema does (run here on CPU
+    tensors, which its launcher choice sends to the reference)."""
+    from gemcompile.lowering.jagged_attention.op import _jagged_attention_bwd_cuda
+
+    _, _, args = _opcheck_cases()[2]
+    g, q, k, v, out, lse, ql, kl, bias, causal, scale, bias_grad = args
+    extra = (None, None, None, None, None)[:trailing]
+    got = _jagged_attention_bwd_cuda(*args, *extra)
+    want = ops.jagged_attention_bwd(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -181,11 +181,14 @@ def jagged_attention_bwd(
 
 
 @jagged_attention_bwd.register_kernel("cuda")
-def _jagged_attention_bwd_cuda(grad_out, q, *rest):
-    """jagged_attention_bwd's arguments, forwarded to the Triton launcher (the reference for float64)."""
+def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
+                               bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
+                               kv_bounds=None):
+    """jagged_attention_bwd's arguments, forwarded to the Triton launcher (the reference for float64). Named
+    one by one: a caller may leave the trailing optional ones out."""
     _, backward = _kernels(q)
-    *args, q_order, kv_order, kv_bounds = rest
-    return backward(grad_out, q, *args, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    return backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
+                    kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
 
 
 @jagged_attention_bwd.register_fake
