@@ -17,7 +17,10 @@ one full-length sequence; right-padded (tokens first) and left-padded (tokens la
 loaders). One train step = forward under bf16 autocast, loss = out.float().square().mean(), backward.
 
 Methods, each in this process on the same batches: ``inductor`` (torch.compile, default options) and ``gem``
-(gem_compile, default GemConfig); explain's rewrite counts are recorded. Timing: CUDA events around each
+(gem_compile, default GemConfig); with ``--modes default,cudagraphs`` also both under mode="reduce-overhead"
+(``inductor-cudagraphs``, ``gem-cudagraphs``: a host-bound step replayed as CUDA graphs), each gem mode
+compared with inductor in the same mode. explain's rewrite counts are recorded. ``--host-profile`` records
+each method's top host ops (self CPU time per step). Timing: CUDA events around each
 step, median over ``--steps`` steps after ``--warmup`` (the first compiles); ``recompiles`` counts graphs
 compiled after warm-up (masks change every step: there should be none). On CUDA three more steps per
 method run under torch.profiler: ``<method>_kernel_ms`` is the GPU's own time per step (the rest of the
@@ -83,7 +86,40 @@ class Stack(torch.nn.Module):
         return hidden
 
 
+def _methods(args) -> list[str]:
+    """inductor and gem in each of --modes: 'default' (the names inductor, gem) and 'cudagraphs'
+    (inductor-cudagraphs, gem-cudagraphs: mode="reduce-overhead", Inductor's CUDA graph trees)."""
+    return [name if mode == "default" else f"{name}-{mode}" for mode in args.modes.split(",")
+            for name in ("inductor", "gem")]
+
+
+def _compiled(model, method: str):
+    mode = "reduce-overhead" if method.endswith("-cudagraphs") else None
+    if method.startswith("inductor"):
+        return torch.compile(model, mode=mode)
+    return gem_compile(model, config=GemConfig(), mode=mode)
+
+
+def _host_profile(fn, batches, device, steps: int = 3, top: int = 20) -> list[dict]:
+    """The host's time per step by op (self CPU time, torch.profiler): where a host-bound step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            _step(fn, *batches[i % len(batches)][:2], device)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    table = [{"name": e.key[:100], "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+              "cpu_total_ms_per_step": e.cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+             for e in events]
+    for r in table:
+        print(f"  {r['self_cpu_ms_per_step']:8.3f} {r['cpu_total_ms_per_step']:8.3f} {r['calls_per_step']:6.1f} "
+              f"{r['name']}", flush=True)
+    return table
+
+
 def _step(fn, hidden, mask_input, device):
+    torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees; a no-op otherwise
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = fn(hidden, mask_input)
     loss = out.float().square().mean()
@@ -141,9 +177,9 @@ def bench_models(args, device, model_name: str) -> list[dict]:
                     "rewrites": {k: v for k, v in report.counts.items() if v},
                     "refusals": [r.reason for r in report.refusals]}
              for side, batches in sides.items()}
-    for method in ("inductor", "gem"):
+    for method in _methods(args):
         torch._dynamo.reset()
-        fn = torch.compile(model) if method == "inductor" else gem_compile(model, config=GemConfig())
+        fn = _compiled(model, method)
         t0 = time.perf_counter()
         _step(fn, *sides["right"][0][:2], device)  # compiles
         compile_s = time.perf_counter() - t0
@@ -156,11 +192,18 @@ def bench_models(args, device, model_name: str) -> list[dict]:
             if profiled is not None:  # GPU time apart from the host's: is the step host-bound?
                 row[f"{method}_kernel_ms"] = profiled.ms_per_step
                 row[f"{method}_profile"] = profiled.as_json()
+            if args.host_profile and side == "right":
+                row[f"{method}_host_top"] = _host_profile(fn, batches, device)
         model.zero_grad(set_to_none=True)
     for row in found.values():
-        row["speedup_gem_vs_inductor"] = row["inductor_ms"] / row["gem_ms"]
+        for method in _methods(args):
+            if method.startswith("gem"):  # each gem mode against inductor in the same mode
+                peer = method.replace("gem", "inductor", 1)
+                row[f"speedup_{method}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{method}_ms"]
         rows.append(row)
-    print(format_table(list(found.values()), _COLUMNS), flush=True)
+    columns = _COLUMNS + [(f"{m}_ms", f"{m} ms", ".2f") for m in _methods(args) if m not in ("inductor", "gem")]
+    columns += [(f"speedup_gem-cudagraphs_vs_inductor-cudagraphs", "x graphs", ".2f")] * ("cudagraphs" in args.modes)
+    print(format_table(list(found.values()), columns), flush=True)
     return rows
 
 
@@ -217,6 +260,9 @@ def main() -> None:
     p.add_argument("--kernel-length", type=int, default=2048)
     p.add_argument("--kernel-reps", type=int, default=4)
     p.add_argument("--skip-kernel", action="store_true")
+    p.add_argument("--modes", default="default",
+                   help="comma list of default (torch.compile's default mode) and cudagraphs (reduce-overhead)")
+    p.add_argument("--host-profile", action="store_true", help="record each method's top host ops per step")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
