@@ -161,6 +161,26 @@ _COLUMNS = [("model", "model", "s"), ("padding", "pad", "s"), ("inductor_ms", "i
             ("inductor_kernel_ms", "inductor GPU ms", ".2f"), ("gem_kernel_ms", "gem GPU ms", ".2f")]
 
 
+def _run_method(model, method: str, sides, found, args, device) -> None:
+    """Compile `model` with `method` and time it on both paddings' batches into found[side]."""
+    torch._dynamo.reset()
+    fn = _compiled(model, method)
+    t0 = time.perf_counter()
+    _step(fn, *sides["right"][0][:2], device)  # compiles
+    compile_s = time.perf_counter() - t0
+    for side, batches in sides.items():
+        ms, loss, recompiles = _time_steps(fn, batches, args, device)
+        row = found[side]
+        row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
+        row[f"{method}_recompiles"], row[f"{method}_compile_s"] = recompiles, compile_s
+        profiled = kernel_profile(lambda b: _step(fn, b[0], b[1], device), batches, steps=3, top=12)
+        if profiled is not None:  # GPU time apart from the host's: is the step host-bound?
+            row[f"{method}_kernel_ms"] = profiled.ms_per_step
+            row[f"{method}_profile"] = profiled.as_json()
+        if args.host_profile and side == "right":
+            row[f"{method}_host_top"] = _host_profile(fn, batches, device)
+
+
 def bench_models(args, device, model_name: str) -> list[dict]:
     """One compile per method, then the right- and the left-padded batches (same shapes, other mask values:
     nothing may recompile)."""
@@ -178,27 +198,17 @@ def bench_models(args, device, model_name: str) -> list[dict]:
                     "refusals": [r.reason for r in report.refusals]}
              for side, batches in sides.items()}
     for method in _methods(args):
-        torch._dynamo.reset()
-        fn = _compiled(model, method)
-        t0 = time.perf_counter()
-        _step(fn, *sides["right"][0][:2], device)  # compiles
-        compile_s = time.perf_counter() - t0
-        for side, batches in sides.items():
-            ms, loss, recompiles = _time_steps(fn, batches, args, device)
-            row = found[side]
-            row[f"{method}_ms"], row[f"{method}_first_loss"] = ms, loss
-            row[f"{method}_recompiles"], row[f"{method}_compile_s"] = recompiles, compile_s
-            profiled = kernel_profile(lambda b: _step(fn, b[0], b[1], device), batches, steps=3, top=12)
-            if profiled is not None:  # GPU time apart from the host's: is the step host-bound?
-                row[f"{method}_kernel_ms"] = profiled.ms_per_step
-                row[f"{method}_profile"] = profiled.as_json()
-            if args.host_profile and side == "right":
-                row[f"{method}_host_top"] = _host_profile(fn, batches, device)
+        try:
+            _run_method(model, method, sides, found, args, device)
+        except Exception as e:  # noqa: BLE001  (recorded: one method that cannot run keeps the others' rows)
+            for row in found.values():
+                row[f"{method}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{model_name} {method}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         model.zero_grad(set_to_none=True)
     for row in found.values():
         for method in _methods(args):
-            if method.startswith("gem"):  # each gem mode against inductor in the same mode
-                peer = method.replace("gem", "inductor", 1)
+            peer = method.replace("gem", "inductor", 1)
+            if method.startswith("gem") and f"{method}_ms" in row and f"{peer}_ms" in row:
                 row[f"speedup_{method}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{method}_ms"]
         rows.append(row)
     columns = _COLUMNS + [(f"{m}_ms", f"{m} ms", ".2f") for m in _methods(args) if m not in ("inductor", "gem")]
