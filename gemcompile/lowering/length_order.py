@@ -14,8 +14,8 @@ op that reads it: Dynamo/AOTAutograd dedup shares the node and AOTAutograd saves
 backward (an opaque custom op is never recomputed there), so a step computes each order once
 (common/length_order.py says why a graph value and not a memo keyed on the tensor).
 
-Dispatch: CUDA runs the one-launch Triton argsort (common/length_order_triton.py) and device-side torch ops
-for the bounds; every other device runs torch.sort. No host sync on either.
+Dispatch: CUDA runs one Triton launch for the bounds (with the key span) and one for the argsort
+(common/length_order_triton.py); every other device runs torch ops (torch.sort). No host sync on either.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .common.length_order import (
     stable_longest_first,
 )
 
-__all__ = ["derive_plan", "longest_first"]
+__all__ = ["derive_plan", "device_key_bounds", "longest_first"]
 
 
 def _check_key(key: Tensor) -> None:
@@ -73,10 +73,24 @@ def _length_order_fake(key: Tensor) -> Tensor:
     return key.new_empty(key.shape, dtype=torch.int64)
 
 
+def device_key_bounds(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> Tensor:
+    """The key bounds of a kv_mask on its device: one Triton launch on CUDA, torch ops elsewhere."""
+    if kv_mask.device.type == "cuda":
+        from .common.length_order_triton import key_bounds_and_span
+
+        return key_bounds_and_span(kv_mask, kv_lengths)[0]
+    return key_bounds(kv_mask, kv_lengths)
+
+
 @torch.library.custom_op("gemcompile::key_bounds", mutates_args=())
 def key_bounds_op(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(bounds int32 (B, 3) [lo, hi, holes], the longest-span-first order int64 (B,))."""
     _check_mask(kv_mask, kv_lengths)
+    if kv_mask.device.type == "cuda":  # two launches: the bounds with their span, then the order
+        from .common.length_order_triton import key_bounds_and_span
+
+        bounds, span = key_bounds_and_span(kv_mask, kv_lengths)
+        return bounds, longest_first(span)
     bounds = key_bounds(kv_mask, kv_lengths)
     return bounds, longest_first(key_span(bounds))
 
@@ -96,7 +110,7 @@ def derive_plan(q_lengths: Optional[Tensor], kv_lengths: Optional[Tensor], kv_ma
     both sides share one lengths tensor and there is no mask."""
     if kv_mask is not None:
         if kv_bounds is None:
-            kv_bounds = key_bounds(kv_mask, kv_lengths)
+            kv_bounds = device_key_bounds(kv_mask, kv_lengths)
         if kv_order is None:
             kv_order = longest_first(key_span(kv_bounds))
     elif kv_lengths is not None and kv_order is None:

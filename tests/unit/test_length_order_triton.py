@@ -101,3 +101,44 @@ def test_block_launchers_take_given_bounds():
                                                       "none", 0.25, mask, kv_bounds=plan.get("kv_bounds")))
 
     _given_and_derived(run, None, lengths, mask)
+
+
+def _masks():
+    g = torch.Generator().manual_seed(3)
+    B, L = 7, 37
+    random = torch.rand(B, L, generator=g) > 0.5
+    random[0] = False  # no valid key
+    random[1] = True  # every key
+    random[2] = False
+    random[2, 36] = True  # only the last
+    pos = torch.arange(L)
+    lengths = torch.randint(-2, L + 5, (B,), generator=g)  # out of range too: clamped like the torch path
+    left = pos[None, :] >= L - lengths.clamp(0, L)[:, None]
+    return [("random", random, None), ("random_lengths", random, lengths), ("left", left, None),
+            ("expanded", random[3:4].expand(B, L), None), ("strided", torch.rand(B, 2 * L, generator=g)[:, ::2] > 0.3,
+                                                            lengths.to(torch.int32)),
+            ("long", torch.rand(3, 1000, generator=g) > 0.99, None), ("no_keys", torch.zeros(2, 0, dtype=torch.bool), None)]
+
+
+@pytest.mark.parametrize("case", _masks(), ids=lambda c: c[0])
+def test_key_bounds_kernel_matches_torch(case):
+    from gemcompile.lowering.common.length_order import key_bounds, key_span
+    from gemcompile.lowering.common.length_order_triton import key_bounds_and_span
+
+    _, mask, lengths = case
+    bounds, span = key_bounds_and_span(mask, lengths)
+    if mask.shape[1] == 0:  # no key at all: lo = L = 0, hi = 0, no holes
+        assert bounds.tolist() == [[0, 0, 0]] * mask.shape[0] and span.tolist() == [0] * mask.shape[0]
+        return
+    want = key_bounds(mask, lengths)
+    assert bounds.dtype == torch.int32 and torch.equal(bounds, want)
+    assert torch.equal(span, key_span(want))
+
+
+def test_key_bounds_kernel_empty_batch_and_bad_mask():
+    from gemcompile.lowering.common.length_order_triton import key_bounds_and_span
+
+    bounds, span = key_bounds_and_span(torch.zeros(0, 5, dtype=torch.bool), None)
+    assert bounds.shape == (0, 3) and span.shape == (0,)
+    with pytest.raises(ValueError, match="2-D bool"):
+        key_bounds_and_span(torch.zeros(2, 5), None)

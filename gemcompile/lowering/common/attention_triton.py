@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import length_order
 from .jagged import bucket_length
-from .length_order_triton import longest_first_order
+from .length_order_triton import key_bounds_and_span, longest_first_order
 from .tuned_launch import INTERPRET
 
 __all__ = [
@@ -286,7 +286,7 @@ def mask_key_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None,
     graph derived them once per step, else computed here on the device (no host sync). Kernels visit key
     tiles from (lo // BLOCK_N) * BLOCK_N up to hi only; without holes the valid keys are exactly [lo, hi),
     so they mask by the bounds like the length-only path and read the mask vector only when holes."""
-    return given if given is not None else length_order.key_bounds(kv_mask, kv_lengths)
+    return given if given is not None else key_bounds_and_span(kv_mask, kv_lengths)[0]
 
 
 def kv_mask_bounds(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None, L: int):
