@@ -751,6 +751,56 @@ def e2e_kernel_classes() -> str:
     return "\n".join(lines)
 
 
+E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-143850.json"),
+                           ("after (2026-12-01)", "e2e-medium-fill0.5-20261201-214826.json")]
+"""GEM-ref medium, B 256, fill 0.5, before and after issue 24's sparse tables and per-step length work."""
+KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
+
+
+@block("e2e-medium-before-after")
+def e2e_medium_before_after() -> str:
+    rows = []
+    for label, name in E2E_MEDIUM_BEFORE_AFTER:
+        path, payload = load(name)
+        for r in payload["results"]:
+            kp = r.get("kernel_profile") or {}
+            by = kp.get("by_class_ms") or {}
+            rows.append([label, cite(path), r["method"], f(r.get("samples_per_s"), ".0f"),
+                         f(r.get("speedup_vs_inductor")), f"{pct(r.get('mfu'))}%", f(kp.get("ms_per_step"), ".1f")]
+                        + [f(by.get(c), ".1f") for c in KERNEL_CLASSES]
+                        + [f(kp.get("kernels_per_step"), ".0f"), f(r.get("peak_memory_gib"), ".1f")])
+    lines = ["GEM-ref medium, batch 256, fill 0.5, one H200: before and after issue 24's sparse embedding tables and "
+             "once-per-step length work. Kernel ms per step by class (torch.profiler; `other` holds cuDNN's SDPA "
+             "and torch's own CUDA kernels such as the optimizers' multi_tensor_apply). Plot: "
+             "`docs/e2e_kernel_classes.png` (`python benchmarks/render_report.py --write --plot`).", ""]
+    lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
+                    "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
+    return "\n".join(lines)
+
+
+def render_kernel_class_plot(plt, path: Path = REPO / "docs" / "e2e_kernel_classes.png") -> Path:
+    """Stacked bars: GPU ms per step by kernel class, per method, before and after (E2E_MEDIUM_BEFORE_AFTER)."""
+    bars = []
+    for label, name in E2E_MEDIUM_BEFORE_AFTER:
+        _, payload = load(name)
+        for r in payload["results"]:
+            by = (r.get("kernel_profile") or {}).get("by_class_ms") or {}
+            bars.append((f"{r['method']}\n{label}", [by.get(c, 0.0) for c in KERNEL_CLASSES]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottoms = [0.0] * len(bars)
+    for i, cls in enumerate(KERNEL_CLASSES):
+        heights = [ms[i] for _, ms in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, label=cls)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_ylabel("GPU ms per step (torch.profiler)")
+    ax.set_title("GEM-ref medium, B 256, fill 0.5, H200: GPU time by kernel class", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 # --- unpad -------------------------------------------------------------------------------------------
 
 UNPAD_FILES = ["unpad-20261130-063658.json", "unpad-20261130-065003.json", "unpad-20261130-082656.json",
@@ -1294,13 +1344,14 @@ def render_plot(path: Path = PLOT) -> Path | None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    render_kernel_class_plot(plt)
     return path
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the rendered blocks of both READMEs")
-    parser.add_argument("--plot", action="store_true", help="also draw docs/benchmarks.png (needs matplotlib)")
+    parser.add_argument("--plot", action="store_true", help="also draw docs/benchmarks.png and docs/e2e_kernel_classes.png (needs matplotlib)")
     parser.add_argument("--check", action="store_true", help="exit 1 on a stale block or an unbacked number")
     parser.add_argument("--block", default=None, help="print one block")
     args = parser.parse_args(argv)
