@@ -32,6 +32,8 @@ class AttentionFamily(GemPass):
     stage = "pre_grad"
     masks_served: ClassVar[str]
     """The masks the kernel serves, as refusals spell them ("the mask is not <this>: it is ...")."""
+    serves_query_vector: ClassVar[bool] = False
+    """Whether the family serves query padding read from data (AttentionMask.query_vector)."""
 
     def run(self, graph: fx.Graph) -> None:
         raise TypeError(f"{type(self).__name__} is a kernel family: AttentionRewritePass runs it")
@@ -90,6 +92,17 @@ def clamped_lengths(emit: Emitter, node: fx.Node, offset: int, padded) -> fx.Nod
 def lengths_operand(emit: Emitter, lengths: fx.Node | None, offset: int, x: fx.Node) -> fx.Node | None:
     """The op's lengths along x's dim 2, or None without lengths."""
     return None if lengths is None else clamped_lengths(emit, lengths, offset, size_of(emit, x, 2))
+
+
+def zero_query_rows(emit: Emitter, mask: AttentionMask, out: fx.Node) -> fx.Node:
+    """The op's output (B, H, Lq, D) with the rows a query vector drops set to 0: such a row sees no key,
+    which the kernels' rule for rows without a valid key makes 0 (values and gradients); the kernel computes
+    it over the keys, and the zeroing makes it exact."""
+    if mask.query_vector is None:
+        return out
+    rows = emit_key_mask(emit, mask.query_vector, out, size_of(emit, out, 0), size_of(emit, out, 2))
+    rows = emit.call(torch.reshape, (rows, (size_of(emit, out, 0), 1, size_of(emit, out, 2), 1)))
+    return emit.call(torch.where, (rows, out, 0.0))
 
 
 def key_mask_operand(emit: Emitter, mask: AttentionMask, k: fx.Node) -> fx.Node | None:

@@ -46,7 +46,8 @@ def check_fill_served(mask: AttentionMask) -> None:
     if mask.fill is None:
         return
     what = ("a sliding window" if mask.window is not None else "blocks" if mask.block is not None
-            else "HSTU's target mask" if mask.hstu else "query padding" if mask.q_lengths is not None else None)
+            else "HSTU's target mask" if mask.hstu else "query padding" if mask.q_lengths is not None
+            else "query padding read from data" if mask.query_vector is not None else None)
     if what is not None:
         raise Unproven(f"a finite fill ({mask.fill:g}) with {what}: rows that see no valid key average the padding "
                        "in eager and are 0 in the kernel (fill with -inf or use a bool mask)")

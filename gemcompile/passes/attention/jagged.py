@@ -5,7 +5,9 @@ whose mask keeps exactly the scores with key index < kv_lengths[b] (and, where p
 q_lengths[b] and key <= query); blocks, windows and HSTU masks are other families' or refused here.
 
 Key padding may also be read from data (a per-key vector: ``x > 0``, ``attention_mask``, left padding):
-the kernel then takes it as a (B, Lk) kv_mask built in the graph from the same tensors.
+the kernel then takes it as a (B, Lk) kv_mask built in the graph from the same tensors. Query padding read
+from data (``valid[b, i]`` in a pairwise ``valid[:, :, None] & valid[:, None, :]``) is a (B, Lq) row vector:
+its rows see no key, and the output is zeroed there after the kernel (family.zero_query_rows).
 
 Query rows the model zeroes after the attention (``o * valid[..., None]``, ``where``, ``masked_fill``, after
 merge_heads / out_proj too; masks/rows.py proves every use goes through the zeroing) become the kernel's
@@ -33,6 +35,7 @@ from gemcompile.passes.attention.family import (
     key_mask_operand,
     lengths_operand,
     summed_bias,
+    zero_query_rows,
 )
 from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact
 from gemcompile.passes.attention.kernels import HEAD_DIMS
@@ -49,6 +52,7 @@ class JaggedAttention(AttentionFamily):
     name = "jagged_attention"
     config_section = "jagged_attention"
     masks_served = JAGGED_MASKS
+    serves_query_vector = True
 
     def refusal(self, error: Unclassified) -> Unproven:
         return length_refusal(error)
@@ -83,7 +87,7 @@ class JaggedAttention(AttentionFamily):
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
         out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, extra)
-        return out, detail
+        return zero_query_rows(emit, mask, out), detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)

@@ -118,6 +118,9 @@ class AttentionRewritePass(GemPass):
                 if isinstance(mask, Unproven):
                     raise mask
                 family.accept(site, mask)
+                if mask.query_vector is not None and not family.serves_query_vector:
+                    raise Unproven(f"query padding read from data ({mask.query_vector.text}) is served by the "
+                                   "jagged kernel only")
                 with graph.inserting_before(site.output):
                     for check in mask.checks:
                         check(emit)

@@ -29,7 +29,8 @@ from gemcompile.passes.masks.terms import block_atoms, check_constant_windows, l
 LENGTH_MASKS = "(key index < lengths) [and query index < lengths] [and causal]"
 """The masks classify_length_mask accepts, as its refusals spell them."""
 
-JAGGED_MASKS = "(key index < lengths) [or a key mask read from data] [and query index < lengths] [and causal]"
+JAGGED_MASKS = ("(key index < lengths) [or a key mask read from data] [and query index < lengths] [or a query "
+                "mask read from data] [and causal]")
 """The masks the jagged kernel serves, as its refusals spell them."""
 
 
@@ -77,7 +78,8 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
                 raise Unproven(f"the mask keeps pairs of different blocks (i // {size} != j // {size}): not "
                                "block-diagonal")
     check_constant_windows(evaluator, keep)
-    raise Unclassified(formula, key_padding=bool(keys))
+    # a formula over data says what it is rather than "no key padding"
+    raise Unclassified(formula, key_padding=bool(keys) or _reads_data(evaluator, keep))
 
 
 def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> AttentionMask | None:
@@ -88,9 +90,13 @@ def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> A
         return None
     plain = {kv[2] for kv in keys} | {sympy.Not(kv[2]) for kv in keys}
     vector = [c for c in clauses if is_key_clause(evaluator, c) and c not in plain]
-    if not vector:
+    # clauses over (b, i) that read data: a per-query vector (plain query lengths stay query padding)
+    plain_q = {q[2] for q in queries} | {sympy.Not(q[2]) for q in queries}
+    query = [c for c in clauses if c not in vector and c not in plain_q and _reads_only(evaluator, c, 1)
+             and _reads_data(evaluator, c)]
+    if not vector and not query:
         return None
-    rest = sympy.And(*[c for c in clauses if c not in vector])
+    rest = sympy.And(*[c for c in clauses if c not in vector and c not in query])
     if rest is sympy.true:
         found = AttentionMask()
     else:
@@ -102,8 +108,14 @@ def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> A
             found = _classify_hstu(evaluator, rest, rest_keys, rest_queries)
         if found is None:
             return None
-    formula = sympy.And(*vector)
-    return dataclasses.replace(found, key_vector=KeyVector(formula, evaluator, render(evaluator, formula)))
+    if vector:
+        formula = sympy.And(*vector)
+        found = dataclasses.replace(found, key_vector=KeyVector(formula, evaluator, render(evaluator, formula)))
+    if query:
+        formula = sympy.And(*query)
+        found = dataclasses.replace(found, query_vector=KeyVector(formula, evaluator, render(evaluator, formula),
+                                                                  position=1))
+    return found
 
 
 def _clauses(keep) -> tuple | None:
@@ -116,17 +128,32 @@ def _clauses(keep) -> tuple | None:
 
 def is_key_clause(evaluator: MaskEvaluator, clause) -> bool:
     """Whether every comparison of the clause reads only the sample b and the key position j."""
-    b, j = index_symbol(3), index_symbol(0)
+    return _reads_only(evaluator, clause, 0)
+
+
+def _reads_only(evaluator: MaskEvaluator, clause, position: int) -> bool:
+    """Whether every comparison of the clause reads only the sample b and index ``position`` (0: j, 1: i)."""
+    allowed = {index_symbol(3), index_symbol(position)}
     indices = {index_symbol(k) for k in range(4)}
     for atom in clause.free_symbols:
         _, e = evaluator.atoms.expr_of[atom]
-        if not (e.free_symbols & indices) <= {b, j}:
+        if not (e.free_symbols & indices) <= allowed:
             return False
     return True
 
 
+def _reads_data(evaluator: MaskEvaluator, clause) -> bool:
+    """Whether a comparison of the clause reads a tensor the evaluator took as data."""
+    for atom in clause.free_symbols:
+        _, e = evaluator.atoms.expr_of[atom]
+        if any(evaluator.data_function(f) is not None for f in e.atoms(sympy.Function)):
+            return True
+    return False
+
+
 def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
-    """A mask read from data must be a per-key vector (b, j): Unproven, naming the tensor, otherwise."""
+    """A mask read from data must be a per-key (b, j) or a per-query (b, i) vector: Unproven, naming the tensor,
+    otherwise."""
     b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
     for _, e in comparisons:
         reads = [(f, evaluator.data_function(f)) for f in e.atoms(sympy.Function)]
@@ -140,10 +167,7 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
         if {i, j} <= where:
             raise Unproven(f"the mask reads {names}{why} as data at both the query and the key position: only a "
                            "per-key vector (b, j) read from data is served")
-        if i in where:
-            raise Unproven(f"the mask reads {names}{why} as data per query row: only a per-key vector (b, j) "
-                           "read from data is served")
-        if not where <= {b, j}:
+        if not (where <= {b, j} or where <= {b, i}):
             raise Unproven(f"the mask reads {names}{why} as data at positions other than (b, j)")
 
 
@@ -172,6 +196,8 @@ def require_lengths(mask: AttentionMask) -> AttentionMask:
     """``mask`` when it is key padding by lengths [and query padding] [and causal]; Unproven otherwise."""
     if mask.key_vector is not None:
         raise Unproven(f"the key padding is read from data ({mask.key_vector.text}), not from lengths")
+    if mask.query_vector is not None:
+        raise Unproven(f"the query padding is read from data ({mask.query_vector.text}), not from lengths")
     if mask == AttentionMask():
         raise Unproven("the mask keeps every score: nothing to skip")
     if mask.kv_lengths is None:
@@ -186,7 +212,8 @@ def require_padding_or_causal(mask: AttentionMask) -> AttentionMask:
     causal alone (the kernel skips the upper triangle); Unproven otherwise."""
     if mask.structured:
         raise Unproven(f"the mask is not {JAGGED_MASKS}: it is {mask.formula}")
-    if mask.kv_lengths is not None or mask.key_vector is not None or (mask.causal and mask.q_lengths is None):
+    if (mask.kv_lengths is not None or mask.key_vector is not None or mask.query_vector is not None
+            or (mask.causal and mask.q_lengths is None)):
         return mask
     if mask == AttentionMask():
         raise Unproven("the mask keeps every score: nothing to skip")

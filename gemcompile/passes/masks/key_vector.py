@@ -24,10 +24,12 @@ from gemcompile.passes.masks.model import KeyVector
 class _Builder:
     """sympy -> graph nodes of shape (B or 1, Lk or 1), broadcasting like the formula's indices."""
 
-    def __init__(self, emit: Emitter, evaluator: MaskEvaluator, batch, keys, device: torch.device):
+    def __init__(self, emit: Emitter, evaluator: MaskEvaluator, batch, keys, device: torch.device,
+                 position: int = 0):
         self.emit, self.evaluator, self.device = emit, evaluator, device
         self.batch, self.keys = batch, keys
-        self.b, self.j = index_symbol(3), index_symbol(0)
+        # the token index the vector reads: j for a key vector, i for a query vector (KeyVector.position)
+        self.b, self.j = index_symbol(3), index_symbol(position)
         self._positions: dict[sympy.Symbol, fx.Node] = {}
 
     def position(self, symbol: sympy.Symbol) -> fx.Node:
@@ -111,8 +113,9 @@ class _Builder:
 
 def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> fx.Node:
     """The (B, Lk) bool kv_mask of ``vector`` for keys ``k`` (B, H, Lk, D); ``batch`` and ``keys`` are the
-    sizes (ints, or sym_size nodes when dynamic)."""
-    builder = _Builder(emit, vector.evaluator, batch, keys, example_value(k).device)
+    sizes (ints, or sym_size nodes when dynamic). A query vector (position 1) gives the (B, Lq) rows kept
+    for queries ``k`` (B, H, Lq, D) the same way."""
+    builder = _Builder(emit, vector.evaluator, batch, keys, example_value(k).device, vector.position)
     mask = builder.formula(vector.formula)
     if isinstance(mask, bool):
         raise Unproven("the key mask is constant")

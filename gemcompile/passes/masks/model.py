@@ -26,14 +26,17 @@ import torch.fx as fx
 @dataclass(frozen=True)
 class KeyVector:
     """A per-key condition over (b, j) only, with data and lengths in it (masks/key_vector.py builds the
-    tensor): x[b, j] > 0, attention_mask[b, j] == 1, j >= L - lengths[b] (left padding), ..."""
+    tensor): x[b, j] > 0, attention_mask[b, j] == 1, j >= L - lengths[b] (left padding), ...; or, as an
+    AttentionMask's query_vector, the same over (b, i) (``position`` says which)."""
 
     formula: Any = field(compare=False)
     """The sympy formula over the evaluator's propositions."""
     evaluator: Any = field(compare=False)
     """The MaskEvaluator the formula's propositions belong to."""
     text: str = ""
-    """The formula spelled over b and j, for explain."""
+    """The formula spelled over b and j (or i), for explain."""
+    position: int = 0
+    """The index symbol the formula reads besides b: 0 (j, keys) or 1 (i, queries)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class AttentionMask:
     key_vector: KeyVector | None = None
     """Key padding read from data: key j of sample b is kept iff this (b, j) formula holds (and-ed with the
     rest); the families pass it to the kernels as a (B, Lk) bool kv_mask."""
+    query_vector: KeyVector | None = None
+    """Query padding read from data: query i of sample b is kept iff this (b, i) formula holds (its clauses
+    read i and data: ``valid[b, i]`` of a pairwise ``valid[:, :, None] & valid[:, None, :]``). A row it drops
+    sees no key; the jagged family computes it and zeroes it (``serves_query_vector``)."""
     fill: float | None = field(default=None, compare=False)
     """The one finite value a softmax mask drops scores with (-1e9, finfo.min...); None: -inf or a bool
     mask. attention/finite_fill.py keeps a finite fill exact (rows that see no valid key, large scores)."""
@@ -84,6 +91,8 @@ class AttentionMask:
             parts.append(f"keys where {self.key_vector.text}")
         if self.q_lengths is not None:
             parts.append(f"queries i < {self.q_lengths.name}[b]" + (f" + {self.q_offset}" if self.q_offset else ""))
+        if self.query_vector is not None:
+            parts.append(f"queries where {self.query_vector.text}")
         if self.block is not None:
             parts.append(f"blocks i // {self.block} == j // {self.block}")
         if self.causal:
