@@ -112,13 +112,19 @@ class _Builder:
 def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> fx.Node:
     """The (B, Lk) bool kv_mask of ``vector`` for keys ``k`` (B, H, Lk, D); ``batch`` and ``keys`` are the
     sizes (ints, or sym_size nodes when dynamic)."""
-    builder = _Builder(emit, vector.evaluator, batch, keys, example_value(k).device)
+    return emit_token_vector(emit, vector, batch, keys, example_value(k).device, "the attention")
+
+
+def emit_token_vector(emit: Emitter, vector: KeyVector, batch, keys, device: torch.device,
+                      user: str) -> fx.Node:
+    """The (batch, keys) bool tensor of ``vector`` on ``device`` (where ``user``, named in refusals, runs):
+    a kv_mask, or the valid tokens unpad packs."""
+    builder = _Builder(emit, vector.evaluator, batch, keys, device)
     mask = builder.formula(vector.formula)
     if isinstance(mask, bool):
         raise Unproven("the key mask is constant")
     if example_value(mask).dtype != torch.bool:
         mask = emit.call(torch.ne, (mask, 0))
-    if example_value(mask).device != example_value(k).device:
-        raise Unproven(f"the key mask is on {example_value(mask).device}, the attention on "
-                       f"{example_value(k).device}")
+    if example_value(mask).device != device:
+        raise Unproven(f"the key mask is on {example_value(mask).device}, {user} on {device}")
     return emit.call(torch.Tensor.expand, (mask, batch, keys))
