@@ -60,10 +60,11 @@ from gemcompile.passes.token_wise import (
     shape_of,
     zero_preserving,
 )
-from gemcompile.passes.unpad_masks import RowMask, find_row_masks, keys_within, vector_leaves
+from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
-# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b].
+# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
+# where kv_mask[b, j], when the op has one).
 ATTENTION_ARGS: dict[str, dict[str, int | None]] = {
     "block_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": None, "kv_lengths": 3},
     "gdpa": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
@@ -92,14 +93,19 @@ def _attention_name(node: fx.Node) -> str | None:
     return None
 
 
-def _attention_through_views(node: fx.Node, depth: int = 4) -> fx.Node | None:
-    """The attention op ``node`` feeds through views (head split, transposes), if any: for explain."""
-    if _attention_name(node) is not None:
-        return node
-    if depth == 0 or target_name(node) not in ("transpose", "unflatten", "flatten", "getitem", "permute", "view",
-                                               "reshape"):
+_VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
+
+
+def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The attention op whose keys or values ``node`` is, read by ``user`` through views (head split,
+    transposes), if any: for explain."""
+    name = _attention_name(user)
+    if name is not None:
+        spec = ATTENTION_ARGS[name]
+        return user if any(len(user.args) > spec[r] and user.args[spec[r]] is node for r in ("k", "v")) else None
+    if depth == 0 or target_name(user) not in _VIEWS:
         return None
-    return next(filter(None, (_attention_through_views(u, depth - 1) for u in node.users)), None)
+    return next(filter(None, (_keys_of(u, user, depth - 1) for u in user.users)), None)
 
 
 def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
@@ -232,9 +238,10 @@ class PadAnalysis:
             if found is not None and not self.mask.same(found):
                 return (f"; it zeroes them where {found.condition()}, the region packs the tokens where "
                         f"{self.mask.condition()}")
-        attention = _attention_through_views(user)
+        attention = _keys_of(user, node)
         if self.mask.vector is not None and attention is not None:
-            return f"; {attention.name} reads keys not provably among the tokens where {self.mask.condition()}"
+            return (f"; {attention.name} reads keys not provably among the tokens where "
+                    f"{self.mask.condition()}")
         return ""
 
 
@@ -335,7 +342,7 @@ class UnpadPass(GemPass):
     def _rewrite(self, graph: fx.Graph, region: Region, gemms: list[fx.Node],
                  masks: dict[fx.Node, RowMask], emit: Emitter) -> None:
         mask = region.mask
-        for node in region.nodes:  # an earlier region's exits may feed this one now: its rules, as they are now
+        for node in region.nodes:  # an earlier region's exits may feed this one now: its rules as they are
             region.rules[node] = classify(node, mask.batch, mask.seq)
             if region.rules[node] is None:
                 raise Unproven(f"{node.name} is no longer token-wise after an earlier region was packed")
@@ -345,14 +352,17 @@ class UnpadPass(GemPass):
             raise Unproven(f"the lengths {mask.lengths.name} are computed after the region starts")
         for source in [] if mask.vector is None else vector_leaves(mask.vector):
             if order[source] > order[first]:  # (the vector is rebuilt before the region from what it reads)
-                raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, computed after the "
-                               "region starts")
+                raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, computed after "
+                               "the region starts")
+            if changed_in_place(source):
+                raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, which the model "
+                               "changes in place")
         seq = mask.seq
         if not isinstance(seq, int):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
-        index_key = (mask.lengths, mask.offset, seq) if mask.vector is None else ("vector", mask.vector_id, seq)
+        index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
         if shared is not None and order[shared[0]] < order[first]:  # (regions come in graph order)
             index, batch_index, seq_index = shared[-3:]
@@ -426,9 +436,13 @@ class UnpadPass(GemPass):
     def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
         """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
         from the tensors it reads (valid_mask_index)."""
-        hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) if isinstance(mask.batch, int) else 0
+        hint = 0
+        if isinstance(mask.batch, int):  # Inductor's guess of T
+            hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill))
         if mask.vector is None:
-            lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
+            lengths = mask.lengths
+            if mask.offset != 0:
+                lengths = emit.call(operator.add, (lengths, mask.offset))
             return emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
         valid = emit_token_vector(emit, mask.vector, mask.batch, seq, device, "the packed region")
         return emit.call(torch.ops.gemcompile.valid_mask_index.default, (valid, hint))

@@ -63,6 +63,10 @@ class RowMask:
             return other.vector is not None and other.vector_id == self.vector_id
         return other.vector is None and other.lengths is self.lengths and other.offset == self.offset
 
+    def index_key(self) -> tuple:
+        """What regions packed by one valid-token index share: the lengths and offset, or the vector's id."""
+        return (self.lengths, self.offset) if self.vector is None else ("vector", self.vector_id)
+
     def describe(self) -> str:
         """What explain calls the rows: the lengths' name, or where the token vector holds."""
         return self.lengths.name if self.vector is None else f"the tokens where {self.vector.text}"
@@ -100,7 +104,8 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
     return found, _near_misses(graph, found, why_not)
 
 
-def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple, vectors: list[RowMask]) -> RowMask | None:
+def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
+              vectors: list[RowMask]) -> RowMask | None:
     """The row mask ``node`` (B, N, 1...) is, None when it keeps every token or none; Unproven when the
     prover reads it only under a run-time check."""
     rank = len(shape)
@@ -162,9 +167,9 @@ def _near_misses(graph: fx.Graph, found: dict[fx.Node, RowMask], why_not: dict[f
             extra = [d for d in range(2, len(ms)) if not same_size(ms[d], 1)]
             broadcast = [d for d in range(2, len(ms)) if same_size(ms[d], 1) and not same_size(xs[d], 1)]
             if extra and broadcast:
-                misses.append((node, f"{x.name} is multiplied by {m.name} of shape {tuple(ms)}: a mask per "
-                                     f"token and dim {extra[0]} (per head or feature), not a per-token vector "
-                                     "(B, N, 1...): its rows are not packed by it"))
+                misses.append((node, f"{x.name} is multiplied by {m.name} of shape {tuple(ms)}: a mask that "
+                                     f"differs along dim {extra[0]} too (per head or per feature), not a "
+                                     "per-token vector (B, N, 1...): nothing is packed by it"))
                 break
     return misses
 
@@ -174,8 +179,19 @@ def vector_leaves(vector: KeyVector) -> list[fx.Node]:
     evaluator = vector.evaluator
     names = {f.func.__name__ for a in vector.formula.free_symbols
              for f in evaluator.atoms.expr_of[a][1].atoms(sympy.Function)}
-    nodes = [evaluator.data[n].node if n in evaluator.data else evaluator.leaves.get(n) for n in sorted(names)]
-    return [n for n in nodes if n is not None]
+    nodes = [evaluator.data[n].node if n in evaluator.data else evaluator.leaves.get(n) for n in names]
+    return sorted({n for n in nodes if n is not None}, key=lambda n: n.name)
+
+
+def changed_in_place(node: fx.Node) -> bool:
+    """Whether the graph writes into ``node`` (``x.clamp_()``, ``x[i] = v``): a vector rebuilt from it at
+    another place in the graph could then read other values than the model's mask did."""
+    for user in node.users:
+        name = target_name(user)
+        if user.args and user.args[0] is node and (name == "setitem" or (name.endswith("_") and
+                                                                          not name.endswith("__"))):
+            return True
+    return False
 
 
 def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool:
@@ -185,9 +201,9 @@ def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool:
     kv_mask = schema_arguments(op).get("kv_mask")
     parts = []
     try:
-        if isinstance(kv_mask, fx.Node):
-            parts.append(keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(kv_mask), {1: 3, 0: 0}, 4),
-                                        "bool"))
+        if isinstance(kv_mask, fx.Node):  # (B, Lk): its dims are the sample and the token
+            keys = evaluator.relabel(evaluator.tensor(kv_mask), {1: 3, 0: 0}, 4)
+            parts.append(keep_predicate(evaluator, keys, "bool"))
         if isinstance(kv_lengths, fx.Node):
             lengths = evaluator.relabel(evaluator.tensor(kv_lengths), {0: 3}, 4)
             if not hasattr(lengths, "expr"):

@@ -108,8 +108,8 @@ class JaggedAttention(AttentionFamily):
             if n == 1:
                 out.append((sources[i], proj))
             elif batch_first:  # slices of the last dim: token-wise, so unpad packs through them
-                out += [(sources[i], emit.call(operator.getitem, (proj, (Ellipsis, slice(p * embed, (p + 1) * embed)))))
-                        for p in range(n)]
+                parts = [(Ellipsis, slice(p * embed, (p + 1) * embed)) for p in range(n)]
+                out += [(sources[i], emit.call(operator.getitem, (proj, part))) for part in parts]
             else:
                 chunks = emit.call(torch.chunk, (proj, n, -1))
                 out += [(sources[i], emit.call(operator.getitem, (chunks, p))) for p in range(n)]
@@ -124,11 +124,13 @@ class JaggedAttention(AttentionFamily):
         users = list(node.users)
         before = describe_nodes([node])
         batch_first = _batch_first_sources(site)
+        out_bias = a["out_proj_bias"]
         with emit.graph.inserting_before(node):
             heads_view = []
             sources = batch_first or (site.q, site.k, site.v)
-            for src, proj in self._in_projections(emit, sources, a["in_proj_weight"], a["in_proj_bias"], embed,
-                                                  batch_first is not None):
+            projections = self._in_projections(emit, sources, a["in_proj_weight"], a["in_proj_bias"], embed,
+                                               batch_first is not None)
+            for src, proj in projections:
                 if batch_first is not None:  # (B, L, E) -> (B, H, L, Dh)
                     split = emit.call(torch.unflatten, (proj, -1, (heads, embed // heads)))
                     heads_view.append(emit.call(torch.transpose, (split, 1, 2)))
@@ -139,13 +141,13 @@ class JaggedAttention(AttentionFamily):
             out, detail = self.emit(emit, site, mask, *heads_view)
             if batch_first is not None:  # (B, H, L, Dh) -> (B, L, E), projected; MHA's (L, B, E) a view of it
                 merged = emit.call(torch.flatten, (emit.call(torch.transpose, (out, 1, 2)), 2))
-                rows = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], a["out_proj_bias"]))
+                rows = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))
                 result = emit.call(torch.transpose, (rows, 0, 1))
             else:
                 length, batch = example_value(site.q).shape[:2]
                 merged = emit.call(torch.permute, (out, (2, 0, 1, 3)))  # (L, B, H, Dh)
                 merged = emit.call(torch.reshape, (merged, (length, batch, embed)))
-                result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], a["out_proj_bias"]))
+                result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))
         for user in users:
             if user.target is operator.getitem:
                 if user.args[1] == 0:
@@ -159,7 +161,9 @@ class JaggedAttention(AttentionFamily):
 def _swaps_first_dims(node: fx.Node) -> bool:
     """Whether ``node`` is x.transpose(0, 1) (or (1, 0)) of a 3-D x."""
     value = example_value(node)
-    if target_name(node) != "transpose" or len(node.args) != 3 or node.kwargs or not isinstance(value, torch.Tensor):
+    if target_name(node) != "transpose" or len(node.args) != 3 or node.kwargs:
+        return False
+    if not isinstance(value, torch.Tensor):
         return False
     return value.dim() == 3 and all(isinstance(d, int) for d in node.args[1:]) and \
         sorted(d % 3 for d in node.args[1:]) == [0, 1]

@@ -6,6 +6,7 @@ writes the graph nodes that compute it, from the very tensors the model's mask w
 kernels see the same keys the eager mask keeps, for any values (holes included), with no host sync and
 no recompile when the values change. ``emit_zero_one_checks`` adds the device-side check of each integer
 mask the evaluator read as 0/1 (a value outside {0, 1} would make the eager mask something else).
+The unpad pass builds the valid tokens it packs by the same way (``emit_token_vector``).
 """
 
 from __future__ import annotations
