@@ -1,4 +1,5 @@
-"""gemcompile::valid_token_index: where the valid tokens of a padded batch are, as flat row indices.
+"""gemcompile::valid_token_index and gemcompile::valid_mask_index: where the valid tokens of a padded batch
+are, as flat row indices.
 
 The unpad pass packs a token-wise region of a padded model: ``packed = x[index // N, index % N]`` and
 back ``zeros(B, N, ...).index_put((index // N, index % N), packed)``. ``index`` lists the positions
@@ -8,6 +9,10 @@ Its length T = sum(clamp(lengths, 0, N)) changes with every batch. Under torch.c
 SymInt (the fake implementation allocates one), so one compiled graph serves every T with no recompile:
 Inductor sizes the packed kernels at run time. The price is one device-to-host read of T per call (the
 index's size must be known to allocate it), the same as ``torch.nonzero``.
+
+``valid_mask_index`` is the same index for tokens marked by a (B, N) boolean vector instead of lengths
+(``ids != 0``, an attention_mask, left padding, holes): the positions where the vector holds, row-major,
+with the same unbacked size T = valid.sum().
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import Tensor
 from .common.opkit import LIB
 
 LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
+LIB.define("valid_mask_index(Tensor valid, int size_hint=0) -> Tensor")
 
 
 def _check(lengths: Tensor, max_len) -> None:
@@ -41,6 +47,23 @@ def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Ten
     return valid_token_index_reference(lengths, max_len)
 
 
+def _check_mask(valid: Tensor) -> None:
+    if valid.dim() != 2 or valid.dtype != torch.bool:
+        raise ValueError(f"valid_mask_index: valid must be a (B, N) bool tensor, got {valid.dtype} of shape "
+                         f"{tuple(valid.shape)}")
+
+
+def valid_mask_index_reference(valid: Tensor) -> Tensor:
+    """int64 (T,) flat positions b * N + n where valid[b, n], in row-major order."""
+    _check_mask(valid)
+    return valid.flatten().nonzero().squeeze(1)
+
+
+@torch.library.impl(LIB, "valid_mask_index", "CompositeExplicitAutograd")
+def _valid_mask_index(valid: Tensor, size_hint: int = 0) -> Tensor:
+    return valid_mask_index_reference(valid)
+
+
 def inductor_reads_unbacked_hints() -> bool:
     from torch._inductor.sizevars import SizeVarAllocator
 
@@ -50,12 +73,28 @@ def inductor_reads_unbacked_hints() -> bool:
 @torch.library.register_fake("gemcompile::valid_token_index")
 def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Tensor:
     from torch._subclasses.fake_tensor import is_fake
-    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
     _check(lengths, max_len)
     if not is_fake(lengths):
         # plain meta tensors hold no lengths: a shape-only run (explain on the meta device) sees every row
         return lengths.new_empty((lengths.shape[0] * max_len,), dtype=torch.int64)
+    return _data_dependent_index(lengths, lengths.shape[0] * max_len, size_hint)
+
+
+@torch.library.register_fake("gemcompile::valid_mask_index")
+def _valid_mask_index_fake(valid: Tensor, size_hint: int = 0) -> Tensor:
+    from torch._subclasses.fake_tensor import is_fake
+
+    _check_mask(valid)
+    if not is_fake(valid):  # a meta vector holds no values: every row (as valid_token_index on meta)
+        return valid.new_empty((valid.numel(),), dtype=torch.int64)
+    return _data_dependent_index(valid, valid.shape[0] * valid.shape[1], size_hint)
+
+
+def _data_dependent_index(like: Tensor, bound, size_hint: int) -> Tensor:
+    """An int64 (T,) tensor with T a new unbacked SymInt in [0, bound], hinted ``size_hint``."""
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
     ctx = torch.library.get_ctx()
     # ctx.new_dynamic_size() insists on the shape env's capture_dynamic_output_shape_ops flag, which Dynamo
     # leaves off by default; the size is data-dependent either way, so allocate the unbacked SymInt directly.
@@ -63,7 +102,6 @@ def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Ten
     if shape_env is None:
         raise RuntimeError("valid_token_index needs a shape environment to trace (its size depends on the data)")
     count = shape_env.create_unbacked_symint()
-    bound = lengths.shape[0] * max_len
     _constrain_range_for_size(count, min=0, max=bound if isinstance(bound, int) else None)
     # Without a hint Inductor will not split a reduction over the packed rows (a bias or norm-weight
     # gradient sums T rows): one program per column walks all T, ~4x slower on the H200. The hint only
@@ -72,7 +110,7 @@ def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Ten
     overrides = getattr(shape_env, "var_to_hint_override", None)
     if size_hint > 0 and isinstance(overrides, dict) and inductor_reads_unbacked_hints():
         overrides[count.node.expr] = size_hint
-    return lengths.new_empty((count,), dtype=torch.int64)
+    return like.new_empty((count,), dtype=torch.int64)
 
 
 def valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
@@ -80,3 +118,8 @@ def valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tens
 
     ``size_hint`` is the expected T, for compilers only (Inductor sizes reductions over T with it)."""
     return torch.ops.gemcompile.valid_token_index(lengths, max_len, size_hint)
+
+
+def valid_mask_index(valid: Tensor, size_hint: int = 0) -> Tensor:
+    """Flat row-major positions (int64, (T,)) of the tokens where the (B, N) bool ``valid`` holds."""
+    return torch.ops.gemcompile.valid_mask_index(valid, size_hint)

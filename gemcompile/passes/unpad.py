@@ -1,11 +1,13 @@
 """UnpadPass: run the token-wise region of a padded sequence on packed tokens, so GEMMs skip padding.
 
 A padded model computes its projections, norms and token FFNs on B x N rows, a (1 - fill) share of them
-padding. This pass finds, for each length mask ``arange(N) < lengths[:, None]``, the connected region
-of token-wise ops over its (B, N) rows (token_wise.py has the table) and rewrites the region onto the
+padding. This pass finds, for each row mask (unpad_masks.py: a length mask ``arange(N) < lengths[:, None]``,
+or any per-token vector read from data, ``ids != 0``, an attention_mask, left padding, holes), the connected
+region of token-wise ops over its (B, N) rows (token_wise.py has the table) and rewrites the region onto the
 packed (T, ...) layout:
 
     index = gemcompile.valid_token_index(lengths, N)      # (T,), T = valid tokens, data-dependent
+          | gemcompile.valid_mask_index(valid)            # (the vector rebuilt from the tensors it reads)
     b, n = index // N, index % N
     entry:  x_packed = x[b, n]                            # one gather per tensor entering the region
     inside: the same ops on (T, ...) rows
@@ -17,8 +19,10 @@ therefore allowed only where that cannot change the answer, proven by one of two
 - *pad-zero*: the value is zero at every padded row in the eager model too (a product with the mask,
   sums of such values, a bias-free linear or a zero-preserving activation of one);
 - *pad-blind*: every reader ignores the padded rows (a product with the mask; the keys and values of
-  a gemcompile attention op with these lengths; a token-wise op or attention query whose own result
-  is pad-blind, through views and transposes).
+  a gemcompile attention op with these lengths, or whose kv_mask provably keeps only valid tokens of this
+  vector; a token-wise op or attention query whose own result is pad-blind, through views and transposes).
+"The mask" is always the region's own: a product with another vector (one the prover cannot show equal)
+makes nothing harmless, so zeroing with one vector never excuses packing by another.
 A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.
 Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
 zeros there instead (the convention the attention rewrites follow for fully masked rows).
@@ -26,8 +30,8 @@ zeros there instead (the convention the attention rewrites follow for fully mask
 T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
 so one compiled graph serves every batch (no recompiles, no capacity to overflow, no rows wasted on a
 bucket's slack). The price is one device-to-host read of T per region per step, measured in the
-unpad benchmark. A capacity would need T on the host just the same (to pick the bucket) and would
-recompile once per bucket.
+unpad benchmark (a token vector's T is read once per step for every region it packs). A capacity would
+need T on the host just the same (to pick the bucket) and would recompile once per bucket.
 """
 
 from __future__ import annotations
@@ -45,8 +49,7 @@ from torch.utils._pytree import tree_map
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
-from gemcompile.passes.masks.classify import classify_length_mask
-from gemcompile.passes.masks.evaluator import MaskEvaluator, keep_predicate
+from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.records import input_path
 from gemcompile.passes.token_wise import (
     ELEMENTWISE,
@@ -57,9 +60,11 @@ from gemcompile.passes.token_wise import (
     shape_of,
     zero_preserving,
 )
+from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
-# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b].
+# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
+# where kv_mask[b, j], when the op has one).
 ATTENTION_ARGS: dict[str, dict[str, int | None]] = {
     "block_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": None, "kv_lengths": 3},
     "gdpa": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
@@ -67,21 +72,6 @@ ATTENTION_ARGS: dict[str, dict[str, int | None]] = {
 }
 ATTENTION_ROWS = (0, 2)
 """(B, H, N, D): the batch and sequence dims of an attention op's q, k, v and output."""
-
-
-@dataclass(frozen=True)
-class RowMask:
-    """(The mask a region packs by; masks.model.AttentionMask is the attention-score mask.)
-    valid[b, n] = n < lengths[b] + offset over (batch, seq) rows."""
-
-    lengths: fx.Node
-    offset: int
-    batch: Any
-    seq: Any
-
-    def same(self, other: RowMask | None) -> bool:
-        return (other is not None and other.lengths is self.lengths and other.offset == self.offset
-                and same_size(other.batch, self.batch) and same_size(other.seq, self.seq))
 
 
 @dataclass
@@ -101,6 +91,21 @@ def _attention_name(node: fx.Node) -> str | None:
         name = target.overloadpacket.__name__
         return name if name in ATTENTION_ARGS else None
     return None
+
+
+_VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
+
+
+def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The attention op whose keys or values ``node`` is, read by ``user`` through views (head split,
+    transposes), if any: for explain."""
+    name = _attention_name(user)
+    if name is not None:
+        spec = ATTENTION_ARGS[name]
+        return user if any(len(user.args) > spec[r] and user.args[spec[r]] is node for r in ("k", "v")) else None
+    if depth == 0 or target_name(user) not in _VIEWS:
+        return None
+    return next(filter(None, (_keys_of(u, user, depth - 1) for u in user.users)), None)
 
 
 def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
@@ -211,14 +216,33 @@ class PadAnalysis:
                 if not self.blind(user, ATTENTION_ROWS):
                     return False
                 continue
-            index = spec["kv_lengths"]
-            found = _lengths_arg_mask(user.args[index], shape[2]) if index is not None and \
-                len(user.args) > index else None
-            if found is None or found[0] is not self.mask.lengths or found[1] != self.mask.offset:
-                return False
             if not (same_size(shape[0], self.mask.batch) and same_size(shape[2], self.mask.seq)):
                 return False
+            index = spec["kv_lengths"]
+            kv_lengths = user.args[index] if index is not None and len(user.args) > index else None
+            if self.mask.vector is not None:
+                if not keys_within(self.mask, user, kv_lengths):
+                    return False
+                continue
+            found = _lengths_arg_mask(kv_lengths, shape[2])
+            if found is None or found[0] is not self.mask.lengths or found[1] != self.mask.offset:
+                return False
         return True
+
+    def other_mask(self, user: fx.Node, node: fx.Node) -> str:
+        """Why a reader that zeroes or reads rows by a mask does not excuse this region's padding ('' if
+        it does not), for explain."""
+        if target_name(user) == "mul" and len(user.args) == 2:
+            other = next((a for a in user.args if a is not node), None)
+            found = self.masks.get(other) if isinstance(other, fx.Node) else None
+            if found is not None and not self.mask.same(found):
+                return (f"; it zeroes them where {found.condition()}, the region packs the tokens where "
+                        f"{self.mask.condition()}")
+        attention = _keys_of(user, node)
+        if self.mask.vector is not None and attention is not None:
+            return (f"; {attention.name} reads keys not provably among the tokens where "
+                    f"{self.mask.condition()}")
+        return ""
 
 
 class UnpadPass(GemPass):
@@ -227,35 +251,12 @@ class UnpadPass(GemPass):
     config_section = "unpad"
 
     # -- finding --------------------------------------------------------------------------------
-    def length_masks(self, graph: fx.Graph) -> dict[fx.Node, RowMask]:
-        """Every boolean (B, N, 1...) node proven to be ``n < lengths[b] + offset``."""
-        found: dict[fx.Node, RowMask] = {}
-        evaluator = MaskEvaluator()
-        for node in graph.nodes:
-            value = example_value(node)
-            if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
-                continue
-            if value.dtype != torch.bool or value.dim() < 2:
-                continue
-            shape = tuple(value.shape)
-            if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
-                continue
-            rank = len(shape)
-            mapping = {rank - 1: 3, rank - 2: 0, **{k: None for k in range(rank - 2)}}
-            try:
-                keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4), "bool")
-                lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
-            except Unproven:
-                continue
-            if lm.q_lengths is None and not lm.causal:
-                found[node] = RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1])
-        return found
-
     def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask]) -> list[Region]:
         claimed: set[fx.Node] = set()
         regions: list[Region] = []
         distinct: list[RowMask] = []
-        for m in masks.values():
+        # lengths first: a region claims its nodes, and lengths masks are what unpad packed before vectors
+        for m in sorted(masks.values(), key=lambda m: m.vector is not None):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
         for mask in distinct:
@@ -298,6 +299,7 @@ class UnpadPass(GemPass):
             region.stays_padded[node] = (
                 f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
                 f"({target_name(user) if user.op != 'output' else 'the graph output'}) reads them"
+                f"{analysis.other_mask(user, node)}"
             )
             region.nodes = [n for n in region.nodes if n is not node]
 
@@ -310,20 +312,23 @@ class UnpadPass(GemPass):
 
     # -- rewriting --------------------------------------------------------------------------------
     def run(self, graph: fx.Graph) -> None:
-        masks = self.length_masks(graph)
+        masks, near_misses = find_row_masks(graph)
+        for node, reason in near_misses:
+            self.refused(node, reason)
         if not masks:
             return
-        # (lengths, offset, padded length) -> the index nodes of a region already packed: every region over
-        # the same rows reuses them (one valid_token_index, i.e. one host read of T, per lengths per step)
+        # (lengths, offset, padded length) or the token vector's id -> the index nodes of a region already
+        # packed: every region over the same rows reuses them (one valid_token_index or valid_mask_index,
+        # i.e. one host read of T, per lengths or vector per step)
         self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for reason in region.stays_padded.values():
-                self.refused(region.mask.lengths, reason)
+                self.refused(region.mask.node, reason)
             if not gemms:
                 continue  # a product with a mask and nothing else: nothing for packing to skip
             if len(gemms) < self.options.min_gemms:
-                self.refused(region.nodes[0], f"a token-wise region over {region.mask.lengths.name} with "
+                self.refused(region.nodes[0], f"a token-wise region over {region.mask.describe()} with "
                              f"{len(gemms)} GEMM(s) (min_gemms={self.options.min_gemms}): packing would cost "
                              "more than it saves")
                 continue
@@ -337,28 +342,36 @@ class UnpadPass(GemPass):
     def _rewrite(self, graph: fx.Graph, region: Region, gemms: list[fx.Node],
                  masks: dict[fx.Node, RowMask], emit: Emitter) -> None:
         mask = region.mask
+        for node in region.nodes:  # an earlier region's exits may feed this one now: its rules as they are
+            region.rules[node] = classify(node, mask.batch, mask.seq)
+            if region.rules[node] is None:
+                raise Unproven(f"{node.name} is no longer token-wise after an earlier region was packed")
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(region.nodes, key=order.__getitem__)
-        if order[mask.lengths] > order[first]:
+        if mask.vector is None and order[mask.lengths] > order[first]:
             raise Unproven(f"the lengths {mask.lengths.name} are computed after the region starts")
+        for source in [] if mask.vector is None else vector_leaves(mask.vector):
+            if order[source] > order[first]:  # (the vector is rebuilt before the region from what it reads)
+                raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, computed after "
+                               "the region starts")
+            if changed_in_place(source):
+                raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, which the model "
+                               "changes in place")
         seq = mask.seq
         if not isinstance(seq, int):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
-        index_key = (mask.lengths, mask.offset, seq)
+        index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
         if shared is not None and order[shared[0]] < order[first]:  # (regions come in graph order)
             index, batch_index, seq_index = shared[-3:]
         else:
             with graph.inserting_before(first):
-                lengths = mask.lengths if mask.offset == 0 else emit.call(operator.add, (mask.lengths, mask.offset))
-                hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill)) \
-                    if isinstance(mask.batch, int) else 0
-                index = emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
+                index = self._index(emit, mask, seq, example_value(first).device)
                 batch_index = emit.call(operator.floordiv, (index, seq))
                 seq_index = emit.call(operator.mod, (index, seq))
-            shared = (*([lengths] if lengths is not mask.lengths else []), index, batch_index, seq_index)
+            shared = (index, batch_index, seq_index)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -404,17 +417,35 @@ class UnpadPass(GemPass):
         for n in region.nodes:
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
         op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
-        detail = (f"region over {mask.lengths.name} rows (B, N) = ({mask.batch}, {mask.seq}): "
+        rows = f"{mask.lengths.name} rows" if mask.vector is None else mask.describe()
+        detail = (f"region over {rows} (B, N) = ({mask.batch}, {mask.seq}): "
                   f"{len(region.nodes)} ops on packed tokens ({op_text}); {len(entries)} gathers in, "
                   f"{n_exits} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
                   f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
         self._indices[index_key] = shared
+        call = f"valid_token_index({mask.lengths.name}, {seq})" if mask.vector is None else \
+            f"valid_mask_index({mask.vector.text})"
         self.rewrote(first, "\n".join(snapshot), (
-            f"index = gemcompile.valid_token_index({mask.lengths.name}, {seq})  # T valid tokens\n"
+            f"index = gemcompile.{call}  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
             f"zeros(B, {seq}, ...).index_put(...) out"), detail,
-            metrics={"lengths": mask.lengths.name, "lengths_input": input_path(mask.lengths), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
+            metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
+                     "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
+
+    def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
+        """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
+        from the tensors it reads (valid_mask_index)."""
+        hint = 0
+        if isinstance(mask.batch, int):  # Inductor's guess of T
+            hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill))
+        if mask.vector is None:
+            lengths = mask.lengths
+            if mask.offset != 0:
+                lengths = emit.call(operator.add, (lengths, mask.offset))
+            return emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
+        valid = emit_token_vector(emit, mask.vector, mask.batch, seq, device, "the packed region")
+        return emit.call(torch.ops.gemcompile.valid_mask_index.default, (valid, hint))
 
     def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
         if a in packed:

@@ -132,7 +132,8 @@ class OffsetMask(nn.Module):
 
 
 class SequenceFirst(nn.Module):
-    """Near-miss: (N, B, D) layout, mask transposed: no (B, N) rows to pack, nothing rewritten."""
+    """(N, B, D) layout, mask transposed: its rows are (N, B) and the mask ``n < lengths[b]`` read over them
+    is a token vector (unpad_masks.py): packed by it, exact."""
 
     def __init__(self):
         super().__init__()
@@ -225,8 +226,10 @@ def test_offset_mask():
     run_and_compare(OffsetMask(), x_only, expected_unpad=1, expected_gemms=3)
 
 
-def test_sequence_first_layout_is_left_alone():
-    run_and_compare(SequenceFirst(), x_only, expected_unpad=0)
+def test_sequence_first_layout_runs_packed_by_the_transposed_mask():
+    report = run_and_compare(SequenceFirst(), x_only, expected_unpad=1, expected_gemms=3)
+    (rewrite,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert "tokens where (b - l_lengths_[n] < 0)" in rewrite.detail
 
 
 def test_min_gemms_and_disabled():

@@ -1,9 +1,10 @@
-"""gemcompile::valid_token_index: the flat positions of the valid tokens, against a plain loop."""
+"""gemcompile::valid_token_index and valid_mask_index: the flat positions of the valid tokens, against a plain
+loop."""
 
 import pytest
 import torch
 
-from gemcompile.lowering.valid_tokens import valid_token_index, valid_token_index_reference
+from gemcompile.lowering.valid_tokens import valid_mask_index, valid_token_index, valid_token_index_reference
 
 
 def loop_reference(lengths: list[int], max_len: int) -> list[int]:
@@ -71,3 +72,48 @@ def test_valid_token_index_on_meta_sees_every_row():
     """Meta tensors carry no lengths (explain on the meta device): the shape-only answer is B * N rows."""
     index = valid_token_index(torch.empty(3, dtype=torch.int64, device="meta"), 5)
     assert index.shape == (15,) and index.device.type == "meta"
+
+
+# -- gemcompile::valid_mask_index: the same positions, for tokens marked by a (B, N) bool vector ----------
+
+@pytest.mark.parametrize("valid", [
+    [[True, False, True, True], [False, False, False, False], [False, True, True, True]],  # holes, left padding
+    [[False] * 3] * 2,  # nothing valid
+    [[True] * 5],
+])
+def test_valid_mask_index_matches_loop(valid):
+    t = torch.tensor(valid)
+    index = valid_mask_index(t)
+    n = t.shape[1]
+    assert index.dtype == torch.int64
+    assert index.tolist() == [b * n + i for b, row in enumerate(valid) for i, v in enumerate(row) if v]
+
+
+def test_valid_mask_index_of_a_length_mask_is_valid_token_index():
+    lengths = torch.tensor([3, 0, 5, 1])
+    assert torch.equal(valid_mask_index(torch.arange(5)[None, :] < lengths[:, None]), valid_token_index(lengths, 5))
+
+
+def test_valid_mask_index_rejects_bad_vectors_and_passes_opcheck():
+    with pytest.raises(ValueError, match="bool"):
+        valid_mask_index(torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\(B, N\)"):
+        valid_mask_index(torch.ones(6, dtype=torch.bool))
+    torch.library.opcheck(torch.ops.gemcompile.valid_mask_index.default, (torch.tensor([[True, False], [True, True]]),),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_valid_mask_index_compiles_with_a_dynamic_size():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def pack(x, ids):
+        index = torch.ops.gemcompile.valid_mask_index(ids != 0)
+        return x[index // x.shape[1], index % x.shape[1]] * 2
+
+    x = torch.randn(3, 5, 2)
+    for ids in (torch.randint(0, 3, (3, 5)), torch.zeros(3, 5, dtype=torch.int64), torch.ones(3, 5, dtype=torch.int64)):
+        assert pack(x, ids).shape == (int((ids != 0).sum()), 2)
+    assert counter.frame_count == 1

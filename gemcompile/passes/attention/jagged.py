@@ -9,6 +9,10 @@ the kernel then takes it as a (B, Lk) kv_mask built in the graph from the same t
 from data (``valid[b, i]`` in a pairwise ``valid[:, :, None] & valid[:, None, :]``) is a (B, Lq) row vector:
 its rows see no key, and the output is zeroed there after the kernel (family.zero_query_rows).
 
+nn.MultiheadAttention(batch_first=True) is rewritten batch first: its in- and out-projections run on the
+(B, L, E) tensors around it (the transposes MHA makes of them are skipped), so they are token-wise over
+(B, L) rows like any Linear and the unpad pass can pack them.
+
 Query rows the model zeroes after the attention (``o * valid[..., None]``, ``where``, ``masked_fill``, after
 merge_heads / out_proj too; masks/rows.py proves every use goes through the zeroing) become the kernel's
 q_lengths when the mask has no query term: the kernel skips them and writes them as 0, which the zeroing
@@ -40,7 +44,7 @@ from gemcompile.passes.attention.family import (
 from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact
 from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite, check_mha
-from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
 from gemcompile.passes.masks.classify import JAGGED_MASKS, Unclassified, length_refusal, require_padding_or_causal
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
@@ -93,10 +97,10 @@ class JaggedAttention(AttentionFamily):
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)
 
     @staticmethod
-    def _in_projections(emit: Emitter, site: AttentionSite, w: fx.Node, b: fx.Node, embed: int):
-        """(source, projection) for q, k, v in MHA's (L, B, E) layout; inputs that are one tensor share one
-        GEMM over their rows of the packed weight, as nn.MultiheadAttention does (self-attention: one)."""
-        sources = (site.q, site.k, site.v)
+    def _in_projections(emit: Emitter, sources: tuple, w: fx.Node, b: fx.Node, embed: int, batch_first: bool):
+        """(source, projection) for q, k, v in MHA's (L, B, E) layout (or (B, L, E) when ``batch_first``);
+        inputs that are one tensor share one GEMM over their rows of the packed weight, as
+        nn.MultiheadAttention does (self-attention: one)."""
         out, i = [], 0
         while i < 3:
             n = 1
@@ -107,6 +111,9 @@ class JaggedAttention(AttentionFamily):
             proj = emit.call(torch.nn.functional.linear, (sources[i], wi, bi))
             if n == 1:
                 out.append((sources[i], proj))
+            elif batch_first:  # slices of the last dim: token-wise, so unpad packs through them
+                parts = [(Ellipsis, slice(p * embed, (p + 1) * embed)) for p in range(n)]
+                out += [(sources[i], emit.call(operator.getitem, (proj, part))) for part in parts]
             else:
                 chunks = emit.call(torch.chunk, (proj, n, -1))
                 out += [(sources[i], emit.call(operator.getitem, (chunks, p))) for p in range(n)]
@@ -120,20 +127,63 @@ class JaggedAttention(AttentionFamily):
         embed, heads = a["embed_dim_to_check"], a["num_heads"]
         users = list(node.users)
         before = describe_nodes([node])
+        batch_first = _batch_first_sources(site)
+        out_bias = a["out_proj_bias"]
         with emit.graph.inserting_before(node):
             heads_view = []
-            for src, proj in self._in_projections(emit, site, a["in_proj_weight"], a["in_proj_bias"], embed):
+            sources = batch_first or (site.q, site.k, site.v)
+            projections = self._in_projections(emit, sources, a["in_proj_weight"], a["in_proj_bias"], embed,
+                                               batch_first is not None)
+            for src, proj in projections:
+                if batch_first is not None:  # (B, L, E) -> (B, H, L, Dh)
+                    split = emit.call(torch.unflatten, (proj, -1, (heads, embed // heads)))
+                    heads_view.append(emit.call(torch.transpose, (split, 1, 2)))
+                    continue
                 length, batch = example_value(src).shape[:2]
                 split = emit.call(torch.reshape, (proj, (length, batch, heads, embed // heads)))
                 heads_view.append(emit.call(torch.permute, (split, (1, 2, 0, 3))))  # (B, H, L, Dh)
             out, detail = self.emit(emit, site, mask, *heads_view)
-            length, batch = example_value(site.q).shape[:2]
-            merged = emit.call(torch.permute, (out, (2, 0, 1, 3)))  # (L, B, H, Dh)
-            merged = emit.call(torch.reshape, (merged, (length, batch, embed)))
-            result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], a["out_proj_bias"]))
+            if batch_first is not None:  # (B, H, L, Dh) -> (B, L, E), projected; MHA's (L, B, E) a view of it
+                merged = emit.call(torch.flatten, (emit.call(torch.transpose, (out, 1, 2)), 2))
+                rows = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))
+                result = emit.call(torch.transpose, (rows, 0, 1))
+            else:
+                length, batch = example_value(site.q).shape[:2]
+                merged = emit.call(torch.permute, (out, (2, 0, 1, 3)))  # (L, B, H, Dh)
+                merged = emit.call(torch.reshape, (merged, (length, batch, embed)))
+                result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))
         for user in users:
             if user.target is operator.getitem:
                 if user.args[1] == 0:
                     user.replace_all_uses_with(result)
                 erase_dead([user])
+        if batch_first is not None:
+            _skip_transposes_back(result, rows)
         return before, detail
+
+
+def _swaps_first_dims(node: fx.Node) -> bool:
+    """Whether ``node`` is x.transpose(0, 1) (or (1, 0)) of a 3-D x."""
+    value = example_value(node)
+    if target_name(node) != "transpose" or len(node.args) != 3 or node.kwargs:
+        return False
+    if not isinstance(value, torch.Tensor):
+        return False
+    return value.dim() == 3 and all(isinstance(d, int) for d in node.args[1:]) and \
+        sorted(d % 3 for d in node.args[1:]) == [0, 1]
+
+
+def _batch_first_sources(site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """The (B, L, E) tensors MHA(batch_first=True) transposed into its (L, B, E) q, k, v, or None."""
+    if not all(_swaps_first_dims(x) for x in (site.q, site.k, site.v)):
+        return None
+    return tuple(x.args[0] for x in (site.q, site.k, site.v))
+
+
+def _skip_transposes_back(result: fx.Node, rows: fx.Node) -> None:
+    """MHA(batch_first=True) transposes its (L, B, E) output back: those readers read ``rows`` instead."""
+    for user in list(result.users):
+        if _swaps_first_dims(user) and user.args[0] is result:
+            user.replace_all_uses_with(rows)
+            erase_dead([user])
+    erase_dead([result])

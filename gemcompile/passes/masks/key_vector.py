@@ -6,6 +6,7 @@ writes the graph nodes that compute it, from the very tensors the model's mask w
 kernels see the same keys the eager mask keeps, for any values (holes included), with no host sync and
 no recompile when the values change. ``emit_zero_one_checks`` adds the device-side check of each integer
 mask the evaluator read as 0/1 (a value outside {0, 1} would make the eager mask something else).
+The unpad pass builds the valid tokens it packs by the same way (``emit_token_vector``).
 """
 
 from __future__ import annotations
@@ -115,13 +116,19 @@ def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> 
     """The (B, Lk) bool kv_mask of ``vector`` for keys ``k`` (B, H, Lk, D); ``batch`` and ``keys`` are the
     sizes (ints, or sym_size nodes when dynamic). A query vector (position 1) gives the (B, Lq) rows kept
     for queries ``k`` (B, H, Lq, D) the same way."""
-    builder = _Builder(emit, vector.evaluator, batch, keys, example_value(k).device, vector.position)
+    return emit_token_vector(emit, vector, batch, keys, example_value(k).device, "the attention")
+
+
+def emit_token_vector(emit: Emitter, vector: KeyVector, batch, keys, device: torch.device,
+                      user: str) -> fx.Node:
+    """The (batch, keys) bool tensor of ``vector`` on ``device`` (where ``user``, named in refusals, runs):
+    a kv_mask, query rows, or the valid tokens unpad packs."""
+    builder = _Builder(emit, vector.evaluator, batch, keys, device, vector.position)
     mask = builder.formula(vector.formula)
     if isinstance(mask, bool):
         raise Unproven("the key mask is constant")
     if example_value(mask).dtype != torch.bool:
         mask = emit.call(torch.ne, (mask, 0))
-    if example_value(mask).device != example_value(k).device:
-        raise Unproven(f"the key mask is on {example_value(mask).device}, the attention on "
-                       f"{example_value(k).device}")
+    if example_value(mask).device != device:
+        raise Unproven(f"the key mask is on {example_value(mask).device}, {user} on {device}")
     return emit.call(torch.Tensor.expand, (mask, batch, keys))

@@ -1,0 +1,217 @@
+"""The row masks the unpad pass packs by: lengths, or a per-token vector read from data.
+
+A row mask is a boolean (B, N, 1...) node that the mask prover (masks/evaluator.py) reads as a condition on
+the sample b and the token n alone:
+
+- *lengths*: ``n < lengths[b] + c`` (masks/classify.py), packed by gemcompile::valid_token_index;
+- *a token vector*: any other such condition: ``ids != 0`` (SASRec's timeline mask), ``x > 0`` (BERT4Rec),
+  an attention_mask read as bool, left padding ``n >= N - lengths[b]``, holes. It is packed by
+  gemcompile::valid_mask_index of the vector rebuilt from its formula (masks/key_vector.py, the builder of
+  the attention passes' kv_mask), from the very tensors the model's mask reads.
+
+Two token vectors are one row mask only when the prover shows their formulas equal (masks/prover.py):
+``ids == 0`` written again in every block is one vector, packed by one index per step; ``ids > 0`` and
+``ids != 0`` are two (they differ where ids < 0). A region takes as harmless only the zeroing by its own
+row mask (unpad.py's pad analyses), so a product with another vector is an ordinary op there and does not
+make an exit's padding harmless.
+
+Not a row mask, and said so in explain where it multiplies token rows: a bool mask with a dim besides B and
+N (per head, per feature), and one proven only under a run-time check of the data (an integer mask read as
+0/1, a registered buffer). A vector that holds everywhere or nowhere is nothing to pack by.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from gemcompile.passes.graph import Unproven, example_value, schema_arguments, target_name
+from gemcompile.passes.masks.classify import classify_length_mask
+from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
+from gemcompile.passes.masks.model import KeyVector
+from gemcompile.passes.masks.prover import equivalent, render
+from gemcompile.passes.token_wise import same_size, shape_of
+
+B, J = index_symbol(3), index_symbol(0)
+"""The symbols of a row mask's sample and token (the prover's batch and key index)."""
+
+
+@dataclass(frozen=True)
+class RowMask:
+    """(The mask a region packs by; masks.model.AttentionMask is the attention-score mask.) valid[b, n] over
+    (batch, seq) rows is ``n < lengths[b] + offset``, or the token ``vector`` when lengths is None."""
+
+    lengths: fx.Node | None
+    offset: int
+    batch: Any
+    seq: Any
+    vector: KeyVector | None = None
+    vector_id: int = -1
+    """Token vectors proven equal share one id."""
+    node: fx.Node | None = field(default=None, compare=False)
+    """The mask node (for explain): the lengths, or the first node of a token vector."""
+
+    def same(self, other: RowMask | None) -> bool:
+        if other is None or not (same_size(other.batch, self.batch) and same_size(other.seq, self.seq)):
+            return False
+        if self.vector is not None:
+            return other.vector is not None and other.vector_id == self.vector_id
+        return other.vector is None and other.lengths is self.lengths and other.offset == self.offset
+
+    def index_key(self) -> tuple:
+        """What regions packed by one valid-token index share: the lengths and offset, or the vector's id."""
+        return (self.lengths, self.offset) if self.vector is None else ("vector", self.vector_id)
+
+    def describe(self) -> str:
+        """What explain calls the rows: the lengths' name, or where the token vector holds."""
+        return self.lengths.name if self.vector is None else f"the tokens where {self.vector.text}"
+
+    def condition(self) -> str:
+        """The condition on (b, n) that keeps a token, as explain spells it."""
+        if self.vector is not None:
+            return self.vector.text
+        return f"n < {self.lengths.name}[b]" + (f" + {self.offset}" if self.offset else "")
+
+
+def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[fx.Node, str]]]:
+    """Every row mask node of the graph (module doc), and the masks that multiply token rows without being
+    one, each with the reason (for explain)."""
+    found: dict[fx.Node, RowMask] = {}
+    why_not: dict[fx.Node, str] = {}
+    evaluator = MaskEvaluator()
+    vectors: list[RowMask] = []  # the first of each class of equal token vectors
+    for node in graph.nodes:
+        value = example_value(node)
+        if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dtype != torch.bool or value.dim() < 2:
+            continue
+        shape = tuple(value.shape)
+        if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
+            continue
+        try:
+            mask = _row_mask(evaluator, node, shape, vectors)
+        except Unproven as reason:
+            why_not[node] = str(reason)
+            continue
+        if mask is not None:
+            found[node] = mask
+    return found, _near_misses(graph, found, why_not)
+
+
+def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
+              vectors: list[RowMask]) -> RowMask | None:
+    """The row mask ``node`` (B, N, 1...) is, None when it keeps every token or none; Unproven when the
+    prover reads it only under a run-time check."""
+    rank = len(shape)
+    mapping = {rank - 1: 3, rank - 2: 0, **{k: None for k in range(rank - 2)}}
+    checks = len(evaluator.checks)
+    keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4), "bool")
+    try:
+        lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
+        if lm.q_lengths is None and not lm.causal:
+            return RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1], node=lm.kv_lengths)
+    except Unproven:
+        pass  # not lengths: a token vector, below
+    if keep is sympy.true or keep is sympy.false:
+        return None
+    if not vector_leaves(KeyVector(keep, evaluator)):
+        return None  # positions only (a causal (L, L) mask read as rows): no token marked by data
+    if len(evaluator.checks) > checks or _needs_checks(node, evaluator):
+        raise Unproven(f"{node.name} is proven a row mask only for data checked at run time (an integer "
+                       "mask read as 0/1, or a registered buffer): pass it as a bool mask")
+    for first in vectors:
+        if same_size(first.batch, shape[0]) and same_size(first.seq, shape[1]) and \
+                equivalent(evaluator, keep, first.vector.formula):
+            return replace(first, node=node)
+    text = re.sub(r"len_(\w+)\((\w+)\)", r"\1[\2]", render(evaluator, keep, {B: "b", J: "n"}))  # lengths[b]
+    mask = RowMask(None, 0, shape[0], shape[1], KeyVector(keep, evaluator, text), len(vectors), node)
+    vectors.append(mask)
+    return mask
+
+
+def _needs_checks(node: fx.Node, shared: MaskEvaluator) -> bool:
+    """Whether the prover reads ``node`` only under a run-time check (an evaluator shared by many masks adds
+    a check once, for the first mask that reads the checked tensor: ask a fresh one)."""
+    if not shared.checks:
+        return False
+    fresh = MaskEvaluator()
+    fresh.tensor(node)
+    return bool(fresh.checks)
+
+
+def _near_misses(graph: fx.Graph, found: dict[fx.Node, RowMask], why_not: dict[fx.Node, str]):
+    """(mul, reason) for each product of token rows x (B, N, ...) with a bool mask that is no row mask: one
+    proven only under run-time checks, or one with a dim besides B and N that x broadcasts over (per head:
+    (B, N, H, 1))."""
+    misses = []
+    for node in graph.nodes:
+        if target_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+            continue
+        for x, m in (node.args, node.args[::-1]):
+            xs, ms = shape_of(x), shape_of(m)
+            if xs is None or ms is None or m in found or example_value(m).dtype != torch.bool or \
+                    not example_value(x).is_floating_point() or len(xs) != len(ms) or len(xs) < 3:
+                continue
+            if not (same_size(ms[0], xs[0]) and same_size(ms[1], xs[1])) or same_size(ms[1], 1):
+                continue
+            if m in why_not:
+                misses.append((node, f"{x.name} is multiplied by {m.name}, which is no row mask to pack by: "
+                                     f"{why_not[m]}"))
+                break
+            extra = [d for d in range(2, len(ms)) if not same_size(ms[d], 1)]
+            broadcast = [d for d in range(2, len(ms)) if same_size(ms[d], 1) and not same_size(xs[d], 1)]
+            if extra and broadcast:
+                misses.append((node, f"{x.name} is multiplied by {m.name} of shape {tuple(ms)}: a mask that "
+                                     f"differs along dim {extra[0]} too (per head or per feature), not a "
+                                     "per-token vector (B, N, 1...): nothing is packed by it"))
+                break
+    return misses
+
+
+def vector_leaves(vector: KeyVector) -> list[fx.Node]:
+    """The graph nodes a token vector's formula reads (data and lengths), to rebuild it from."""
+    evaluator = vector.evaluator
+    names = {f.func.__name__ for a in vector.formula.free_symbols
+             for f in evaluator.atoms.expr_of[a][1].atoms(sympy.Function)}
+    nodes = [evaluator.data[n].node if n in evaluator.data else evaluator.leaves.get(n) for n in names]
+    return sorted({n for n in nodes if n is not None}, key=lambda n: n.name)
+
+
+def changed_in_place(node: fx.Node) -> bool:
+    """Whether the graph writes into ``node`` (``x.clamp_()``, ``x[i] = v``): a vector rebuilt from it at
+    another place in the graph could then read other values than the model's mask did."""
+    for user in node.users:
+        name = target_name(user)
+        if user.args and user.args[0] is node and (name == "setitem" or (name.endswith("_") and
+                                                                          not name.endswith("__"))):
+            return True
+    return False
+
+
+def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool:
+    """Whether every key the attention ``op`` reads (where its kv_mask and its ``kv_lengths`` argument
+    allow) is a valid token of the token vector ``mask``: then the op ignores the padded key rows."""
+    evaluator = mask.vector.evaluator
+    kv_mask = schema_arguments(op).get("kv_mask")
+    parts = []
+    try:
+        if isinstance(kv_mask, fx.Node):  # (B, Lk): its dims are the sample and the token
+            keys = evaluator.relabel(evaluator.tensor(kv_mask), {1: 3, 0: 0}, 4)
+            parts.append(keep_predicate(evaluator, keys, "bool"))
+        if isinstance(kv_lengths, fx.Node):
+            lengths = evaluator.relabel(evaluator.tensor(kv_lengths), {0: 3}, 4)
+            if not hasattr(lengths, "expr"):
+                return False
+            parts.append(evaluator.compare_exprs("lt", J, lengths.expr))
+    except Unproven:
+        return False
+    if not parts:
+        return False
+    keys = sympy.And(*parts)
+    return equivalent(evaluator, sympy.And(keys, mask.vector.formula), keys)  # keys read => valid tokens

@@ -1,0 +1,225 @@
+"""Unpad regions packed by a per-token vector read from data (issue 23): SASRec's timeline mask
+``ids == 0`` on right-padded, left-padded and holed batches, left padding by lengths; compiled == eager for
+outputs and every gradient, one compile for batches whose token counts change, one index per vector, and
+the near-misses (zeroing by one vector and packing by another, a per-head mask, a mask proven only under a
+run-time check) refused with the reason.
+
+Compiled with the pre-grad passes and aot_eager (the same rewritten graph and ops, no C++ compile)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gemcompile import GemConfig, explain
+from gemcompile.passes import PIPELINE
+from gemcompile.passes.base import instantiate, run_pre_grad
+from gemcompile.passes.records import PassLog, recording
+from tests.model_styles import SASRecBlock
+
+B, L, H, D = 4, 12, 2, 16
+E = H * D
+ITEMS = 50
+
+
+class SASRecStack(nn.Module):
+    """SASRec: item and position embeddings, blocks that zero the padded rows with the timeline mask
+    (tests/model_styles.py), a last LayerNorm and the logits of the next items."""
+
+    def __init__(self, blocks: int = 2, key_padding: bool = True):
+        super().__init__()
+        self.item_emb = nn.Embedding(ITEMS, E, padding_idx=0)
+        self.pos_emb = nn.Embedding(L + 1, E)
+        self.blocks = nn.ModuleList(SASRecBlock(H, D, key_padding=key_padding) for _ in range(blocks))
+        self.last_norm = nn.LayerNorm(E)
+
+    def forward(self, ids, next_ids):
+        seqs = self.item_emb(ids) * E ** 0.5
+        seqs = seqs + self.pos_emb(torch.arange(1, L + 1, device=ids.device)[None, :] * (ids != 0))
+        for block in self.blocks:
+            seqs = block(seqs, ids)
+        return (self.last_norm(seqs) * self.item_emb(next_ids)).sum(-1)
+
+
+def _ids(kind: str, g: torch.Generator) -> torch.Tensor:
+    """Item ids, 0 = padding: right padded, left padded (empty sequences too), or with holes anywhere but
+    the first position (a causal row whose keys are all padding is NaN in eager)."""
+    items = torch.randint(1, ITEMS, (B, L), generator=g)
+    lengths = torch.randint(0 if kind == "left" else 1, L + 1, (B,), generator=g)  # (a causal row with
+    lengths[0] = L  # no valid key is NaN in eager: empty sequences only where the keys are not masked)
+    positions = torch.arange(L)[None, :]
+    if kind == "right":
+        return items * (positions < lengths[:, None])
+    if kind == "left":
+        return items * (positions >= L - lengths[:, None])
+    holes = torch.rand(B, L, generator=g) < 0.4
+    holes[:, 0] = False
+    return items.masked_fill(holes, 0)
+
+
+def _compiled(model):
+    """(the model compiled with gemcompile's pre-grad passes and aot_eager, the list of its compiles)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return torch.compile(model, backend=backend), compiles
+
+
+def _assert_eager(model, compiled, inputs):
+    """Outputs and the gradients of every parameter and float input equal eager's."""
+    floats = [t for t in inputs if t.is_floating_point()]
+    for t in floats:
+        t.requires_grad_(True)
+    leaves = [*model.parameters(), *floats]
+    out, ref = compiled(*inputs), model(*inputs)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
+    grads_ref = torch.autograd.grad((ref * weights).sum(), leaves, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+def _indices(report) -> int:
+    """How many valid-token indices (host reads of T per step) the rewritten graph computes."""
+    return sum("valid_mask_index" in str(n.target) for n in report.graph_after.graph.nodes)
+
+
+def _unpad(report):  # (an ExplainReport or the PassLog of a compile)
+    return [r for r in report.rewrites if r.pass_name == "unpad"]
+
+
+def _reasons(report):
+    return [r.reason for r in report.refusals if r.pass_name == "unpad"]
+
+
+@pytest.mark.parametrize("kinds, key_padding, gemms", [
+    (("right", "holes", "right"), True, 10),  # q, kv, out projections and the FFN of both blocks
+    (("left", "holes", "left"), False, 8),  # the 2020 timeline version: causal keys include padding
+])
+def test_sasrec_stack_runs_packed_by_its_timeline_mask(kinds, key_padding, gemms):
+    torch.manual_seed(0)
+    model = SASRecStack(key_padding=key_padding)
+    g = torch.Generator().manual_seed(1)
+    report = explain(model, _ids(kinds[0], g), torch.randint(1, ITEMS, (B, L), generator=g))
+    (region,) = _unpad(report)
+    assert report.counts["jagged_attention"] == 2
+    assert region.metrics["gemms"] == gemms, region.detail
+    assert "region over the tokens where ~(l_ids_[b, n] == 0)" in region.detail
+    assert _indices(report) == 1  # one index for the timeline masks of both blocks
+    if not key_padding:  # k and v of padded rows are read by the valid rows: they stay padded
+        assert any("stays padded" in r and "reads keys not provably among the tokens where" in r
+                   for r in _reasons(report)), _reasons(report)
+    compiled, compiles = _compiled(model)
+    for kind in kinds:  # the masks and token counts change from batch to batch: no recompile
+        _assert_eager(model, compiled, (_ids(kind, g), torch.randint(1, ITEMS, (B, L), generator=g)))
+    assert len(compiles) == 1
+    assert sum("valid_mask_index" in str(n.target) for n in compiles[0].graph.nodes) == 1  # it ran packed
+
+
+class Ffn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(self.norm(h))))
+
+
+class LeftPaddedFfn(nn.Module):
+    """Left padding by lengths (``n >= N - lengths[b]``): a token vector without data, masked mean pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.ffn = nn.Linear(E, E), Ffn()
+
+    def forward(self, x, lengths):
+        valid = (torch.arange(L)[None, :] >= L - lengths[:, None])[..., None]
+        h = self.inp(x) * valid
+        h = h + self.ffn(h) * valid
+        return h.sum(1) / lengths.clamp(min=1)[:, None]
+
+
+def test_left_padding_by_lengths_runs_packed():
+    torch.manual_seed(0)
+    model = LeftPaddedFfn()
+    x = torch.randn(B, L, E)
+    report = explain(model, x, torch.tensor([12, 0, 3, 7]))
+    (region,) = _unpad(report)
+    assert region.metrics["gemms"] == 3 and "l_lengths_" in region.detail, region.detail
+    compiled, compiles = _compiled(model)
+    for lengths in ([12, 0, 3, 7], [1, 5, 12, 0], [0, 0, 0, 0]):
+        _assert_eager(model, compiled, (torch.randn(B, L, E), torch.tensor(lengths)))
+    assert len(compiles) == 1
+
+
+class TwoVectors(nn.Module):
+    """Near-misses: the rows are packed by ``ids > 0``, but the attention's keys (``miss="keys"``) or the
+    output's zeroing (``miss="zeroing"``) use ``ids != 0``, which also keeps negative ids."""
+
+    def __init__(self, miss: str):
+        super().__init__()
+        self.inp, self.ffn = nn.Linear(E, E), Ffn()
+        self.attention = nn.MultiheadAttention(E, H, batch_first=True)
+        self.miss = miss
+
+    def forward(self, x, ids):
+        valid = (ids > 0)[..., None]
+        h = self.inp(x) * valid
+        if self.miss == "keys":
+            out, _ = self.attention(h, h, h, key_padding_mask=ids == 0)
+            return (h + out + self.ffn(h)) * valid
+        return (h + self.ffn(h)) * (ids != 0)[..., None]
+
+
+def _signed_ids(g):
+    ids = torch.randint(-2, 6, (B, L), generator=g)
+    ids[:, 0] = 5  # every sequence has a valid key
+    return ids
+
+
+@pytest.mark.parametrize("miss", ["keys", "zeroing"])
+def test_zeroing_by_one_vector_does_not_excuse_packing_by_another(miss):
+    torch.manual_seed(0)
+    model = TwoVectors(miss)
+    g = torch.Generator().manual_seed(2)
+    compiled, compiles = _compiled(model)
+    with recording(PassLog()) as log:  # what explain reports, from the compile itself
+        _assert_eager(model, compiled, (torch.randn(B, L, E), _signed_ids(g)))
+    _assert_eager(model, compiled, (torch.randn(B, L, E), _signed_ids(g)))
+    assert len(compiles) == 1
+    reasons = _reasons(log)
+    if miss == "keys":  # the q/k/v projection stays padded, the rest runs packed by ids > 0
+        assert any("reads keys not provably among the tokens where" in r for r in reasons), reasons
+        assert [r.metrics["gemms"] for r in _unpad(log)] == [4]  # inp, out projection, FFN up and down
+    else:  # the FFN's output is zeroed by ids != 0: its own region, packed by that vector
+        assert any("it zeroes them where ~(l_ids_[b, n] == 0), the region packs the tokens where" in r
+                   for r in reasons), reasons
+        assert sum("valid_mask_index" in str(n.target) for n in compiles[0].graph.nodes) == 2
+
+
+def test_masks_that_are_no_token_vector_are_refused_with_the_reason():
+    lin = nn.Linear(E, E)
+
+    def per_head(x, ids):  # (B, N, H): a mask per token and head
+        heads = ids[..., None] > torch.arange(H)
+        return (lin(x).unflatten(-1, (H, D)) * heads[..., None]).sum((1, 2, 3))
+
+    def checked(x, attention_mask):  # the float of an integer mask, compared: proven only for 0/1 values
+        valid = attention_mask.float()[..., None] > 0.5
+        return (lin(x) * valid).sum((1, 2))
+
+    x = torch.randn(B, L, E)
+    for fn, arg, reason in ((per_head, torch.randint(0, 3, (B, L)), "per head"),
+                            (checked, torch.randint(0, 2, (B, L)), "checked at run time")):
+        report = explain(fn, x, arg)
+        assert report.counts["unpad"] == 0, fn.__name__
+        assert any(reason in r for r in _reasons(report)), (fn.__name__, _reasons(report))
