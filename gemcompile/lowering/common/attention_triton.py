@@ -6,8 +6,9 @@ common/length_order.py, else one launch here), the key bounds of a kv_mask (:fun
 likewise), the autotune key of a length (:func:`length_bucket`), config lists
 and their prune (:func:`kernel_configs`, :func:`make_prune`, fewer pipeline stages until the tiles fit
 the shared memory), strides and dot precision. Device side (``@triton.jit``): a sequence's start row and
-length (:func:`sequence`), the program -> (tile, batch, head) map (:func:`program_coordinates`), masked
-row-tile loads and stores (:func:`load_rows`, :func:`store_rows`), and the softmax backward's
+length (:func:`sequence`), the program -> (tile, batch, head) map (:func:`program_coordinates`), the
+branch-free split of a tile loop into masked and unmasked ranges (:func:`loop_split`), masked row-tile
+loads and stores (:func:`load_rows`, :func:`store_rows`), and the softmax backward's
 delta = rowsum(dO * O) kernel (:func:`bwd_delta_kernel`, jagged and block attention).
 
 Every sequence is addressed by (start row, length): in the padded layout (B, H, L, D) the start row is 0
@@ -46,6 +47,7 @@ __all__ = [
     "kv_mask_bounds",
     "length_bucket",
     "load_rows",
+    "loop_split",
     "make_prune",
     "program_coordinates",
     "same_sequences",
@@ -161,6 +163,23 @@ def program_coordinates(Order, H, num_tiles, REVERSE: tl.constexpr):
     b = tl.load(Order + bh // H).to(tl.int32)
     h = bh % H
     return tile, b, h
+
+
+@triton.jit
+def loop_split(lo, mid_lo, mid_hi, hi, all_masked):
+    """A tile loop over [lo, hi) split into masked [lo, mid_lo), unmasked [mid_lo, mid_hi) and masked
+    [mid_hi, hi), the bounds clamped so that each range is empty or inside [lo, hi) and they run in
+    order; ``all_masked`` (a scalar: e.g. the key tile is the sequence's last, partial one) empties the
+    unmasked range, so that the two masked loops visit every tile. Computed with selects, never with an
+    ``if`` around the loops: a branch that chooses between loop nests makes ptxas serialize every wgmma
+    of the kernel on sm_90a ("C7515 ... wgmma.mma_async instructions are serialized due to non wgmma
+    instructions defining accumulator registers": the merge moves the accumulators inside the wgmma
+    pipeline; tests/unit/test_wgmma_serialization_sm90.py), whereas loops with computed bounds keep
+    them asynchronous."""
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.where(all_masked, mid_lo, tl.minimum(tl.maximum(mid_hi, mid_lo), hi))
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit

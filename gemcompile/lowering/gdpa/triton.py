@@ -81,6 +81,7 @@ from ..common.attention_triton import (
     kernel_configs,
     length_bucket,
     load_rows,
+    loop_split,
     make_prune,
     mask_key_bounds,
     program_coordinates,
@@ -197,12 +198,9 @@ def _query_range(n0, q_len, kv_len, window, u, CAUSAL: tl.constexpr, HAS_WINDOW:
         if not CAUSAL:
             lo = (tl.maximum(n0 - window, 0) // BLOCK_M) * BLOCK_M
             mid_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - window, 0), BLOCK_M) * BLOCK_M
-    if n0 + BLOCK_N > u:
-        mid_hi = lo  # the last key tile or target keys (u <= kv_len): every query tile needs the mask
-    hi = tl.maximum(hi, lo)
-    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
-    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
-    return lo, mid_lo, mid_hi, hi
+    # the last key tile or target keys (u <= kv_len): every query tile needs the mask (a select, not a
+    # branch: see loop_split)
+    return loop_split(lo, mid_lo, mid_hi, hi, n0 + BLOCK_N > u)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from ..common.attention_triton import (
     kernel_configs,
     length_bucket,
     load_rows,
+    loop_split,
     make_prune,
     mask_key_bounds,
     program_coordinates,
@@ -402,33 +403,28 @@ def _bwd_dkdv_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
+    # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
+    # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
+    # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
     m_lo = 0
+    diag_end = 0
     if CAUSAL:
         m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
-    if n0 + BLOCK_N > kv_len:
-        # the last key tile of the sequence: every query tile needs the key mask
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo, q_len, HEAD_D,
-            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
-    else:
-        # query tiles crossing the diagonal (causal), then full tiles unmasked, then the partial last tile
-        diag_end = m_lo
-        if CAUSAL:
-            diag_end = m_lo + tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - m_lo, 0), BLOCK_M) * BLOCK_M
-        mid_end = tl.maximum(diag_end, (q_len // BLOCK_M) * BLOCK_M)
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo,
-            tl.minimum(diag_end, q_len), HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, diag_end, mid_end,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_end, q_len,
-            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+        diag_end = m_lo + tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - m_lo, 0), BLOCK_M) * BLOCK_M
+    lo, mid_lo, mid_hi, hi = loop_split(m_lo, diag_end, (q_len // BLOCK_M) * BLOCK_M, q_len,
+                                        n0 + BLOCK_N > kv_len)
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
+        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
+        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
+        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
