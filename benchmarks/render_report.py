@@ -892,29 +892,50 @@ def refactor_ab() -> str:
     return "\n".join(lines).rstrip()
 
 
-def _data_masks() -> tuple[Path, dict]:
-    return load("data_masks-20261201-190904.json")
+DATA_MASK_FILES = ["data_masks-20261201-190904.json", "data_masks-20261202-000141.json",
+                   "data_masks-20261202-005728.json", "data_masks-20261202-010423.json"]
+"""Oldest first. 000141 adds the GPU's own time per step; 005728 and 010423 are after unpad packs SASRec's
+tokens from its data mask and key bounds take one launch (005728 was cut after its SASRec rows)."""
+
+
+def _data_masks(name: str = DATA_MASK_FILES[-1]) -> tuple[Path, dict]:
+    return load(name)
+
+
+def _data_mask_rows(path: Path, payload: dict) -> list[list[str]]:
+    rows = []
+    for m in payload["models"]:
+        shape = f"B{m['batch']} L{m['length']} H{m['heads']}x{m['head_dim']}, {m['layers']} layers"
+        rows.append([cite(path), shape, m["model"], m["padding"],
+                     ", ".join(f"{v} {k}" for k, v in (m.get("rewrites") or {}).items()),
+                     f(m.get("inductor_ms"), ".2f"), f(m.get("gem_ms"), ".2f"), f(m.get("speedup_gem_vs_inductor")),
+                     f"{f(m.get('inductor_kernel_ms'), '.2f')} / {f(m.get('gem_kernel_ms'), '.2f')}",
+                     f"{m.get('inductor_recompiles')} / {m.get('gem_recompiles')}"])
+    return rows
 
 
 @block("data-masks")
 def data_masks() -> str:
-    path, payload = _data_masks()
-    rows = [[m["model"], m["padding"], ", ".join(f"{v} {k}" for k, v in (m.get("rewrites") or {}).items()),
-             f(m.get("inductor_ms"), ".2f"), f(m.get("gem_ms"), ".2f"), f(m.get("speedup_gem_vs_inductor")),
-             f"{m.get('inductor_recompiles')} / {m.get('gem_recompiles')}"] for m in payload["models"]]
-    lines = [f"Source: {source_line((path, payload))}", ""]
-    lines += table(["model", "padding", "rewrites", "torch.compile ms / step", "gem_compile ms / step",
-                    "gem vs torch.compile", "recompiles (torch.compile / gem)"], rows)
+    loaded = [load(name) for name in DATA_MASK_FILES]
+    rows = [r for path, payload in loaded for r in _data_mask_rows(path, payload)]
+    lines = ["Sources: " + "; ".join(source_line(item) for item in loaded), "",
+             "Step = forward (bf16 autocast) + backward, CUDA events, median; GPU ms = the summed kernel time of a "
+             "step (torch.profiler): where it is far below the step time, the host sets the pace.", ""]
+    lines += table(["file", "shape", "model", "padding", "rewrites", "torch.compile ms / step",
+                    "gem_compile ms / step", "gem vs torch.compile", "GPU ms / step (torch.compile / gem)",
+                    "recompiles (torch.compile / gem)"], rows)
     krows = []
-    for k in payload["kernel"]:
-        krows.append([f"B{k['B']} L{k['L']} H{k['H']} D{k['D']}, {'causal' if k['causal'] else 'not causal'}",
-                      f"{f(k['lengths_ms'], '.3f')} / {f(k['lengths_graph_ms'], '.3f')}",
-                      f"{f(k['mask_right_ms'], '.3f')} / {f(k['mask_right_graph_ms'], '.3f')}",
-                      f"{f(k['mask_right_vs_lengths'])} / {f(k['mask_right_vs_lengths_graph'])}",
-                      f"{f(k['mask_left_ms'], '.3f')} / {f(k['mask_left_graph_ms'], '.3f')}"])
+    for path, payload in loaded:
+        for k in payload["kernel"]:
+            krows.append([cite(path), f"B{k['B']} L{k['L']} H{k['H']} D{k['D']}, "
+                                      f"{'causal' if k['causal'] else 'not causal'}",
+                          f"{f(k['lengths_ms'], '.3f')} / {f(k['lengths_graph_ms'], '.3f')}",
+                          f"{f(k['mask_right_ms'], '.3f')} / {f(k['mask_right_graph_ms'], '.3f')}",
+                          f"{f(k['mask_right_vs_lengths'])} / {f(k['mask_right_vs_lengths_graph'])}",
+                          f"{f(k['mask_left_ms'], '.3f')} / {f(k['mask_left_graph_ms'], '.3f')}"])
     lines += ["", "gemcompile::jagged_attention forward+backward, key padding given as lengths or as a kv_mask of the "
                   "same keys:", ""]
-    lines += table(["shape", "lengths ms (eager / graph)", "kv_mask right ms (eager / graph)",
+    lines += table(["file", "shape", "lengths ms (eager / graph)", "kv_mask right ms (eager / graph)",
                     "kv_mask right / lengths (eager / graph)", "kv_mask left ms (eager / graph)"], krows)
     return "\n".join(lines)
 
@@ -994,17 +1015,34 @@ def readme_kernels() -> str:
 
 @block("readme-data-masks")
 def readme_data_masks() -> str:
-    path, payload = _data_masks()
-    sp = [m["speedup_gem_vs_inductor"] for m in payload["models"]]
-    graph = [k["mask_right_vs_lengths_graph"] for k in payload["kernel"]]
-    eager = [k["mask_right_vs_lengths"] for k in payload["kernel"]]
-    m0 = payload["models"][0]
-    k0 = payload["kernel"][0]
-    return (f"Masks read from data ({cite(path)}, one H200): SASRec- and BERT-style stacks (B{m0['batch']} "
-            f"L{m0['length']}, about half the tokens padding, right or left padded) are rewritten and train without "
-            f"recompiles, but slower than torch.compile at this size ({f(min(sp))}-{f(max(sp))}x a step); the kv_mask "
-            f"kernel path costs {f(min(graph))}-{f(max(graph))}x the length path on the same batch under CUDA-graph "
-            f"replay (B{k0['B']} L{k0['L']}) and {f(min(eager))}-{f(max(eager))}x per eager call (host time).")
+    small_path, small = _data_masks("data_masks-20261202-000141.json")
+    large_path, large = _data_masks("data_masks-20261202-010423.json")
+    kernel_path, kernel = _data_masks("data_masks-20261202-005728.json")
+    graph = [k[f"mask_{side}_vs_lengths_graph"] for k in kernel["kernel"] for side in ("right", "left")]
+    eager = [k[f"mask_{side}_vs_lengths"] for k in kernel["kernel"] for side in ("right", "left")]
+    m0, l0, k0 = small["models"][0], large["models"][0], kernel["kernel"][0]
+
+    def span(xs):
+        return f"{f(min(xs))}-{f(max(xs))}x"
+
+    def gpu(payload, model):  # the right-padded row's GPU ms per step, torch.compile against gem_compile
+        m = next(r for r in payload["models"] if r["model"] == model and r["padding"] == "right")
+        return f"{f(m['gem_kernel_ms'])} against {f(m['inductor_kernel_ms'])} ms"
+
+    def steps(payload, model):
+        return span([m["speedup_gem_vs_inductor"] for m in payload["models"] if m["model"] == model])
+
+    return (f"Masks read from data (one H200): SASRec- and BERT-style stacks, right or left padded, about half the "
+            f"tokens padding, are rewritten and train without recompiles. Their steps are host-bound, and "
+            f"gem_compile's host time per step is larger than torch.compile's, so it loses on step time although "
+            f"its GPU time is lower. At B{m0['batch']} L{m0['length']} H{m0['heads']}x{m0['head_dim']}, "
+            f"{m0['layers']} layers ({cite(small_path)}), GPU ms per step (right padding): SASRec {gpu(small, 'sasrec')}, "
+            f"BERT {gpu(small, 'bert')}; step time {steps(small, 'sasrec')} (SASRec) and {steps(small, 'bert')} "
+            f"(BERT) torch.compile's. At H{l0['heads']}x{l0['head_dim']}, {l0['layers']} layers ({cite(large_path)}): "
+            f"SASRec {gpu(large, 'sasrec')}, step time {steps(large, 'sasrec')} (its unpad region reads the token "
+            f"count on the host every step); BERT {gpu(large, 'bert')}, step time {steps(large, 'bert')}. The "
+            f"kv_mask kernel path costs {span(graph)} the length path on the same batch under CUDA-graph replay "
+            f"(B{k0['B']} L{k0['L']}, {cite(kernel_path)}) and {span(eager)} per eager call (host time).")
 
 
 @block("readme-e2e")
