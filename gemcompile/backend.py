@@ -128,8 +128,9 @@ class GemBackend:
 
     def partitioner(self, patches: dict[str, Any]) -> dict[str, Any]:
         """``{"custom_partitioner_fn": ...}``: gemcompile's partitioner, chaining one already installed, when
-        GemConfig.memory asks for something (a budget, recompute_attention, fp8_saved); empty otherwise, and on a
-        torch without the slot (the budget still applies; the attention tags and the record do not)."""
+        GemConfig.memory asks for something (a budget, recompute_attention, fp8_saved); empty otherwise, and
+        on a torch without the slot (the budget still applies; the attention tags, FP8 copies and the record
+        do not)."""
         import torch._inductor.config as inductor_config
 
         memory = self.config.memory
@@ -142,8 +143,8 @@ class GemBackend:
                 warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory.budget "
                               "applies, but gemcompile's attention kernels may be recomputed", stacklevel=3)
             if memory.fp8_saved:
-                warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory.fp8_saved "
-                              "is ignored (activations are saved in their own dtype)", stacklevel=3)
+                warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory."
+                              "fp8_saved is ignored (activations are saved in their own dtype)", stacklevel=3)
             return {}
         existing = patches.get("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
         if existing is not None and not self.config.chain_existing_passes:

@@ -320,8 +320,8 @@ class MemoryConfig:
         if isinstance(self.fp8_saved, list):
             object.__setattr__(self, "fp8_saved", tuple(self.fp8_saved))
         elif isinstance(self.fp8_saved, str):
-            raise ConfigError(f"MemoryConfig.fp8_saved = {self.fp8_saved!r} is invalid: expected True, False or a "
-                              f"tuple of module-name patterns, e.g. ({self.fp8_saved!r},)")
+            raise ConfigError(f"MemoryConfig.fp8_saved = {self.fp8_saved!r} is invalid: expected True, False "
+                              f"or a tuple of module-name patterns, e.g. ({self.fp8_saved!r},)")
         _check_types(self)
         if isinstance(self.fp8_saved, tuple):
             for pattern in self.fp8_saved:
@@ -332,8 +332,8 @@ class MemoryConfig:
                     try:
                         re.compile(pattern[3:])
                     except re.error as e:
-                        raise ConfigError(f"MemoryConfig.fp8_saved: the regular expression {pattern!r} does not "
-                                          f"compile: {e}") from None
+                        raise ConfigError(f"MemoryConfig.fp8_saved: the regular expression {pattern!r} does "
+                                          f"not compile: {e}") from None
         if self.budget is not None and not 0.0 < self.budget <= 1.0:  # also refuses NaN
             raise ConfigError(f"MemoryConfig.budget = {self.budget} is invalid: expected a fraction in "
                               "(0, 1] (1.0 = what the partitioner saves by default; lower saves less and "

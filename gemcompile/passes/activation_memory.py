@@ -348,10 +348,19 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
             fp8_saved.undo(gm, bad)
             undone += bad
             sites = [site for site in sites if site not in bad]
-        for site, (kind, plan) in verdicts.items():
-            if kind == "move":
+        moving = [(site, plan) for site, (kind, plan) in verdicts.items() if kind == "move"]
+        try:
+            for site, plan in moving:
                 fp8_saved.move(plan, fw, bw)
                 site.moved = plan[0]
+        except Exception as e:  # noqa: BLE001 - a layout settle did not foresee: partition without them
+            warnings.warn(f"GemConfig.memory.fp8_saved: could not edit the partitioned graphs ({e}); the FP8 "
+                          "copies the partitioner did not save itself are dropped", stacklevel=2)
+            for site, _ in moving:
+                site.saved, site.moved, site.reason = False, "", f"editing the partitioned graphs failed: {e}"
+            fp8_saved.undo(gm, [site for site, _ in moving])
+            undone += [site for site, _ in moving]
+            fw, bw = self._partition(gm, joint_inputs, dict(kwargs))
         return fw, bw, undone
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -362,7 +371,8 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
             parameters = {name for name, kind in info.input_kinds.items() if kind == "parameter"}
             sites, refused = fp8_saved.plan(gm.graph, self.options.fp8_saved, parameters)
             if sites:
-                fp8_saved.rewrite(gm.graph, sites)
+                sites, failed = fp8_saved.rewrite(gm.graph, sites)
+                refused += failed
                 gm.recompile()
         log = active_log()
         if log is None:  # nobody to report to: partition only
@@ -468,8 +478,10 @@ def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
                       "", style="bold")
         if record.fp8_bytes:
             fp8 = [t for t in record.tensors if t.dtype_before and t.status != "recomputed"]
-            table.add_row("in fp8", f"{len(fp8)} value{'s' if len(fp8) > 1 else ''} (+ scales), {format_bytes(record.fp8_bytes_before)} in "
-                          "their own dtype", "", "", "", format_bytes(record.fp8_bytes), "", style="bold")
+            values = f"{len(fp8)} value{'s' if len(fp8) > 1 else ''} (+ scales)"
+            before = f"{format_bytes(record.fp8_bytes_before)} in their own dtype"
+            table.add_row("in fp8", f"{values}, {before}", "", "", "", format_bytes(record.fp8_bytes), "",
+                          style="bold")
         if record.default_bytes is not None and record.budget is not None:
             table.add_row("default", "saved with no budget", "", "", "", format_bytes(record.default_bytes),
                           "", style="bold")

@@ -68,7 +68,7 @@ from gemcompile.passes.graph import erase_dead
 from gemcompile.passes.mxfp8 import _TRANSPARENT, _hint, match_pattern, node_modules
 from gemcompile.passes.records import Refusal, Rewrite, describe_nodes, source_location
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -91,13 +91,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 
 
-# -- numerics: one definition, run eagerly (the reference) or emitted as graph nodes (the pass) ------------
-
-Call = Callable[..., Any]
-
-
-def _eager(target: Any, *args: Any) -> Any:
-    return target(*args)
+# -- numerics: run eagerly (the reference), traced into the joint graph (the pass) -------------------------
 
 
 def block_of(k: int) -> int:
@@ -105,56 +99,46 @@ def block_of(k: int) -> int:
     return BLOCK if k % BLOCK == 0 else k
 
 
-def _pow2(exponent: Any, call: Call, offset: int) -> Any:
-    """2^(exponent + offset - 127) from its float32 bits; exponent + offset must lie in [1, 254]."""
-    biased = call(aten.add.Tensor, exponent, offset)
-    return call(aten.view.dtype, call(aten.bitwise_left_shift.Tensor_Scalar, biased, 23), torch.float32)
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent from its float32 bits; exponent + 127 must lie in [1, 254] (a normal float)."""
+    return torch.bitwise_left_shift(exponent + 127, 23).view(torch.float32)
 
 
-def quantize_as(x: Any, k: int, dtype: torch.dtype, call: Call = _eager) -> tuple[Any, Any]:
+def quantize_as(x: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, k) of ``dtype`` -> (elements (M, k / b, b) float8_e4m3fn, scales (M, k / b, 1) float32),
-    b = block_of(k). ``call(op, *args)`` applies each ATen op: eagerly, or by emitting a graph node."""
+    b = block_of(k)."""
     b = block_of(k)
-    xb = call(aten.view.default, x, [-1, k // b, b])
+    xb = x.view(-1, k // b, b)
     if dtype != torch.float32:
         # the round trip through int16 bits pins x's own rounding: Inductor otherwise hands a fused
         # consumer its producer's float32 value (emulate_precision_casts=False), which quantizes differently
-        xb = call(aten.view.dtype, call(aten.view.dtype, xb, torch.int16), dtype)
-        xb = call(prims.convert_element_type.default, xb, torch.float32)  # exact: bf16 / fp16 fit in fp32
-    amax = call(aten.amax.default, call(aten.abs.default, xb), [-1], True)
+        xb = xb.view(torch.int16).view(dtype).to(torch.float32)  # exact: bf16 / fp16 fit in fp32
+    amax = xb.abs().amax(dim=-1, keepdim=True)
     # ceil(log2(amax / 448)) from amax = 1.m * 2^E: E - 8 when 1.m <= 1.75 (448 = 1.75 * 2^8), else E - 7.
     # Subnormal or zero amax lands below -127 and is clamped there, as numerics.block_quantize does.
-    bits = call(aten.view.dtype, amax, torch.int32)
-    biased = call(aten.bitwise_right_shift.Tensor_Scalar, bits, 23)
-    above = call(aten.gt.Scalar, call(aten.bitwise_and.Scalar, bits, 0x7FFFFF), 0x600000)
-    exponent = call(aten.add.Tensor, biased, call(prims.convert_element_type.default, above, torch.int32))
-    exponent = call(aten.clamp.default, call(aten.sub.Tensor, exponent, 127 + 8), -127, 127)
-    # non-finite amax gives exponent 120 or 121, so -exponent + 127 and exponent + 128 stay normal float bits
-    inverse = _pow2(call(aten.neg.default, exponent), call, 127)  # 2^-e
-    scaled = call(aten.clamp.default, call(aten.mul.Tensor, xb, inverse), -E4M3_MAX, E4M3_MAX)
-    elements = call(prims.convert_element_type.default, scaled, FP8)
-    scale = call(aten.mul.Tensor, _pow2(exponent, call, 128), 0.5)  # 2^(e+1) / 2: 2^-127 is subnormal
-    finite = call(aten.lt.Scalar, amax, math.inf)  # False for +inf and NaN
-    scale = call(aten.where.self, finite, scale, call(aten.mul.Tensor, amax, math.nan))
+    bits = amax.view(torch.int32)
+    above = (torch.bitwise_and(bits, 0x7FFFFF) > 0x600000).to(torch.int32)
+    exponent = (torch.bitwise_right_shift(bits, 23) + above - (127 + 8)).clamp(-127, 127)
+    # non-finite amax gives exponent 120, so 2^-exponent and 2^(exponent + 1) stay normal floats
+    elements = (xb * _pow2(-exponent)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    scale = _pow2(exponent + 1) * 0.5  # 2^-127 is subnormal: halve 2^-126
+    scale = torch.where(amax < math.inf, scale, amax * math.nan)  # +inf or NaN in the block: NaN scale
     return elements, scale
 
 
-def dequantize_as(elements: Any, scale: Any, k: int, dtype: torch.dtype, call: Call = _eager) -> Any:
+def dequantize_as(elements: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     """The (M, k) tensor of ``dtype`` that ``quantize_as`` encoded (exact: q * 2^e has 4 significant bits)."""
-    values = call(aten.mul.Tensor, call(prims.convert_element_type.default, elements, torch.float32), scale)
-    if dtype != torch.float32:
-        values = call(prims.convert_element_type.default, values, dtype)
-    return call(aten.view.default, values, [-1, k])
+    return (elements.to(torch.float32) * scale).to(dtype).view(-1, k)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager ``quantize_as`` of a 2-D tensor (tests, references)."""
+    """``quantize_as`` of a 2-D tensor."""
     return quantize_as(x, x.shape[-1], x.dtype)
 
 
 def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     """What dW reads in place of a 2-D x saved in FP8: dequantize(quantize(x)), in x's dtype."""
-    return dequantize_as(*quantize(x), x.shape[-1], x.dtype).view(x.shape)
+    return dequantize_as(*quantize(x), x.shape[-1], x.dtype)
 
 
 # -- which values --------------------------------------------------------------------------------------------
@@ -243,7 +227,8 @@ def _ineligible(x: fx.Node) -> str | None:
         return f"shape {tuple(val.shape)}: a 2-D operand with a static last dim is quantized"
     rows = _hint(val.shape[0])
     if rows is None or rows * val.shape[-1] < MIN_ELEMENTS:
-        return f"{'unknown' if rows is None else rows * val.shape[-1]} elements < {MIN_ELEMENTS} (MIN_ELEMENTS)"
+        count = "unknown" if rows is None else rows * val.shape[-1]
+        return f"{count} elements < {MIN_ELEMENTS} (MIN_ELEMENTS)"
     return None
 
 
@@ -272,7 +257,8 @@ def plan(graph: fx.Graph, fp8_saved: bool | tuple[str, ...], parameters: set[str
                  and _root(n).name in parameters)
     sites: dict[Any, Site] = {}
     refused: list[tuple[fx.Node, str]] = []
-    for gemm in [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS and n not in backward]:
+    gemms = [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS and n not in backward]
+    for gemm in gemms:
         operands = [gemm.args[i] for i in _GEMMS[gemm.target]]
         if sum(map(is_weight, operands)) != 1 or not all(isinstance(o, fx.Node) for o in operands):
             continue  # not Linear-like (two activations, or two weights): no dW to serve
@@ -345,36 +331,60 @@ def _rename(node: fx.Node, name: str) -> None:
         node._rename(name)
 
 
-def rewrite(graph: fx.Graph, sites: list[Site]) -> None:
-    """Route each site's dW readers through dequantize(quantize(x)) (module docstring)."""
+def rewrite(graph: fx.Graph, sites: list[Site]) -> tuple[list[Site], list[tuple[fx.Node, str]]]:
+    """Route each site's dW readers through dequantize(quantize(x)) (module docstring). Returns the sites
+    rewritten, and (x, reason) for each whose quantize could not be traced (a layout ``view`` refuses)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    done, failed = [], []
     for site in sites:
-        x, val = site.xs[0], site.xs[0].meta["val"]
-        k, dtype = val.shape[-1], val.dtype
-        start = x.next
-        with graph.inserting_before(start):
-            elements, scale = _emit(graph, lambda v: quantize_as(v, k, dtype), [x])
-        nbytes = (_hint(val.shape[0]) or 0) * k * val.element_size()
-        node = x.next
-        while node is not start:  # the elements, and every node of the scales' shape: the partitioner may
-            if node is elements or node.meta["val"].shape == scale.meta["val"].shape:  # save amax instead
-                node.meta[TAG] = {"role": "data" if node is elements else "scale", "of": x.name,
-                                  "dtype": str(dtype).removeprefix("torch."), "nbytes": nbytes}
-            node = node.next
-        _rename(elements, f"fp8_{x.name}_data")  # no trailing number: FX would renumber it
-        _rename(scale, f"fp8_{x.name}_scale")
+        try:
+            _rewrite_site(graph, site, order)
+            done.append(site)
+        except Exception as e:  # noqa: BLE001 - nothing was inserted for it: x stays exact
+            where = f"{site.xs[0].name} ({', '.join(site.modules)})"
+            failed.append((site.xs[0], f"{where}: its quantize could not be traced ({type(e).__name__})"))
+    return done, failed
+
+
+def _rewrite_site(graph: fx.Graph, site: Site, order: dict[fx.Node, int]) -> None:
+    x, val = site.xs[0], site.xs[0].meta["val"]
+    k, dtype = val.shape[-1], val.dtype
+    start = x.next
+    with graph.inserting_before(start):
+        elements, scale = _emit(graph, lambda v: quantize_as(v, k, dtype), [x])
+    try:
         with graph.inserting_before(min(site.readers, key=order.__getitem__)):
             (dequantized,) = _emit(graph, lambda q, s: (dequantize_as(q, s, k, dtype),), [elements, scale])
-        _rename(dequantized, f"fp8_{x.name}_read")
-        for reader in site.readers:
-            for x_i in site.xs:
-                reader.replace_input_with(x_i, dequantized)
-        site.name, site.elements, site.scale, site.dequantized, site.block = \
-            x.name, elements.name, scale.name, dequantized.name, block_of(k)
+    except Exception:
+        erase_dead([elements, scale])
+        raise
+    nbytes = (_hint(val.shape[0]) or 0) * k * val.element_size()
+    node = x.next
+    while node is not start:  # the elements, and every node of the scales' shape: the partitioner may save
+        if node is elements or node.meta["val"].shape == scale.meta["val"].shape:  # amax in their place
+            node.meta[TAG] = {"role": "data" if node is elements else "scale", "of": x.name,
+                              "dtype": str(dtype).removeprefix("torch."), "nbytes": nbytes}
+        node = node.next
+    _rename(elements, f"fp8_{x.name}_data")  # no trailing number: FX would renumber it
+    _rename(scale, f"fp8_{x.name}_scale")
+    _rename(dequantized, f"fp8_{x.name}_read")
+    for reader in site.readers:
+        for x_i in site.xs:
+            reader.replace_input_with(x_i, dequantized)
+    site.name, site.elements, site.scale, site.dequantized, site.block = \
+        x.name, elements.name, scale.name, dequantized.name, block_of(k)
 
 
 def settle(site: Site, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None
            ) -> tuple[str, Any]:
+    try:
+        return _settle(site, fw, bw, num_fwd_outputs)
+    except Exception as e:  # noqa: BLE001 - a partition this pass cannot read: no FP8 copy for the site
+        return "undo", f"the partition could not be read ({type(e).__name__}: {e})"
+
+
+def _settle(site: Site, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None
+            ) -> tuple[str, Any]:
     """What a partition made of a site:
     * ("saved", None): the backward receives its FP8 elements;
     * ("move", plan): min-cut weighs a value that only fusible ops read twice, so an FP8 copy ties with a
@@ -404,9 +414,11 @@ def settle(site: Site, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     if freed <= sum(_bytes(n.meta["val"]) for n in ends):
         readers = sorted({_op_label(t) for n in (*kept, *chain) if n not in dead for u in n.users
                           if u not in chain for t in _terminals(u)})
-        return "undo", (f"the backward keeps {', '.join(sorted(p.name for p in kept))} (what it is recomputed "
-                        f"from) at full precision for {', '.join(readers)} as well: an FP8 copy would save "
-                        "nothing" if kept else "its FP8 copy would not be smaller than what the backward keeps")
+        if not kept:
+            return "undo", "its FP8 copy would not be smaller than what the backward keeps"
+        names = ", ".join(sorted(p.name for p in kept))
+        return "undo", (f"the backward keeps {names} (what it is recomputed from) at full precision for "
+                        f"{', '.join(readers)} as well: an FP8 copy would save nothing")
     if (problem := _forward_layout([p.name for p in dropped], fw, num_fwd_outputs)) is not None:
         return "undo", problem
     return "move", ("quantize", chain, dead, dropped, ends)
@@ -509,8 +521,8 @@ def _replace_outputs(fw: fx.GraphModule, replaced: list[fx.Node], new: list[fx.N
     positions = sorted(max(i for i, o in enumerate(outputs) if o is r) for r in replaced)
     first = positions[0]
     keep = [i for i in range(len(outputs)) if i not in positions]
-    out.args = (tuple([outputs[i] for i in keep if i < first] + new + [outputs[i] for i in keep if i > first]),
-                *out.args[1:])
+    before, after = [outputs[i] for i in keep if i < first], [outputs[i] for i in keep if i > first]
+    out.args = (tuple(before + new + after), *out.args[1:])
     if descs is not None:
         out.meta["desc"] = [descs[i] for i in keep if i < first] + [descs[first]] * len(new) + \
             [descs[i] for i in keep if i > first]
@@ -581,9 +593,10 @@ def report(sites: list[Site], undone: list[Site], refused: list[tuple[fx.Node, s
         x = site.xs[0]
         modules = ", ".join(dict.fromkeys(site.modules))
         if site in undone or not site.saved:
-            what = "left at full precision" if site in undone else "dW reads FP8 values, but the FP8 copy is not saved"
+            what = "left at full precision" if site in undone else "dW reads FP8 values that are not saved"
             log.refusals.append(Refusal(PASS_NAME, "partition", source_location(x),
-                                        f"{site.name} ({modules}): {what}: {site.reason}", code=describe_nodes([x])))
+                                        f"{site.name} ({modules}): {what}: {site.reason}",
+                                        code=describe_nodes([x])))
             continue
         val = x.meta["val"]
         log.rewrites.append(Rewrite(

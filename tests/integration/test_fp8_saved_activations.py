@@ -38,7 +38,8 @@ class FakeQuantizedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        return dy @ weight, dy2.t() @ fp8_saved.fake_quantize(x2), dy2.sum(0) if ctx.needs_input_grad[2] else None
+        bias_grad = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        return dy @ weight, dy2.t() @ fp8_saved.fake_quantize(x2), bias_grad
 
 
 class MLP(nn.Module):
@@ -86,7 +87,8 @@ def test_the_fp8_copy_is_the_blockwise_recipes_activation_quantization():
         want = block_dequantize(*block_quantize(xd, (1, 128), "rceil"), (1, 128), dtype)
         assert torch.equal(fp8_saved.fake_quantize(xd), want)
     elements, scale = fp8_saved.quantize(x)
-    assert elements.dtype == torch.float8_e4m3fn and elements.shape == (64, 2, 128) and scale.shape == (64, 2, 1)
+    assert elements.dtype == torch.float8_e4m3fn
+    assert elements.shape == (64, 2, 128) and scale.shape == (64, 2, 1)
     assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
     normal = x[5:60]
     assert ((fp8_saved.fake_quantize(normal) - normal).abs() <= normal.abs() / 16 + 1e-30).all()
@@ -112,7 +114,8 @@ def test_compiled_equals_eager_with_the_fake_quantized_weight_gradient(setting, 
         assert torch.equal(got, expected)  # bit for bit: the quantization is exact integer and 2^k arithmetic
     _, plain_grads = _eager(model, x, ())
     names = ["x", *(n for n, _ in model.named_parameters())]
-    changed = {n.removesuffix(".weight") for n, g, p in zip(names, grads, plain_grads) if not torch.equal(g, p)}
+    changed = {n.removesuffix(".weight") for n, g, p in zip(names, grads, plain_grads)
+               if not torch.equal(g, p)}
     assert changed == set(quantized)  # only the weight gradients of the quantized layers read FP8 values
     modules = [m for r in log.rewrites if r.pass_name == "fp8_saved" for m in r.metrics["modules"]]
     assert sorted(modules) == sorted(quantized)
@@ -128,7 +131,8 @@ def test_compiled_equals_eager_with_the_fake_quantized_weight_gradient(setting, 
 
 
 def test_explain_shows_the_dtype_change_bytes_and_totals():
-    report = explain(MLP(), torch.randn(SHAPE, requires_grad=True), config=GemConfig(memory={"fp8_saved": True}))
+    config = GemConfig(memory={"fp8_saved": True})
+    report = explain(MLP(), torch.randn(SHAPE, requires_grad=True), config=config)
     (record,) = report.memory
     data = [t for t in record.tensors if t.dtype_before]
     scales = [t for t in record.tensors if t.fp8_of and not t.dtype_before]
@@ -185,7 +189,8 @@ class Block(nn.Module):
 
 def _fp8_report(setting):
     x, lengths = torch.randn(B, L, D, requires_grad=True), torch.tensor([32, 1, 17, 5, 32, 9, 24, 12])
-    config = GemConfig(memory={"fp8_saved": setting}, unpad={"enabled": False})  # unpad: T would be data-dependent
+    # unpad off: its packed token count would be data-dependent
+    config = GemConfig(memory={"fp8_saved": setting}, unpad={"enabled": False})
     report = explain(Block(), x, lengths, config=config)
     rewrites = {m: r for r in report.rewrites if r.pass_name == "fp8_saved" for m in r.metrics["modules"]}
     refusals = {re.match(r"\S+ \(([^)]*)\)", r.reason)[1]: r.reason for r in report.refusals
@@ -201,7 +206,8 @@ def test_attention_outputs_are_never_quantized_and_shared_inputs_are_quantized_o
     attention = [t for t in record.tensors if "gemcompile" in t.op]
     assert attention and all(t.dtype in ("float32", "int64") and not t.fp8_of for t in attention)
     # q, k and v read one input: one FP8 copy serves their three weight gradients
-    assert rewrites["q"] is rewrites["k"] is rewrites["v"] and rewrites["q"].metrics["modules"] == ["q", "k", "v"]
+    assert rewrites["q"] is rewrites["k"] is rewrites["v"]
+    assert rewrites["q"].metrics["modules"] == ["q", "k", "v"]
     assert "ffn.0" in rewrites  # the residual stream's FP8 copy
     # GELU's backward reads its input at full precision, from which the FFN's second input is recomputed:
     # an FP8 copy would save nothing, so none is made (dW stays exact)
@@ -228,7 +234,8 @@ class Residual(nn.Module):
 
 def _fp8_inputs(backend) -> list:
     backward = next(gm for kind, gm in backend.aot_graphs if kind == "backward")
-    return [n for n in backward.graph.nodes if n.op == "placeholder" and n.meta["val"].dtype == torch.float8_e4m3fn]
+    return [n for n in backward.graph.nodes
+            if n.op == "placeholder" and n.meta["val"].dtype == torch.float8_e4m3fn]
 
 
 def test_bfloat16_the_partitions_choice_is_moved_to_the_fp8_copy():
@@ -251,6 +258,22 @@ def test_bfloat16_the_partitions_choice_is_moved_to_the_fp8_copy():
     assert (data.dtype_before, data.nbytes, data.nbytes_before) == ("bfloat16", 256 * D, 2 * 256 * D)
 
 
+def test_an_edit_that_fails_falls_back_to_the_exact_partition(monkeypatch):
+    def broken(plan, fw, bw):
+        raise RuntimeError("unexpected layout")
+
+    monkeypatch.setattr(fp8_saved, "move", broken)
+    torch.manual_seed(0)
+    model, x = Residual().to(torch.bfloat16), torch.randn(SHAPE, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.warns(UserWarning, match="could not edit the partitioned graphs"):
+        out, grads, log = _compile_and_grad(model, x, _ExplainBackend(GemConfig(memory={"fp8_saved": True})))
+    want = model(x)  # no FP8 copy left: the model's own numerics
+    assert torch.equal(out, want)
+    assert all(torch.equal(g, w) for g, w in zip(grads, torch.autograd.grad(want, [x, *model.parameters()])))
+    assert any("editing the partitioned graphs failed" in r.reason for r in log.refusals)
+    assert not any(t.fp8_of for t in log.memory[0].tensors)
+
+
 def _quantize_in_backward(gm, joint_inputs, **kwargs):
     """min-cut with every node of the FP8 quantize forced into the backward: the partition saves x."""
     from functorch.compile import min_cut_rematerialization_partition
@@ -258,7 +281,8 @@ def _quantize_in_backward(gm, joint_inputs, **kwargs):
 
     marked: set = set()
     for node in reversed(gm.graph.nodes):
-        if fp8_saved.TAG in node.meta or node.op == "call_function" and node.users and node.users.keys() <= marked:
+        only_feeds_marked = node.op == "call_function" and node.users and node.users.keys() <= marked
+        if fp8_saved.TAG in node.meta or only_feeds_marked:
             marked.add(node)
     for node in marked:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
@@ -322,7 +346,7 @@ def test_inductor_compiles_the_moved_graphs_bit_for_bit():
     ((1,), "expected bool or a tuple of str"),
 ])
 def test_bad_values_raise_clear_errors(value, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         GemConfig(memory={"fp8_saved": value})
     assert GemConfig(memory={"fp8_saved": ["mlp.*"]}).memory.fp8_saved == ("mlp.*",)
     with pytest.raises(TypeError, match="did you mean 'fp8_saved'"):
