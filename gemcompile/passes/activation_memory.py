@@ -26,8 +26,10 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   attention ops back to the partitioner.
 * **FP8 saved activations.** ``MemoryConfig.fp8_saved`` rewrites the joint graph before partitioning
   (passes/fp8_saved.py): the weight gradient of a chosen Linear reads an FP8 copy of its input, which the
-  partitioner then saves instead of the input. A copy the partition does not save is undone and the graph
-  partitioned again, so dW reads FP8 values only where they save memory.
+  partitioner then saves instead of the input. After the partition (``_partition_fp8``) each copy is
+  settled: saved; moved across the partition where min-cut's weights tie (the two graphs edited to hand
+  over the FP8 copy); or undone and the graph partitioned again where the backward keeps x, or what x is
+  recomputed from, at full precision anyway, so dW reads FP8 values only where they save memory.
 * **The record.** What the partition saved, read from its output (the backward graph's inputs other than
   tangents are exactly the saved values; their producers are found by name in the forward graph): one
   ``GraphMemory`` per joint graph in the active PassLog, rendered by ``explain`` (``memory_tables``).
@@ -35,10 +37,11 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   recomputes; a real compile does not pay for that second partition.
 
 Where it plugs in: Inductor's ``custom_partitioner_fn`` slot (added mid-2025; feature-detected), a
-``CustomPartitionerFn`` whose uuid covers this file, the memory section and the versions, installed by
-GemBackend through ``compile_fx(config_patches=...)`` for its compile only, chaining a partitioner the
-user installed there. A torch without the slot still gets the budget (the patch around compile_fx), but
-neither the attention tags nor the record (a warning says so when a budget is set). explain runs the same
+``CustomPartitionerFn`` whose uuid covers this file, fp8_saved.py, the memory section and the versions,
+installed by GemBackend through ``compile_fx(config_patches=...)`` for its compile only, chaining a
+partitioner the user installed there. A torch without the slot still gets the budget (the patch around
+compile_fx), but neither the attention tags, the FP8 copies nor the record (a warning says so when a budget
+or fp8_saved is set). explain runs the same
 partitioner in its own AOTAutograd call (without Inductor's own joint-graph pattern passes, which can
 change a few nodes before Inductor partitions).
 """

@@ -299,8 +299,9 @@ def _assign_readers(site: Site, backward: set[fx.Node]) -> str | None:
     for x in site.xs:
         site.readers += [u for u in x.users if all(t in site.wgrads for t in _terminals(u))]
     served = {t for u in site.readers for t in _terminals(u)}
-    base = _root(site.xs[0], _VIEWS)  # every view of it reads the same values
-    exact = [t for u in base.users for t in _terminals(u) if t in backward and t not in served]
+    bases = {_root(x, _VIEWS) for x in site.xs}  # every view of them reads the same values
+    exact = [t for base in bases for u in base.users for t in _terminals(u)
+             if t in backward and t not in served]
     if not exact:
         return None
     modules = {m for t in exact if (m := _module(t, True)[1])}
