@@ -128,12 +128,13 @@ class GemBackend:
 
     def partitioner(self, patches: dict[str, Any]) -> dict[str, Any]:
         """``{"custom_partitioner_fn": ...}``: gemcompile's partitioner, chaining one already installed, when
-        GemConfig.memory asks for something (a budget, or recompute_attention); empty otherwise, and on a
-        torch without the slot (the budget still applies; the attention tags and the record do not)."""
+        GemConfig.memory asks for something (a budget, recompute_attention, fp8_saved); empty otherwise, and
+        on a torch without the slot (the budget still applies; the attention tags, FP8 copies and the record
+        do not)."""
         import torch._inductor.config as inductor_config
 
         memory = self.config.memory
-        if memory.budget is None and not memory.recompute_attention:
+        if memory.budget is None and not memory.recompute_attention and not memory.fp8_saved:
             # the default compile keeps Inductor's own partitioner untouched (the path measured on the GPU);
             # explain still records the saved tensors through its own backend
             return {}
@@ -141,6 +142,9 @@ class GemBackend:
             if self.config.memory.budget is not None and not self.config.memory.recompute_attention:
                 warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory.budget "
                               "applies, but gemcompile's attention kernels may be recomputed", stacklevel=3)
+            if memory.fp8_saved:
+                warnings.warn("this torch's Inductor has no custom_partitioner_fn: GemConfig.memory."
+                              "fp8_saved is ignored (activations are saved in their own dtype)", stacklevel=3)
             return {}
         existing = patches.get("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
         if existing is not None and not self.config.chain_existing_passes:

@@ -301,8 +301,39 @@ class MemoryConfig:
     either way (a second host sync); a region the user wrapped in torch.utils.checkpoint keeps the
     user's choice."""
 
+    fp8_saved: bool | tuple[str, ...] = False
+    """Save the input x of qualifying Linear-like GEMMs for their weight gradient (dW = dy^T x) in FP8
+    instead of its own dtype (passes/fp8_saved.py): E4M3 with a power-of-two scale per 1x128 block along
+    the last dim (one per row when that dim is not a multiple of 128), quantized in the forward and
+    dequantized just before dW in the backward. Only dW reads the FP8 copy: the output and every other
+    gradient stay exact. False (the default): off. True: every qualifying GEMM. A tuple of module-name
+    patterns (syntax as ``Mxfp8Config.include``: fnmatch globs on the GEMM's module path, an enclosing
+    module or a class name, or ``re:`` regular expressions): the GEMMs of those modules only. A GEMM
+    qualifies when one operand is a parameter and the other, x, is a floating activation of at least
+    ``fp8_saved.MIN_ELEMENTS`` (65536) elements computed in the graph: never a graph input or parameter,
+    never an output of gemcompile's attention ops or plans (nor a copy or gather of one). Where the backward
+    needs x, or what x is recomputed from, at full precision anyway (a GELU's or a norm's input), an FP8 copy
+    would save nothing and x stays exact. ``explain`` shows each tensor saved in FP8 with its dtype and bytes
+    before and after, and why each other candidate was left alone."""
+
     def __post_init__(self):
+        if isinstance(self.fp8_saved, list):
+            object.__setattr__(self, "fp8_saved", tuple(self.fp8_saved))
+        elif isinstance(self.fp8_saved, str):
+            raise ConfigError(f"MemoryConfig.fp8_saved = {self.fp8_saved!r} is invalid: expected True, False "
+                              f"or a tuple of module-name patterns, e.g. ({self.fp8_saved!r},)")
         _check_types(self)
+        if isinstance(self.fp8_saved, tuple):
+            for pattern in self.fp8_saved:
+                if not pattern.strip():
+                    raise ConfigError("MemoryConfig.fp8_saved holds an empty pattern: expected module-name "
+                                      "patterns such as 'mlp.*' or 're:layers\\.\\d+\\.ffn'")
+                if pattern.startswith("re:"):
+                    try:
+                        re.compile(pattern[3:])
+                    except re.error as e:
+                        raise ConfigError(f"MemoryConfig.fp8_saved: the regular expression {pattern!r} does "
+                                          f"not compile: {e}") from None
         if self.budget is not None and not 0.0 < self.budget <= 1.0:  # also refuses NaN
             raise ConfigError(f"MemoryConfig.budget = {self.budget} is invalid: expected a fraction in "
                               "(0, 1] (1.0 = what the partitioner saves by default; lower saves less and "
@@ -414,8 +445,9 @@ class GemConfig:
     """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""
 
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    """What the forward saves for the backward: an activation memory budget for the partitioner, and
-    gemcompile's attention kernels kept out of recomputation (joint graph, at partitioning)."""
+    """What the forward saves for the backward: an activation memory budget for the partitioner,
+    gemcompile's attention kernels kept out of recomputation, and FP8 copies of the inputs saved for
+    weight gradients (joint graph, at partitioning)."""
 
     chain_existing_passes: bool = True
     """Run a pass the user installed in an Inductor slot gemcompile also uses (before gemcompile's own).

@@ -24,6 +24,12 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   skip both and recompute everything: MemoryConfig refuses 0). A node already tagged (a region the user
   wrapped in torch.utils.checkpoint) keeps the user's tag; ``MemoryConfig.recompute_attention`` hands the
   attention ops back to the partitioner.
+* **FP8 saved activations.** ``MemoryConfig.fp8_saved`` rewrites the joint graph before partitioning
+  (passes/fp8_saved.py): the weight gradient of a chosen Linear reads an FP8 copy of its input, which the
+  partitioner then saves instead of the input. After the partition (``_partition_fp8``) each copy is
+  settled: saved; moved across the partition where min-cut's weights tie (the two graphs edited to hand
+  over the FP8 copy); or undone and the graph partitioned again where the backward keeps x, or what x is
+  recomputed from, at full precision anyway, so dW reads FP8 values only where they save memory.
 * **The record.** What the partition saved, read from its output (the backward graph's inputs other than
   tangents are exactly the saved values; their producers are found by name in the forward graph): one
   ``GraphMemory`` per joint graph in the active PassLog, rendered by ``explain`` (``memory_tables``).
@@ -31,10 +37,11 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   recomputes; a real compile does not pay for that second partition.
 
 Where it plugs in: Inductor's ``custom_partitioner_fn`` slot (added mid-2025; feature-detected), a
-``CustomPartitionerFn`` whose uuid covers this file, the memory section and the versions, installed by
-GemBackend through ``compile_fx(config_patches=...)`` for its compile only, chaining a partitioner the
-user installed there. A torch without the slot still gets the budget (the patch around compile_fx), but
-neither the attention tags nor the record (a warning says so when a budget is set). explain runs the same
+``CustomPartitionerFn`` whose uuid covers this file, fp8_saved.py, the memory section and the versions,
+installed by GemBackend through ``compile_fx(config_patches=...)`` for its compile only, chaining a
+partitioner the user installed there. A torch without the slot still gets the budget (the patch around
+compile_fx), but neither the attention tags, the FP8 copies nor the record (a warning says so when a budget
+or fp8_saved is set). explain runs the same
 partitioner in its own AOTAutograd call (without Inductor's own joint-graph pattern passes, which can
 change a few nodes before Inductor partitions).
 """
@@ -55,6 +62,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.config import GemConfig
+from gemcompile.passes import fp8_saved
 from gemcompile.passes.records import GraphMemory, SavedTensor, active_log, source_location
 from gemcompile.version import versions
 
@@ -272,6 +280,13 @@ def saved_tensors(fw: fx.GraphModule, bw: fx.GraphModule, info: JointInfo) -> di
             shape="(" + ", ".join(str(s) for s in val.shape) + ("," if val.dim() == 1 else "") + ")",
             nbytes=0 if alias_of else _storage_bytes(val), where=_where(source), alias_of=alias_of,
         )
+        if tag := source.meta.get(fp8_saved.TAG):  # an FP8 copy (or its scales) of a value: name the value
+            of = fw_nodes.get(tag["of"])
+            data = tag["role"] == "data"
+            out[node.name].update(
+                op=f"{'fp8' if data else 'fp8 scales'} of {_op_text(of) if of is not None else tag['of']}",
+                where=_where(of) if of is not None else out[node.name]["where"], fp8_of=tag["of"],
+                dtype_before=tag["dtype"] if data else "", nbytes_before=tag["nbytes"] if data else 0)
     return out
 
 
@@ -319,13 +334,53 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
 
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
+    def _partition_fp8(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict, sites: list
+                       ) -> tuple[Any, Any, list]:
+        """Partition, then settle each FP8 site (fp8_saved.settle): saved, moved across the partition, or
+        undone (its readers get x back) with the graph partitioned once more, so that dW reads FP8 values only
+        where they are saved. Returns the sites undone."""
+        undone: list = []
+        for attempt in range(2):
+            fw, bw = self._partition(gm, joint_inputs, dict(kwargs))
+            verdicts = {site: fp8_saved.settle(site, fw, bw, kwargs.get("num_fwd_outputs")) for site in sites}
+            for site, (kind, detail) in verdicts.items():
+                site.saved, site.reason = kind != "undo", detail if kind == "undo" else ""
+            bad = [site for site, (kind, _) in verdicts.items() if kind == "undo"]
+            if not bad or attempt == 1:  # one that turns bad in the second partition stays: reported unsaved
+                break
+            fp8_saved.undo(gm, bad)
+            undone += bad
+            sites = [site for site in sites if site not in bad]
+        moving = [(site, plan) for site, (kind, plan) in verdicts.items() if kind == "move"]
+        try:
+            for site, plan in moving:
+                fp8_saved.move(plan, fw, bw)
+                site.moved = plan[0]
+        except Exception as e:  # noqa: BLE001 - a layout settle did not foresee: partition without them
+            warnings.warn(f"GemConfig.memory.fp8_saved: could not edit the partitioned graphs ({e}); the FP8 "
+                          "copies the partitioner did not save itself are dropped", stacklevel=2)
+            for site, _ in moving:
+                site.saved, site.moved, site.reason = False, "", f"editing the partitioned graphs failed: {e}"
+            fp8_saved.undo(gm, [site for site, _ in moving])
+            undone += [site for site, _ in moving]
+            fw, bw = self._partition(gm, joint_inputs, dict(kwargs))
+        return fw, bw, undone
+
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         kept = keep_attention(gm.graph, attention=not self.options.recompute_attention)
+        info = JointInfo(gm.graph, kwargs.get("static_lifetime_input_indices"))
+        sites, refused = [], []
+        if self.options.fp8_saved:  # before the partition, which then saves the FP8 copies (fp8_saved.py)
+            parameters = {name for name, kind in info.input_kinds.items() if kind == "parameter"}
+            sites, refused = fp8_saved.plan(gm.graph, self.options.fp8_saved, parameters)
+            if sites:
+                sites, failed = fp8_saved.rewrite(gm.graph, sites)
+                refused += failed
+                gm.recompile()
         log = active_log()
         if log is None:  # nobody to report to: partition only
             with budget_patch(self.options.budget):
-                return self._partition(gm, joint_inputs, dict(kwargs))
-        info = JointInfo(gm.graph, kwargs.get("static_lifetime_input_indices"))
+                return self._partition_fp8(gm, joint_inputs, kwargs, sites)[:2]
         with budget_patch(self.options.budget):
             budget = current_budget()  # ours, or one the user set in torch's config
         default = None
@@ -336,8 +391,10 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
                 fw0, bw0 = self._partition(gm, joint_inputs, dict(kwargs))
             default = saved_tensors(fw0, bw0, info)
         with budget_patch(self.options.budget):
-            fw, bw = self._partition(gm, joint_inputs, dict(kwargs))
+            fw, bw, undone = self._partition_fp8(gm, joint_inputs, kwargs, sites)
         saved = saved_tensors(fw, bw, info)
+        if self.options.fp8_saved:
+            fp8_saved.report(sites, undone, refused, log)
         if default is None and self.measure_default:
             default = saved  # no budget: the default is what was just saved
         log.memory.append(graph_memory(len(log.memory), budget, saved, default, bw, info, kept))
@@ -350,6 +407,7 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
             if chained_uuid is None:
                 return None  # a chained partitioner without a uuid: uncacheable, as Inductor would have it
         h = hashlib.sha256(Path(inspect.getsourcefile(type(self)) or __file__).read_bytes())
+        h.update(Path(fp8_saved.__file__).read_bytes())  # the joint rewrite it runs
         for part in (self.config.fingerprint("memory"), repr(sorted(versions().items())),
                      repr(chained_uuid)):
             h.update(part.encode())
@@ -377,6 +435,9 @@ def memory_summary(record: GraphMemory) -> str:
     text += f"; budget {record.budget:g}" if record.budget is not None else "; no budget"
     if record.kept:
         text += f"; {record.kept} attention / plan / data-dependent ops never recomputed"
+    if record.fp8_bytes:
+        text += (f"; in FP8: {format_bytes(record.fp8_bytes)} (with scales) instead of "
+                 f"{format_bytes(record.fp8_bytes_before)}")
     return text
 
 
@@ -406,7 +467,8 @@ def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
             for group in of_status[:max_rows]:
                 t, where = group[0], where_of[id(group)]
                 name = t.name + (f" (x{len(group)})" if len(group) > 1 else "")
-                table.add_row(escape(name), escape(t.op), escape(where), escape(t.shape), t.dtype,
+                dtype = f"{t.dtype_before} -> {t.dtype}" if t.dtype_before else t.dtype
+                table.add_row(escape(name), escape(t.op), escape(where), escape(t.shape), dtype,
                               format_bytes(sum(x.nbytes for x in group)), status)
             if len(of_status) > max_rows:
                 rest = [t for g in of_status[max_rows:] for t in g]
@@ -417,6 +479,12 @@ def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
                           "", format_bytes(sum(t.nbytes for t in parameters)), "saved")
         table.add_row("total", "activations and inputs saved", "", "", "", format_bytes(record.saved_bytes),
                       "", style="bold")
+        if record.fp8_bytes:
+            fp8 = [t for t in record.tensors if t.dtype_before and t.status != "recomputed"]
+            values = f"{len(fp8)} value{'s' if len(fp8) > 1 else ''} (+ scales)"
+            before = f"{format_bytes(record.fp8_bytes_before)} in their own dtype"
+            table.add_row("in fp8", f"{values}, {before}", "", "", "", format_bytes(record.fp8_bytes), "",
+                          style="bold")
         if record.default_bytes is not None and record.budget is not None:
             table.add_row("default", "saved with no budget", "", "", "", format_bytes(record.default_bytes),
                           "", style="bold")

@@ -168,6 +168,13 @@ class SavedTensor:
     the innermost module (``blocks.0.ffn.0 (Linear)``)."""
     alias_of: str = ""
     """The earlier saved tensor whose storage this one views (its bytes are counted there)."""
+    fp8_of: str = ""
+    """For a value saved in FP8 (GemConfig.memory.fp8_saved) and for its scales: the name of the value they
+    encode; empty for every other tensor."""
+    dtype_before: str = ""
+    """The FP8 data's row: the dtype the value had before it was quantized (empty on other rows)."""
+    nbytes_before: int = 0
+    """The FP8 data's row: the bytes the value would keep in ``dtype_before`` (0 on other rows)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,16 @@ class GraphMemory:
     def saved_bytes(self) -> int:
         """Bytes saved for the backward under the budget (activations and inputs, parameters excluded)."""
         return sum(t.nbytes for t in self.tensors if t.kind != "parameter" and t.status != "recomputed")
+
+    @property
+    def fp8_bytes(self) -> int:
+        """Bytes of the values saved in FP8 and of their scales."""
+        return sum(t.nbytes for t in self.tensors if t.fp8_of and t.status != "recomputed")
+
+    @property
+    def fp8_bytes_before(self) -> int:
+        """Bytes the values saved in FP8 would keep in their own dtype."""
+        return sum(t.nbytes_before for t in self.tensors if t.fp8_of and t.status != "recomputed")
 
     @property
     def parameter_bytes(self) -> int:
