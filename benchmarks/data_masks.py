@@ -19,7 +19,8 @@ loaders). One train step = forward under bf16 autocast, loss = out.float().squar
 Methods, each in this process on the same batches: ``inductor`` (torch.compile, default options) and ``gem``
 (gem_compile, default GemConfig); with ``--modes default,cudagraphs`` also both under mode="reduce-overhead"
 (``inductor-cudagraphs``, ``gem-cudagraphs``: a host-bound step replayed as CUDA graphs), each gem mode
-compared with inductor in the same mode. explain's rewrite counts are recorded. ``--host-profile`` records
+compared with inductor in the same mode (on torch 2.11 both raised "accessing tensor output of CUDAGraphs that
+has been overwritten by a subsequent run" on these stacks: benchmarks/results/data_masks-20261202-001356.json). explain's rewrite counts are recorded. ``--host-profile`` records
 each method's top host ops (self CPU time per step). Timing: CUDA events around each
 step, median over ``--steps`` steps after ``--warmup`` (the first compiles); ``recompiles`` counts graphs
 compiled after warm-up (masks change every step: there should be none). On CUDA three more steps per
