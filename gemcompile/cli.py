@@ -20,6 +20,9 @@ def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", type=float, default=None, metavar="FRACTION",
                         help="activation memory budget in (0, 1] (GemConfig.memory.budget): the saved-tensor "
                         "tables then show what it recomputes and the bytes saved with no budget")
+    parser.add_argument("--fp8-saved", action="store_true",
+                        help="save Linear inputs for their weight gradients in FP8 (GemConfig.memory.fp8_saved): "
+                        "the saved-tensor tables show the dtype and bytes before and after")
     parser.add_argument("--graphs", action="store_true", help="also print the Dynamo graph after the passes")
     parser.add_argument("--width", type=int, default=None, help="terminal width for the report")
     _debug_argument(parser)
@@ -69,6 +72,8 @@ def run_explain(args: argparse.Namespace) -> int:
             sections[name] = {"enabled": enabled}
     if args.memory_budget is not None:
         sections["memory"] = {"budget": args.memory_budget}
+    if args.fp8_saved:
+        sections.setdefault("memory", {})["fp8_saved"] = True
     report, batch = explain_gem_ref(args.size, batch_size=args.batch_size, fill=args.fill, seed=args.seed,
                                     config=GemConfig(**sections))
     console = Console(width=args.width)

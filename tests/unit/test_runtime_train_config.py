@@ -133,3 +133,30 @@ def test_sparse_tables_resolution(monkeypatch):
     assert not TrainConfig(parallel=replicated).trains_tables_sparsely
     with pytest.raises(ValueError, match="with parallel embedding_sharding other than grid"):
         TrainConfig(parallel=replicated, sparse_tables=True)
+
+
+def test_memory_flags_reach_the_gem_config():
+    from gemcompile.runtime.training.config import gem_config
+
+    parser = add_train_arguments(argparse.ArgumentParser())
+    cfg = config_from_args(parser.parse_args(["--compile", "gem", "--memory-budget", "0.4", "--fp8-saved"]))
+    assert cfg.memory_budget == 0.4 and cfg.fp8_saved is True
+    gem = gem_config(cfg)
+    assert gem.memory.budget == 0.4 and gem.memory.fp8_saved is True
+    plain = gem_config(config_from_args(parser.parse_args(["--compile", "gem"])))
+    assert plain.memory.budget is None and plain.memory.fp8_saved is False  # the default compile: untouched
+    with_fp8 = gem_config(TrainConfig(compile="gem", mxfp8="mxfp8_emulated", fp8_saved=True))
+    assert with_fp8.mxfp8.enabled and with_fp8.memory.fp8_saved is True
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compile": "gem", "memory_budget": 0.0}, "memory_budget"),
+    ({"compile": "gem", "memory_budget": 1.5}, "memory_budget"),
+    ({"compile": "gem", "memory_budget": "0.5"}, "memory_budget"),
+    ({"compile": "gem", "fp8_saved": 1}, "fp8_saved"),
+    ({"compile": "inductor", "memory_budget": 0.5}, "needs compile='gem'"),
+    ({"compile": "eager", "fp8_saved": True}, "needs compile='gem'"),
+])
+def test_memory_settings_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)

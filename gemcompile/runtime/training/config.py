@@ -114,6 +114,16 @@ class TrainConfig:
     Mxfp8Config.min_m, min_k and min_n). None keeps the config's defaults, which leave layers under 2048
     wide or under 16384 tokens in high precision (where FP8 loses to bf16 on H200)."""
 
+    memory_budget: float | None = None
+    """Activation memory budget in (0, 1] for gem_compile's partitioner (GemConfig.memory.budget): lower saves
+    fewer activations and recomputes more in the backward (exact: the trajectory does not change). None:
+    the partitioner's default. Needs compile="gem"."""
+
+    fp8_saved: bool = False
+    """Save the inputs of the Linear layers' weight gradients in FP8 (GemConfig.memory.fp8_saved,
+    passes/fp8_saved.py): less activation memory, weight gradients computed from the FP8 copy. Needs
+    compile="gem". Not a trajectory field: a run may resume with it switched."""
+
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (over every mesh when parallel); None = no clipping."""
 
@@ -202,6 +212,13 @@ class TrainConfig:
         if self.mxfp8 is not None and self.compile != "gem":
             raise ValueError(f"TrainConfig.mxfp8 = {self.mxfp8!r} needs compile='gem' (got compile="
                              f"{self.compile!r}): the FP8 casts are a gem_compile pass")
+        check(self.memory_budget is None or (_is_number(self.memory_budget) and 0 < self.memory_budget <= 1),
+              "memory_budget", "None or a number in (0, 1]")
+        check(isinstance(self.fp8_saved, bool), "fp8_saved", "a bool")
+        for name in ("memory_budget", "fp8_saved"):
+            if getattr(self, name) not in (None, False) and self.compile != "gem":
+                raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} needs compile='gem' (got compile="
+                                 f"{self.compile!r}): the partitioner's policy is gem_compile's")
         if self.mxfp8_min_dim is not None and self.mxfp8 is None:
             raise ValueError("TrainConfig.mxfp8_min_dim needs TrainConfig.mxfp8 (a recipe)")
         if self.save_every is not None and self.checkpoint_dir is None:
@@ -222,9 +239,14 @@ class TrainConfig:
 
 
 def gem_config(cfg: TrainConfig) -> GemConfig:
-    """The GemConfig a compile="gem" run uses (the mxfp8 section from TrainConfig.mxfp8*)."""
-    if cfg.mxfp8 is None:
-        return GemConfig()
-    sizes = {} if cfg.mxfp8_min_dim is None else dict.fromkeys(("min_m", "min_k", "min_n"), cfg.mxfp8_min_dim)
-    return GemConfig(mxfp8={"enabled": True, "recipe": cfg.mxfp8, **sizes})
+    """The GemConfig a compile="gem" run uses (the mxfp8 section from TrainConfig.mxfp8*, the memory section
+    from memory_budget and fp8_saved)."""
+    sections = {}
+    if cfg.mxfp8 is not None:
+        sizes = {} if cfg.mxfp8_min_dim is None else dict.fromkeys(("min_m", "min_k", "min_n"), cfg.mxfp8_min_dim)
+        sections["mxfp8"] = {"enabled": True, "recipe": cfg.mxfp8, **sizes}
+    memory = {k: v for k, v in (("budget", cfg.memory_budget), ("fp8_saved", cfg.fp8_saved)) if v not in (None, False)}
+    if memory:
+        sections["memory"] = memory
+    return GemConfig(**sections)
 

@@ -80,6 +80,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--mxfp8-min-dim", type=int, default=None, metavar="N",
                         help="with --mxfp8: quantize layers whose tokens, in and out features are all >= N "
                         "(default: the pass's 16384 tokens / 2048 features)")
+    parser.add_argument("--memory-budget", type=float, default=None, metavar="FRACTION",
+                        help="activation memory budget in (0, 1] for gem_compile's partitioner: save less, "
+                        "recompute more (--compile gem)")
+    parser.add_argument("--fp8-saved", action="store_true",
+                        help="save the inputs of the Linear layers' weight gradients in FP8 (--compile gem)")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                         help="clip the global gradient norm (all meshes when --parallel)")
     parser.add_argument("--dense-tables", action="store_true",
@@ -138,6 +143,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         quiet=args.quiet,
         mxfp8=args.mxfp8,
         mxfp8_min_dim=args.mxfp8_min_dim,
+        memory_budget=getattr(args, "memory_budget", None),
+        fp8_saved=getattr(args, "fp8_saved", False),
         grad_clip=getattr(args, "grad_clip", None),
         sparse_tables=False if getattr(args, "dense_tables", False) else None,
         parallel=parallel_config_from_args(args),
