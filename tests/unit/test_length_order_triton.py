@@ -142,3 +142,17 @@ def test_key_bounds_kernel_empty_batch_and_bad_mask():
     assert bounds.shape == (0, 3) and span.shape == (0,)
     with pytest.raises(ValueError, match="2-D bool"):
         key_bounds_and_span(torch.zeros(2, 5), None)
+
+
+@pytest.mark.parametrize("B", [5, 50, 130])
+def test_rank_kernel_with_narrower_column_blocks(B):
+    """The launcher uses BLOCK 16 under the interpreter; on CUDA, BLOCK up to 128 against BLOCK_J = 32
+    columns at a time: that split, run here directly."""
+    import triton
+
+    from gemcompile.lowering.common.length_order_triton import _rank_kernel
+
+    key = torch.randint(0, 7, (B,), generator=torch.Generator().manual_seed(B))  # many ties
+    order = torch.full((B,), -1, dtype=torch.int64)
+    _rank_kernel[(triton.cdiv(B, 64),)](key, order, B, BLOCK=64, BLOCK_J=32)
+    assert torch.equal(order, torch.sort(key, descending=True, stable=True).indices)
