@@ -259,16 +259,21 @@ class Mxfp8Config:
             if getattr(self, name) < 1:
                 raise ConfigError(f"Mxfp8Config.{name} = {getattr(self, name)} is invalid: expected >= 1")
         for name in ("include", "exclude", "bf16_weight_grad"):
-            for pattern in getattr(self, name):
-                if not pattern.strip():
-                    raise ConfigError(f"Mxfp8Config.{name} holds an empty pattern: expected module-name "
-                                      "patterns such as '*ffn*' or 're:layers\\.\\d+\\.ffn'")
-                if pattern.startswith("re:"):
-                    try:
-                        re.compile(pattern[3:])
-                    except re.error as e:
-                        raise ConfigError(f"Mxfp8Config.{name}: the regular expression {pattern!r} does not "
-                                          f"compile: {e}") from None
+            check_module_patterns(f"Mxfp8Config.{name}", getattr(self, name), "'*ffn*'")
+
+
+def check_module_patterns(owner: str, patterns: tuple[str, ...], example: str) -> None:
+    """Module-name patterns (fnmatch globs or ``re:`` regular expressions, passes/mxfp8.match_pattern): none
+    empty, every regular expression compiles; ConfigError naming ``owner`` otherwise."""
+    for pattern in patterns:
+        if not pattern.strip():
+            raise ConfigError(f"{owner} holds an empty pattern: expected module-name patterns such as "
+                              f"{example} or 're:layers\\.\\d+\\.ffn'")
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise ConfigError(f"{owner}: the regular expression {pattern!r} does not compile: {e}") from None
 
 
 @config_section
@@ -324,16 +329,7 @@ class MemoryConfig:
                               f"or a tuple of module-name patterns, e.g. ({self.fp8_saved!r},)")
         _check_types(self)
         if isinstance(self.fp8_saved, tuple):
-            for pattern in self.fp8_saved:
-                if not pattern.strip():
-                    raise ConfigError("MemoryConfig.fp8_saved holds an empty pattern: expected module-name "
-                                      "patterns such as 'mlp.*' or 're:layers\\.\\d+\\.ffn'")
-                if pattern.startswith("re:"):
-                    try:
-                        re.compile(pattern[3:])
-                    except re.error as e:
-                        raise ConfigError(f"MemoryConfig.fp8_saved: the regular expression {pattern!r} does "
-                                          f"not compile: {e}") from None
+            check_module_patterns("MemoryConfig.fp8_saved", self.fp8_saved, "'mlp.*'")
         if self.budget is not None and not 0.0 < self.budget <= 1.0:  # also refuses NaN
             raise ConfigError(f"MemoryConfig.budget = {self.budget} is invalid: expected a fraction in "
                               "(0, 1] (1.0 = what the partitioner saves by default; lower saves less and "

@@ -32,7 +32,7 @@ from .common.length_order import (
     stable_longest_first,
 )
 
-__all__ = ["derive_plan", "device_key_bounds", "longest_first"]
+__all__ = ["bounds_and_span", "derive_plan", "longest_first"]
 
 
 def _check_key(key: Tensor) -> None:
@@ -73,26 +73,23 @@ def _length_order_fake(key: Tensor) -> Tensor:
     return key.new_empty(key.shape, dtype=torch.int64)
 
 
-def device_key_bounds(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> Tensor:
-    """The key bounds of a kv_mask on its device: one Triton launch on CUDA, torch ops elsewhere."""
+def bounds_and_span(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(key bounds (B, 3), key span (B,)) of a kv_mask on its device: one Triton launch on CUDA (it writes
+    both), torch ops elsewhere."""
     if kv_mask.device.type == "cuda":
         from .common.length_order_triton import key_bounds_and_span
 
-        return key_bounds_and_span(kv_mask, kv_lengths)[0]
-    return key_bounds(kv_mask, kv_lengths)
+        return key_bounds_and_span(kv_mask, kv_lengths)
+    bounds = key_bounds(kv_mask, kv_lengths)
+    return bounds, key_span(bounds)
 
 
 @torch.library.custom_op("gemcompile::key_bounds", mutates_args=())
 def key_bounds_op(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(bounds int32 (B, 3) [lo, hi, holes], the longest-span-first order int64 (B,))."""
     _check_mask(kv_mask, kv_lengths)
-    if kv_mask.device.type == "cuda":  # two launches: the bounds with their span, then the order
-        from .common.length_order_triton import key_bounds_and_span
-
-        bounds, span = key_bounds_and_span(kv_mask, kv_lengths)
-        return bounds, longest_first(span)
-    bounds = key_bounds(kv_mask, kv_lengths)
-    return bounds, longest_first(key_span(bounds))
+    bounds, span = bounds_and_span(kv_mask, kv_lengths)
+    return bounds, longest_first(span)
 
 
 @key_bounds_op.register_fake
@@ -110,7 +107,7 @@ def derive_plan(q_lengths: Optional[Tensor], kv_lengths: Optional[Tensor], kv_ma
     both sides share one lengths tensor and there is no mask."""
     if kv_mask is not None:
         if kv_bounds is None:
-            kv_bounds = device_key_bounds(kv_mask, kv_lengths)
+            kv_bounds = bounds_and_span(kv_mask, kv_lengths)[0]
         if kv_order is None:
             kv_order = longest_first(key_span(kv_bounds))
     elif kv_lengths is not None and kv_order is None:
