@@ -19,8 +19,10 @@ loaders). One train step = forward under bf16 autocast, loss = out.float().squar
 Methods, each in this process on the same batches: ``inductor`` (torch.compile, default options) and ``gem``
 (gem_compile, default GemConfig); with ``--modes default,cudagraphs`` also both under mode="reduce-overhead"
 (``inductor-cudagraphs``, ``gem-cudagraphs``: a host-bound step replayed as CUDA graphs), each gem mode
-compared with inductor in the same mode (on torch 2.11 both raised "accessing tensor output of CUDAGraphs that
-has been overwritten by a subsequent run" on these stacks: benchmarks/results/data_masks-20261202-001356.json). explain's rewrite counts are recorded. ``--host-profile`` records
+compared with inductor in the same mode. Each step first drops the last step's grads (set to None, as
+``zero_grad`` does): accumulating into them made both methods raise "accessing tensor output of CUDAGraphs that
+has been overwritten by a subsequent run" (benchmarks/results/data_masks-20261202-001356.json).
+explain's rewrite counts are recorded. ``--sync-check`` records where a step waits for the GPU. ``--host-profile`` records
 each method's top host ops (self CPU time per step). Timing: CUDA events around each
 step, median over ``--steps`` steps after ``--warmup`` (the first compiles); ``recompiles`` counts graphs
 compiled after warm-up (masks change every step: there should be none). On CUDA three more steps per
@@ -119,7 +121,29 @@ def _host_profile(fn, batches, device, steps: int = 3, top: int = 20) -> list[di
     return table
 
 
+def _host_syncs(fn, batches, device) -> list[str]:
+    """Where a step waits for the GPU (torch.cuda.set_sync_debug_mode warnings over one step): a sync per
+    op call serializes host and GPU, and a host-bound step then costs their sum."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(fn, *batches[0][:2], device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = [str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)]
+    print(f"  host syncs in one step: {len(found)}", *found[:5], sep="\n    ", flush=True)
+    return found
+
+
 def _step(fn, hidden, mask_input, device):
+    # A training step's grads start empty (an optimizer's zero_grad(set_to_none=True)): accumulating into the
+    # last step's grads would read buffers CUDA graph trees have since overwritten (their documented error).
+    hidden.grad = None
+    for p in fn.parameters():
+        p.grad = None
     torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees; a no-op otherwise
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = fn(hidden, mask_input)
@@ -180,6 +204,8 @@ def _run_method(model, method: str, sides, found, args, device) -> None:
             row[f"{method}_profile"] = profiled.as_json()
         if args.host_profile and side == "right":
             row[f"{method}_host_top"] = _host_profile(fn, batches, device)
+        if args.sync_check and device.type == "cuda" and side == "right":
+            row[f"{method}_host_syncs"] = _host_syncs(fn, batches, device)
 
 
 def bench_models(args, device, model_name: str) -> list[dict]:
@@ -274,6 +300,8 @@ def main() -> None:
     p.add_argument("--modes", default="default",
                    help="comma list of default (torch.compile's default mode) and cudagraphs (reduce-overhead)")
     p.add_argument("--host-profile", action="store_true", help="record each method's top host ops per step")
+    p.add_argument("--sync-check", action="store_true",
+                   help="record where one step of each method synchronizes with the GPU (sync debug mode)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
