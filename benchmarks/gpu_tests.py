@@ -7,13 +7,15 @@ Writes ``gpu-tests-<stamp>.xml`` (``pytest --junitxml``) and ``gpu-tests-<stamp>
 file and in total, read back from the XML, with the environment block of the one results writer) into
 $OUT, else --out, else ``benchmarks/results/gpu-tests/``. The README's GPU test outcomes are rendered
 from these files (benchmarks/render_report.py, block ``gpu-tests``); a count with no log behind it is
-not stated. A run cut by --timeout-s still writes what pytest reported (``complete: false``).
+not stated. A run cut by --timeout-s gets SIGINT (pytest then writes the XML of the tests that finished) and is
+marked ``complete: false``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +33,11 @@ def summarize(xml_path: Path) -> dict:
     """Counts per test file and in total from a JUnit XML file (pytest's)."""
     by_file: dict[str, dict[str, int]] = {}
     failed_tests: list[str] = []
+    interrupted = 0
     for case in ET.parse(xml_path).iter("testcase"):
+        if not case.get("name"):  # the test SIGINT cut: pytest writes a nameless entry, not a pass
+            interrupted += 1
+            continue
         module = case.get("classname") or case.get("name", "")  # a module skipped whole: its name
         parts = module.split(".")
         while parts and parts[-1][:1].isupper():  # a test class: Test... belongs to its module
@@ -51,7 +57,8 @@ def summarize(xml_path: Path) -> dict:
         else:
             counts["passed"] += 1
     total = {k: sum(c[k] for c in by_file.values()) for k in ("tests", "passed", "failed", "errors", "skipped")}
-    return {"by_file": dict(sorted(by_file.items())), "total": total, "failed_tests": failed_tests}
+    return {"by_file": dict(sorted(by_file.items())), "total": total, "failed_tests": failed_tests,
+            "interrupted": interrupted}
 
 
 def main(argv=None) -> int:
@@ -68,10 +75,18 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", f"--junitxml={xml_path}", *(extra or ["tests/gpu"])]
     print(" ".join(cmd), flush=True)
     started = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO)
     try:
-        done = subprocess.run(cmd, cwd=REPO, timeout=args.timeout_s)
-        returncode, complete = done.returncode, True
+        returncode, complete = proc.wait(timeout=args.timeout_s), True
     except subprocess.TimeoutExpired:
+        # SIGINT, as Ctrl-C: pytest stops and still writes its JUnit XML for the tests that finished (a kill
+        # left no log: gpu-tests-20261202-023538.json); killed only if it does not stop within 60 s
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         returncode, complete = None, False
     payload = {"benchmark": "gpu_tests", "pytest_command": cmd, "pytest_returncode": returncode,
                "complete": complete, "wall_s": round(time.time() - started, 1), "junit_xml": xml_path.name}
