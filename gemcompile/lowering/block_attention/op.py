@@ -60,8 +60,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values, key_bounds
-from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
-                           use_triton)
+from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
+                           takes_eager_path, use_triton)
 from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward
@@ -192,7 +192,7 @@ def block_attention_fwd(
                    kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
-@block_attention_fwd.register_kernel("cuda")
+@cuda_kernel(block_attention_fwd)
 def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
                               kv_bounds=None, q_lengths=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
@@ -242,7 +242,7 @@ def block_attention_bwd(
                     kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
 
 
-@block_attention_bwd.register_kernel("cuda")
+@cuda_kernel(block_attention_bwd)
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask=None, kv_bounds=None, q_lengths=None):
     _, backward = _kernels(q, block, window)

@@ -22,7 +22,7 @@ opaque keeps Inductor out of them and keeps the node name stable across torch 2.
 The eager fast path: a plain eager call on CUDA (no tracing, no dispatch mode: :func:`takes_eager_path`)
 skips the two custom ops and runs the same kernels through one ``torch.autograd.Function``. Why: an eager
 forward+backward through the custom ops (``register_autograd`` wrapper, Python kernels at the Autograd and
-CUDA dispatch keys, the output aliasing check, a zero-filled gradient for the non-differentiable lse) cost
+CUDA dispatch keys, a zero-filled gradient for the non-differentiable lse) cost
 more host time than the GPU time of the whole step on short shapes
 (benchmarks/results/jagged_attention-overhead-*.json). Graph capture (Dynamo, AOTAutograd, make_fx,
 FlopCounterMode, opcheck) never takes this path, so compiled graphs, FLOP counts and fake tensors still
@@ -38,10 +38,28 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["LIB", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path", "use_triton"]
+__all__ = ["LIB", "cuda_kernel", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path",
+           "use_triton"]
 
 LIB = torch.library.Library("gemcompile", "FRAGMENT")
 """The one torch.library handle of the gemcompile namespace (schemas and impls of the public ops)."""
+
+
+def cuda_kernel(op):
+    """Decorator: ``fn`` is the CUDA kernel of the custom op ``op``, registered at the dispatcher's CUDA key
+    through :data:`LIB` rather than with ``op.register_kernel("cuda")``. The dispatcher then calls ``fn``
+    itself; register_kernel wraps it in a Dynamo-disabled function and checks its outputs for aliasing on
+    every call, 60-100 us of host time per call on the H200 machine
+    (benchmarks/results/op_host_time-20261202-024518.json: ``op`` against ``cuda_impl``), which a
+    host-bound training step pays for every attention call. The op's fake impl, autograd and default
+    (other devices) impl are unchanged; ``fn`` gets the arguments as register_kernel's function did (the
+    trailing optional ones may be left out: give them defaults)."""
+
+    def register(fn):
+        LIB.impl(op._name, fn, "CUDA")  # noqa: SLF001  (the op's name in the gemcompile namespace)
+        return fn
+
+    return register
 
 
 def is_fake(t: Tensor) -> bool:

@@ -1,8 +1,15 @@
 """How the Triton kernels of every op are launched: the interpreter switch and a launcher that asks the
-autotuner once per tuning key.
+autotuner once per tuning key, then launches the compiled kernel directly.
 
 ``INTERPRET``: TRITON_INTERPRET=1 (the CPU tests set it) runs the kernels in Triton's interpreter; the kernel
 files then keep one small config per kernel so that the tests stay fast.
+
+Host time is what a small attention call costs (an op call is ~0.2-0.4 ms of host time against tens of
+microseconds of GPU time at SASRec/BERT sizes, benchmarks/results/op_host_time-20261202-024518.json), and
+``JITFunction.run`` took 40-50 us of it per launch on the H200 machine (triton 3.6) where the compiled kernel's
+own launcher took 15-20 us. So a launch whose specialization was seen before goes straight to the compiled
+kernel (:func:`_specialization` says what must match), and anything new goes through ``JITFunction.run``.
+GEMCOMPILE_DIRECT_LAUNCH=0 turns the direct path off.
 """
 
 from __future__ import annotations
@@ -11,18 +18,57 @@ import os
 
 import torch
 
-__all__ = ["INTERPRET", "launch"]
+__all__ = ["DIRECT_LAUNCH", "INTERPRET", "launch"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+DIRECT_LAUNCH = not INTERPRET and os.environ.get("GEMCOMPILE_DIRECT_LAUNCH", "1") != "0"
+"""Launch a seen specialization through its CompiledKernel (see the module docstring)."""
 
 _BEST_CONFIG: dict = {}
 """(kernel, tuning key) -> (the kernel's config list, the config the autotuner chose from it)."""
 
+_COMPILED: dict = {}
+"""(tuning key, specialization) -> (config list, the compiled kernel, its parameter names after the positional
+arguments with their values from the constexprs and the config, in order)."""
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton specializes a kernel on, per positional argument, never less (a stricter key only sends
+    more launches the slow way): a tensor's 16-byte alignment (its dtype is in the tuning key), an int's
+    value 1, divisibility by 16 and width (i32 / i64 / u64), None; floats and bools are not specialized."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(a.data_ptr() % 16 == 0)
+        elif isinstance(a, bool) or a is None:
+            key.append(a)
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _trailing_values(fn, n_positional: int, named: dict) -> list:
+    """Values of the kernel's parameters after the first ``n_positional``, in order: named ones from
+    ``named`` (constexprs, the tuned config's block sizes), the rest their defaults."""
+    values = []
+    for param in fn.params[n_positional:]:
+        if param.name in named:
+            values.append(named[param.name])
+        elif param.has_default:
+            values.append(param.default)
+        else:
+            raise TypeError(f"{fn.__name__}: no value for parameter {param.name}")
+    return values
+
 
 def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) -> None:
     """Launch an autotuned kernel. The first launch of a tuning key goes through the autotuner; later ones
-    go straight to the tuned kernel with the config it chose: the autotuner rebuilds dicts of all ~45
-    arguments on every launch (about 0.1 ms of host time per launch on the H200 machine's CPU).
+    go to the tuned kernel with the config it chose: through ``JITFunction.run`` for a specialization not
+    seen yet (the autotuner itself rebuilds dicts of all ~45 arguments on every launch, about 0.1 ms of host
+    time per launch on the H200 machine's CPU), straight to the compiled kernel for one seen before.
 
     The key holds what the autotuner keys on: the values of the kernel's autotune-key arguments (the
     length ``buckets`` and the flags, passed in ``consts`` with the other constexprs) and the dtypes of the
@@ -32,5 +78,19 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
     if tuned is None or tuned[0] is not kernel.configs:  # (tests pin configs by replacing the list)
         kernel[grid](*args, **consts)
         _BEST_CONFIG[key] = (kernel.configs, kernel.best_config)
-    else:
-        kernel.fn.run(*args, grid=grid, warmup=False, **consts, **tuned[1].all_kwargs())
+        return
+    config = tuned[1]
+    direct = DIRECT_LAUNCH and hasattr(kernel.fn, "params")  # a JITFunction (not a heuristics wrapper)
+    if direct:
+        spec = (key, _specialization(args))
+        seen = _COMPILED.get(spec)
+        if seen is not None and seen[0] is kernel.configs:
+            _, compiled, trailing = seen
+            values = (*args, *trailing)
+            g = grid(dict(zip(kernel.fn.arg_names, values))) if callable(grid) else grid
+            compiled[(*g, *(1,) * (3 - len(g)))](*values)
+            return
+    compiled = kernel.fn.run(*args, grid=grid, warmup=False, **consts, **config.all_kwargs())
+    if direct and compiled is not None and hasattr(compiled, "__getitem__"):
+        named = {**consts, **config.kwargs}
+        _COMPILED[spec] = (kernel.configs, compiled, _trailing_values(kernel.fn, len(args), named))

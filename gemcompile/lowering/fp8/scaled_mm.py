@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from ..common.opkit import cuda_kernel
 from .numerics import SCALE_RULES, block_dequantize, block_quantize, fake_quantize
 
 __all__ = [
@@ -468,7 +469,7 @@ def fp8_mm(a: Tensor, b: Tensor, recipe: str, a_is_weight: bool, b_is_weight: bo
     return emulated_fp8_mm(a, b, recipe, a_is_weight, b_is_weight, scale_rule)
 
 
-@fp8_mm.register_kernel("cuda")
+@cuda_kernel(fp8_mm)
 def _fp8_mm_cuda(a, b, recipe, a_is_weight, b_is_weight, scale_rule):
     _check_args(a, b, recipe, a_is_weight, b_is_weight, scale_rule)
     empty = _zeros_if_empty(a, b)

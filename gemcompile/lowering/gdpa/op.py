@@ -122,8 +122,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
-from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
-                           use_triton)
+from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
+                           takes_eager_path, use_triton)
 from ..length_order import derive_plan
 from .flops import gdpa_pairs, padded_gdpa_pairs
 from .reference import reference_gdpa_backward, reference_gdpa_forward
@@ -283,7 +283,7 @@ def gdpa_fwd(
     return forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
 
 
-@gdpa_fwd.register_kernel("cuda")
+@cuda_kernel(gdpa_fwd)
 def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, *flags):
     flags, plan = _split_plan(flags)
     spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
@@ -332,7 +332,7 @@ def gdpa_bwd(
                     kv_bounds=kv_bounds)
 
 
-@gdpa_bwd.register_kernel("cuda")
+@cuda_kernel(gdpa_bwd)
 def _gdpa_bwd_cuda(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags):
     _, backward = _kernels(q)
     flags, plan = _split_plan(flags, _FLAGS + 1)

@@ -58,8 +58,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
-from ..common.opkit import (LIB, ignoring_plan, input_grads, is_fake, save_for_backward, takes_eager_path,
-                           use_triton)
+from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
+                           takes_eager_path, use_triton)
 from ..common.reference import compute_dtype
 from ..length_order import derive_plan
 from .flops import attention_pairs, padded_pairs
@@ -133,7 +133,7 @@ def jagged_attention_fwd(
                    q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
 
 
-@jagged_attention_fwd.register_kernel("cuda")
+@cuda_kernel(jagged_attention_fwd)
 def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None):
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
@@ -180,7 +180,7 @@ def jagged_attention_bwd(
                     kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
 
 
-@jagged_attention_bwd.register_kernel("cuda")
+@cuda_kernel(jagged_attention_bwd)
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
                                kv_bounds=None):
