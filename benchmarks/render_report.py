@@ -893,9 +893,12 @@ def refactor_ab() -> str:
 
 
 DATA_MASK_FILES = ["data_masks-20261201-190904.json", "data_masks-20261202-000141.json",
-                   "data_masks-20261202-005728.json", "data_masks-20261202-010423.json"]
+                   "data_masks-20261202-005728.json", "data_masks-20261202-010423.json",
+                   "data_masks-20261202-023253.json", "data_masks-20261202-025640.json"]
 """Oldest first. 000141 adds the GPU's own time per step; 005728 and 010423 are after unpad packs SASRec's
-tokens from its data mask and key bounds take one launch (005728 was cut after its SASRec rows)."""
+tokens from its data mask and key bounds take one launch (005728 was cut after its SASRec rows); 023253 adds
+both methods under CUDA graphs (reduce-overhead; each step drops the last step's grads); 025640 is after the
+op host-time cuts (kernels at the CUDA dispatch key, direct launches of seen specializations), at B 128."""
 
 
 def _data_masks(name: str = DATA_MASK_FILES[-1]) -> tuple[Path, dict]:
@@ -910,7 +913,9 @@ def _data_mask_rows(path: Path, payload: dict) -> list[list[str]]:
                      ", ".join(f"{v} {k}" for k, v in (m.get("rewrites") or {}).items()),
                      f(m.get("inductor_ms"), ".2f"), f(m.get("gem_ms"), ".2f"), f(m.get("speedup_gem_vs_inductor")),
                      f"{f(m.get('inductor_kernel_ms'), '.2f')} / {f(m.get('gem_kernel_ms'), '.2f')}",
-                     f"{m.get('inductor_recompiles')} / {m.get('gem_recompiles')}"])
+                     f"{m.get('inductor_recompiles')} / {m.get('gem_recompiles')}",
+                     f"{f(m.get('inductor-cudagraphs_ms'), '.2f')} / {f(m.get('gem-cudagraphs_ms'), '.2f')}",
+                     f(m.get("speedup_gem-cudagraphs_vs_inductor-cudagraphs"))])
     return rows
 
 
@@ -920,10 +925,12 @@ def data_masks() -> str:
     rows = [r for path, payload in loaded for r in _data_mask_rows(path, payload)]
     lines = ["Sources: " + "; ".join(source_line(item) for item in loaded), "",
              "Step = forward (bf16 autocast) + backward, CUDA events, median; GPU ms = the summed kernel time of a "
-             "step (torch.profiler): where it is far below the step time, the host sets the pace.", ""]
+             "step (torch.profiler): where it is far below the step time, the host sets the pace. CUDA graphs: both "
+             "methods compiled with mode=\"reduce-overhead\" (\"-\": not run in that file).", ""]
     lines += table(["file", "shape", "model", "padding", "rewrites", "torch.compile ms / step",
                     "gem_compile ms / step", "gem vs torch.compile", "GPU ms / step (torch.compile / gem)",
-                    "recompiles (torch.compile / gem)"], rows)
+                    "recompiles (torch.compile / gem)", "CUDA graphs ms / step (torch.compile / gem)",
+                    "gem vs torch.compile, CUDA graphs"], rows)
     krows = []
     for path, payload in loaded:
         for k in payload["kernel"]:
@@ -937,6 +944,33 @@ def data_masks() -> str:
                   "same keys:", ""]
     lines += table(["file", "shape", "lengths ms (eager / graph)", "kv_mask right ms (eager / graph)",
                     "kv_mask right / lengths (eager / graph)", "kv_mask left ms (eager / graph)"], krows)
+    return "\n".join(lines)
+
+
+OP_HOST_TIME_FILES = ["op_host_time-20261202-024518.json", "op_host_time-20261202-025630.json"]
+"""Before (6ba9ad2) and after (b67ea93) the op host-time cuts: CUDA kernels at the dispatcher's CUDA key
+(opkit.cuda_kernel) and direct launches of seen specializations (common/tuned_launch.py)."""
+
+
+@block("op-host-time")
+def op_host_time() -> str:
+    loaded = [load(name) for name in OP_HOST_TIME_FILES]
+    cases = {}
+    for i, (_, payload) in enumerate(loaded):
+        for c in payload["cases"]:
+            if c["case"] == "key_bounds":
+                cases.setdefault(("key_bounds", ""), [None, None])[i] = c["host_us"]
+                continue
+            for part in ("fwd", "bwd"):
+                cases.setdefault((c["case"], part), [None, None])[i] = c[f"{part}_host_us"]
+    rows = [[case, part, f(a, ".0f"), f(b, ".0f")] for (case, part), (a, b) in cases.items()]
+    args = loaded[0][1]["args"]
+    lines = ["Sources: " + source_line(*loaded), "",
+             f"Host microseconds per call (no sync in the timed loop), B{args['batch']} H{args['heads']} "
+             f"L{args['length']} D{args['head_dim']} bf16, through torch.ops as a compiled graph calls them. One "
+             "run each; how much host timings vary between runs of one commit was not measured.", ""]
+    lines += table(["case", "op", f"before us ({rel(loaded[0][0]).split('/')[-1]})",
+                    f"after us ({rel(loaded[1][0]).split('/')[-1]})"], rows)
     return "\n".join(lines)
 
 
@@ -1015,8 +1049,8 @@ def readme_kernels() -> str:
 
 @block("readme-data-masks")
 def readme_data_masks() -> str:
-    small_path, small = _data_masks("data_masks-20261202-000141.json")
-    large_path, large = _data_masks("data_masks-20261202-010423.json")
+    small_path, small = _data_masks("data_masks-20261202-023253.json")
+    large_path, large = _data_masks("data_masks-20261202-025640.json")
     kernel_path, kernel = _data_masks("data_masks-20261202-005728.json")
     graph = [k[f"mask_{side}_vs_lengths_graph"] for k in kernel["kernel"] for side in ("right", "left")]
     eager = [k[f"mask_{side}_vs_lengths"] for k in kernel["kernel"] for side in ("right", "left")]
@@ -1029,18 +1063,22 @@ def readme_data_masks() -> str:
         m = next(r for r in payload["models"] if r["model"] == model and r["padding"] == "right")
         return f"{f(m['gem_kernel_ms'])} against {f(m['inductor_kernel_ms'])} ms"
 
-    def steps(payload, model):
-        return span([m["speedup_gem_vs_inductor"] for m in payload["models"] if m["model"] == model])
+    def steps(payload, model, key="speedup_gem_vs_inductor"):
+        return span([m[key] for m in payload["models"] if m["model"] == model])
 
+    graphs = "speedup_gem-cudagraphs_vs_inductor-cudagraphs"
     return (f"Masks read from data (one H200): SASRec- and BERT-style stacks, right or left padded, about half the "
-            f"tokens padding, are rewritten and train without recompiles. Their steps are host-bound, and "
-            f"gem_compile's host time per step is larger than torch.compile's, so it loses on step time although "
-            f"its GPU time is lower. At B{m0['batch']} L{m0['length']} H{m0['heads']}x{m0['head_dim']}, "
-            f"{m0['layers']} layers ({cite(small_path)}), GPU ms per step (right padding): SASRec {gpu(small, 'sasrec')}, "
-            f"BERT {gpu(small, 'bert')}; step time {steps(small, 'sasrec')} (SASRec) and {steps(small, 'bert')} "
-            f"(BERT) torch.compile's. At H{l0['heads']}x{l0['head_dim']}, {l0['layers']} layers ({cite(large_path)}): "
-            f"SASRec {gpu(large, 'sasrec')}, step time {steps(large, 'sasrec')} (its unpad region reads the token "
-            f"count on the host every step); BERT {gpu(large, 'bert')}, step time {steps(large, 'bert')}. The "
+            f"tokens padding, are rewritten and train without recompiles. At B{l0['batch']} L{l0['length']} "
+            f"H{l0['heads']}x{l0['head_dim']}, {l0['layers']} layers ({cite(large_path)}) gem_compile trains "
+            f"{steps(large, 'sasrec')} torch.compile's step rate (SASRec, right and left padding) and "
+            f"{steps(large, 'bert')} (BERT); with both compiled for CUDA graphs (mode=\"reduce-overhead\") "
+            f"{steps(large, 'sasrec', graphs)} and {steps(large, 'bert', graphs)}; GPU ms per step (right padding): "
+            f"SASRec {gpu(large, 'sasrec')}, BERT {gpu(large, 'bert')}. At B{m0['batch']} ({cite(small_path)}, measured "
+            f"before the op host-time cuts) the steps are host-bound: gem_compile {steps(small, 'sasrec')} (SASRec) and "
+            f"{steps(small, 'bert')} (BERT) torch.compile's step rate although its GPU time is lower (SASRec "
+            f"{gpu(small, 'sasrec')}; its unpad region reads the token count on the host every step), and "
+            f"{steps(small, 'sasrec', graphs)} / {steps(small, 'bert', graphs)} under CUDA graphs, where both sit at "
+            f"the same host floor. Host time per attention call is in benchmarks/README.md (op-host-time). The "
             f"kv_mask kernel path costs {span(graph)} the length path on the same batch under CUDA-graph replay "
             f"(B{k0['B']} L{k0['L']}, {cite(kernel_path)}) and {span(eager)} per eager call (host time).")
 
