@@ -265,3 +265,31 @@ class HstuTargetsStyle(_Attention):
         if self.drop_rows:
             out = out * (torch.arange(n, device=x.device)[None, :] < lengths[:, None])[:, None, :, None]
         return self.merge(out)
+
+
+class DinStyleAttention(nn.Module):
+    """DIN (deep interest network) target attention: an MLP scores each history item against the candidate
+    from [query, key, query - key, query * key]; padded history items (j >= length) get score 0, or a very
+    negative one before a softmax with ``weight_normalization``; the output is the scores times the keys.
+    No dot product of queries and keys: nothing the attention kernels compute. Takes (history (B, L, E),
+    lengths (B,)); the candidate is a learned projection of the history's mean here."""
+
+    def __init__(self, heads: int, head_dim: int, weight_normalization: bool = False):
+        super().__init__()
+        e = heads * head_dim
+        self.candidate = nn.Linear(e, e)
+        self.unit = nn.Sequential(nn.Linear(4 * e, 80), nn.Sigmoid(), nn.Linear(80, 40), nn.Sigmoid(),
+                                  nn.Linear(40, 1))
+        self.weight_normalization = weight_normalization
+
+    def forward(self, history, lengths):
+        b, n, e = history.shape
+        query = self.candidate(history.mean(1, keepdim=True)).expand(b, n, e)
+        scores = self.unit(torch.cat([query, history, query - history, query * history], dim=-1))  # (B, L, 1)
+        scores = scores.transpose(1, 2)  # (B, 1, L)
+        keep = (torch.arange(n, device=history.device)[None, :] < lengths[:, None])[:, None, :]
+        if self.weight_normalization:
+            scores = torch.softmax(torch.where(keep, scores, torch.full_like(scores, -2.0 ** 32 + 1)), dim=-1)
+        else:
+            scores = torch.where(keep, scores, torch.zeros_like(scores))
+        return torch.matmul(scores, history)  # (B, 1, E)

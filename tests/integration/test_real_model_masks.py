@@ -25,6 +25,7 @@ from gemcompile.passes.base import instantiate, run_pre_grad
 from tests.model_styles import (
     Bert4RecAttention,
     BertStyleSelfAttention,
+    DinStyleAttention,
     DistilBertStyleAttention,
     EncoderLayerCausal,
     HstuResearchStyle,
@@ -266,3 +267,23 @@ def test_hstu_target_mask_without_a_padding_term(drop_rows):
     grads = torch.autograd.grad(out.square().sum(), leaves)
     for g, g_ref in zip(grads, torch.autograd.grad(ref.square().sum(), leaves)):
         torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weight_normalization", [False, True])
+def test_din_target_attention_has_no_site_for_the_kernels_and_compiles_exactly(weight_normalization):
+    """DIN scores history items with an MLP, not q k^T: no attention site, no rewrite, nothing refused as if
+    it were one; compiled == eager for outputs and gradients."""
+    torch.manual_seed(0)
+    model = DinStyleAttention(H, D, weight_normalization=weight_normalization)
+    hidden, lengths = _batch("lengths", torch.Generator().manual_seed(5))
+    report = explain(model, hidden, lengths)
+    assert not any(report.counts.values()), report.counts
+    assert not [r for r in report.refusals if "attention" in r.pass_name], [r.reason for r in report.refusals]
+    ref = model(hidden, lengths)
+    out = gem_compile(model)(hidden, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    leaves = [hidden, *model.parameters()]
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    grads_ref = torch.autograd.grad(ref.square().sum(), leaves)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
