@@ -1,0 +1,56 @@
+"""Hugging Face BERT, RoBERTa and DistilBERT themselves (eager and SDPA attention, right and left padding):
+every attention rewritten and compiled == eager, outputs and gradients on the valid tokens. Needs the
+``transformers`` package, which gemcompile does not depend on: skipped without it (CI does not install it;
+tests/integration/test_real_model_masks.py covers the same mask spellings with modules written here).
+Checked with transformers 4.57.6: ``pip install --target /tmp/hf transformers==4.57.6`` then
+``PYTHONPATH=/tmp/hf python -m pytest tests/integration/test_hf_transformers.py``."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gemcompile import explain, gem_compile  # noqa: E402
+
+B, L = 4, 16
+
+
+def _model(family: str, attention: str):
+    small = dict(vocab_size=120, max_position_embeddings=64, attn_implementation=attention)
+    if family == "distilbert":
+        config = transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0,
+                                               attention_dropout=0.0, **small)
+        return transformers.DistilBertModel(config)
+    config_cls, model_cls = {"bert": (transformers.BertConfig, transformers.BertModel),
+                             "roberta": (transformers.RobertaConfig, transformers.RobertaModel)}[family]
+    config = config_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small)
+    return model_cls(config)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_hf_encoder_is_rewritten_and_equals_eager(family, attention, padding):
+    torch.manual_seed(0)
+    model = _model(family, attention).train()
+    lengths = torch.tensor([L, 9, 3, 12])
+    pos = torch.arange(L)[None, :]
+    valid = pos < lengths[:, None] if padding == "right" else pos >= L - lengths[:, None]
+    ids = torch.randint(5, 100, (B, L)) * valid + ~valid  # id 1 on padding (RoBERTa's pad id)
+    mask = valid.long()
+    report = explain(model, ids, mask)
+    assert report.counts["jagged_attention"] == 2, [r.reason for r in report.refusals]
+    ref = model(ids, attention_mask=mask).last_hidden_state
+    out = gem_compile(model)(ids, attention_mask=mask).last_hidden_state
+    keep = valid[..., None]
+    torch.testing.assert_close(torch.where(keep, out, 0), torch.where(keep, ref, 0), atol=2e-5, rtol=1e-4)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((torch.where(keep, out, 0) * weights).sum(), params, allow_unused=True)
+    grads_ref = torch.autograd.grad((torch.where(keep, ref, 0) * weights).sum(), params, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
