@@ -24,8 +24,10 @@ torch's own sparse table gradients: ``sparse=True`` tables under torch's Adagrad
 documentation offers for large tables), ``gem`` (gem_compile, default GemConfig, tables trained sparsely
 by SparseAdagrad; ``gem-dense-tables`` keeps them dense),
 ``gem-no-<pass>`` (one default-on pass group off) and ``gem+<pass>`` (one default-off group on, e.g.
-``gem+mxfp8``), named variants (VARIANTS); each but eager with an optional ``@reduce-overhead`` (CUDA
-graphs). The JSON written by ``gemcompile bench e2e --out`` feeds benchmarks/render_report.py.
+``gem+mxfp8``), named variants (VARIANTS) and the activation memory settings by name
+(``gem-memory-budget-<fraction>[+fp8-saved]``, memory_variant); each but eager with an optional
+``@reduce-overhead`` (CUDA graphs). The JSON written by ``gemcompile bench e2e --out`` feeds
+benchmarks/render_report.py.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -51,8 +54,8 @@ from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
 
-__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "methods_help", "run_e2e_bench",
-           "split_method", "step_begin", "unknown_methods"]
+__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "memory_variant", "methods_help",
+           "run_e2e_bench", "split_method", "step_begin", "unknown_methods"]
 
 PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
@@ -65,8 +68,42 @@ VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
             "gem+mxfp8-all": {"mxfp8": {"enabled": True, "min_m": 1, "min_k": 1, "min_n": 1}},
             # the partitioner under an activation memory budget (GemConfig.memory): peak memory vs step time
             "gem-memory-budget-0.5": {"memory": {"budget": 0.5}},
-            "gem-memory-budget-0.2": {"memory": {"budget": 0.2}}}
-"""Named GemConfig variants beyond one pass group on or off (A/B of a pass's option)."""
+            "gem-memory-budget-0.2": {"memory": {"budget": 0.2}},
+            # the input of each qualifying Linear held for its weight gradient in FP8 (MemoryConfig.fp8_saved)
+            "gem+fp8-saved": {"memory": {"fp8_saved": True}}}
+"""Named GemConfig variants beyond one pass group on or off (A/B of a pass's option). Any activation memory
+budget, with or without FP8 saved activations, also has a name without an entry here (memory_variant)."""
+
+
+_MEMORY_VARIANT = re.compile(r"gem-memory-budget-(?P<budget>[0-9][0-9.eE-]*)(?P<fp8>\+fp8-saved)?")
+
+
+def memory_variant(budget: float | None, fp8_saved: bool = False) -> str:
+    """The method name of gem_compile with GemConfig.memory set: ``gem-memory-budget-<budget>`` (the
+    partitioner under that activation memory budget, a fraction in (0, 1]), ``gem+fp8-saved`` (FP8 saved
+    activations, no budget), ``gem-memory-budget-<budget>+fp8-saved`` (both); ``gem`` for neither."""
+    if budget is None:
+        return "gem+fp8-saved" if fp8_saved else "gem"
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0:
+        raise ValueError(f"activation memory budget {budget!r}: need a fraction in (0, 1]")
+    name = f"gem-memory-budget-{float(budget):g}" + ("+fp8-saved" if fp8_saved else "")
+    assert _memory_section(name) is not None, name  # the name reads back as the same setting
+    return name
+
+
+def _memory_section(method: str) -> dict[str, Any] | None:
+    """GemConfig.memory of a ``gem-memory-budget-<fraction>[+fp8-saved]`` name; None for any other name or a
+    budget outside (0, 1]."""
+    match = _MEMORY_VARIANT.fullmatch(method)
+    if match is None:
+        return None
+    try:
+        budget = float(match["budget"])
+    except ValueError:
+        return None
+    if not 0.0 < budget <= 1.0:  # also refuses NaN
+        return None
+    return {"budget": budget, **({"fp8_saved": True} if match["fp8"] else {})}
 
 
 COMPILE_SUFFIXES: dict[str, dict[str, Any]] = {
@@ -186,13 +223,15 @@ def unknown_methods(methods) -> list[str]:
 
     def ok(method: str) -> bool:
         base, mode = split_method(method)
-        return base in known and (mode is None or (mode in COMPILE_SUFFIXES and base != "eager"))
+        return ((base in known or _memory_section(base) is not None)
+                and (mode is None or (mode in COMPILE_SUFFIXES and base != "eager")))
 
     return [m for m in methods if not ok(m)]
 
 
 def methods_help() -> str:
-    return f"{', '.join(available_methods())}; each but eager optionally with @{' / @'.join(COMPILE_SUFFIXES)}"
+    return (f"{', '.join(available_methods())}, gem-memory-budget-<fraction in (0, 1]>[+fp8-saved]; each but "
+            f"eager optionally with @{' / @'.join(COMPILE_SUFFIXES)}")
 
 
 def _gem_config(method: str) -> GemConfig:
@@ -200,6 +239,8 @@ def _gem_config(method: str) -> GemConfig:
         return GemConfig()
     if method in VARIANTS:
         return GemConfig(**VARIANTS[method])
+    if (memory := _memory_section(method)) is not None:
+        return GemConfig(memory=memory)
     if method.startswith("gem-no-"):
         return GemConfig(**{method[len("gem-no-"):]: {"enabled": False}})
     if method.startswith("gem+"):
