@@ -67,16 +67,22 @@ class BertStyleLayer(nn.Module):
 
 
 class IndexedBoolMaskAttention(_Attention):
-    """transformers 5: the boolean mask is padding_mask[batch_idx, kv_idx] over broadcast index tensors."""
+    """transformers 5: the boolean mask is padding_mask[batch_idx, kv_idx] over broadcast index tensors;
+    with ``query_floor`` and-ed with ``q_idx >= query_floor`` (its bidirectional mask function is
+    ``q_idx >= 0``: true at every query, and the encoders' masks carry it)."""
 
-    def __init__(self, heads: int, head_dim: int):
+    def __init__(self, heads: int, head_dim: int, query_floor: int | None = None):
         super().__init__(heads, head_dim)
         self.qkv = nn.Linear(self.width, 3 * self.width)
+        self.query_floor = query_floor
 
     def forward(self, hidden, attention_mask):
         batch_idx = torch.arange(hidden.shape[0])[:, None, None, None]
         kv_idx = torch.arange(hidden.shape[1])[None, None, None, :]
         allowed = attention_mask.bool()[batch_idx, kv_idx]
+        if self.query_floor is not None:
+            q_idx = torch.arange(hidden.shape[1])[None, None, :, None]
+            allowed = (q_idx >= self.query_floor) & allowed
         q, k, v = (self.split(t) for t in self.qkv(hidden).chunk(3, dim=-1))
         return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
 

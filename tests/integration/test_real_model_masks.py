@@ -89,6 +89,8 @@ MODELS = {
     "bert_eager": (functools.partial(BertStyleSelfAttention, sdpa=False), "attention_mask", "jagged_attention"),
     "bert_sdpa": (functools.partial(BertStyleSelfAttention, sdpa=True), "attention_mask", "jagged_attention"),
     "transformers5_indexed": (IndexedBoolMaskAttention, "attention_mask", "jagged_attention"),
+    "transformers5_query_term": (functools.partial(IndexedBoolMaskAttention, query_floor=0), "attention_mask",
+                                 "jagged_attention"),
     "distilbert": (DistilBertStyleAttention, "attention_mask", "jagged_attention"),
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
@@ -287,3 +289,15 @@ def test_din_target_attention_has_no_site_for_the_kernels_and_compiles_exactly(w
     grads_ref = torch.autograd.grad(ref.square().sum(), leaves)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_a_query_term_that_drops_rows_is_not_taken_for_one_that_keeps_them():
+    """q_idx >= 0 holds at every query (index ranges decide it); q_idx >= 1 drops query row 0: not the
+    same mask, refused with the formula named."""
+    torch.manual_seed(0)
+    model = IndexedBoolMaskAttention(H, D, query_floor=1)
+    hidden, mask_input = _batch("attention_mask", torch.Generator().manual_seed(1))
+    report = explain(model, hidden, mask_input)
+    assert report.counts["jagged_attention"] == 0
+    assert any("(-i < 0)" in r.reason for r in report.refusals), \
+        [r.reason for r in report.refusals]

@@ -23,7 +23,7 @@ import sympy
 from gemcompile.passes.graph import Unproven
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
 from gemcompile.passes.masks.model import AttentionMask, KeyVector
-from gemcompile.passes.masks.prover import equivalent, render
+from gemcompile.passes.masks.prover import decided_by_index_ranges, equivalent, render
 from gemcompile.passes.masks.terms import block_atoms, check_constant_windows, length_atoms, window_atoms
 
 LENGTH_MASKS = "(key index < lengths) [and query index < lengths] [and causal]"
@@ -48,6 +48,7 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     """The AttentionMask ``keep`` is (module docstring); with a batch of one the batch index is always 0,
     so lengths indexed by 0 are per-sample too."""
     b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
+    keep = decided_by_index_ranges(evaluator, keep)
     if keep is sympy.true:
         return AttentionMask(formula="True")
     if keep is sympy.false:

@@ -67,6 +67,22 @@ def _equality_axioms(evaluator: MaskEvaluator, formula, lts) -> list:
     return axioms
 
 
+def decided_by_index_ranges(evaluator: MaskEvaluator, keep: Boolean) -> Boolean:
+    """``keep`` with each comparison that index ranges alone decide replaced by its value: indices are never
+    negative, so ``i < 0`` is False and ``i >= 0`` True (transformers 5 ands its padding mask with
+    ``q_idx >= 0``). Sound: a comparison is replaced only when its negation has no solution with indices
+    >= 0 (linear.feasible)."""
+    indices = {index_symbol(k) for k in range(4)}
+    values = {}
+    for atom in keep.free_symbols:
+        kind, e = evaluator.atoms.expr_of[atom]
+        if not feasible([(kind, e, True)], indices):
+            values[atom] = sympy.false
+        elif not feasible([(kind, e, False)], indices):
+            values[atom] = sympy.true
+    return keep.xreplace(values) if values else keep
+
+
 def _differs_on_samples(evaluator: MaskEvaluator, keep, candidate, samples: int = 256) -> bool:
     """A cheap sound rejection: some concrete (b, h, i, j, lengths) where the two masks disagree."""
     atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
