@@ -299,3 +299,32 @@ class DinStyleAttention(nn.Module):
         else:
             scores = torch.where(keep, scores, torch.zeros_like(scores))
         return torch.matmul(scores, history)  # (B, 1, E)
+
+
+class HstuUpstreamStyle(nn.Module):
+    """HSTU attention as generative-recommenders' PyTorch reference writes it: jagged (T, E) tokens and
+    seq_offsets in; q, k, v padded with ``torch.ops.fbgemm.jagged_to_padded_dense``; silu(q k^T * alpha) / N
+    times the target-aware causal mask (no key-padding term); the output packed back with
+    ``torch.ops.fbgemm.dense_to_jagged``, which drops the padded rows. Needs the fbgemm ops (or
+    tests/fbgemm_standin.py)."""
+
+    def __init__(self, heads: int, head_dim: int, max_len: int):
+        super().__init__()
+        self.heads, self.head_dim, self.max_len = heads, head_dim, max_len
+        self.uvqk = nn.Linear(heads * head_dim, 4 * heads * head_dim)
+
+    def _pad(self, x, seq_offsets):
+        t = x.shape[0]
+        padded = torch.ops.fbgemm.jagged_to_padded_dense(
+            values=x.reshape(t, -1), offsets=[seq_offsets], max_lengths=[self.max_len], padding_value=0.0)
+        return padded.view(-1, self.max_len, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, seq_offsets, num_targets):
+        total, n = x.shape[0], self.max_len
+        _, v, q, k = F.silu(self.uvqk(x)).chunk(4, dim=-1)
+        q, k, v = self._pad(q, seq_offsets), self._pad(k, seq_offsets), self._pad(v, seq_offsets)
+        attn = F.silu(torch.einsum("bhxa,bhya->bhxy", q, k) * (1.0 / math.sqrt(self.head_dim))) / n
+        mask = hstu_valid_attn_mask(n, seq_offsets[1:] - seq_offsets[:-1], num_targets)
+        attn = attn * mask.unsqueeze(1)
+        dense = torch.einsum("bhxd,bhdv->bhxv", attn, v)
+        return torch.ops.fbgemm.dense_to_jagged(dense.transpose(1, 2).flatten(2, 3), [seq_offsets], total)[0]

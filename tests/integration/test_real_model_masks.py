@@ -22,6 +22,7 @@ from gemcompile import GemConfig, explain, gem_compile
 from gemcompile.backend import GemBackend, allow_warnings_in_graphs
 from gemcompile.passes import PIPELINE
 from gemcompile.passes.base import instantiate, run_pre_grad
+from tests import fbgemm_standin
 from tests.model_styles import (
     Bert4RecAttention,
     BertStyleSelfAttention,
@@ -31,6 +32,7 @@ from tests.model_styles import (
     HstuResearchStyle,
     HstuStyleAttention,
     HstuTargetsStyle,
+    HstuUpstreamStyle,
     IndexedBoolMaskAttention,
     LeftPaddedCausal,
     RecBoleStyleAttention,
@@ -301,3 +303,30 @@ def test_a_query_term_that_drops_rows_is_not_taken_for_one_that_keeps_them():
     assert report.counts["jagged_attention"] == 0
     assert any("(-i < 0)" in r.reason for r in report.refusals), \
         [r.reason for r in report.refusals]
+
+
+@pytest.mark.parametrize("with_targets", [True, False])
+def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packing(with_targets):
+    """q, k, v padded by fbgemm's jagged_to_padded_dense, the target-aware causal mask without a padding term,
+    the output packed back by dense_to_jagged (which drops the padded rows): rewritten to gdpa with the rows
+    past each length skipped; compiled == eager for outputs and every gradient, an empty sequence included.
+    (fbgemm_gpu's own ops where installed, tests/fbgemm_standin.py otherwise.)"""
+    fbgemm_standin.ensure()
+    torch.manual_seed(0)
+    model = HstuUpstreamStyle(H, D, max_len=L)
+    lengths = torch.tensor([L, 5, 0, 9])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    x = torch.randn(int(lengths.sum()), H * D, requires_grad=True)
+    targets = torch.tensor([2, 1, 0, 3]) if with_targets else None
+    report = explain(model, x, offsets, targets)
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    ref = model(x, offsets, targets)
+    counters.clear()
+    out = _rewritten(model)(x, offsets, targets)
+    assert counters["gemcompile"]["gdpa"] == 1
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    leaves = [x, *model.parameters()]
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    for g, g_ref in zip(grads, torch.autograd.grad((ref * weights).sum(), leaves)):
+        torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)

@@ -7,6 +7,8 @@ row mask proven (masks/prover.py) equal to ``n < lengths[b] + c``:
 
 * ``x * m``, m a 0/1 row mask (bool, or float holding only 0 and 1), broadcast over the other dims;
 * ``torch.where(m, x, 0)``, ``torch.where(~m, 0, x)``, ``x.masked_fill(~m, 0)``;
+* fbgemm's ``dense_to_jagged(x, [offsets])`` over (B, N, ...) rows, which keeps rows n < offsets[b + 1] -
+  offsets[b] only (HSTU's output packed back to jagged tokens, as generative-recommenders writes it);
 
 possibly after ops that map row (b, n) to row (b, n) only and keep a finite row finite (so the kernel's 0
 rows stay finite up to the zeroing: 0 * inf and 0 * NaN are NaN): views and reshapes that keep the batch
@@ -27,6 +29,7 @@ kernel skips would have contributed nothing to dq, dk, dv in eager either.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -104,7 +107,7 @@ def _walk(node: fx.Node, batch: int, rows: int, found: list, seen: set) -> None:
         name = target_name(user)
         if name in _SHAPE_ONLY and user.args and user.args[0] is node and _uses(user, node) == 1:
             continue  # reads the shape only
-        zeroed = _zeroing(user, node, batch, rows)
+        zeroed = _zeroing(user, node, batch, rows) or _packed(user, node, batch, rows)
         if zeroed is not None:
             found.append((*zeroed, user))
             continue
@@ -229,6 +232,43 @@ def _zeroing(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[fx.No
         fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
         if isinstance(mask, fx.Node) and _is_zero(fill):
             return _row_mask(mask, True, value.dim(), batch, rows)
+    return None
+
+
+def _packed(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[fx.Node, int] | None:
+    """(lengths, 0) when ``user`` is fbgemm's ``dense_to_jagged(node, [offsets], ...)`` over (B, N, ...)
+    rows: it reads only rows n < offsets[b + 1] - offsets[b] (generative-recommenders packs HSTU's output
+    so), and its backward gives the other rows zero gradient, as a zeroing does. The lengths are the
+    graph's own ``offsets[1:] - offsets[:-1]`` node (the one a mask built from the offsets reads); None when
+    ``user`` is another op."""
+    qualified = getattr(user.target, "_qualified_op_name", None) or (  # an op packet, or one overload of it
+        f"{getattr(user.target, 'namespace', '')}::{target_name(user)}")
+    if qualified != "fbgemm::dense_to_jagged":
+        return None
+    if not user.args or user.args[0] is not node or _uses(user, node) != 1 or (batch, rows) != (0, 1):
+        raise Unproven(f"{user.name} (fbgemm dense_to_jagged) does not read {node.name} as (B, N, ...) rows")
+    offsets = user.args[1] if len(user.args) > 1 else user.kwargs.get("x_offsets")
+    if not isinstance(offsets, (list, tuple)) or len(offsets) != 1 or not isinstance(offsets[0], fx.Node):
+        raise Unproven(f"{user.name} (fbgemm dense_to_jagged) packs by more than one offsets tensor")
+    lengths = _offsets_lengths(offsets[0])
+    if lengths is None:
+        raise Unproven(f"{user.name} packs by {offsets[0].name}, but the graph computes no lengths "
+                       f"{offsets[0].name}[1:] - {offsets[0].name}[:-1] for the kernel")
+    return lengths, 0
+
+
+def _offsets_lengths(offsets: fx.Node) -> fx.Node | None:
+    """The node computing ``offsets[1:] - offsets[:-1]`` (a (B,) lengths tensor), if the graph has one."""
+
+    def slice_of(x, want: tuple) -> bool:
+        return (isinstance(x, fx.Node) and x.target is operator.getitem and x.args[0] is offsets
+                and isinstance(x.args[1], slice) and (x.args[1].start, x.args[1].stop, x.args[1].step) == want)
+
+    for user in offsets.users:
+        for sub in user.users if slice_of(user, (1, None, None)) else ():
+            if target_name(sub) in ("sub", "__sub__") and len(sub.args) == 2 and sub.args[0] is user \
+                    and slice_of(sub.args[1], (None, -1, None)):
+                return sub
     return None
 
 
