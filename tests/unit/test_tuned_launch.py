@@ -58,6 +58,10 @@ def direct(monkeypatch):
     monkeypatch.setattr(tuned_launch, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(tuned_launch, "_BEST_CONFIG", {})
     monkeypatch.setattr(tuned_launch, "_COMPILED", {})
+    monkeypatch.setattr(tuned_launch, "_current_device", lambda: _DEVICE[0])
+
+
+_DEVICE = [0]
 
 
 def _grid(meta):
@@ -98,6 +102,17 @@ def test_floats_are_not_specialized_and_tuning_keys_are_separate(direct):
     assert tuner.calls[-1][2][3] == 0.125
     tuned_launch.launch(tuner, _grid, (x, y, 32, 0.5), {"FLAG": False}, (128,))  # another bucket: autotune
     assert tuner.calls[-1][0] == "autotune"
+
+
+def test_another_device_compiles_its_own(direct):
+    tuner, x, y = _Tuner(), torch.zeros(64), torch.zeros(64)
+    try:
+        for device in (0, 0, 0, 1, 1, 0):
+            _DEVICE[0] = device
+            tuned_launch.launch(tuner, _grid, (x, y, 32, 0.5), {"FLAG": False}, (64,))
+    finally:
+        _DEVICE[0] = 0
+    assert [c[0] for c in tuner.calls] == ["autotune", "run", "direct", "run", "direct", "direct"]
 
 
 def test_switched_off_every_launch_runs(monkeypatch, direct):

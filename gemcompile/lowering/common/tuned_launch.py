@@ -29,8 +29,13 @@ _BEST_CONFIG: dict = {}
 """(kernel, tuning key) -> (the kernel's config list, the config the autotuner chose from it)."""
 
 _COMPILED: dict = {}
-"""(tuning key, specialization) -> (config list, the compiled kernel, its parameter names after the positional
+"""(tuning key, device, specialization) -> (config list, the compiled kernel, its parameter names after the positional
 arguments with their values from the constexprs and the config, in order)."""
+
+
+def _current_device() -> int:
+    """The current CUDA device, which Triton launches on (and keys its own caches by)."""
+    return torch.cuda.current_device()
 
 
 def _specialization(args: tuple) -> tuple:
@@ -82,7 +87,8 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
     config = tuned[1]
     direct = DIRECT_LAUNCH and hasattr(kernel.fn, "params")  # a JITFunction (not a heuristics wrapper)
     if direct:
-        spec = (key, _specialization(args))
+        # per device, as Triton's own caches: a compiled kernel's function handle belongs to one device
+        spec = (key, _current_device(), _specialization(args))
         seen = _COMPILED.get(spec)
         if seen is not None and seen[0] is kernel.configs:
             _, compiled, trailing = seen
