@@ -76,7 +76,9 @@ class RowFold:
             text = str(where) if where is not None else node.name
             if text not in places:
                 places.append(text)
-        return f"query rows: {self.rows()}, from the output row mask at {', '.join(places)}"
+        packed = any(target_name(node) == "dense_to_jagged" for node in self.zeroed_by)
+        how = "the output row mask" if not packed else "the packing into jagged tokens (dense_to_jagged)"
+        return f"query rows: {self.rows()}, from {how} at {', '.join(places)}"
 
 
 def downstream_row_mask(output: fx.Node, batch_dim: int, row_dim: int) -> RowFold:
