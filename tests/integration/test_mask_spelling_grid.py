@@ -15,10 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gemcompile import GemConfig
 from gemcompile.backend import allow_warnings_in_graphs
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
+from tests.rewritten import rewritten
 
 B, L, H, D = 3, 10, 2, 8
 E = H * D
@@ -89,13 +87,6 @@ def _data(keys: str, g: torch.Generator):
     return valid.long()
 
 
-def _backend(gm, example_inputs):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-    return lookup_backend("aot_eager")(gm, example_inputs)
-
-
 @pytest.mark.parametrize("keys, causal, form, fill", GRID, ids=[f"{k}-{c}-{f}-{v:g}" for k, c, f, v in GRID])
 def test_spelling_is_rewritten_and_equals_eager(keys, causal, form, fill):
     allow_warnings_in_graphs()
@@ -106,7 +97,7 @@ def test_spelling_is_rewritten_and_equals_eager(keys, causal, form, fill):
     data = _data(keys, g)
     counters.clear()
     torch._dynamo.reset()
-    out = torch.compile(model, backend=_backend)(x, data)
+    out = rewritten(model)(x, data)
     assert sum(counters["gemcompile"].values()) >= 1  # the attention was rewritten
     ref = model(x, data)
     defined = torch.isfinite(ref)

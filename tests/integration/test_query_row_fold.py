@@ -14,15 +14,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
-from gemcompile import GemConfig
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
 from gemcompile.passes.graph import Unproven
 from gemcompile.passes.masks.rows import downstream_row_mask
 from gemcompile.passes.records import PassLog, recording
+from tests.rewritten import rewritten
 
 B, L, H, D, BLOCK = 4, 12, 2, 16, 4
 E = H * D
@@ -115,16 +112,6 @@ def _inputs():
     return x, lengths, other, torch.tensor(OTHER_LENGTHS)
 
 
-def _rewritten(model):
-    """The model with gemcompile's pre-grad passes run by aot_eager instead of Inductor (as in
-    test_real_model_masks.py): the rewritten graph and custom ops, no C++ compile."""
-    def backend(gm, example_inputs):
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return torch.compile(model, backend=backend)
-
-
 def _check_against_eager(model, family: str, folded: str | None) -> None:
     """One compile: the family rewrites the attention (its record names the fold, or none), and the rewritten
     model's outputs and gradients are eager's."""
@@ -132,7 +119,7 @@ def _check_against_eager(model, family: str, folded: str | None) -> None:
     inputs = _inputs()
     counters.clear()
     with recording(PassLog()) as log:
-        out = _rewritten(model)(*inputs)
+        out = rewritten(model)(*inputs)
     records = [r for r in log.rewrites if r.pass_name == family]
     assert counters["gemcompile"][family] == 1 and len(records) == 1, [r.reason for r in log.refusals]
     detail = records[0].detail

@@ -9,21 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gemcompile import GemConfig, explain
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
+from gemcompile import explain
+from tests.rewritten import rewritten
 
 B, L, H, D = 4, 12, 2, 16
-
-
-def _rewritten(fn):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm, example_inputs):
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return torch.compile(fn, backend=backend)
 
 
 def pairwise_safe_softmax(q, k, v, ids):
@@ -72,7 +61,7 @@ def test_pairwise_token_mask_is_rewritten_and_exact(fn, holes):
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
     assert "queries where" in report.rewrites[0].detail and "keys where" in report.rewrites[0].detail
     counters.clear()
-    out = _rewritten(fn)(q, k, v, ids)
+    out = rewritten(fn)(q, k, v, ids)
     assert counters["gemcompile"]["jagged_attention"] == 1
     ref = fn(q, k, v, ids)
     rows = (ids > 0)[:, None, :, None]
@@ -93,7 +82,7 @@ def test_pairwise_token_mask_is_rewritten_and_exact(fn, holes):
 def test_changing_masks_do_not_recompile():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
-    compiled = _rewritten(pairwise_safe_softmax)
+    compiled = rewritten(pairwise_safe_softmax)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(5):
             ids = _ids(g, holes=True)

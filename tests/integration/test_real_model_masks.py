@@ -18,10 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gemcompile import GemConfig, explain, gem_compile
+from gemcompile import explain, gem_compile
 from gemcompile.backend import GemBackend, allow_warnings_in_graphs
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
 from tests import fbgemm_standin
 from tests.model_styles import (
     Bert4RecAttention,
@@ -38,22 +36,10 @@ from tests.model_styles import (
     RecBoleStyleAttention,
     SASRecBlock,
 )
+from tests.rewritten import rewritten
 
 B, L, H, D = 4, 12, 2, 16
 E = H * D
-
-
-def _rewritten(model):
-    """The model with gemcompile's pre-grad passes (the attention rewrites) run by aot_eager instead of
-    Inductor: the same rewritten graph and custom ops, without a cold C++ compile per model on CI's CPU
-    (gem_compile itself runs these models in the recompile and finite-fill tests)."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm, example_inputs):
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return torch.compile(model, backend=backend)
 
 
 def _right_padded(lengths):
@@ -123,7 +109,7 @@ def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
     report = explain(model, hidden, mask_input)
     assert report.counts[family] == 1, [r.reason for r in report.refusals]
     counters.clear()
-    compiled = _rewritten(model)
+    compiled = rewritten(model)
     # eager SDPA's fused CPU kernel rebuilds P from a logsumexp that cannot hold log(L) next to finfo.min:
     # on a sequence with no valid key its backward is L times its own forward's Jacobian. The reference is
     # SDPA's math definition (what a hand-written softmax gives too).
@@ -143,6 +129,16 @@ def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
             torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
 
 
+def _twenty_batches(compiled, model, name: str, kind: str, seed: int) -> None:
+    """20 batches whose masks change: compiled == eager on each (the rows eager defines)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        hidden, mask_input = _batch(kind, g)
+        rows = _defined_rows(name, mask_input)
+        out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
+        torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["bert4rec", "sasrec"])
 def test_twenty_batches_of_changing_masks_compile_once(name, monkeypatch):
     calls = []
@@ -151,14 +147,8 @@ def test_twenty_batches_of_changing_masks_compile_once(name, monkeypatch):
     make, kind, _ = MODELS[name]
     torch.manual_seed(0)
     model = make(H, D).eval()
-    compiled = gem_compile(model)
-    g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for _ in range(20):
-            hidden, mask_input = _batch(kind, g)
-            rows = _defined_rows(name, mask_input)
-            out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
-            torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
+        _twenty_batches(gem_compile(model), model, name, kind, seed=3)
     assert len(calls) == 1
 
 
@@ -166,30 +156,17 @@ def test_twenty_batches_of_changing_masks_compile_once(name, monkeypatch):
 def test_every_model_compiles_once_over_twenty_batches_of_changing_masks(name):
     """The rest of the table, through the passes with aot_eager (Dynamo's guards are what recompiles; the
     two models above run the whole gem_compile)."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    calls = []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
     make, kind, family = MODELS[name]
     torch.manual_seed(0)
     model = make(H, D).eval()
     allow_warnings_in_graphs()  # as gem_compile does (TransformerEncoderLayer warns while it runs)
-    compiled = torch.compile(model, backend=backend)
-    g = torch.Generator().manual_seed(4)
+    compiles = []
+    compiled = rewritten(model, compiles)
     counters.clear()
     # grad mode on, as in training: under no_grad, eval-mode nn.TransformerEncoderLayer takes torch's fused
     # inference kernel (torch._transformer_encoder_layer_fwd), which has no attention to rewrite
-    for _ in range(20):
-        hidden, mask_input = _batch(kind, g)
-        rows = _defined_rows(name, mask_input)
-        out, ref = compiled(hidden, mask_input), model(hidden, mask_input)
-        torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
-    assert len(calls) == 1
+    _twenty_batches(compiled, model, name, kind, seed=4)
+    assert len(compiles) == 1
     assert counters["gemcompile"][family] == 1  # rewritten once, in the one graph
 
 
@@ -265,7 +242,7 @@ def test_hstu_target_mask_without_a_padding_term(drop_rows):
         assert any("no key-padding term" in r.reason for r in report.refusals), report.refusals
         return
     assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
-    out, ref = _rewritten(model)(hidden, offsets, targets), model(hidden, offsets, targets)
+    out, ref = rewritten(model)(hidden, offsets, targets), model(hidden, offsets, targets)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     leaves = [hidden, *model.parameters()]
     grads = torch.autograd.grad(out.square().sum(), leaves)
@@ -324,7 +301,7 @@ def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packi
         assert "the packing into jagged tokens (dense_to_jagged)" in str(report)
     ref = model(x, offsets, targets)
     counters.clear()
-    out = _rewritten(model)(x, offsets, targets)
+    out = rewritten(model)(x, offsets, targets)
     assert counters["gemcompile"]["gdpa"] == 1
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     leaves = [x, *model.parameters()]

@@ -6,23 +6,11 @@ import copy
 
 import torch
 
-from gemcompile.config import GemConfig
 from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
-
-
-def _rewritten(model):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm, example_inputs):
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return torch.compile(model, backend=backend)
+from tests.rewritten import rewritten
 
 
 def _train(model, optimizers, data, steps, runner=None):
@@ -53,7 +41,7 @@ def test_gem_ref_sparse_tables_match_dense_tables():
     assert isinstance(sparse_opts[-1], SparseAdagrad) and not any(isinstance(o, SparseAdagrad) for o in dense_opts)
     want = _train(dense, dense_opts, data, 3)
     got = _train(sparse, sparse_opts, data, 3)
-    got_compiled = _train(compiled, compiled_opts, data, 3, runner=_rewritten(compiled))
+    got_compiled = _train(compiled, compiled_opts, data, 3, runner=rewritten(compiled))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_compiled, want, rtol=1e-4, atol=1e-5)
     # the tables (Adam's dense weights are not compared: a key-projection bias has a zero gradient up to

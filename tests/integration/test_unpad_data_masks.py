@@ -11,11 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gemcompile import GemConfig, explain
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.base import instantiate, run_pre_grad
+from gemcompile import explain
 from gemcompile.passes.records import PassLog, recording
 from tests.model_styles import SASRecBlock
+from tests.rewritten import rewritten
 
 B, L, H, D = 4, 12, 2, 16
 E = H * D
@@ -59,16 +58,8 @@ def _ids(kind: str, g: torch.Generator) -> torch.Tensor:
 
 def _compiled(model):
     """(the model compiled with gemcompile's pre-grad passes and aot_eager, the list of its compiles)."""
-    from torch._dynamo.backends.registry import lookup_backend
-
     compiles = []
-
-    def backend(gm, example_inputs):
-        compiles.append(gm)
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return torch.compile(model, backend=backend), compiles
+    return rewritten(model, compiles), compiles
 
 
 def _assert_eager(model, compiled, inputs):

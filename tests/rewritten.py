@@ -1,0 +1,22 @@
+"""Compile with gemcompile's pre-grad passes run by aot_eager instead of Inductor: the same rewritten graph
+and custom ops as gem_compile, without a cold C++ compile per model on CI's CPU. Shared by the integration
+tests of the attention and unpad rewrites."""
+
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from gemcompile import GemConfig
+from gemcompile.passes import PIPELINE
+from gemcompile.passes.base import instantiate, run_pre_grad
+
+
+def rewritten(model, compiles: list | None = None):
+    """``model`` (or a function) compiled so; each graph Dynamo hands over is appended to ``compiles``."""
+
+    def backend(gm, example_inputs):
+        if compiles is not None:
+            compiles.append(gm)
+        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return torch.compile(model, backend=backend)
