@@ -21,14 +21,16 @@ def _jagged_to_padded_dense(values, offsets, max_lengths, padding_value=0.0):
     (off,), (n,) = offsets, max_lengths
     lengths = off[1:] - off[:-1]
     pos = torch.arange(n, device=values.device)
-    index = (off[:-1, None] + pos[None, :]).clamp(0, max(values.shape[0] - 1, 0))
+    # sizes stay symbolic (no int() or max() of a size: that would specialize a compile on the token count);
+    # at least one token (values[0] exists)
+    index = (off[:-1, None] + pos[None, :]).clamp(0, values.shape[0] - 1)
     valid = (pos[None, :] < lengths[:, None]).unsqueeze(-1)
     return torch.where(valid, values[index], padding_value)
 
 
 def _dense_to_jagged(dense, x_offsets, total_L=None):
     (off,) = x_offsets
-    total = int(total_L) if total_L is not None else dense.shape[0] * dense.shape[1]
+    total = total_L if total_L is not None else dense.shape[0] * dense.shape[1]
     token = torch.arange(total, device=dense.device)
     b = torch.searchsorted(off[1:], token, right=True).clamp(max=dense.shape[0] - 1)
     n = (token - off[b]).clamp(0, dense.shape[1] - 1)

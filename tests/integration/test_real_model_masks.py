@@ -309,3 +309,26 @@ def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packi
     grads = torch.autograd.grad((out * weights).sum(), leaves)
     for g, g_ref in zip(grads, torch.autograd.grad((ref * weights).sum(), leaves)):
         torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+def test_hstu_upstream_form_compiles_once_over_twenty_batches():
+    """Jagged inputs change their token count every batch: marked dynamic (torch.compile's own way; without
+    it Dynamo compiles once more when the count first changes), 20 batches with changing lengths and targets
+    compile once and equal eager."""
+    fbgemm_standin.ensure()
+    torch.manual_seed(0)
+    model = HstuUpstreamStyle(H, D, max_len=L)
+    compiles = []
+    compiled = rewritten(model, compiles)
+    g = torch.Generator().manual_seed(6)
+    counters.clear()
+    for _ in range(20):
+        lengths = torch.randint(0, L + 1, (B,), generator=g)
+        lengths[0] = L
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        x = torch.randn(int(lengths.sum()), H * D, generator=g)
+        targets = torch.minimum(torch.randint(0, 4, (B,), generator=g), lengths)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x, offsets, targets), model(x, offsets, targets), atol=2e-5, rtol=1e-4)
+    assert len(compiles) == 1
+    assert counters["gemcompile"]["gdpa"] == 1
