@@ -134,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resolution", type=float, default=0.25,
                    help="... or at this fraction of the batch that fits, whichever is larger")
     p.add_argument("--largest-steps", type=int, default=3, help="measured steps per try (after --warmup)")
+    p.add_argument("--together", action="store_true",
+                   help="per method one dynamic-batch program: its curve row, then (for --largest-methods, "
+                        "named; no 'best') its largest-batch search in the same program")
+    p.add_argument("--largest-compile", default="dynamic", choices=["dynamic", "static"],
+                   help="dynamic: one compile per method with the batch dim dynamic, every try in it; static: "
+                        "a fresh static compile per try (as `gemcompile bench e2e --batch-size B`)")
     p.add_argument("--largest-budget-s", type=float, default=160.0,
                    help="seconds of --time-budget-s kept for the largest-batch part")
     p.add_argument("--time-budget-s", type=float, default=400.0,
@@ -180,6 +186,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown method(s) {unknown}; known: {e2e_bench.methods_help()}")
     if "largest" in args.parts and not args.largest_methods:
         raise ValueError("--largest-methods is empty")
+    if args.together:
+        if args.largest_compile != "dynamic" or set(args.parts) != set(PARTS):
+            raise ValueError("--together runs both parts in dynamic-batch programs: leave --parts and "
+                             "--largest-compile at their defaults")
+        if "best" in args.largest_methods:
+            raise ValueError("--together searches each method right after its curve row, before 'best' is "
+                             "known: name the methods in --largest-methods")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (--device cpu runs the smoke path)")
     _e2e_config(args, args.batch_size, args.steps, args.methods)  # E2EBenchConfig's own checks
@@ -219,6 +232,13 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _failure(method: str, batch: int, e: BaseException, log) -> dict[str, Any]:
+    oom = is_oom(e)
+    result = {"method": method, "outcome": "oom" if oom else "error", "error": f"{type(e).__name__}: {str(e)[:400]}"}
+    log(f"  {method} at B {batch}: {'out of memory' if oom else 'failed'}: {result['error'][:200]}")
+    return result
+
+
 def run_one(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     """e2e_bench.run_method in a clean process state; an error (an OOM included) is recorded, and the memory
     the failed run held is freed before returning (the traceback holding it is gone by then)."""
@@ -229,11 +249,7 @@ def run_one(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
         result = e2e_bench.run_method(cfg, method, log)
         result["outcome"] = "fits"
     except Exception as e:  # noqa: BLE001 - recorded: one method that cannot run keeps the others' rows
-        oom = is_oom(e)
-        result = {"method": method, "outcome": "oom" if oom else "error",
-                  "error": f"{type(e).__name__}: {str(e)[:400]}"}
-        what = "out of memory" if oom else "failed"
-        log(f"  {method} at B {cfg.batch_size}: {what}: {result['error'][:200]}")
+        result = _failure(method, cfg.batch_size, e, log)
     free_memory(device)
     result["batch_size"] = cfg.batch_size
     result["wall_s"] = time.perf_counter() - t0
@@ -253,10 +269,12 @@ def curve_rows(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
         row = {"method": r["method"], "outcome": r.get("outcome"),
-               "peak_memory_gib": r.get("peak_memory_gib"), "step_ms_median": r.get("step_ms_median"),
+               "peak_memory_gib": r.get("peak_memory_gib"),
+               "peak_memory_steady_gib": r.get("peak_memory_steady_gib"), "step_ms_median": r.get("step_ms_median"),
                "first_loss": (r.get("losses") or [None])[0], "mfu": r.get("mfu"),
                "compile_s": r.get("compile_s"), "wall_s": r.get("wall_s"), "diverged": r.get("diverged")}
         row["peak_memory_ratio_vs_gem"] = _ratio(row["peak_memory_gib"], ref.get("peak_memory_gib"))
+        row["steady_peak_ratio_vs_gem"] = _ratio(row["peak_memory_steady_gib"], ref.get("peak_memory_steady_gib"))
         row["step_time_ratio_vs_gem"] = _ratio(row["step_ms_median"], ref.get("step_ms_median"))
         row["memory_saving_vs_gem"] = (None if row["peak_memory_ratio_vs_gem"] is None
                                        else 1.0 - row["peak_memory_ratio_vs_gem"])
@@ -369,17 +387,61 @@ def linear_estimate(points: list[tuple[int, float]], capacity_gib: float | None)
             "batch_at_device_memory": int((capacity_gib - intercept) / slope), "points": points}
 
 
+class DynamicBatchTries:
+    """The tries of one method's search in one compiled program: GEM-ref compiled once with its batch dim
+    dynamic (e2e_bench.start_method(dynamic_batch=True)), then trained at each tried batch by the same
+    model and optimizers. A static compile per batch costs a whole compile per try (~100 s for medium on
+    the H200); this one compiles once, and a batch that does not fit leaves the program usable."""
+
+    def __init__(self, args, method: str, log=print) -> None:
+        self.args, self.method, self.log = args, method, log
+        self.run = None
+
+    def __call__(self, batch: int, steps: int | None = None) -> dict[str, Any]:
+        cfg = _e2e_config(self.args, batch, steps or self.args.largest_steps, (self.method,))
+        t0 = time.perf_counter()
+        try:
+            if self.run is None:
+                self.run = e2e_bench.start_method(cfg, self.method, dynamic_batch=True)
+            result = e2e_bench.measure(self.run.at_batch(cfg))
+            result["outcome"] = "fits"
+        except Exception as e:  # noqa: BLE001 - an OOM is an answer; anything else stops the search
+            result = _failure(self.method, batch, e, self.log)
+        gc.collect()  # the failed step's tensors (its traceback is gone by now)
+        if torch.device(self.args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        result.update(batch_size=batch, wall_s=time.perf_counter() - t0, compile="dynamic batch")
+        return result
+
+    def close(self) -> None:
+        self.run = None
+        free_memory(torch.device(self.args.device))
+
+
 def search_method(args, method: str, curve: dict[str, dict], deadline: float, clock, log=print,
-                  on_try: Callable[[dict], None] = lambda r: None) -> dict[str, Any]:
-    """The largest-batch search of one method (find_largest_batch over run_one), with every try's result."""
+                  on_try: Callable[[dict], None] = lambda r: None,
+                  tries: DynamicBatchTries | None = None) -> dict[str, Any]:
+    """The largest-batch search of one method (find_largest_batch over run_one, or over DynamicBatchTries
+    with ``--largest-compile dynamic``), with every try's result. ``tries``: the dynamic program the
+    curve's row of this method was measured in (``--together``), searched on and left open."""
+    given = tries is not None
+    owned = not given and args.largest_compile == "dynamic"
+    if owned:
+        tries = DynamicBatchTries(args, method, log)
     known = curve.get(method)
-    start_fits = (known is not None and known.get("outcome") == "fits"
+    # the curve's row describes the searched program when both are static compiles at that batch, or when
+    # the search runs in the program the row was measured in; else the search measures its start itself
+    same_program = given or args.largest_compile == "static"
+    start_fits = (same_program and known is not None and known.get("outcome") == "fits"
                   and known.get("batch_size") == args.batch_size)
     results: dict[int, dict] = {args.batch_size: known} if start_fits else {}
 
     def attempt(batch: int) -> str:
         log(f"-- {method} at batch {batch}")
-        result = run_one(_e2e_config(args, batch, args.largest_steps, (method,)), method, log)
+        if tries is not None:
+            result = tries(batch)
+        else:
+            result = run_one(_e2e_config(args, batch, args.largest_steps, (method,)), method, log)
         results[batch] = result
         on_try(result)
         return result["outcome"] if result["outcome"] != "error" else f"error ({result['error'][:120]})"
@@ -389,8 +451,13 @@ def search_method(args, method: str, curve: dict[str, dict], deadline: float, cl
             return f"time budget: this method's share ran out at {clock():.0f} s"
         return None
 
-    found = find_largest_batch(attempt, args.batch_size, args.max_batch, granularity=args.batch_granularity,
-                               resolution=args.resolution, start_fits=start_fits, may_start=may_start)
+    try:
+        found = find_largest_batch(attempt, args.batch_size, args.max_batch,
+                                   granularity=args.batch_granularity, resolution=args.resolution,
+                                   start_fits=start_fits, may_start=may_start)
+    finally:
+        if owned:
+            tries.close()
     best = results.get(found["largest_fit"]) if found["largest_fit"] else None
     at_largest = None
     if best is not None:  # the numbers of the largest batch that fit, from its try (or the curve's row)
@@ -401,7 +468,8 @@ def search_method(args, method: str, curve: dict[str, dict], deadline: float, cl
     points = [(b, r["peak_memory_gib"]) for b, r in results.items()
               if r.get("outcome") == "fits" and r.get("peak_memory_gib") is not None]
     capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else None
-    return {"method": method, "start": args.batch_size, "start_known_from_curve": start_fits, **found,
+    return {"method": method, "start": args.batch_size, "start_known_from_curve": start_fits,
+            "compile": args.largest_compile, **found,
             "at_largest": at_largest, "linear_estimate": linear_estimate(points, capacity),
             "try_results": [r for b, r in results.items() if r is not known]}
 
@@ -444,11 +512,62 @@ def largest_part(args, curve_results: list[dict], rows: list[dict], clock, deadl
         save()
 
 
+def together_part(args, payload: dict, save: Callable[[], None], clock, log=print) -> list[dict]:
+    """``--together``: per method, one program compiled with a dynamic batch (DynamicBatchTries) gives its
+    curve row at ``--batch-size`` and then, for the ``--largest-methods``, its largest-batch search; one
+    compile per method instead of one per method plus one per try. Returns the curve's results."""
+    part = payload["largest_batch"]
+    part["methods"], results = [], []
+    searched = [m for m in args.methods if m in args.largest_methods]
+    search_share = args.largest_budget_s / max(1, len(searched))
+    fp8_ok = args.device != "cuda" or torch.cuda.get_device_capability() >= FP8_CAPABILITY
+    for method in args.methods:
+        skipped = None
+        if results and clock() >= args.time_budget_s:
+            skipped = f"time budget: --time-budget-s {args.time_budget_s:.0f} s ran out at {clock():.0f} s"
+        elif not fp8_ok and "fp8-saved" in method:
+            skipped = f"FP8 casts need compute capability >= {FP8_CAPABILITY}"
+        if skipped:
+            results.append({"method": method, "outcome": "skipped", "skipped": skipped})
+        else:
+            log(f"-- {method} (B {args.batch_size}, one dynamic-batch program, {clock():.0f} s in)")
+            tries = DynamicBatchTries(args, method, log)
+            try:
+                results.append(tries(args.batch_size, steps=args.steps))
+                payload["curve"]["results"], payload["curve"]["rows"] = results, curve_rows(results)
+                save()
+                if method in searched and args.device == "cuda" and results[-1]["outcome"] == "fits":
+                    record = {"method": method, "searching": True, "try_results": []}
+                    part["methods"].append(record)
+
+                    def on_try(result: dict, record=record) -> None:
+                        record["try_results"].append(result)
+                        save()
+
+                    found = search_method(args, method, {method: results[-1]}, clock() + search_share, clock,
+                                          log, on_try, tries=tries)
+                    record.clear()
+                    record.update(found)
+                    gem = next((m for m in part["methods"] if m["method"] == REFERENCE), None)
+                    if gem is not None and gem.get("largest_fit") and record.get("largest_fit"):
+                        record["largest_fit_ratio_vs_gem"] = record["largest_fit"] / gem["largest_fit"]
+            finally:
+                tries.close()
+        payload["curve"]["results"], payload["curve"]["rows"] = results, curve_rows(results)
+        save()
+    if args.device != "cuda":
+        part["skipped"] = ("--device cpu: no CUDA out-of-memory to find (the largest-batch search needs "
+                           "--device cuda)")
+    return results
+
+
 # -- the run -------------------------------------------------------------------------------------------------
 
 
 _CURVE_COLUMNS = [("method", "method", "s"), ("peak_memory_gib", "peak GiB", ".2f"),
-                  ("peak_memory_ratio_vs_gem", "x gem mem", ".3f"), ("step_ms_median", "step ms", ".2f"),
+                  ("peak_memory_ratio_vs_gem", "x gem mem", ".3f"),
+                  ("peak_memory_steady_gib", "steady GiB", ".2f"), ("steady_peak_ratio_vs_gem", "x gem steady", ".3f"),
+                  ("step_ms_median", "step ms", ".2f"),
                   ("step_time_ratio_vs_gem", "x gem time", ".3f"), ("first_loss", "first loss", ".6f"),
                   ("mfu", "MFU", ".3f"), ("compile_s", "compile s", ".1f"), ("note", "note", ".60s")]
 _LARGEST_COLUMNS = [("method", "method", "s"), ("largest_fit", "largest fit", "d"),
@@ -468,40 +587,10 @@ def largest_rows(part: dict) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
-    args = parse_args(argv)
-    t0 = clock()
-    elapsed = lambda: clock() - t0  # noqa: E731
+def separate_parts(args, curve_cfg: E2EBenchConfig, payload: dict, save: Callable[[], None], elapsed,
+                   ) -> None:
+    """The curve (a fresh static compile per method), then the largest-batch search (its own programs)."""
     device = torch.device(args.device)
-    path = results_path(f"activation_memory-{args.size}-b{args.batch_size}", args.out)
-    curve_cfg = _e2e_config(args, args.batch_size, args.steps, args.methods, args.kernel_steps)
-    payload: dict[str, Any] = {
-        "benchmark": "activation_memory", "environment": environment(),
-        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-        "device_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
-                              if device.type == "cuda" else None),
-        # without Inductor's custom_partitioner_fn, gem_compile applies the budget alone (fp8_saved is ignored
-        # with a warning): the memory methods' rows mean something else then
-        "partitioner_slot": has_partitioner_slot(),
-        "conventions": {
-            "peak_memory_gib": "torch.cuda.max_memory_allocated (weights, optimizer state, activations, "
-                               "workspaces) over a method's warm-up and measured steps, compilation included; "
-                               "reset once the model is on the device",
-            "ratios_vs_gem": "method / gem (default GemConfig), same process, same batches: memory below 1 "
-                             "saves, time above 1 costs",
-            "first_loss": "loss of the first step: same weights and batch for every method",
-            "largest_fit": "the largest batch that trained warm-up + largest-steps steps without a CUDA OOM; "
-                           "smallest_oom the smallest that did not (static shapes, compiled anew per batch)",
-            "linear_estimate": "peaks fitted linearly in the batch and extrapolated to the device's memory: "
-                               "not measured",
-        },
-        "curve": {"config": dataclasses.asdict(curve_cfg), "rows": [], "results": []},
-        "largest_batch": {},
-    }
-
-    def save() -> None:
-        rewrite_results(path, payload)
-
     results: list[dict] = []
     if "curve" in args.parts:
         largest_reserve = args.largest_budget_s if "largest" in args.parts and device.type == "cuda" else 0.0
@@ -533,6 +622,53 @@ def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monoto
             print(format_table(largest_rows(payload["largest_batch"]), _LARGEST_COLUMNS), flush=True)
     else:
         payload["largest_batch"]["skipped"] = "--parts without largest"
+
+
+def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    args = parse_args(argv)
+    t0 = clock()
+    elapsed = lambda: clock() - t0  # noqa: E731
+    device = torch.device(args.device)
+    path = results_path(f"activation_memory-{args.size}-b{args.batch_size}", args.out)
+    curve_cfg = _e2e_config(args, args.batch_size, args.steps, args.methods, args.kernel_steps)
+    payload: dict[str, Any] = {
+        "benchmark": "activation_memory", "environment": environment(),
+        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+        "device_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                              if device.type == "cuda" else None),
+        # without Inductor's custom_partitioner_fn, gem_compile applies the budget alone (fp8_saved is ignored
+        # with a warning): the memory methods' rows mean something else then
+        "partitioner_slot": has_partitioner_slot(),
+        "conventions": {
+            "peak_memory_gib": "torch.cuda.max_memory_allocated (weights, optimizer state, activations, "
+                               "workspaces) over a method's warm-up and measured steps, compilation included; "
+                               "reset once the model is on the device",
+            "ratios_vs_gem": "method / gem (default GemConfig), same process, same batches: memory below 1 "
+                             "saves, time above 1 costs",
+            "first_loss": "loss of the first step: same weights and batch for every method",
+            "largest_fit": "the largest batch that trained warm-up + largest-steps steps without a CUDA OOM; "
+                           "smallest_oom the smallest that did not; per method 'compile' says how: 'dynamic' "
+                           "(one program compiled with a dynamic batch dim, every try in it, the same model "
+                           "and optimizer state) or 'static' (compiled anew per batch)",
+            "peak_memory_steady_gib": "torch.cuda.max_memory_allocated over the measured steps alone (the "
+                                      "compile's and the warm-up's transients left out)",
+            "linear_estimate": "peaks fitted linearly in the batch and extrapolated to the device's memory: "
+                               "not measured",
+        },
+        "curve": {"config": dataclasses.asdict(curve_cfg), "rows": [], "results": []},
+        "largest_batch": {},
+    }
+
+    def save() -> None:
+        rewrite_results(path, payload)
+
+    if args.together:
+        together_part(args, payload, save, elapsed)
+        print(format_table(payload["curve"]["rows"], _CURVE_COLUMNS), flush=True)
+        if "skipped" not in payload["largest_batch"]:
+            print(format_table(largest_rows(payload["largest_batch"]), _LARGEST_COLUMNS), flush=True)
+    else:
+        separate_parts(args, curve_cfg, payload, save, elapsed)
     payload["wall_s"] = elapsed()
     save()
     print(f"wrote {path} ({payload['wall_s']:.0f} s)", flush=True)

@@ -228,7 +228,7 @@ def test_the_largest_batch_part_on_a_fake_gpu(bench, monkeypatch):
     monkeypatch.setattr(bench, "free_memory", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(total_memory=80 * 2**30))
-    args = bench.parse_args(["--device", "cpu", "--budgets", "0.5", "--no-fp8"])
+    args = bench.parse_args(["--device", "cpu", "--budgets", "0.5", "--no-fp8", "--largest-compile", "static"])
     args.device = "cuda"  # after the checks: this machine has none
     results = [bench.run_one(bench._e2e_config(args, 256, 8, args.methods), m) for m in args.methods]
     rows = bench.curve_rows(results)
@@ -247,3 +247,88 @@ def test_the_largest_batch_part_on_a_fake_gpu(bench, monkeypatch):
     assert best["largest_fit"] == 1280 and best["largest_fit_ratio_vs_gem"] == pytest.approx(2.0)
     assert len(saves) == len(gem["tries"]) + len(best["tries"]) + 2  # after every try and every method
     assert all(r["outcome"] in ("fits", "oom") and r["batch_size"] for r in gem["try_results"])
+
+
+def test_the_dynamic_search_compiles_once_per_method_and_keeps_going_after_an_oom(bench, monkeypatch):
+    """--largest-compile dynamic: one start_method per method (one program), every try measured in it at its
+    own batch; an OOM is an answer and the next try runs in the same program; the start batch is tried
+    (the curve's static row does not describe the dynamic program)."""
+    fake = _FakeTraining(capacity=80.0, seconds=10.0)
+    started, measured = [], []
+
+    class FakeRun:
+        def __init__(self, method, batch):
+            self.method, self.batch = method, batch
+
+        def at_batch(self, cfg):
+            return FakeRun(self.method, cfg.batch_size)
+
+    def start_method(cfg, method, dynamic_batch=False):
+        assert dynamic_batch
+        started.append(method)
+        return FakeRun(method, cfg.batch_size)
+
+    def measure(run):
+        measured.append((run.method, run.batch))
+        return fake(SimpleNamespace(batch_size=run.batch), run.method)
+
+    monkeypatch.setattr(e2e_bench, "start_method", start_method)
+    monkeypatch.setattr(e2e_bench, "measure", measure)
+    monkeypatch.setattr(bench, "free_memory", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    args = bench.parse_args(["--device", "cpu", "--parts", "largest", "--largest-methods", "gem"])
+    args.device = "cuda"
+    payload = {"largest_batch": {}}
+    bench.largest_part(args, [], [], fake.clock, 10**6, payload, lambda: None)
+    (gem,) = payload["largest_batch"]["methods"]
+    assert started == ["gem"]  # one program for the whole search
+    assert [b for _, b in measured] == [256, 512, 1024, 768, 640]
+    assert (gem["largest_fit"], gem["smallest_oom"], gem["compile"]) == (640, 768, "dynamic")
+    assert not gem["start_known_from_curve"]
+    assert all(r["compile"] == "dynamic batch" for r in gem["try_results"])
+
+
+def test_together_measures_the_curve_row_and_the_search_in_one_program_per_method(bench, monkeypatch):
+    fake = _FakeTraining(capacity=80.0, seconds=10.0)
+    started, measured = [], []
+
+    class FakeRun:
+        def __init__(self, method, batch):
+            self.method, self.batch = method, batch
+
+        def at_batch(self, cfg):
+            return FakeRun(self.method, cfg.batch_size)
+
+    def start_method(cfg, method, dynamic_batch=False):
+        started.append(method)
+        return FakeRun(method, cfg.batch_size)
+
+    def measure(run):
+        measured.append((run.method, run.batch))
+        return fake(SimpleNamespace(batch_size=run.batch), run.method)
+
+    monkeypatch.setattr(e2e_bench, "start_method", start_method)
+    monkeypatch.setattr(e2e_bench, "measure", measure)
+    monkeypatch.setattr(bench, "free_memory", lambda device: None)
+    monkeypatch.setattr(bench, "rewrite_results", lambda path, payload: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    args = bench.parse_args(["--device", "cpu", "--together", "--budgets", "0.5", "--no-fp8",
+                             "--largest-methods", "gem,gem-memory-budget-0.5", "--methods",
+                             "gem,gem-memory-budget-0.5,inductor"])
+    args.device = "cuda"
+    payload = {"largest_batch": {}, "curve": {}}
+    results = bench.together_part(args, payload, lambda: None, fake.clock, log=lambda *a: None)
+    assert started == ["gem", "gem-memory-budget-0.5", "inductor"]  # one program per method
+    assert [r["outcome"] for r in results] == ["fits"] * 3
+    gem, budget = payload["largest_batch"]["methods"]
+    # the curve's row (B 256) is the search's start, measured in the same program: not tried again
+    assert gem["start_known_from_curve"] and measured.count(("gem", 256)) == 1
+    assert (gem["largest_fit"], gem["smallest_oom"]) == (640, 768)
+    assert budget["largest_fit"] == 1280 and budget["largest_fit_ratio_vs_gem"] == pytest.approx(2.0)
+    assert ("inductor", 512) not in measured  # not among --largest-methods
+
+
+def test_together_refuses_best(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--together"])

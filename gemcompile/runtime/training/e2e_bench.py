@@ -54,7 +54,8 @@ from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
 
-__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "memory_variant", "methods_help",
+__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_variant", "methods_help",
+           "start_method",
            "run_e2e_bench", "split_method", "step_begin", "unknown_methods"]
 
 PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
@@ -370,6 +371,36 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     return result
 
 
+def start_method(cfg: E2EBenchConfig, method: str, dynamic_batch: bool = False) -> _MethodRun:
+    """A fresh GEM-ref compiled the method's way, not yet run (it compiles on its first step). With
+    ``dynamic_batch`` the batch dim of every input is marked dynamic at the first call (Dynamo's
+    maybe_mark_dynamic: no error where the program specializes it), so ``measure(run.at_batch(...))``
+    runs other batch sizes without a compile each."""
+    run = _MethodRun.start(cfg, method)
+    if dynamic_batch and run.runner is not run.model:
+        run.runner = _batch_dynamic(run.runner)
+    return run
+
+
+def _batch_dynamic(runner):
+    def call(**features):
+        for value in features.values():
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return runner(**features)
+
+    return call
+
+
+def measure(run: _MethodRun) -> dict[str, Any]:
+    """Train ``run`` for its cfg's warm-up and measured steps and return its results row (run_method's,
+    without the kernel profile); the CUDA peak is reset first."""
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return _method_result(run, _timed_steps(run), None)
+
+
 @dataclass
 class _MethodRun:
     """A fresh GEM-ref (the same seed and batches for every method) compiled the method's way."""
@@ -406,6 +437,14 @@ class _MethodRun:
         run.runner = compile_method(model, method)
         return run
 
+    def at_batch(self, cfg: E2EBenchConfig) -> _MethodRun:
+        """The same model, optimizers and compiled runner fed ``cfg``'s batch size (fresh batches and NE
+        window): a program compiled with a dynamic batch runs it without compiling again."""
+        model_cfg = gem_ref_config(cfg.size)
+        data = SyntheticData(model_cfg.data_config(cfg.batch_size, fill=cfg.fill, seed=cfg.seed))
+        window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
+        return dataclasses.replace(self, cfg=cfg, batch_size=cfg.batch_size, data=data, window=window)
+
     def autocast(self):
         if self.cfg.dtype == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -437,6 +476,10 @@ class _Timings:
     """Useful FLOPs of each measured step."""
     losses: list[float] = field(default_factory=list)
     """Every step's loss, warm-up included."""
+    peak_warmup_bytes: int | None = None
+    """CUDA peak allocated over the warm-up steps (compilation and autotuning included)."""
+    peak_steady_bytes: int | None = None
+    """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
 
 
 def _timed_steps(run: _MethodRun) -> _Timings:
@@ -446,6 +489,9 @@ def _timed_steps(run: _MethodRun) -> _Timings:
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
             timings.graphs_after_warmup = _graph_count()
+            if device.type == "cuda":  # the compile's transients (autotuning buffers) stay in the warm-up's peak
+                timings.peak_warmup_bytes = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
         cpu_batch = run.data.batch(step)
         batch = cpu_batch.to(device)
         _sync(device)
@@ -460,6 +506,8 @@ def _timed_steps(run: _MethodRun) -> _Timings:
         timings.step_ms.append(1e3 * elapsed)
         timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
         run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
+    if device.type == "cuda":
+        timings.peak_steady_bytes = torch.cuda.max_memory_allocated()
     return timings
 
 
@@ -490,7 +538,12 @@ def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile |
         "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": _graph_count() - graphs_after_warmup,
-        "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None,
+        # over the warm-up (compilation included) and the measured steps: what must fit
+        "peak_memory_gib": (max(timings.peak_warmup_bytes or 0, timings.peak_steady_bytes) / 2**30
+                            if timings.peak_steady_bytes is not None else None),
+        # over the measured steps alone: what a compiled step holds (the compile's transients left out)
+        "peak_memory_steady_gib": (timings.peak_steady_bytes / 2**30
+                                   if timings.peak_steady_bytes is not None else None),
         # runnable processes on the host (1-minute average) after the measured steps, against its cores: a
         # host-bound step's time is only comparable between runs on an equally quiet host
         "host_load": {"load_avg_1min": _load_average(), "cpus": os.cpu_count()},
