@@ -1,4 +1,6 @@
-"""MXFP8 quality and step time: GEM-ref trained with bf16 GEMMs against each FP8 recipe (issue 7).
+"""MXFP8 and activation memory quality: GEM-ref trained in bf16 against FP8 recipes or memory settings.
+
+Issue 7: bf16 GEMMs against each FP8 recipe, quality and step time; issue 26: activation memory settings.
 
 Every run trains the same GEM-ref (same seed, same synthetic batches) under bf16 autocast, compiled with
 gem_compile; the FP8 runs turn on the mxfp8 pass (GemConfig.mxfp8), the baseline does not. Every
@@ -24,6 +26,27 @@ The same machinery checks gem_compile against eager (issue 10: the same NE as ea
 gem_compile with its default passes (recipe "none": no FP8) against it:
 
     python benchmarks/mxfp8_quality.py --baseline eager --baseline-repeats 2 --recipes none
+
+The same again for activation memory (issue 26: held-out NE with FP8 saved activations within the
+run-to-run noise of bf16 saved activations): a recipe may also be an activation memory setting, named as
+``gemcompile bench e2e`` names it (e2e_bench.memory_variant): ``gem+fp8-saved`` (GemConfig.memory.fp8_saved:
+the input of each qualifying Linear held for its weight gradient in FP8; no mxfp8 pass) or
+``gem-memory-budget-<fraction>[+fp8-saved]``. Such a run records how many tensors its backward received in
+FP8 (``saved_in_fp8``, from the partitioner's record); one that saved none proves nothing and says so
+(``inert`` in the verdict). Its verdict is ``within_noise_floor``: on every task its relative held-out NE
+gap to the bf16 seed-0 run is at most the noise floor, the largest gap of the bf16 seed-1 run over the tasks
+(VERDICT_RULES, also in the JSON). GEM-ref small, 300 steps, B 256, warm-up and cosine decay; bf16 seed 0,
+bf16 seed 1 and gem+fp8-saved as three processes on one H200, about 8 minutes:
+
+    python benchmarks/mxfp8_quality.py --steps 300 --batch-size 256 --lr-warmup 30 --lr-schedule cosine \
+        --eval-every 50 --eval-batches 40 --baseline-repeats 2 --recipes gem+fp8-saved \
+        --gpus 1 --procs-per-gpu 3 --deadline-s 450
+    python benchmarks/mxfp8_quality.py --plot results/mxfp8_quality-....json  # activation_memory_quality.png
+
+On the CPU, against eager (the smoke's batch of 16 leaves every Linear input of GEM-ref tiny below
+fp8_saved.MIN_ELEMENTS, so that run is inert; at 128 five are saved in FP8):
+
+    python benchmarks/mxfp8_quality.py --smoke --baseline eager --recipes gem+fp8-saved --batch-size 128
 """
 
 from __future__ import annotations
@@ -48,22 +71,42 @@ sys.path.insert(0, str(_HERE))
 
 from harness import environment, format_table, results_path, rewrite_results
 
+from gemcompile.runtime.training.e2e_bench import memory_section
+
 RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
 NO_FP8 = "none"
 """The recipe name of a compared run without the mxfp8 pass (gem_compile's defaults)."""
+MEMORY_RECIPES = "gem+fp8-saved, gem-memory-budget-<fraction in (0, 1]>[+fp8-saved]"
+"""Activation memory settings, by e2e_bench's method names (memory_section reads them)."""
 NE_TOLERANCE = 1e-3
 """Relative NE difference against bf16 that counts as parity (0.1%)."""
 BLOWUP = 1.10
 """A final-window loss above BLOWUP x bf16's counts as divergence."""
+VERDICT_RULES = {
+    "ne_within_0.1%": f"every task's |relative held-out NE gap| to the baseline (the first "
+    f"run) at the last checkpoint both reached is at most {NE_TOLERANCE:g} (the training-window NE where a "
+    "held-out NE is undefined)",
+    "within_noise_floor": "every task's |relative NE gap| to the baseline is at most the noise floor: the "
+    "largest |relative NE gap| to the baseline of a baseline repeat (same batches, initialization seed "
+    "seed + i) over the tasks; null without --baseline-repeats 2 or more",
+    "diverged": f"a non-finite loss, or a final-window loss above {BLOWUP:g} x the baseline's",
+    "inert": "why the run proves nothing about its recipe (an FP8 recipe that quantized no GEMM, an "
+    "fp8_saved setting whose backward received no tensor in FP8); null when it did its work",
+}
+"""How the verdict judges each compared run (written into the JSON beside it)."""
 
 
 # -- one run ------------------------------------------------------------------------------------------------
 
 def _gem_config(recipe: str | None, min_dim: int | None, bf16_weight_grad: tuple[str, ...]):
+    """gem_compile's config of a run: the defaults (the baseline, recipe "none"), an activation memory
+    setting (the mxfp8 pass off), or the mxfp8 pass with an FP8 recipe."""
     from gemcompile import GemConfig
 
-    if recipe is None:
+    if recipe in (None, NO_FP8):
         return GemConfig()
+    if (memory := memory_section(recipe)) is not None:
+        return GemConfig(memory=memory)
     mx = {"enabled": True, "recipe": recipe, "bf16_weight_grad": bf16_weight_grad}
     if min_dim is not None:
         mx.update(min_m=min_dim, min_k=min_dim, min_n=min_dim)
@@ -84,9 +127,13 @@ def run_one(name: str, recipe: str | None, args, device: torch.device, init_seed
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    from gemcompile.passes.records import PassLog, recording
+
+    log = PassLog()  # every compile of the run reports here (one per graph and recompile), not to its own log
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+            recording(log):
         result = _run_one(name, recipe, args, device, args.seed if init_seed is None else init_seed, on_checkpoint,
-                          recipe is None if baseline is None else baseline)
+                          recipe is None if baseline is None else baseline, log)
     return result
 
 
@@ -109,7 +156,7 @@ def checkpoint_steps(steps: int, every: int) -> list[int]:
     return marks if marks and marks[-1] == steps else marks + [steps]
 
 
-def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: bool) -> dict:
+def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: bool, log) -> dict:
     from torch._dynamo.utils import counters
 
     from gemcompile import gem_compile
@@ -130,8 +177,7 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
     schedules = ([torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
                  if args.lr_schedule != "constant" or args.lr_warmup else [])
     eager = baseline and args.baseline == "eager"  # the baseline of the gem_compile-vs-eager check
-    fp8 = None if recipe == NO_FP8 else recipe
-    runner = model if eager else gem_compile(model, config=_gem_config(fp8, args.min_dim,
+    runner = model if eager else gem_compile(model, config=_gem_config(recipe, args.min_dim,
                                                                        tuple(args.bf16_weight_grad)))
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
@@ -191,7 +237,7 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
             result["checkpoints"].append({"step": step + 1, "train_ne": list(window.compute().ne),
                                           "eval_ne": held_out_ne()})
             result["step_ms"] = statistics.median(step_ms) if step_ms else math.nan
-            _fill_pass_counts(result, counters["gemcompile"])
+            _fill_pass_counts(result, counters["gemcompile"], log)
             print(f"  {name}: checkpoint at step {step + 1}, held-out NE "
                   f"{[round(v, 5) for v in result['checkpoints'][-1]['eval_ne']]} "
                   f"({time.perf_counter() - started:.0f} s since the run began)", flush=True)
@@ -199,15 +245,25 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
                 on_checkpoint(result)
     result["step_ms"] = statistics.median(step_ms) if step_ms else math.nan
     result["final_lr"] = [o.param_groups[0]["lr"] for o in optimizers]
-    _fill_pass_counts(result, counters["gemcompile"])
+    _fill_pass_counts(result, counters["gemcompile"], log)
     result["complete"] = len(losses) == args.steps and all(math.isfinite(v) for v in losses)
     return result
 
 
-def _fill_pass_counts(result: dict, found) -> None:
+def _fill_pass_counts(result: dict, found, log) -> None:
     result["quantized_gemms"] = {role: found.get(f"mxfp8_fp8_{role}", 0) for role in ("fwd", "dgrad", "wgrad")}
     result["kept_gemms"] = {k.removeprefix("mxfp8_"): v for k, v in found.items()
                             if k.startswith("mxfp8_") and not k.startswith("mxfp8_fp8_") and k != "mxfp8_refused"}
+    result["saved_in_fp8"] = saved_in_fp8(log)
+
+
+def saved_in_fp8(log) -> dict:
+    """What the backward graphs received in FP8 (GemConfig.memory.fp8_saved), from the partitioner's record
+    of each graph it partitioned (a recompile is partitioned, and counted, again): the FP8 tensors, their
+    bytes with their scales, and the bytes they would have kept in their own dtype."""
+    fp8 = [t for graph in log.memory for t in graph.tensors if t.dtype_before and t.status != "recomputed"]
+    return {"tensors": len(fp8), "fp8_bytes": sum(g.fp8_bytes for g in log.memory),
+            "bytes_before": sum(g.fp8_bytes_before for g in log.memory), "partitions": len(log.memory)}
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -269,6 +325,7 @@ def summarize(runs: list[dict], window: int) -> list[dict]:
             "x_bf16": run["step_time_ratio"],
             "compile_s": run["compile_s"],
             "fp8": "/".join(str(run["quantized_gemms"][r]) for r in ("fwd", "dgrad", "wgrad")),
+            "saved_fp8": run.get("saved_in_fp8", {}).get("tensors", 0),  # JSONs before fp8_saved lack it
         }
         for t, r in enumerate(rel_eval):
             row[f"eval_ne{t}"] = mine["eval_ne"][t]
@@ -282,6 +339,47 @@ def summarize(runs: list[dict], window: int) -> list[dict]:
 
 def _is_baseline(run: dict) -> bool:
     return run.get("baseline", run["recipe"] is None)  # JSONs before --baseline: the runs without a recipe
+
+
+def inert(run: dict) -> str | None:
+    """Why a compared run proves nothing about its recipe (VERDICT_RULES), or None: an FP8 recipe that
+    quantized no GEMM, an fp8_saved setting whose backward received no tensor in FP8. A budget alone and
+    recipe "none" change no precision: nothing to prove."""
+    recipe = run["recipe"]
+    if _is_baseline(run) or recipe == NO_FP8:
+        return None
+    memory = memory_section(recipe)
+    if memory is None:
+        return None if sum(run["quantized_gemms"].values()) else "the mxfp8 pass quantized no GEMM"
+    if memory.get("fp8_saved") and not run.get("saved_in_fp8", {}).get("tensors"):
+        return "fp8_saved saved no tensor in FP8 (every candidate left alone: see gemcompile.explain)"
+    return None
+
+
+def judge(run: dict, floor: float | None) -> dict:
+    """The verdict on one compared run after summarize, against the noise floor (VERDICT_RULES)."""
+    rel = run["rel_eval_ne"] if run["ne_basis"] == "eval" else run["rel_train_ne"]
+    return {"ne_within_0.1%": run["ne_within_tolerance"], "ne_basis": run["ne_basis"],
+            "at_step": run["compared_step"], "complete": run["complete"], "rel_ne": rel,
+            # a run with no checkpoint shared with the baseline has no gap to judge
+            "within_noise_floor": None if floor is None or not rel else all(abs(x) <= floor for x in rel),
+            "diverged": run["diverged"], "inert": inert(run),
+            "saved_in_fp8": run.get("saved_in_fp8", {}).get("tensors", 0)}
+
+
+def _recipe(name: str) -> str:
+    """--recipes: an FP8 recipe, "none", or an activation memory setting."""
+    if name in (*RECIPES, NO_FP8) or memory_section(name) is not None:
+        return name
+    raise argparse.ArgumentTypeError(f"unknown recipe {name!r}: one of {', '.join((*RECIPES, NO_FP8))}, "
+                                     f"or an activation memory setting ({MEMORY_RECIPES})")
+
+
+def default_png(payload: dict) -> Path:
+    """Where --plot writes by default: docs/activation_memory_quality.png when the JSON compares an activation
+    memory setting, docs/mxfp8_quality.png otherwise (neither study overwrites the other's curves)."""
+    memory = any(memory_section(r) is not None for r in payload["config"]["recipes"])
+    return _HERE.parent / "docs" / ("activation_memory_quality.png" if memory else "mxfp8_quality.png")
 
 
 def noise_floor(runs: list[dict]) -> float | None:
@@ -301,7 +399,7 @@ def table(rows: list[dict], n_tasks: int, task_names=("CTR", "CVR")) -> str:
                     (f"train_ne{t}", f"train NE {name}", ".5f"), (f"rel_train{t}", "vs base %", "+.3f")]
     columns += [("final_loss", "final loss", ".5f"), ("max_loss", "max loss", ".4f"), ("diverged", "diverged", "s"),
                 ("step_ms", "step ms", ".2f"), ("x_bf16", "x base", ".3f"), ("compile_s", "compile s", ".1f"),
-                ("fp8", "fp8 fwd/dgrad/wgrad", "s")]
+                ("fp8", "fp8 fwd/dgrad/wgrad", "s"), ("saved_fp8", "saved fp8", "d")]
     return format_table(rows, columns)
 
 
@@ -365,8 +463,10 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", choices=["gem", "eager"], default="gem",
                         help="how the baseline trains: gem_compile without the mxfp8 pass (default), or eager "
                              "(no compile: the gem_compile-vs-eager NE check, with --recipes none)")
-    parser.add_argument("--recipes", nargs="+", choices=[*RECIPES, NO_FP8], default=None,
-                        help="FP8 recipes to compare with bf16 (default blockwise mxfp8; emulated ones with --smoke)")
+    parser.add_argument("--recipes", nargs="+", type=_recipe, default=None,
+                        help=f"FP8 recipes ({', '.join(RECIPES)}), {NO_FP8} or activation memory settings "
+                        f"({MEMORY_RECIPES}) to compare with bf16 (default blockwise mxfp8; emulated ones "
+                        "with --smoke)")
     parser.add_argument("--min-dim", type=int, default=1,
                         help="the pass's min_m / min_k / min_n (default 1: every qualifying Linear); 0 = the "
                         "pass's own defaults")
@@ -417,7 +517,9 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny, a few steps, emulated recipes")
     parser.add_argument("--out", default=None, help="directory of the JSON (and PNG); $OUT wins")
     parser.add_argument("--plot", default=None, metavar="FROM_JSON", help="only render the PNG of a results JSON")
-    parser.add_argument("--png", default=None, help="where --plot writes (default docs/mxfp8_quality.png)")
+    parser.add_argument("--png", default=None, help="where --plot writes (default docs/mxfp8_quality.png; "
+                        "docs/activation_memory_quality.png for a JSON that compares an activation memory "
+                        "setting)")
     args = parser.parse_args(argv)
     smoke = args.smoke
     defaults = {"size": "tiny" if smoke else "small", "steps": 6 if smoke else 300,
@@ -434,6 +536,10 @@ def parse_args(argv=None):
         args.warmup = min(args.warmup, 1)
         args.log_every = 0
     return args
+
+
+def _work(run: dict) -> str:
+    return f"fp8 GEMMs {run['quantized_gemms']}, saved in FP8 {run['saved_in_fp8']['tensors']} tensors"
 
 
 def _dump(path: Path, payload: dict) -> None:
@@ -485,7 +591,7 @@ def _run_concurrently(plan, args, argv) -> list[dict]:
                     continue
                 r = results[index] = json.loads(part.read_text())
                 print(f"  {r['name']} {'done' if r['complete'] else 'cut'}: {len(r['losses'])} steps, "
-                      f"step {r['step_ms']:.2f} ms, fp8 GEMMs {r['quantized_gemms']}", flush=True)
+                      f"step {r['step_ms']:.2f} ms, {_work(r)}", flush=True)
             if deadline and time.monotonic() > deadline:
                 break
     return results
@@ -495,7 +601,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
         payload = json.loads(Path(args.plot).read_text())
-        png = Path(args.png) if args.png else _HERE.parent / "docs" / "mxfp8_quality.png"
+        png = Path(args.png) if args.png else default_png(payload)
         if not plot(payload, png):
             print("matplotlib is not installed: pip install matplotlib", file=sys.stderr)
             return 1
@@ -553,7 +659,7 @@ def main(argv=None) -> int:
                 print(f"run {name} ...", flush=True)
                 runs.append(run_one(name, recipe, args, device, init_seed))
                 print(f"  done: {len(runs[-1]['losses'])} steps, step {runs[-1]['step_ms']:.2f} ms, "
-                      f"fp8 GEMMs {runs[-1]['quantized_gemms']}, {time.perf_counter() - started:.0f} s so far",
+                      f"{_work(runs[-1])}, {time.perf_counter() - started:.0f} s so far",
                       flush=True)
                 _dump(path, payload)  # what is done so far survives a run cut short by a time limit
         fallbacks = sorted({str(w.message) for w in caught if type(w.message).__name__ == "Fp8FallbackWarning"})
@@ -569,13 +675,7 @@ def main(argv=None) -> int:
     print(text)
     floor = noise_floor(runs)
     fp8_runs = [r for r in runs if not _is_baseline(r)]
-    verdict = {r["name"]: {"ne_within_0.1%": r["ne_within_tolerance"], "ne_basis": r["ne_basis"],
-                           "at_step": r["compared_step"], "complete": r["complete"],
-                           "rel_ne": r["rel_eval_ne"] if r["ne_basis"] == "eval" else r["rel_train_ne"],
-                           "within_noise_floor": (None if floor is None else all(
-                               abs(x) <= floor for x in (r["rel_eval_ne"] if r["ne_basis"] == "eval"
-                                                         else r["rel_train_ne"]))),
-                           "diverged": r["diverged"]} for r in fp8_runs}
+    verdict = {r["name"]: judge(r, floor) for r in fp8_runs}
     print(f"\nverdict (NE within {100 * NE_TOLERANCE:.1f}% of {base} on every task, no divergence): {verdict}")
     if floor is not None:
         print(f"noise floor ({base} runs that differ only in initialization seed): {100 * floor:.3f}% relative NE")
@@ -583,8 +683,11 @@ def main(argv=None) -> int:
         print(f"runs with no checkpoint (not compared): {missing}")
     for message in fallbacks:
         print(f"note: {message}")
-    payload.update(table=text, verdict=verdict, noise_floor=floor, fallback_warnings=fallbacks,
-                   wall_s=time.perf_counter() - started)
+    for name, judged in verdict.items():
+        if judged["inert"]:
+            print(f"WARNING: {name} proves nothing: {judged['inert']}")
+    payload.update(table=text, verdict=verdict, verdict_rules=VERDICT_RULES, noise_floor=floor,
+                   fallback_warnings=fallbacks, wall_s=time.perf_counter() - started)
     _dump(path, payload)
     print(f"wrote {path}")
     png = path.with_suffix(".png")
@@ -594,8 +697,9 @@ def main(argv=None) -> int:
         print(f"matplotlib not installed: render the loss curves later with --plot {path}")
     if args.smoke:
         bad = [r["name"] for r in runs if any(not math.isfinite(v) for v in r["losses"])]
-        if bad or not all(sum(r["quantized_gemms"].values()) for r in fp8_runs if r["recipe"] != NO_FP8):
-            print(f"smoke FAILED: non-finite {bad}, fp8 GEMMs {[r['quantized_gemms'] for r in fp8_runs]}")
+        idle = [r["name"] for r in fp8_runs if inert(r)]
+        if bad or idle:
+            print(f"smoke FAILED: non-finite {bad}, proving nothing {idle}")
             return 1
         print("smoke ok")
     return 0

@@ -41,9 +41,11 @@ def test_memory_variant_names_read_back_as_their_config():
                          ("gem-memory-budget-0.5", MemoryConfig(budget=0.5)),  # the names from before stay
                          ("gem-memory-budget-0.2", MemoryConfig(budget=0.2))]:
         assert e2e_bench._gem_config(name).memory == memory, name
+        assert MemoryConfig(**e2e_bench.memory_section(name)) == memory, name  # mxfp8_quality's recipes
         assert unknown_methods([name, f"{name}@reduce-overhead"]) == []
         assert e2e_bench.table_training(name) == "sparse-rows"
     assert "gem+fp8-saved" in e2e_bench.available_methods()
+    assert [e2e_bench.memory_section(m) for m in ("gem", "gem+mxfp8", "blockwise")] == [None] * 3
 
 
 @pytest.mark.parametrize("budget", [0, -0.5, 1.5, float("nan"), True, "0.5"])

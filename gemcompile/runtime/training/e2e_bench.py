@@ -54,9 +54,8 @@ from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
 
-__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_variant", "methods_help",
-           "start_method",
-           "run_e2e_bench", "split_method", "step_begin", "unknown_methods"]
+__all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_section", "memory_variant",
+           "methods_help", "run_e2e_bench", "split_method", "start_method", "step_begin", "unknown_methods"]
 
 PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
@@ -88,13 +87,15 @@ def memory_variant(budget: float | None, fp8_saved: bool = False) -> str:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0:
         raise ValueError(f"activation memory budget {budget!r}: need a fraction in (0, 1]")
     name = f"gem-memory-budget-{float(budget):g}" + ("+fp8-saved" if fp8_saved else "")
-    assert _memory_section(name) is not None, name  # the name reads back as the same setting
+    assert memory_section(name) is not None, name  # the name reads back as the same setting
     return name
 
 
-def _memory_section(method: str) -> dict[str, Any] | None:
-    """GemConfig.memory of a ``gem-memory-budget-<fraction>[+fp8-saved]`` name; None for any other name or a
-    budget outside (0, 1]."""
+def memory_section(method: str) -> dict[str, Any] | None:
+    """GemConfig.memory of a memory_variant name: ``gem+fp8-saved`` or
+    ``gem-memory-budget-<fraction>[+fp8-saved]``; None for any other name or a budget outside (0, 1]."""
+    if method == "gem+fp8-saved":
+        return {"fp8_saved": True}
     match = _MEMORY_VARIANT.fullmatch(method)
     if match is None:
         return None
@@ -224,7 +225,7 @@ def unknown_methods(methods) -> list[str]:
 
     def ok(method: str) -> bool:
         base, mode = split_method(method)
-        return ((base in known or _memory_section(base) is not None)
+        return ((base in known or memory_section(base) is not None)
                 and (mode is None or (mode in COMPILE_SUFFIXES and base != "eager")))
 
     return [m for m in methods if not ok(m)]
@@ -240,7 +241,7 @@ def _gem_config(method: str) -> GemConfig:
         return GemConfig()
     if method in VARIANTS:
         return GemConfig(**VARIANTS[method])
-    if (memory := _memory_section(method)) is not None:
+    if (memory := memory_section(method)) is not None:
         return GemConfig(memory=memory)
     if method.startswith("gem-no-"):
         return GemConfig(**{method[len("gem-no-"):]: {"enabled": False}})
