@@ -974,6 +974,45 @@ def op_host_time() -> str:
     return "\n".join(lines)
 
 
+ACTIVATION_MEMORY_FILES = ["activation_memory-medium-b256-20261202-050426.json",
+                           "activation_memory-medium-b256-20261202-053105.json",
+                           "activation_memory-medium-b256-20261202-054045.json"]
+"""Issue 26's first H200 runs (2026-12-02): static compiles per method (050426, 054045) and one run of
+--together, dynamic-batch programs (053105, cut by its command's time limit after gem)."""
+
+
+@block("activation-memory")
+def activation_memory() -> str:
+    loaded = [load(name) for name in ACTIVATION_MEMORY_FILES]
+    rows, tries = [], []
+    for path, payload in loaded:
+        name = rel(path).split("/")[-1]
+        dynamic = any(m.get("compile") == "dynamic" for m in payload["largest_batch"].get("methods", []))
+        for r in payload["curve"]["results"]:
+            if r.get("outcome") != "fits":
+                continue
+            rows.append([f"`{name}`", r["method"], str(r["batch_size"]), "dynamic batch" if dynamic else "static",
+                         f(r.get("peak_memory_gib")), f(r.get("peak_memory_steady_gib")),
+                         f(r.get("step_ms_median"), ".1f"), pct(r.get("mfu")), f(r.get("compile_s"), ".0f")])
+        for m in payload["largest_batch"].get("methods", []):
+            for t in m.get("try_results", []):
+                tries.append([f"`{name}`", m["method"], str(t.get("batch_size")), t.get("outcome", "-"),
+                              f(t.get("peak_memory_gib")), f(t.get("step_ms_median"), ".1f"), pct(t.get("mfu")),
+                              str(t.get("graphs_compiled", "-"))])
+    lines = ["Sources: " + source_line(*loaded), "",
+             "GEM-ref medium, fill 0.5, one H200, bf16 autocast, trained as `gemcompile bench e2e` trains it. "
+             "Peak: CUDA max allocated over warm-up and measured steps; steady: over the measured steps only "
+             "(recorded from 0a1d77c on). Each row is one method in one process; rows of different files ran "
+             "on different leases of the machine.", ""]
+    lines += table(["file", "method", "batch", "compile", "peak GiB", "steady GiB", "step ms", "MFU %",
+                    "compile s"], rows)
+    if tries:
+        lines += ["", "Largest-batch tries (a batch beyond the curve's):", ""]
+        lines += table(["file", "method", "batch", "outcome", "peak GiB", "step ms", "MFU %",
+                        "graphs compiled in the try"], tries)
+    return "\n".join(lines)
+
+
 # --- GPU test logs ------------------------------------------------------------------------------------
 
 def gpu_test_logs() -> list[Path]:

@@ -278,7 +278,8 @@ def test_the_dynamic_search_compiles_once_per_method_and_keeps_going_after_an_oo
     monkeypatch.setattr(e2e_bench, "measure", measure)
     monkeypatch.setattr(bench, "free_memory", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
-    args = bench.parse_args(["--device", "cpu", "--parts", "largest", "--largest-methods", "gem"])
+    args = bench.parse_args(["--device", "cpu", "--parts", "largest", "--largest-methods", "gem",
+                             "--largest-compile", "dynamic"])
     args.device = "cuda"
     payload = {"largest_batch": {}}
     bench.largest_part(args, [], [], fake.clock, 10**6, payload, lambda: None)
