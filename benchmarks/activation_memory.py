@@ -5,6 +5,8 @@
         --time-budget-s 3600 --out /tmp/am                         # CPU smoke run (no timing claims)
     python benchmarks/activation_memory.py --parts largest --largest-methods gem,gem-memory-budget-0.5 \
         --out $OUT                                                 # part 2 alone, in its own command
+    python benchmarks/activation_memory.py --parts curve --methods gem,gem-memory-budget-0.3+fp8-saved \
+        --memory-snapshot --out $OUT                               # what is alive at each method's peak
 
 Part 1, the curve: GEM-ref (``--size``) at ``--batch-size`` and ``--fill`` trained by each method the way
 ``gemcompile bench e2e`` trains it (runtime/training/e2e_bench.py ``run_method``: a fresh model, the same
@@ -19,7 +21,12 @@ replaces the list). The FP8 methods are skipped, with the reason, on a GPU below
 takes gemcompile's partitioner (without it gem_compile applies the budget alone and ignores fp8_saved).
 Per method: peak memory (CUDA ``max_memory_allocated`` over the warm-up and measured steps), median step
 ms, their ratios to gem's, the first loss (the same batch and weights for every method: a recompute or an
-FP8 copy changes it by rounding only), MFU, compile time and the method's wall time.
+FP8 copy changes it by rounding only), MFU, compile time and the method's wall time. With
+``--memory-snapshot`` (CUDA), each curve method runs one more step under torch's CUDA memory history after
+its measured ones (e2e's ``memory_snapshot``, runtime/training/memory_snapshot.py): the row's
+``memory_snapshot`` holds that step's peak, what was alive before it (weights, optimizer state) and the
+blocks alive at the peak grouped by their allocation's top user-level frame (an Inductor kernel buffer's
+wrapper line, a gemcompile line); the largest groups are printed after the table.
 
 Part 2, the largest batch: for each of ``--largest-methods`` (``gem`` and ``best``, the memory setting of
 the curve with the lowest peak among those at most ``--best-max-step-ratio`` times gem's step time, else
@@ -68,6 +75,7 @@ from gemcompile.passes.activation_memory import has_partitioner_slot  # noqa: E4
 from gemcompile.runtime.training import e2e_bench  # noqa: E402
 from gemcompile.runtime.training.config import SIZES  # noqa: E402
 from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, memory_variant, split_method  # noqa: E402
+from gemcompile.runtime.training.memory_snapshot import snapshot_lines  # noqa: E402
 
 REFERENCE = "gem"
 PARTS = ("curve", "largest")
@@ -123,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kernel-steps", type=int, default=0,
                    help="steps under torch.profiler per curve method (e2e's kernel time; CUDA)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="per curve method one more step under torch's CUDA memory history (outside the timing): "
+                        "the peak and the live blocks there grouped by allocating frame, in the row's "
+                        "memory_snapshot (e2e's E2EBenchConfig.memory_snapshot; CUDA)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of curve, largest")
     p.add_argument("--largest-methods", default="gem,best",
                    help="methods whose largest batch is searched; 'best' = the best memory setting of the "
@@ -199,11 +211,12 @@ def _check(args: argparse.Namespace) -> None:
     _e2e_config(args, args.batch_size, args.steps, args.methods)  # E2EBenchConfig's own checks
 
 
-def _e2e_config(args: argparse.Namespace, batch_size: int, steps: int, methods, kernel_steps: int = 0
-                ) -> E2EBenchConfig:
+def _e2e_config(args: argparse.Namespace, batch_size: int, steps: int, methods, kernel_steps: int = 0,
+                memory_snapshot: bool = False) -> E2EBenchConfig:
+    """The e2e config of one curve row (``memory_snapshot``: --memory-snapshot, curve rows only) or one try."""
     return E2EBenchConfig(size=args.size, batch_size=batch_size, fill=args.fill, steps=steps,
                           warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
-                          ne_window=steps, kernel_steps=kernel_steps)
+                          ne_window=steps, kernel_steps=kernel_steps, memory_snapshot=memory_snapshot)
 
 
 # -- running one method at one batch -------------------------------------------------------------------------
@@ -398,8 +411,9 @@ class DynamicBatchTries:
         self.args, self.method, self.log = args, method, log
         self.run = None
 
-    def __call__(self, batch: int, steps: int | None = None) -> dict[str, Any]:
-        cfg = _e2e_config(self.args, batch, steps or self.args.largest_steps, (self.method,))
+    def __call__(self, batch: int, steps: int | None = None, memory_snapshot: bool = False) -> dict[str, Any]:
+        cfg = _e2e_config(self.args, batch, steps or self.args.largest_steps, (self.method,),
+                          memory_snapshot=memory_snapshot)
         t0 = time.perf_counter()
         try:
             if self.run is None:
@@ -534,7 +548,7 @@ def together_part(args, payload: dict, save: Callable[[], None], clock, log=prin
             log(f"-- {method} (B {args.batch_size}, one dynamic-batch program, {clock():.0f} s in)")
             tries = DynamicBatchTries(args, method, log)
             try:
-                results.append(tries(args.batch_size, steps=args.steps))
+                results.append(tries(args.batch_size, steps=args.steps, memory_snapshot=args.memory_snapshot))
                 payload["curve"]["results"], payload["curve"]["rows"] = results, curve_rows(results)
                 save()
                 if method in searched and args.device == "cuda" and results[-1]["outcome"] == "fits":
@@ -577,6 +591,16 @@ _LARGEST_COLUMNS = [("method", "method", "s"), ("largest_fit", "largest fit", "d
                     ("stopped", "stopped", ".50s")]
 
 
+def print_snapshots(results: list[dict], top: int = 8, log=print) -> None:
+    """--memory-snapshot: per curve method, its peak and the largest groups of blocks alive there."""
+    for r in results:
+        if r.get("memory_snapshot"):
+            log(f"-- {r['method']}")
+            for line in snapshot_lines(r["memory_snapshot"], top=top):
+                log(f"  {line}")
+    sys.stdout.flush()
+
+
 def largest_rows(part: dict) -> list[dict]:
     rows = []
     for m in part.get("methods", []):
@@ -613,6 +637,7 @@ def separate_parts(args, curve_cfg: E2EBenchConfig, payload: dict, save: Callabl
             payload["curve"]["rows"] = curve_rows(results)
             save()
         print(format_table(payload["curve"]["rows"], _CURVE_COLUMNS), flush=True)
+        print_snapshots(results)
     else:
         payload["curve"]["skipped"] = "--parts without curve"
     if "largest" in args.parts:
@@ -631,7 +656,8 @@ def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monoto
     elapsed = lambda: clock() - t0  # noqa: E731
     device = torch.device(args.device)
     path = results_path(f"activation_memory-{args.size}-b{args.batch_size}", args.out)
-    curve_cfg = _e2e_config(args, args.batch_size, args.steps, args.methods, args.kernel_steps)
+    curve_cfg = _e2e_config(args, args.batch_size, args.steps, args.methods, args.kernel_steps,
+                            memory_snapshot=args.memory_snapshot)
     payload: dict[str, Any] = {
         "benchmark": "activation_memory", "environment": environment(),
         "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
@@ -653,6 +679,10 @@ def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monoto
                            "and optimizer state) or 'static' (compiled anew per batch)",
             "peak_memory_steady_gib": "torch.cuda.max_memory_allocated over the measured steps alone (the "
                                       "compile's and the warm-up's transients left out)",
+            "memory_snapshot": "--memory-snapshot: one more step per curve method under torch's CUDA memory "
+                               "history, after the measured steps; its peak (replayed from the allocator's "
+                               "trace), what was alive before it, and the blocks alive at the peak grouped by "
+                               "their allocation's top user-level frame (runtime/training/memory_snapshot.py)",
             "linear_estimate": "peaks fitted linearly in the batch and extrapolated to the device's memory: "
                                "not measured",
         },
@@ -666,6 +696,7 @@ def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monoto
     if args.together:
         together_part(args, payload, save, elapsed)
         print(format_table(payload["curve"]["rows"], _CURVE_COLUMNS), flush=True)
+        print_snapshots(payload["curve"]["results"])
         if "skipped" not in payload["largest_batch"]:
             print(format_table(largest_rows(payload["largest_batch"]), _LARGEST_COLUMNS), flush=True)
     else:

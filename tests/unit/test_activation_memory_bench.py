@@ -335,3 +335,33 @@ def test_together_measures_the_curve_row_and_the_search_in_one_program_per_metho
 def test_together_refuses_best(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--together"])
+
+
+def test_memory_snapshot_flag_reaches_the_curve_rows_only_and_is_printed(bench, tmp_path, monkeypatch, capsys):
+    """--memory-snapshot: E2EBenchConfig.memory_snapshot on the curve's config (not the largest-batch tries),
+    the row's memory_snapshot kept in the JSON, its top groups printed after the table."""
+    monkeypatch.delenv("OUT", raising=False)
+    fake = _FakeTraining()
+    snapshots = []
+    summary = {"peak_allocated_gib": 1.5, "max_memory_allocated_gib": 1.5, "step_error": None, "truncated": False,
+               "before_step": {"gib": 0.5},
+               "at_peak": {"before_step_gib": 0.5, "step_gib": 1.0, "step_count": 3,
+                           "by_kind_gib": {"inductor_buffers": 1.0},
+                           "groups": [{"where": "inductor kernel buffer cxyz.py:42", "via": None, "gib": 1.0,
+                                       "count": 3}]}}
+
+    def run_method(cfg, method, log=print):
+        snapshots.append(cfg.memory_snapshot)
+        return {**fake(cfg, method, log), "memory_snapshot": summary if cfg.memory_snapshot else None}
+
+    monkeypatch.setattr(e2e_bench, "run_method", run_method)
+    assert bench.parse_args(["--device", "cpu"]).memory_snapshot is False
+    payload = bench.main(["--size", "tiny", "--batch-size", "4", "--device", "cpu", "--methods", "gem,inductor",
+                          "--memory-snapshot", "--out", str(tmp_path)], clock=fake.clock)
+    assert snapshots == [True, True] and payload["args"]["memory_snapshot"] is True
+    assert payload["curve"]["config"]["memory_snapshot"] is True
+    assert payload["curve"]["results"][0]["memory_snapshot"]["peak_allocated_gib"] == 1.5
+    out = capsys.readouterr().out
+    assert "memory snapshot: peak 1.50 GiB" in out and "inductor kernel buffer cxyz.py:42" in out
+    args = bench.parse_args(["--device", "cpu", "--memory-snapshot"])
+    assert bench._e2e_config(args, 512, 3, ["gem"]).memory_snapshot is False  # a try of the search: no snapshot

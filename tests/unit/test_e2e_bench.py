@@ -174,3 +174,30 @@ def test_cpp_wrapper_suffix_reaches_torch_compile_as_an_inductor_option(monkeypa
 def test_the_memory_budget_variants_set_the_budget():
     assert e2e_bench._gem_config("gem-memory-budget-0.5").memory.budget == 0.5
     assert "gem-memory-budget-0.2" in e2e_bench.available_methods()
+
+
+def test_a_memory_snapshot_on_the_cpu_is_none_and_runs_no_extra_step(monkeypatch):
+    """memory_snapshot=True off CUDA: the result says None, and no step beyond warm-up + measured ran (in
+    run_method and in measure)."""
+    steps = []
+    real = e2e_bench._MethodRun.train_step
+    monkeypatch.setattr(e2e_bench._MethodRun, "train_step", lambda self, batch: steps.append(1) or real(self, batch))
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=2, warmup=2, methods=("eager",), device="cpu",
+                         dtype="float32", ne_window=2, memory_snapshot=True)
+    (r,) = run_e2e_bench(cfg, log=lambda *a: None)["results"]
+    assert "error" not in r, r
+    assert r["memory_snapshot"] is None and len(steps) == 4 == len(r["losses"])
+    steps.clear()
+    r = e2e_bench.measure(e2e_bench.start_method(cfg, "eager"))
+    assert r["memory_snapshot"] is None and len(steps) == 4
+    assert E2EBenchConfig().memory_snapshot is False
+
+
+def test_cli_memory_snapshot_flag_reaches_the_config(monkeypatch):
+    from gemcompile.cli import main
+
+    seen = []
+    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or {})
+    assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu", "--memory-snapshot"]) == 0
+    assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu"]) == 0
+    assert [cfg.memory_snapshot for cfg in seen] == [True, False]

@@ -15,6 +15,11 @@ Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths 
   torch.profiler (``kernel_ms_per_step``), the share of the step the host adds (``host_share``) and the
   MFU the step would reach at kernel time (``mfu_at_kernel_time``): what a host-bound step leaves; and
   where that time goes (``kernel_profile``: the largest kernels, kernels per step, ms per kernel class);
+- with ``memory_snapshot=True`` (CUDA), what is alive at the GPU's peak: one more step after the measured
+  ones (outside their timing) under torch's CUDA memory history (runtime/training/memory_snapshot.py),
+  reduced to a few KB (``memory_snapshot``): the step's peak allocated bytes, what was alive before the step
+  (weights, optimizer state; ``model_state`` counts them), and the live blocks at the peak grouped by their
+  allocation's top user-level frame (an Inductor kernel buffer's wrapper line, a gemcompile line);
 - with ``layers=True``, Meta's *local* MFU per layer: each GemLayer alone (its inputs captured from one
   eager step), forward + backward, compiled the method's way, timed with CUDA events, against its own
   useful FLOPs; no recomputation, no communication.
@@ -50,6 +55,7 @@ from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE
 from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD, GemFlopFormula, mfu, peak_flops
 from gemcompile.runtime.training.kernel_time import KernelProfile, kernel_profile
+from gemcompile.runtime.training.memory_snapshot import snapshot_lines, snapshot_step
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
@@ -195,6 +201,12 @@ class E2EBenchConfig:
     """Train steps after the measured ones run under torch.profiler (CUDA only): their summed kernel
     time per step is the GPU's own share of a step (kernel_ms_per_step, host_share, mfu_at_kernel_time).
     0 = skip."""
+
+    memory_snapshot: bool = False
+    """CUDA only: one more train step after the measured ones (and the kernel_steps), outside their timing,
+    under torch's CUDA memory history; its summary (runtime/training/memory_snapshot.py: the step's peak and
+    the live blocks there grouped by allocating frame) is the method's ``memory_snapshot``. None on the CPU
+    (no step run)."""
 
     seed: int = 0
     """Model initialization and data seed, the same for every method."""
@@ -362,6 +374,8 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra))
                 if run.device.type == "cuda" else None)
     result = _method_result(run, timings, profiled)
+    if cfg.memory_snapshot:
+        result["memory_snapshot"] = _memory_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps, log)
     _log_method(log, result, profiled)
     if cfg.layers:
         result["layers"] = _local_layers(run, log)
@@ -399,7 +413,51 @@ def measure(run: _MethodRun) -> dict[str, Any]:
     without the kernel profile); the CUDA peak is reset first."""
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    return _method_result(run, _timed_steps(run), None)
+    result = _method_result(run, _timed_steps(run), None)
+    if run.cfg.memory_snapshot:
+        result["memory_snapshot"] = _memory_snapshot(run, run.cfg.warmup + run.cfg.steps)
+    return result
+
+
+def _memory_snapshot(run: _MethodRun, batch_index: int, log=None) -> dict[str, Any] | None:
+    """One more train step (batch ``batch_index``) under the CUDA memory history: memory_snapshot.snapshot_step's
+    summary with ``model_state`` (the parameters, gradients and optimizer state alive before it). After the
+    measured steps and their peak readings; None, with no step run, off CUDA."""
+    if run.device.type != "cuda":
+        return None
+    batch = run.data.batch(batch_index).to(run.device)  # on the device before the history starts
+    state = _model_state(run)
+    summary = snapshot_step(lambda: run.train_step(batch), run.device)
+    if summary is not None:
+        summary["model_state"] = state
+        if log is not None:
+            for line in snapshot_lines(summary):
+                log(f"    {line}")
+    return summary
+
+
+def _model_state(run: _MethodRun) -> dict[str, float]:
+    """GiB of the device storages of the parameters, their gradients (the last step's, where not set to
+    None) and the optimizers' state, each storage counted once."""
+    seen: set[int] = set()
+
+    def gib(tensors) -> float:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != run.device.type or t.is_sparse:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return round(total / 2**30, 4)
+
+    params = list(run.model.parameters())
+    return {"parameters_gib": gib(params),
+            "gradients_gib": gib(p.grad for p in params if p.grad is not None),
+            "optimizer_state_gib": gib(v for opt in run.optimizers for state in opt.state.values()
+                                       for v in (state.values() if isinstance(state, dict) else ()))}
 
 
 @dataclass
