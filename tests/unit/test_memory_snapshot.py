@@ -167,7 +167,7 @@ def test_off_cuda_the_step_is_not_run():
 
 def test_the_e2e_snapshot_step_runs_one_train_step_on_the_next_batch(monkeypatch):
     """e2e_bench._memory_snapshot on a stand-in CUDA run: one train step on batch `index`, inside
-    snapshot_step; the model state before it beside the summary; its lines logged."""
+    snapshot_step; the model state before it beside the summary."""
     seen, stepped = {}, []
 
     def fake_snapshot_step(step, device):
@@ -183,11 +183,11 @@ def test_the_e2e_snapshot_step_runs_one_train_step_on_the_next_batch(monkeypatch
     run = SimpleNamespace(device=torch.device("cuda"), data=Data(), model=model, optimizers=[],
                           train_step=lambda batch: stepped.append(batch))
     monkeypatch.setattr(e2e_bench, "snapshot_step", fake_snapshot_step)
-    logged = []
-    summary = e2e_bench._memory_snapshot(run, 7, logged.append)
+    summary = e2e_bench._memory_snapshot(run, 7)
     assert stepped == ["batch 7"] and seen["device"].type == "cuda"
     assert summary["model_state"] == {"parameters_gib": 0.0, "gradients_gib": 0.0, "optimizer_state_gib": 0.0}
-    assert summary["peak_allocated_bytes"] == 1300 and any("cxyz.py:42" in line for line in logged)
+    assert summary["peak_allocated_bytes"] == 1300
+    assert any("parameters 0.00" in line for line in snapshot_lines(summary))
 
 
 def test_the_model_state_counts_each_storage_once():

@@ -375,8 +375,10 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
                 if run.device.type == "cuda" else None)
     result = _method_result(run, timings, profiled)
     if cfg.memory_snapshot:
-        result["memory_snapshot"] = _memory_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps, log)
+        result["memory_snapshot"] = _memory_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps)
     _log_method(log, result, profiled)
+    for line in snapshot_lines(result.get("memory_snapshot")):
+        log(f"    {line}")
     if cfg.layers:
         result["layers"] = _local_layers(run, log)
     del run
@@ -419,7 +421,7 @@ def measure(run: _MethodRun) -> dict[str, Any]:
     return result
 
 
-def _memory_snapshot(run: _MethodRun, batch_index: int, log=None) -> dict[str, Any] | None:
+def _memory_snapshot(run: _MethodRun, batch_index: int) -> dict[str, Any] | None:
     """One more train step (batch ``batch_index``) under the CUDA memory history: memory_snapshot.snapshot_step's
     summary with ``model_state`` (the parameters, gradients and optimizer state alive before it). After the
     measured steps and their peak readings; None, with no step run, off CUDA."""
@@ -430,9 +432,6 @@ def _memory_snapshot(run: _MethodRun, batch_index: int, log=None) -> dict[str, A
     summary = snapshot_step(lambda: run.train_step(batch), run.device)
     if summary is not None:
         summary["model_state"] = state
-        if log is not None:
-            for line in snapshot_lines(summary):
-                log(f"    {line}")
     return summary
 
 

@@ -16,8 +16,8 @@ the snapshot's trace of the step (the allocator's ``alloc`` / ``free_requested``
   <file>:<line>", the wrapper line that allocates the buffer) or else in gemcompile, the model, the benchmark
   (torch, site-packages and the standard library are skipped); ``via`` is the next user-level frame outward
   (the train step's forward line for a forward graph's buffer; none for a backward graph's, which the
-  autograd engine calls; the one holding most of the group's bytes). Blocks with no Python frame at all (eager backward formulas run by the autograd
-  engine in C++) are one group;
+  autograd engine calls; the one holding most of the group's bytes). Blocks with no Python frame at all
+  (eager backward formulas run by the autograd engine in C++) are one group;
 - a coarse timeline of the allocated bytes over the step, and the largest blocks at the peak.
 """
 
@@ -69,6 +69,10 @@ def _is_internal(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR) or filename.startswith(_STDLIB_DIRS)
 
 
+def _is_user(filename: str) -> bool:
+    return not _is_internal(filename) and not _is_inductor_generated(filename)
+
+
 def _short_path(filename: str) -> str:
     for marker in ("/gemcompile/", "/benchmarks/", "/tests/", "/torch/"):
         i = filename.rfind(marker)
@@ -99,9 +103,7 @@ def frame_label(frames: list[dict] | None) -> tuple[str, str | None]:
         if not frames:
             return NO_PYTHON_FRAMES, None
         return f"torch internals only, innermost {_fmt(frames[0])}", None
-    via = next((_fmt(f) for f in frames[chosen + 1:]
-                if not _is_internal(f.get("filename", "")) and not _is_inductor_generated(f.get("filename", ""))),
-               None)
+    via = next((_fmt(f) for f in frames[chosen + 1:] if _is_user(f.get("filename", ""))), None)
     return label, via
 
 
@@ -122,7 +124,7 @@ def _device_trace(snapshot: dict, device: int | None) -> tuple[int, list[dict]]:
     return device, (traces[device] if device < len(traces) else [])
 
 
-def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 25, timeline_points: int = 40,
+def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20, timeline_points: int = 40,
                        max_entries: int | None = None) -> dict[str, Any]:
     """The JSON-sized summary of a ``torch.cuda.memory._snapshot()`` taken right after one step recorded
     with the history on (see the module docstring). ``device``: the index into ``device_traces`` (None: the
@@ -242,9 +244,11 @@ def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 25,
         "peak_event_index": peak_index,
         "peak_time_us": (peak_event.get("time_us") - t0 if peak_event is not None and t0 is not None
                          and peak_event.get("time_us") is not None else None),
-        "step_time_us": (trace[-1].get("time_us") - t0 if t0 is not None and trace[-1].get("time_us") is not None
-                         else None),
-        "peak_event": ({"where": frame_label(peak_event.get("frames"))[0], "size": int(peak_event.get("size", 0)),
+        "step_time_us": (trace[-1].get("time_us") - t0
+                         if t0 is not None and trace[-1].get("time_us") is not None else None),
+        # the allocation that reached the peak: its group and its frames outside torch (innermost first)
+        "peak_event": ({"where": frame_label(peak_event.get("frames"))[0],
+                        "size": int(peak_event.get("size", 0)),
                         "frames": [_fmt(f) for f in (peak_event.get("frames") or [])
                                    if not _is_internal(f.get("filename", ""))][:6]}
                        if peak_event is not None else None),
@@ -252,7 +256,8 @@ def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 25,
         "reserved_max_gib": gib(reserved_max),
         "before_step": {"bytes": before_bytes, "gib": gib(before_bytes),
                         "count": len(older_alive) + len(older_freed),
-                        "freed_by_peak_gib": gib(older_freed_by_peak), "freed_in_step_gib": gib(sum(older_freed))},
+                        "freed_by_peak_gib": gib(older_freed_by_peak),
+                        "freed_in_step_gib": gib(sum(older_freed))},
         "at_peak": {
             "before_step_gib": gib(before_bytes - older_freed_by_peak),
             "step_gib": gib(step_bytes),
@@ -285,8 +290,8 @@ def record_history_kwargs(max_entries: int, fn: Callable | None = None) -> dict[
     return {k: v for k, v in wanted.items() if k in params}
 
 
-def snapshot_step(step: Callable[[], Any], device: torch.device | str, *, max_entries: int = DEFAULT_MAX_ENTRIES,
-                  top: int = 25) -> dict[str, Any] | None:
+def snapshot_step(step: Callable[[], Any], device: torch.device | str, *,
+                  max_entries: int = DEFAULT_MAX_ENTRIES, top: int = 20) -> dict[str, Any] | None:
     """``step()`` once under the CUDA memory history; the summary of what it allocated (summarize_snapshot),
     with ``torch.cuda.memory_allocated`` before the step and ``max_memory_allocated`` over it (the peak
     statistics are reset first) to check the replay against. None, without running the step, off CUDA.
@@ -332,8 +337,9 @@ def snapshot_lines(summary: dict[str, Any] | None, top: int = 8) -> list[str]:
              + ("; trace truncated" if summary.get("truncated") else "")]
     state = summary.get("model_state")
     if state:
-        lines.append("  before the step: " + ", ".join(f"{k.removesuffix('_gib')} {v:.2f}" for k, v in state.items())
-                     + f" GiB (all older blocks {summary['before_step']['gib']:.2f} GiB)")
+        lines.append("  before the step: "
+                     + ", ".join(f"{k.removesuffix('_gib')} {v:.2f}" for k, v in state.items()) + f" GiB (all older blocks {summary['before_step']['gib']:.2f} GiB)")
     for g in at["groups"][:top]:
-        lines.append(f"  {g['gib']:7.3f} GiB {g['count']:5d} x  {g['where']}" + (f"  via {g['via']}" if g["via"] else ""))
+        lines.append(f"  {g['gib']:7.3f} GiB {g['count']:5d} x  {g['where']}"
+                     + (f"  via {g['via']}" if g["via"] else ""))
     return lines
