@@ -34,7 +34,13 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   tangents are exactly the saved values; their producers are found by name in the forward graph): one
   ``GraphMemory`` per joint graph in the active PassLog, rendered by ``explain`` (``memory_tables``).
   explain also partitions once more without the budget (``measure_default``) to mark what the budget
-  recomputes; a real compile does not pay for that second partition.
+  recomputes; a real compile does not pay for that second partition. The saved bytes are not the peak: the
+  record also holds each graph's peak live bytes (``graph_peaks``, passes/graph_liveness.py: the nodes
+  walked in order, each value freed after its last use; the backward counts the saved values and tangents
+  from its start), for the default partition too when measured, and explain prints the backward's peak,
+  where it is reached, what is alive there (saved, tangents, produced in the backward) and its largest
+  values (``peak_line``, ``peak_table``). An estimate of the graphs' own liveness: Inductor may reuse or
+  hold buffers differently; parameters, their gradients and optimizer state are not in it.
 
 Where it plugs in: Inductor's ``custom_partitioner_fn`` slot (added mid-2025; feature-detected), a
 ``CustomPartitionerFn`` whose uuid covers this file, fp8_saved.py, the memory section and the versions,
