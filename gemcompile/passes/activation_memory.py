@@ -298,7 +298,8 @@ def saved_tensors(fw: fx.GraphModule, bw: fx.GraphModule, info: JointInfo) -> di
     return out
 
 
-def graph_peaks(fw: fx.GraphModule, bw: fx.GraphModule, saved: dict[str, dict]) -> tuple[PeakMemory, PeakMemory]:
+def graph_peaks(fw: fx.GraphModule, bw: fx.GraphModule, saved: dict[str, dict]
+                ) -> tuple[PeakMemory, PeakMemory]:
     """(forward, backward) peaks of a partition's own live bytes (graph_liveness.py): the forward's inputs
     not counted, the backward's saved values (parameters excluded, as in the saved-tensor table) and tangents
     counted; a saved value's producer named as in that table."""
@@ -470,8 +471,8 @@ def memory_summary(record: GraphMemory) -> str:
     return text
 
 
-PEAK_NOTE = ("peaks: an estimate from the partitioned graphs' own liveness (Inductor may reuse or hold buffers "
-             "differently); parameters, their gradients and optimizer state are not in it")
+PEAK_NOTE = ("peaks: an estimate from the partitioned graphs' own liveness (Inductor may reuse or hold "
+             "buffers differently); parameters, their gradients and optimizer state are not in it")
 
 
 def peak_line(record: GraphMemory) -> str | None:
@@ -504,7 +505,8 @@ def peak_table(record: GraphMemory, max_rows: int = 6) -> Any:
     peak = record.backward_peak
     if peak is None:
         return None
-    table = Table(title=f"graph {record.graph}: the largest values alive at the backward peak", title_justify="left")
+    table = Table(title=f"graph {record.graph}: the largest values alive at the backward peak",
+                  title_justify="left")
     for col, justify in (("value", "left"), ("produced by", "left"), ("shape", "left"), ("dtype", "left"),
                          ("bytes", "right"), ("kind", "left")):
         table.add_column(col, justify=justify)

@@ -53,8 +53,9 @@ def _storage_key(val: Any) -> Any:
 
 def _op_text(node: fx.Node) -> str:
     target = node.target
-    name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
-    return name.removesuffix(".default")
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target).removesuffix(".default")
+    return getattr(target, "__name__", str(target))
 
 
 def _shape(val: torch.Tensor) -> str:
@@ -119,7 +120,7 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
             held[node] = new(node, val, node.name, kind, kind, node.name in counted_inputs)
         elif node.op == "get_attr":
             held[node] = new(node, val, node.name, "constant", "saved", False)
-        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             parent, i = held.get(node.args[0]), node.args[1]
             if isinstance(parent, list) and isinstance(i, int) and -len(parent) <= i < len(parent):
                 held[node] = parent[i]
@@ -172,10 +173,11 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
     if peak_node is None:  # no op at all: the inputs are the peak
         peak, peak_node, peak_live = current, (nodes[-1] if nodes else None), dict(live)
     values = sorted(peak_live.values(), key=lambda b: -b.nbytes)
-    split = {kind: sum(b.nbytes for b in values if b.kind == kind) for kind in ("saved", "tangent", "produced")}
+    split = {kind: sum(b.nbytes for b in values if b.kind == kind)
+             for kind in ("saved", "tangent", "produced")}
     return PeakMemory(
         nbytes=max(peak, 0), node=peak_node.name if peak_node is not None else "",
         op=_op_text(peak_node) if peak_node is not None and peak_node.op == "call_function" else "",
         saved_bytes=split["saved"], tangent_bytes=split["tangent"], produced_bytes=split["produced"],
-        top=tuple(LiveValue(b.name, b.op, _shape(b.val), str(b.val.dtype).removeprefix("torch."), b.nbytes, b.kind)
-                  for b in values[:top]))
+        top=tuple(LiveValue(b.name, b.op, _shape(b.val), str(b.val.dtype).removeprefix("torch."), b.nbytes,
+                            b.kind) for b in values[:top]))

@@ -182,7 +182,7 @@ class LiveValue:
     """One value alive at a graph's peak (passes/graph_liveness.py)."""
 
     name: str
-    """The node that holds the buffer (a view's base; ``op[i]`` names an output of a tuple no getitem reads)."""
+    """The node that holds the buffer: a view's base; ``op[i]`` for an output of a tuple no getitem reads."""
     op: str
     """What produced it: an op, or for an input of the graph what it is (``saved``, ``tangent``)."""
     shape: str

@@ -183,7 +183,8 @@ def test_the_record_has_the_peaks_and_the_budget_lowers_the_saved_bytes(model, i
     report = explain(model(), *inputs(), config=GemConfig(memory={"budget": 0.3}))
     (record,) = report.memory
     assert record.saved_bytes < record.default_bytes
-    peaks = (record.forward_peak, record.backward_peak, record.default_forward_peak, record.default_backward_peak)
+    peaks = (record.forward_peak, record.backward_peak, record.default_forward_peak,
+             record.default_backward_peak)
     assert all(p is not None for p in peaks)
     for peak in peaks:
         assert peak.nbytes == peak.saved_bytes + peak.tangent_bytes + peak.produced_bytes > 0
