@@ -63,7 +63,8 @@ class ExplainReport:
     """(name, stage, enabled) for each pass of the pipeline."""
     memory: list[GraphMemory] = field(default_factory=list)
     """What each joint graph's forward saves for its backward under GemConfig.memory (shape, dtype, bytes,
-    producer; with a budget, also what the budget recomputes and the bytes saved with no budget)."""
+    producer; with a budget, also what the budget recomputes and the bytes saved with no budget), and the
+    peak live bytes of each partitioned forward and backward graph (GraphMemory.backward_peak)."""
 
     def __rich_console__(self, console, options):
         n_graphs = len(self.graphs)

@@ -34,7 +34,13 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   tangents are exactly the saved values; their producers are found by name in the forward graph): one
   ``GraphMemory`` per joint graph in the active PassLog, rendered by ``explain`` (``memory_tables``).
   explain also partitions once more without the budget (``measure_default``) to mark what the budget
-  recomputes; a real compile does not pay for that second partition.
+  recomputes; a real compile does not pay for that second partition. The saved bytes are not the peak: the
+  record also holds each graph's peak live bytes (``graph_peaks``, passes/graph_liveness.py: the nodes
+  walked in order, each value freed after its last use; the backward counts the saved values and tangents
+  from its start), for the default partition too when measured, and explain prints the backward's peak,
+  where it is reached, what is alive there (saved, tangents, produced in the backward) and its largest
+  values (``peak_line``, ``peak_table``). An estimate of the graphs' own liveness: Inductor may reuse or
+  hold buffers differently; parameters, their gradients and optimizer state are not in it.
 
 Where it plugs in: Inductor's ``custom_partitioner_fn`` slot (added mid-2025; feature-detected), a
 ``CustomPartitionerFn`` whose uuid covers this file, fp8_saved.py, the memory section and the versions,
@@ -49,6 +55,7 @@ change a few nodes before Inductor partitions).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import operator
@@ -63,7 +70,8 @@ import torch.fx as fx
 
 from gemcompile.config import GemConfig
 from gemcompile.passes import fp8_saved
-from gemcompile.passes.records import GraphMemory, SavedTensor, active_log, source_location
+from gemcompile.passes.graph_liveness import peak_liveness
+from gemcompile.passes.records import GraphMemory, PeakMemory, SavedTensor, active_log, source_location
 from gemcompile.version import versions
 
 try:
@@ -290,10 +298,25 @@ def saved_tensors(fw: fx.GraphModule, bw: fx.GraphModule, info: JointInfo) -> di
     return out
 
 
+def graph_peaks(fw: fx.GraphModule, bw: fx.GraphModule, saved: dict[str, dict]
+                ) -> tuple[PeakMemory, PeakMemory]:
+    """(forward, backward) peaks of a partition's own live bytes (graph_liveness.py): the forward's inputs
+    not counted, the backward's saved values (parameters excluded, as in the saved-tensor table) and tangents
+    counted; a saved value's producer named as in that table."""
+    forward = peak_liveness(fw.graph)
+    counted = {n.name for n in bw.graph.nodes if n.op == "placeholder"
+               and (n.name not in saved or saved[n.name]["kind"] != "parameter")}
+    backward = peak_liveness(bw.graph, counted_inputs=counted)
+    top = tuple(dataclasses.replace(v, op=saved[v.name]["op"]) if v.kind == "saved" and v.name in saved else v
+                for v in backward.top)
+    return forward, dataclasses.replace(backward, top=top)
+
+
 def graph_memory(index: int, budget: float | None, saved: dict[str, dict], default: dict[str, dict] | None,
-                 bw: fx.GraphModule, info: JointInfo, kept: int) -> GraphMemory:
+                 bw: fx.GraphModule, info: JointInfo, kept: int, peaks: tuple | None = None,
+                 default_peaks: tuple | None = None) -> GraphMemory:
     """The record of one partition: ``saved`` under the budget, ``default`` without it (None: not
-    measured)."""
+    measured); ``peaks`` / ``default_peaks``: (forward, backward) PeakMemory of each (graph_peaks)."""
     tensors = []
     for name, fields in saved.items():
         status = "saved" if default is None or name in default else "saved instead"
@@ -306,8 +329,12 @@ def graph_memory(index: int, budget: float | None, saved: dict[str, dict], defau
     recomputed = tuple(_op_name(n.target) for n in bw.graph.nodes
                        if n.op == "call_function" and n.name in info.forward_names
                        and n.target is not operator.getitem)
+    forward_peak, backward_peak = peaks or (None, None)
+    default_forward_peak, default_backward_peak = default_peaks or (None, None)
     return GraphMemory(graph=index, budget=budget, tensors=tuple(tensors), default_bytes=default_bytes,
-                       recomputed_ops=recomputed, kept=kept)
+                       recomputed_ops=recomputed, kept=kept, forward_peak=forward_peak,
+                       backward_peak=backward_peak, default_forward_peak=default_forward_peak,
+                       default_backward_peak=default_backward_peak)
 
 
 # -- the partitioner ------------------------------------------------------------------------------------
@@ -383,21 +410,24 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
                 return self._partition_fp8(gm, joint_inputs, kwargs, sites)[:2]
         with budget_patch(self.options.budget):
             budget = current_budget()  # ours, or one the user set in torch's config
-        default = None
+        default = default_peaks = None
         if self.measure_default and budget is not None:
             # the partitioner's default on the same joint graph; it only dead-codes, CSEs (names kept) and
             # tags the graph it is given, so the partition under the budget below sees the same nodes
             with budget_patch(1.0):
                 fw0, bw0 = self._partition(gm, joint_inputs, dict(kwargs))
             default = saved_tensors(fw0, bw0, info)
+            default_peaks = graph_peaks(fw0, bw0, default)
         with budget_patch(self.options.budget):
             fw, bw, undone = self._partition_fp8(gm, joint_inputs, kwargs, sites)
         saved = saved_tensors(fw, bw, info)
+        peaks = graph_peaks(fw, bw, saved)
         if self.options.fp8_saved:
             fp8_saved.report(sites, undone, refused, log)
         if default is None and self.measure_default:
-            default = saved  # no budget: the default is what was just saved
-        log.memory.append(graph_memory(len(log.memory), budget, saved, default, bw, info, kept))
+            default, default_peaks = saved, peaks  # no budget: the default is what was just saved
+        log.memory.append(graph_memory(len(log.memory), budget, saved, default, bw, info, kept, peaks,
+                                       default_peaks))
         return fw, bw
 
     def uuid(self) -> Any:
@@ -441,14 +471,66 @@ def memory_summary(record: GraphMemory) -> str:
     return text
 
 
-def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
-    """A rich Table per graph: the saved tensors (rows of equal op, module, shape, dtype and status grouped,
-    the largest first, at most ``max_rows`` per status), parameters summed in one row (alive anyway, not
-    counted), totals against the budget."""
+PEAK_NOTE = ("peaks: an estimate from the partitioned graphs' own liveness (Inductor may reuse or hold "
+             "buffers differently); parameters, their gradients and optimizer state are not in it")
+
+
+def peak_line(record: GraphMemory) -> str | None:
+    """One line: the backward's peak live bytes (against the default's), what is alive there, and the
+    forward's peak; None when not measured."""
+    bw, fw = record.backward_peak, record.forward_peak
+    if bw is None:
+        return None
+
+    def against(peak: PeakMemory | None) -> str:
+        show = peak is not None and record.budget is not None
+        return f" (default {format_bytes(peak.nbytes)})" if show else ""  # type: ignore[union-attr]
+
+    parts = [f"saved {format_bytes(bw.saved_bytes)}"]
+    if bw.tangent_bytes:
+        parts.append(f"tangents {format_bytes(bw.tangent_bytes)}")
+    parts.append(f"produced in the backward {format_bytes(bw.produced_bytes)}")
+    text = (f"graph {record.graph}: backward peak {format_bytes(bw.nbytes)} at {bw.node}"
+            f"{against(record.default_backward_peak)}: {' + '.join(parts)}")
+    if fw is not None:
+        text += f"; forward peak {format_bytes(fw.nbytes)}{against(record.default_forward_peak)}"
+    return text
+
+
+def peak_table(record: GraphMemory, max_rows: int = 6) -> Any:
+    """A rich Table: the largest values alive at the backward's peak (None when not measured)."""
     from rich.markup import escape
     from rich.table import Table
 
-    tables = []
+    peak = record.backward_peak
+    if peak is None:
+        return None
+    table = Table(title=f"graph {record.graph}: the largest values alive at the backward peak",
+                  title_justify="left")
+    for col, justify in (("value", "left"), ("produced by", "left"), ("shape", "left"), ("dtype", "left"),
+                         ("bytes", "right"), ("kind", "left")):
+        table.add_column(col, justify=justify)
+    for v in peak.top[:max_rows]:
+        table.add_row(escape(v.name), escape(v.op), escape(v.shape), v.dtype, format_bytes(v.nbytes), v.kind)
+    rest = peak.nbytes - sum(v.nbytes for v in peak.top[:max_rows])
+    if rest > 0:
+        table.add_row("... the rest", "", "", "", format_bytes(rest), "")
+    table.add_row("total", f"at {peak.node} ({peak.op})" if peak.op else f"at {peak.node}", "", "",
+                  format_bytes(peak.nbytes), "", style="bold")
+    return table
+
+
+def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
+    """A rich Table per graph: the saved tensors (rows of equal op, module, shape, dtype and status grouped,
+    the largest first, at most ``max_rows`` per status), parameters summed in one row (alive anyway, not
+    counted), totals against the budget; each followed by the graph's peak_line and peak_table, and PEAK_NOTE
+    once at the end."""
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    records = list(records)
+    tables: list = []
     for record in records:
         table = Table(title=f"saved for backward, {memory_summary(record)}", title_justify="left")
         for col, justify in (("tensor", "left"), ("produced by", "left"), ("at", "left"), ("shape", "left"),
@@ -489,4 +571,8 @@ def memory_tables(records: Iterable[GraphMemory], max_rows: int = 12) -> list:
             table.add_row("default", "saved with no budget", "", "", "", format_bytes(record.default_bytes),
                           "", style="bold")
         tables.append(table)
+        if (line := peak_line(record)) is not None:
+            tables += [Text(line, style="bold"), peak_table(record)]
+    if any(record.backward_peak is not None for record in records):
+        tables.append(Text(PEAK_NOTE, style="dim"))
     return tables

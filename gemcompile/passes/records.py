@@ -178,6 +178,48 @@ class SavedTensor:
 
 
 @dataclass(frozen=True)
+class LiveValue:
+    """One value alive at a graph's peak (passes/graph_liveness.py)."""
+
+    name: str
+    """The node that holds the buffer: a view's base; ``op[i]`` for an output of a tuple no getitem reads."""
+    op: str
+    """What produced it: an op, or for an input of the graph what it is (``saved``, ``tangent``)."""
+    shape: str
+    dtype: str
+    nbytes: int
+    """Its storage's bytes (a symbolic size at its hint, as in SavedTensor.nbytes)."""
+    kind: str
+    """"saved" (a graph input the forward left for the backward), "tangent" (an incoming gradient) or
+    "produced" (computed in this graph)."""
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """The peak of a graph's own live bytes, walking its nodes in order: each value allocated by the node
+    that produces it (views charged to their base), freed after its last use, the graph's outputs kept to
+    the end. An estimate: Inductor may reuse or hold buffers differently, and what the graph does not own
+    (parameters, their gradients, optimizer state) is not in it."""
+
+    nbytes: int
+    """Bytes alive at the peak: the inputs counted (see ``saved_bytes``, ``tangent_bytes``) and the values
+    produced so far and not yet freed."""
+    node: str
+    """The node at which the peak is reached (its outputs allocated, its inputs not yet freed)."""
+    op: str
+    """That node's op."""
+    saved_bytes: int = 0
+    """Of ``nbytes``: the graph's inputs other than tangents (in a backward graph, the saved values; a
+    forward graph's inputs, parameters and batch, are alive anyway and not counted)."""
+    tangent_bytes: int = 0
+    """Of ``nbytes``: incoming gradients (``tangents_*`` inputs)."""
+    produced_bytes: int = 0
+    """Of ``nbytes``: values computed in this graph."""
+    top: tuple[LiveValue, ...] = ()
+    """The largest values alive at the peak, the largest first."""
+
+
+@dataclass(frozen=True)
 class GraphMemory:
     """What one joint graph's partition saves for the backward."""
 
@@ -196,6 +238,16 @@ class GraphMemory:
     """Forward ops the backward graph recomputes (one entry per op, repeated for each recompute)."""
     kept: int = 0
     """Attention / plan nodes kept out of recomputation (MUST_SAVE) in this graph."""
+    forward_peak: PeakMemory | None = None
+    """The peak of the partitioned forward graph's own live bytes (its inputs not counted; what it saves
+    kept to its end); None when not measured."""
+    backward_peak: PeakMemory | None = None
+    """The peak of the partitioned backward graph's live bytes, the saved values (parameters excluded) and
+    tangents counted from its start; None when not measured."""
+    default_forward_peak: PeakMemory | None = None
+    """``forward_peak`` of the partition with no budget, when the default was measured (``default_bytes``)."""
+    default_backward_peak: PeakMemory | None = None
+    """``backward_peak`` of the partition with no budget, when the default was measured."""
 
     @property
     def saved_bytes(self) -> int:

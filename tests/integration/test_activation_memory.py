@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gemcompile import GemConfig, explain
 from gemcompile.backend import GemBackend
 from gemcompile.explain import _ExplainBackend
-from gemcompile.passes.activation_memory import KEPT_OPS, has_partitioner_slot
+from gemcompile.passes.activation_memory import KEPT_OPS, format_bytes, has_partitioner_slot
 from gemcompile.passes.records import PassLog, recording
 
 B, L, D, H = 8, 32, 32, 2  # head dim 16: the smallest the jagged kernel serves
@@ -162,3 +162,50 @@ def test_inductor_runs_the_partitioner_under_the_budget_and_the_budget_does_not_
         torch._dynamo.reset()
     assert saved[1.0] >= 256 * 256 * 4  # h
     assert saved[0.1] < saved[1.0] / 4  # h recomputed: only x and the weights are read back
+
+
+class _MLP(nn.Module):
+    """Two Linear-GELU-Linear layers: by default the backward reads each GELU's input and output; under a
+    budget it recomputes them from the Linear outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                      for _ in range(2)))
+
+    def forward(self, x):
+        return self.layers(x).square().sum()
+
+
+@pytest.mark.parametrize("model, inputs", [(_MLP, lambda: (torch.randn(128, 64, requires_grad=True),)),
+                                           (Model, _inputs)], ids=["mlp", "attention"])
+def test_the_record_has_the_peaks_and_the_budget_lowers_the_saved_bytes(model, inputs):
+    report = explain(model(), *inputs(), config=GemConfig(memory={"budget": 0.3}))
+    (record,) = report.memory
+    assert record.saved_bytes < record.default_bytes
+    peaks = (record.forward_peak, record.backward_peak, record.default_forward_peak,
+             record.default_backward_peak)
+    assert all(p is not None for p in peaks)
+    for peak in peaks:
+        assert peak.nbytes == peak.saved_bytes + peak.tangent_bytes + peak.produced_bytes > 0
+        assert peak.top and sum(v.nbytes for v in peak.top) <= peak.nbytes
+        assert list(peak.top) == sorted(peak.top, key=lambda v: -v.nbytes)
+    # the backward starts with what the forward left: every saved value (and the tangent) alive at once
+    assert record.backward_peak.nbytes >= record.saved_bytes
+    assert record.default_backward_peak.nbytes >= record.default_bytes
+    assert record.forward_peak.saved_bytes == 0  # a forward's inputs are alive anyway: not counted
+    saved_names = {t.name: t.op for t in record.tensors if t.status != "recomputed"}
+    for v in record.backward_peak.top:  # a saved value is named and produced as in the saved-tensor table
+        assert v.kind != "saved" or saved_names[v.name] == v.op
+    text = report.render(width=200)
+    b = record.backward_peak
+    assert f"graph 0: backward peak {format_bytes(b.nbytes)} at {b.node} (default " in text
+    assert "produced in the backward" in text and "largest values alive at the backward peak" in text
+    assert text.count("peaks: an estimate") == 1
+
+
+def test_without_a_budget_the_peaks_are_the_defaults():
+    report = explain(_MLP(), torch.randn(128, 64, requires_grad=True))
+    (record,) = report.memory
+    assert record.backward_peak == record.default_backward_peak is not None
+    assert "(default" not in report.render(width=200).split("backward peak")[1].split("\n")[0]
