@@ -171,6 +171,13 @@ class UnpadConfig:
     """The share of valid tokens Inductor tunes packed kernels for (its size hint for T = B * N * this);
     any fill runs correctly and nothing recompiles, only kernel choices depend on it."""
 
+    token_buckets: int = 0
+    """0 (the default): the packed length is exactly the batch's token count T. k > 0: T rounded up to a
+    multiple of ceil(B * N / k) (at most k + 1 sizes; at most B * N / k rows of slack, computed on copies of a
+    real token and dropped at the exit). For CUDA graphs (mode="reduce-overhead"): CUDA-graph trees record
+    one graph per distinct size, so an exact T records anew for nearly every batch; with buckets each
+    capacity records once. Costs one more small op per region and the slack rows."""
+
     pad_reductions: bool | None = None
     """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
     (bias and norm-weight gradients); see passes/unpad_reductions.py. None (the default): only where
@@ -183,6 +190,9 @@ class UnpadConfig:
             raise ConfigError(f"UnpadConfig.expected_fill = {self.expected_fill} is invalid: expected (0, 1]")
         if self.min_gemms < 0:
             raise ConfigError(f"UnpadConfig.min_gemms = {self.min_gemms} is invalid: expected >= 0")
+        if self.token_buckets < 0:
+            raise ConfigError(f"UnpadConfig.token_buckets = {self.token_buckets} is invalid: expected 0 (exact "
+                              "token counts) or the number of capacities k >= 1")
 
 
 MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")

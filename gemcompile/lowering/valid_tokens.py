@@ -1,5 +1,5 @@
 """gemcompile::valid_token_index and gemcompile::valid_mask_index: where the valid tokens of a padded batch
-are, as flat row indices.
+are, as flat row indices (and gemcompile::bucket_token_index, the same rounded up to a few capacities).
 
 The unpad pass packs a token-wise region of a padded model: ``packed = x[index // N, index % N]`` and
 back ``zeros(B, N, ...).index_put((index // N, index % N), packed)``. ``index`` lists the positions
@@ -9,6 +9,10 @@ Its length T = sum(clamp(lengths, 0, N)) changes with every batch. Under torch.c
 SymInt (the fake implementation allocates one), so one compiled graph serves every T with no recompile:
 Inductor sizes the packed kernels at run time. The price is one device-to-host read of T per call (the
 index's size must be known to allocate it), the same as ``torch.nonzero``.
+
+``bucket_token_index`` pads such an index up to one of a few capacities (UnpadConfig.token_buckets) with a
+sentinel row: the packed size then takes at most buckets + 1 values, so CUDA-graph trees, which record one
+graph per distinct size, record a few graphs instead of one per batch.
 
 ``valid_mask_index`` is the same index for tokens marked by a (B, N) boolean vector instead of lengths
 (``ids != 0``, an attention_mask, left padding, holes): the positions where the vector holds, row-major,
@@ -24,6 +28,7 @@ from .common.opkit import LIB
 
 LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
 LIB.define("valid_mask_index(Tensor valid, int size_hint=0) -> Tensor")
+LIB.define("bucket_token_index(Tensor index, int total, int buckets, int size_hint=0) -> Tensor")
 
 
 def _check(lengths: Tensor, max_len) -> None:
@@ -62,6 +67,38 @@ def valid_mask_index_reference(valid: Tensor) -> Tensor:
 @torch.library.impl(LIB, "valid_mask_index", "CompositeExplicitAutograd")
 def _valid_mask_index(valid: Tensor, size_hint: int = 0) -> Tensor:
     return valid_mask_index_reference(valid)
+
+
+def bucket_capacity(count: int, total: int, buckets: int) -> int:
+    """count rounded up to a multiple of ceil(total / buckets), at most total: one of buckets + 1 sizes."""
+    step = max(1, -(-total // buckets))
+    return min(total, -(-count // step) * step)
+
+
+def bucket_token_index_reference(index: Tensor, total: int, buckets: int) -> Tensor:
+    """``index`` (T,) padded to bucket_capacity(T) entries with the sentinel ``total`` (one past the last
+    flat position: a scatter sends those rows to a row that is dropped)."""
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"bucket_token_index: index must be 1-D int64, got {index.dtype} {tuple(index.shape)}")
+    if buckets < 1 or total < 0 or index.numel() > total:
+        raise ValueError(f"bucket_token_index: need buckets >= 1 and 0 <= T <= total, got buckets {buckets}, "
+                         f"T {index.numel()}, total {total}")
+    capacity = bucket_capacity(index.numel(), total, buckets)
+    return torch.cat([index, index.new_full((capacity - index.numel(),), total)])
+
+
+@torch.library.impl(LIB, "bucket_token_index", "CompositeExplicitAutograd")
+def _bucket_token_index(index: Tensor, total: int, buckets: int, size_hint: int = 0) -> Tensor:
+    return bucket_token_index_reference(index, total, buckets)
+
+
+@torch.library.register_fake("gemcompile::bucket_token_index")
+def _bucket_token_index_fake(index: Tensor, total: int, buckets: int, size_hint: int = 0) -> Tensor:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not is_fake(index):  # a shape-only run: the largest capacity
+        return index.new_empty((total,))
+    return _data_dependent_index(index, total, size_hint and bucket_capacity(size_hint, total, buckets))
 
 
 def inductor_reads_unbacked_hints() -> bool:

@@ -27,11 +27,15 @@ A value whose exit is neither stays padded (and the region shrinks around it), r
 Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
 zeros there instead (the convention the attention rewrites follow for fully masked rows).
 
-T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
+By default T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
 so one compiled graph serves every batch (no recompiles, no capacity to overflow, no rows wasted on a
 bucket's slack). The price is one device-to-host read of T per region per step, measured in the
 unpad benchmark (a token vector's T is read once per step for every region it packs). A capacity would
 need T on the host just the same (to pick the bucket) and would recompile once per bucket.
+The exception is CUDA graphs: CUDA-graph trees record a graph per distinct size, so a new T records anew.
+``UnpadConfig.token_buckets = k`` rounds T up to one of k + 1 capacities (``bucket_token_index``): the
+slack rows gather a real token (row B - 1; x there is finite wherever the model's is), scatter into an extra
+batch row B that each exit slices away, and so get a zero gradient; still no recompile.
 """
 
 from __future__ import annotations
@@ -362,16 +366,25 @@ class UnpadPass(GemPass):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
+        buckets = self.options.token_buckets
+        if buckets and not isinstance(mask.batch, int):
+            raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
         index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
         if shared is not None and order[shared[0]] < order[first]:  # (regions come in graph order)
-            index, batch_index, seq_index = shared[-3:]
+            index, batch_index, seq_index, gather_batch = shared
         else:
             with graph.inserting_before(first):
                 index = self._index(emit, mask, seq, example_value(first).device)
+                if buckets:  # slack rows hold the sentinel B * N: their scatter row B is dropped at each exit
+                    index = emit.call(torch.ops.gemcompile.bucket_token_index.default,
+                                      (index, mask.batch * seq, buckets, self._hint(mask, seq)))
                 batch_index = emit.call(operator.floordiv, (index, seq))
                 seq_index = emit.call(operator.mod, (index, seq))
-            shared = (index, batch_index, seq_index)
+                # gathers read the slack rows from a real position (row B - 1, finite wherever x is)
+                gather_batch = (emit.call(torch.ops.aten.clamp_max.default, (batch_index, mask.batch - 1))
+                                if buckets else batch_index)
+            shared = (index, batch_index, seq_index, gather_batch)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -381,7 +394,7 @@ class UnpadPass(GemPass):
         for node in sorted(region.nodes, key=order.__getitem__):
             rule = region.rules[node]
             operand = functools.partial(self._operand, node=node, rule=rule, members=members, packed=packed,
-                                        entries=entries, emit=emit, batch_index=batch_index,
+                                        entries=entries, emit=emit, batch_index=gather_batch,
                                         seq_index=seq_index, mask=mask)
             with graph.inserting_before(node):
                 identity = _mask_product_identity(node, rule, mask, masks)
@@ -399,10 +412,14 @@ class UnpadPass(GemPass):
             if not outside:
                 continue
             with graph.inserting_before(node):
-                zeros = emit.call(torch.ops.aten.new_zeros.default,
-                                  (packed[node], [*example_value(node).shape]))
+                shape = [*example_value(node).shape]
+                if buckets:  # one more batch row takes the slack rows, then is sliced away
+                    shape[0] += 1
+                zeros = emit.call(torch.ops.aten.new_zeros.default, (packed[node], shape))
                 scattered = emit.call(torch.ops.aten.index_put.default, (zeros, [batch_index, seq_index],
                                                                           packed[node]))
+                if buckets:
+                    scattered = emit.call(torch.ops.aten.slice.Tensor, (scattered, 0, 0, mask.batch))
             _copy_source_meta(node, zeros)
             _copy_source_meta(node, scattered)
             n_exits += 1
@@ -425,6 +442,8 @@ class UnpadPass(GemPass):
         self._indices[index_key] = shared
         call = f"valid_token_index({mask.lengths.name}, {seq})" if mask.vector is None else \
             f"valid_mask_index({mask.vector.text})"
+        if buckets:
+            call = f"bucket_token_index({call}, {mask.batch * seq}, {buckets})"
         self.rewrote(first, "\n".join(snapshot), (
             f"index = gemcompile.{call}  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
@@ -433,12 +452,16 @@ class UnpadPass(GemPass):
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
 
+    def _hint(self, mask: RowMask, seq: int) -> int:
+        """Inductor's guess of T (0: none, for a symbolic batch)."""
+        if isinstance(mask.batch, int):
+            return max(1, round(int(mask.batch) * seq * self.options.expected_fill))
+        return 0
+
     def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
         """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
         from the tensors it reads (valid_mask_index)."""
-        hint = 0
-        if isinstance(mask.batch, int):  # Inductor's guess of T
-            hint = max(1, round(int(mask.batch) * seq * self.options.expected_fill))
+        hint = self._hint(mask, seq)
         if mask.vector is None:
             lengths = mask.lengths
             if mask.offset != 0:

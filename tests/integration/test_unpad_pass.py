@@ -271,3 +271,63 @@ def test_dynamic_batch_is_refused_with_a_reason():
         torch.testing.assert_close(compiled(x, lengths), model(x, lengths), atol=1e-5, rtol=1e-4)
     assert counters["gemcompile"]["unpad"] == 0
     assert counters["gemcompile"]["unpad_refused"] >= 1
+
+
+def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
+    """UnpadConfig.token_buckets: the packed length is one of k + 1 capacities; the slack rows (copies of a
+    real token) are dropped at the exit, so outputs and every gradient still equal eager, for empty, full and
+    mixed batches, in one compile."""
+    from gemcompile.lowering.valid_tokens import bucket_capacity, bucket_token_index_reference
+
+    model = MaskedResidualFfn()
+    sizes = []
+
+    def spy(index, total, buckets, size_hint=0):
+        out = bucket_token_index_reference(index, total, buckets)
+        sizes.append((index.numel(), out.numel()))
+        return out
+
+    torch.manual_seed(0)
+    counters.clear()
+    compiled = gem_compile(model, config=GemConfig(unpad={"token_buckets": 3}))
+    for lengths in LENGTH_SETS:
+        x, lengths = x_only(torch.tensor(lengths))
+        x.requires_grad_(True)
+        params = list(model.parameters())
+        with torch.library._scoped_library("gemcompile", "IMPL") as lib:  # count what the op returns
+            lib.impl("bucket_token_index", spy, "CPU")
+            out = compiled(x, lengths)
+        grads = torch.autograd.grad(out.square().sum(), params + [x])
+        ref = model(x, lengths)
+        ref_grads = torch.autograd.grad(ref.square().sum(), params + [x])
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        for g, g_ref in zip(grads, ref_grads):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["gemcompile"]["unpad"] == 1
+    # B * N = 36 in 3 buckets: capacities 0, 12, 24, 36; T = 17, 36, 0, 15, 20
+    assert sizes == [(17, 24), (36, 36), (0, 0), (15, 24), (20, 24)]
+    assert all(bucket_capacity(t, 36, 3) == c for t, c in sizes)
+    report = explain(model, *x_only(torch.tensor(LENGTH_SETS[0])), config=GemConfig(unpad={"token_buckets": 3}))
+    assert "bucket_token_index" in report.graph_after.code
+
+
+@pytest.mark.parametrize("count,total,buckets,expected", [
+    (0, 36, 3, 0), (1, 36, 3, 12), (12, 36, 3, 12), (13, 36, 3, 24), (36, 36, 3, 36), (5, 7, 2, 7),
+    (5, 7, 7, 5), (3, 5, 100, 3), (0, 0, 4, 0)])
+def test_bucket_token_index_pads_with_the_sentinel(count, total, buckets, expected):
+    from gemcompile.lowering.valid_tokens import bucket_capacity
+
+    index = torch.arange(count, dtype=torch.int64)
+    out = torch.ops.gemcompile.bucket_token_index(index, total, buckets)
+    assert bucket_capacity(count, total, buckets) == expected == out.numel()
+    assert torch.equal(out[:count], index) and bool((out[count:] == total).all())
+
+
+def test_bucket_token_index_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="buckets >= 1"):
+        torch.ops.gemcompile.bucket_token_index(torch.arange(3), 10, 0)
+    with pytest.raises(ValueError, match="T <= total"):
+        torch.ops.gemcompile.bucket_token_index(torch.arange(11), 10, 2)
+    with pytest.raises(ValueError, match="1-D int64"):
+        torch.ops.gemcompile.bucket_token_index(torch.arange(3, dtype=torch.int32), 10, 2)

@@ -76,7 +76,10 @@ VARIANTS = {"gem-unpad-no-pad-reductions": {"unpad": {"pad_reductions": False}},
             "gem-memory-budget-0.5": {"memory": {"budget": 0.5}},
             "gem-memory-budget-0.2": {"memory": {"budget": 0.2}},
             # the input of each qualifying Linear held for its weight gradient in FP8 (MemoryConfig.fp8_saved)
-            "gem+fp8-saved": {"memory": {"fp8_saved": True}}}
+            "gem+fp8-saved": {"memory": {"fp8_saved": True}},
+            # unpad's packed lengths rounded up to 16 capacities of B * N: with @reduce-overhead, CUDA-graph
+            # trees record a graph per capacity instead of one per batch (UnpadConfig.token_buckets)
+            "gem-token-buckets": {"unpad": {"token_buckets": 16}}}
 """Named GemConfig variants beyond one pass group on or off (A/B of a pass's option). Any activation memory
 budget, with or without FP8 saved activations, also has a name without an entry here (memory_variant)."""
 
