@@ -42,3 +42,38 @@ def test_ids_past_the_table_are_skipped(deterministic):
     adagrad_rows_triton_(weight, state, ids, torch.ones(5, 3), 0.1, 1e-10, deterministic=deterministic)
     assert torch.equal(state[1], torch.full((3,), 4.0))  # row 1 twice: g = 2, sum = 4
     assert torch.count_nonzero(state) == 3 and torch.count_nonzero(weight) == 3
+
+
+@pytest.mark.parametrize("rows,dim,dtype", [((40, 3, 200), 6, torch.float32), ((9, 9), 33, torch.float16),
+                                            ((5,), 16, torch.float32), ((7, 1, 12, 2), 1, torch.float32)])
+def test_many_tables_in_one_go_match_the_reference_per_table(rows, dim, dtype):
+    """adagrad_tables_triton_: one sort and one launch for all tables, each table's rows updated as the
+    reference updates it alone; padding and out-of-range ids skipped; an empty table's list left alone."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+
+    g = torch.Generator().manual_seed(sum(rows) * dim)
+    weights = [torch.randn(r, dim, generator=g).to(dtype) for r in rows]
+    sums = [torch.rand(r, dim, generator=g) for r in rows]
+    ids, grads = [], []
+    for t, r in enumerate(rows):
+        n = 0 if t == 1 else 3 * r + 5
+        i = (torch.rand(n, generator=g) ** 2 * (r + 3)).long() - 1  # repeats, -1 padding, some past the table
+        ids.append(i)
+        grads.append(torch.randn(n, dim, generator=g))
+    want = [(w.clone().float(), s.clone()) for w, s in zip(weights, sums)]
+    for (w, s), i, gr in zip(want, ids, grads):
+        keep = i < w.shape[0]  # the reference skips only negative ids
+        adagrad_rows_reference_(w, s, i[keep], gr[keep], 0.05, 1e-10)
+    adagrad_tables_triton_(weights, sums, ids, grads, 0.05, 1e-10)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    for (w_want, s_want), w, s in zip(want, weights, sums):
+        torch.testing.assert_close(s, s_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w.float(), w_want.to(dtype).float(), rtol=tol, atol=tol)
+
+
+def test_many_tables_refuse_mixed_dims():
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+
+    with pytest.raises(ValueError, match="one dim"):
+        adagrad_tables_triton_([torch.zeros(2, 3), torch.zeros(2, 4)], [torch.zeros(2, 3), torch.zeros(2, 4)],
+                               [torch.tensor([0]), torch.tensor([1])], [torch.ones(1, 3), torch.ones(1, 4)], 0.1, 1e-10)

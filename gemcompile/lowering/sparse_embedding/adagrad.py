@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .reference import adagrad_rows_reference_
 
-__all__ = ["adagrad_rows_"]
+__all__ = ["adagrad_rows_", "adagrad_tables_"]
 
 
 def _check(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor) -> None:
@@ -37,3 +37,14 @@ def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor,
         adagrad_rows_triton_(weight, state_sum, ids, grads, lr, eps, deterministic=deterministic)
     else:
         adagrad_rows_reference_(weight, state_sum, ids, grads, lr, eps)
+
+
+def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list[Tensor], grads: list[Tensor],
+                    lr: float, eps: float) -> None:
+    """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
+    (adagrad_tables_triton_); each table checked as adagrad_rows_ checks it."""
+    for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
+        _check(w, s, i, g)
+    from .adagrad_triton import adagrad_tables_triton_
+
+    adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps)

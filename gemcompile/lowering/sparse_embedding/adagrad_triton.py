@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..common.tuned_launch import INTERPRET
 
-__all__ = ["adagrad_rows_triton_"]
+__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_"]
 
 
 @triton.jit
@@ -110,3 +110,70 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
     _adagrad_slots_kernel[(slots, triton.cdiv(dim, block))](
         row_of, acc, weight, state_sum, n_rows, dim, acc.stride(0), weight.stride(0), state_sum.stride(0),
         float(lr), float(eps), BLOCK_D=block, num_warps=warps)
+
+
+# -- many tables in one go ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _adagrad_table_slots_kernel(KeyOf, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS, rows_per_table, dim,
+                                stride_a, lr, eps, W_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    # a slot's key is table * rows_per_table + row; the table's weight and sum are read from pointer arrays
+    slot = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    key = tl.load(KeyOf + slot)
+    if key >= 0:
+        table = key // rows_per_table
+        row = key % rows_per_table
+        if row < tl.load(Rows + table):
+            weight = tl.load(WeightPtrs + table).to(tl.pointer_type(W_DTYPE))
+            state = tl.load(SumPtrs + table).to(tl.pointer_type(tl.float32))
+            g = tl.load(Acc + slot.to(tl.int64) * stride_a + cols, mask=col_ok, other=0.0)
+            _update_row(weight, state, row, g, cols, col_ok, tl.load(StrideW + table), tl.load(StrideS + table),
+                        lr, eps)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@torch.no_grad()
+def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list[torch.Tensor],
+                           grads: list[torch.Tensor], lr: float, eps: float) -> None:
+    """adagrad_rows_triton_ on several tables at once (one dim, one weight dtype, one device, unit column
+    strides, fp32 sums): one sort, one gradient sum and one update launch for all of them, where a table at a
+    time takes about fifteen launches each. Ids < 0 or past their table are skipped. Not deterministic (the
+    gradient adds are atomic); use adagrad_rows_triton_(deterministic=True) per table for that."""
+    if not weights:
+        return
+    dim, device, dtype = weights[0].shape[1], weights[0].device, weights[0].dtype
+    if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
+        raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
+    rows_per_table = max(1, max(w.shape[0] for w in weights))
+    keys = []
+    for t, (w, table_ids) in enumerate(zip(weights, ids)):
+        table_ids = table_ids.to(torch.int64)
+        ok = (table_ids >= 0) & (table_ids < w.shape[0])
+        keys.append(torch.where(ok, table_ids + t * rows_per_table, -1))
+    key = torch.cat(keys)
+    n = key.numel()
+    if n == 0:
+        return
+    grad_rows = torch.cat([g.to(torch.float32) for g in grads])
+    sorted_keys, perm = torch.sort(key, stable=True)
+    new_id = torch.ones(n, dtype=torch.int64, device=device)
+    new_id[1:] = (sorted_keys[1:] != sorted_keys[:-1]).to(torch.int64)
+    slot_sorted = new_id.cumsum_(0).sub_(1)
+    slots = min(n, len(weights) * rows_per_table + 1)  # distinct keys: one per table row, plus -1
+    key_of = torch.full((slots,), -1, dtype=torch.int64, device=device)
+    key_of.scatter_(0, slot_sorted, sorted_keys)
+    slot_of = torch.empty_like(slot_sorted).scatter_(0, perm, slot_sorted)
+    acc = torch.zeros((slots, dim), dtype=torch.float32, device=device)
+    acc.index_add_(0, slot_of, grad_rows)
+    meta = torch.tensor([[w.data_ptr() for w in weights], [s.data_ptr() for s in state_sums],
+                         [w.shape[0] for w in weights], [w.stride(0) for w in weights],
+                         [s.stride(0) for s in state_sums]], dtype=torch.int64).to(device)
+    block = _block(dim)
+    _adagrad_table_slots_kernel[(slots, triton.cdiv(dim, block))](
+        key_of, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0), float(lr),
+        float(eps), W_DTYPE=_TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)

@@ -3,7 +3,8 @@
 ``SparseAdagrad`` is ``torch.optim.Adagrad`` (same hyperparameters, same state: ``sum`` and ``step`` per
 table, so checkpoints are interchangeable with dense Adagrad's) over SparseGrad tables
 (sparse_tables.py). ``step()`` takes the (ids, gradient rows) every lookup of a table filed since the last
-step, and updates only those rows: one stable sort and one Triton launch per table on CUDA, the
+step, and updates only those rows: on CUDA one stable sort and one Triton launch for all the tables of a
+parameter group that share a dim and dtype (a table at a time took about fifteen launches each), the
 plain-PyTorch reference elsewhere (lowering/sparse_embedding/). A row that was not looked up keeps its
 weight and sum exactly, as under dense Adagrad, whose gradient is zero there; the looked-up rows get the
 dense update: bit for bit on the CPU in fp32 for an nn.Embedding looked up once per step, within fp32
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
+from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_, adagrad_tables_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
 from gemcompile.runtime.tables.sparse_tables import is_sparse_grad_table
 
@@ -66,6 +67,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 loss = closure()
         dense_pending = False
         for group in self.param_groups:
+            batches: dict[tuple, list] = {}
             if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
                 raise ValueError("SparseAdagrad supports lr_decay = weight_decay = 0 and maximize = False only")
             for p in group["params"]:
@@ -81,8 +83,18 @@ class SparseAdagrad(torch.optim.Adagrad):
                 state["step"] += 1  # dense Adagrad counts a step for every table with a gradient
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
-                adagrad_rows_(_local(p), _local(state["sum"]), ids, grads, group["lr"], group["eps"],
+                weight, state_sum = _local(p), _local(state["sum"])
+                if id(p) not in self._fixed_order and _batchable(weight, state_sum, grads):
+                    key = (weight.device, weight.shape[1], weight.dtype)
+                    batches.setdefault(key, []).append((weight, state_sum, ids, grads))
+                    continue
+                adagrad_rows_(weight, state_sum, ids, grads, group["lr"], group["eps"],
                               deterministic=True if id(p) in self._fixed_order else None)
+            for tables in batches.values():  # this group's CUDA tables of one dim and dtype: one launch
+                if len(tables) == 1:
+                    adagrad_rows_(*tables[0], group["lr"], group["eps"])
+                else:
+                    adagrad_tables_(*map(list, zip(*tables)), group["lr"], group["eps"])
         if dense_pending:
             super().step()  # the tables with a dense .grad (their filed rows added in), and only those
         return loss
@@ -91,6 +103,15 @@ class SparseAdagrad(torch.optim.Adagrad):
         super().zero_grad(set_to_none)
         for key in self._keys.values():
             clear(key)
+
+
+def _batchable(weight: Tensor, state_sum: Tensor, grads: Tensor) -> bool:
+    """Whether a table's update can join one launch with others (adagrad_tables_triton_): CUDA, unit column
+    strides, an fp32 sum, and no deterministic-algorithms request (its adds are atomic)."""
+    return (weight.device.type == "cuda" and weight.dim() == 2 and weight.stride(1) == 1
+            and state_sum.stride(1) == 1 and state_sum.dtype == torch.float32
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and grads.device == weight.device
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _local(t: Tensor) -> Tensor:
