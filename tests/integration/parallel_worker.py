@@ -5,7 +5,10 @@
 Trains GEM-ref tiny with runtime.training.train.train(TrainConfig(..., parallel=ParallelConfig(...)))
 and, with "count": true, then runs one more step of a fresh model under CollectiveCounter (with sparse
 tables unless the run's TrainConfig resolves them dense). Rank 0 writes OUT.json: {"losses",
-"start_step", "checkpoints", "observed", "expected", "axes", "sparse_tables"}. With "compare":
+"start_step", "checkpoints", "observed", "expected", "axes", "sparse_tables"}; a compiled run (spec
+"compile", and optionally "memory_budget" / "fp8_saved", TrainConfig's fields) adds "pass_counts", "memory"
+(one record per compiled joint graph: budget, kept, saved_bytes, fp8_bytes, recomputed_ops) and
+"fp8_saved_modules". With "compare":
 [{"parallel": {...}, "checkpoint_dir": optional}, ...], each plan trains "compare_steps" steps of a fresh
 model with sparse and with dense tables through ParallelRuntime directly and, given a checkpoint_dir,
 each again resumed from the other's checkpoint of step 1: payload "compare", one compare_sparse_dense()
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gemcompile.config import ParallelConfig
+from gemcompile.passes.records import PassLog, recording
 from gemcompile.runtime.distributed.apply import init_distributed
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
@@ -145,14 +149,22 @@ def _train(spec: dict) -> dict:
                       checkpoint_dir=spec.get("checkpoint_dir"), save_every=spec.get("save_every"),
                       resume=spec.get("resume", False), grad_clip=spec.get("grad_clip"),
                       compile=spec.get("compile", "eager"), sparse_tables=spec.get("sparse_tables"),
+                      memory_budget=spec.get("memory_budget"), fp8_saved=spec.get("fp8_saved", False),
                       parallel=parallel)
-    result = train(cfg)
+    log = PassLog()
+    with recording(log):  # every unit's GemBackend reports into it (compile="gem")
+        result = train(cfg)
     payload = {"losses": result.losses, "start_step": result.start_step, "checkpoints": result.checkpoints,
                "sparse_tables": cfg.trains_tables_sparsely}
     if spec.get("compile", "eager") != "eager":
         from torch._dynamo.utils import counters
 
         payload["pass_counts"] = dict(counters["gemcompile"])
+        payload["memory"] = [{"budget": m.budget, "kept": m.kept, "saved_bytes": m.saved_bytes,
+                              "fp8_bytes": m.fp8_bytes, "recomputed_ops": list(m.recomputed_ops)}
+                             for m in log.memory]
+        payload["fp8_saved_modules"] = [mod for r in log.rewrites if r.pass_name == "fp8_saved"
+                                        for mod in r.metrics["modules"]]
     if spec.get("count"):
         payload["observed"], payload["expected"] = count_one_step(parallel, spec["batch_size"],
                                                                   cfg.trains_tables_sparsely)
