@@ -71,6 +71,9 @@ import torch.fx as fx
 from gemcompile.config import GemConfig
 from gemcompile.passes import fp8_saved
 from gemcompile.passes.graph_liveness import peak_liveness
+from gemcompile.passes.graph_liveness import size_hint as _hint
+from gemcompile.passes.graph_liveness import storage_bytes as _storage_bytes
+from gemcompile.passes.graph_liveness import storage_key as _storage
 from gemcompile.passes.records import GraphMemory, PeakMemory, SavedTensor, active_log, source_location
 from gemcompile.version import versions
 
@@ -160,39 +163,6 @@ def keep_attention(graph: fx.Graph, attention: bool = True) -> int:
 
 
 # -- what a partition saved -----------------------------------------------------------------------------
-
-
-def _hint(size: Any) -> int:
-    """A concrete value for a (possibly symbolic) size, without guarding: the partitioner's own hint."""
-    if isinstance(size, int):
-        return size
-    from torch.fx.experimental import symbolic_shapes
-
-    for name in ("optimization_hint", "hint_int"):  # torch 2.13 / older
-        hint = getattr(symbolic_shapes, name, None)
-        if hint is not None:
-            try:
-                return int(hint(size, fallback=4096))
-            except Exception:  # noqa: BLE001 - an unhinted size: the partitioner's fallback
-                break
-    return 4096
-
-
-def _storage(val: Any) -> Any:
-    """A key of the tensor's storage (views share it), or None when it has none to compare."""
-    try:  # what the partitioner compares too (torch._inductor.fx_utils.get_node_storage)
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(val.untyped_storage())
-    except Exception:  # noqa: BLE001 - a tensor subclass or no tensor: no aliasing known
-        return None
-
-
-def _storage_bytes(val: torch.Tensor) -> int:
-    try:
-        return _hint(val.untyped_storage().nbytes())
-    except Exception:  # noqa: BLE001 - no storage (a tensor subclass): its own elements
-        return _hint(val.numel()) * val.element_size()
 
 
 class JointInfo:

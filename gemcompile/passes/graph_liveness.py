@@ -24,6 +24,39 @@ import torch.fx as fx
 from gemcompile.passes.records import LiveValue, PeakMemory
 
 
+def size_hint(size: Any) -> int:
+    """A concrete value for a (possibly symbolic) size, without guarding: the partitioner's own hint."""
+    if isinstance(size, int):
+        return size
+    from torch.fx.experimental import symbolic_shapes
+
+    for name in ("optimization_hint", "hint_int"):  # torch 2.13 / older
+        hint = getattr(symbolic_shapes, name, None)
+        if hint is not None:
+            try:
+                return int(hint(size, fallback=4096))
+            except Exception:  # noqa: BLE001 - an unhinted size: the partitioner's fallback
+                break
+    return 4096
+
+
+def storage_key(val: Any) -> Any:
+    """A key of the tensor's storage (views share it), or None when it has none to compare."""
+    try:  # what the partitioner compares too (torch._inductor.fx_utils.get_node_storage)
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor subclass or no tensor: no aliasing known
+        return None
+
+
+def storage_bytes(val: torch.Tensor) -> int:
+    try:
+        return size_hint(val.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - no storage (a tensor subclass): its own elements
+        return size_hint(val.numel()) * val.element_size()
+
+
 def _aliased_arg(node: fx.Node) -> fx.Node | None:
     """The argument whose storage an op's (first) return aliases, per its schema's alias_info."""
     target = node.target
@@ -42,15 +75,6 @@ def _aliased_arg(node: fx.Node) -> fx.Node | None:
     return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
 
 
-def _storage_key(val: Any) -> Any:
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(val.untyped_storage())
-    except Exception:  # noqa: BLE001 - no storage to compare
-        return None
-
-
 def _op_text(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -63,9 +87,7 @@ def _shape(val: torch.Tensor) -> str:
 
 
 def _default_nbytes(val: torch.Tensor) -> int:
-    from gemcompile.passes.activation_memory import _storage_bytes  # the saved-tensor table's sizes
-
-    return _storage_bytes(val)
+    return storage_bytes(val)  # the saved-tensor table's sizes
 
 
 class _Buffer:
@@ -83,8 +105,23 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
     whose bytes count (a ``tangents_*`` one as a tangent, any other as saved); ``top``: how many of the
     largest live values to keep; ``nbytes``: a tensor's bytes (default: its storage's, symbolic sizes at
     their hints, as the saved-tensor records size them)."""
-    size = nbytes or _default_nbytes
     nodes = list(graph.nodes)
+    created = _assign_buffers(nodes, counted_inputs)
+    peak, peak_node, peak_live = _walk(nodes, created, nbytes or _default_nbytes)
+    values = sorted(peak_live.values(), key=lambda b: -b.nbytes)
+    split = {kind: sum(b.nbytes for b in values if b.kind == kind)
+             for kind in ("saved", "tangent", "produced")}
+    return PeakMemory(
+        nbytes=max(peak, 0), node=peak_node.name if peak_node is not None else "",
+        op=_op_text(peak_node) if peak_node is not None and peak_node.op == "call_function" else "",
+        saved_bytes=split["saved"], tangent_bytes=split["tangent"], produced_bytes=split["produced"],
+        top=tuple(LiveValue(b.name, b.op, _shape(b.val), str(b.val.dtype).removeprefix("torch."), b.nbytes,
+                            b.kind) for b in values[:top]))
+
+
+def _assign_buffers(nodes: list[fx.Node], counted_inputs: Container[str]) -> dict[fx.Node, list[_Buffer]]:
+    """The buffers each node allocates (views and getitems hold their base's), each with the index of the
+    last node that uses it (the graph's outputs: len(nodes), kept to the end)."""
     index = {n: i for i, n in enumerate(nodes)}
     held: dict[fx.Node, Any] = {}  # node -> a _Buffer, or a (nested) list of them for a tuple, or None
     by_storage: dict[Any, _Buffer] = {}
@@ -95,7 +132,7 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
             return [new(node, v, f"{name}[{i}]", f"{op}[{i}]", kind, counted) for i, v in enumerate(val)]
         if not isinstance(val, torch.Tensor):
             return None
-        key = _storage_key(val)
+        key = storage_key(val)
         if key is not None and key in by_storage:  # shares a storage already held: no new bytes
             return by_storage[key]
         buffer = _Buffer(name, op, val, kind, counted)
@@ -111,7 +148,6 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
             return [b for v in value for b in buffers(v)]
         return []
 
-    # 1. which buffer each node holds, and the last node that uses each buffer
     for node in nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
@@ -149,7 +185,13 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
         for arg in output.all_input_nodes:
             for b in buffers(held.get(arg)):
                 b.last = end  # kept to the end
-    # 2. walk: allocate, take the peak, free what this node read last
+    return created
+
+
+def _walk(nodes: list[fx.Node], created: dict[fx.Node, list[_Buffer]], size: Callable[[torch.Tensor], int]
+          ) -> tuple[int, fx.Node | None, dict[int, _Buffer]]:
+    """Allocate each node's counted buffers, take the peak, free what a node read last: (peak bytes, the
+    node where it is reached, the buffers live there)."""
     dying: dict[int, list[_Buffer]] = {}
     for node_buffers in created.values():
         for b in node_buffers:
@@ -172,12 +214,4 @@ def peak_liveness(graph: fx.Graph, *, counted_inputs: Container[str] = (), top: 
                 current -= live.pop(id(b)).nbytes
     if peak_node is None:  # no op at all: the inputs are the peak
         peak, peak_node, peak_live = current, (nodes[-1] if nodes else None), dict(live)
-    values = sorted(peak_live.values(), key=lambda b: -b.nbytes)
-    split = {kind: sum(b.nbytes for b in values if b.kind == kind)
-             for kind in ("saved", "tangent", "produced")}
-    return PeakMemory(
-        nbytes=max(peak, 0), node=peak_node.name if peak_node is not None else "",
-        op=_op_text(peak_node) if peak_node is not None and peak_node.op == "call_function" else "",
-        saved_bytes=split["saved"], tangent_bytes=split["tangent"], produced_bytes=split["produced"],
-        top=tuple(LiveValue(b.name, b.op, _shape(b.val), str(b.val.dtype).removeprefix("torch."), b.nbytes,
-                            b.kind) for b in values[:top]))
+    return peak, peak_node, peak_live

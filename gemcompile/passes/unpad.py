@@ -367,24 +367,12 @@ class UnpadPass(GemPass):
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
         buckets = self.options.token_buckets
-        if buckets and not isinstance(mask.batch, int):
-            raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
         index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
-        if shared is not None and order[shared[0]] < order[first]:  # (regions come in graph order)
-            index, batch_index, seq_index, gather_batch = shared
-        else:
+        if shared is None or order[shared[0]] > order[first]:  # (regions come in graph order)
             with graph.inserting_before(first):
-                index = self._index(emit, mask, seq, example_value(first).device)
-                if buckets:  # slack rows hold the sentinel B * N: their scatter row B is dropped at each exit
-                    index = emit.call(torch.ops.gemcompile.bucket_token_index.default,
-                                      (index, mask.batch * seq, buckets, self._hint(mask, seq)))
-                batch_index = emit.call(operator.floordiv, (index, seq))
-                seq_index = emit.call(operator.mod, (index, seq))
-                # gathers read the slack rows from a real position (row B - 1, finite wherever x is)
-                gather_batch = (emit.call(torch.ops.aten.clamp_max.default, (batch_index, mask.batch - 1))
-                                if buckets else batch_index)
-            shared = (index, batch_index, seq_index, gather_batch)
+                shared = self._token_indices(emit, mask, seq, example_value(first).device)
+        index, batch_index, seq_index, gather_batch = shared
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -451,6 +439,22 @@ class UnpadPass(GemPass):
             metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
+
+    def _token_indices(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> tuple:
+        """(index, its batch and sequence positions for the scatters, the batch positions for the gathers)."""
+        buckets = self.options.token_buckets
+        if buckets and not isinstance(mask.batch, int):
+            raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
+        index = self._index(emit, mask, seq, device)
+        if buckets:  # slack rows hold the sentinel B * N: their scatter row B is dropped at each exit
+            index = emit.call(torch.ops.gemcompile.bucket_token_index.default,
+                              (index, mask.batch * seq, buckets, self._hint(mask, seq)))
+        batch_index = emit.call(operator.floordiv, (index, seq))
+        seq_index = emit.call(operator.mod, (index, seq))
+        # gathers read the slack rows from a real position (row B - 1, finite wherever x is)
+        gather_batch = (emit.call(torch.ops.aten.clamp_max.default, (batch_index, mask.batch - 1))
+                        if buckets else batch_index)
+        return index, batch_index, seq_index, gather_batch
 
     def _hint(self, mask: RowMask, seq: int) -> int:
         """Inductor's guess of T (0: none, for a symbolic batch)."""

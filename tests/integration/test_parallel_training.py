@@ -22,6 +22,8 @@ import math
 import shutil
 from pathlib import Path
 
+import os
+
 import pytest
 
 from gemcompile.runtime.training.checkpoint import checkpoint_path
@@ -132,6 +134,9 @@ def test_world_2_gem_compile_matches_eager(tmp_path, reference):
 
 
 @pytest.mark.slow  # as the test above: GEM-ref tiny's units compiled by Inductor in two processes
+@pytest.mark.skipif(not os.environ.get("GEMCOMPILE_SLOW_TESTS"), reason=(
+    "about 4 minutes on 2 CPU cores (two processes compile GEM-ref tiny's units with Inductor); CI's budget "
+    "holds the plain compiled run above; set GEMCOMPILE_SLOW_TESTS=1"))
 def test_world_2_gem_compile_with_memory_settings(tmp_path, reference):
     """GemConfig.memory under the plan (TrainConfig.memory_budget / fp8_saved, per-unit compile): every
     compiled unit's joint graph is partitioned by gemcompile's partitioner under the budget (one memory

@@ -166,7 +166,7 @@ def test_off_cuda_the_step_is_not_run():
 
 
 def test_the_e2e_snapshot_step_runs_one_train_step_on_the_next_batch(monkeypatch):
-    """e2e_bench._memory_snapshot on a stand-in CUDA run: one train step on batch `index`, inside
+    """memory_snapshot.run_snapshot on a stand-in CUDA run: one train step on batch `index`, inside
     snapshot_step; the model state before it beside the summary."""
     seen, stepped = {}, []
 
@@ -182,8 +182,8 @@ def test_the_e2e_snapshot_step_runs_one_train_step_on_the_next_batch(monkeypatch
     model = torch.nn.Linear(2, 2)
     run = SimpleNamespace(device=torch.device("cuda"), data=Data(), model=model, optimizers=[],
                           train_step=lambda batch: stepped.append(batch))
-    monkeypatch.setattr(e2e_bench, "snapshot_step", fake_snapshot_step)
-    summary = e2e_bench._memory_snapshot(run, 7)
+    monkeypatch.setattr(memory_snapshot, "snapshot_step", fake_snapshot_step)
+    summary = memory_snapshot.run_snapshot(run, 7)
     assert stepped == ["batch 7"] and seen["device"].type == "cuda"
     assert summary["model_state"] == {"parameters_gib": 0.0, "gradients_gib": 0.0, "optimizer_state_gib": 0.0}
     assert summary["peak_allocated_bytes"] == 1300
@@ -197,7 +197,7 @@ def test_the_model_state_counts_each_storage_once():
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
     run = SimpleNamespace(device=torch.device("cpu"), model=model, optimizers=[opt, opt])
-    state = e2e_bench._model_state(run)
+    state = memory_snapshot.model_state(run)
     params = (256 * 256 + 256) * 4 / 2**30
     assert state["parameters_gib"] == pytest.approx(params, abs=1e-4)
     assert state["gradients_gib"] == pytest.approx(params, abs=1e-4)

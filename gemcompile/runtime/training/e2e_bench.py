@@ -55,7 +55,7 @@ from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE
 from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD, GemFlopFormula, mfu, peak_flops
 from gemcompile.runtime.training.kernel_time import KernelProfile, kernel_profile
-from gemcompile.runtime.training.memory_snapshot import snapshot_lines, snapshot_step
+from gemcompile.runtime.training.memory_snapshot import run_snapshot, snapshot_lines
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
@@ -378,7 +378,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
                 if run.device.type == "cuda" else None)
     result = _method_result(run, timings, profiled)
     if cfg.memory_snapshot:
-        result["memory_snapshot"] = _memory_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps)
+        result["memory_snapshot"] = run_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps)
     _log_method(log, result, profiled)
     for line in snapshot_lines(result.get("memory_snapshot")):
         log(f"    {line}")
@@ -420,46 +420,8 @@ def measure(run: _MethodRun) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     result = _method_result(run, _timed_steps(run), None)
     if run.cfg.memory_snapshot:
-        result["memory_snapshot"] = _memory_snapshot(run, run.cfg.warmup + run.cfg.steps)
+        result["memory_snapshot"] = run_snapshot(run, run.cfg.warmup + run.cfg.steps)
     return result
-
-
-def _memory_snapshot(run: _MethodRun, batch_index: int) -> dict[str, Any] | None:
-    """One more train step (batch ``batch_index``) under the CUDA memory history: memory_snapshot.snapshot_step's
-    summary with ``model_state`` (the parameters, gradients and optimizer state alive before it). After the
-    measured steps and their peak readings; None, with no step run, off CUDA."""
-    if run.device.type != "cuda":
-        return None
-    batch = run.data.batch(batch_index).to(run.device)  # on the device before the history starts
-    state = _model_state(run)
-    summary = snapshot_step(lambda: run.train_step(batch), run.device)
-    if summary is not None:
-        summary["model_state"] = state
-    return summary
-
-
-def _model_state(run: _MethodRun) -> dict[str, float]:
-    """GiB of the device storages of the parameters, their gradients (the last step's, where not set to
-    None) and the optimizers' state, each storage counted once."""
-    seen: set[int] = set()
-
-    def gib(tensors) -> float:
-        total = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.device.type != run.device.type or t.is_sparse:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return round(total / 2**30, 4)
-
-    params = list(run.model.parameters())
-    return {"parameters_gib": gib(params),
-            "gradients_gib": gib(p.grad for p in params if p.grad is not None),
-            "optimizer_state_gib": gib(v for opt in run.optimizers for state in opt.state.values()
-                                       for v in (state.values() if isinstance(state, dict) else ()))}
 
 
 @dataclass

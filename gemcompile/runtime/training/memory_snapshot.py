@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "frame_label", "record_history_kwargs", "snapshot_lines", "snapshot_step",
+__all__ = ["DEFAULT_MAX_ENTRIES", "frame_label", "model_state", "record_history_kwargs", "run_snapshot",
+           "snapshot_lines", "snapshot_step",
            "summarize_snapshot"]
 
 DEFAULT_MAX_ENTRIES = 1_000_000
@@ -124,16 +125,9 @@ def _device_trace(snapshot: dict, device: int | None) -> tuple[int, list[dict]]:
     return device, (traces[device] if device < len(traces) else [])
 
 
-def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20, timeline_points: int = 40,
-                       max_entries: int | None = None) -> dict[str, Any]:
-    """The JSON-sized summary of a ``torch.cuda.memory._snapshot()`` taken right after one step recorded
-    with the history on (see the module docstring). ``device``: the index into ``device_traces`` (None: the
-    longest trace); ``top``: groups kept (the rest summed); ``max_entries``: the history's limit, to say
-    whether the trace was cut."""
-    device, trace = _device_trace(snapshot, device)
-    segments = [s for s in snapshot.get("segments") or [] if s.get("device", device) == device]
-
-    # pass 1: which blocks the trace allocated and still holds at its end, and the older blocks it freed
+def _older_blocks(trace: list[dict], segments: list[dict]) -> tuple[list[int], list[int], int]:
+    """Pass 1 over the trace: sizes of the blocks allocated before it and still alive, and of those it freed;
+    the net bytes its segment events added to the reserved memory."""
     live: dict[int, int] = {}  # addr -> index of its alloc event
     requested: set[int] = set()  # free requested, completion pending (already out of the allocated bytes)
     older_freed: list[int] = []  # sizes of blocks allocated before the trace, freed in it
@@ -157,12 +151,13 @@ def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20,
             segment_delta -= int(e.get("size", 0))
     older_alive = [int(b.get("size", 0)) for s in segments for b in s.get("blocks") or []
                    if b.get("state") == "active_allocated" and b.get("address") not in live]
-    before_bytes = sum(older_alive) + sum(older_freed)
-    reserved_end = sum(int(s.get("total_size", 0)) for s in segments)
+    return older_alive, older_freed, segment_delta
 
-    # pass 2: allocated bytes after every event; the peak (the first time it is reached)
+
+def _allocated_over_trace(trace: list[dict], before_bytes: int, reserved: int) -> dict[str, Any]:
+    """Pass 2: allocated bytes after every event, the peak (the first time it is reached) and the reserved
+    memory there and at most; ``reserved`` is what was reserved before the trace."""
     allocated, peak, peak_index = before_bytes, before_bytes, -1
-    reserved = reserved_end - segment_delta
     reserved_at_peak, reserved_max = reserved, reserved
     series: list[int] = []
     alive: dict[int, int] = {}
@@ -191,11 +186,15 @@ def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20,
         if allocated > peak:
             peak, peak_index, reserved_at_peak = allocated, i, reserved
         series.append(allocated)
+    return {"peak": peak, "peak_index": peak_index, "reserved_at_peak": reserved_at_peak,
+            "reserved_max": reserved_max, "series": series, "ooms": ooms}
 
-    # pass 3: the blocks alive at the peak
+
+def _alive_at(trace: list[dict], peak_index: int) -> tuple[dict[int, dict], int]:
+    """Pass 3: the alloc events of the blocks alive at the peak, and the bytes of older blocks freed by then."""
     at_peak: dict[int, dict] = {}
     older_freed_by_peak = 0
-    pending.clear()
+    pending: set[int] = set()
     for e in trace[:peak_index + 1]:
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
@@ -209,6 +208,25 @@ def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20,
                 pending.discard(addr)
             else:
                 at_peak.pop(addr, None)
+    return at_peak, older_freed_by_peak
+
+
+def summarize_snapshot(snapshot: dict, device: int | None = None, top: int = 20, timeline_points: int = 40,
+                       max_entries: int | None = None) -> dict[str, Any]:
+    """The JSON-sized summary of a ``torch.cuda.memory._snapshot()`` taken right after one step recorded
+    with the history on (see the module docstring). ``device``: the index into ``device_traces`` (None: the
+    longest trace); ``top``: groups kept (the rest summed); ``max_entries``: the history's limit, to say
+    whether the trace was cut."""
+    device, trace = _device_trace(snapshot, device)
+    segments = [s for s in snapshot.get("segments") or [] if s.get("device", device) == device]
+
+    older_alive, older_freed, segment_delta = _older_blocks(trace, segments)
+    before_bytes = sum(older_alive) + sum(older_freed)
+    reserved_end = sum(int(s.get("total_size", 0)) for s in segments)
+    over = _allocated_over_trace(trace, before_bytes, reserved_end - segment_delta)
+    peak, peak_index, series, ooms = over["peak"], over["peak_index"], over["series"], over["ooms"]
+    reserved_at_peak, reserved_max = over["reserved_at_peak"], over["reserved_max"]
+    at_peak, older_freed_by_peak = _alive_at(trace, peak_index)
     groups: dict[str, list] = {}  # where -> [bytes, count, {via: bytes}]
     by_kind: dict[str, int] = {}
     for e in at_peak.values():
@@ -343,3 +361,42 @@ def snapshot_lines(summary: dict[str, Any] | None, top: int = 8) -> list[str]:
         lines.append(f"  {g['gib']:7.3f} GiB {g['count']:5d} x  {g['where']}"
                      + (f"  via {g['via']}" if g["via"] else ""))
     return lines
+
+
+def run_snapshot(run, batch_index: int) -> dict[str, Any] | None:
+    """One more train step of an e2e method run (e2e_bench's ``_MethodRun``: its train_step, data, device,
+    model and optimizers) on batch ``batch_index`` under the CUDA memory history: snapshot_step's summary
+    with ``model_state`` (the parameters, gradients and optimizer state alive before it). After the measured
+    steps and their peak readings; None, with no step run, off CUDA."""
+    if run.device.type != "cuda":
+        return None
+    batch = run.data.batch(batch_index).to(run.device)  # on the device before the history starts
+    state = model_state(run)
+    summary = snapshot_step(lambda: run.train_step(batch), run.device)
+    if summary is not None:
+        summary["model_state"] = state
+    return summary
+
+
+def model_state(run) -> dict[str, float]:
+    """GiB of the device storages of the parameters, their gradients (the last step's, where not set to
+    None) and the optimizers' state, each storage counted once."""
+    seen: set[int] = set()
+
+    def gib(tensors) -> float:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != run.device.type or t.is_sparse:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return round(total / 2**30, 4)
+
+    params = list(run.model.parameters())
+    return {"parameters_gib": gib(params),
+            "gradients_gib": gib(p.grad for p in params if p.grad is not None),
+            "optimizer_state_gib": gib(v for opt in run.optimizers for state in opt.state.values()
+                                       for v in (state.values() if isinstance(state, dict) else ()))}
