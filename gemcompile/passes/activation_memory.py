@@ -34,8 +34,8 @@ a partitioner of its own; it steers torch's, for its own compiles only:
   tangents are exactly the saved values; their producers are found by name in the forward graph): one
   ``GraphMemory`` per joint graph in the active PassLog, rendered by ``explain`` (``memory_tables``).
   explain also partitions once more without the budget (``measure_default``) to mark what the budget
-  recomputes; a real compile does not pay for that second partition. The saved bytes are not the peak: the
-  record also holds each graph's peak live bytes (``graph_peaks``, passes/graph_liveness.py: the nodes
+  recomputes; a real compile does not pay for that second partition. The saved bytes are not the peak: in
+  explain the record also holds each graph's peak live bytes (``graph_peaks``, passes/graph_liveness.py: the nodes
   walked in order, each value freed after its last use; the backward counts the saved values and tangents
   from its start), for the default partition too when measured, and explain prints the backward's peak,
   where it is reached, what is alive there (saved, tangents, produced in the backward) and its largest
@@ -391,7 +391,8 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
         with budget_patch(self.options.budget):
             fw, bw, undone = self._partition_fp8(gm, joint_inputs, kwargs, sites)
         saved = saved_tensors(fw, bw, info)
-        peaks = graph_peaks(fw, bw, saved)
+        # the liveness walk is for explain's report: a real compile does not pay for it either
+        peaks = graph_peaks(fw, bw, saved) if self.measure_default else None
         if self.options.fp8_saved:
             fp8_saved.report(sites, undone, refused, log)
         if default is None and self.measure_default:

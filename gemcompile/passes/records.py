@@ -240,7 +240,7 @@ class GraphMemory:
     """Attention / plan nodes kept out of recomputation (MUST_SAVE) in this graph."""
     forward_peak: PeakMemory | None = None
     """The peak of the partitioned forward graph's own live bytes (its inputs not counted; what it saves
-    kept to its end); None when not measured."""
+    kept to its end); None when not measured (measured by explain, not by a real compile)."""
     backward_peak: PeakMemory | None = None
     """The peak of the partitioned backward graph's live bytes, the saved values (parameters excluded) and
     tangents counted from its start; None when not measured."""

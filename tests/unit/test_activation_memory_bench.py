@@ -2,6 +2,7 @@
 understands, the largest-batch search on fake "fits" functions, and the whole script on the CPU with
 e2e_bench.run_method replaced by a fake (the JSON after every method, the time budget, the CPU skip)."""
 
+import functools
 import importlib.util
 import json
 import sys
@@ -251,31 +252,34 @@ def test_the_largest_batch_part_on_a_fake_gpu(bench, monkeypatch):
     assert all(r["outcome"] in ("fits", "oom") and r["batch_size"] for r in gem["try_results"])
 
 
+class _FakeDynamicPrograms:
+    """e2e_bench.start_method / measure stand-ins over _FakeTraining: records each program started (method,
+    dynamic_batch) and each (method, batch) measured in one."""
+
+    def __init__(self, monkeypatch):
+        self.fake = _FakeTraining(capacity=80.0, seconds=10.0)
+        self.started, self.measured = [], []
+        monkeypatch.setattr(e2e_bench, "start_method", self.start_method)
+        monkeypatch.setattr(e2e_bench, "measure", self.measure)
+
+    def start_method(self, cfg, method, dynamic_batch=False):
+        self.started.append((method, dynamic_batch))
+        return SimpleNamespace(method=method, batch=cfg.batch_size, at_batch=functools.partial(self._at, method))
+
+    def _at(self, method, cfg):
+        return SimpleNamespace(method=method, batch=cfg.batch_size)
+
+    def measure(self, run):
+        self.measured.append((run.method, run.batch))
+        return self.fake(SimpleNamespace(batch_size=run.batch), run.method)
+
+
 def test_the_dynamic_search_compiles_once_per_method_and_keeps_going_after_an_oom(bench, monkeypatch):
     """--largest-compile dynamic: one start_method per method (one program), every try measured in it at its
     own batch; an OOM is an answer and the next try runs in the same program; the start batch is tried
     (the curve's static row does not describe the dynamic program)."""
-    fake = _FakeTraining(capacity=80.0, seconds=10.0)
-    started, measured = [], []
-
-    class FakeRun:
-        def __init__(self, method, batch):
-            self.method, self.batch = method, batch
-
-        def at_batch(self, cfg):
-            return FakeRun(self.method, cfg.batch_size)
-
-    def start_method(cfg, method, dynamic_batch=False):
-        assert dynamic_batch
-        started.append(method)
-        return FakeRun(method, cfg.batch_size)
-
-    def measure(run):
-        measured.append((run.method, run.batch))
-        return fake(SimpleNamespace(batch_size=run.batch), run.method)
-
-    monkeypatch.setattr(e2e_bench, "start_method", start_method)
-    monkeypatch.setattr(e2e_bench, "measure", measure)
+    programs = _FakeDynamicPrograms(monkeypatch)
+    fake, started, measured = programs.fake, programs.started, programs.measured
     monkeypatch.setattr(bench, "free_memory", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
     args = bench.parse_args(["--device", "cpu", "--parts", "largest", "--largest-methods", "gem",
@@ -284,7 +288,7 @@ def test_the_dynamic_search_compiles_once_per_method_and_keeps_going_after_an_oo
     payload = {"largest_batch": {}}
     bench.largest_part(args, [], [], fake.clock, 10**6, payload, lambda: None)
     (gem,) = payload["largest_batch"]["methods"]
-    assert started == ["gem"]  # one program for the whole search
+    assert started == [("gem", True)]  # one dynamic-batch program for the whole search
     assert [b for _, b in measured] == [256, 512, 1024, 768, 640]
     assert (gem["largest_fit"], gem["smallest_oom"], gem["compile"]) == (640, 768, "dynamic")
     assert not gem["start_known_from_curve"]
@@ -292,26 +296,8 @@ def test_the_dynamic_search_compiles_once_per_method_and_keeps_going_after_an_oo
 
 
 def test_together_measures_the_curve_row_and_the_search_in_one_program_per_method(bench, monkeypatch):
-    fake = _FakeTraining(capacity=80.0, seconds=10.0)
-    started, measured = [], []
-
-    class FakeRun:
-        def __init__(self, method, batch):
-            self.method, self.batch = method, batch
-
-        def at_batch(self, cfg):
-            return FakeRun(self.method, cfg.batch_size)
-
-    def start_method(cfg, method, dynamic_batch=False):
-        started.append(method)
-        return FakeRun(method, cfg.batch_size)
-
-    def measure(run):
-        measured.append((run.method, run.batch))
-        return fake(SimpleNamespace(batch_size=run.batch), run.method)
-
-    monkeypatch.setattr(e2e_bench, "start_method", start_method)
-    monkeypatch.setattr(e2e_bench, "measure", measure)
+    programs = _FakeDynamicPrograms(monkeypatch)
+    fake, started, measured = programs.fake, programs.started, programs.measured
     monkeypatch.setattr(bench, "free_memory", lambda device: None)
     monkeypatch.setattr(bench, "rewrite_results", lambda path, payload: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
@@ -322,7 +308,8 @@ def test_together_measures_the_curve_row_and_the_search_in_one_program_per_metho
     args.device = "cuda"
     payload = {"largest_batch": {}, "curve": {}}
     results = bench.together_part(args, payload, lambda: None, fake.clock, log=lambda *a: None)
-    assert started == ["gem", "gem-memory-budget-0.5", "inductor"]  # one program per method
+    # one dynamic-batch program per method
+    assert started == [("gem", True), ("gem-memory-budget-0.5", True), ("inductor", True)]
     assert [r["outcome"] for r in results] == ["fits"] * 3
     gem, budget = payload["largest_batch"]["methods"]
     # the curve's row (B 256) is the search's start, measured in the same program: not tried again

@@ -42,13 +42,17 @@ class _Builder:
         return self.graph
 
 
-def _chain():
-    """x -> a -> b -> c, each (16, 16): a is freed after b, so at most two are alive: 2 KiB at b."""
+def _relu_neg_sin():
+    """x -> a = relu -> b = neg -> c = sin, each (16, 16): the builder, a and c."""
     g = _Builder()
-    x = g.input("x", _t(16, 16))
-    a = g.op(aten.relu.default, x)
-    b = g.op(aten.neg.default, a)
-    c = g.op(aten.sin.default, b)
+    a = g.op(aten.relu.default, g.input("x", _t(16, 16)))
+    c = g.op(aten.sin.default, g.op(aten.neg.default, a))
+    return g, a, c
+
+
+def _chain():
+    """relu -> neg -> sin: a is freed after b, so at most two are alive: 2 KiB at b."""
+    g, _, c = _relu_neg_sin()
     return g.output(c), 2 * KB, "neg"
 
 
@@ -91,12 +95,8 @@ def _multi_output():
 
 
 def _output_kept():
-    """a is an output, kept to the end: at c, a, b and c are alive (3 KiB; a chain would peak at 2 KiB)."""
-    g = _Builder()
-    x = g.input("x", _t(16, 16))
-    a = g.op(aten.relu.default, x)
-    b = g.op(aten.neg.default, a)
-    c = g.op(aten.sin.default, b)
+    """The chain with a an output, kept to the end: at c, a, b and c are alive (3 KiB; the chain: 2 KiB)."""
+    g, a, c = _relu_neg_sin()
     return g.output(a, c), 3 * KB, "sin"
 
 

@@ -77,3 +77,12 @@ def test_many_tables_refuse_mixed_dims():
     with pytest.raises(ValueError, match="one dim"):
         adagrad_tables_triton_([torch.zeros(2, 3), torch.zeros(2, 4)], [torch.zeros(2, 3), torch.zeros(2, 4)],
                                [torch.tensor([0]), torch.tensor([1])], [torch.ones(1, 3), torch.ones(1, 4)], 0.1, 1e-10)
+
+
+def test_many_distinct_ids_past_the_table_are_skipped_without_overflowing_the_slots():
+    """More distinct out-of-range ids than the table has rows: every one is skipped (before, each took a slot
+    of the min(ids, rows + 1) the update allocates, and the slot index ran past them)."""
+    weight, state = torch.zeros(2, 3), torch.zeros(2, 3)
+    ids = torch.tensor([0, 5, 6, 7, 8, -3, -4, 1])
+    adagrad_rows_triton_(weight, state, ids, torch.ones(8, 3), 0.1, 1e-10, deterministic=False)
+    assert torch.equal(state, torch.ones(2, 3))

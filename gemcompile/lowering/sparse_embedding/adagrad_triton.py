@@ -72,6 +72,30 @@ def _adagrad_runs_kernel(SortedIds, Perm, Grads, Weight, Sum, n, n_rows, dim, st
         _update_row(Weight, Sum, row, acc, cols, col_ok, stride_w, stride_s, lr, eps)
 
 
+def _valid_or_minus_one(ids: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """int64 ids with every id outside [0, n_rows) as -1: skipped, and counted as one id by the slots (many
+    distinct ids past the table would otherwise need more slots than the table has rows)."""
+    ids = ids.to(torch.int64)
+    return torch.where((ids >= 0) & (ids < n_rows), ids, -1)
+
+
+def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: torch.Tensor, n_ids: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-2 of the module docstring: (the id of each slot, -1 for an unused one; the fp32 sum of each
+    slot's gradient rows), from the ids sorted (``perm`` their positions) and ids in [-1, n_ids)."""
+    n = sorted_ids.numel()
+    new_id = torch.ones(n, dtype=torch.int64, device=sorted_ids.device)
+    new_id[1:] = (sorted_ids[1:] != sorted_ids[:-1]).to(torch.int64)
+    slot_sorted = new_id.cumsum_(0).sub_(1)  # slot of each sorted position
+    slots = min(n, n_ids + 1)  # distinct ids: at most one per id, plus the padding id -1
+    id_of = torch.full((slots,), -1, dtype=torch.int64, device=sorted_ids.device)
+    id_of.scatter_(0, slot_sorted, sorted_ids)  # every position of a slot writes the same id
+    slot_of = torch.empty_like(slot_sorted).scatter_(0, perm, slot_sorted)  # slot of each position, unsorted
+    acc = torch.zeros((slots, grads.shape[1]), dtype=torch.float32, device=sorted_ids.device)
+    acc.index_add_(0, slot_of, grads.to(torch.float32))
+    return id_of, acc
+
+
 def _block(dim: int) -> int:
     return min(128 if not INTERPRET else 32, triton.next_power_of_2(dim))
 
@@ -87,9 +111,9 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
         return
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    ids = ids.to(torch.int64)
-    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
     n_rows, dim = weight.shape
+    ids = _valid_or_minus_one(ids, n_rows)
+    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
     block = _block(dim)
     warps = 1 if block <= 64 else 2
     sorted_ids, perm = torch.sort(ids, stable=True)
@@ -98,15 +122,8 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
             sorted_ids, perm, grads, weight, state_sum, n, n_rows, dim, grads.stride(0), weight.stride(0),
             state_sum.stride(0), float(lr), float(eps), BLOCK_D=block, num_warps=warps)
         return
-    new_id = torch.ones(n, dtype=torch.int64, device=ids.device)
-    new_id[1:] = (sorted_ids[1:] != sorted_ids[:-1]).to(torch.int64)
-    slot_sorted = new_id.cumsum_(0).sub_(1)  # slot of each sorted position
-    slots = min(n, n_rows + 1)  # distinct ids: at most one per table row, plus the padding id -1
-    row_of = torch.full((slots,), -1, dtype=torch.int64, device=ids.device)
-    row_of.scatter_(0, slot_sorted, sorted_ids)  # every position of a slot writes the same id
-    slot_of = torch.empty_like(slot_sorted).scatter_(0, perm, slot_sorted)  # slot of each position, unsorted
-    acc = torch.zeros((slots, dim), dtype=torch.float32, device=ids.device)
-    acc.index_add_(0, slot_of, grads.to(torch.float32))
+    row_of, acc = _sum_by_id(sorted_ids, perm, grads, n_rows)
+    slots = row_of.numel()
     _adagrad_slots_kernel[(slots, triton.cdiv(dim, block))](
         row_of, acc, weight, state_sum, n_rows, dim, acc.stride(0), weight.stride(0), state_sum.stride(0),
         float(lr), float(eps), BLOCK_D=block, num_warps=warps)
@@ -152,24 +169,15 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     rows_per_table = max(1, max(w.shape[0] for w in weights))
     keys = []
     for t, (w, table_ids) in enumerate(zip(weights, ids)):
-        table_ids = table_ids.to(torch.int64)
-        ok = (table_ids >= 0) & (table_ids < w.shape[0])
-        keys.append(torch.where(ok, table_ids + t * rows_per_table, -1))
+        table_ids = _valid_or_minus_one(table_ids, w.shape[0])
+        keys.append(torch.where(table_ids >= 0, table_ids + t * rows_per_table, -1))
     key = torch.cat(keys)
     n = key.numel()
     if n == 0:
         return
-    grad_rows = torch.cat([g.to(torch.float32) for g in grads])
     sorted_keys, perm = torch.sort(key, stable=True)
-    new_id = torch.ones(n, dtype=torch.int64, device=device)
-    new_id[1:] = (sorted_keys[1:] != sorted_keys[:-1]).to(torch.int64)
-    slot_sorted = new_id.cumsum_(0).sub_(1)
-    slots = min(n, len(weights) * rows_per_table + 1)  # distinct keys: one per table row, plus -1
-    key_of = torch.full((slots,), -1, dtype=torch.int64, device=device)
-    key_of.scatter_(0, slot_sorted, sorted_keys)
-    slot_of = torch.empty_like(slot_sorted).scatter_(0, perm, slot_sorted)
-    acc = torch.zeros((slots, dim), dtype=torch.float32, device=device)
-    acc.index_add_(0, slot_of, grad_rows)
+    key_of, acc = _sum_by_id(sorted_keys, perm, torch.cat(grads), len(weights) * rows_per_table)
+    slots = key_of.numel()
     meta = torch.tensor([[w.data_ptr() for w in weights], [s.data_ptr() for s in state_sums],
                          [w.shape[0] for w in weights], [w.stride(0) for w in weights],
                          [s.stride(0) for s in state_sums]], dtype=torch.int64).to(device)

@@ -424,6 +424,13 @@ def measure(run: _MethodRun) -> dict[str, Any]:
     return result
 
 
+def _data_and_window(cfg: E2EBenchConfig, batch_size: int) -> tuple[SyntheticData, MetricWindow]:
+    """The method's batches (the same seed for every method) and its NE window over the measured steps."""
+    model_cfg = gem_ref_config(cfg.size)
+    return (SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed)),
+            MetricWindow(model_cfg.n_tasks, window=cfg.ne_window))
+
+
 @dataclass
 class _MethodRun:
     """A fresh GEM-ref (the same seed and batches for every method) compiled the method's way."""
@@ -445,7 +452,7 @@ class _MethodRun:
         device = torch.device(cfg.device)
         batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]
         model_cfg = gem_ref_config(cfg.size)
-        data = SyntheticData(model_cfg.data_config(batch_size, fill=cfg.fill, seed=cfg.seed))
+        data, window = _data_and_window(cfg, batch_size)
         torch.manual_seed(cfg.seed)
         model = GemRef(model_cfg).to(device)
         tables = table_training(method)
@@ -455,7 +462,6 @@ class _MethodRun:
                     m.sparse = True
         optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=tables == "sparse-rows")
         formula = GemFlopFormula.from_model(model)
-        window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
         run = cls(cfg, method, device, batch_size, data, model, optimizers, formula, window)
         run.runner = compile_method(model, method)
         return run
@@ -463,9 +469,7 @@ class _MethodRun:
     def at_batch(self, cfg: E2EBenchConfig) -> _MethodRun:
         """The same model, optimizers and compiled runner fed ``cfg``'s batch size (fresh batches and NE
         window): a program compiled with a dynamic batch runs it without compiling again."""
-        model_cfg = gem_ref_config(cfg.size)
-        data = SyntheticData(model_cfg.data_config(cfg.batch_size, fill=cfg.fill, seed=cfg.seed))
-        window = MetricWindow(model_cfg.n_tasks, window=cfg.ne_window)
+        data, window = _data_and_window(cfg, cfg.batch_size)
         return dataclasses.replace(self, cfg=cfg, batch_size=cfg.batch_size, data=data, window=window)
 
     def autocast(self):
