@@ -21,6 +21,9 @@ with the same unbacked size T = valid.sum().
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -101,6 +104,19 @@ def _bucket_token_index_fake(index: Tensor, total: int, buckets: int, size_hint:
     return _data_dependent_index(index, total, size_hint and bucket_capacity(size_hint, total, buckets))
 
 
+_HINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""shape env -> {unbacked symbol: the T it was hinted}, for every packed size these ops created."""
+
+
+def recorded_hints(shape_env: Any) -> dict:
+    """The unbacked sizes these ops created in ``shape_env``, each with the T the unpad pass expects
+    (recorded whether or not this torch's Inductor reads hints: the partitioner sizes tensors with them)."""
+    try:
+        return _HINTS.get(shape_env, {})
+    except TypeError:  # not weak-referenceable: nothing recorded for it
+        return {}
+
+
 def inductor_reads_unbacked_hints() -> bool:
     from torch._inductor.sizevars import SizeVarAllocator
 
@@ -147,6 +163,11 @@ def _data_dependent_index(like: Tensor, bound, size_hint: int) -> Tensor:
     overrides = getattr(shape_env, "var_to_hint_override", None)
     if size_hint > 0 and isinstance(overrides, dict) and inductor_reads_unbacked_hints():
         overrides[count.node.expr] = size_hint
+    if size_hint > 0:
+        try:
+            _HINTS.setdefault(shape_env, {})[count.node.expr] = size_hint
+        except TypeError:  # a shape env that is not weak-referenceable: sizes fall back as before
+            pass
     return like.new_empty((count,), dtype=torch.int64)
 
 

@@ -24,10 +24,33 @@ import torch.fx as fx
 from gemcompile.passes.records import LiveValue, PeakMemory
 
 
+def token_hinted(size: Any) -> int | None:
+    """``size`` with the unbacked packed-token counts of unpad's index ops replaced by their hints (the T the
+    pass expects, lowering/valid_tokens.py); None when that leaves it symbolic or it has no such count."""
+    node = getattr(size, "node", None)
+    shape_env = getattr(node, "shape_env", None)
+    if shape_env is None:
+        return None
+    from gemcompile.lowering.valid_tokens import recorded_hints
+
+    hints = recorded_hints(shape_env)
+    expr = node.expr
+    if not hints or not (expr.free_symbols & hints.keys()):
+        return None
+    try:
+        return int(expr.xreplace(hints))
+    except TypeError:  # another symbol is left: no concrete value
+        return None
+
+
 def size_hint(size: Any) -> int:
-    """A concrete value for a (possibly symbolic) size, without guarding: the partitioner's own hint."""
+    """A concrete value for a (possibly symbolic) size, without guarding: the partitioner's own hint, with
+    packed-token counts at unpad's hint (token_hinted) where this torch's hint would fall back."""
     if isinstance(size, int):
         return size
+    hinted = token_hinted(size)
+    if hinted is not None:
+        return hinted
     from torch.fx.experimental import symbolic_shapes
 
     for name in ("optimization_hint", "hint_int"):  # torch 2.13 / older

@@ -134,3 +134,29 @@ def test_fp8_saved_quantizes_a_relu_mlp_on_two_dimensional_tokens():
     _, _, log = _compile_and_grad(model, x, _ExplainBackend(GemConfig(memory={"fp8_saved": True})))
     modules = [m for r in log.rewrites if r.pass_name == "fp8_saved" for m in r.metrics["modules"]]
     assert sorted(modules) == ["mlp.2", "mlp.4"]
+
+
+def _saved_under(budget):
+    torch.manual_seed(0)
+    model = TokenResidual()
+    x, lengths = torch.randn(B, N, D, requires_grad=True), torch.tensor(LENGTHS)
+    _, _, log, _ = _compiled(model, x, lengths, GemConfig(memory={"budget": budget}))
+    (record,) = log.memory
+    return {(t.op, t.shape, t.status) for t in record.tensors}, record.saved_bytes
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_the_partition_sizes_packed_tokens_at_their_hint_where_torch_has_no_hint(budget, monkeypatch):
+    """torch 2.11 leaves unpad's packed count T unhinted (its Inductor cannot read such hints), and its
+    partitioner then sizes every (T, ...) tensor at a 4096-element fallback: the budget's knapsack weighs
+    the packed activations wrongly. With T at unpad's hint the partition is the one a torch that reads the
+    hint (2.13) chooses: at budget 0.5 the unhinted partition kept the (T, 128) Linear output and more."""
+    from torch._functorch import partitioners
+
+    from gemcompile.lowering import valid_tokens
+
+    hinted = _saved_under(budget)
+    original = partitioners._size_of
+    monkeypatch.setattr(valid_tokens, "inductor_reads_unbacked_hints", lambda: False)  # as on torch 2.11
+    assert _saved_under(budget) == hinted
+    assert partitioners._size_of is original  # patched for the partition only
