@@ -270,14 +270,14 @@ def _train_step(run: _TrainingRun, step: int) -> tuple[GemBatch, GemBatch, Tenso
     batch = cpu_batch.to(run.device)
     validate_batch(batch, run.model_cfg)
     step_batch = batch if parallel is None else parallel.local_batch(batch)  # this rank's samples
+    for optimizer in run.optimizers:  # before the forward: old gradients never sit beside its activations
+        optimizer.zero_grad(set_to_none=True)
     with _autocast(cfg):
         logits = run.runner(**step_batch.features())
     if parallel is None:
         loss = masked_bce_loss(logits.float(), batch.labels, batch.label_mask)
     else:  # world size x this rank's share of the global batch's loss
         loss = parallel.loss(logits.float(), step_batch.labels, step_batch.label_mask)
-    for optimizer in run.optimizers:
-        optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if parallel is not None:
         parallel.finish_gradients(cfg.grad_clip)
