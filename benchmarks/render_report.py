@@ -976,24 +976,55 @@ def op_host_time() -> str:
 
 ACTIVATION_MEMORY_FILES = ["activation_memory-medium-b256-20261202-050426.json",
                            "activation_memory-medium-b256-20261202-053105.json",
-                           "activation_memory-medium-b256-20261202-054045.json"]
-"""Issue 26's first H200 runs (2026-12-02): static compiles per method (050426, 054045) and one run of
---together, dynamic-batch programs (053105, cut by its command's time limit after gem)."""
+                           "activation_memory-medium-b256-20261202-054045.json",
+                           "activation_memory-medium-b256-20261202-082235.json"]
+"""Issue 26's H200 runs (2026-12-02): static compiles per method (050426, 054045), one run of --together,
+dynamic-batch programs (053105, cut by its command's time limit after gem), and the first run after the
+partitioner sized packed tokens at unpad's hint, with CUDA memory snapshots (082235)."""
+
+
+def _code(payload: dict) -> str:
+    """The code a run measured: its git commit and the digest of its sources (results.source_digest), which
+    names the code even where the commit field does not (a device copy whose git HEAD lagged its files)."""
+    env = payload.get("environment", {})
+    return f"{str(env.get('git_commit') or '-')[:7]} / {str(env.get('source_digest') or '-')[:8]}"
+
+
+def _snapshot_rows(name: str, payload: dict) -> list[list[str]]:
+    rows = []
+    for r in payload["curve"]["results"]:
+        snap = r.get("memory_snapshot") or {}
+        at_peak, state = snap.get("at_peak") or {}, snap.get("model_state") or {}
+        if not at_peak:
+            continue
+        kinds = at_peak.get("by_kind_gib", {})
+        where = (snap.get("peak_event") or {}).get("where", "-")
+        rows.append([f"`{name}`", r["method"], f(snap.get("peak_allocated_gib")),
+                     f(at_peak.get("before_step_gib")), f(at_peak.get("step_gib")),
+                     f(kinds.get("inductor_buffers")), f(state.get("parameters_gib")),
+                     f(state.get("gradients_gib")), f(state.get("optimizer_state_gib")), f"`{where}`"])
+    return rows
 
 
 @block("activation-memory")
 def activation_memory() -> str:
     loaded = [load(name) for name in ACTIVATION_MEMORY_FILES]
-    rows, tries = [], []
+    rows, tries, snapshots = [], [], []
     for path, payload in loaded:
         name = rel(path).split("/")[-1]
+        snapshots += _snapshot_rows(name, payload)
         dynamic = any(m.get("compile") == "dynamic" for m in payload["largest_batch"].get("methods", []))
+        ratios = {row["method"]: row for row in payload["curve"].get("rows", [])}
         for r in payload["curve"]["results"]:
             if r.get("outcome") != "fits":
                 continue
-            rows.append([f"`{name}`", r["method"], str(r["batch_size"]), "dynamic batch" if dynamic else "static",
+            ratio = ratios.get(r["method"], {})
+            rows.append([f"`{name}`", _code(payload), r["method"], str(r["batch_size"]),
+                         "dynamic batch" if dynamic else "static",
                          f(r.get("peak_memory_gib")), f(r.get("peak_memory_steady_gib")),
-                         f(r.get("step_ms_median"), ".1f"), pct(r.get("mfu")), f(r.get("compile_s"), ".0f")])
+                         f(ratio.get("peak_memory_ratio_vs_gem"), ".3f"), f(r.get("step_ms_median"), ".1f"),
+                         f(ratio.get("step_time_ratio_vs_gem"), ".3f"), pct(r.get("mfu")),
+                         f(r.get("compile_s"), ".0f")])
         for m in payload["largest_batch"].get("methods", []):
             for t in m.get("try_results", []):
                 tries.append([f"`{name}`", m["method"], str(t.get("batch_size")), t.get("outcome", "-"),
@@ -1004,8 +1035,14 @@ def activation_memory() -> str:
              "Peak: CUDA max allocated over warm-up and measured steps; steady: over the measured steps only "
              "(recorded from 0a1d77c on). Each row is one method in one process; rows of different files ran "
              "on different leases of the machine.", ""]
-    lines += table(["file", "method", "batch", "compile", "peak GiB", "steady GiB", "step ms", "MFU %",
-                    "compile s"], rows)
+    lines += table(["file", "code (commit / sources)", "method", "batch", "compile", "peak GiB", "steady GiB",
+                    "x gem peak", "step ms", "x gem step", "MFU %", "compile s"], rows)
+    if snapshots:
+        lines += ["", "CUDA memory snapshot of one more step (`--memory-snapshot`): the peak, what was allocated "
+                  "before the step and what the step itself held there (Inductor's buffers among it), the model's "
+                  "state, and the allocation that reached the peak:", ""]
+        lines += table(["file", "method", "peak GiB", "before the step", "the step's", "Inductor buffers",
+                        "parameters", "gradients", "optimizer state", "peak reached at"], snapshots)
     if tries:
         lines += ["", "Largest-batch tries (a batch beyond the curve's):", ""]
         lines += table(["file", "method", "batch", "outcome", "peak GiB", "step ms", "MFU %",
