@@ -203,8 +203,8 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
     """The bias gradient's fp32 partial sums, (splits, Bz * Hz, Lq, Lk): their sum is dBias[bz, hz]. ``bias``:
     the tensor the kernels read the bias through (any strides, ``z_strides``: expanded to (B, H, Lq, Lk));
     ``q_strides``, ``g_strides``: q's and grad_out's (b, h, m, d) strides as the GDPA kernels read them
-    (batch stride 0 for shared or packed queries; g_strides None: grad_out's own); ``flags``: the GDPA kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale,
-    out_scale, window, contextual_len); ``key_mask``: (the kv_mask as the kernels read it, its (b, n)
+    (batch stride 0 for shared or packed queries; g_strides None: grad_out's own); ``flags``: the GDPA
+    kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale, out_scale, window, contextual_len); ``key_mask``: (the kv_mask as the kernels read it, its (b, n)
     strides) when flags["HAS_KV_MASK"]."""
     B, H, Lk, _ = k.shape
     Lq = q_side.max_len  # (q.shape[2] unless q is packed)

@@ -143,12 +143,13 @@ def jagged_attention_fwd(
     packed_len: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key); packed q: (T, H, D), (T, H)."""
-    return _checked_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order,
-                            kv_order, kv_bounds, token_offsets, packed_len)
+    return _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
+                                      q_order, kv_order, kv_bounds, token_offsets, packed_len)
 
 
-def _checked_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None, uniform_keys=None,
-                     q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
+def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
+                               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                               packed_len=0):
     """The fwd op on any device: checks, then the kernels (the reference on CPU; tests may route CPU tensors
     to the Triton interpreter)."""
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
@@ -164,7 +165,7 @@ def _packed(token_offsets, packed_len) -> dict:
     return {} if token_offsets is None else {"token_offsets": token_offsets, "packed_len": packed_len}
 
 
-cuda_kernel(jagged_attention_fwd)(_checked_forward)
+cuda_kernel(jagged_attention_fwd)(_jagged_attention_fwd_cuda)
 
 
 @jagged_attention_fwd.register_fake
@@ -203,13 +204,14 @@ def jagged_attention_bwd(
     packed_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
-    return _backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-                     kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len)
+    return _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
+                                      bias_requires_grad, kv_mask, uniform_keys, q_order, kv_order, kv_bounds,
+                                      token_offsets, packed_len)
 
 
-def _backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-              kv_mask=None, uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
-              packed_len=0):
+def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
+                               bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
+                               kv_bounds=None, token_offsets=None, packed_len=0):
     """jagged_attention_bwd on any device (the Triton launcher on CUDA, the reference for float64 and on CPU).
     Named one by one: a caller may leave the trailing optional ones out."""
     _, backward = _kernels(q)
@@ -218,7 +220,7 @@ def _backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, 
                     **_packed(token_offsets, packed_len))
 
 
-cuda_kernel(jagged_attention_bwd)(_backward)
+cuda_kernel(jagged_attention_bwd)(_jagged_attention_bwd_cuda)
 
 
 @jagged_attention_bwd.register_fake
