@@ -46,6 +46,8 @@ def padded_views(q, k, v, token_offsets, packed_len):
         raise ValueError(f"packed k and v must have one shape (T, H, D), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     B = offsets_batch(token_offsets)
     check_token_offsets(token_offsets, B, getattr(q, "device", k.device), packed_len)
+    if getattr(q, "dim", lambda: 0)() == 4 and q.shape[0] not in (1, B):
+        raise ValueError(f"token_offsets has B + 1 = {B + 1} entries but q's batch is {q.shape[0]} (1 or B)")
     if getattr(q, "dim", lambda: 4)() == 3:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"packed q must hold the tokens of packed k (self-attention): q has {q.shape[0]} rows, "
