@@ -161,3 +161,22 @@ def test_compile_packed_queries_fullgraph():
 
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, offsets)
     torch.testing.assert_close(got, f(q, k, v, offsets))
+
+
+def test_eager_function_matches_the_op():
+    """EagerGDPA (the plain-eager CUDA path; here on CPU, where it runs the reference) with packed queries."""
+    from gemcompile.lowering.gdpa.op import EagerGDPA
+    from gemcompile.lowering.gdpa.spec import GdpaSpec
+
+    lengths, offsets, q, k, v, T, g = case(torch.float32, seed=8)
+    spec = GdpaSpec("gelu", 1.0, 1.0 / N)
+    a = [leaf(q), leaf(k), leaf(v)]
+    b = [leaf(q), leaf(k), leaf(v)]
+    out = EagerGDPA.apply(*a, None, None, None, spec, None, None, None, None, None, offsets, N)
+    want = gdpa(*b, activation="gelu", scale=1.0, out_scale=1.0 / N, token_offsets=offsets, packed_len=N)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    want.backward(grad)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)

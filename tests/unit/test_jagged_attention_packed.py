@@ -190,3 +190,22 @@ def test_compile_packed_keys_fullgraph():
 
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, offsets)
     torch.testing.assert_close(got, f(q, k, v, offsets))
+
+
+@pytest.mark.parametrize("packed_q", [False, True], ids=["kv", "self"])
+def test_eager_function_matches_the_op(packed_q):
+    """EagerJaggedAttention (the plain-eager CUDA path; here on CPU, where it runs the reference)."""
+    from gemcompile.lowering.jagged_attention.op import EagerJaggedAttention
+
+    lengths, offsets, k, v, T = packed_case(torch.float32, seed=14)
+    q = torch.randn(T, H, D) if packed_q else torch.randn(B, H, Q, D)
+    a = [leaf(q), leaf(k), leaf(v)]
+    b = [leaf(q), leaf(k), leaf(v)]
+    out = EagerJaggedAttention.apply(*a, None, lengths, None, True, 0.3, None, None, None, None, None, offsets, N)
+    want = jagged_attention(*b, None, lengths, None, True, 0.3, token_offsets=offsets, packed_len=N)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grad = torch.randn(out.shape)
+    out.backward(grad)
+    want.backward(grad)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
