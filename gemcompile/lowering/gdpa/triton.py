@@ -1,9 +1,14 @@
 """Triton kernels of GDPA (generalized dot-product attention: a pointwise activation, no softmax) and their
 launchers. Semantics: see op.py; plain-PyTorch twin: reference.py.
 
-Layout: padded only. q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v
-(B, H, Lk, D), read through their strides (permuted and expanded views are never copied); lengths
-(B,) or None (every row valid), clamped into [0, L] inside the kernels. All element offsets of a
+Layout: q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v (B, H, Lk, D),
+read through their strides (permuted and expanded views are never copied); lengths (B,) or None (every row
+valid), clamped into [0, L] inside the kernels. Packed queries (Q_MODE == MODE_OFFSETS, op.py's
+token_offsets): q, out, grad_out and dq are (T, H, D) rows read with batch stride 0 from row
+token_offsets[b] (clamped into [0, T]; QLengths then holds the offsets), positions n = row - start drive
+every mask and the bias exactly as padded rows do, and a program never writes past its sequence's rows
+(the launchers zero the packed outputs first: rows outside every sequence stay 0). Q_MODE is a constexpr:
+the padded kernels compile as before. All element offsets of a
 sequence's base are computed in int64. The device helpers (sequence lookup, program coordinates,
 masked tile loads/stores), the launch helper that bypasses the autotuner after the first tune and the
 shared-memory prune are the attention toolkit of common/attention_triton.py; the per-pair helpers
