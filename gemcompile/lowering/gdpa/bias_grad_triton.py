@@ -225,7 +225,8 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
         q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets, order, mask_t,
         *q_strides, *k.stride(), *v.stride(), *z_strides, *(g_strides or grad_out.stride()),
         part.stride(0), part.stride(1), part.stride(2), *m_strides,
-        B, H, Bz, Hz, splits, B.bit_length(), Lq_, Lk_, scale, out_scale, window, contextual_len, q_side.total_rows,
+        B, H, Bz, Hz, splits, B.bit_length(), Lq_, Lk_, scale, out_scale, window, contextual_len,
+        q_side.total_rows if consts["Q_MODE"] == 2 else 0,  # T of packed queries (unread otherwise)
         SHARED_B=shared_b, SHARED_H=shared_h, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return part

@@ -662,6 +662,12 @@ def sfu_activation(dtype: torch.dtype) -> bool:
     return SFU_ACTIVATIONS and not INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
+def _total_q_rows(q_side: Side) -> int:
+    """The kernels' total_q_rows: T for packed queries; 0 (never read) otherwise, so that the padded kernels
+    keep one integer specialization whatever Lq is."""
+    return q_side.total_rows if q_side.mode == MODE_OFFSETS else 0
+
+
 def _query_strides(t, B: int, packed: bool):
     """(b, h, m, d) strides of q, out, grad_out or dq: packed (T, H, D) rows with batch stride 0, or padded
     (batch stride 0 for queries shared by the batch)."""
@@ -729,7 +735,7 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
         q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order, mask_t, bounds,
         *_query_strides(q, B, packed), *k.stride(), *v.stride(), *z_strides, *_query_strides(out, B, packed),
         *m_strides, H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
-        q_side.total_rows,
+        _total_q_rows(q_side),
     ), _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None, kv_mask is not None),
         buckets)
     return out
@@ -775,7 +781,7 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
                        kv_mask is not None)
         buckets = (length_bucket(Lq), length_bucket(Lk))
         scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
-                   q_side.total_rows)
+                   _total_q_rows(q_side))
         targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
         q_strides = _query_strides(q, B, packed)
         g_strides = _query_strides(grad_out, B, packed) if packed else grad_out.stride()
