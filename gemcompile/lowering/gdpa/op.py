@@ -102,8 +102,9 @@ How it is wired (as every attention op, see common/opkit.py)
 * ``gemcompile::gdpa_fwd(...) -> out``: a ``torch.library.custom_op`` (opaque to Dynamo/Inductor) with a
   fake impl and ``register_autograd``; the backward needs only the inputs (no softmax statistics).
 * ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0,
-  relative_offset=None, kv_mask=None) -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an
-  empty tensor when not needed). ``gdpa_fwd`` ends with ``..., relative_offset=None, kv_mask=None`` too.
+  relative_offset=None, kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+  packed_len=0) -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an empty tensor when not
+  needed). ``gdpa_fwd`` ends with the same arguments after ``kv_mask``.
 * ``gemcompile::gdpa``: the public op, ``CompositeImplicitAutograd``, which calls ``gdpa_fwd``. A plain
   eager call on CUDA (no tracing, no dispatch mode) skips the custom ops and runs the same kernels
   through one autograd.Function (:class:`EagerGDPA`): less host time per step.
