@@ -125,7 +125,7 @@ def test_flops_count_the_valid_query_rows():
 
 @pytest.mark.parametrize("name", ["2-D offsets", "float offsets", "offsets of another batch", "decreasing",
                                   "past packed_len", "past T", "packed_len alone", "q_lengths disagree",
-                                  "num_targets", "contextual_len", "dense q"])
+                                  "num_targets", "contextual_len", "dense q", "offsets on another device"])
 def test_inconsistent_arguments_are_refused(name):
     lengths, offsets, q, k, v, T, _ = case(torch.float32, seed=5)
     bad = offsets.clone()
@@ -144,6 +144,7 @@ def test_inconsistent_arguments_are_refused(name):
         "contextual_len": dict(token_offsets=offsets, packed_len=N, causal=True, kv_lengths=torch.full((B,), S),
                                contextual_len=2),
         "dense q": dict(token_offsets=offsets, packed_len=N, q=pad(q, lengths, offsets)),
+        "offsets on another device": dict(token_offsets=offsets.to("meta"), packed_len=N),
     }[name]
     match = {"past packed_len": "packed_len", "packed_len alone": "packed_len", "q_lengths disagree": "q_lengths",
              "num_targets": "num_targets", "contextual_len": "contextual_len", "dense q": "q must be 3-D"}

@@ -40,21 +40,22 @@ def leaf(x):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("extra", ["plain", "kv_mask", "bias", "shared_q"])
+@pytest.mark.parametrize("extra", ["plain", "kv_mask", "bias", "shared_q", "uniform_keys"])
 def test_packed_keys_equal_padded(dtype, causal, extra):
     lengths, offsets, k, v, T = packed_case(dtype, seed=len(extra) + causal)
     g = torch.Generator().manual_seed(7)
     q = torch.randn(1 if extra == "shared_q" else B, H, Q, D, generator=g).to(dtype)
     kv_mask = torch.rand(B, N, generator=g) > 0.3 if extra == "kv_mask" else None
     bias = (0.5 * torch.randn(B, 1, Q, N, generator=g)).to(dtype) if extra == "bias" else None
+    uniform = torch.tensor([False, True, True, False, False]) if extra == "uniform_keys" else None
     scale = 0.3
     kp, vp = pad(k, lengths, offsets), pad(v, lengths, offsets)
     inputs = [leaf(t) for t in (q, k, v)] + ([leaf(bias)] if bias is not None else [])
     padded_in = [leaf(t) for t in (q, kp, vp)] + ([leaf(bias)] if bias is not None else [])
     out = jagged_attention(*inputs[:3], None, lengths, inputs[3] if bias is not None else None, causal, scale,
-                           kv_mask=kv_mask, token_offsets=offsets, packed_len=N)
+                           kv_mask=kv_mask, uniform_keys=uniform, token_offsets=offsets, packed_len=N)
     want = jagged_attention(*padded_in[:3], None, lengths, padded_in[3] if bias is not None else None, causal, scale,
-                            kv_mask=kv_mask)
+                            kv_mask=kv_mask, uniform_keys=uniform)
     assert out.shape == want.shape == (B, H, Q, D)
     torch.testing.assert_close(out, want, **TOL[dtype])
     grad = torch.randn(out.shape, generator=g).to(dtype)
@@ -159,12 +160,13 @@ def _errors():
         ("k and v rows differ", dict(token_offsets=offsets, packed_len=N, v=v[:-1]), "k and v"),
         ("packed q over other rows", dict(token_offsets=offsets, packed_len=N, q=torch.randn(T + 1, H, D)),
          "packed q"),
+        ("offsets on another device", dict(token_offsets=offsets.to("meta"), packed_len=N), "token_offsets"),
         ("kv_mask of the packed rows", dict(token_offsets=offsets, packed_len=N, kv_mask=torch.ones(B, T, dtype=torch.bool)),
          "kv_mask"),
     ], q, k, v, lengths
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(13))
 def test_inconsistent_arguments_are_refused(index):
     cases, q, k, v, lengths = _errors()
     name, kwargs, match = cases[index]
