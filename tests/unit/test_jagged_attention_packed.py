@@ -211,3 +211,28 @@ def test_eager_function_matches_the_op(packed_q):
     want.backward(grad)
     for x, y in zip(a, b):
         torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+
+
+def test_compile_with_a_data_dependent_token_count():
+    """Packed k, v as the unpad pass makes them: rows gathered by valid_token_index (T an unbacked size under
+    torch.compile); forward and gradients equal eager."""
+
+    def f(x, lengths, q):
+        index = ops.valid_token_index(lengths, N)
+        packed = x.flatten(0, 1)[index]  # (T, 2 H D)
+        offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+        k, v = packed[:, : H * D].unflatten(1, (H, D)), packed[:, H * D:].unflatten(1, (H, D))
+        pma = ops.jagged_attention(q, k, v, None, lengths, None, False, 0.25, token_offsets=offsets, packed_len=N)
+        self_ = ops.jagged_attention(k, k, v, None, None, None, True, 0.25, token_offsets=offsets, packed_len=N)
+        return pma.square().sum() + self_.square().sum()
+
+    lengths = torch.tensor(LENGTHS)
+    x, q = torch.randn(B, N, 2 * H * D), torch.randn(1, H, Q, D)
+    eager_in, compiled_in = [leaf(x), leaf(q)], [leaf(x), leaf(q)]
+    want = f(eager_in[0], lengths, eager_in[1])
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(compiled_in[0], lengths, compiled_in[1])
+    torch.testing.assert_close(got, want)
+    want.backward()
+    got.backward()
+    for a, b in zip(compiled_in, eager_in):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -15,6 +15,8 @@ query) dims and the causal rule read positions, exactly as the padded op on (B, 
 
 from __future__ import annotations
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from ..common.packed import (
     check_packed_operand,
     check_packed_len,
@@ -42,14 +44,15 @@ def padded_views(q, k, v, token_offsets, packed_len):
         return q, k, v
     check_packed_operand("k", k)
     check_packed_operand("v", v)
-    if tuple(v.shape) != tuple(k.shape):
+    # T may be a data-dependent size (the unpad pass's): refuse only what is known to differ
+    if any(statically_known_true(a != b) for a, b in zip(v.shape, k.shape)):
         raise ValueError(f"packed k and v must have one shape (T, H, D), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     B = offsets_batch(token_offsets)
     check_token_offsets(token_offsets, B, getattr(q, "device", k.device), packed_len)
     if getattr(q, "dim", lambda: 0)() == 4 and q.shape[0] not in (1, B):
         raise ValueError(f"token_offsets has B + 1 = {B + 1} entries but q's batch is {q.shape[0]} (1 or B)")
     if getattr(q, "dim", lambda: 4)() == 3:
-        if q.shape[0] != k.shape[0]:
+        if statically_known_true(q.shape[0] != k.shape[0]):
             raise ValueError(f"packed q must hold the tokens of packed k (self-attention): q has {q.shape[0]} rows, "
                              f"k {k.shape[0]}")
         q = padded_stand_in(q, B, packed_len)
