@@ -205,3 +205,9 @@ def test_compile_with_a_data_dependent_token_count():
     got.backward()
     for a, b in zip(compiled_in, eager_in):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_schemas_end_with_the_packed_arguments():
+    for op in (ops.gdpa, ops.gdpa_fwd, ops.gdpa_bwd):
+        schema = str(op.default._schema)
+        assert "Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) ->" in schema, schema
