@@ -4,7 +4,8 @@ What the compiler does with a kernel decides whether it can be fast: on Hopper t
 tiles must be asynchronous copies (cp.async) that overlap the current tile's wgmma dots, or every
 iteration waits for global memory. Triton pipelines a load only if it can vectorize it, which needs the
 head dim's stride to be known as 1: the JIT specializes an int argument equal to 1 into a constant at
-launch (and marks 16-divisible ones), so contiguous q/k/v/dO (the layout the op's callers pass) get it.
+launch (and marks 16-divisible ones), so contiguous q/k/v/dO (the layout the op's callers pass) get it. Packed
+queries (token_offsets) are compiled too: their rows start at token_offsets[b], the loops stay pipelined.
 
 Each kernel is compiled here with those launch-time specializations for bf16, causal silu with a bias
 (HSTU's case, the configs the autotuner offers on sm_90), and its Triton GPU IR must show asynchronous
@@ -82,6 +83,10 @@ for name, (kernel, constexprs, (warps, stages)) in KERNELS.items():
     ir = compiled(kernel, dict(constexprs, HAS_KV_MASK=True), warps, stages, True)["ttgir"]
     report[f"{name}:kv_mask"] = {"async_copies": ir.count("ttg.async_copy_global_to_local"),
                                  "wgmma": ir.count("ttng.warp_group_dot ")}
+    # packed queries (token_offsets: Q_MODE 2, rows from token_offsets[b], a unit head-dim stride)
+    ir = compiled(kernel, dict(constexprs, Q_MODE=2), warps, stages, True)["ttgir"]
+    report[f"{name}:packed"] = {"async_copies": ir.count("ttg.async_copy_global_to_local"),
+                                "wgmma": ir.count("ttng.warp_group_dot ")}
     # the near-miss of the activation: tl.sigmoid (FAST_ACT off, as for fp32 inputs)
     report[f"{name}:precise"] = {"sfu": sfu_ops(compiled(kernel, dict(constexprs, FAST_ACT=False), warps, stages,
                                                          True)["ptx"])}
@@ -99,7 +104,7 @@ def report():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", ["unit", "kv_mask"])
+@pytest.mark.parametrize("variant", ["unit", "kv_mask", "packed"])
 @pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "dbias"])
 def test_loops_load_with_async_copies_and_multiply_with_wgmma(report, name, variant):
     counts = report[f"{name}:{variant}"]

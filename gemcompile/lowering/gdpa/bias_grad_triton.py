@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..common.attention_triton import load_rows
 from ..common.tuned_launch import INTERPRET
-from .pairs_triton import act_grad, key_keep, output_scale, pair_mask, sample_bounds
+from .pairs_triton import act_grad, key_keep, output_scale, pair_mask, query_start, sample_bounds
 
 __all__ = ["bias_grad_parts", "bias_grad_triton", "default_splits", "full_bias_grad_supported"]
 
@@ -43,7 +43,7 @@ __all__ = ["bias_grad_parts", "bias_grad_triton", "default_splits", "full_bias_g
 @triton.jit
 def _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_steps, max_q_len, max_kv_len,
                     contextual_len, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                    HAS_CONTEXT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+                    HAS_CONTEXT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, total_q_rows):
     """How many batches, longest-query first, have a row in the tile (and, causal without a prefix, a
     row at or past its first column): q_len > threshold is a prefix of Order, found by binary search."""
     threshold = m0
@@ -56,7 +56,7 @@ def _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_st
         mid = (lo + hi) // 2
         b = tl.load(Order + tl.minimum(mid, B - 1)).to(tl.int32)
         q_len, _, _, _ = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, contextual_len,
-                                       Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+                                       Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, total_q_rows)
         longer = (q_len > threshold) & (mid < hi)
         lo = tl.where(longer, mid + 1, lo)
         hi = tl.where(longer, hi, mid)
@@ -78,7 +78,7 @@ def _gdpa_bwd_dbias_kernel(
     stride_ps, stride_pz, stride_pm,
     stride_mb, stride_mn,
     B, H, Bz, Hz, splits, search_steps, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
+    total_q_rows, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr, DIVIDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SHARED_B: tl.constexpr, SHARED_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -116,10 +116,11 @@ def _gdpa_bwd_dbias_kernel(
     if SHARED_B:
         n_b = _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_steps, max_q_len,
                               max_kv_len, contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL,
-                              BLOCK_M)
+                              BLOCK_M, total_q_rows)
     else:  # one batch: the prefix search over [bz] alone (Order is the identity then)
         n_b = _reached_prefix(Order + bz, QLengths, KVLengths, NumTargets, m0, n0, 1, 1, max_q_len, max_kv_len,
-                              contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL, BLOCK_M)
+                              contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT, CAUSAL, BLOCK_M,
+                              total_q_rows)
     for pair in range(split, n_b * n_h, splits):
         b = bz
         if SHARED_B:
@@ -128,17 +129,22 @@ def _gdpa_bwd_dbias_kernel(
         if SHARED_H:
             h = pair % n_h
         q_len, kv_len, n_targets, _ = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                    contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+                                                    contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT,
+                                                    total_q_rows)
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         row_ok = rows < q_len
         col_ok = cols < kv_len
         if HAS_KV_MASK:  # masked-out keys load as 0 and leave the pair mask
             col_ok = col_ok & key_keep(KVMask + b64 * stride_mb, cols, col_ok, stride_mn)
-        q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok,
-                      HEAD_D, BLOCK_D, True)
-        do = load_rows(DO + b64 * stride_gb + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, row_ok,
-                       HEAD_D, BLOCK_D, True)
+        q_base = Q + b64 * stride_qb + h64 * stride_qh
+        do_base = DO + b64 * stride_gb + h64 * stride_gh
+        if Q_MODE == 2:  # packed queries and grad_out: rows from token_offsets[b]
+            row0 = query_start(QLengths, b, total_q_rows)
+            q_base += row0 * stride_qm
+            do_base += row0 * stride_gm
+        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
+        do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, True)
         k = load_rows(K + b64 * stride_kb + h64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok,
                       HEAD_D, BLOCK_D, True)
         v = load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok,
@@ -193,15 +199,15 @@ def default_splits(tiles: int, pairs: int, device: torch.device, programs_per_sm
 
 def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, targets, q_order, q_strides,
                     z_strides, flags: dict, scalars: tuple, splits: int | None = None, *,
-                    key_mask: tuple | None = None) -> torch.Tensor:
+                    key_mask: tuple | None = None, g_strides: tuple | None = None) -> torch.Tensor:
     """The bias gradient's fp32 partial sums, (splits, Bz * Hz, Lq, Lk): their sum is dBias[bz, hz]. ``bias``:
     the tensor the kernels read the bias through (any strides, ``z_strides``: expanded to (B, H, Lq, Lk));
-    ``q_strides``: q's (b, h, m, d) strides as the GDPA kernels read them (batch stride 0 for shared
-    queries); ``flags``: the GDPA kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale,
-    out_scale, window, contextual_len); ``key_mask``: (the kv_mask as the kernels read it, its (b, n)
+    ``q_strides``, ``g_strides``: q's and grad_out's (b, h, m, d) strides as the GDPA kernels read them
+    (batch stride 0 for shared or packed queries; g_strides None: grad_out's own); ``flags``: the GDPA
+    kernels' constexprs (HAS_BIAS unused); ``scalars``: (H, Lq, Lk, scale, out_scale, window, contextual_len); ``key_mask``: (the kv_mask as the kernels read it, its (b, n)
     strides) when flags["HAS_KV_MASK"]."""
     B, H, Lk, _ = k.shape
-    Lq = q.shape[2]
+    Lq = q_side.max_len  # (q.shape[2] unless q is packed)
     cfg = TILE_CONFIG
     tiles = triton.cdiv(Lq, cfg.block_m) * triton.cdiv(Lk, cfg.block_n) * Bz * Hz
     shared_b, shared_h = Bz == 1 and B > 1, Hz == 1 and H > 1
@@ -217,9 +223,10 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
     mask_t, m_strides = key_mask if key_mask is not None else (targets, (0, 0))  # (a dummy pointer when None)
     _gdpa_bwd_dbias_kernel[(tiles * splits,)](
         q, k, v, bias, grad_out, part, q_side.lengths, kv_side.lengths, targets, order, mask_t,
-        *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),
+        *q_strides, *k.stride(), *v.stride(), *z_strides, *(g_strides or grad_out.stride()),
         part.stride(0), part.stride(1), part.stride(2), *m_strides,
         B, H, Bz, Hz, splits, B.bit_length(), Lq_, Lk_, scale, out_scale, window, contextual_len,
+        q_side.total_rows if consts["Q_MODE"] == 2 else 0,  # T of packed queries (unread otherwise)
         SHARED_B=shared_b, SHARED_H=shared_h, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return part
@@ -227,9 +234,10 @@ def bias_grad_parts(q, k, v, bias, Bz: int, Hz: int, grad_out, q_side, kv_side, 
 
 def bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides, z_strides,
                      flags: dict, scalars: tuple, splits: int | None = None, *,
-                     key_mask: tuple | None = None) -> torch.Tensor:
+                     key_mask: tuple | None = None, g_strides: tuple | None = None) -> torch.Tensor:
     """dBias like ``bias`` (Bz, Hz, Lq, Lk): bias_grad_parts summed in order (deterministic)."""
     part = bias_grad_parts(q, k, v, bias, bias.shape[0], bias.shape[1], grad_out, q_side, kv_side, targets,
-                           q_order, q_strides, z_strides, flags, scalars, splits, key_mask=key_mask)
+                           q_order, q_strides, z_strides, flags, scalars, splits, key_mask=key_mask,
+                           g_strides=g_strides)
     total = part[0] if part.shape[0] == 1 else part.sum(0)
     return total.reshape(bias.shape).to(bias.dtype)

@@ -6,9 +6,9 @@ Public op (the signature is fixed)::
         Tensor? bias, str activation, float scale, float out_scale, bool divide_by_kv_length,
         bool causal, int window, Tensor? num_targets=None, int contextual_len=0,
         int? relative_offset=None, Tensor? kv_mask=None, Tensor? q_order=None, Tensor? kv_order=None,
-        Tensor? kv_bounds=None) -> Tensor
+        Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) -> Tensor
 
-The last seven arguments (HSTU's target mask and contextual prefix, a relative bias table, a key mask, the
+The last nine arguments (HSTU's target mask and contextual prefix, a relative bias table, a key mask, the
 derived tensors) have defaults: callers that pass the first twelve keep the plain causal/window semantics
 and a dense bias.
 
@@ -18,6 +18,15 @@ attention rewrite passes them from one ``gemcompile::length_order`` / ``gemcompi
 distinct lengths or mask, so a step derives each once for all its attention calls, forward and backward;
 left out, the kernels derive their own. They change no value; wrong ones are refused on CPU and under
 ``strict_length_checks``. They travel beside the spec, like num_targets and kv_mask.
+
+token_offsets, packed_len (optional; packed.py): packed queries. q (T, H, D) holds the valid query rows of
+every sequence back to back (token n of sequence b at row token_offsets[b] + n; any strides, e.g. a
+(T, H * D) Linear output viewed as (T, H, D) is read in place), token_offsets (B + 1,) int32/int64 the
+cumulative token counts (each at most packed_len), packed_len the padded query length N. The output and dq
+are (T, H, D) (rows outside every sequence: 0); k, v and the rest stay padded. The result equals the
+padded op on (B, H, N, D) queries restricted to the valid rows: query positions are n = row -
+token_offsets[b] for causal, window, bias and relative tables. Not with num_targets / contextual_len > 0
+(ValueError). Offsets values are checked on CPU (and under strict_length_checks) as lengths are.
 
 Inputs
 ------
@@ -93,8 +102,9 @@ How it is wired (as every attention op, see common/opkit.py)
 * ``gemcompile::gdpa_fwd(...) -> out``: a ``torch.library.custom_op`` (opaque to Dynamo/Inductor) with a
   fake impl and ``register_autograd``; the backward needs only the inputs (no softmax statistics).
 * ``gemcompile::gdpa_bwd(grad_out, q, k, v, ..., bias_requires_grad, num_targets=None, contextual_len=0,
-  relative_offset=None, kv_mask=None) -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an
-  empty tensor when not needed). ``gdpa_fwd`` ends with ``..., relative_offset=None, kv_mask=None`` too.
+  relative_offset=None, kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+  packed_len=0) -> (dq, dk, dv, dbias)``: a custom_op with a fake impl (dbias is an empty tensor when not
+  needed). ``gdpa_fwd`` ends with the same arguments after ``kv_mask``.
 * ``gemcompile::gdpa``: the public op, ``CompositeImplicitAutograd``, which calls ``gdpa_fwd``. A plain
   eager call on CUDA (no tracing, no dispatch mode) skips the custom ops and runs the same kernels
   through one autograd.Function (:class:`EagerGDPA`): less host time per step.
@@ -124,23 +134,26 @@ from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
 from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
                            takes_eager_path, use_triton)
+from ..common.packed import packed_lengths
 from ..length_order import derive_plan
 from .flops import gdpa_pairs, padded_gdpa_pairs
-from .reference import reference_gdpa_backward, reference_gdpa_forward
+from .packed import check_packed_values, packed_reference_backward, packed_reference_forward, padded_query
 from .relative_table import check_relative_table
 from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
 __all__ = ["EagerGDPA", "check_gdpa_args", "gdpa"]
 
-_SCHEMA_INPUTS = 19  # gdpa_fwd's arguments, q to kv_bounds
-_EAGER_INPUTS = 12  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, q_order,
-# kv_order, kv_bounds
-_FLAGS = 10  # gdpa_fwd's arguments after bias up to kv_mask (GdpaSpec.from_schema's); then the 3 derived
-_PLAN = ("q_order", "kv_order", "kv_bounds")
+_SCHEMA_INPUTS = 21  # gdpa_fwd's arguments, q to packed_len
+_EAGER_INPUTS = 14  # EagerGDPA's: q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, q_order,
+# kv_order, kv_bounds, token_offsets, packed_len
+_FLAGS = 10  # gdpa_fwd's arguments after bias up to kv_mask (GdpaSpec.from_schema's); then the 3 derived and
+# the 2 of packed queries
+_PLAN = ("q_order", "kv_order", "kv_bounds", "token_offsets", "packed_len")
 
 
 def _split_plan(flags: tuple, count: int = _FLAGS) -> tuple[tuple, dict]:
-    """(the schema's flags after bias up to kv_mask, {q_order, kv_order, kv_bounds} that follow them)."""
+    """(the schema's flags after bias up to kv_mask, {q_order, kv_order, kv_bounds, token_offsets,
+    packed_len} that follow them; keywords of the checks and kernels)."""
     return flags[:count], dict(zip(_PLAN, flags[count:]))
 
 
@@ -149,8 +162,10 @@ def _split_plan(flags: tuple, count: int = _FLAGS) -> tuple[tuple, dict]:
 
 
 def check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
-                    kv_mask=None, q_order=None, kv_order=None, kv_bounds=None) -> None:
+                    kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                    packed_len=0) -> None:
     """Metadata checks of ``gemcompile::gdpa``; TypeError/ValueError naming the argument."""
+    q = padded_query(q, k, token_offsets, packed_len, num_targets, spec.contextual_len)  # packed: as (B, H, N, D)
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "gdpa kernels")
     if spec.relative_offset is not None:
         check_relative_table(bias, spec.relative_offset, H, Lq, Lk, q.device)
@@ -210,7 +225,9 @@ def _check_hstu_args(q, k, kv_lengths, causal, num_targets, contextual_len) -> N
 
 
 def _check_values(q, k, q_lengths, kv_lengths, num_targets=None, kv_mask=None, q_order=None, kv_order=None,
-                  kv_bounds=None) -> None:
+                  kv_bounds=None, token_offsets=None, packed_len=0) -> None:
+    check_packed_values(q, q_lengths, token_offsets, packed_len)
+    q = padded_query(q, k, token_offsets, packed_len)
     checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
     plan = (q_order, kv_order, kv_bounds)
@@ -236,7 +253,7 @@ def _kernels(q: Tensor):
         from . import triton as kernels
 
         return kernels.gdpa_forward_triton, kernels.gdpa_backward_triton
-    return ignoring_plan(reference_gdpa_forward), ignoring_plan(reference_gdpa_backward)
+    return ignoring_plan(packed_reference_forward), ignoring_plan(packed_reference_backward)
 
 
 def _forward(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None, **plan):
@@ -271,12 +288,15 @@ def gdpa_fwd(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> Tensor:
-    """out (B, H, Lq, D) contiguous in q's dtype."""
+    """out (B, H, Lq, D) contiguous in q's dtype; packed q: (T, H, D)."""
     spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
                                                       causal, window, num_targets, contextual_len,
                                                       relative_offset, kv_mask)
-    plan = dict(q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    plan = dict(q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds, token_offsets=token_offsets,
+                packed_len=packed_len)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **plan)
     _check_values(q, k, q_lengths, kv_lengths, num_targets, kv_mask, **plan)
     forward, _ = _kernels(q)  # the reference (tests may route CPU tensors to the Triton interpreter)
@@ -295,6 +315,8 @@ def _gdpa_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, *flags):
 def _gdpa_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, *flags):
     flags, plan = _split_plan(flags)
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, *GdpaSpec.from_schema(*flags), **plan)
+    if plan.get("token_offsets") is not None:  # packed q: packed out
+        return q.new_empty(q.shape)
     B, H, _, D = k.shape
     return q.new_empty((B, H, q.shape[2], D))
 
@@ -322,6 +344,8 @@ def gdpa_bwd(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     flags = GdpaSpec.from_bwd_schema(activation, scale, out_scale, divide_by_kv_length, causal, window,
@@ -329,7 +353,7 @@ def gdpa_bwd(
                                      kv_mask)
     _, backward = _kernels(q)
     return backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags, q_order=q_order, kv_order=kv_order,
-                    kv_bounds=kv_bounds)
+                    kv_bounds=kv_bounds, token_offsets=token_offsets, packed_len=packed_len)
 
 
 @cuda_kernel(gdpa_bwd)
@@ -343,7 +367,7 @@ def _gdpa_bwd_cuda(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags):
 def _gdpa_bwd_fake(grad_out, q, k, v, q_lengths, kv_lengths, bias, activation, scale, out_scale,
                    divide_by_kv_length, causal, window, bias_requires_grad, num_targets=None,
                    contextual_len=0, relative_offset=None, kv_mask=None, q_order=None, kv_order=None,
-                   kv_bounds=None):
+                   kv_bounds=None, token_offsets=None, packed_len=0):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
@@ -352,15 +376,17 @@ def _fwd_setup_context(ctx, inputs, output):
     q, k, v, q_lengths, kv_lengths, bias, *flags = inputs
     flags, plan = _split_plan(tuple(flags))
     spec, num_targets, kv_mask = GdpaSpec.from_schema(*flags)
+    packed_len = plan.pop("packed_len", 0)  # an int: beside the spec, not saved as a tensor
     save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan.values()), spec,
                       bias=bias, bias_index=5)
+    ctx.packed_len = packed_len
 
 
 def _fwd_backward(ctx, grad_out):
     q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan = ctx.saved_tensors
     flags = ctx.args.bwd_schema_args(ctx.bias_requires_grad, num_targets, kv_mask)
     dq, dk, dv, dbias = torch.ops.gemcompile.gdpa_bwd(grad_out, q, k, v, q_lengths, kv_lengths, bias, *flags,
-                                                      *plan)
+                                                      *plan, ctx.packed_len)
     return input_grads(_SCHEMA_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -378,12 +404,14 @@ class EagerGDPA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets, kv_mask=None,
-                q_order=None, kv_order=None, kv_bounds=None):
+                q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
         # derived once here (unless given) and saved: the backward reuses them
-        plan = derive_plan(q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
-        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **dict(zip(_PLAN, plan)))
+        plan = (*derive_plan(q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds), token_offsets)
+        out = _forward(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, **dict(zip(_PLAN, plan)),
+                       packed_len=packed_len)
         save_for_backward(ctx, (q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan), spec,
                           bias=bias, bias_index=5)
+        ctx.packed_len = packed_len
         return out
 
     @staticmethod
@@ -391,7 +419,8 @@ class EagerGDPA(torch.autograd.Function):
         q, k, v, q_lengths, kv_lengths, bias, num_targets, kv_mask, *plan = ctx.saved_tensors
         _, backward = _kernels(q)
         dq, dk, dv, dbias = backward(grad_out, q, k, v, q_lengths, kv_lengths, bias, ctx.args, num_targets,
-                                     ctx.bias_requires_grad, kv_mask, **dict(zip(_PLAN, plan)))
+                                     ctx.bias_requires_grad, kv_mask, **dict(zip(_PLAN, plan)),
+                                     packed_len=ctx.packed_len)
         return input_grads(_EAGER_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -403,7 +432,8 @@ LIB.define(
     "gdpa(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, str activation, "
     "float scale, float out_scale, bool divide_by_kv_length, bool causal, int window, "
     "Tensor? num_targets=None, int contextual_len=0, int? relative_offset=None, Tensor? kv_mask=None, "
-    "Tensor? q_order=None, Tensor? kv_order=None, Tensor? kv_bounds=None) -> Tensor"
+    "Tensor? q_order=None, Tensor? kv_order=None, Tensor? kv_bounds=None, Tensor? token_offsets=None, "
+    "SymInt packed_len=0) -> Tensor"
 )
 
 
@@ -439,28 +469,36 @@ def gdpa(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.gdpa`` (scale defaults to D**-0.5).
     relative_offset: ``bias`` is a relative-position table (T,) or (T, Hz) read as
     bias[b, h, i, j] = table[j - i + relative_offset, h] (relative_table.py). kv_mask: bool (B, Lk), the
-    valid keys (besides kv_lengths)."""
+    valid keys (besides kv_lengths). token_offsets, packed_len: packed q (T, H, D) -> packed out (module
+    docstring)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     spec = GdpaSpec(activation, scale, out_scale, divide_by_kv_length, causal, window, contextual_len,
                     relative_offset)
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
     check_gdpa_args(q, k, v, q_lengths, kv_lengths, bias, spec, num_targets, kv_mask, q_order, kv_order,
-                    kv_bounds)
+                    kv_bounds, token_offsets, packed_len)
     spec = dataclasses.replace(spec, scale=float(scale), out_scale=float(out_scale))
     flags = spec.schema_args(num_targets, kv_mask)
-    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *flags, q_order, kv_order, kv_bounds)
+    return torch.ops.gemcompile.gdpa(q, k, v, q_lengths, kv_lengths, bias, *flags, q_order, kv_order, kv_bounds,
+                                     token_offsets, packed_len)
 
 
 # ---------------------------------------------------------------------------------------------------
 # FLOP formulas (raw tensors: the lengths are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets, kv_mask=None) -> int:
+def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets, kv_mask=None, token_offsets=None,
+                   packed_len=0) -> int:
+    if token_offsets is not None:  # packed q: its lengths are the offsets' token counts (fake: padded count)
+        q_lengths = token_offsets if is_fake(token_offsets) else packed_lengths(token_offsets)
+        q = padded_query(q, k, token_offsets, packed_len)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     window = int(spec.window)
@@ -475,21 +513,22 @@ def _forward_flops(q, k, q_lengths, kv_lengths, spec: GdpaSpec, num_targets, kv_
 @register_flop_formula(torch.ops.gemcompile.gdpa_fwd, get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0, out_scale=1.0,
                divide_by_kv_length=False, causal=False, window=0, num_targets=None, contextual_len=0,
-               relative_offset=None, kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, *, out_val=None,
-               **kwargs) -> int:
+               relative_offset=None, kv_mask=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+               packed_len=0, *, out_val=None, **kwargs) -> int:
     spec, num_targets, kv_mask = GdpaSpec.from_schema(activation, scale, out_scale, divide_by_kv_length,
                                                       causal, window, num_targets, contextual_len,
                                                       relative_offset, kv_mask)
-    return _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask)
+    return _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask, token_offsets, packed_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.gdpa_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, q_lengths=None, kv_lengths=None, bias=None, activation="silu", scale=1.0,
                out_scale=1.0, divide_by_kv_length=False, causal=False, window=0, bias_requires_grad=False,
                num_targets=None, contextual_len=0, relative_offset=None, kv_mask=None, q_order=None,
-               kv_order=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
+               kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0, *, out_val=None, **kwargs) -> int:
     spec, num_targets, _, kv_mask = GdpaSpec.from_bwd_schema(activation, scale, out_scale,
                                                              divide_by_kv_length, causal, window,
                                                              bias_requires_grad, num_targets, contextual_len,
                                                              relative_offset, kv_mask)
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask))
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, spec, num_targets, kv_mask,
+                                                     token_offsets, packed_len))

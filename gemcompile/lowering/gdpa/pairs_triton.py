@@ -12,7 +12,8 @@ import triton.language as tl
 
 from ..common.attention_triton import KV_BOUNDS_WIDTH, sequence
 
-__all__ = ["act", "act_grad", "key_keep", "masked_key_range", "output_scale", "pair_mask", "sample_bounds"]
+__all__ = ["act", "act_grad", "key_keep", "masked_key_range", "output_scale", "pair_mask", "query_start",
+           "sample_bounds"]
 
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -154,14 +155,23 @@ def _history_len(kv_len, n_targets, ctx, HAS_TARGETS: tl.constexpr, HAS_CONTEXT:
 
 @triton.jit
 def sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len, ctx, Q_MODE: tl.constexpr,
-                  KV_MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    """Batch b's (q_len, kv_len, number of targets, history length u): what every kernel reads first."""
-    _, q_len = sequence(QLengths, QLengths, b, max_q_len, max_q_len, Q_MODE)
+                  KV_MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, total_q_rows):
+    """Batch b's (q_len, kv_len, number of targets, history length u): what every kernel reads first.
+    Packed queries (Q_MODE 2): QLengths holds token_offsets and total_q_rows is T (else unused)."""
+    _, q_len = sequence(QLengths, QLengths, b, max_q_len, total_q_rows, Q_MODE)
     _, kv_len = sequence(KVLengths, KVLengths, b, max_kv_len, max_kv_len, KV_MODE)
     n_targets = b * 0
     if HAS_TARGETS:  # used as given (no clamp): it only shapes the mask and the (clamped) loop bounds
         n_targets = tl.load(NumTargets + b).to(tl.int32)
     return q_len, kv_len, n_targets, _history_len(kv_len, n_targets, ctx, HAS_TARGETS, HAS_CONTEXT)
+
+
+@triton.jit
+def query_start(QOffsets, b, total_q_rows):
+    """Packed queries: the int64 row of batch b's first query, token_offsets[b] clamped into [0, T] as
+    common/attention_triton.sequence clamps it (no access leaves q)."""
+    start = tl.load(QOffsets + b).to(tl.int64)
+    return tl.minimum(tl.maximum(start, 0), total_q_rows)
 
 
 @triton.jit

@@ -1,9 +1,14 @@
 """Triton kernels of GDPA (generalized dot-product attention: a pointwise activation, no softmax) and their
 launchers. Semantics: see op.py; plain-PyTorch twin: reference.py.
 
-Layout: padded only. q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v
-(B, H, Lk, D), read through their strides (permuted and expanded views are never copied); lengths
-(B,) or None (every row valid), clamped into [0, L] inside the kernels. All element offsets of a
+Layout: q (Bq, H, Lq, D) with Bq in {1, B} (batch stride 0 serves shared queries), k, v (B, H, Lk, D),
+read through their strides (permuted and expanded views are never copied); lengths (B,) or None (every row
+valid), clamped into [0, L] inside the kernels. Packed queries (Q_MODE == MODE_OFFSETS, op.py's
+token_offsets): q, out, grad_out and dq are (T, H, D) rows read with batch stride 0 from row
+token_offsets[b] (clamped into [0, T]; QLengths then holds the offsets), positions n = row - start drive
+every mask and the bias exactly as padded rows do, and a program never writes past its sequence's rows
+(the launchers zero the packed outputs first: rows outside every sequence stay 0). Q_MODE is a constexpr:
+the padded kernels compile as before. All element offsets of a
 sequence's base are computed in int64. The device helpers (sequence lookup, program coordinates,
 masked tile loads/stores), the launch helper that bypasses the autotuner after the first tune and the
 shared-memory prune are the attention toolkit of common/attention_triton.py; the per-pair helpers
@@ -73,6 +78,7 @@ import triton.language as tl
 from ..common.attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
+    MODE_OFFSETS,
     Side,
     batch_order,
     bhld_strides,
@@ -92,7 +98,8 @@ from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, launch
 from .diagonal_sums_triton import relative_table_grad_triton
-from .pairs_triton import act, act_grad, key_keep, masked_key_range, output_scale, pair_mask, sample_bounds
+from .pairs_triton import (act, act_grad, key_keep, masked_key_range, output_scale, pair_mask, query_start,
+                           sample_bounds)
 from .relative_table import table_heads, toeplitz_view
 from .spec import GDPA_ACTIVATIONS, GdpaSpec
 
@@ -263,7 +270,7 @@ def _gdpa_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
-    LQ_BUCKET, LK_BUCKET,
+    LQ_BUCKET, LK_BUCKET, total_q_rows,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
@@ -271,7 +278,8 @@ def _gdpa_fwd_kernel(
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT,
+                                                total_q_rows)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -279,15 +287,21 @@ def _gdpa_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     o_base = Out + b64 * stride_ob + h64 * stride_oh
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
     store_mask = offs_m < max_q_len
+    if Q_MODE == 2:  # packed queries: rows from token_offsets[b]; never write the next sequence's rows
+        row0 = query_start(QLengths, b, total_q_rows)
+        o_base += row0 * stride_om
+        q_base += row0 * stride_qm
+        store_mask = offs_m < q_len
     if m0 >= q_len:
-        store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
-                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
+        if Q_MODE != 2:
+            store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
+                       tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
         return
 
     row_ok = offs_m < q_len
-    q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
-                  HEAD_D, BLOCK_D, True)
+    q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
@@ -369,7 +383,7 @@ def _gdpa_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
-    LQ_BUCKET, LK_BUCKET,
+    LQ_BUCKET, LK_BUCKET, total_q_rows,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr, FAST_ACT: tl.constexpr,
@@ -378,7 +392,8 @@ def _gdpa_bwd_dkdv_kernel(
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
     q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT,
+                                                total_q_rows)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
@@ -401,6 +416,10 @@ def _gdpa_bwd_dkdv_kernel(
 
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_gb + h64 * stride_gh
+    if Q_MODE == 2:  # packed queries and grad_out: rows from token_offsets[b]
+        row0 = query_start(QLengths, b, total_q_rows)
+        q_base += row0 * stride_qm
+        do_base += row0 * stride_gm
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
     k = load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, offs_d, stride_kn, stride_kd, col_ok,
                   HEAD_D, BLOCK_D, True)
@@ -502,7 +521,7 @@ def _gdpa_bwd_dq_kernel(
     stride_sb, stride_sh, stride_sm,
     stride_mb, stride_mn,
     H, max_q_len, max_kv_len, scale, out_scale, window, contextual_len,
-    LQ_BUCKET, LK_BUCKET,
+    LQ_BUCKET, LK_BUCKET, total_q_rows,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TARGETS: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_KV_MASK: tl.constexpr, ACT: tl.constexpr,
@@ -511,7 +530,8 @@ def _gdpa_bwd_dq_kernel(
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_len, kv_len, n_targets, u = sample_bounds(QLengths, KVLengths, NumTargets, b, max_q_len, max_kv_len,
-                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT)
+                                                contextual_len, Q_MODE, KV_MODE, HAS_TARGETS, HAS_CONTEXT,
+                                                total_q_rows)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
@@ -519,17 +539,24 @@ def _gdpa_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_gb + h64 * stride_gh
     store_mask = offs_m < max_q_len
+    if Q_MODE == 2:  # packed queries: rows from token_offsets[b]; never write the next sequence's rows
+        row0 = query_start(QLengths, b, total_q_rows)
+        dq_base += row0 * stride_dqm
+        q_base += row0 * stride_qm
+        do_base += row0 * stride_gm
+        store_mask = offs_m < q_len
     if m0 >= q_len:
-        store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
-                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
+        if Q_MODE != 2:
+            store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd,
+                       tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
         return
 
     row_ok = offs_m < q_len
-    q = load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, stride_qm, stride_qd, row_ok,
-                  HEAD_D, BLOCK_D, True)
-    do = load_rows(DO + b64 * stride_gb + h64 * stride_gh, offs_m, offs_d, stride_gm, stride_gd, row_ok,
-                   HEAD_D, BLOCK_D, True)
+    q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
+    do = load_rows(do_base, offs_m, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, True)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
@@ -565,13 +592,18 @@ def _gdpa_bwd_dq_kernel(
 # Launchers
 
 
-def _sides(q, k, q_lengths, kv_lengths, q_order=None, kv_order=None, kv_mask=None):
-    """The two sides, each with its given order (kv_order is the kv lengths' only without a kv_mask)."""
-    Lq, Lk = q.shape[2], k.shape[2]
+def _sides(q, k, q_lengths, kv_lengths, q_order=None, kv_order=None, kv_mask=None, token_offsets=None,
+           packed_len=0):
+    """The two sides, each with its given order (kv_order is the kv lengths' only without a kv_mask). Packed
+    queries: MODE_OFFSETS, with the offsets also in ``lengths`` (the kernels read them through QLengths)."""
+    Lq, Lk = (q.shape[2] if token_offsets is None else int(packed_len)), k.shape[2]
     dummy = kv_lengths if kv_lengths is not None else q_lengths
     if dummy is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-    q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy, q_order)
+    if token_offsets is not None:
+        q_side = Side(MODE_OFFSETS, token_offsets, token_offsets, Lq, q.shape[0], dummy)
+    else:
+        q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy, q_order)
     kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy,
                    kv_order if kv_mask is None else None)
     return q_side, kv_side
@@ -630,6 +662,20 @@ def sfu_activation(dtype: torch.dtype) -> bool:
     return SFU_ACTIVATIONS and not INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
+def _total_q_rows(q_side: Side) -> int:
+    """The kernels' total_q_rows: T for packed queries; 0 (never read) otherwise, so that the padded kernels
+    keep one integer specialization whatever Lq is."""
+    return q_side.total_rows if q_side.mode == MODE_OFFSETS else 0
+
+
+def _query_strides(t, B: int, packed: bool):
+    """(b, h, m, d) strides of q, out, grad_out or dq: packed (T, H, D) rows with batch stride 0, or padded
+    (batch stride 0 for queries shared by the batch)."""
+    if packed:
+        return 0, t.stride(1), t.stride(0), t.stride(2)
+    return bhld_strides(t, t.shape[0] != B)
+
+
 def _flags(q, D, q_side, kv_side, has_bias, spec: GdpaSpec, has_targets, has_kv_mask=False):
     return dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode, HAS_BIAS=has_bias,
                 CAUSAL=bool(spec.causal), HAS_WINDOW=int(spec.window) > 0, HAS_TARGETS=bool(has_targets),
@@ -655,22 +701,27 @@ def _loop_bounds(spec: GdpaSpec, num_targets, kv_mask=None) -> tuple[int, int]:
 
 
 def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None, kv_mask=None,
-                        *, q_order=None, kv_order=None, kv_bounds=None):
+                        *, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
     """q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> out (B, H, Lq, D) contiguous in q's dtype.
     num_targets (B,) int or None, spec.contextual_len >= 0: HSTU's target mask and contextual prefix
     (causal). spec.relative_offset: bias is a relative table (T,) or (T, Hz),
     bias[b, h, i, j] = table[j - i + offset, h]. kv_mask: None or bool (B, Lk), any strides. q_order,
     kv_order, kv_bounds: the derived tensors of common/length_order.py when the caller has them (computed
-    here otherwise)."""
+    here otherwise). token_offsets, packed_len: packed q (T, H, D) -> packed out (T, H, D), zeros on rows
+    outside every sequence (op.py)."""
     window, contextual_len = _loop_bounds(spec, num_targets, kv_mask)
     B, H, Lk, D = k.shape
-    Lq = q.shape[2]
-    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
+    packed = token_offsets is not None
+    Lq = int(packed_len) if packed else q.shape[2]
+    if packed:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    if out.numel() == 0 or B * H * Lq == 0:
         return out
     if Lk == 0:
         return out.zero_()
-    q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask)
+    q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask, token_offsets, Lq)
     bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, spec.relative_offset)
     mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, kv_side.lengths, kv_bounds)
     order = _key_loop_order(q_side, kv_side, span, B, q.device, kv_order)
@@ -682,8 +733,9 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
     targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
     launch(_gdpa_fwd_kernel, grid, (
         q, k, v, bias_t, out, q_side.lengths, kv_side.lengths, targets, order, mask_t, bounds,
-        *bhld_strides(q, q.shape[0] != B), *k.stride(), *v.stride(), *z_strides, *out.stride(), *m_strides,
-        H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
+        *_query_strides(q, B, packed), *k.stride(), *v.stride(), *z_strides, *_query_strides(out, B, packed),
+        *m_strides, H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
+        _total_q_rows(q_side),
     ), _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None, kv_mask is not None),
         buckets)
     return out
@@ -691,30 +743,35 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
 
 def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, num_targets=None,
                          bias_requires_grad: bool = False, kv_mask=None, *, bias_grad_splits: int | None = None,
-                         q_order=None, kv_order=None, kv_bounds=None):
+                         q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
     """-> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic (no atomics). A bias with
     full (Lq, Lk) dims gets its gradient from bias_grad_triton.py (reduced over the shared batch and
     head dims in-kernel, in ``bias_grad_splits`` parts: None = enough to fill the GPU); any other bias
     from the dQ kernel's per-pair buffer, summed by torch. A relative table (``relative_offset``) gets the
-    in-kernel parts' diagonal sums (diagonal_sums_triton.py)."""
+    in-kernel parts' diagonal sums (diagonal_sums_triton.py). token_offsets, packed_len: packed q and grad_out
+    (T, H, D) -> packed dq, zeros on rows outside every sequence."""
     from .bias_grad_triton import bias_grad_parts, bias_grad_triton, full_bias_grad_supported
 
     window, contextual_len = _loop_bounds(spec, num_targets, kv_mask)
     relative_offset = spec.relative_offset
     B, H, Lk, D = k.shape
-    Lq = q.shape[2]
-    shared_q = q.shape[0] != B
+    packed = token_offsets is not None
+    Lq = int(packed_len) if packed else q.shape[2]
+    shared_q = not packed and q.shape[0] != B
     bias_grad = bias is not None and bias_requires_grad
     relative = relative_offset is not None
     in_kernel_bias_grad = bias_grad and (relative or full_bias_grad_supported(bias, Lq, Lk))
     dbias = None
     dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
-    dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
+    if packed:
+        dq_buffer = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
     ds = (torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
           if bias_grad and not in_kernel_bias_grad else None)
-    if B * H > 0 and Lq > 0 and Lk > 0:
-        q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask)
+    if B * H > 0 and Lq > 0 and Lk > 0 and q.numel() > 0:
+        q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask, token_offsets, Lq)
         bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
         if ds is None:
             ds_t, ds_strides = dq_buffer, (0, 0, 0)
@@ -723,31 +780,35 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
         flags = _flags(q, D, q_side, kv_side, bias is not None, spec, num_targets is not None,
                        kv_mask is not None)
         buckets = (length_bucket(Lq), length_bucket(Lk))
-        scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets)
+        scalars = (H, Lq, Lk, float(spec.scale), float(spec.out_scale), window, contextual_len, *buckets,
+                   _total_q_rows(q_side))
         targets = num_targets if num_targets is not None else kv_side.lengths  # (a dummy pointer when None)
-        q_strides = bhld_strides(q, shared_q)
+        q_strides = _query_strides(q, B, packed)
+        g_strides = _query_strides(grad_out, B, packed) if packed else grad_out.stride()
         mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, kv_side.lengths, kv_bounds)
         # dK/dV programs loop over query rows: order by q lengths; dQ programs loop over keys: by kv lengths
         kv_order = _key_loop_order(q_side, kv_side, span, B, q.device, kv_order)
         q_order = _query_loop_order(q_side, kv_side, kv_order, span, q_lengths, kv_lengths, B, q.device)
         launch(_gdpa_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
             q, k, v, bias_t, grad_out, dk, dv, q_side.lengths, kv_side.lengths, targets, q_order, mask_t,
-            *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(), *dk.stride(), *m_strides,
+            *q_strides, *k.stride(), *v.stride(), *z_strides, *g_strides, *dk.stride(), *m_strides,
             *scalars), flags, buckets)
         launch(_gdpa_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
             q, k, v, bias_t, grad_out, dq_buffer, ds_t, q_side.lengths, kv_side.lengths, targets, kv_order,
-            mask_t, bounds, *q_strides, *k.stride(), *v.stride(), *z_strides, *grad_out.stride(),
-            *dq_buffer.stride(), *ds_strides, *m_strides, *scalars), dict(flags, BIAS_GRAD=ds is not None),
+            mask_t, bounds, *q_strides, *k.stride(), *v.stride(), *z_strides, *g_strides,
+            *_query_strides(dq_buffer, B, packed), *ds_strides, *m_strides,
+            *scalars), dict(flags, BIAS_GRAD=ds is not None),
             buckets)
         key_mask = (mask_t, m_strides)
         if in_kernel_bias_grad and relative:
             part = bias_grad_parts(q, k, v, bias_t, 1, table_heads(bias), grad_out, q_side, kv_side, targets,
                                    q_order, q_strides, z_strides, flags, scalars[:7], bias_grad_splits,
-                                   key_mask=key_mask)
+                                   key_mask=key_mask, g_strides=g_strides)
             dbias = relative_table_grad_triton(part, bias, relative_offset)
         elif in_kernel_bias_grad:
             dbias = bias_grad_triton(q, k, v, bias, grad_out, q_side, kv_side, targets, q_order, q_strides,
-                                     z_strides, flags, scalars[:7], bias_grad_splits, key_mask=key_mask)
+                                     z_strides, flags, scalars[:7], bias_grad_splits, key_mask=key_mask,
+                                     g_strides=g_strides)
     else:
         dk.zero_()
         dv.zero_()

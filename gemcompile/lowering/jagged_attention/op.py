@@ -5,7 +5,7 @@ Public op (what the jagged_attention pass emits; the signature is fixed)::
     torch.ops.gemcompile.jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths,
         Tensor? kv_lengths, Tensor? bias, bool causal, float scale, Tensor? kv_mask=None,
         Tensor? uniform_keys=None, Tensor? q_order=None, Tensor? kv_order=None,
-        Tensor? kv_bounds=None) -> Tensor
+        Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) -> Tensor
 
 q (Bq, H, Lq, D) with Bq in {1, B}; k, v (B, H, Lk, D); any strides (permuted or expanded views are read
 in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling; kv_lengths None
@@ -29,6 +29,16 @@ kv_mask), and the (B, 3) key bounds of kv_mask. The attention rewrite passes the
 ``gemcompile::length_order`` / ``gemcompile::key_bounds`` per distinct lengths or mask, so a step derives
 each once for all its attention calls, forward and backward; left out, the kernels derive their own. They
 change no value; wrong ones are refused on CPU and under ``strict_length_checks`` (checks with a host sync).
+
+token_offsets, packed_len (optional; packed.py): packed keys and values, k and v (T, H, D) with token n of
+sequence b at row token_offsets[b] + n, token_offsets (B + 1,) int32/int64 cumulative token counts (each at
+most packed_len); packed_len is the padded length N of those sequences (0 and unused without offsets).
+q stays dense (Bq, H, Lq, D), or is packed too, (T, H, D), over the same sequences (self-attention,
+causal or not; out (T, H, D)). The result equals the padded op on the (B, H, N, D) tensors restricted to
+the valid rows (positions n = row - token_offsets[b]: kv_mask (B, N), bias and causal read them); kv_lengths
+(and q_lengths for packed q) may be None or the token counts. Packed operands are read in place through any
+strides; their gradients come back packed; rows outside every sequence come out 0. Offsets are checked on
+CPU (and under strict_length_checks) as lengths are.
 
 Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
 (out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)
@@ -63,19 +73,22 @@ from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fak
 from ..common.reference import compute_dtype
 from ..length_order import derive_plan
 from .flops import attention_pairs, padded_pairs
-from .reference import reference_backward, reference_forward
+from .packed import (check_packed_values, packed_reference_backward, packed_reference_forward, packed_lengths,
+                     padded_views)
 
 __all__ = ["EagerJaggedAttention", "check_jagged_attention_args", "jagged_attention"]
 
-_INPUTS = 13  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order, kv_order,
-# kv_bounds
+_INPUTS = 15  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order, kv_order,
+# kv_bounds, token_offsets, packed_len
 _SAVED = 8  # q, k, v, out, lse, q_lengths, kv_lengths, bias (then kv_mask, uniform_keys, q_order, kv_order,
-# kv_bounds: the bwd op's last)
+# kv_bounds, token_offsets: the bwd op's last tensors; packed_len travels in ctx.args)
 
 
 def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
-                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None) -> None:
+                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                                packed_len=0) -> None:
     """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
+    q, k, v = padded_views(q, k, v, token_offsets, packed_len)  # packed operands: checked as (B, H, N, D)
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "jagged attention kernel")
     if bias is not None:
         checks.check_bias(bias, (B, H, Lq, Lk), q.device)
@@ -86,7 +99,10 @@ def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, sc
 
 
 def _check_values(q, k, q_lengths, kv_lengths, kv_mask=None, q_order=None, kv_order=None,
-                  kv_bounds=None) -> None:
+                  kv_bounds=None, token_offsets=None, packed_len=0) -> None:
+    check_packed_values(q, k, q_lengths, kv_lengths, token_offsets, packed_len)
+    if token_offsets is not None:
+        q, k, _ = padded_views(q, k, k, token_offsets, packed_len)
     checks.check_length_values("q_lengths", q_lengths, q.shape[2])
     checks.check_length_values("kv_lengths", kv_lengths, k.shape[2])
     plan = (q_order, kv_order, kv_bounds)
@@ -98,10 +114,10 @@ def _kernels(q: Tensor):
     """(forward, backward): the Triton launchers on CUDA (imported lazily: CPU-only installs never need
     triton), else the reference; both take the derived tensors as keywords (q_order, kv_order, kv_bounds)."""
     if use_triton(q):
-        from . import triton as kernels
+        from . import packed_triton as kernels
 
         return kernels.jagged_attention_forward_triton, kernels.jagged_attention_backward_triton
-    return ignoring_plan(reference_forward), ignoring_plan(reference_backward)
+    return ignoring_plan(packed_reference_forward), ignoring_plan(packed_reference_backward)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,34 +139,45 @@ def jagged_attention_fwd(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key)."""
-    check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                q_order, kv_order, kv_bounds)
-    _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
-    forward, _ = _kernels(q)  # the reference (tests may route CPU tensors to the Triton interpreter)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                   q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key); packed q: (T, H, D), (T, H)."""
+    return _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
+                                      q_order, kv_order, kv_bounds, token_offsets, packed_len)
 
 
-@cuda_kernel(jagged_attention_fwd)
 def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
-                               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None):
+                               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                               packed_len=0):
+    """The fwd op on any device: checks, then the kernels (the reference on CPU; tests may route CPU tensors
+    to the Triton interpreter)."""
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                q_order, kv_order, kv_bounds)
-    _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
+                                q_order, kv_order, kv_bounds, token_offsets, packed_len)
+    _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds, token_offsets, packed_len)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                   q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order=q_order,
+                   kv_order=kv_order, kv_bounds=kv_bounds, **_packed(token_offsets, packed_len))
+
+
+def _packed(token_offsets, packed_len) -> dict:
+    """The packed keywords of the launchers (none without offsets: the padded call is unchanged)."""
+    return {} if token_offsets is None else {"token_offsets": token_offsets, "packed_len": packed_len}
+
+
+cuda_kernel(jagged_attention_fwd)(_jagged_attention_fwd_cuda)
 
 
 @jagged_attention_fwd.register_fake
 def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
-                               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None):
+                               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                               packed_len=0):
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                q_order, kv_order, kv_bounds)
-    B, H, _, D = k.shape
-    Lq = q.shape[2]
+                                q_order, kv_order, kv_bounds, token_offsets, packed_len)
+    if token_offsets is not None and q.dim() == 3:  # packed self-attention
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
+    B = k.shape[0] if token_offsets is None else token_offsets.shape[0] - 1
+    H, Lq, D = q.shape[1:]
     return q.new_empty((B, H, Lq, D)), q.new_empty((B, H, Lq), dtype=compute_dtype(q.dtype))
 
 
@@ -173,45 +200,51 @@ def jagged_attention_bwd(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
-    _, backward = _kernels(q)
-    return backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-                    kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+    return _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
+                                      bias_requires_grad, kv_mask, uniform_keys, q_order, kv_order, kv_bounds,
+                                      token_offsets, packed_len)
 
 
-@cuda_kernel(jagged_attention_bwd)
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-                               kv_bounds=None):
-    """jagged_attention_bwd's arguments, forwarded to the Triton launcher (the reference for float64). Named
-    one by one: a caller may leave the trailing optional ones out."""
+                               kv_bounds=None, token_offsets=None, packed_len=0):
+    """jagged_attention_bwd on any device (the Triton launcher on CUDA, the reference for float64 and on CPU).
+    Named one by one: a caller may leave the trailing optional ones out."""
     _, backward = _kernels(q)
     return backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-                    kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+                    kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds,
+                    **_packed(token_offsets, packed_len))
+
+
+cuda_kernel(jagged_attention_bwd)(_jagged_attention_bwd_cuda)
 
 
 @jagged_attention_bwd.register_fake
 def _jagged_attention_bwd_fake(
     grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None,
-    uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None,
+    uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
 ):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional = inputs  # kv_mask ... kv_bounds
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional = inputs  # kv_mask ... packed_len
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, *optional),
-                      (causal, scale), bias=bias, bias_index=5, lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, *optional[:-1]),
+                      (causal, scale, optional[-1]), bias=bias, bias_index=5, lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
     saved = ctx.saved_tensors
+    causal, scale, packed_len = ctx.args
     dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
-        grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad, *saved[_SAVED:]
+        grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, *saved[_SAVED:], packed_len
     )
     return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
@@ -224,30 +257,34 @@ jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_c
 
 
 class EagerJaggedAttention(torch.autograd.Function):
-    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
-    through the same kernels as the custom ops; arguments checked by the caller. The lse stays inside the
-    Function, so no gradient is ever materialized for it."""
+    """out = jagged_attention(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, ...,
+    token_offsets, packed_len) through the same kernels as the custom ops; arguments checked by the caller.
+    The lse stays inside the Function, so no gradient is ever materialized for it."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,
-                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None):
-        _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
+                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
+        _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds, token_offsets,
+                      packed_len)
         forward, _ = _kernels(q)
         # derived once here (unless given) and saved: the backward reuses them
         plan = derive_plan(q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
         out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                           **dict(zip(("q_order", "kv_order", "kv_bounds"), plan)))
-        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask, uniform_keys, *plan),
-                          (causal, scale), bias=bias, bias_index=5)
+                           **dict(zip(("q_order", "kv_order", "kv_bounds"), plan)),
+                           **_packed(token_offsets, packed_len))
+        save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask, uniform_keys, *plan,
+                                token_offsets), (causal, scale, packed_len), bias=bias, bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         _, backward = _kernels(saved[0])
-        kv_mask, uniform_keys, q_order, kv_order, kv_bounds = saved[_SAVED:]
-        dq, dk, dv, dbias = backward(grad_out, *saved[:_SAVED], *ctx.args, ctx.bias_requires_grad, kv_mask,
-                                     uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds)
+        kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets = saved[_SAVED:]
+        causal, scale, packed_len = ctx.args
+        dq, dk, dv, dbias = backward(grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, kv_mask,
+                                     uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds,
+                                     **_packed(token_offsets, packed_len))
         return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -258,13 +295,14 @@ class EagerJaggedAttention(torch.autograd.Function):
 LIB.define(
     "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, "
     "bool causal, float scale, Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None, "
-    "Tensor? kv_order=None, Tensor? kv_bounds=None) -> Tensor"
+    "Tensor? kv_order=None, Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) -> Tensor"
 )
 
 
 def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
-                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None):
-    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds)
+                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
+                                packed_len=0):
+    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
         return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
@@ -290,11 +328,14 @@ def jagged_attention(
     q_order: Optional[Tensor] = None,
     kv_order: Optional[Tensor] = None,
     kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
 ) -> Tensor:
-    """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5)."""
+    """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5).
+    token_offsets, packed_len: packed k, v (T, H, D) (and q: self-attention), see the module docstring."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds)
+    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len)
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
     return torch.ops.gemcompile.jagged_attention(
         q, k, v, q_lengths, kv_lengths, bias, causal, float(scale), *optional
@@ -305,10 +346,14 @@ def jagged_attention(
 # FLOP formulas (raw tensors: lengths and kv_mask are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None) -> int:
+def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None, token_offsets=None, packed_len=0) -> int:
+    if token_offsets is not None:  # the packed side's lengths are the offsets' token counts
+        kv_lengths = token_offsets if is_fake(token_offsets) else packed_lengths(token_offsets)
+        q_lengths = kv_lengths if q.dim() == 3 else q_lengths
+        q, k, _ = padded_views(q, k, k, token_offsets, packed_len)
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
-    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, kv_mask)):
+    if any(t is not None and is_fake(t) for t in (q_lengths, kv_lengths, kv_mask)):  # (fake offsets too)
         pairs = padded_pairs(B, Lq, Lk, causal)
     else:
         if kv_lengths is None:
@@ -319,12 +364,14 @@ def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None) -> int:
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None,
-               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, *, out_val=None, **kwargs) -> int:
-    return _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask)
+               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0, *,
+               out_val=None, **kwargs) -> int:
+    return _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask, token_offsets, packed_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
                scale=1.0, bias_requires_grad=False, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-               kv_bounds=None, *, out_val=None, **kwargs) -> int:
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask))
+               kv_bounds=None, token_offsets=None, packed_len=0, *, out_val=None, **kwargs) -> int:
+    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask, token_offsets,
+                                                     packed_len))

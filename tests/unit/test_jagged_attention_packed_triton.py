@@ -1,0 +1,128 @@
+"""The Triton launchers of jagged attention with packed keys/values (packed_triton.py), run by the Triton
+interpreter on CPU (TRITON_INTERPRET=1, set by conftest): on the valid rows they equal the padded launchers
+on the padded tensors and the float64 reference, outputs and every gradient; rows outside every sequence
+are 0. float16/float32 only (the interpreter's tl.dot on bfloat16 is wrong)."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter tests: run on a machine without CUDA (conftest sets TRITON_INTERPRET=1)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from gemcompile.lowering.common.jagged import lengths_to_offsets  # noqa: E402
+from gemcompile.lowering.jagged_attention import triton as padded  # noqa: E402
+from gemcompile.lowering.jagged_attention.packed_triton import (  # noqa: E402
+    jagged_attention_backward_triton,
+    jagged_attention_forward_triton,
+)
+from gemcompile.lowering.jagged_attention.reference import reference_backward, reference_forward  # noqa: E402
+
+B, H, N, D, Q = 4, 2, 37, 16, 5  # N spans several tiles and a partial one
+LENGTHS = [N, 0, 17, 1]
+TOL = {torch.float32: 5e-5, torch.float16: 8e-3}  # relative-norm error against float64
+SCALE = 0.3
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def pad(x, lengths, offsets, n=N):
+    out = x.new_zeros(len(lengths), n, *x.shape[1:])
+    for b in range(len(lengths)):
+        out[b, : lengths[b]] = x[offsets[b]: offsets[b + 1]]
+    return out.transpose(1, 2)
+
+
+def case(dtype, seed, extra_rows=3):
+    """lengths, offsets, packed k, v (views into one wider tensor: strides of a Linear output), T."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(LENGTHS)
+    offsets = lengths_to_offsets(lengths)
+    T = int(offsets[-1]) + extra_rows
+    kv = torch.randn(T, 3 * H * D, generator=g).to(dtype)
+    return lengths, offsets, kv[:, : H * D].view(T, H, D), kv[:, 2 * H * D:].view(T, H, D), T, g
+
+
+def check(got, want64, dtype, what):
+    assert not got.isnan().any(), what
+    assert rel(got, want64) < TOL[dtype], (what, rel(got, want64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("extra", ["plain", "kv_mask", "bias_grad", "shared_q"])
+def test_packed_keys(dtype, causal, extra):
+    lengths, offsets, k, v, T, g = case(dtype, seed=len(extra) + 2 * causal)
+    q = torch.randn(1 if extra == "shared_q" else B, H, Q, D, generator=g).to(dtype)
+    kv_mask = None
+    if extra == "kv_mask":  # holes, left padding, an all-False row
+        kv_mask = torch.rand(B, N, generator=g) > 0.4
+        kv_mask[2, :5] = False
+        kv_mask[3] = False
+    bias = (0.5 * torch.randn(1, H, Q, N, generator=g)).to(dtype) if extra == "bias_grad" else None
+    out, lse = jagged_attention_forward_triton(q, k, v, None, lengths, bias, causal, SCALE, kv_mask,
+                                               token_offsets=offsets, packed_len=N)
+    kp, vp = pad(k, lengths, offsets), pad(v, lengths, offsets)
+    d64 = [None if t is None else t.double() for t in (q, kp, vp, bias)]
+    ref_out, ref_lse = reference_forward(*d64[:3], None, lengths, d64[3], causal, SCALE, kv_mask)
+    assert out.shape == (B, H, Q, D) and lse.shape == (B, H, Q)
+    check(out, ref_out, dtype, "out")
+    pad_out, _ = padded.jagged_attention_forward_triton(q, kp, vp, None, lengths, bias, causal, SCALE, kv_mask)
+    torch.testing.assert_close(out, pad_out, rtol=1e-3, atol=1e-3)
+
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    dq, dk, dv, dbias = jagged_attention_backward_triton(grad, q, k, v, out, lse, None, lengths, bias, causal, SCALE,
+                                                         bias is not None, kv_mask, token_offsets=offsets,
+                                                         packed_len=N)
+    ref = reference_backward(grad.double(), *d64[:3], ref_out, ref_lse, None, lengths, d64[3], causal, SCALE,
+                             bias is not None, kv_mask)
+    assert dq.shape == q.shape and dk.shape == dv.shape == (T, H, D)
+    assert (dk[-3:] == 0).all() and (dv[-3:] == 0).all()  # rows outside every sequence
+    check(dq, ref[0], dtype, "dq")
+    check(pad(dk, lengths, offsets), ref[1], dtype, "dk")
+    check(pad(dv, lengths, offsets), ref[2], dtype, "dv")
+    if bias is not None:
+        assert dbias.shape == bias.shape
+        check(dbias, ref[3], dtype, "dbias")
+    if kv_mask is not None:  # keys the mask drops get exactly zero gradients
+        dropped = pad(dk, lengths, offsets).transpose(1, 2)[~kv_mask]
+        assert (dropped == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_self_attention(dtype, causal):
+    lengths, offsets, k, v, T, g = case(dtype, seed=11 + causal)
+    q = torch.randn(T, 2 * H * D, generator=g).to(dtype)[:, H * D:].view(T, H, D)  # strided rows
+    out, lse = jagged_attention_forward_triton(q, k, v, None, None, None, causal, SCALE, token_offsets=offsets,
+                                               packed_len=N)
+    assert out.shape == (T, H, D) and lse.shape == (T, H) and (out[-3:] == 0).all()
+    qp, kp, vp = (pad(t, lengths, offsets).double() for t in (q, k, v))
+    ref_out, ref_lse = reference_forward(qp, kp, vp, lengths, lengths, None, causal, SCALE)
+    check(pad(out, lengths, offsets), ref_out, dtype, "out")
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    dq, dk, dv, _ = jagged_attention_backward_triton(grad, q, k, v, out, lse, None, None, None, causal, SCALE, False,
+                                                     token_offsets=offsets, packed_len=N)
+    ref = reference_backward(pad(grad, lengths, offsets).double(), qp, kp, vp, ref_out, ref_lse, lengths, lengths,
+                             None, causal, SCALE, False)
+    for name, got, want in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
+        assert got.shape == (T, H, D) and (got[-3:] == 0).all(), name
+        check(pad(got, lengths, offsets), want, dtype, name)
+
+
+def test_empty_batch_and_zero_packed_len():
+    offsets = torch.zeros(3, dtype=torch.int64)
+    k = torch.randn(0, H, D)
+    q = torch.randn(2, H, Q, D)
+    out, lse = jagged_attention_forward_triton(q, k, k, None, None, None, False, SCALE, token_offsets=offsets,
+                                               packed_len=0)
+    assert (out == 0).all() and torch.isinf(lse).all()
+    dq, dk, dv, _ = jagged_attention_backward_triton(torch.ones_like(out), q, k, k, out, lse, None, None, None, False,
+                                                     SCALE, False, token_offsets=offsets, packed_len=0)
+    assert (dq == 0).all() and dk.shape == (0, H, D) and dv.shape == (0, H, D)
