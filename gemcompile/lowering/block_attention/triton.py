@@ -26,6 +26,14 @@ Every key tile a program processes ANDs the loaded mask vector into its validity
 values read as 0, get exactly zero dK and dV). HAS_KV_MASK is a constexpr: without a mask the kernels
 compile to the code they had before.
 
+Packed layout (PACKED constexpr; without it the kernels compile to the code they had before): q, k, v,
+out, dO and dQ, dK, dV are (T, H, D) and lse, delta (H, T); the launcher passes them with batch stride 0
+and each program starts sequence b at row0 = token_offsets[b] (``_seq_off``). Rows past the length are
+the next sequence's: loads and stores stop at the length instead of L (``_row_end``), and query rows past
+it are not computed (the q_lengths path with q_lengths = lengths). Positions, blocks, rotary table rows
+and the grid stay those of the padded length L (``max_len``). Rotary at D = 16 (rotated with torch around
+the kernels) is not served packed: op.py runs the reference then.
+
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
   to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
