@@ -63,7 +63,11 @@ class Stack(nn.Module):
 
     def forward(self, x, lengths, ids):
         valid = length_mask(lengths) if self.variant != "holes" else ids != 0
-        keys = length_mask((lengths - 1).clamp(min=0)) if self.variant == "other_keys" else valid
+        keys = valid
+        if self.variant == "other_keys":  # other lengths from the same tensor
+            keys = length_mask((lengths - 1).clamp(min=0))
+        elif self.variant == "other_tensor":  # lengths from another tensor (the ids)
+            keys = length_mask((ids != 0).sum(1))
         rows = length_mask((lengths - 2).clamp(min=0)) if self.variant == "other_rows" else None
         s = self.inp(x) * valid[..., None]
         for layer in self.layers:
@@ -131,10 +135,11 @@ def test_sequence_stack_attention_runs_on_packed_tokens(qk_norm):
     assert all(n.args[14] is cumsums[0].next for n in nodes)  # (constant_pad_nd: [0, cumsum])
 
 
-@pytest.mark.parametrize("variant", ["other_keys", "holes", "other_rows"])
+@pytest.mark.parametrize("variant", ["other_keys", "other_tensor", "holes", "other_rows"])
 def test_near_misses_keep_the_padded_boundary(variant):
-    """Keys over other lengths, a region of a data mask, rows zeroed by other lengths: the attention stays
-    padded (its q, k, v come through scatters), and the compiled model still equals eager."""
+    """Keys over other lengths (of the same tensor, of another one), a region of a data mask, rows zeroed by
+    other lengths: the attention keeps the padded layout (the region still packs the projections and
+    FFNs), and the compiled model still equals eager."""
     report = compare(Stack(variant), rewritten)
     records = [r for r in report.rewrites if r.pass_name == "unpad"]
     assert records and all(not r.metrics.get("packed_attention") for r in records)
