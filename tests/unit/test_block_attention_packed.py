@@ -88,6 +88,8 @@ CASES = [  # block, window, causal, rotary, dtype, L (interpreter tiles: closed 
     (32, -1, False, "none", torch.float16, 64),
     (64, -1, True, "none", torch.float32, 70),  # general kernels (block larger than the tile)
     (0, 5, False, "half", torch.float16, 37),  # general kernels, window only
+    (16, -1, True, "interleaved", torch.float32, 40, 16),  # rotary at D = 16: torch rotates the packed rows
+    (0, 4, False, "half", torch.float16, 30, 16),
 ]
 IDS = [f"block{c[0]}-w{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}-{str(c[4])[6:]}" for c in CASES]
 
@@ -102,8 +104,8 @@ def test_packed_kernels_match_padded(case):
         block_attention_forward_triton,
     )
 
-    block, window, causal, rotary, dtype, L = case
-    B, H, D = 5, 2, 32
+    block, window, causal, rotary, dtype, L, *head = case
+    B, H, D = 5, 2, (head or [32])[0]
     q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=L + block)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
@@ -118,7 +120,7 @@ def test_packed_kernels_match_padded(case):
     (16, -1, True, "half", torch.float64),
     (32, -1, False, "none", torch.float32),
     (0, 3, True, "interleaved", torch.float64),
-    (8, -1, False, "half", torch.float64),  # D = 16 with rotary (the kernels would rotate around: reference)
+    (8, -1, False, "half", torch.float64),
 ])
 def test_packed_op_matches_padded_on_reference_path(block, window, causal, rotary, dtype):
     """The public op on CPU (the reference path) with autograd: packed output and gradients equal the

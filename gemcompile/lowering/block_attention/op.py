@@ -56,8 +56,8 @@ Dynamo sees one node and AOTAutograd splits it into the fwd and bwd ops. Plain e
 one autograd.Function over the same kernels (:class:`EagerBlockAttention`).
 
 Dispatch: CUDA runs the Triton kernels of triton.py when ``kernel_supports`` (common/checks.py) says
-so (head dim a power of two in [16, 128]; not float64; packed with rotary at D = 16 neither); anything
-else runs the plain-PyTorch reference of reference.py (dense; the packed layout is padded around it).
+so (head dim a power of two in [16, 128]; not float64); anything else runs the plain-PyTorch reference
+of reference.py (dense; the packed layout is padded around it).
 No host syncs; length values are checked on CPU (and on CUDA under ``strict_length_checks``).
 
 FLOPs: the fwd and bwd ops have flop_counter formulas counting useful pairs (i, j < len, allowed) from
@@ -202,12 +202,10 @@ def _check_values(q, lengths, kv_mask=None, kv_bounds=None, q_lengths=None, toke
                              f"rows of q), got {token_offsets.tolist()} for lengths {lengths.tolist()}")
 
 
-def _kernels(q: Tensor, block: int, window: int, rotary: str = "none", packed: bool = False):
+def _kernels(q: Tensor, block: int, window: int):
     """(forward, backward): the Triton launchers when the kernels serve the call (imported lazily: CPU-only
-    installs never need triton), else the dense reference (also for packed rotary at D = 16, which the
-    launchers rotate with torch around the kernels in the padded layout only)."""
-    unfused = packed and rotary != "none" and q.shape[-1] < 32
-    if use_triton(q) and checks.kernel_supports(block, window, q.shape[-1]) is None and not unfused:
+    installs never need triton), else the dense reference."""
+    if use_triton(q) and checks.kernel_supports(block, window, q.shape[-1]) is None:
         from . import triton as kernels
 
         return kernels.block_attention_forward_triton, kernels.block_attention_backward_triton
@@ -249,7 +247,7 @@ def _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, k
                                kv_bounds, q_lengths, token_offsets, max_len)
     _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
     # the reference on CPU (tests may route CPU tensors to the interpreter)
-    forward, _ = _kernels(q, block, window, rotary, token_offsets is not None)
+    forward, _ = _kernels(q, block, window)
     return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
                    kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets, max_len=max_len)
 
@@ -301,7 +299,7 @@ def block_attention_bwd(
     max_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
-    _, backward = _kernels(q, block, window, rotary, token_offsets is not None)
+    _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
                     kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
                     max_len=max_len)
@@ -311,7 +309,7 @@ def block_attention_bwd(
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
                               max_len=0):
-    _, backward = _kernels(q, block, window, rotary, token_offsets is not None)
+    _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
                     kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
                     max_len=max_len)
@@ -360,7 +358,7 @@ class EagerBlockAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
                 kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
         _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
-        forward, _ = _kernels(q, block, window, rotary, token_offsets is not None)
+        forward, _ = _kernels(q, block, window)
         if kv_mask is not None and kv_bounds is None:  # derived once here and saved: the backward reuses it
             kv_bounds = key_bounds(kv_mask, lengths)
         out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
@@ -374,7 +372,7 @@ class EagerBlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets = ctx.saved_tensors
         block, window, causal, rotary, scale, max_len = ctx.args
-        _, backward = _kernels(q, block, window, rotary, token_offsets is not None)
+        _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths,
                               token_offsets=token_offsets, max_len=max_len)

@@ -31,8 +31,8 @@ out, dO and dQ, dK, dV are (T, H, D) and lse, delta (H, T); the launcher passes 
 and each program starts sequence b at row0 = token_offsets[b] (``_seq_off``). Rows past the length are
 the next sequence's: loads and stores stop at the length instead of L (``_row_end``), and query rows past
 it are not computed (the q_lengths path with q_lengths = lengths). Positions, blocks, rotary table rows
-and the grid stay those of the padded length L (``max_len``). Rotary at D = 16 (rotated with torch around
-the kernels) is not served packed: op.py runs the reference then.
+and the grid stay those of the padded length L (``max_len``); rotary at D = 16 is applied with torch to
+the packed rows, with each token's table row.
 
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
@@ -83,7 +83,7 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.tuned_launch import INTERPRET, launch
-from .reference import apply_rotary, apply_rotary_transpose, rotary_tables
+from .reference import apply_rotary, apply_rotary_transpose, packed_positions, rotary_tables, rotate
 
 __all__ = [
     "block_attention_backward_triton",
@@ -892,10 +892,32 @@ def _unfused_rotary(rotary: str, D: int) -> bool:
     return rotary != "none" and D < MIN_FUSED_ROTARY_HEAD_DIM
 
 
-def _rotated_inputs(q, k, cos, sin, rotary):
+def _token_tables(cos, sin, token_offsets, T: int):
+    """Packed layout: the fp32 (T, 1, D) rows of cos and sin at each token's (sample, position)."""
+    batch, position = packed_positions(token_offsets, T)
+    rows = []
+    for table in (cos, sin):
+        t3 = rotary_tables(table, 0)  # (Bc, L, D), Bc in {1, B}
+        rows.append(t3[batch if t3.shape[0] > 1 else 0, position].float()[:, None, :])
+    return rows
+
+
+def _rotated_inputs(q, k, cos, sin, rotary, token_offsets=None):
+    if token_offsets is not None:  # (T, H, D) rows against their (T, 1, D) table rows
+        c, s_ = _token_tables(cos, sin, token_offsets, q.shape[0])
+        rot = lambda x: (x.float() * c + rotate(x.float(), rotary) * s_).to(x.dtype)  # noqa: E731
+        return rot(q), rot(k)
     qr = apply_rotary(q.float(), cos, sin, rotary).to(q.dtype)
     kr = apply_rotary(k.float(), cos, sin, rotary).to(k.dtype)
     return qr, kr
+
+
+def _rotary_transpose(g, cos, sin, rotary, token_offsets=None):
+    """The gradient w.r.t. the un-rotated rows (g * cos + rot^T(g * sin), rot^T = -rot)."""
+    if token_offsets is None:
+        return apply_rotary_transpose(g, cos, sin, rotary)
+    c, s_ = _token_tables(cos, sin, token_offsets, g.shape[0])
+    return g * c - rotate(g * s_, rotary)
 
 
 def _consts(D, block, window, causal, rotary, dtype, kv_mask=None, q_lengths=None, packed=False):
@@ -945,8 +967,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     if out.numel() == 0:
         return out, lse
     if _unfused_rotary(rotary, D):
-        assert not packed, "packed rotary at D < 32 runs the reference (op.py)"
-        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)
         cos = sin = None
         rotary = "none"
     if packed:  # rows past a length do not exist: computed query rows are [0, len)
@@ -991,7 +1012,6 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
     unfused = _unfused_rotary(rotary, D)
-    assert not (packed and unfused), "packed rotary at D < 32 runs the reference (op.py)"
     # unfused rotary: the kernels' dq, dk stay fp32 until the transposed rotation (one rounding)
     dq = torch.empty(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
     dk = torch.empty(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
@@ -1000,7 +1020,7 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
         return dq.to(q.dtype), dk.to(k.dtype), dv
     if unfused:
         tables = (cos, sin, rotary)
-        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)
         cos = sin = None
         rotary = "none"
     if packed:
@@ -1025,6 +1045,6 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
                (*inputs, lse, delta, dq, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
-        dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)
-        dk = apply_rotary_transpose(dk, cos0, sin0, rotary0).to(out.dtype)
+        dq = _rotary_transpose(dq, cos0, sin0, rotary0, token_offsets).to(out.dtype)
+        dk = _rotary_transpose(dk, cos0, sin0, rotary0, token_offsets).to(out.dtype)
     return dq, dk, dv
