@@ -68,7 +68,8 @@ from gemcompile.passes.token_wise import (
     shape_of,
     zero_preserving,
 )
-from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, lengths_arg_mask, pack_attentions
+from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
+                                               pack_attentions)
 from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.

@@ -85,6 +85,8 @@ class RegionIndex:
 def _is_head_transpose(node: fx.Node) -> bool:
     """(B, N, H, D) <-> (B, H, N, D): transpose(1, 2) or permute(0, 2, 1, 3)."""
     name = target_name(node)
+    if len(shape_of(node) or ()) != 4:
+        return False
     if name == "transpose" and len(node.args) == 3 and not node.kwargs:
         return {d % 4 if isinstance(d, int) else d for d in node.args[1:]} == {1, 2}
     if name == "permute":
@@ -94,10 +96,11 @@ def _is_head_transpose(node: fx.Node) -> bool:
 
 
 def _row_op(node: fx.Node) -> bool:
-    """An op of (B, H, N, D) rows that acts on the head dim of one row: a norm over the last dim, or a unary op
-    whose other arguments are not tensors (or are parameters of at most one dim, the norm weights)."""
+    """An op of (B, H, N, D) rows that acts on the head dim of one row: a norm over the last dim (its weights
+    of at most one dim), or a unary op without other tensor arguments."""
     name = target_name(node)
-    if not node.args or not isinstance(node.args[0], fx.Node) or node.op not in ("call_function", "call_method"):
+    first = node.args[0] if node.args else None
+    if node.op not in ("call_function", "call_method") or not isinstance(first, fx.Node):
         return False
     others = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
     if name in NORMS:
@@ -119,6 +122,10 @@ def _scattered(node: fx.Node, index: RegionIndex) -> fx.Node | None:
     return values if isinstance(values, fx.Node) else None
 
 
+def _same_shape(shape, want) -> bool:
+    return shape is not None and len(shape) == len(want) and all(same_size(a, b) for a, b in zip(shape, want))
+
+
 def _packed_rows(arg, index: RegionIndex, heads: int, dim: int) -> tuple[fx.Node, list[fx.Node]] | None:
     """(packed value P with (T, H, D) or (T, H * D) rows, the row ops between the head split and the
     attention, outermost last) when ``arg`` is the head split of a scatter of the region's rows."""
@@ -132,8 +139,8 @@ def _packed_rows(arg, index: RegionIndex, heads: int, dim: int) -> tuple[fx.Node
     if not _is_head_transpose(node):
         return None
     split = node.args[0]
-    shape = shape_of(split)
-    if not isinstance(split, fx.Node) or shape is None or len(shape) != 4:
+    if not isinstance(split, fx.Node) or not _same_shape(shape_of(split), (index.mask.batch, index.mask.seq,
+                                                                          heads, dim)):
         return None
     packed = _scattered(split, index)
     if packed is None and target_name(split) in ("unflatten", "view", "reshape") and \
@@ -148,17 +155,16 @@ def _output_gathers(node: fx.Node, index: RegionIndex) -> list[tuple[fx.Node, bo
     """Every reader of the attention output is transpose back [-> flatten to (B, N, H * D)] -> the region's
     gather: [(gather, flattened)]; None otherwise."""
     found = []
+    B, H, N, D = shape_of(node)
     for t in node.users:
         if not _is_head_transpose(t):
             return None
         for user in t.users:
-            flat = False
-            if target_name(user) in ("flatten", "reshape", "view") and len(shape_of(user) or ()) == 3:
-                flat, readers = True, list(user.users)
-            else:
-                readers = [user]
+            flat = target_name(user) in ("flatten", "reshape", "view") and \
+                _same_shape(shape_of(user), (B, N, H * D))
+            readers = list(user.users) if flat else [user]
             for g in readers:
-                if not (g.target is torch.ops.aten.index.Tensor and g.args[0] in (t, user) and
+                if not (g.target is torch.ops.aten.index.Tensor and g.args[0] is (user if flat else t) and
                         list(g.args[1]) == [index.gather_batch, index.seq_index]):
                     return None
                 found.append((g, flat))
@@ -169,7 +175,8 @@ def lengths_arg_mask(arg, seq) -> tuple[fx.Node, int] | None:
     """(lengths, offset) when ``arg`` is lengths, or clamp(lengths [+ offset], 0, seq) as the passes emit."""
     if not isinstance(arg, fx.Node):
         return None
-    if target_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and same_size(arg.args[2], seq):
+    if target_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and \
+            same_size(arg.args[2], seq):
         inner = arg.args[0]
         if isinstance(inner, fx.Node) and target_name(inner) == "add" and isinstance(inner.args[1], int):
             return inner.args[0], inner.args[1]
@@ -187,7 +194,8 @@ def _plan(node: fx.Node, layout: PackedLayout, index: RegionIndex):
     mask = index.mask
     call = schema_arguments(node)
     shape = shape_of(node)
-    if shape is None or len(shape) != 4 or not (same_size(shape[0], mask.batch) and same_size(shape[2], mask.seq)):
+    if shape is None or len(shape) != 4 or \
+            not (same_size(shape[0], mask.batch) and same_size(shape[2], mask.seq)):
         return None
     if not _same_lengths(call[layout.lengths], mask, mask.seq):
         return None
