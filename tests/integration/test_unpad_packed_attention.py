@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from gemcompile import explain, gem_compile
+from gemcompile import GemConfig, explain, gem_compile
 from tests.rewritten import rewritten
 
 B, N, D, H, BLOCK = 4, 24, 32, 2, 8
@@ -82,7 +82,7 @@ def inputs(lengths):
     return torch.randn(B, N, D, requires_grad=True), lengths, ids
 
 
-def compare(model, compile_fn):
+def compare(model, compile_fn, config=None):
     """The compiled model against eager over every length set: outputs and all gradients; one compile."""
     counters.clear()
     compiled = compile_fn(model)
@@ -97,7 +97,7 @@ def compare(model, compile_fn):
         for g, g_ref in zip(grads, ref_grads):
             torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1, "a new token count recompiled"
-    return explain(model, *inputs(torch.tensor(LENGTH_SETS[0])))
+    return explain(model, *inputs(torch.tensor(LENGTH_SETS[0])), config=config)
 
 
 def attention_nodes(report):
@@ -145,3 +145,12 @@ def test_near_misses_keep_the_padded_boundary(variant):
     assert records and all(not r.metrics.get("packed_attention") for r in records)
     for node in attention_nodes(report):
         assert len(node.args) <= 14 or node.args[14] is None
+
+
+def test_token_buckets_keep_the_padded_boundary():
+    """With token buckets the packed rows hold slack rows that belong to no sequence: the attention keeps
+    the padded layout, and the compiled model still equals eager."""
+    config = GemConfig(unpad={"token_buckets": 2})
+    report = compare(Stack(), lambda m: gem_compile(m, config=config), config)
+    assert not unpad_record(report).metrics["packed_attention"]
+    assert all(len(n.args) <= 14 or n.args[14] is None for n in attention_nodes(report))
