@@ -24,6 +24,10 @@ therefore allowed only where that cannot change the answer, proven by one of two
 "The mask" is always the region's own: a product with another vector (one the prover cannot show equal)
 makes nothing harmless, so zeroing with one vector never excuses packing by another.
 A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.
+
+Attention ops with a packed layout (block_attention) do not end the region: where q, k and v leave it by
+its own scatters, split into heads, and the output comes back by its own gather, the op reads and writes
+the packed rows instead (unpad_attention.py says why that is exact); explain lists them in the record.
 Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
 zeros there instead (the convention the attention rewrites follow for fully masked rows).
 
@@ -64,6 +68,8 @@ from gemcompile.passes.token_wise import (
     shape_of,
     zero_preserving,
 )
+from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
+                                               pack_attentions)
 from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
@@ -110,18 +116,6 @@ def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
     if depth == 0 or target_name(user) not in _VIEWS:
         return None
     return next(filter(None, (_keys_of(u, user, depth - 1) for u in user.users)), None)
-
-
-def _lengths_arg_mask(arg: Any, seq) -> tuple[fx.Node, int] | None:
-    """(lengths, offset) when ``arg`` is lengths, or clamp(lengths [+ offset], 0, seq) as the passes emit."""
-    if not isinstance(arg, fx.Node):
-        return None
-    if target_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and same_size(arg.args[2], seq):
-        inner = arg.args[0]
-        if isinstance(inner, fx.Node) and target_name(inner) == "add" and isinstance(inner.args[1], int):
-            return inner.args[0], inner.args[1]
-        return (inner, 0) if isinstance(inner, fx.Node) else None
-    return arg, 0
 
 
 class PadAnalysis:
@@ -228,7 +222,7 @@ class PadAnalysis:
                 if not keys_within(self.mask, user, kv_lengths):
                     return False
                 continue
-            found = _lengths_arg_mask(kv_lengths, shape[2])
+            found = lengths_arg_mask(kv_lengths, shape[2])
             if found is None or found[0] is not self.mask.lengths or found[1] != self.mask.offset:
                 return False
         return True
@@ -325,6 +319,7 @@ class UnpadPass(GemPass):
         # packed: every region over the same rows reuses them (one valid_token_index or valid_mask_index,
         # i.e. one host read of T, per lengths or vector per step)
         self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
+        self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for reason in region.stays_padded.values():
@@ -418,14 +413,16 @@ class UnpadPass(GemPass):
             if not node.users:
                 graph.erase_node(node)
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
+        attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
         ops: dict[str, int] = {}
         for n in region.nodes:
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
         op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
         rows = f"{mask.lengths.name} rows" if mask.vector is None else mask.describe()
         detail = (f"region over {rows} (B, N) = ({mask.batch}, {mask.seq}): "
-                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {len(entries)} gathers in, "
-                  f"{n_exits} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
+                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}"
+                  f"{len(entries) - attention['gathers']} gathers in, "
+                  f"{n_exits - attention['scatters']} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
                   f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
         self._indices[index_key] = shared
         call = f"valid_token_index({mask.lengths.name}, {seq})" if mask.vector is None else \
@@ -438,7 +435,33 @@ class UnpadPass(GemPass):
             f"zeros(B, {seq}, ...).index_put(...) out"), detail,
             metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
-                     "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries), "scatters": n_exits})
+                     "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries) - attention["gathers"],
+                     "scatters": n_exits - attention["scatters"], "packed_attention": attention["ops"]})
+
+    def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq: int, index_key: tuple,
+                         shared: tuple) -> dict:
+        """Attention ops that now read and write this region's packed rows (unpad_attention.py): their
+        counts by op, the scatters and gathers that went away, and the text for explain."""
+        result = {"ops": {}, "scatters": 0, "gathers": 0, "text": ""}
+        if mask.vector is not None or self.options.token_buckets:  # (packed by lengths, no slack rows)
+            return result
+
+        def offsets() -> fx.Node:  # one per lengths per graph, right after the token index
+            cached = self._offsets.get(index_key)
+            if cached is None or getattr(cached, "_erased", False):
+                with graph.inserting_before(shared[0].next):
+                    cached = emit_token_offsets(emit, mask.lengths, mask.offset, seq)
+                self._offsets[index_key] = cached
+            return cached
+
+        index, batch_index, seq_index, gather_batch = shared
+        names, result["scatters"], result["gathers"] = pack_attentions(
+            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets))
+        for name in names:
+            result["ops"][name] = result["ops"].get(name, 0) + 1
+        if names:
+            result["text"] = ", ".join(f"{k} x{v}" for k, v in result["ops"].items()) + " on packed tokens; "
+        return result
 
     def _token_indices(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> tuple:
         """(index, its batch and sequence positions for the scatters, the batch positions for the gathers)."""

@@ -119,7 +119,7 @@ def _toy_kernel(K, Q, Out, n, BRANCH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16", "Out": "*bf16",
          "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Lse": "*fp32", "Delta": "*fp32",
          "Cos": "*bf16", "Sin": "*bf16", "QOffsets": "*i64", "QLengths": "*i64", "KVOffsets": "*i64",
-         "KVLengths": "*i64", "Lengths": "*i64", "NumTargets": "*i64", "Order": "*i64", "KVMask": "*u8",
+         "KVLengths": "*i64", "Lengths": "*i64", "Offsets": "*i64", "NumTargets": "*i64", "Order": "*i64", "KVMask": "*u8",
          "KvMask": "*u8", "KVBounds": "*i32", "KvRange": "*i32", "Uniform": "*u8"}
 UNIT_STRIDES = ("stride_zn", "stride_mn", "stride_lm", "stride_cd")
 
@@ -183,7 +183,7 @@ GDPA = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=
             HAS_TARGETS=False, HAS_CONTEXT=False, HAS_KV_MASK=False, ACT=gdpa_triton.activation_code("silu"),
             FAST_ACT=True, DIVIDE=False, DOT_PRECISION="tf32", BLOCK_M=32, BLOCK_N=128)
 BLOCK = dict(HEAD_D=128, ATTN_BLOCK=0, HAS_WINDOW=True, CAUSAL=True, ROTARY=0, DOT_PRECISION="tf32",
-             HAS_KV_MASK=False, HAS_Q_LENGTHS=False, BLOCK_M=32, BLOCK_N=128)
+             HAS_KV_MASK=False, HAS_Q_LENGTHS=False, PACKED=False, BLOCK_M=32, BLOCK_N=128)
 TOY = {"K": "*bf16", "Q": "*bf16", "Out": "*fp32"}
 SASS = ("jagged_dkdv_d128_causal_bias", "near_miss_branch", "near_miss_selected")  # (cuobjdump: ~1 s each)
 KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types)
@@ -193,6 +193,8 @@ KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types
     "gdpa_dkdv_d64_causal_bias": (gdpa_triton._gdpa_bwd_dkdv_kernel, dict(GDPA, HEAD_D=64, BLOCK_D=64), 8, 3,
                                   TYPES),
     "block_dkdv_d128_window_causal": (block_triton._bwd_dkdv_kernel, BLOCK, 8, 3, TYPES),
+    "block_dkdv_d128_window_causal_packed": (block_triton._bwd_dkdv_kernel,
+                                             dict(BLOCK, PACKED=True, HAS_Q_LENGTHS=True), 8, 3, TYPES),
     "near_miss_branch": (_toy_kernel, dict(BRANCH=True, D=64, BLOCK_M=32, BLOCK_N=128), 8, 3, TOY),
     "near_miss_selected": (_toy_kernel, dict(BRANCH=False, D=64, BLOCK_M=32, BLOCK_N=128), 8, 3, TOY),
 }
@@ -207,7 +209,7 @@ print("REPORT " + json.dumps(report))
 
 SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)
 KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
-           "block_dkdv_d128_window_causal"]
+           "block_dkdv_d128_window_causal", "block_dkdv_d128_window_causal_packed"]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ Public op (what the block_attention pass emits; the signature is fixed)::
 
     torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
         int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale,
-        Tensor? kv_mask=None, Tensor? kv_bounds=None, Tensor? q_lengths=None) -> Tensor
+        Tensor? kv_mask=None, Tensor? kv_bounds=None, Tensor? q_lengths=None, Tensor? token_offsets=None,
+        int max_len=0) -> Tensor
 
 q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
 int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
@@ -29,6 +30,18 @@ kv_mask and lengths, common/length_order.py) when the graph derived them once pe
 reads this mask (``gemcompile::key_bounds``); left out, each call derives its own. Wrong ones are refused on
 CPU and under ``strict_length_checks``.
 
+Packed layout (issue 24: the unpad pass keeps a region's tokens packed through the attention):
+``token_offsets`` (B+1,) int32/int64 on q's device, the cumulative valid counts (token_offsets[0] = 0,
+token_offsets[b+1] - token_offsets[b] = lengths[b] clamped into [0, L]), and ``max_len`` = L, the padded
+length, an int >= 1 (positions, block ids, rotary rows and the tiles are counted in it; it cannot be
+read from q, and cos/sin are absent without rotary). q, k, v are then (T, H, D), any strides (a (T, H*D)
+projection viewed as (T, H, D) is read in place); token n < lengths[b] of sequence b is row
+token_offsets[b] + n, at position n (rotary tables are indexed by n). The result equals the padded op
+on the padded tensors restricted to the valid rows: out and dq, dk, dv are (T, H, D), lse is (H, T).
+Rows past a length do not exist, so q_lengths must be None (it would be lengths) and kv_mask None.
+Without token_offsets, max_len must be 0 (L is q.shape[2]). Offsets are value-checked like lengths (CPU
+always, CUDA under ``strict_length_checks``).
+
 Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
 sin are (L, D), (B, L, D) or (1|B, 1, L, D) (shared tables are read with batch stride 0, never copied),
 of any floating dtype, and q and k are rotated before the scores: x * cos + rot(x) * sin, rot =
@@ -44,7 +57,7 @@ one autograd.Function over the same kernels (:class:`EagerBlockAttention`).
 
 Dispatch: CUDA runs the Triton kernels of triton.py when ``kernel_supports`` (common/checks.py) says
 so (head dim a power of two in [16, 128]; not float64); anything else runs the plain-PyTorch reference
-of reference.py (dense).
+of reference.py (dense; the packed layout is padded around it).
 No host syncs; length values are checked on CPU (and on CUDA under ``strict_length_checks``).
 
 FLOPs: the fwd and bwd ops have flop_counter formulas counting useful pairs (i, j < len, allowed) from
@@ -68,8 +81,8 @@ from .reference import ROTARY_MODES, reference_backward, reference_forward
 
 __all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
 
-_INPUTS = 14  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
-# q_lengths
+_INPUTS = 16  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+# q_lengths, token_offsets, max_len
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -96,17 +109,47 @@ def _check_table(name: str, t, B: int, L: int, D: int, device) -> None:
         )
 
 
-def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None, kv_bounds=None, q_lengths=None) -> None:
-    """TypeError/ValueError naming the argument for anything the op does not accept."""
-    checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
+def _check_packed(q, k, v, lengths, token_offsets, max_len, kv_mask, q_lengths) -> tuple[int, int, int]:
+    """The packed layout's metadata checks; returns (B, L, D)."""
+    checks.check_qkv_tensors(q, k, v, 3, "(tokens, heads, head_dim) with token_offsets")
     if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"q, k and v must have one shape (B, H, L, D) (self-attention), got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    B, _, L, D = q.shape
+        raise ValueError(f"q, k and v must have one shape (T, H, D), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise ValueError("lengths must be a 1-D (B,) tensor")
+    B = lengths.shape[0]
     checks.check_index_vector("lengths", lengths, B, "B", q.device)
+    checks.check_index_vector("token_offsets", token_offsets, B + 1, "B + 1", q.device)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len (the padded length L) must be an int >= 1 with token_offsets, "
+                         f"got {max_len!r}")
+    if kv_mask is not None:
+        raise ValueError("kv_mask is not supported with token_offsets (the packed layout holds exactly the "
+                         "tokens below lengths)")
+    if q_lengths is not None:
+        raise ValueError("q_lengths must be None with token_offsets: the packed rows are exactly the rows "
+                         "below lengths (no other query row exists)")
+    return B, int(max_len), q.shape[-1]
+
+
+def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
+                               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
+                               max_len=0) -> None:
+    """TypeError/ValueError naming the argument for anything the op does not accept."""
+    if token_offsets is not None:
+        B, L, D = _check_packed(q, k, v, lengths, token_offsets, max_len, kv_mask, q_lengths)
+    else:
+        if max_len != 0:
+            raise ValueError(f"max_len is the padded length of packed q, k, v: give it only with "
+                             f"token_offsets (0 otherwise), got {max_len!r}")
+        checks.check_qkv_tensors(q, k, v, 4, "(batch, heads, length, head_dim)")
+        if k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(
+                f"q, k and v must have one shape (B, H, L, D) (self-attention), got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        B, _, L, D = q.shape
+        checks.check_index_vector("lengths", lengths, B, "B", q.device)
     if q_lengths is not None:
         checks.check_index_vector("q_lengths", q_lengths, B, "B", q.device)
     for name, value in (("block", block), ("window", window)):
@@ -145,11 +188,18 @@ def _check_tables_need_no_grad(cos, sin) -> None:
             )
 
 
-def _check_values(q, lengths, kv_mask=None, kv_bounds=None, q_lengths=None) -> None:
-    checks.check_length_values("lengths", lengths, q.shape[2])
-    checks.check_length_values("q_lengths", q_lengths, q.shape[2])
+def _check_values(q, lengths, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
+                  max_len=0) -> None:
+    L = max_len if token_offsets is not None else q.shape[2]
+    checks.check_length_values("lengths", lengths, L)
+    checks.check_length_values("q_lengths", q_lengths, L)
     if kv_bounds is not None and checks.should_check_values(kv_bounds):
         check_plan_values(None, lengths, kv_mask, kv_bounds=kv_bounds)
+    if token_offsets is not None and checks.should_check_values(token_offsets):
+        want = torch.cat([lengths.new_zeros(1), lengths.clamp(0, L).cumsum(0)]).to(token_offsets.device)
+        if not torch.equal(token_offsets.long(), want.long()) or int(want[-1]) != q.shape[0]:
+            raise ValueError(f"token_offsets must be [0, cumsum(lengths)] ending at T = {q.shape[0]} (the "
+                             f"rows of q), got {token_offsets.tolist()} for lengths {lengths.tolist()}")
 
 
 def _kernels(q: Tensor, block: int, window: int):
@@ -182,34 +232,44 @@ def block_attention_fwd(
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
     q_lengths: Tensor | None = None,
+    token_offsets: Tensor | None = None,
+    max_len: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key)."""
+    """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key).
+    Packed: (out (T, H, D), lse (H, T))."""
+    return _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+                    q_lengths, token_offsets, max_len)
+
+
+def _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+             q_lengths, token_offsets, max_len):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths)
-    _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
-    forward, _ = _kernels(q, block, window)  # the reference (tests may route CPU tensors to the interpreter)
+                               kv_bounds, q_lengths, token_offsets, max_len)
+    _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
+    # the reference on CPU (tests may route CPU tensors to the interpreter)
+    forward, _ = _kernels(q, block, window)
     return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                   kv_bounds=kv_bounds, q_lengths=q_lengths)
+                   kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets, max_len=max_len)
 
 
 @cuda_kernel(block_attention_fwd)
 def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None, q_lengths=None):
-    check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths)
-    _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
-    forward, _ = _kernels(q, block, window)
-    return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                   kv_bounds=kv_bounds, q_lengths=q_lengths)
+                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+    return _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+                    q_lengths, token_offsets, max_len)
 
 
 @block_attention_fwd.register_fake
 def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None, q_lengths=None):
+                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths)
+                               kv_bounds, q_lengths, token_offsets, max_len)
+    lse_dtype = compute_dtype(q.dtype)
+    if token_offsets is not None:
+        T, H, D = q.shape
+        return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=lse_dtype)
     B, H, L, D = q.shape
-    return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=compute_dtype(q.dtype))
+    return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=lse_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,43 +295,50 @@ def block_attention_bwd(
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
     q_lengths: Tensor | None = None,
+    token_offsets: Tensor | None = None,
+    max_len: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
+                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
+                    max_len=max_len)
 
 
 @cuda_kernel(block_attention_bwd)
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None, kv_bounds=None, q_lengths=None):
+                              scale, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
+                              max_len=0):
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
+                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
+                    max_len=max_len)
 
 
 @block_attention_bwd.register_fake
 def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask=None, kv_bounds=None, q_lengths=None):
+                              scale, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
+                              max_len=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths = inputs
+    (q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths,
+     token_offsets, max_len) = inputs
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths),
-                      (block, window, causal, rotary, scale), lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths,
+                            token_offsets), (block, window, causal, rotary, scale, max_len), lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
-    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths = ctx.saved_tensors
-    block, window, causal, rotary, scale = ctx.args
+    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets = ctx.saved_tensors
+    block, window, causal, rotary, scale, max_len = ctx.args
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
         grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-        kv_bounds, q_lengths
+        kv_bounds, q_lengths, token_offsets, max_len
     )
     return input_grads(_INPUTS, dq, dk, dv)
 
@@ -289,24 +356,26 @@ class EagerBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                kv_bounds=None, q_lengths=None):
-        _check_values(q, lengths, kv_mask, kv_bounds, q_lengths)
+                kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+        _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
         forward, _ = _kernels(q, block, window)
         if kv_mask is not None and kv_bounds is None:  # derived once here and saved: the backward reuses it
             kv_bounds = key_bounds(kv_mask, lengths)
         out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                           kv_bounds=kv_bounds, q_lengths=q_lengths)
-        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths),
-                          (block, window, causal, rotary, scale))
+                           kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
+                           max_len=max_len)
+        save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths,
+                                token_offsets), (block, window, causal, rotary, scale, max_len))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths = ctx.saved_tensors
-        block, window, causal, rotary, scale = ctx.args
+        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets = ctx.saved_tensors
+        block, window, causal, rotary, scale, max_len = ctx.args
         _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
-                              scale, kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths)
+                              scale, kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths,
+                              token_offsets=token_offsets, max_len=max_len)
         return input_grads(_INPUTS, dq, dk, dv)
 
 
@@ -317,20 +386,21 @@ class EagerBlockAttention(torch.autograd.Function):
 LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
     "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None, Tensor? kv_bounds=None, "
-    "Tensor? q_lengths=None) -> Tensor"
+    "Tensor? q_lengths=None, Tensor? token_offsets=None, int max_len=0) -> Tensor"
 )
 
 
 def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None, kv_bounds=None, q_lengths=None):
+                               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths)
+                               kv_bounds, q_lengths, token_offsets, max_len)
     _check_tables_need_no_grad(cos, sin)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                                         kv_mask, kv_bounds, q_lengths)
+                                         kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
     return torch.ops.gemcompile.block_attention_fwd(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths,
+        token_offsets, max_len
     )[0]
 
 
@@ -352,6 +422,8 @@ def block_attention(
     kv_mask: Tensor | None = None,
     kv_bounds: Tensor | None = None,
     q_lengths: Tensor | None = None,
+    token_offsets: Tensor | None = None,
+    max_len: int = 0,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
 
@@ -363,9 +435,10 @@ def block_attention(
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths)
+                               kv_bounds, q_lengths, token_offsets, max_len)
     return torch.ops.gemcompile.block_attention(
-        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds, q_lengths
+        q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds,
+        q_lengths, token_offsets, max_len
     )
 
 
@@ -373,8 +446,11 @@ def block_attention(
 # FLOP formulas (raw tensors: the lengths and kv_mask are read when they are real; padded count when fake)
 
 
-def _forward_flops(q, lengths, block, window, causal, kv_mask=None) -> int:
-    B, H, L, D = q.shape
+def _forward_flops(q, lengths, block, window, causal, kv_mask=None, token_offsets=None, max_len=0) -> int:
+    if token_offsets is not None:  # packed (T, H, D): the same pairs, counted from lengths and max_len
+        (_, H, D), B, L = q.shape, lengths.shape[0], max_len
+    else:
+        B, H, L, D = q.shape
     if is_fake(lengths) or (kv_mask is not None and is_fake(kv_mask)):
         pairs = padded_block_attention_pairs(B, L, block, window, causal)
     else:
@@ -384,12 +460,14 @@ def _forward_flops(q, lengths, block, window, causal, kv_mask=None) -> int:
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0,
-               kv_mask=None, kv_bounds=None, q_lengths=None, *, out_val=None, **kwargs) -> int:
-    return _forward_flops(q, lengths, block, window, causal, kv_mask)
+               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, *, out_val=None,
+               **kwargs) -> int:
+    return _forward_flops(q, lengths, block, window, causal, kv_mask, token_offsets, max_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
-               rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, q_lengths=None, *, out_val=None,
-               **kwargs) -> int:
-    return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, lengths, block, window, causal, kv_mask))
+               rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
+               max_len=0, *, out_val=None, **kwargs) -> int:
+    flops = _forward_flops(q, lengths, block, window, causal, kv_mask, token_offsets, max_len)
+    return int(BACKWARD_FLOPS_RATIO * flops)

@@ -13,6 +13,10 @@ reference rotates, builds that pattern once (not per batch; a kv_mask adds its (
 and its masked keys and values are zeroed so that garbage there cannot leak) and calls the
 jagged-attention reference; its backward applies the transposed rotation to dq and dk. Dense: memory
 O(B*H*L*L). Math in float32 for half inputs, float64 for float64.
+
+Packed layout (token_offsets given, op.py): q, k, v (T, H, D) are scattered into zeros (B, H, L, D)
+(:func:`packed_positions`), the padded reference runs with q_lengths = lengths (rows past a length do
+not exist in the packed layout), and the valid rows are gathered back; lse comes back as (H, T).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "allowed_pattern",
     "apply_rotary",
     "apply_rotary_transpose",
+    "packed_positions",
     "reference_backward",
     "reference_forward",
     "rotary_tables",
@@ -115,9 +120,51 @@ def _rotated(q, k, v, cos, sin, rotary, kv_mask):
     return q, k, v
 
 
+def packed_positions(token_offsets: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    """(batch, position) of each of the T packed rows, from the (B+1,) offsets; no host sync (the output
+    size is given)."""
+    offsets = token_offsets.long()
+    counts = offsets[1:] - offsets[:-1]
+    batch = torch.repeat_interleave(torch.arange(counts.shape[0], device=offsets.device), counts,
+                                    output_size=T)
+    return batch, torch.arange(T, device=offsets.device) - offsets[batch]
+
+
+def _pad(x: Tensor, where: tuple[Tensor, Tensor], B: int, L: int, fill: float = 0.0) -> Tensor:
+    """(T, H, ...) packed rows -> (B, H, L, ...) padded, ``fill`` at padded rows."""
+    padded = x.new_full((B, L, *x.shape[1:]), fill)
+    padded[where] = x
+    return padded.transpose(1, 2)
+
+
+def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, token_offsets,
+                    max_len):
+    B, L = lengths.shape[0], int(max_len)
+    where = packed_positions(token_offsets, q.shape[0])
+    qp, kp, vp = (_pad(x, where, B, L) for x in (q, k, v))
+    out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, cos, sin, rotary, scale,
+                                 q_lengths=lengths)
+    return out.transpose(1, 2)[where].contiguous(), lse.transpose(0, 1)[:, where[0], where[1]].contiguous()
+
+
+def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
+                     token_offsets, max_len):
+    B, L = lengths.shape[0], int(max_len)
+    where = packed_positions(token_offsets, q.shape[0])
+    padded = [_pad(x, where, B, L) for x in (grad_out, q, k, v, out)]
+    lse_p = _pad(lse.transpose(0, 1), where, B, L, float("inf"))  # (H, T) -> (B, H, L), +inf past lengths
+    grads = reference_backward(*padded, lse_p, lengths, block, window, causal, cos, sin, rotary, scale,
+                               q_lengths=lengths)
+    return tuple(g.transpose(1, 2)[where].contiguous() for g in grads)
+
+
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
-                      scale: float, kv_mask=None, q_lengths=None):
-    """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys)."""
+                      scale: float, kv_mask=None, q_lengths=None, token_offsets=None, max_len: int = 0):
+    """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys).
+    Packed (token_offsets given): q, k, v (T, H, D) -> (out (T, H, D), lse (H, T))."""
+    if token_offsets is not None:
+        return _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
+                               token_offsets, max_len)
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
@@ -127,8 +174,12 @@ def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, c
 
 
 def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window: int, causal: bool, cos,
-                       sin, rotary: str, scale: float, kv_mask=None, q_lengths=None):
+                       sin, rotary: str, scale: float, kv_mask=None, q_lengths=None, token_offsets=None,
+                       max_len: int = 0):
     """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
+    if token_offsets is not None:
+        return _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin,
+                                rotary, scale, token_offsets, max_len)
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)

@@ -26,6 +26,14 @@ Every key tile a program processes ANDs the loaded mask vector into its validity
 values read as 0, get exactly zero dK and dV). HAS_KV_MASK is a constexpr: without a mask the kernels
 compile to the code they had before.
 
+Packed layout (PACKED constexpr; without it the kernels compile to the code they had before): q, k, v,
+out, dO and dQ, dK, dV are (T, H, D) and lse, delta (H, T); the launcher passes them with batch stride 0
+and each program starts sequence b at row0 = token_offsets[b] (``_seq_off``). Rows past the length are
+the next sequence's: loads and stores stop at the length instead of L (``_row_end``), and query rows past
+it are not computed (the q_lengths path with q_lengths = lengths). Positions, blocks, rotary table rows
+and the grid stay those of the padded length L (``max_len``); rotary at D = 16 is applied with torch to
+the packed rows, with each token's table row.
+
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
   to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
@@ -65,6 +73,7 @@ from ..common.attention_triton import (
     LN2,
     LOG2E,
     MODE_FULL,
+    MODE_OFFSETS,
     bwd_delta_kernel,
     dot_precision,
     fit_shared_memory,
@@ -74,7 +83,7 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.tuned_launch import INTERPRET, launch
-from .reference import apply_rotary, apply_rotary_transpose, rotary_tables
+from .reference import apply_rotary, apply_rotary_transpose, packed_positions, rotary_tables, rotate
 
 __all__ = [
     "block_attention_backward_triton",
@@ -128,7 +137,7 @@ _FWD_CONFIGS = _general_configs(_FWD_SHAPES, (32, 16))
 _DKDV_CONFIGS = _general_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = _general_configs(_DQ_SHAPES, (32, 16))
 _AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDOW", "CAUSAL", "ROTARY",
-                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_Q_LENGTHS"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_Q_LENGTHS", "PACKED"]
 
 
 def _variant(head_dim: int, rotary: int) -> str:
@@ -183,6 +192,37 @@ def _coordinates(H, num_tiles):
     h = pid % H
     rest = pid // H
     return rest % num_tiles, rest // num_tiles, h
+
+
+@triton.jit
+def _row0(Offsets, b, PACKED: tl.constexpr):
+    """Packed layout: sequence b's first row, token_offsets[b] (int64); 0 in the padded layout (unused)."""
+    if PACKED:
+        row0 = tl.load(Offsets + b).to(tl.int64)
+    else:
+        row0 = b.to(tl.int64) * 0
+    return row0
+
+
+@triton.jit
+def _seq_off(b64, row0, stride_b, stride_r, PACKED: tl.constexpr):
+    """Offset of sequence b's row 0 in a row-indexed tensor: b * stride_b padded, row0 * stride_r packed
+    (where the launcher passes batch stride 0)."""
+    if PACKED:
+        off = row0 * stride_r
+    else:
+        off = b64 * stride_b
+    return off
+
+
+@triton.jit
+def _row_end(L, n, PACKED: tl.constexpr):
+    """Rows below this exist: L padded; the length n packed (the rows after it are the next sequence's)."""
+    if PACKED:
+        end = n
+    else:
+        end = L
+    return end
 
 
 @triton.jit
@@ -405,7 +445,7 @@ def _finish_softmax(acc, l_i, m_i):
                  prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @triton.jit
 def _closed_fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -417,32 +457,35 @@ def _closed_fwd_kernel(
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
+    row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
-    row_ok = rows < L
-    o_base = Out + b64 * stride_ob + h64 * stride_oh
-    l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    row_ok = rows < _row_end(L, q_hi, PACKED)
+    o_base = Out + _seq_off(b64, row0, stride_ob, stride_om, PACKED) + h64 * stride_oh
+    l_ptrs = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh + rows * stride_lm
     # the tile's blocks hold no valid key, or no computed query row
     if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
         _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK, HEAD_D)
         tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
-    k_base = K + b64 * stride_kb + h64 * stride_kh
+    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
     ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
     if ROTARY != 0:
         qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
                                       row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
+    v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
+                  rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
                   col_ok, HEAD_D, HEAD_D, True)
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
@@ -464,7 +507,7 @@ def _closed_fwd_kernel(
                  prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @triton.jit
 def _closed_bwd_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange, QLengths,
+    Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -477,6 +520,7 @@ def _closed_bwd_kernel(
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*)
@@ -484,11 +528,12 @@ def _closed_bwd_kernel(
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
+    row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
-    row_ok = rows < L
-    x_off = b64 * stride_xb + h64 * stride_xh
+    row_ok = rows < _row_end(L, q_hi, PACKED)
+    x_off = _seq_off(b64, row0, stride_xb, stride_xm, PACKED) + h64 * stride_xh
     # no valid key, or no computed query row (whose keys are the tile's own: no dK, dV either)
     if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
         _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
@@ -496,18 +541,20 @@ def _closed_bwd_kernel(
         _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
-    k_base = K + b64 * stride_kb + h64 * stride_kh
+    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
     ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
     if ROTARY != 0:
         qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
                                       row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
     offs_d = tl.arange(0, HEAD_D)
-    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    do_base = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED) + h64 * stride_gh
     q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
     do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
-    lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=q_ok, other=float("inf"))
+    l_off = _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh
+    lse = tl.load(Lse + l_off + rows * stride_lm,
+                  mask=q_ok, other=float("inf"))
     s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
@@ -517,7 +564,8 @@ def _closed_bwd_kernel(
     p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
     store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
-    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+    v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
+                  rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
                   HEAD_D, True)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
@@ -548,7 +596,7 @@ def _closed_bwd_kernel(
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -560,19 +608,21 @@ def _fwd_kernel(
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
+    row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < L
+    row_ok = rows < _row_end(L, q_hi, PACKED)
     offs_d = tl.arange(0, HEAD_D)
-    o_base = Out + b64 * stride_ob + h64 * stride_oh
-    l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    o_base = Out + _seq_off(b64, row0, stride_ob, stride_om, PACKED) + h64 * stride_oh
+    l_ptrs = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh + rows * stride_lm
     lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, q_hi) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
                         HAS_WINDOW, CAUSAL, HAS_KV_MASK)
     # no row of the tile has a key (e.g. a tile past the length), or none is computed
@@ -582,9 +632,9 @@ def _fwd_kernel(
         return
     cos_base = Cos + b64 * stride_cb
     sin_base = Sin + b64 * stride_cb
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
+    v_base = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh
+    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
@@ -624,7 +674,7 @@ def _fwd_kernel(
                  prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -637,6 +687,7 @@ def _bwd_dkdv_kernel(
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
@@ -644,11 +695,12 @@ def _bwd_dkdv_kernel(
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
+    row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     n0 = tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
-    store_ok = cols < L
-    x_off = b64 * stride_xb + h64 * stride_xh
+    store_ok = cols < _row_end(L, kv_hi, PACKED)
+    x_off = _seq_off(b64, row0, stride_xb, stride_xm, PACKED) + h64 * stride_xh
     if _no_keys(n0, n0 + BLOCK_N, kv_lo, kv_hi, HAS_KV_MASK):  # no valid key here: no gradient
         _store_zero_rows(DK + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
         _store_zero_rows(DV + x_off, cols, store_ok, stride_xm, stride_xd, BLOCK_N, HEAD_D)
@@ -657,11 +709,11 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_D)
     cos_base = Cos + b64 * stride_cb
     sin_base = Sin + b64 * stride_cb
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
-    do_base = DO + b64 * stride_gb + h64 * stride_gh
-    l_base = Lse + b64 * stride_lb + h64 * stride_lh
-    d_base = Delta + b64 * stride_lb + h64 * stride_lh
-    k_base = K + b64 * stride_kb + h64 * stride_kh
+    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
+    do_base = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED) + h64 * stride_gh
+    l_base = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh
+    d_base = Delta + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh
+    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
     ka, kb = _load_tile(k_base, cols, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, cols, col_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
@@ -671,7 +723,8 @@ def _bwd_dkdv_kernel(
     else:
         dka = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
         dkb = dka
-    v = load_rows(V + b64 * stride_vb + h64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
+    v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
+                  cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
                   HEAD_D, True)
     dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
     c0 = n0
@@ -714,7 +767,7 @@ def _bwd_dkdv_kernel(
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -727,6 +780,7 @@ def _bwd_dq_kernel(
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per query tile; loops over its key range. dQ: contiguous."""
@@ -734,11 +788,12 @@ def _bwd_dq_kernel(
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
+    row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < L
-    x_off = b64 * stride_xb + h64 * stride_xh
+    row_ok = rows < _row_end(L, q_hi, PACKED)
+    x_off = _seq_off(b64, row0, stride_xb, stride_xm, PACKED) + h64 * stride_xh
     lo, hi = _key_range(m0, tl.minimum(m0 + BLOCK_M, q_hi) - 1, kv_lo, kv_hi, window, ATTN_BLOCK,
                         HAS_WINDOW, CAUSAL, HAS_KV_MASK)
     if (lo >= hi) | (m0 >= q_hi):
@@ -747,9 +802,9 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_D)
     cos_base = Cos + b64 * stride_cb
     sin_base = Sin + b64 * stride_cb
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
+    v_base = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh
+    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
     qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     if ROTARY != 0:
         ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
@@ -759,10 +814,10 @@ def _bwd_dq_kernel(
     else:
         dqa = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         dqb = dqa
-    do_base = DO + b64 * stride_gb + h64 * stride_gh
+    do_base = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED) + h64 * stride_gh
     q_ok = rows < q_hi  # rows not computed: dO read as 0 and P = 0, so their dQ is exactly 0
     do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
-    l_rows = b64 * stride_lb + h64 * stride_lh + rows * stride_lm
+    l_rows = _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh + rows * stride_lm
     lse2 = tl.load(Lse + l_rows, mask=q_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + l_rows, mask=q_ok, other=0.0)
     for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
@@ -820,11 +875,11 @@ def _window_bucket(window: int) -> int:
     return 0 if window < 0 else length_bucket(window + 1)
 
 
-def _tables(cos, sin, q):
+def _tables(cos, sin, q, B):
     """(cos, sin, strides (batch, row, col)) as the kernels read them; q stands in without rotary."""
     if cos is None:
         return q, q, (0, 0, 0)
-    cos3, sin3 = rotary_tables(cos, q.shape[0]), rotary_tables(sin, q.shape[0])
+    cos3, sin3 = rotary_tables(cos, B), rotary_tables(sin, B)
     if cos3.shape != sin3.shape or cos3.stride() != sin3.stride():  # the kernels take one set of strides
         Bc = max(cos3.shape[0], sin3.shape[0])
         cos3, sin3 = cos3.expand(Bc, -1, -1).contiguous(), sin3.expand(Bc, -1, -1).contiguous()
@@ -837,16 +892,51 @@ def _unfused_rotary(rotary: str, D: int) -> bool:
     return rotary != "none" and D < MIN_FUSED_ROTARY_HEAD_DIM
 
 
-def _rotated_inputs(q, k, cos, sin, rotary):
+def _token_tables(cos, sin, token_offsets, T: int):
+    """Packed layout: the fp32 (T, 1, D) rows of cos and sin at each token's (sample, position)."""
+    batch, position = packed_positions(token_offsets, T)
+    rows = []
+    for table in (cos, sin):
+        t3 = rotary_tables(table, 0)  # (Bc, L, D), Bc in {1, B}
+        rows.append(t3[batch if t3.shape[0] > 1 else 0, position].float()[:, None, :])
+    return rows
+
+
+def _rotated_inputs(q, k, cos, sin, rotary, token_offsets=None):
+    if token_offsets is not None:  # (T, H, D) rows against their (T, 1, D) table rows
+        c, s_ = _token_tables(cos, sin, token_offsets, q.shape[0])
+        rot = lambda x: (x.float() * c + rotate(x.float(), rotary) * s_).to(x.dtype)  # noqa: E731
+        return rot(q), rot(k)
     qr = apply_rotary(q.float(), cos, sin, rotary).to(q.dtype)
     kr = apply_rotary(k.float(), cos, sin, rotary).to(k.dtype)
     return qr, kr
 
 
-def _consts(D, block, window, causal, rotary, dtype, kv_mask=None, q_lengths=None):
+def _rotary_transpose(g, cos, sin, rotary, token_offsets=None):
+    """The gradient w.r.t. the un-rotated rows (g * cos + rot^T(g * sin), rot^T = -rot)."""
+    if token_offsets is None:
+        return apply_rotary_transpose(g, cos, sin, rotary)
+    c, s_ = _token_tables(cos, sin, token_offsets, g.shape[0])
+    return g * c - rotate(g * s_, rotary)
+
+
+def _consts(D, block, window, causal, rotary, dtype, kv_mask=None, q_lengths=None, packed=False):
     return {"HEAD_D": D, "ATTN_BLOCK": int(block), "HAS_WINDOW": window >= 0, "CAUSAL": bool(causal),
             "ROTARY": ROTARY_CODES[rotary], "DOT_PRECISION": dot_precision(dtype),
-            "HAS_KV_MASK": kv_mask is not None, "HAS_Q_LENGTHS": q_lengths is not None}
+            "HAS_KV_MASK": kv_mask is not None, "HAS_Q_LENGTHS": q_lengths is not None, "PACKED": packed}
+
+
+def _packed_layout(q, lengths, token_offsets, max_len):
+    """(B, H, L, D) and the stride functions of the call's layout. Packed, q is (T, H, D) and every
+    row-indexed tensor (q, k, v, out, dO, dQ, dK, dV as (T, H, D); lse and delta as (H, T)) is given batch
+    stride 0 and its row stride; the kernels start sequence b at row token_offsets[b]."""
+    if token_offsets is None:
+        B, H, L, D = q.shape
+        return (B, H, L, D), (lambda t: t.stride()), (lambda t: t.stride())
+    T, H, D = q.shape
+    assert max_len >= 1, "the packed layout needs max_len (the padded length)"
+    return ((lengths.shape[0], H, int(max_len), D), (lambda t: (0, t.stride(1), t.stride(0), t.stride(2))),
+            (lambda t: (0, *t.stride())))
 
 
 def kv_mask_range(kv_mask, lengths, L: int) -> torch.Tensor:
@@ -867,25 +957,30 @@ def _kv_mask_args(kv_mask, lengths, given_bounds=None) -> tuple:
 
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
                                    rotary: str, scale: float, kv_mask=None, *, kv_bounds=None,
-                                   q_lengths=None):
-    """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32)."""
-    B, H, L, D = q.shape
-    out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+                                   q_lengths=None, token_offsets=None, max_len: int = 0):
+    """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32). Packed
+    (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (H, T))."""
+    packed = token_offsets is not None
+    (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, q.shape[0]) if packed else (B, H, L), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     if _unfused_rotary(rotary, D):
-        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)
         cos = sin = None
         rotary = "none"
-    cos, sin, c_strides = _tables(cos, sin, q)
+    if packed:  # rows past a length do not exist: computed query rows are [0, len)
+        q_lengths = lengths
+    cos, sin, c_strides = _tables(cos, sin, q, B)
     buckets = (length_bucket(L), _window_bucket(window))
     mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
     q_rows = lengths if q_lengths is None else q_lengths  # (unread without q_lengths)
-    args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, q_rows, *q.stride(), *k.stride(),
-            *v.stride(), *c_strides, *out.stride(), *lse.stride(), *m_strides, H, L, int(window),
+    offsets = token_offsets if packed else lengths  # (unread when not packed)
+    args = (q, k, v, cos, sin, out, lse, lengths, mask, kv_range, q_rows, offsets, *rows4(q), *rows4(k),
+            *rows4(v), *c_strides, *rows4(out), *rows3(lse), *m_strides, H, L, int(window),
             float(scale) * _LOG2E, *buckets)
-    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths, packed)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
                buckets)
@@ -894,51 +989,62 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     return out, lse
 
 
+def _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3):
+    """delta = rowsum(O * dO) (fp32, lse's layout): every row < L padded (MODE_FULL), the packed rows of
+    each sequence packed (MODE_OFFSETS, the offsets mode of the shared kernel)."""
+    packed = token_offsets is not None
+    delta = torch.empty((H, out.shape[0]) if packed else (B, H, L), dtype=torch.float32, device=out.device)
+    delta_block = 32 if INTERPRET else 64
+    # the lengths arguments are unused in MODE_FULL
+    bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
+        out, grad_out, delta, token_offsets if packed else lengths, lengths, *rows4(out), *rows4(grad_out),
+        *rows3(delta), H, L, out.shape[0] if packed else L, HEAD_D=D, BLOCK_D=D,
+        Q_MODE=MODE_OFFSETS if packed else MODE_FULL, BLOCK_M=delta_block, num_warps=4)
+    return delta
+
+
 def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
                                     causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None, *,
-                                    kv_bounds=None, q_lengths=None):
-    """-> (dq, dk, dv), contiguous (B, H, L, D) in the inputs' dtypes; deterministic (no atomics)."""
-    B, H, L, D = q.shape
+                                    kv_bounds=None, q_lengths=None, token_offsets=None, max_len: int = 0):
+    """-> (dq, dk, dv), contiguous, shaped like q (B, H, L, D) or packed (T, H, D), in the inputs' dtypes;
+    deterministic (no atomics)."""
+    packed = token_offsets is not None
+    (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
     unfused = _unfused_rotary(rotary, D)
     # unfused rotary: the kernels' dq, dk stay fp32 until the transposed rotation (one rounding)
-    dq = torch.empty((B, H, L, D), dtype=torch.float32 if unfused else q.dtype, device=q.device)
-    dk = torch.empty((B, H, L, D), dtype=torch.float32 if unfused else k.dtype, device=q.device)
-    dv = torch.empty((B, H, L, D), dtype=v.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
+    dk = torch.empty(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
+    dv = torch.empty(q.shape, dtype=v.dtype, device=q.device)
     if dq.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype), dv
     if unfused:
         tables = (cos, sin, rotary)
-        q, k = _rotated_inputs(q, k, cos, sin, rotary)
+        q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)
         cos = sin = None
         rotary = "none"
-    cos, sin, c_strides = _tables(cos, sin, q)
+    if packed:
+        q_lengths = lengths
+    cos, sin, c_strides = _tables(cos, sin, q, B)
     buckets = (length_bucket(L), _window_bucket(window))
-    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths)
+    consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths, packed)
     inputs = (q, k, v, cos, sin, grad_out)
     mask, kv_range, *m_strides = _kv_mask_args(kv_mask, lengths, kv_bounds)
     q_rows = lengths if q_lengths is None else q_lengths  # (unread without q_lengths)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *c_strides, *grad_out.stride(), *lse.stride())
+    sequences = (lengths, mask, kv_range, q_rows, token_offsets if packed else lengths)
+    strides = (*rows4(q), *rows4(k), *rows4(v), *c_strides, *rows4(grad_out), *rows3(lse))
     scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):
         launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
-               (*inputs, lse, dq, dk, dv, lengths, mask, kv_range, q_rows, *strides, *dq.stride(), *scalars),
-               consts, buckets)
+               (*inputs, lse, dq, dk, dv, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     else:
-        delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        delta_block = 32 if INTERPRET else 64
-        # every row < L is a query row here (MODE_FULL); the lengths arguments are unused in that mode
-        bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
-            out, grad_out, delta, lengths, lengths, *out.stride(), *grad_out.stride(), *delta.stride(),
-            H, L, L, HEAD_D=D, BLOCK_D=D, Q_MODE=MODE_FULL, BLOCK_M=delta_block, num_warps=4)
+        delta = _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3)
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-               (*inputs, lse, delta, dk, dv, lengths, mask, kv_range, q_rows, *strides, *dk.stride(),
-                *scalars), consts, buckets)
+               (*inputs, lse, delta, dk, dv, *sequences, *strides, *rows4(dk), *scalars), consts, buckets)
         launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
-               (*inputs, lse, delta, dq, lengths, mask, kv_range, q_rows, *strides, *dq.stride(), *scalars),
-               consts, buckets)
+               (*inputs, lse, delta, dq, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
-        dq = apply_rotary_transpose(dq, cos0, sin0, rotary0).to(out.dtype)
-        dk = apply_rotary_transpose(dk, cos0, sin0, rotary0).to(out.dtype)
+        dq = _rotary_transpose(dq, cos0, sin0, rotary0, token_offsets).to(out.dtype)
+        dk = _rotary_transpose(dk, cos0, sin0, rotary0, token_offsets).to(out.dtype)
     return dq, dk, dv

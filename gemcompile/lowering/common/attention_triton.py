@@ -12,9 +12,8 @@ loads and stores (:func:`load_rows`, :func:`store_rows`), and the softmax backwa
 delta = rowsum(dO * O) kernel (:func:`bwd_delta_kernel`, jagged and block attention).
 
 Every sequence is addressed by (start row, length): in the padded layout (B, H, L, D) the start row is 0
-and the length comes from a lengths tensor (clamped into [0, L]) or is the padded length. The kernels
-also keep an offsets mode (a packed (T, H, D) layout, MODE_OFFSETS) that no launcher uses since the
-packed ops were removed.
+and the length comes from a lengths tensor (clamped into [0, L]) or is the padded length. The offsets
+mode (a packed (T, H, D) layout, MODE_OFFSETS) serves block attention's packed layout (its delta kernel).
 """
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ KV_BOUNDS_WIDTH = tl.constexpr(length_order.KV_BOUNDS_WIDTH)
 # How a side (queries or keys) finds its sequences.
 MODE_FULL = 0  # every sequence has the padded length
 MODE_LENGTHS = 1  # padded layout, lengths (B,) tensor, start row 0
-MODE_OFFSETS = 2  # packed layout, offsets (B+1,) tensor (kept in the kernels; no launcher uses it)
+MODE_OFFSETS = 2  # packed layout, offsets (B+1,) tensor
 
 
 def length_bucket(n: int) -> int:

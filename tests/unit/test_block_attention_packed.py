@@ -1,0 +1,202 @@
+"""block_attention in the packed layout (token_offsets, max_len): q, k, v (T, H, D) strided views of one
+(T, 3 * H * D) projection, against the float64 padded reference restricted to the valid rows (outputs,
+lse and dq, dk, dv), through the Triton kernels under the interpreter (TRITON_INTERPRET=1, set by conftest)
+and through the op's reference path on CPU; opcheck of the new signature; the errors it raises.
+
+Lengths include 0 and L (and 1, odd). bfloat16 is left to the GPU tests (the interpreter's tl.dot on it is
+wrong)."""
+
+import os
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import gemcompile.lowering  # noqa: F401  (registers the ops)
+from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
+
+ops = torch.ops.gemcompile
+TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3), torch.float64: (1e-12, 1e-12)}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def packed_case(B, H, L, D, dtype, rotary="none", seed=0, lengths=None, device="cpu"):
+    """(packed q, k, v as views of one projection, lengths, offsets, cos, sin, where = (batch, position) of
+    each packed row)."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        special = [L, 0, 1, (L // 3) | 1]
+        lengths = torch.tensor([special[i] if i < 4 else int(torch.randint(0, L + 1, (1,), generator=g))
+                                for i in range(B)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    T = int(offsets[-1])
+    projection = torch.randn(T, 3 * H * D, generator=g).to(device, dtype)
+    q, k, v = (x.view(T, H, D) for x in projection.split(H * D, dim=1))  # strided views, read in place
+    cos = sin = None
+    if rotary != "none":
+        theta = torch.rand(L, D, generator=g) * 6.3
+        cos, sin = theta.cos().to(device, dtype), theta.sin().to(device, dtype)
+    batch = torch.repeat_interleave(torch.arange(B), lengths)
+    where = (batch.to(device), (torch.arange(T) - offsets[batch]).to(device))
+    return q, k, v, lengths.to(device), offsets.to(device), cos, sin, where
+
+
+def pad(x, where, B, L):
+    """(T, H, D) -> (B, H, L, D) float64, zeros at padded rows."""
+    out = x.new_zeros((B, L, *x.shape[1:]), dtype=torch.float64)
+    out[where] = x.double()
+    return out.transpose(1, 2)
+
+
+def unpad(x, where):
+    return x.transpose(1, 2)[where]
+
+
+def padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out, scale=0.3):
+    """The padded op in float64 on the padded tensors, restricted to the valid rows: (out, lse (H, T), dq,
+    dk, dv). Padded rows of the upstream gradient are 0, as an exit scatter's backward gives them."""
+    B = lengths.shape[0]
+    qp, kp, vp, gp = (pad(x, where, B, L) for x in (q, k, v, grad_out))
+    t64 = [None if t is None else t.double() for t in (cos, sin)]
+    out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, *t64, rotary, scale)
+    grads = reference_backward(gp, qp, kp, vp, out, lse, lengths, block, window, causal, *t64, rotary, scale)
+    return (unpad(out, where), lse.transpose(0, 1)[:, where[0], where[1]], *(unpad(g, where) for g in grads))
+
+
+def compare(got, want, dtype, tol=None, lse_tol=4e-3):
+    fwd_tol, bwd_tol = tol or TOL[dtype]
+    out, lse, *grads = got
+    ref_out, ref_lse, *ref_grads = want
+    assert out.shape == ref_out.shape and out.dtype == dtype
+    assert rel(out, ref_out) < fwd_tol, rel(out, ref_out)
+    empty = torch.isposinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), empty)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], rtol=0, atol=lse_tol)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == dtype and not g.isnan().any(), name
+        assert rel(g, r) < bwd_tol, (name, rel(g, r))
+
+
+CASES = [  # block, window, causal, rotary, dtype, L (interpreter tiles: closed 32 rows, general 32x16)
+    (16, -1, False, "none", torch.float32, 48),  # closed kernels, two blocks per tile
+    (32, -1, True, "half", torch.float16, 45),  # closed, partial last tile
+    (16, -1, True, "half", torch.float32, 40),
+    (32, -1, False, "none", torch.float16, 64),
+    (64, -1, True, "none", torch.float32, 70),  # general kernels (block larger than the tile)
+    (0, 5, False, "half", torch.float16, 37),  # general kernels, window only
+    (16, -1, True, "interleaved", torch.float32, 40, 16),  # rotary at D = 16: torch rotates the packed rows
+    (0, 4, False, "half", torch.float16, 30, 16),
+]
+IDS = [f"block{c[0]}-w{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}-{str(c[4])[6:]}" for c in CASES]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter test: runs on a machine without CUDA")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_packed_kernels_match_padded(case):
+    pytest.importorskip("triton")
+    from gemcompile.lowering.block_attention.triton import (
+        block_attention_backward_triton,
+        block_attention_forward_triton,
+    )
+
+    block, window, causal, rotary, dtype, L, *head = case
+    B, H, D = 5, 2, (head or [32])[0]
+    q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=L + block)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
+    packed = {"token_offsets": offsets.int(), "max_len": L}
+    out, lse = block_attention_forward_triton(q, k, v, *args, **packed)
+    grads = block_attention_backward_triton(grad_out, q, k, v, out, lse, *args, **packed)
+    want = padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out)
+    compare((out, lse, *grads), want, dtype)
+
+
+@pytest.mark.parametrize("block,window,causal,rotary,dtype", [
+    (16, -1, True, "half", torch.float64),
+    (32, -1, False, "none", torch.float32),
+    (0, 3, True, "interleaved", torch.float64),
+    (8, -1, False, "half", torch.float64),
+])
+def test_packed_op_matches_padded_on_reference_path(block, window, causal, rotary, dtype):
+    """The public op on CPU (the reference path) with autograd: packed output and gradients equal the
+    padded op's valid rows."""
+    B, H, L, D = 6, 2, 24, 16
+    q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=block + 7)
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out = ops.block_attention(q, k, v, lengths, block, window, causal, cos, sin, rotary, 0.3, None, None,
+                              None, offsets, L)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    _, lse = ops.block_attention_fwd(q, k, v, lengths, block, window, causal, cos, sin, rotary, 0.3, None,
+                                     None, None, offsets, L)
+    want = padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out)
+    compare((out, lse, *grads), want, dtype)
+
+
+def test_packed_flops_equal_padded():
+    """FLOP formulas count the same useful pairs in both layouts."""
+    B, H, L, D = 4, 2, 20, 16
+    q, k, v, lengths, offsets, _, _, where = packed_case(B, H, L, D, torch.float32, seed=3)
+    qp, kp, vp = (pad(x, where, B, L).float() for x in (q, k, v))
+    counts = []
+    for args in ((qp, kp, vp, lengths, 8, -1, True, None, None, "none", 0.3),
+                 (q, k, v, lengths, 8, -1, True, None, None, "none", 0.3, None, None, None, offsets, L)):
+        x = [a.detach().requires_grad_(True) if i < 3 else a for i, a in enumerate(args)]
+        with FlopCounterMode(display=False) as counter:
+            ops.block_attention(*x).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+
+def test_opcheck_packed():
+    B, H, L, D = 3, 2, 10, 8
+    q, k, v, lengths, offsets, cos, sin, _ = packed_case(B, H, L, D, torch.float64, "half", seed=4,
+                                                         lengths=torch.tensor([10, 0, 7]))
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    args = (q, k, v, lengths, 4, -1, True, cos, sin, "half", 0.3, None, None, None, offsets, L)
+    for op in (ops.block_attention_fwd.default, ops.block_attention.default):
+        result = torch.library.opcheck(op, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
+    with torch.no_grad():
+        out, lse = ops.block_attention_fwd(*args)
+    result = torch.library.opcheck(ops.block_attention_bwd.default,
+                                   (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                    *args[3:]))
+    assert all(r == "SUCCESS" for r in result.values()), result
+
+
+def _packed_args(**over):
+    B, H, L, D = 2, 2, 8, 16
+    q, k, v, lengths, offsets, _, _, _ = packed_case(B, H, L, D, torch.float32, seed=5,
+                                                     lengths=torch.tensor([8, 3]))
+    args = {"q": q, "k": k, "v": v, "lengths": lengths, "block": 4, "window": -1, "causal": False,
+            "cos": None, "sin": None, "rotary": "none", "scale": 0.3, "kv_mask": None, "kv_bounds": None,
+            "q_lengths": None, "token_offsets": offsets, "max_len": L}
+    args.update(over)
+    return tuple(args.values())
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"token_offsets": torch.tensor([0, 8])}, "token_offsets must be 1-D of size B \\+ 1"),
+    ({"token_offsets": torch.tensor([0, 8, 10])}, "token_offsets must be \\[0, cumsum"),
+    ({"token_offsets": torch.tensor([0.0, 8.0, 11.0])}, "token_offsets must be an int32 or int64"),
+    ({"kv_mask": torch.ones(2, 8, dtype=torch.bool)}, "kv_mask is not supported with token_offsets"),
+    ({"q_lengths": torch.tensor([8, 3])}, "q_lengths must be None with token_offsets"),
+    ({"max_len": 0}, "max_len \\(the padded length L\\) must be an int >= 1"),
+    ({"lengths": torch.tensor([9, 2])}, "lengths\\[0\\] = 9 is outside"),
+])
+def test_packed_errors(over, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.block_attention(*_packed_args(**over))
+
+
+def test_max_len_without_offsets_is_refused():
+    q = torch.randn(2, 2, 8, 16)
+    with pytest.raises(ValueError, match="give it only with token_offsets"):
+        ops.block_attention(q, q, q, torch.tensor([8, 3]), 4, -1, False, None, None, "none", 0.3, None, None,
+                            None, None, 8)
