@@ -70,6 +70,7 @@ import torch.fx as fx
 
 from gemcompile.config import GemConfig
 from gemcompile.passes import fp8_saved
+from gemcompile.passes.base import lowering_fingerprint
 from gemcompile.passes.graph_liveness import peak_liveness
 from gemcompile.passes.graph_liveness import size_hint as _hint
 from gemcompile.passes.graph_liveness import storage_bytes as _storage_bytes
@@ -454,7 +455,7 @@ class ActivationMemoryPartitioner(_PartitionerBase):  # type: ignore[misc, valid
         h = hashlib.sha256(Path(inspect.getsourcefile(type(self)) or __file__).read_bytes())
         h.update(Path(fp8_saved.__file__).read_bytes())  # the joint rewrite it runs
         for part in (self.config.fingerprint("memory"), repr(sorted(versions().items())),
-                     repr(chained_uuid)):
+                     lowering_fingerprint(), repr(chained_uuid)):
             h.update(part.encode())
         return h.hexdigest()
 

@@ -43,6 +43,25 @@ STAGES: tuple[Stage, ...] = ("pre_grad", "joint", "post_grad")
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
+def lowering_fingerprint() -> str:
+    """sha256 of gemcompile's ops as compiled code calls them: every source file of gemcompile/lowering (fake
+    impls, kernels) and the registered ``gemcompile::`` schemas. In every pass's and the partitioner's uuid,
+    so Inductor's FX graph cache never hands back code compiled against another version of the ops (seen:
+    'gdpa_bwd expected at most 21 arguments but received 23' after the schema gained two)."""
+    import gemcompile.lowering as lowering
+
+    h = hashlib.sha256()
+    root = Path(lowering.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("gemcompile::"))
+    for name in names:
+        for schema in torch._C._jit_get_schemas_for_operator(name):
+            h.update(str(schema).encode())
+    return h.hexdigest()
+
+
 def _source_hash(cls: type) -> str:
     """sha256 of the files that define a pass: its own module, every gemcompile base class's, and the
     modules it names in ``source_modules``."""
@@ -104,6 +123,7 @@ class GemPass(CustomGraphPass):
             _source_hash(type(self)),
             "" if self.config_section is None else self.config.fingerprint(self.config_section),
             repr(sorted(versions().items())),
+            lowering_fingerprint(),
         ):
             h.update(part.encode())
         return h.hexdigest()

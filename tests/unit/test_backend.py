@@ -176,3 +176,19 @@ def test_a_partitioner_already_in_the_slot_is_chained_under_the_budget():
         torch.compile(lambda x, a, b: (x @ a) @ b, backend=backend)(x, w1, w2)  # GEMMs only: no C++ to build
     assert UserPartitioner.budgets == [0.5]
     assert len(backend.last_log.memory) == 1
+
+
+def test_the_uuids_cover_the_ops_compiled_code_calls(monkeypatch):
+    """Code cached against another version of gemcompile's ops (a schema with fewer arguments, another fake
+    impl) must not come back: every pass's uuid and the partitioner's cover lowering/'s sources and schemas."""
+    from gemcompile.passes import activation_memory, base
+    from gemcompile.passes.activation_memory import ActivationMemoryPartitioner
+
+    fingerprint = base.lowering_fingerprint()
+    assert len(fingerprint) == 64 and fingerprint == base.lowering_fingerprint()
+    config = GemConfig(memory={"budget": 0.5})
+    before = (_toy_pass(())(GemConfig()).uuid(), ActivationMemoryPartitioner(config).uuid())
+    monkeypatch.setattr(base, "lowering_fingerprint", lambda: "another version of the ops")
+    monkeypatch.setattr(activation_memory, "lowering_fingerprint", lambda: "another version of the ops")
+    after = (_toy_pass(())(GemConfig()).uuid(), ActivationMemoryPartitioner(config).uuid())
+    assert before[0] != after[0] and before[1] != after[1]
