@@ -178,6 +178,11 @@ class UnpadConfig:
     one graph per distinct size, so an exact T records anew for nearly every batch; with buckets each
     capacity records once. Costs one more small op per region and the slack rows."""
 
+    packed_attention: bool = True
+    """Attention ops with a packed layout (block_attention) read and write the region's packed rows, so the
+    region goes on through them (passes/unpad_attention.py) instead of scattering q, k, v to padded rows and
+    gathering the output back. False keeps every attention op a region boundary."""
+
     pad_reductions: bool | None = None
     """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
     (bias and norm-weight gradients); see passes/unpad_reductions.py. None (the default): only where

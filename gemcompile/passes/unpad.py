@@ -443,7 +443,8 @@ class UnpadPass(GemPass):
         """Attention ops that now read and write this region's packed rows (unpad_attention.py): their
         counts by op, the scatters and gathers that went away, and the text for explain."""
         result = {"ops": {}, "scatters": 0, "gathers": 0, "text": ""}
-        if mask.vector is not None or self.options.token_buckets:  # (packed by lengths, no slack rows)
+        if (not self.options.packed_attention or mask.vector is not None
+                or self.options.token_buckets):  # (packed by lengths, no slack rows)
             return result
 
         def offsets() -> fx.Node:  # one per lengths per graph, right after the token index

@@ -154,3 +154,12 @@ def test_token_buckets_keep_the_padded_boundary():
     report = compare(Stack(), lambda m: gem_compile(m, config=config), config)
     assert not unpad_record(report).metrics["packed_attention"]
     assert all(len(n.args) <= 14 or n.args[14] is None for n in attention_nodes(report))
+
+
+def test_packed_attention_off_keeps_the_padded_boundary():
+    """UnpadConfig.packed_attention=False: every attention op stays a region boundary, as before."""
+    config = GemConfig(unpad={"packed_attention": False})
+    report = compare(Stack(), lambda m: gem_compile(m, config=config), config)
+    record = unpad_record(report)
+    assert not record.metrics["packed_attention"] and record.metrics["scatters"] > 1
+    assert all(len(n.args) <= 14 or n.args[14] is None for n in attention_nodes(report))
