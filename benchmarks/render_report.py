@@ -231,6 +231,8 @@ def env_line(path: Path, payload: dict) -> str:
         parts.append(str(env["date_utc"])[:10])
     if "machine_shared" in env:
         parts.append(f"machine shared: {env['machine_shared']}")
+    if env.get("source_digest"):  # names the code even where the commit field lagged (a device copy's HEAD)
+        parts.append(f"sources {str(env['source_digest'])[:8]}")
     return ", ".join(parts)
 
 
@@ -1069,7 +1071,9 @@ def gpu_tests() -> str:
         xml = path.with_suffix(".xml")
         rows = [[file, str(c["tests"]), str(c["passed"]), str(c["failed"]), str(c["errors"]), str(c["skipped"])]
                 for file, c in payload["by_file"].items()]
-        lines += [f"Source: {cite(path)} and {cite(xml)} ({env_line(path, payload)}).", ""]
+        cut = (" Cut by its time limit: the tests that had not finished are in no count."
+               if payload.get("complete") is False else "")
+        lines += [f"Source: {cite(path)} and {cite(xml)} ({env_line(path, payload)}).{cut}", ""]
         lines += table(["file", "tests", "passed", "failed", "errors", "skipped"], rows) + [""]
     return "\n".join(lines).rstrip()
 
