@@ -50,12 +50,17 @@ class PackedLayout:
 
     rows: tuple[str, ...]
     """Operands that are (B, H, N, D) token rows; packed, they are (T, H, D)."""
-    lengths: str
-    """The lengths the rows are valid by (must be the region's)."""
+    output_rows: bool
+    """The output is (B, H, N, D) token rows, read back by the region's gather (packed: (T, H, D)); else it
+    is dense and its readers are kept."""
+    lengths: tuple[str, ...]
+    """Lengths arguments that must be the region's (the token-row keys are valid by them); kept."""
     same_lengths: tuple[str, ...]
-    """Optional lengths arguments that must be None or the region's lengths (dropped when packed)."""
+    """Optional lengths arguments that must be None or the region's lengths."""
+    drop_same_lengths: bool
+    """Whether the packed call passes None for them (the op refuses them with offsets)."""
     absent: tuple[str, ...]
-    """Arguments that must be None."""
+    """Arguments that must hold their default (None, 0)."""
     offsets: str
     """Where the packed op takes the (B+1,) token offsets."""
     max_len: str
@@ -63,11 +68,21 @@ class PackedLayout:
 
 
 PACKED_LAYOUTS: dict[str, PackedLayout] = {
-    "block_attention": PackedLayout(rows=("q", "k", "v"), lengths="lengths", same_lengths=("q_lengths",),
-                                    absent=("kv_mask", "kv_bounds"), offsets="token_offsets",
-                                    max_len="max_len"),
+    "block_attention": PackedLayout(rows=("q", "k", "v"), output_rows=True, lengths=("lengths",),
+                                    same_lengths=("q_lengths",), drop_same_lengths=True,
+                                    absent=("kv_mask", "kv_bounds"), offsets="token_offsets", max_len="max_len"),
+    # packed queries over dense keys (GEM-ref's GDPA cross-attention); q_lengths (and its q_order) may stay:
+    # the op takes the offsets' token counts
+    "gdpa": PackedLayout(rows=("q",), output_rows=True, lengths=(), same_lengths=("q_lengths",),
+                         drop_same_lengths=False, absent=("num_targets", "contextual_len"),
+                         offsets="token_offsets", max_len="packed_len"),
+    # packed keys and values, dense queries and output (GEM-ref's PMA pooling)
+    "jagged_attention": PackedLayout(rows=("k", "v"), output_rows=False, lengths=("kv_lengths",),
+                                     same_lengths=(), drop_same_lengths=False,
+                                     absent=("q_lengths", "kv_mask", "kv_bounds", "uniform_keys"),
+                                     offsets="token_offsets", max_len="packed_len"),
 }
-"""Attention ops with a packed layout; the output is one (B, H, N, D) tensor of token rows."""
+"""Attention ops with a packed layout."""
 
 
 @dataclass
@@ -189,26 +204,38 @@ def _same_lengths(arg, mask: RowMask, seq) -> bool:
     return found is not None and found[0] is mask.lengths and found[1] == mask.offset
 
 
+def _is_default(value) -> bool:
+    return value is None or (type(value) is int and value == 0)
+
+
+def _region_rows(shape, mask: RowMask) -> bool:
+    """(B, H, N, D) over the region's batch and padded length."""
+    return shape is not None and len(shape) == 4 and same_size(shape[0], mask.batch) and \
+        same_size(shape[2], mask.seq)
+
+
 def _plan(node: fx.Node, layout: PackedLayout, index: RegionIndex):
-    """(arguments of the packed call, row ops per row operand, output gathers), or None to keep the node."""
+    """(arguments of the packed call, row ops per row operand, output gathers or None for a dense output),
+    or None to keep the node."""
     mask = index.mask
     call = schema_arguments(node)
-    shape = shape_of(node)
-    if shape is None or len(shape) != 4 or \
-            not (same_size(shape[0], mask.batch) and same_size(shape[2], mask.seq)):
+    if layout.output_rows and not _region_rows(shape_of(node), mask):
         return None
-    if not _same_lengths(call[layout.lengths], mask, mask.seq):
+    if not all(_same_lengths(call[a], mask, mask.seq) for a in layout.lengths):
         return None
-    if any(call[a] is not None for a in layout.absent):
+    if not all(_is_default(call[a]) for a in layout.absent):
         return None
     if any(call[a] is not None and not _same_lengths(call[a], mask, mask.seq) for a in layout.same_lengths):
         return None
     rows = {}
     for name in layout.rows:
-        found = _packed_rows(call[name], index, shape[1], shape[3])
+        shape = shape_of(call[name]) if isinstance(call[name], fx.Node) else None
+        found = _packed_rows(call[name], index, shape[1], shape[3]) if _region_rows(shape, mask) else None
         if found is None:
             return None
         rows[name] = found
+    if not layout.output_rows:
+        return call, rows, None
     gathers = _output_gathers(node, index)
     if gathers is None:
         return None
@@ -237,6 +264,11 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
         except Unproven:
             emit.rollback(mark)  # nothing rewired yet: the old boundary stays
             continue
+        if gathers is None:  # a dense output: its readers read the packed op's, as they read the padded one's
+            node.replace_all_uses_with(out)
+            erase_dead([node])  # the padded op, the head splits and scatters before it
+            names.append(name)
+            continue
         readers = []
         for gather, flat in gathers:
             with graph.inserting_before(gather):
@@ -255,16 +287,15 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
 def _emit_packed(emit: Emitter, node: fx.Node, layout: PackedLayout, call: dict, rows: dict,
                  index: RegionIndex) -> fx.Node:
     """The packed op call: row operands as (T, H, D) with their row ops, the offsets and N."""
-    shape = shape_of(node)
     for arg, (packed, ops) in rows.items():
-        value = packed
+        value, shape = packed, shape_of(call[arg])
         if len(shape_of(packed)) == 2:  # (T, H * D) scattered before the head split
             value = emit.method("unflatten", (packed, -1, (shape[1], shape[3])))
         for op in ops:  # the same op on (T, H, D): it reads the head dim of one row
             value = emit.node(op.op, op.target, (value, *op.args[1:]), dict(op.kwargs))
             _copy_meta(op, value)
         call[arg] = value
-    for a in layout.same_lengths:
+    for a in layout.same_lengths if layout.drop_same_lengths else ():
         call[a] = None
     call[layout.offsets] = index.offsets()
     call[layout.max_len] = int(index.mask.seq)
