@@ -4,7 +4,7 @@ Without this, every attention op is a region boundary: q, k and v leave the regi
 ``zeros(B, N, H, D).index_put((b, n), packed)``, are viewed as (B, H, N, D), and the attention output
 enters again through a gather. The padded copies are the largest tensors saved for the backward (issue 26)
 and the scatters and gathers cost a pass over B x N rows each (issue 24). Where the attention op has a
-packed layout (``token_offsets``, ``max_len``: lowering/block_attention/op.py), :func:`pack_attentions`
+packed layout (``token_offsets`` and N: the ops' docstrings in lowering/), :func:`pack_attentions`
 rewrites, on the graph the region rewrite left,
 
     q = transpose(zeros(B, N, H, D).index_put((b, n), q_packed), 1, 2)   [-> rms_norm / layer_norm /
@@ -17,17 +17,21 @@ between the scatter and the attention run on the (T, H, D) rows (they act on the
 they commute with packing). ``token_offsets = [0, cumsum(clamp(lengths + c, 0, N))]`` is emitted once per
 lengths per graph.
 
-Why it is exact. The scatter and the gather use the region's own index (node identity), so every packed
-row is a token n < lengths[b] + c; the op's lengths are the same (the attention pass's clamp of the same
-lengths node and offset, compared by identity); so the packed op's rows are exactly the valid rows of the
-padded one, and it computes them as the padded op does (op.py), positions n included. The padded op's other
-rows are read by nobody: every reader of its output is the gather (through the transpose back and an
-optional flatten to (B, N, H * D)), which reads the valid rows only. Anything else (another reader, a
-kv_mask, q_lengths other than the lengths, an argument built another way, token buckets) keeps the old
-boundary, silently: it is what the pass did before.
+Not every operand need be token rows. GEM-ref's GDPA cross-attention (gdpa) has the sequence's queries
+over dense summary keys: q is packed, k and v stay (B, H, S, D), the output is packed as above. Its PMA
+pooling (jagged_attention) has learned dense queries over the sequence's keys: k and v are packed and the
+output (B, H, P, D) stays dense, its readers unchanged. :data:`PACKED_LAYOUTS` says, per op, which operands
+are token rows, whether the output is, and which lengths must be the region's.
 
-The table :data:`PACKED_LAYOUTS` says, per op, which operands are token rows and where the packed layout's
-arguments go; an op that gains a packed layout (gdpa, jagged_attention) is one more entry.
+Why it is exact. The scatter and the gather use the region's own index (node identity), so every packed
+row is a token n < lengths[b] + c. Keys are valid by lengths that are the region's (the attention pass's
+clamp of the same lengths node and offset, compared by identity), so the packed keys are exactly the keys
+the padded op reads; queries' lengths are None or the region's (both give the valid rows their values). The
+packed op computes the valid rows as the padded one does (op.py), positions n included. The padded op's
+other query rows are read by nobody: every reader of a token-row output is the gather (through the
+transpose back and an optional flatten to (B, N, H * D)), which reads the valid rows only; a dense output
+has no padded rows. Anything else (another reader, a kv_mask, lengths other than the region's, an argument
+built another way, token buckets) keeps the old boundary, silently: it is what the pass did before.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 
 Compiled (CPU, the ops' reference path) equals eager, outputs and every gradient, fp32, over length sets
 with 0 and N, one compile; no scatter feeds the packed operands and explain names the op. Near-misses (keys
-over other lengths, a data (holes) mask, output rows zeroed by other lengths) keep the padded boundary and
-still equal eager.
+over other lengths, a data (holes) mask, output rows zeroed by other lengths) and
+UnpadConfig.packed_attention=False keep the padded boundary and still equal eager.
 """
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemcompile import gem_compile
+from gemcompile import GemConfig, gem_compile
 from tests.integration.test_unpad_packed_attention import (B, D, H, N, compare, fed_by_scatter, length_mask,
                                                            unpad_record)
 from tests.rewritten import rewritten
@@ -109,8 +109,8 @@ def test_gdpa_reads_and_writes_packed_queries():
     assert not fed_by_scatter(node.args[0]), node.format_node()
 
 
-@pytest.mark.parametrize("model, variant", [(PoolingModel, "other_keys"), (PoolingModel, "holes"),
-                                            (CrossModel, "other_rows"), (CrossModel, "holes")])
+@pytest.mark.parametrize("model, variant", [(PoolingModel, "other_keys"), (CrossModel, "other_rows"),
+                                            (CrossModel, "holes")])
 def test_cross_attention_near_misses_keep_the_padded_boundary(model, variant):
     """Keys over other lengths, a region of a data mask, GDPA output rows zeroed by other lengths: the op
     keeps its padded layout, and the compiled model still equals eager."""
@@ -119,3 +119,13 @@ def test_cross_attention_near_misses_keep_the_padded_boundary(model, variant):
     assert records and all(not r.metrics.get("packed_attention") for r in records)
     nodes = ops_named(report, "jagged_attention") + ops_named(report, "gdpa")
     assert nodes and all(len(n.args) < 15 or n.args[-2] is None for n in nodes)
+
+
+def test_packed_attention_off_keeps_the_pma_boundary():
+    """UnpadConfig.packed_attention=False: k and v leave the region by its scatters, as before."""
+    config = GemConfig(unpad={"packed_attention": False})
+    report = compare(PoolingModel(), lambda m: gem_compile(m, config=config), config)
+    assert not unpad_record(report).metrics["packed_attention"]
+    (node,) = ops_named(report, "jagged_attention")
+    assert len(node.args) < 15 or node.args[13] is None
+    assert all(fed_by_scatter(a) for a in node.args[1:3]), node.format_node()
