@@ -25,9 +25,10 @@ therefore allowed only where that cannot change the answer, proven by one of two
 makes nothing harmless, so zeroing with one vector never excuses packing by another.
 A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.
 
-Attention ops with a packed layout (block_attention) do not end the region: where q, k and v leave it by
-its own scatters, split into heads, and the output comes back by its own gather, the op reads and writes
-the packed rows instead (unpad_attention.py says why that is exact); explain lists them in the record.
+Attention ops with a packed layout (block_attention; gdpa's queries, jagged_attention's keys) do not end the
+region: where their token-row operands leave it by its own scatters, split into heads, and a token-row
+output comes back by its own gather, the op reads and writes the packed rows instead (unpad_attention.py
+says why that is exact); explain lists them in the record.
 Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
 zeros there instead (the convention the attention rewrites follow for fully masked rows).
 

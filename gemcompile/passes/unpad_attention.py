@@ -4,7 +4,7 @@ Without this, every attention op is a region boundary: q, k and v leave the regi
 ``zeros(B, N, H, D).index_put((b, n), packed)``, are viewed as (B, H, N, D), and the attention output
 enters again through a gather. The padded copies are the largest tensors saved for the backward (issue 26)
 and the scatters and gathers cost a pass over B x N rows each (issue 24). Where the attention op has a
-packed layout (``token_offsets``, ``max_len``: lowering/block_attention/op.py), :func:`pack_attentions`
+packed layout (``token_offsets`` and N: the ops' docstrings in lowering/), :func:`pack_attentions`
 rewrites, on the graph the region rewrite left,
 
     q = transpose(zeros(B, N, H, D).index_put((b, n), q_packed), 1, 2)   [-> rms_norm / layer_norm /
@@ -17,17 +17,21 @@ between the scatter and the attention run on the (T, H, D) rows (they act on the
 they commute with packing). ``token_offsets = [0, cumsum(clamp(lengths + c, 0, N))]`` is emitted once per
 lengths per graph.
 
-Why it is exact. The scatter and the gather use the region's own index (node identity), so every packed
-row is a token n < lengths[b] + c; the op's lengths are the same (the attention pass's clamp of the same
-lengths node and offset, compared by identity); so the packed op's rows are exactly the valid rows of the
-padded one, and it computes them as the padded op does (op.py), positions n included. The padded op's other
-rows are read by nobody: every reader of its output is the gather (through the transpose back and an
-optional flatten to (B, N, H * D)), which reads the valid rows only. Anything else (another reader, a
-kv_mask, q_lengths other than the lengths, an argument built another way, token buckets) keeps the old
-boundary, silently: it is what the pass did before.
+Not every operand need be token rows. GEM-ref's GDPA cross-attention (gdpa) has the sequence's queries
+over dense summary keys: q is packed, k and v stay (B, H, S, D), the output is packed as above. Its PMA
+pooling (jagged_attention) has learned dense queries over the sequence's keys: k and v are packed and the
+output (B, H, P, D) stays dense, its readers unchanged. :data:`PACKED_LAYOUTS` says, per op, which operands
+are token rows, whether the output is, and which lengths must be the region's.
 
-The table :data:`PACKED_LAYOUTS` says, per op, which operands are token rows and where the packed layout's
-arguments go; an op that gains a packed layout (gdpa, jagged_attention) is one more entry.
+Why it is exact. The scatter and the gather use the region's own index (node identity), so every packed
+row is a token n < lengths[b] + c. Keys are valid by lengths that are the region's (the attention pass's
+clamp of the same lengths node and offset, compared by identity), so the packed keys are exactly the keys
+the padded op reads; queries' lengths are None or the region's (both give the valid rows their values). The
+packed op computes the valid rows as the padded one does (op.py), positions n included. The padded op's
+other query rows are read by nobody: every reader of a token-row output is the gather (through the
+transpose back and an optional flatten to (B, N, H * D)), which reads the valid rows only; a dense output
+has no padded rows. Anything else (another reader, a kv_mask, lengths other than the region's, an argument
+built another way, token buckets) keeps the old boundary, silently: it is what the pass did before.
 """
 
 from __future__ import annotations
@@ -50,12 +54,17 @@ class PackedLayout:
 
     rows: tuple[str, ...]
     """Operands that are (B, H, N, D) token rows; packed, they are (T, H, D)."""
-    lengths: str
-    """The lengths the rows are valid by (must be the region's)."""
+    output_rows: bool
+    """The output is (B, H, N, D) token rows, read back by the region's gather (packed: (T, H, D)); else it
+    is dense and its readers are kept."""
+    lengths: tuple[str, ...]
+    """Lengths arguments that must be the region's (the token-row keys are valid by them); kept."""
     same_lengths: tuple[str, ...]
-    """Optional lengths arguments that must be None or the region's lengths (dropped when packed)."""
+    """Optional lengths arguments that must be None or the region's lengths."""
+    drop_same_lengths: bool
+    """Whether the packed call passes None for them (the op refuses them with offsets)."""
     absent: tuple[str, ...]
-    """Arguments that must be None."""
+    """Arguments that must hold their default (None, 0)."""
     offsets: str
     """Where the packed op takes the (B+1,) token offsets."""
     max_len: str
@@ -63,11 +72,21 @@ class PackedLayout:
 
 
 PACKED_LAYOUTS: dict[str, PackedLayout] = {
-    "block_attention": PackedLayout(rows=("q", "k", "v"), lengths="lengths", same_lengths=("q_lengths",),
-                                    absent=("kv_mask", "kv_bounds"), offsets="token_offsets",
-                                    max_len="max_len"),
+    "block_attention": PackedLayout(rows=("q", "k", "v"), output_rows=True, lengths=("lengths",),
+                                    same_lengths=("q_lengths",), drop_same_lengths=True,
+                                    absent=("kv_mask", "kv_bounds"), offsets="token_offsets", max_len="max_len"),
+    # packed queries over dense keys (GEM-ref's GDPA cross-attention); q_lengths (and its q_order) may stay:
+    # the op takes the offsets' token counts
+    "gdpa": PackedLayout(rows=("q",), output_rows=True, lengths=(), same_lengths=("q_lengths",),
+                         drop_same_lengths=False, absent=("num_targets", "contextual_len"),
+                         offsets="token_offsets", max_len="packed_len"),
+    # packed keys and values, dense queries and output (GEM-ref's PMA pooling)
+    "jagged_attention": PackedLayout(rows=("k", "v"), output_rows=False, lengths=("kv_lengths",),
+                                     same_lengths=(), drop_same_lengths=False,
+                                     absent=("q_lengths", "kv_mask", "kv_bounds", "uniform_keys"),
+                                     offsets="token_offsets", max_len="packed_len"),
 }
-"""Attention ops with a packed layout; the output is one (B, H, N, D) tensor of token rows."""
+"""Attention ops with a packed layout."""
 
 
 @dataclass
@@ -189,26 +208,38 @@ def _same_lengths(arg, mask: RowMask, seq) -> bool:
     return found is not None and found[0] is mask.lengths and found[1] == mask.offset
 
 
+def _is_default(value) -> bool:
+    return value is None or (type(value) is int and value == 0)
+
+
+def _region_rows(shape, mask: RowMask) -> bool:
+    """(B, H, N, D) over the region's batch and padded length."""
+    return shape is not None and len(shape) == 4 and same_size(shape[0], mask.batch) and \
+        same_size(shape[2], mask.seq)
+
+
 def _plan(node: fx.Node, layout: PackedLayout, index: RegionIndex):
-    """(arguments of the packed call, row ops per row operand, output gathers), or None to keep the node."""
+    """(arguments of the packed call, row ops per row operand, output gathers or None for a dense output),
+    or None to keep the node."""
     mask = index.mask
     call = schema_arguments(node)
-    shape = shape_of(node)
-    if shape is None or len(shape) != 4 or \
-            not (same_size(shape[0], mask.batch) and same_size(shape[2], mask.seq)):
+    if layout.output_rows and not _region_rows(shape_of(node), mask):
         return None
-    if not _same_lengths(call[layout.lengths], mask, mask.seq):
+    if not all(_same_lengths(call[a], mask, mask.seq) for a in layout.lengths):
         return None
-    if any(call[a] is not None for a in layout.absent):
+    if not all(_is_default(call[a]) for a in layout.absent):
         return None
     if any(call[a] is not None and not _same_lengths(call[a], mask, mask.seq) for a in layout.same_lengths):
         return None
     rows = {}
     for name in layout.rows:
-        found = _packed_rows(call[name], index, shape[1], shape[3])
+        shape = shape_of(call[name]) if isinstance(call[name], fx.Node) else None
+        found = _packed_rows(call[name], index, shape[1], shape[3]) if _region_rows(shape, mask) else None
         if found is None:
             return None
         rows[name] = found
+    if not layout.output_rows:
+        return call, rows, None
     gathers = _output_gathers(node, index)
     if gathers is None:
         return None
@@ -237,6 +268,11 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
         except Unproven:
             emit.rollback(mark)  # nothing rewired yet: the old boundary stays
             continue
+        if gathers is None:  # a dense output: its readers read the packed op's, as they read the padded one's
+            node.replace_all_uses_with(out)
+            erase_dead([node])  # the padded op, the head splits and scatters before it
+            names.append(name)
+            continue
         readers = []
         for gather, flat in gathers:
             with graph.inserting_before(gather):
@@ -255,16 +291,15 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
 def _emit_packed(emit: Emitter, node: fx.Node, layout: PackedLayout, call: dict, rows: dict,
                  index: RegionIndex) -> fx.Node:
     """The packed op call: row operands as (T, H, D) with their row ops, the offsets and N."""
-    shape = shape_of(node)
     for arg, (packed, ops) in rows.items():
-        value = packed
+        value, shape = packed, shape_of(call[arg])
         if len(shape_of(packed)) == 2:  # (T, H * D) scattered before the head split
             value = emit.method("unflatten", (packed, -1, (shape[1], shape[3])))
         for op in ops:  # the same op on (T, H, D): it reads the head dim of one row
             value = emit.node(op.op, op.target, (value, *op.args[1:]), dict(op.kwargs))
             _copy_meta(op, value)
         call[arg] = value
-    for a in layout.same_lengths:
+    for a in layout.same_lengths if layout.drop_same_lengths else ():
         call[a] = None
     call[layout.offsets] = index.offsets()
     call[layout.max_len] = int(index.mask.seq)
