@@ -13,7 +13,8 @@ delta = rowsum(dO * O) kernel (:func:`bwd_delta_kernel`, jagged and block attent
 
 Every sequence is addressed by (start row, length): in the padded layout (B, H, L, D) the start row is 0
 and the length comes from a lengths tensor (clamped into [0, L]) or is the padded length. The offsets
-mode (a packed (T, H, D) layout, MODE_OFFSETS) serves block attention's packed layout (its delta kernel).
+mode (a packed (T, H, D) layout, MODE_OFFSETS) serves the packed layouts: block attention's delta kernel
+and the jagged attention launchers of packed keys/values (jagged_attention/packed_triton.py).
 """
 from __future__ import annotations
 
