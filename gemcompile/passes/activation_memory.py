@@ -129,8 +129,9 @@ def _token_hinted_nbytes(val: Any) -> int | None:
         sizes = [_token_hinted_nbytes(v) for v in val]
         if all(s is None for s in sizes):
             return None
-        return sum(s if s is not None else _hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor)
-                   else 0 for s, v in zip(sizes, val))
+        # the other entries at the partitioner's own hint, as it sizes them
+        plain = [_hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0 for v in val]
+        return sum(p if s is None else s for s, p in zip(sizes, plain))
     if not isinstance(val, torch.Tensor):
         return None
     numel = token_hinted(val.numel())

@@ -118,6 +118,17 @@ class Emitter:
         return node
 
 
+SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "custom", "from_node")
+"""Where a node came from in the user's model: later passes (mxfp8's module patterns, explain's source
+lines) read these, so a rewritten copy carries its original's."""
+
+
+def copy_source_meta(original: fx.Node, copy: fx.Node) -> None:
+    for key in SOURCE_META:
+        if key in original.meta and key not in copy.meta:
+            copy.meta[key] = original.meta[key]
+
+
 def _may_erase(node: fx.Node) -> bool:
     """Pure ops only: Dynamo graphs may hold in-place methods whose result is unused but whose effect is
     not (``x.add_(1)``), so a graph-wide dead-code pass is unsafe before functionalization."""

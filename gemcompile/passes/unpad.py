@@ -57,7 +57,8 @@ from torch.utils._pytree import tree_map
 
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
+from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, erase_dead, example_value,
+                                     target_name)
 from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.records import input_path
 from gemcompile.passes.token_wise import (
@@ -390,7 +391,7 @@ class UnpadPass(GemPass):
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
                 packed[node] = emit.node(node.op, node.target, args, kwargs)
-                _copy_source_meta(node, packed[node])
+                copy_source_meta(node, packed[node])
         for node in region.nodes:
             outside = [u for u in node.users if u not in members]
             if not outside:
@@ -404,8 +405,8 @@ class UnpadPass(GemPass):
                                                                           packed[node]))
                 if buckets:
                     scattered = emit.call(torch.ops.aten.slice.Tensor, (scattered, 0, 0, mask.batch))
-            _copy_source_meta(node, zeros)
-            _copy_source_meta(node, scattered)
+            copy_source_meta(node, zeros)
+            copy_source_meta(node, scattered)
             n_exits += 1
             for user in outside:
                 user.replace_input_with(node, scattered)
@@ -545,17 +546,6 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
-
-
-SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "custom", "from_node")
-"""Where a node came from in the user's model: later passes (mxfp8's module patterns, explain's source
-lines) read these, so a packed copy carries its original's."""
-
-
-def _copy_source_meta(original: fx.Node, copy: fx.Node) -> None:
-    for key in SOURCE_META:
-        if key in original.meta and key not in copy.meta:
-            copy.meta[key] = original.meta[key]
 
 
 def _map_node(fn, a: Any) -> Any:

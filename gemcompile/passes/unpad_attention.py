@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import Emitter, Unproven, erase_dead, schema_arguments, target_name
+from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, erase_dead, schema_arguments,
+                                     target_name)
 from gemcompile.passes.token_wise import NORMS, ZERO_PRESERVING_UNARY, same_size, shape_of
 from gemcompile.passes.unpad_masks import RowMask
 
@@ -297,22 +298,15 @@ def _emit_packed(emit: Emitter, node: fx.Node, layout: PackedLayout, call: dict,
             value = emit.method("unflatten", (packed, -1, (shape[1], shape[3])))
         for op in ops:  # the same op on (T, H, D): it reads the head dim of one row
             value = emit.node(op.op, op.target, (value, *op.args[1:]), dict(op.kwargs))
-            _copy_meta(op, value)
+            copy_source_meta(op, value)
         call[arg] = value
     for a in layout.same_lengths if layout.drop_same_lengths else ():
         call[a] = None
     call[layout.offsets] = index.offsets()
     call[layout.max_len] = int(index.mask.seq)
     out = emit.call(node.target, tuple(call.values()))
-    _copy_meta(node, out)
+    copy_source_meta(node, out)
     return out
-
-
-def _copy_meta(original: fx.Node, copy: fx.Node) -> None:
-    """Where the node came from in the model (explain's source lines, later passes' module patterns)."""
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "custom", "from_node"):
-        if key in original.meta and key not in copy.meta:
-            copy.meta[key] = original.meta[key]
 
 
 def emit_token_offsets(emit: Emitter, lengths: fx.Node, offset: int, seq: int) -> fx.Node:
