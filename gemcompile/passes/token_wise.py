@@ -12,7 +12,10 @@ The table, by op name (call_function's target name or call_method's method name)
   is gathered by position, one with only the B dim by sample, one with neither is left as is);
 - linear, layer_norm / rms_norm over trailing dims, embedding lookups of (B, N, ...) ids (``F.embedding`` and
   gemcompile::sparse_embedding in its nn.Embedding mode, the lookup of a sparsely trained table);
-- softmax / reductions / cat / unflatten / flatten / transpose / getitem over trailing dims only.
+- softmax / reductions / cat / unflatten / flatten / transpose / getitem over trailing dims only;
+- view / reshape that keep the (B, N) dims (a head split ``x.view(B, N, H, D)`` or its merge): they keep
+  the row-major order of the elements, so row (b, n) of the output is row (b, n) of the input; on packed
+  rows they become ``view(-1, *trailing)`` (the trailing sizes static).
 
 ``packed_args`` rewrites the dim arguments: dim d >= 2 becomes d - 1 (B and N fold into T), a negative
 dim is unchanged; an op that names dim 0 or 1 is not token-wise.
@@ -44,7 +47,7 @@ ELEMENTWISE = ZERO_PRESERVING_UNARY | frozenset({
 })
 NORMS = frozenset({"layer_norm", "rms_norm"})
 TAKES_SEQUENCE_ARGS = frozenset({"cat", "unflatten", "getitem", "layer_norm", "rms_norm", "sum", "mean", "amax",
-                                 "amin", "to"})
+                                 "amin", "to", "view", "reshape"})
 """Ops whose list/tuple arguments the rules below understand (sizes, dims, an index); any other op with
 one is not classified."""
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "logsumexp"})
@@ -154,6 +157,20 @@ def _getitem_translator(index: Any, rank: int) -> Callable | None:
     return None
 
 
+def _view_rule(node: fx.Node, first: fx.Node, out_shape: tuple) -> TokenWise | None:
+    """view / reshape of (B, N, ...) rows to (B, N, ...) rows (classify checked both): the packed copy is
+    ``view(packed, (-1, *trailing))``; a reinterpreting ``view(dtype)`` keeps its argument."""
+    if node.kwargs:
+        return None
+    if len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
+        return TokenWise(node, "structural", (first,), _same) if target_name(node) == "view" else None
+    trailing = out_shape[2:]
+    if not all(isinstance(s, int) for s in trailing):  # a symbolic trailing size: no static packed shape
+        return None
+    sizes = (-1, *trailing)
+    return TokenWise(node, "structural", (first,), lambda args, kwargs: ((args[0], sizes), kwargs))
+
+
 def _two_dims_rule(node: fx.Node, first: fx.Node, rank: int, one: tuple, two: tuple) -> TokenWise | None:
     """flatten / transpose: an op with two dim arguments (positions 1 and 2, names and defaults in
     ``one`` / ``two``), structural when both dims are trailing; each is shifted to the packed rank."""
@@ -237,6 +254,8 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
         return _two_dims_rule(node, first, rank, ("start_dim", 0), ("end_dim", -1))
     if name == "transpose":
         return _two_dims_rule(node, first, rank, ("dim0", None), ("dim1", None))
+    if name in ("view", "reshape"):
+        return _view_rule(node, first, tuple(out.shape))
     if name == "getitem" and node.target is operator.getitem:
         translate = _getitem_translator(node.args[1], rank)
         return TokenWise(node, "structural", (first,), translate) if translate else None
@@ -257,7 +276,7 @@ def zero_preserving(tw: TokenWise, zero: Callable[[Any], bool], is_mask: Callabl
         scalars_zero = all(a == 0 for a in tw.node.args if isinstance(a, (int, float)) and not isinstance(a, bool))
         return scalars_zero and "alpha" not in tw.node.kwargs and all(zero(a) for a in tensors)
     if name in ZERO_PRESERVING_UNARY or name in ("unflatten", "flatten", "transpose", "getitem", "sum",
-                                                 "amax", "amin", "mean", "rms_norm"):
+                                                 "amax", "amin", "mean", "rms_norm", "view", "reshape"):
         return bool(tw.rows) and all(zero(r) for r in tw.rows)
     if name == "linear":
         bias = _arg(tw.node, 2, "bias")

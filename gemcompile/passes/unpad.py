@@ -166,6 +166,12 @@ class PadAnalysis:
                 return False
             swap = {a: b, b: a}
             return self.blind(user, tuple(swap.get(r, r) for r in rows))
+        if name == "permute":  # x.permute(0, 2, 1, 3): the head split of model code
+            dims = user.args[1] if len(user.args) == 2 else user.args[1:]
+            if user.kwargs or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+                return False
+            order = [d % rank for d in dims]
+            return sorted(order) == list(range(rank)) and self.blind(user, tuple(order.index(r) for r in rows))
         if name in ("unflatten", "flatten"):
             return self._reshape_blind(user, rows, rank, name)
         if rows == (0, 1):
@@ -269,8 +275,7 @@ class UnpadPass(GemPass):
                     rules[node] = rule
             analysis = PadAnalysis(mask, masks)
             for component in _components(rules):
-                anchored = any(target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args) for n in component)
-                if not anchored:
+                if not self._anchored(component, analysis):
                     continue
                 region = Region(mask, component, {n: rules[n] for n in component})
                 self._shrink_to_safe_exits(region, analysis)
@@ -278,6 +283,17 @@ class UnpadPass(GemPass):
                     claimed.update(region.nodes)
                     regions.append(region)
         return regions
+
+    @staticmethod
+    def _anchored(component: list[fx.Node], analysis: PadAnalysis) -> bool:
+        """The component is this mask's: it multiplies by the mask, or a reader outside it ignores the mask's
+        padded rows (an attention op reading it as keys or values by these lengths, as queries whose output
+        is read that way too: the q, k, v projections of a model that never masks its input)."""
+        inside = set(component)
+        return any(
+            (target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args))
+            or any(u not in inside and analysis.reader_blind(u, n, (0, 1)) for u in n.users)
+            for n in component)
 
     def _shrink_to_safe_exits(self, region: Region, analysis: PadAnalysis) -> None:
         """Drop nodes whose exit would change the answer, until every exit is pad-zero or pad-blind."""
@@ -582,8 +598,10 @@ def _describe(nodes: Iterable[fx.Node]) -> list[str]:
 
 
 def _components(rules: dict[fx.Node, TokenWise]) -> list[list[fx.Node]]:
-    """Connected components of token-wise nodes linked through row operands, each in graph order."""
+    """Connected components of token-wise nodes linked through row operands (in the table or not: the q, k
+    and v projections of one input are one region, which gathers that input once), each in graph order."""
     parent = {n: n for n in rules}
+    readers: dict[fx.Node, fx.Node] = {}  # a row operand outside the table -> its first token-wise reader
 
     def find(n):
         while parent[n] is not n:
@@ -595,6 +613,10 @@ def _components(rules: dict[fx.Node, TokenWise]) -> list[list[fx.Node]]:
         for a in rule.rows:
             if a in rules:
                 parent[find(a)] = find(node)
+            elif a in readers:
+                parent[find(readers[a])] = find(node)
+            else:
+                readers[a] = node
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in rules:  # rules is in graph order
         groups.setdefault(find(node), []).append(node)

@@ -20,8 +20,10 @@ lengths per graph.
 Not every operand need be token rows. GEM-ref's GDPA cross-attention (gdpa) has the sequence's queries
 over dense summary keys: q is packed, k and v stay (B, H, S, D), the output is packed as above. Its PMA
 pooling (jagged_attention) has learned dense queries over the sequence's keys: k and v are packed and the
-output (B, H, P, D) stays dense, its readers unchanged. :data:`PACKED_LAYOUTS` says, per op, which operands
-are token rows, whether the output is, and which lengths must be the region's.
+output (B, H, P, D) stays dense, its readers unchanged. A BERT- or SASRec-style layer (jagged_attention over
+the region's own tokens) has q, k, v and the output packed. :data:`PACKED_LAYOUTS` says, per op and layout,
+which operands are token rows, whether the output is, and which lengths must be the region's; an op's
+layouts are tried in order.
 
 Why it is exact. The scatter and the gather use the region's own index (node identity), so every packed
 row is a token n < lengths[b] + c. Keys are valid by lengths that are the region's (the attention pass's
@@ -72,22 +74,27 @@ class PackedLayout:
     """Where it takes the padded length N."""
 
 
-PACKED_LAYOUTS: dict[str, PackedLayout] = {
-    "block_attention": PackedLayout(rows=("q", "k", "v"), output_rows=True, lengths=("lengths",),
-                                    same_lengths=("q_lengths",), drop_same_lengths=True,
-                                    absent=("kv_mask", "kv_bounds"), offsets="token_offsets", max_len="max_len"),
+PACKED_LAYOUTS: dict[str, tuple[PackedLayout, ...]] = {
+    "block_attention": (PackedLayout(rows=("q", "k", "v"), output_rows=True, lengths=("lengths",),
+                                     same_lengths=("q_lengths",), drop_same_lengths=True,
+                                     absent=("kv_mask", "kv_bounds"), offsets="token_offsets", max_len="max_len"),),
     # packed queries over dense keys (GEM-ref's GDPA cross-attention); q_lengths (and its q_order) may stay:
     # the op takes the offsets' token counts
-    "gdpa": PackedLayout(rows=("q",), output_rows=True, lengths=(), same_lengths=("q_lengths",),
-                         drop_same_lengths=False, absent=("num_targets", "contextual_len"),
-                         offsets="token_offsets", max_len="packed_len"),
-    # packed keys and values, dense queries and output (GEM-ref's PMA pooling)
-    "jagged_attention": PackedLayout(rows=("k", "v"), output_rows=False, lengths=("kv_lengths",),
-                                     same_lengths=(), drop_same_lengths=False,
-                                     absent=("q_lengths", "kv_mask", "kv_bounds", "uniform_keys"),
-                                     offsets="token_offsets", max_len="packed_len"),
+    "gdpa": (PackedLayout(rows=("q",), output_rows=True, lengths=(), same_lengths=("q_lengths",),
+                          drop_same_lengths=False, absent=("num_targets", "contextual_len"),
+                          offsets="token_offsets", max_len="packed_len"),),
+    "jagged_attention": (
+        # self-attention over the region's tokens (a BERT / SASRec layer): q, k, v and the output packed
+        PackedLayout(rows=("q", "k", "v"), output_rows=True, lengths=("kv_lengths",), same_lengths=("q_lengths",),
+                     drop_same_lengths=False, absent=("kv_mask", "kv_bounds", "uniform_keys"),
+                     offsets="token_offsets", max_len="packed_len"),
+        # packed keys and values, dense queries and output (GEM-ref's PMA pooling)
+        PackedLayout(rows=("k", "v"), output_rows=False, lengths=("kv_lengths",), same_lengths=(),
+                     drop_same_lengths=False, absent=("q_lengths", "kv_mask", "kv_bounds", "uniform_keys"),
+                     offsets="token_offsets", max_len="packed_len"),
+    ),
 }
-"""Attention ops with a packed layout."""
+"""Attention ops with packed layouts, tried in order (the first whose plan holds is taken)."""
 
 
 @dataclass
@@ -258,14 +265,15 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
         if name not in PACKED_LAYOUTS or not isinstance(node.target, torch._ops.OpOverload) or \
                 node.target.namespace != "gemcompile":
             continue
-        plan = _plan(node, PACKED_LAYOUTS[name], index)
+        plans = ((layout, _plan(node, layout, index)) for layout in PACKED_LAYOUTS[name])
+        layout, plan = next(((lay, p) for lay, p in plans if p is not None), (None, None))
         if plan is None:
             continue
         call, rows, gathers = plan
         mark = emit.mark()
         try:
             with graph.inserting_before(node):
-                out = _emit_packed(emit, node, PACKED_LAYOUTS[name], call, rows, index)
+                out = _emit_packed(emit, node, layout, call, rows, index)
         except Unproven:
             emit.rollback(mark)  # nothing rewired yet: the old boundary stays
             continue

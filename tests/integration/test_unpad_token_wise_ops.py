@@ -29,10 +29,17 @@ OPS = {
     "masked_fill": (lambda h: h.masked_fill(h < -1, 0.0), "masked_fill"),
     "pow_exp": (lambda h: torch.exp(-h.pow(2)), "exp"),
     "to_dtype": (lambda h: h.double().float(), "double"),
+    # head splits and merges as model code writes them (HF BERT's x.size()[:-1] + (heads, dim))
+    "view_head_split": (lambda h: h.view(B, N, 2, 4).transpose(2, 3).reshape(B, N, D), "view"),
+    "view_of_sizes": (lambda h: h.view(h.size(0), h.size(1), 2, 4).flatten(2), "view"),
+    "view_size_tuple": (lambda h: h.view(h.size()[:-1] + (4, 2)).sum(-1).repeat_interleave(2, -1), "view"),
+    "reshape_minus_one": (lambda h: torch.reshape(h, (B, N, -1, 4)).flatten(2), "reshape"),
     # mixing tokens: must stay out of the packed region, result still exact
     "cumsum_over_tokens": (lambda h: torch.cumsum(h, dim=1), "-cumsum"),
     "mean_over_tokens": (lambda h: h - h.mean(1, keepdim=True), "-mean"),
     "roll_over_tokens": (lambda h: torch.roll(h, 1, dims=1), "-roll"),
+    "view_folding_tokens": (lambda h: h.reshape(B, N * D).flip(-1).view(B, N, D), "-view"),
+    "view_swapping_rows": (lambda h: h.view(N, B, D).flip(0).view(B, N, D), "-view"),
 }
 
 
