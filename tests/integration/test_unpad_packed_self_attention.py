@@ -22,7 +22,7 @@ D = H * DH
 LENGTHS = torch.tensor([8, 0, 5])
 
 
-class BertStyleLayer(nn.Module):
+class PermuteHeadsLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
@@ -46,7 +46,7 @@ class BertStyleLayer(nn.Module):
 class Stack(nn.Module):
     def __init__(self, layers=2):
         super().__init__()
-        self.layers = nn.ModuleList(BertStyleLayer() for _ in range(layers))
+        self.layers = nn.ModuleList(PermuteHeadsLayer() for _ in range(layers))
 
     def forward(self, x, lengths):
         valid = torch.arange(N)[None, :] < lengths[:, None]
