@@ -1,7 +1,8 @@
 """The row masks the unpad pass packs by: lengths, or a per-token vector read from data.
 
-A row mask is a boolean (B, N, 1...) node that the mask prover (masks/evaluator.py) reads as a condition on
-the sample b and the token n alone:
+A row mask is a boolean (B, N, 1...) node, or a float one that is exactly 0 or 1 by its formula (a cast of
+such a boolean: ``valid.float()[..., None]``), that the mask prover (masks/evaluator.py) reads as a condition
+on the sample b and the token n alone:
 
 - *lengths*: ``n < lengths[b] + c`` (masks/classify.py), packed by gemcompile::valid_token_index;
 - *a token vector*: any other such condition: ``ids != 0`` (SASRec's timeline mask), ``x > 0`` (BERT4Rec),
@@ -35,6 +36,7 @@ from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import KeyVector
 from gemcompile.passes.masks.prover import equivalent, render
+from gemcompile.passes.masks.values import PiecewiseTensor
 from gemcompile.passes.token_wise import same_size, shape_of
 
 B, J = index_symbol(3), index_symbol(0)
@@ -89,10 +91,12 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
         value = example_value(node)
         if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
             continue
-        if value.dtype != torch.bool or value.dim() < 2:
+        if value.dim() < 2 or not (value.dtype == torch.bool or value.is_floating_point()):
             continue
         shape = tuple(value.shape)
         if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
+            continue
+        if value.dtype != torch.bool and not _zero_one(node):
             continue
         try:
             mask = _row_mask(evaluator, node, shape, vectors)
@@ -102,6 +106,20 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
         if mask is not None:
             found[node] = mask
     return found, _near_misses(graph, found, why_not)
+
+
+def _zero_one(node: fx.Node) -> bool:
+    """A float tensor that is exactly 0 or 1 at every position, by its formula (``valid.float()``,
+    ``valid.to(x.dtype)[..., None]``): a product with it masks as the bool mask does. Anything the evaluator
+    cannot read (data, arithmetic), or reads only under a run-time check (an integer mask cast to float), is
+    not one, silently: most float (B, N, 1) tensors are no mask. A fresh evaluator: the shared one must not
+    hold this node's value without the checks it came with."""
+    evaluator = MaskEvaluator()
+    try:
+        value = evaluator.tensor(node)
+    except Unproven:
+        return False
+    return not evaluator.checks and isinstance(value, PiecewiseTensor) and all(v in (0, 1) for v, _ in value.pieces)
 
 
 def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,

@@ -1,0 +1,69 @@
+"""The unpad pass packs by a float 0/1 mask as it does by the bool one it is cast from: ``h * valid.float()
+[..., None]``, ``h * valid.unsqueeze(-1).to(h.dtype)``; a product with such a mask (scaled, per-token weights)
+is zero at the padding too. A float tensor that is not 0 at the padding (the mask plus an offset, weights read
+from data alone) is no row mask: nothing is packed by it, and the result is still exact."""
+
+import pytest
+import torch
+from torch import nn
+
+from gemcompile import explain, gem_compile
+
+B, N, D = 3, 7, 8
+LENGTHS = torch.tensor([7, 0, 4])
+
+MASKS = {
+    "float": (lambda valid, h: h * valid.float()[..., None], True),
+    "to_dtype_unsqueeze": (lambda valid, h: h * valid.unsqueeze(-1).to(h.dtype), True),
+    # zero wherever the mask is: the pass proves the padding zero through the product, and packs
+    "scaled": (lambda valid, h: h * (0.5 * valid.float())[..., None], True),
+    "data_weights": (lambda valid, h, w=torch.rand(B, N): h * (w * valid.float())[..., None], True),
+    # near-misses: not 0 at the padding, so nothing to pack by (taking either for a mask would zero rows)
+    "offset": (lambda valid, h: h * (valid.float() + 0.5)[..., None], False),
+    "data_only": (lambda valid, h, w=torch.rand(B, N): h * w[..., None], False),
+}
+
+
+class Masked(nn.Module):
+    def __init__(self, apply):
+        super().__init__()
+        self.apply_mask = apply
+        self.inp, self.mid, self.out = nn.Linear(5, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, lengths):
+        valid = torch.arange(N)[None, :] < lengths[:, None]
+        h = self.apply_mask(valid, self.inp(x))
+        h = h + self.apply_mask(valid, self.out(torch.relu(self.mid(h))))
+        return h
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_float_zero_one_masks_pack_like_bool_ones(name):
+    apply, packs = MASKS[name]
+    torch.manual_seed(0)
+    model = Masked(apply)
+    x = torch.randn(B, N, 5, requires_grad=True)
+    regions = [r.metrics for r in explain(model, x, LENGTHS).rewrites if r.pass_name == "unpad"]
+    if packs:
+        assert regions and regions[0]["gemms"] == 3, regions
+    else:
+        assert not regions, regions
+    out = gem_compile(model)(x, LENGTHS)
+    grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+    ref = model(x, LENGTHS)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *model.parameters()])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_an_integer_mask_read_from_data_and_cast_is_not_packed_by():
+    """0/1 only if the data says so: the pass does not pack by it (the bool comparison of such a mask is
+    refused with its reason, tests/integration/test_unpad_data_masks.py)."""
+    lin = nn.Linear(D, D)
+
+    def float_of_data(x, attention_mask):
+        return (lin(x) * attention_mask.float()[..., None]).sum((1, 2))
+
+    report = explain(float_of_data, torch.randn(B, N, D), torch.randint(0, 2, (B, N)))
+    assert report.counts["unpad"] == 0
