@@ -166,6 +166,8 @@ class PadAnalysis:
                 return False
             swap = {a: b, b: a}
             return self.blind(user, tuple(swap.get(r, r) for r in rows))
+        if name == "type_as" and len(user.args) == 2 and user.args[1] is node and user.args[0] is not node:
+            return True  # mask.type_as(h) reads h's dtype only
         if name == "permute":  # x.permute(0, 2, 1, 3): the head split of model code
             dims = user.args[1] if len(user.args) == 2 else user.args[1:]
             if user.kwargs or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):

@@ -1,7 +1,7 @@
 """The row masks the unpad pass packs by: lengths, or a per-token vector read from data.
 
-A row mask is a boolean (B, N, 1...) node, or a float one that is exactly 0 or 1 by its formula (a cast of
-such a boolean: ``valid.float()[..., None]``), that the mask prover (masks/evaluator.py) reads as a condition
+A row mask is a boolean (B, N, 1...) node, or a float or integer one that is exactly 0 or 1 by its formula
+(a cast of such a boolean: ``valid.float()[..., None]``, ``valid.long()``), that the mask prover (masks/evaluator.py) reads as a condition
 on the sample b and the token n alone:
 
 - *lengths*: ``n < lengths[b] + c`` (masks/classify.py), packed by gemcompile::valid_token_index;
@@ -91,7 +91,7 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
         value = example_value(node)
         if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
             continue
-        if value.dim() < 2 or not (value.dtype == torch.bool or value.is_floating_point()):
+        if value.dim() < 2 or value.is_complex():
             continue
         shape = tuple(value.shape)
         if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
@@ -109,8 +109,8 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
 
 
 def _zero_one(node: fx.Node) -> bool:
-    """A float tensor that is exactly 0 or 1 at every position, by its formula (``valid.float()``,
-    ``valid.to(x.dtype)[..., None]``): a product with it masks as the bool mask does. Anything the evaluator
+    """A float or integer tensor that is exactly 0 or 1 at every position, by its formula (``valid.float()``,
+    ``valid.long()``, ``valid.to(x.dtype)[..., None]``): a product with it masks as the bool mask does. Anything the evaluator
     cannot read (data, arithmetic), or reads only under a run-time check (an integer mask cast to float), is
     not one, silently: most float (B, N, 1) tensors are no mask. A fresh evaluator: the shared one must not
     hold this node's value without the checks it came with."""

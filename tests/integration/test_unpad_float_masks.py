@@ -1,5 +1,5 @@
-"""The unpad pass packs by a float 0/1 mask as it does by the bool one it is cast from: ``h * valid.float()
-[..., None]``, ``h * valid.unsqueeze(-1).to(h.dtype)``; a product with such a mask (scaled, per-token weights)
+"""The unpad pass packs by a float or integer 0/1 mask as it does by the bool one it is cast from: ``h *
+valid.float()[..., None]``, ``h * valid.unsqueeze(-1).to(h.dtype)``, ``type_as(h)``, ``valid.long()``; a product with such a mask (scaled, per-token weights)
 is zero at the padding too. A float tensor that is not 0 at the padding (the mask plus an offset, weights read
 from data alone) is no row mask: nothing is packed by it, and the result is still exact."""
 
@@ -15,6 +15,8 @@ LENGTHS = torch.tensor([7, 0, 4])
 MASKS = {
     "float": (lambda valid, h: h * valid.float()[..., None], True),
     "to_dtype_unsqueeze": (lambda valid, h: h * valid.unsqueeze(-1).to(h.dtype), True),
+    "type_as": (lambda valid, h: h * valid[..., None].type_as(h), True),
+    "long": (lambda valid, h: h * valid.long()[..., None], True),
     # zero wherever the mask is: the pass proves the padding zero through the product, and packs
     "scaled": (lambda valid, h: h * (0.5 * valid.float())[..., None], True),
     "data_weights": (lambda valid, h, w=torch.rand(B, N): h * (w * valid.float())[..., None], True),

@@ -69,8 +69,8 @@ _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: 
           "__truediv__": operator.truediv, "__floordiv__": operator.floordiv}
 _REVERSED_ARITH = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__": operator.mul,
                    "__rtruediv__": operator.truediv, "__rfloordiv__": operator.floordiv, "rsub": operator.sub}
-_IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "cuda", "cpu", "requires_grad_", "alias",
-                     "_to_copy", "convert_element_type"}
+_IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "type_as", "cuda", "cpu", "requires_grad_",
+                     "alias", "_to_copy", "convert_element_type"}
 _CONSTANT_MAKERS = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",
                     "new_full"}
 _TO_FLOAT = {"float", "half", "bfloat16", "double"}
