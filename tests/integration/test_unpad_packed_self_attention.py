@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemcompile import explain, gem_compile
+from gemcompile import explain
+from tests.compiled_vs_eager import assert_compiled_matches_eager
 
 B, N, H, DH = 3, 8, 2, 16
 D = H * DH
@@ -79,23 +80,6 @@ def _unpad(report):
     return [r.metrics for r in report.rewrites if r.pass_name == "unpad"]
 
 
-def _assert_compiled_matches_eager(model, x):
-    torch.manual_seed(1)
-    compiled = gem_compile(model)
-    outs = compiled(x, LENGTHS)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    wrt = [x, *model.parameters()]  # (a layer's unused norm and ff get zero gradients)
-    grads = torch.autograd.grad(sum(o.square().sum() for o in outs), wrt, allow_unused=True, materialize_grads=True)
-    refs = model(x, LENGTHS)
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    ref_grads = torch.autograd.grad(sum(o.square().sum() for o in refs), wrt, allow_unused=True,
-                                    materialize_grads=True)
-    for out, ref in zip(outs, refs):
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
-
-
 def test_bert_style_stack_runs_packed_from_first_gather_to_last_scatter():
     torch.manual_seed(0)
     model = Stack()
@@ -105,7 +89,7 @@ def test_bert_style_stack_runs_packed_from_first_gather_to_last_scatter():
     assert metrics["packed_attention"] == {"jagged_attention": 2}
     assert (metrics["gathers"], metrics["scatters"]) == (1, 1)
     assert metrics["op_counts"]["view"] >= 8  # four head splits / merges per layer
-    _assert_compiled_matches_eager(model, x)
+    assert_compiled_matches_eager(model, x, LENGTHS)
 
 
 def test_keys_by_other_lengths_keep_the_attention_padded():
@@ -114,7 +98,7 @@ def test_keys_by_other_lengths_keep_the_attention_padded():
     x = torch.randn(B, N, D, requires_grad=True)
     for metrics in _unpad(explain(model, x, LENGTHS)):
         assert not metrics["packed_attention"]
-    _assert_compiled_matches_eager(model, x)
+    assert_compiled_matches_eager(model, x, LENGTHS)
 
 
 def test_an_attention_output_read_at_its_padded_rows_keeps_its_queries_padded():
@@ -126,4 +110,4 @@ def test_an_attention_output_read_at_its_padded_rows_keeps_its_queries_padded():
     # so the op still takes them packed (its packed-keys layout), with its dense queries and output
     assert sum(m["gemms"] for m in regions) == 3  # k, v and o; not q
     assert [m["packed_attention"] for m in regions if m["packed_attention"]] == [{"jagged_attention": 1}]
-    _assert_compiled_matches_eager(model, x)
+    assert_compiled_matches_eager(model, x, LENGTHS)
