@@ -1,8 +1,8 @@
 """The row masks the unpad pass packs by: lengths, or a per-token vector read from data.
 
 A row mask is a boolean (B, N, 1...) node, or a float or integer one that is exactly 0 or 1 by its formula
-(a cast of such a boolean: ``valid.float()[..., None]``, ``valid.long()``), that the mask prover (masks/evaluator.py) reads as a condition
-on the sample b and the token n alone:
+(a cast of such a boolean: ``valid.float()[..., None]``, ``valid.long()``), that the mask prover
+(masks/evaluator.py) reads as a condition on the sample b and the token n alone:
 
 - *lengths*: ``n < lengths[b] + c`` (masks/classify.py), packed by gemcompile::valid_token_index;
 - *a token vector*: any other such condition: ``ids != 0`` (SASRec's timeline mask), ``x > 0`` (BERT4Rec),
@@ -96,7 +96,7 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
         shape = tuple(value.shape)
         if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
             continue
-        if value.dtype != torch.bool and not _zero_one(node):
+        if value.dtype != torch.bool and not _zero_one(evaluator, node):
             continue
         try:
             mask = _row_mask(evaluator, node, shape, vectors)
@@ -108,18 +108,17 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
     return found, _near_misses(graph, found, why_not)
 
 
-def _zero_one(node: fx.Node) -> bool:
+def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:
     """A float or integer tensor that is exactly 0 or 1 at every position, by its formula (``valid.float()``,
-    ``valid.long()``, ``valid.to(x.dtype)[..., None]``): a product with it masks as the bool mask does. Anything the evaluator
-    cannot read (data, arithmetic), or reads only under a run-time check (an integer mask cast to float), is
-    not one, silently: most float (B, N, 1) tensors are no mask. A fresh evaluator: the shared one must not
-    hold this node's value without the checks it came with."""
-    evaluator = MaskEvaluator()
+    ``valid.long()``, ``valid.to(x.dtype)[..., None]``): a product with it masks as the bool mask does.
+    Anything the evaluator cannot read (data, arithmetic) is not one, silently: most float (B, N, 1) tensors
+    are no mask. One read as 0/1 only under a run-time check (an integer mask from data, cast) passes here
+    and is refused by ``_row_mask``, as its bool comparison is."""
     try:
         value = evaluator.tensor(node)
     except Unproven:
         return False
-    return not evaluator.checks and isinstance(value, PiecewiseTensor) and all(v in (0, 1) for v, _ in value.pieces)
+    return isinstance(value, PiecewiseTensor) and all(v in (0, 1) for v, _ in value.pieces)
 
 
 def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,

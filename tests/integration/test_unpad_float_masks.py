@@ -1,7 +1,8 @@
-"""The unpad pass packs by a float or integer 0/1 mask as it does by the bool one it is cast from: ``h *
-valid.float()[..., None]``, ``h * valid.unsqueeze(-1).to(h.dtype)``, ``type_as(h)``, ``valid.long()``; a product with such a mask (scaled, per-token weights)
-is zero at the padding too. A float tensor that is not 0 at the padding (the mask plus an offset, weights read
-from data alone) is no row mask: nothing is packed by it, and the result is still exact."""
+"""The unpad pass packs by a float or integer 0/1 mask as it does by the bool one it is cast from:
+``h * valid.float()[..., None]``, ``h * valid.unsqueeze(-1).to(h.dtype)``, ``type_as(h)``, ``valid.long()``;
+a product with such a mask (scaled, per-token weights) is zero at the padding too. A float tensor that is
+not 0 at the padding (the mask plus an offset, weights read from data alone) is no row mask: nothing is
+packed by it, and the result is still exact."""
 
 import pytest
 import torch
