@@ -6,7 +6,8 @@ Inductor's ``joint_custom_pre_pass`` and ``post_grad_custom_pre_pass`` slots for
 (no global config is touched). A pass the user had installed in one of those slots keeps running,
 chained before ours. The same patches put gemcompile's partitioner (passes/activation_memory.py: Inductor's
 min-cut partitioner under GemConfig.memory) in ``custom_partitioner_fn``, and the memory budget is patched
-into functorch's config around the compile only.
+into functorch's config around the compile only. On a torch whose Inductor cannot read unpad's token-count
+hints, Inductor's peak-memory reordering is taught them once per process (lowering/packed_size_hints.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.config import GemConfig
+from gemcompile.lowering import packed_size_hints
 from gemcompile.passes import PIPELINE, GemPass, PassManager
 from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
                                                   has_partitioner_slot)
@@ -158,6 +160,7 @@ class GemBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches = _inductor_patches(mode, options, dynamic=None)
+        packed_size_hints.install()  # the backward compiles later, at its first call: a lasting wrapper
         passes = self.make_passes()
         # Report into an outer log (explain) when there is one, else into this backend's own.
         target = active_log() or PassLog()
