@@ -980,11 +980,19 @@ ACTIVATION_MEMORY_FILES = ["activation_memory-medium-b256-20261202-050426.json",
                            "activation_memory-medium-b256-20261202-053105.json",
                            "activation_memory-medium-b256-20261202-054045.json",
                            "activation_memory-medium-b256-20261202-082235.json",
-                           "activation_memory-medium-b256-20261202-133527.json"]
+                           "activation_memory-medium-b256-20261202-133527.json",
+                           "activation_memory-medium-b256-20261202-160745.json",
+                           "activation_memory-medium-b256-20261202-162316.json",
+                           "activation_memory-medium-b256-20261202-163314.json"]
 """Issue 26's H200 runs (2026-12-02): static compiles per method (050426, 054045), one run of --together,
 dynamic-batch programs (053105, cut by its command's time limit after gem), the first run after the
-partitioner sized packed tokens at unpad's hint, with CUDA memory snapshots (082235), and gem beside budget
-0.5 after packed attention and the gradients cleared before the forward (133527)."""
+partitioner sized packed tokens at unpad's hint, with CUDA memory snapshots (082235), gem beside budget
+0.5 after packed attention and the gradients cleared before the forward (133527), the snapshots that placed
+budget 0.5's peak in the backward with gemcompile's partitioner at budget 1 equal to gem (160745), and the
+cost curve after Inductor's peak-memory reordering sized packed tensors at unpad's hint (162316, 163314)."""
+
+CURVE_FILES = ACTIVATION_MEMORY_FILES[-2:]
+"""The cost curve at one commit (325a9da): two runs of one lease, gem in each."""
 
 
 def _code(payload: dict) -> str:
@@ -1190,19 +1198,32 @@ def readme_activation_memory() -> str:
     gem_path, gem = load(LARGEST_BATCH_E2E[0])
     oom_path, oom = load(LARGEST_BATCH_E2E[1])
     best_path, best = load(LARGEST_BATCH_E2E[3])
-    curve_path, curve = load(ACTIVATION_MEMORY_FILES[-1])
+    curve_path, curve = load(CURVE_FILES[0])
     quality_path, quality = load(ACTIVATION_MEMORY_QUALITY)
     g, b = gem["results"][0], best["results"][0]
     rows = {r["method"]: r for r in curve["curve"]["results"]}
-    budget = rows["gem-memory-budget-0.5"]
     verdict = quality["verdict"]["gem+fp8-saved"]
+    curve_rows, curve_cites, before = [], [], None
+    for path, payload in (load(name) for name in CURVE_FILES):
+        curve_cites.append(cite(path))
+        ratios = {row["method"]: row for row in payload["curve"]["rows"]}
+        for r in payload["curve"]["results"]:
+            snap = (r.get("memory_snapshot") or {}).get("at_peak") or {}
+            before = before or snap.get("before_step_gib")
+            if r["method"] != "gem" and r.get("outcome") == "fits":
+                ratio = ratios[r["method"]]
+                curve_rows.append(f"`{r['method']}` {f(r['peak_memory_gib'])} GiB "
+                                  f"({f(ratio['peak_memory_ratio_vs_gem'], '.3f')}x gem's peak, "
+                                  f"{f(ratio['step_time_ratio_vs_gem'], '.3f')}x its step time)")
     return (f"Measured on one H200 (GEM-ref medium, fill 0.5): `{b['method']}` trains at batch "
             f"{best['config']['batch_size']} ({f(b['peak_memory_gib'])} GiB peak, MFU {pct(b['mfu'])}%; "
             f"{cite(best_path)}), where gem_compile's default fits at batch {gem['config']['batch_size']} "
             f"({f(g['peak_memory_gib'])} GiB, MFU {pct(g['mfu'])}%; {cite(gem_path)}) and runs out of memory at "
-            f"batch {oom['config']['batch_size']} ({cite(oom_path)}). At batch {budget['batch_size']} a budget of 0.5 peaked higher than no "
-            f"budget ({f(budget['peak_memory_gib'])} against {f(rows['gem']['peak_memory_gib'])} GiB; "
-            f"{cite(curve_path)}): not understood yet, see benchmarks/README.md. FP8 saved activations on GEM-ref "
+            f"batch {oom['config']['batch_size']} ({cite(oom_path)}). The cost curve at batch {rows['gem']['batch_size']} "
+            f"(gem {f(rows['gem']['peak_memory_gib'])} GiB; {', '.join(curve_cites)}): "
+            f"{'; '.join(curve_rows)}. Of each peak, {f(before)} GiB are the parameters, gradients and "
+            f"optimizer state held before the step (CUDA memory snapshot), which no activation setting "
+            f"changes. FP8 saved activations on GEM-ref "
             f"small ({verdict['saved_in_fp8']} tensors in FP8, 300 steps) ended with a held-out NE within the "
             f"bf16 seed-to-seed noise floor ({pct(quality['noise_floor'], '.3f')}%; {cite(quality_path)}); loss "
             f"curves: [docs/activation_memory_quality.png](docs/activation_memory_quality.png).")
