@@ -73,6 +73,7 @@ from gemcompile.passes.token_wise import (
 from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
                                                pack_attentions)
 from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
+from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
 # Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
@@ -330,6 +331,8 @@ class UnpadPass(GemPass):
 
     # -- rewriting --------------------------------------------------------------------------------
     def run(self, graph: fx.Graph) -> None:
+        # first: a zeroing of query rows the attention op writes as 0 anyway reads the output's padded rows
+        self._zeroings_dropped = drop_zeroed_query_rows(graph)
         masks, near_misses = find_row_masks(graph)
         for node, reason in near_misses:
             self.refused(node, reason)
@@ -439,9 +442,11 @@ class UnpadPass(GemPass):
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
         op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
         rows = f"{mask.lengths.name} rows" if mask.vector is None else mask.describe()
+        zeroings = sum(1 for _, lengths in self._zeroings_dropped if lengths is mask.lengths)
         detail = (f"region over {rows} (B, N) = ({mask.batch}, {mask.seq}): "
                   f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}"
-                  f"{len(entries) - attention['gathers']} gathers in, "
+                  + (f"{zeroings} zeroing(s) of attention rows the op writes as 0 dropped; " if zeroings else "")
+                  + f"{len(entries) - attention['gathers']} gathers in, "
                   f"{n_exits - attention['scatters']} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
                   f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
         self._indices[index_key] = shared
@@ -456,7 +461,8 @@ class UnpadPass(GemPass):
             metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries) - attention["gathers"],
-                     "scatters": n_exits - attention["scatters"], "packed_attention": attention["ops"]})
+                     "scatters": n_exits - attention["scatters"], "packed_attention": attention["ops"],
+                     "zeroings_dropped": zeroings})
 
     def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq: int, index_key: tuple,
                          shared: tuple) -> dict:

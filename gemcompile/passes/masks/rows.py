@@ -109,7 +109,7 @@ def _walk(node: fx.Node, batch: int, rows: int, found: list, seen: set) -> None:
         name = target_name(user)
         if name in _SHAPE_ONLY and user.args and user.args[0] is node and _uses(user, node) == 1:
             continue  # reads the shape only
-        zeroed = _zeroing(user, node, batch, rows) or _packed(user, node, batch, rows)
+        zeroed = zeroing_rows(user, node, batch, rows) or _packed(user, node, batch, rows)
         if zeroed is not None:
             found.append((*zeroed, user))
             continue
@@ -202,7 +202,7 @@ def _scalar_arithmetic(user: fx.Node, node: fx.Node, name: str, batch: int,
 
 # -- the zeroing ops ---------------------------------------------------------------------------------
 
-def _zeroing(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[fx.Node, int] | None:
+def zeroing_rows(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[fx.Node, int] | None:
     """(lengths, offset) when ``user`` zeroes the rows n >= lengths[b] + offset of ``node`` (and keeps the
     others as they are); None when it is no zeroing op; Unproven when it zeroes by a mask that is not that."""
     name = target_name(user)
