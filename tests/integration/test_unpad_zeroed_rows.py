@@ -18,9 +18,7 @@ from gemcompile import explain
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 from tests.compiled_vs_eager import assert_compiled_matches_eager
 
-B, N, H, DH = 3, 8, 2, 16
-D = H * DH
-LENGTHS = torch.tensor([8, 0, 5])  # a full and an empty sequence
+from tests.integration.test_unpad_packed_self_attention import LENGTHS, B, D, N, PermuteHeadsLayer
 
 ZEROINGS = {
     "mul_bool": lambda o, rows: o * rows,
@@ -42,25 +40,16 @@ NEAR_MISSES = {
 }
 
 
-class Layer(nn.Module):
-    """A BERT-style layer: q, k, v projections, head split, SDPA over the key padding, the zeroing of the
-    padded query rows picked by ``zero``, head merge, output projection, norm, FFN."""
+class Layer(PermuteHeadsLayer):
+    """The BERT-style layer of test_unpad_packed_self_attention.py with the padded query rows of its attention
+    output zeroed by ``zero``."""
 
     def __init__(self, zero):
         super().__init__()
         self.zero = zero
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-        self.norm = nn.LayerNorm(D)
-        self.ff = nn.Linear(D, D)
-
-    @staticmethod
-    def heads(x):
-        return x.view(x.size()[:-1] + (H, DH)).permute(0, 2, 1, 3)
 
     def forward(self, x, valid, shorter):
-        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
-        o = self.zero(o, valid[:, None, :, None], shorter[:, None, :, None])
+        o = self.zero(self.attend(x, valid), valid[:, None, :, None], shorter[:, None, :, None])
         o = o.permute(0, 2, 1, 3).contiguous()
         x = self.norm(x + self.o(o.view(o.size()[:-2] + (D,))))
         return x + F.gelu(self.ff(x))
