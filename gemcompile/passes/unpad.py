@@ -437,19 +437,26 @@ class UnpadPass(GemPass):
                 graph.erase_node(node)
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
         attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
+        self._indices[index_key] = shared
+        self._record(region, first, snapshot, gemms, macs, attention,
+                     gathers=len(entries) - attention["gathers"], scatters=n_exits - attention["scatters"])
+
+    def _record(self, region: Region, first: fx.Node, snapshot: list[str], gemms: list[fx.Node], macs: int,
+                attention: dict, gathers: int, scatters: int) -> None:
+        """The region's rewrite record for explain: what ran packed, the gathers and scatters left, the
+        attention ops packed, the zeroings dropped before it (unpad_zeroed_rows.py)."""
+        mask, seq, buckets = region.mask, region.mask.seq, self.options.token_buckets
         ops: dict[str, int] = {}
         for n in region.nodes:
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
         op_text = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
         rows = f"{mask.lengths.name} rows" if mask.vector is None else mask.describe()
         zeroings = sum(1 for _, lengths in self._zeroings_dropped if lengths is mask.lengths)
-        detail = (f"region over {rows} (B, N) = ({mask.batch}, {mask.seq}): "
-                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}"
-                  + (f"{zeroings} zeroing(s) of attention rows the op writes as 0 dropped; " if zeroings else "")
-                  + f"{len(entries) - attention['gathers']} gathers in, "
-                  f"{n_exits - attention['scatters']} scatters out; GEMMs skip padding: {macs} MACs per padding token forward, "
-                  f"saves 6 x {macs} x (B*N - T) FLOPs per training step")
-        self._indices[index_key] = shared
+        dropped = f"{zeroings} zeroing(s) of attention rows the op writes as 0 dropped; " if zeroings else ""
+        detail = (f"region over {rows} (B, N) = ({mask.batch}, {seq}): "
+                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}{dropped}"
+                  f"{gathers} gathers in, {scatters} scatters out; GEMMs skip padding: {macs} MACs per "
+                  f"padding token forward, saves 6 x {macs} x (B*N - T) FLOPs per training step")
         call = f"valid_token_index({mask.lengths.name}, {seq})" if mask.vector is None else \
             f"valid_mask_index({mask.vector.text})"
         if buckets:
@@ -460,9 +467,8 @@ class UnpadPass(GemPass):
             f"zeros(B, {seq}, ...).index_put(...) out"), detail,
             metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
-                     "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": len(entries) - attention["gathers"],
-                     "scatters": n_exits - attention["scatters"], "packed_attention": attention["ops"],
-                     "zeroings_dropped": zeroings})
+                     "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": gathers,
+                     "scatters": scatters, "packed_attention": attention["ops"], "zeroings_dropped": zeroings})
 
     def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq: int, index_key: tuple,
                          shared: tuple) -> dict:
