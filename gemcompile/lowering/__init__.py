@@ -23,7 +23,6 @@ Importing this package registers every op. One folder per op, one file per conce
     sparse_embedding/     gemcompile::sparse_embedding   op.py pending.py adagrad.py reference.py adagrad_triton.py
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index, gemcompile::valid_mask_index
-    packed_size_hints.py  Inductor's peak-memory reordering sizes the packed (T, ...) tensors at their hint
     length_order.py       gemcompile::length_order, gemcompile::key_bounds (derived once per step, shared)
 
 A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from

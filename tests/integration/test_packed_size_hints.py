@@ -1,5 +1,5 @@
 """Inductor's peak-memory reordering sees unpad's packed (T, ...) tensors at their hinted size
-(lowering/packed_size_hints.py), on a torch whose Inductor does not read unbacked hints (2.11, simulated
+(passes/packed_size_hints.py), on a torch whose Inductor does not read unbacked hints (2.11, simulated
 here on any torch by leaving the hints out of the shape env, as valid_tokens does there).
 
 One small packed model compiled with Inductor on the CPU, forward and backward; the buffer sizes the
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from gemcompile import GemConfig
 from gemcompile.backend import GemBackend
-from gemcompile.lowering import packed_size_hints, valid_tokens
-from gemcompile.lowering.packed_size_hints import hinted_value
+from gemcompile.lowering import valid_tokens
+from gemcompile.passes import packed_size_hints
+from gemcompile.passes.packed_size_hints import hinted_value
 
 B, L, D, H = 4, 32, 32, 2
 
