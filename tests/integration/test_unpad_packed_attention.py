@@ -68,7 +68,8 @@ class Stack(nn.Module):
             keys = length_mask((lengths - 1).clamp(min=0))
         elif self.variant == "other_tensor":  # lengths from another tensor (the ids)
             keys = length_mask((ids != 0).sum(1))
-        rows = length_mask((lengths - 2).clamp(min=0)) if self.variant == "other_rows" else None
+        rows = length_mask((lengths - 2).clamp(min=0)) if self.variant == "other_rows" else \
+            valid if self.variant == "same_rows" else None
         s = self.inp(x) * valid[..., None]
         for layer in self.layers:
             s = layer(s, valid, keys, rows)
@@ -133,6 +134,15 @@ def test_sequence_stack_attention_runs_on_packed_tokens(qk_norm):
     cumsums = [n for n in report.graph_after.graph.nodes if n.target is torch.ops.aten.cumsum.default]
     assert len(cumsums) == 1  # token offsets once per lengths
     assert all(n.args[14] is cumsums[0].next for n in nodes)  # (constant_pad_nd: [0, cumsum])
+
+
+def test_attention_rows_zeroed_by_the_same_lengths_stay_packed():
+    """``o * valid[:, None, :, None]`` after the block attention: the op writes those rows as 0 already (its
+    q_lengths), the zeroing is dropped (passes/unpad_zeroed_rows.py) and the stack packs as without it."""
+    report = compare(Stack("same_rows"), gem_compile)
+    record = unpad_record(report)
+    assert record.metrics["packed_attention"] == {"block_attention": 2}
+    assert (record.metrics["gathers"], record.metrics["scatters"], record.metrics["zeroings_dropped"]) == (1, 1, 2)
 
 
 @pytest.mark.parametrize("variant", ["other_keys", "other_tensor", "holes", "other_rows"])
