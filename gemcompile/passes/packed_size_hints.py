@@ -1,22 +1,29 @@
-"""Inductor's peak-memory reordering sizes unpad's packed tensors at their hinted token count.
+"""Inductor's scheduler heuristics size unpad's packed tensors at their hinted token count.
 
-Inductor's scheduler reorders each graph's kernels to lower its estimated peak memory
-(``torch._inductor.memory.reorder_for_peak_memory``: the lowest estimate among the original order and three
-topological sorts). It sizes every buffer with ``sizevars.size_hint`` / ``optimization_hint(numel,
-fallback=0)`` and every graph input with ``GraphLowering.get_dep_size_hint``, which returns 0 for a size
-with an unbacked symbol. Where Inductor does not read user hints for unbacked sizes (torch 2.11: no
+Where Inductor does not read user hints for unbacked sizes (torch 2.11: no
 ``SizeVarAllocator.all_unbacked_explicitly_hinted``; lowering/valid_tokens.py sets its overrides only where
-it does), every tensor of unpad's packed (T, ...) rows is therefore 0 bytes to the reordering, most of a
-padded sequence model's activations. The estimate then cannot tell orders apart, and the order it picks can
-hold many of them at once: on the H200 (torch 2.11, GEM-ref medium B 256, activation memory budget 0.5) the
-backward kept six layers' attention gradients alive together, and the step's peak rose to 1.23x the
-default's although the partition saved half the bytes.
+it does), it sizes every buffer of unbacked size at 0 bytes in two heuristics, and every tensor of unpad's
+packed (T, ...) rows, most of a padded sequence model's activations, has such a size:
 
-``install`` wraps ``reorder_for_peak_memory`` (looked up in its module at each call by the scheduler) so
-that, while it runs, a size whose unbacked symbols all have a recorded hint (valid_tokens.recorded_hints)
-is sized at that hint. Nothing else reads the patched sizes: kernels, guards and buffer allocation keep
-their symbolic sizes, and graphs without recorded hints (not gemcompile's) are sized as before. Installed
-once, by GemBackend, only on a torch whose Inductor does not read the hints itself.
+* **Fusion.** ``Scheduler.score_fusion_memory`` sums ``GraphLowering.get_dep_size_hint`` over the buffers
+  two nodes share, and ``InductorChoices.can_fuse`` refuses a score of 0 ("no shared data"): no two
+  kernels that share only packed buffers were ever fused. With the hints, torch 2.11 fuses GEM-ref's
+  packed layers about as torch 2.13 (which reads them) does (counted on the CPU; the test fuses a packed
+  block's kernels only with them).
+* **Peak-memory reordering.** ``torch._inductor.memory.reorder_for_peak_memory`` (the lowest estimate among
+  the original order and three topological sorts) sizes buffers with ``sizevars.size_hint`` /
+  ``optimization_hint(numel, fallback=0)`` and graph inputs with ``get_dep_size_hint``. With the packed
+  tensors at 0 bytes it could not tell orders apart: on the H200 (torch 2.11, GEM-ref medium B 256,
+  activation memory budget 0.5) the backward kept six layers' attention gradients alive together, and the
+  step's peak rose to 1.23x the default's although the partition saved half the bytes.
+
+``install`` wraps ``GraphLowering.get_dep_size_hint`` (a heuristic's size: fusion scores, memory estimates)
+so that a dependency it sizes at 0 whose unbacked symbols all have a recorded hint (valid_tokens.
+recorded_hints) is sized at that hint, and ``reorder_for_peak_memory`` (looked up in its module at each
+call by the scheduler) so that, while it runs, the size hints with a fallback read the same hints. Kernels,
+guards and buffer allocation keep their symbolic sizes, and graphs without recorded hints (not
+gemcompile's) are sized as before. Installed once, by GemBackend, only on a torch whose Inductor does not
+read the hints itself.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ def hinted_value(expr: Any, hints: dict, simplify) -> int | None:
 
 @contextlib.contextmanager
 def hinted_sizes(graph: Any):
-    """Inside the block, ``graph``'s size hints (with a fallback, i.e. for heuristics) and its input sizes
-    read unpad's recorded token counts; restored on exit."""
+    """Inside the block, ``graph``'s size hints with a fallback (heuristics' sizes) read unpad's recorded
+    token counts; restored on exit."""
     sizevars = graph.sizevars
     hints = recorded_hints(getattr(sizevars, "shape_env", None))
     if not hints:
@@ -72,20 +79,6 @@ def hinted_sizes(graph: Any):
             patched[(sizevars, name)] = vars(sizevars).get(name)
             setattr(sizevars, name, sized(getattr(sizevars, name)))
 
-    original_dep = getattr(graph, "get_dep_size_hint", None)
-    if original_dep is not None:
-        def dep_size_hint(dep, count_bytes: bool = True) -> int:
-            size = original_dep(dep, count_bytes)
-            if size == 0:
-                try:  # the dependency's own estimate, now through the hinted size methods
-                    if dep.has_unbacked_symbols():
-                        return dep.numbytes_hint() if count_bytes else dep.numel_hint()
-                except Exception:  # noqa: BLE001 - a dependency without a size: as Inductor sized it
-                    pass
-            return size
-
-        patched[(graph, "get_dep_size_hint")] = vars(graph).get("get_dep_size_hint")
-        graph.get_dep_size_hint = dep_size_hint
     try:
         yield
     finally:
@@ -96,17 +89,47 @@ def hinted_sizes(graph: Any):
                 setattr(owner, name, previous)
 
 
+def _hinted_dep_size(original):
+    """GraphLowering.get_dep_size_hint, with a dependency it sizes at 0 sized at unpad's hints (cached as
+    Inductor caches its own answer)."""
+
+    @functools.wraps(original)
+    def get_dep_size_hint(self, dep, count_bytes: bool = True) -> int:
+        size = original(self, dep, count_bytes)
+        if size != 0:
+            return size
+        try:
+            hints = recorded_hints(self.sizevars.shape_env)
+            if not hints or not dep.has_unbacked_symbols():
+                return size
+            numel = hinted_value(dep.get_numel(), hints, self.sizevars.simplify)
+            if numel is None:
+                return size
+            size = numel * (self.get_dtype(dep.name).itemsize if count_bytes else 1)
+        except Exception:  # noqa: BLE001 - a dependency without a size or dtype: as Inductor sized it
+            return 0
+        cache = getattr(self, "dep_size_hint_cache", None)
+        if isinstance(cache, dict):
+            cache[(dep, count_bytes)] = size
+        return size
+
+    return get_dep_size_hint
+
+
 def install(force: bool = False) -> bool:
-    """Wrap Inductor's ``reorder_for_peak_memory`` (once per process) where Inductor does not read unbacked
-    hints itself (``force``: regardless, for tests). Returns whether the wrapper is in place."""
+    """Wrap Inductor's ``GraphLowering.get_dep_size_hint`` and ``reorder_for_peak_memory`` (once per process)
+    where Inductor does not read unbacked hints itself (``force``: regardless, for tests). Returns whether
+    the wrappers are in place."""
     try:
         from torch._inductor import memory
-    except ImportError:  # an Inductor without the pass: nothing to size
+        from torch._inductor.graph import GraphLowering
+    except ImportError:  # another Inductor: nothing to size
         return False
     original = getattr(memory, "reorder_for_peak_memory", None)
-    if original is None:
+    original_dep = getattr(GraphLowering, "get_dep_size_hint", None)
+    if original is None or original_dep is None:
         return False
-    if getattr(original, _WRAPPED, False):
+    if is_wrapped(original):
         return True
     if inductor_reads_unbacked_hints() and not force:
         return False
@@ -118,16 +141,15 @@ def install(force: bool = False) -> bool:
         with hinted_sizes(V.graph):
             return original(*args, **kwargs)
 
-    setattr(reorder_for_peak_memory, _WRAPPED, True)
-    reorder_for_peak_memory.__wrapped__ = original
+    dep_size = _hinted_dep_size(original_dep)
+    for wrapper in (reorder_for_peak_memory, dep_size):  # (functools.wraps set __wrapped__)
+        setattr(wrapper, _WRAPPED, True)
+    GraphLowering.get_dep_size_hint = dep_size
     memory.reorder_for_peak_memory = reorder_for_peak_memory
     return True
 
 
-def uninstall() -> None:
-    """Put Inductor's own ``reorder_for_peak_memory`` back (tests)."""
-    from torch._inductor import memory
+def is_wrapped(fn: Any) -> bool:
+    """Whether ``fn`` is one of this module's wrappers."""
+    return bool(getattr(fn, _WRAPPED, False))
 
-    current = memory.reorder_for_peak_memory
-    if getattr(current, _WRAPPED, False):
-        memory.reorder_for_peak_memory = current.__wrapped__

@@ -1,10 +1,11 @@
-"""Inductor's peak-memory reordering sees unpad's packed (T, ...) tensors at their hinted size
+"""Inductor's scheduler heuristics see unpad's packed (T, ...) tensors at their hinted size
 (passes/packed_size_hints.py), on a torch whose Inductor does not read unbacked hints (2.11, simulated
 here on any torch by leaving the hints out of the shape env, as valid_tokens does there).
 
-One small packed model compiled with Inductor on the CPU, forward and backward; the buffer sizes the
-reordering computes are recorded in each graph (the forward's packed activations, the backward's packed
-saved inputs) and compared with their numel at the recorded hint."""
+One small packed model compiled with Inductor on the CPU, forward and backward: the buffer sizes the
+peak-memory reordering computes in each graph (the forward's packed activations, the backward's packed
+saved inputs) against their numel at the recorded hint, and the kernels the scheduler fuses (without the
+hints, no two kernels sharing only packed buffers fuse)."""
 
 import pytest
 import torch
@@ -38,14 +39,18 @@ class Block(nn.Module):
         return (x * valid).sum()
 
 
-def _sizes_seen(monkeypatch, wrapped: bool) -> list[tuple[str, int, int]]:
+def _compile_packed(monkeypatch, wrapped: bool) -> tuple[list[tuple[str, int, int]], list[int]]:
     """(kind, size the reordering used, size at the hint) for every packed buffer and graph input of the
-    compiled forward and backward."""
+    compiled forward and backward; the scheduler nodes each graph has after fusion."""
     from torch._inductor import ir, memory
+    from torch._inductor import scheduler as inductor_scheduler
+    from torch._inductor.graph import GraphLowering
     from torch._inductor.virtualized import V
 
     monkeypatch.setattr(valid_tokens, "inductor_reads_unbacked_hints", lambda: False)  # no hints in the env
-    monkeypatch.setattr(memory, "reorder_for_peak_memory", memory.reorder_for_peak_memory)  # restored after
+    for owner, name in ((memory, "reorder_for_peak_memory"), (GraphLowering, "get_dep_size_hint")):
+        current = getattr(owner, name)  # Inductor's own (an earlier compile may have installed the wrappers)
+        monkeypatch.setattr(owner, name, current.__wrapped__ if packed_size_hints.is_wrapped(current) else current)
     monkeypatch.setattr(packed_size_hints, "inductor_reads_unbacked_hints", lambda: not wrapped)
     seen: list[tuple[str, int, int]] = []
 
@@ -88,6 +93,15 @@ def _sizes_seen(monkeypatch, wrapped: bool) -> list[tuple[str, int, int]]:
     monkeypatch.setattr(memory, "compute_size_for_scheduler_buffer", buffers_spy)
     monkeypatch.setattr(memory, "get_freeable_input_buf", inputs_spy)
     monkeypatch.setattr(memory, "prepare_planning_info", planning_spy)
+    fused: list[int] = []
+    fuse_nodes = inductor_scheduler.Scheduler.fuse_nodes
+
+    def fuse_spy(self, nodes):
+        out = fuse_nodes(self, nodes)
+        fused.append(len(out))
+        return out
+
+    monkeypatch.setattr(inductor_scheduler.Scheduler, "fuse_nodes", fuse_spy)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Block()
@@ -99,22 +113,41 @@ def _sizes_seen(monkeypatch, wrapped: bool) -> list[tuple[str, int, int]]:
         out.backward()  # the backward compiles here
     torch.testing.assert_close(out, model(x, lengths))
     torch._dynamo.reset()
-    return seen
+    return seen, fused
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Both compiles (with and without the wrappers), once for the module's tests."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        wrapped = _compile_packed(monkeypatch, wrapped=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        plain = _compile_packed(monkeypatch, wrapped=False)
+    return wrapped, plain
 
 
 @pytest.mark.slow
-def test_reordering_sizes_packed_tensors_at_the_hint(monkeypatch):
-    seen = _sizes_seen(monkeypatch, wrapped=True)
+def test_reordering_sizes_packed_tensors_at_the_hint(compiled):
+    (seen, _), _ = compiled
     kinds = {kind for kind, _, _ in seen}
     assert kinds == {"buffer", "input"}, seen  # packed buffers, and packed saved values entering the backward
     assert all(want > 0 and got == want for _, got, want in seen), [s for s in seen if s[1] != s[2]]
 
 
 @pytest.mark.slow
-def test_without_the_wrapper_packed_tensors_weigh_nothing(monkeypatch):
-    """The fault the wrapper mends, reproduced: without hints Inductor sizes every packed tensor at 0."""
-    seen = _sizes_seen(monkeypatch, wrapped=False)
+def test_without_the_wrappers_packed_tensors_weigh_nothing(compiled):
+    """The fault the wrappers mend, reproduced: without hints Inductor sizes every packed tensor at 0."""
+    _, (seen, _) = compiled
     assert seen and all(got == 0 for _, got, _ in seen), seen
+
+
+@pytest.mark.slow
+def test_kernels_sharing_packed_buffers_fuse(compiled):
+    """Without the hints the forward's kernels that share only packed buffers stay apart ("no shared data");
+    with them the scheduler fuses them: fewer nodes after fusion, the backward no more."""
+    (_, fused), (_, fused_plain) = compiled
+    assert len(fused) == len(fused_plain) == 2, (fused, fused_plain)  # forward, backward
+    assert fused[0] < fused_plain[0] and fused[1] <= fused_plain[1], (fused, fused_plain)
 
 
 def test_hinted_value():
