@@ -7,7 +7,8 @@ Inductor's ``joint_custom_pre_pass`` and ``post_grad_custom_pre_pass`` slots for
 chained before ours. The same patches put gemcompile's partitioner (passes/activation_memory.py: Inductor's
 min-cut partitioner under GemConfig.memory) in ``custom_partitioner_fn``, and the memory budget is patched
 into functorch's config around the compile only. On a torch whose Inductor cannot read unpad's token-count
-hints, Inductor's peak-memory reordering is taught them once per process (passes/packed_size_hints.py).
+hints, Inductor's scheduler heuristics (fusion scores, peak-memory reordering) are taught them once per
+process (passes/packed_size_hints.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.config import GemConfig
-from gemcompile.passes import packed_size_hints
-from gemcompile.passes import PIPELINE, GemPass, PassManager
+from gemcompile.passes import PIPELINE, GemPass, PassManager, packed_size_hints
 from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
                                                   has_partitioner_slot)
 from gemcompile.passes.base import instantiate, run_pre_grad

@@ -116,10 +116,9 @@ def _hinted_dep_size(original):
     return get_dep_size_hint
 
 
-def install(force: bool = False) -> bool:
+def install() -> bool:
     """Wrap Inductor's ``GraphLowering.get_dep_size_hint`` and ``reorder_for_peak_memory`` (once per process)
-    where Inductor does not read unbacked hints itself (``force``: regardless, for tests). Returns whether
-    the wrappers are in place."""
+    where Inductor does not read unbacked hints itself. Returns whether the wrappers are in place."""
     try:
         from torch._inductor import memory
         from torch._inductor.graph import GraphLowering
@@ -131,7 +130,7 @@ def install(force: bool = False) -> bool:
         return False
     if is_wrapped(original):
         return True
-    if inductor_reads_unbacked_hints() and not force:
+    if inductor_reads_unbacked_hints():
         return False
 
     @functools.wraps(original)
