@@ -205,6 +205,9 @@ class E2EBenchConfig:
     time per step is the GPU's own share of a step (kernel_ms_per_step, host_share, mfu_at_kernel_time).
     0 = skip."""
 
+    kernel_top: int = 40
+    """Kernels with the most device time listed in each method's kernel_profile.top."""
+
     memory_snapshot: bool = False
     """CUDA only: one more train step after the measured ones (and the kernel_steps), outside their timing,
     under torch's CUDA memory history; its summary (runtime/training/memory_snapshot.py: the step's peak and
@@ -374,8 +377,8 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     timings = _timed_steps(run)
     # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
     extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
-    profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra))
-                if run.device.type == "cuda" else None)
+    profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra),
+                               top=cfg.kernel_top) if run.device.type == "cuda" else None)
     result = _method_result(run, timings, profiled)
     if cfg.memory_snapshot:
         result["memory_snapshot"] = run_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps)
