@@ -35,9 +35,10 @@ def _debug_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def explain_gem_ref(size: str = "tiny", *, batch_size: int = 8, fill: float = 0.5, seed: int = 0,
-                    config=None):
+                    config=None, sparse_tables: bool = True):
     """Explain GEM-ref of one size on a synthetic batch: (ExplainReport, Batch). What `gemcompile explain`
-    prints, as values (the golden test of the rewrites reads it)."""
+    prints, as values (the golden test of the rewrites reads it). ``sparse_tables``: the tables train on
+    their looked-up rows, as `gemcompile train` trains them by default (the lookups the passes see)."""
     import torch
 
     from gemcompile import explain
@@ -52,6 +53,10 @@ def explain_gem_ref(size: str = "tiny", *, batch_size: int = 8, fill: float = 0.
     device = torch.device("cpu" if size == "tiny" else "meta")
     with device:
         model = GemRef(model_config)
+    if sparse_tables:
+        from gemcompile.runtime.tables.sparse_tables import use_sparse_row_gradients
+
+        use_sparse_row_gradients(model)
     features = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
                 for name, value in batch.features().items()}
     return explain(model, **features, config=config), batch

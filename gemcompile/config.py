@@ -155,6 +155,23 @@ class BlockAttentionConfig:
 
 
 @config_section
+class TableBatchingConfig:
+    """Sparsely trained embedding-bag tables looked up one by one -> one lookup op for many (pre-grad)."""
+
+    enabled: bool = True
+    """Pool the bags of tables that share a mode, dim, dtype, padding id and ids shape in one call: one
+    forward launch and one backward op for all of them, instead of a few launches and Python calls each."""
+
+    min_tables: int = 2
+    """Leave groups of fewer tables than this as they are."""
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.min_tables < 2:
+            raise ConfigError(f"TableBatchingConfig.min_tables = {self.min_tables} is invalid: expected >= 2")
+
+
+@config_section
 class UnpadConfig:
     """Token-wise regions of padded sequences (projections, norms, FFN) run on packed tokens (pre-grad)."""
 
@@ -448,6 +465,9 @@ class GemConfig:
 
     unpad: UnpadConfig = field(default_factory=UnpadConfig)
     """Token-wise regions of padded sequences -> packed tokens, so GEMMs skip padding (pre-grad)."""
+
+    table_batching: TableBatchingConfig = field(default_factory=TableBatchingConfig)
+    """Sparse embedding-bag lookups of many tables -> one lookup op (pre-grad)."""
 
     mxfp8: Mxfp8Config = field(default_factory=Mxfp8Config)
     """FP8 block-scaled GEMMs in the forward and backward graphs (post-grad)."""

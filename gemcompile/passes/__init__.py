@@ -12,6 +12,7 @@ from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
 from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
+from gemcompile.passes.table_batching import TableBatchingPass
 from gemcompile.passes.unpad import UnpadPass
 from gemcompile.passes.unpad_reductions import UnpadReductionsPass
 
@@ -21,6 +22,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     AttentionRewritePass,  # pre_grad: padded attention -> block_attention / jagged_attention / gdpa, by its mask
     GdpaRelativeTablePass,  # pre_grad: gdpa over a relative_bias gather -> gdpa reading the table in place
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
+    TableBatchingPass,  # pre_grad: sparse embedding-bag lookups of many tables -> one sparse_embedding_bags
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers

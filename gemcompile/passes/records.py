@@ -19,7 +19,8 @@ import torch.fx as fx
 
 @dataclass(frozen=True)
 class SourceLocation:
-    """The user's line a graph node came from (the innermost frame of its stack trace)."""
+    """The user's line a graph node came from (the innermost frame of its stack trace outside gemcompile's
+    own ops and runtime: a sparse table's lookup is the model's call of the table, not the op's wrapper)."""
 
     file: str
     line: int
@@ -31,6 +32,7 @@ class SourceLocation:
         return f"{short}:{self.line} in {self.function}"
 
 
+_LIBRARY_FRAMES = re.compile(r"gemcompile/(lowering|runtime)/")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n\s*(?P<code>[^\n]*)')
 
 
@@ -41,7 +43,8 @@ def source_location(node: fx.Node) -> SourceLocation | None:
     frames = list(_FRAME.finditer(trace))
     if not frames:
         return None
-    last = frames[-1]
+    users = [f for f in frames if not _LIBRARY_FRAMES.search(f["file"])]
+    last = (users or frames)[-1]
     return SourceLocation(last["file"], int(last["line"]), last["function"], last["code"].strip())
 
 

@@ -15,7 +15,8 @@ def test_explain_gem_ref_tiny_prints_the_pma_rewrites(capsys):
 
 def test_explain_with_the_pass_disabled(capsys):
     assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--disable", "gdpa",
-                 "--disable", "block_attention", "--disable", "unpad", "--width", "200"]) == 0
+                 "--disable", "block_attention", "--disable", "unpad", "--disable", "table_batching",
+                 "--width", "200"]) == 0
     assert "0 rewrites" in capsys.readouterr().out
     assert main(["explain", "--size", "tiny", "--disable", "jagged_attention", "--width", "200"]) == 0
     out = capsys.readouterr().out

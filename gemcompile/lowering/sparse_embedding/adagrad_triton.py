@@ -167,21 +167,51 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
         raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
     rows_per_table = max(1, max(w.shape[0] for w in weights))
-    keys = []
-    for t, (w, table_ids) in enumerate(zip(weights, ids)):
-        table_ids = _valid_or_minus_one(table_ids, w.shape[0])
-        keys.append(torch.where(table_ids >= 0, table_ids + t * rows_per_table, -1))
-    key = torch.cat(keys)
-    n = key.numel()
+    counts = [i.numel() for i in ids]
+    n = sum(counts)
     if n == 0:
         return
+    meta = _tables_meta(weights, state_sums)
+    # every table's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
+    # fixed handful of launches whatever the number of tables
+    flat = torch.cat([i.reshape(-1) for i in ids]).to(torch.int64)
+    table_of = _table_index(counts, device)
+    inside = (flat >= 0) & (flat < meta[2].index_select(0, table_of))
+    key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
     key_of, acc = _sum_by_id(sorted_keys, perm, torch.cat(grads), len(weights) * rows_per_table)
     slots = key_of.numel()
-    meta = torch.tensor([[w.data_ptr() for w in weights], [s.data_ptr() for s in state_sums],
-                         [w.shape[0] for w in weights], [w.stride(0) for w in weights],
-                         [s.stride(0) for s in state_sums]], dtype=torch.int64).to(device)
     block = _block(dim)
     _adagrad_table_slots_kernel[(slots, triton.cdiv(dim, block))](
         key_of, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0), float(lr),
         float(eps), W_DTYPE=_TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)
+
+
+_CACHE_SIZE = 64
+_META: dict[tuple, torch.Tensor] = {}
+_TABLE_INDEX: dict[tuple, torch.Tensor] = {}
+
+
+def _tables_meta(weights: list[torch.Tensor], state_sums: list[torch.Tensor]) -> torch.Tensor:
+    """(5, tables) int64 on the device: weight and sum addresses, rows, weight and sum row strides. Kept per
+    set of tables (their storage does not move while they train): a step copies nothing from the host."""
+    key = tuple((w.data_ptr(), s.data_ptr(), w.shape[0], w.stride(0), s.stride(0)) for w, s in zip(weights, state_sums))
+    meta = _META.get(key)
+    if meta is None:
+        if len(_META) >= _CACHE_SIZE:
+            _META.clear()
+        meta = _META[key] = torch.tensor(key, dtype=torch.int64).t().contiguous().to(weights[0].device)
+    return meta
+
+
+def _table_index(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The table of each id when the tables' ids (counts[t] each) are concatenated; kept per counts (a
+    model's bag features look up the same number of ids every step)."""
+    key = (tuple(counts), device)
+    index = _TABLE_INDEX.get(key)
+    if index is None:
+        if len(_TABLE_INDEX) >= _CACHE_SIZE:
+            _TABLE_INDEX.clear()
+        index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
+        _TABLE_INDEX[key] = index
+    return index

@@ -95,7 +95,9 @@ def per_id_grads(grad: Tensor, ids: Tensor, offsets: Optional[Tensor], mode: int
     return flat, rows
 
 
-@torch.library.custom_op("gemcompile::file_row_grads_", mutates_args=("token",))
+# cudagraph_unsafe: the filing is a host-side effect that a CUDA-graph replay would skip (Inductor keeps the
+# op out of its graphs)
+@torch.library.custom_op("gemcompile::file_row_grads_", mutates_args=("token",), tags=(torch.Tag.cudagraph_unsafe,))
 def _file_row_grads_(token: Tensor, grad: Tensor, ids: Tensor, offsets: Optional[Tensor], lookup: int,
                      padding_idx: int, table: int) -> None:
     # (`lookup` is the mode: auto_functionalized takes a keyword argument named `mode` itself)
