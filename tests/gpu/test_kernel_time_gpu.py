@@ -67,3 +67,25 @@ def test_profile_of_gemms_names_them_and_counts_launches():
     assert prof.kernels_per_step == pytest.approx(sum(calls.values())), prof.top
     assert next(iter(prof.by_class)) == "gemm" and prof.by_class["gemm"] > 0.9 * prof.ms_per_step
     assert prof.top[0]["class"] == "gemm" and prof.top[0]["calls_per_step"] == pytest.approx(4)
+
+
+def test_idle_gaps_name_the_kernel_the_host_was_late_for():
+    import time
+
+    from gemcompile.runtime.training.kernel_time import kernel_profile
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        y = x @ a
+        torch.cuda.synchronize()
+        time.sleep(0.004)  # the host is late for the relu
+        return y.relu()
+
+    step(a)
+    prof = kernel_profile(step, [a], 3)
+    idle = prof.idle
+    assert idle["idle_ms_per_step"] >= 3.5 and idle["long_gaps_ms_per_step"] >= 3.5, idle
+    top = idle["waits"][0]
+    assert "relu" in top["waited_for"].lower() or "elementwise" in top["waited_for"], idle
+    assert top["ms_per_step"] >= 3.5 and top["gaps_per_step"] == pytest.approx(1), idle

@@ -50,3 +50,24 @@ def test_summarize_kernels_per_step_totals_and_order():
     assert prof.as_json()["by_class_ms"] is prof.by_class
     with pytest.raises(ValueError, match="steps"):
         summarize_kernels(events, steps=0)
+
+
+def test_idle_gaps_sum_the_waits_and_rank_the_kernels_launched_late():
+    from gemcompile.runtime.training.kernel_time import idle_gaps
+
+    # two steps: a 100 us wait before "late" each step, 10 us (below min_us) before "b", overlap is not idle
+    spans = []
+    for t0 in (0.0, 1000.0):
+        spans += [(t0, t0 + 50, "a"), (t0 + 60, t0 + 100, "b"), (t0 + 90, t0 + 120, "c"),
+                  (t0 + 220, t0 + 300, "late")]
+    idle = idle_gaps(spans, steps=2, min_us=20.0)
+    # per step: 10 (a -> b) + 100 (c -> late); between the steps 700 (late -> a) once
+    assert idle["idle_ms_per_step"] == pytest.approx((2 * 110 + 700) / 1e3 / 2)
+    assert idle["long_gaps_ms_per_step"] == pytest.approx((2 * 100 + 700) / 1e3 / 2)
+    first, second = idle["waits"]
+    assert (first["waited_for"], first["after"]) == ("a", "late") and first["gaps_per_step"] == 0.5
+    assert (second["waited_for"], second["after"]) == ("late", "c")
+    assert second["ms_per_step"] == pytest.approx(0.1) and second["gaps_per_step"] == 1
+    assert idle_gaps([], steps=1) is None
+    with pytest.raises(ValueError, match="steps"):
+        idle_gaps(spans, steps=0)

@@ -611,7 +611,8 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
         + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
     if profiled is not None:
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
-            + f"; {profiled.kernels_per_step:.0f} kernels/step")
+            + f"; {profiled.kernels_per_step:.0f} kernels/step"
+            + (f"; GPU idle {profiled.idle['idle_ms_per_step']:.1f} ms/step" if profiled.idle else ""))
 
 
 def _local_layers(run: _MethodRun, log) -> list[dict]:

@@ -7,7 +7,9 @@ benchmarks/unpad.py.
 
 `kernel_profile` also says where that GPU time goes: the kernels that take the most of it, the number of
 kernels a step launches, and a coarse split by kernel class (GEMM, Inductor's Triton, gemcompile's
-Triton, copies, other), so that a results JSON carries what holds a step's MFU back.
+Triton, copies, other), so that a results JSON carries what holds a step's MFU back. And where the GPU
+waits: ``idle_gaps`` sums the time between one kernel's end and the next one's start, and names the
+kernels the largest waits came before (the host was late to launch them: a sync, Python, many tiny ops).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KernelProfile", "kernel_class", "kernel_ms_per_step", "kernel_profile", "summarize_kernels"]
+__all__ = ["KernelProfile", "idle_gaps", "kernel_class", "kernel_ms_per_step", "kernel_profile", "summarize_kernels"]
 
 # Kernel-name rules, first match wins. cuBLAS/CUTLASS GEMM kernels carry gemm / nvjet / sm90_xmma /
 # cutlass in their names; Inductor's generated kernels start with triton_ (triton_poi_, triton_red_,
@@ -57,9 +59,12 @@ class KernelProfile:
     top: list[dict[str, Any]] = field(default_factory=list)
     """The kernels with the most device time: name (truncated), class, ms and calls per step, share."""
 
+    idle: dict[str, Any] | None = None
+    """Where the GPU waited between kernels (idle_gaps), None when the trace had no kernel times."""
+
     def as_json(self) -> dict[str, Any]:
         return {"ms_per_step": self.ms_per_step, "kernels_per_step": self.kernels_per_step,
-                "by_class_ms": self.by_class, "top": self.top}
+                "by_class_ms": self.by_class, "top": self.top, "idle": self.idle}
 
 
 def _device_us(event) -> float:
@@ -90,6 +95,48 @@ def summarize_kernels(events: Iterable[Any], steps: int, top: int = 15, name_cha
     )
 
 
+def idle_gaps(spans: Iterable[tuple[float, float, str]], steps: int, top: int = 12, min_us: float = 20.0,
+              name_chars: int = 90) -> dict[str, Any] | None:
+    """Where the device waited: spans (start us, end us, kernel name) of `steps` steps, on one device.
+    Returns idle ms per step (time between the first kernel's start and the last one's end with no kernel
+    running), the share of that time in gaps of at least ``min_us``, and the ``top`` kernels whose launch the
+    device waited for longest in total (gaps of at least ``min_us`` before them, per step), with the kernel
+    that ran before the gap (``waited_for``, ``after``). None without spans."""
+    if steps < 1:
+        raise ValueError(f"steps = {steps}: need >= 1")
+    spans = sorted(spans)
+    if not spans:
+        return None
+    idle_us, long_us, busy_until, previous = 0.0, 0.0, spans[0][1], spans[0][2]
+    waits: dict[tuple[str, str], list[float]] = {}
+    for start, end, name in spans[1:]:
+        gap = start - busy_until
+        if gap > 0:
+            idle_us += gap
+            if gap >= min_us:
+                long_us += gap
+                entry = waits.setdefault((name[:name_chars], previous[:name_chars]), [0.0, 0])  # late, before it
+                entry[0] += gap
+                entry[1] += 1
+        if end > busy_until:
+            busy_until, previous = end, name
+    ranked = sorted(waits.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {"idle_ms_per_step": idle_us / 1e3 / steps, "min_gap_us": min_us,
+            "long_gaps_ms_per_step": long_us / 1e3 / steps,
+            "waits": [{"waited_for": late, "after": previous, "ms_per_step": us / 1e3 / steps,
+                       "gaps_per_step": n / steps} for (late, previous), (us, n) in ranked]}
+
+
+def _kernel_spans(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device event of a finished profile (kernels, copies, sets)."""
+    spans = []
+    for event in prof.events():
+        device_type = getattr(event, "device_type", None)
+        if device_type is not None and getattr(device_type, "name", "") in ("CUDA", "PrivateUse1"):
+            spans.append((event.time_range.start, event.time_range.end, event.name))
+    return spans
+
+
 def kernel_profile(step: Callable[[Any], Any], inputs: Sequence[Any], steps: int,
                    top: int = 40) -> KernelProfile | None:
     """Profile `steps` calls step(inputs[i % len(inputs)]) on CUDA; None without CUDA (nothing runs on
@@ -103,7 +150,9 @@ def kernel_profile(step: Callable[[Any], Any], inputs: Sequence[Any], steps: int
         for i in range(steps):
             step(inputs[i % len(inputs)])
         torch.cuda.synchronize()
-    return summarize_kernels(prof.key_averages(), steps, top=top)
+    profiled = summarize_kernels(prof.key_averages(), steps, top=top)
+    profiled.idle = idle_gaps(_kernel_spans(prof), steps)
+    return profiled
 
 
 def kernel_ms_per_step(step: Callable[[Any], Any], inputs: Sequence[Any], steps: int) -> float | None:
