@@ -5,7 +5,9 @@ optimizer step), side by side in one process on GEM-ref's table shapes:
   on CUDA): what a model gets by default, and what the e2e peers run;
 - ``torch-sparse``: the same modules with ``sparse=True`` (torch's sparse COO gradient) and torch's Adagrad,
   as nn.Embedding's documentation offers for large tables;
-- ``sparse-rows``: gemcompile's row gradients and SparseAdagrad (runtime/tables/sparse_adagrad.py).
+- ``sparse-rows``: gemcompile's row gradients and SparseAdagrad (runtime/tables/sparse_adagrad.py);
+- ``sparse-rows-batched``: the same, with the bag tables looked up in one gemcompile::sparse_embedding_bags
+  call, as passes/table_batching.py rewrites a compiled model's lookups (here called eagerly).
 
 Per method: the median step time (triton.testing.do_bench), the optimizer step alone (CUDA events around
 ``step()`` over the timed steps), and the tables' max difference from ``dense`` after three identical steps
@@ -36,7 +38,7 @@ from gemcompile.models.data import SyntheticData  # noqa: E402
 from gemcompile.models.gem import gem_ref_config  # noqa: E402
 from gemcompile.runtime.training.optimizers import build_optimizers  # noqa: E402
 
-METHODS = ("dense", "torch-sparse", "sparse-rows")
+METHODS = ("dense", "torch-sparse", "sparse-rows", "sparse-rows-batched")
 
 
 class Tables(nn.Module):
@@ -48,8 +50,19 @@ class Tables(nn.Module):
                                   for _ in range(cfg.n_tables))
         self.item = nn.Embedding(cfg.item_vocab, cfg.d_item, padding_idx=0)
 
+    batched = False
+    """Bag lookups in one sparse_embedding_bags call (what the table_batching pass emits)."""
+
     def forward(self, sparse_ids, seq_items):
-        pooled = torch.stack([t(sparse_ids[:, i]) for i, t in enumerate(self.bags)], 1)  # (B, T, dim)
+        if self.batched:
+            from gemcompile.lowering.sparse_embedding.bags import sparse_embedding_bags
+            from gemcompile.lowering.sparse_embedding.op import MODE_SUM
+
+            ids = torch.stack([sparse_ids[:, i] for i in range(len(self.bags))])
+            pooled = sparse_embedding_bags(ids, [t.weight for t in self.bags], self.bags[0].row_grad_token, MODE_SUM,
+                                           0, [t.table_key for t in self.bags]).transpose(0, 1)
+        else:
+            pooled = torch.stack([t(sparse_ids[:, i]) for i, t in enumerate(self.bags)], 1)  # (B, T, dim)
         seqs = [self.item(items) for items in seq_items]
         return pooled.square().mean() + sum(s.square().mean() for s in seqs)
 
@@ -60,7 +73,8 @@ def _method_model(base: Tables, method: str) -> tuple[Tables, list[torch.optim.O
         for m in model.modules():
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 m.sparse = True
-    optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=method == "sparse-rows")
+    optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=method.startswith("sparse-rows"))
+    model.batched = method == "sparse-rows-batched"
     return model, optimizers
 
 
