@@ -1,7 +1,7 @@
 """gemcompile::sparse_embedding_bags on CUDA: the one-launch Triton forward against each table's own
-nn.EmbeddingBag CUDA kernel (same fp32 summation order: equal in fp32), the filed rows against the per-table
-op's, and an id outside its table raised as a device-side assert (checked in a child process: the assert
-ends the CUDA context)."""
+nn.EmbeddingBag CUDA kernel (same fp32 summation order: sums equal in fp32, means within one rounding of
+the division), and an id outside its table raised as a device-side assert (checked in a child process: the
+assert ends the CUDA context)."""
 
 import subprocess
 import sys
@@ -33,8 +33,10 @@ def test_forward_matches_each_tables_embedding_bag(tables, rows, dim, bags, hot,
                                 list(range(tables)))
     bag_mode = "mean" if mode == MODE_MEAN else "sum"
     want = torch.stack([F.embedding_bag(ids[t], w, mode=bag_mode, padding_idx=0) for t, w in enumerate(weights)])
-    if dtype == torch.float32:
+    if dtype == torch.float32 and mode == MODE_SUM:
         assert torch.equal(got, want)
+    elif dtype == torch.float32:  # H200, torch 2.11: torch's mean differs from sum / count in the last bit
+        torch.testing.assert_close(got, want, rtol=2.5e-7, atol=1e-7)
     else:  # torch's bf16 bag kernel accumulates in fp32 too; one rounding at the end either way
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
