@@ -754,8 +754,11 @@ def e2e_kernel_classes() -> str:
 
 
 E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-143850.json"),
-                           ("after (2026-12-01)", "e2e-medium-fill0.5-20261201-214826.json")]
-"""GEM-ref medium, B 256, fill 0.5, before and after issue 24's sparse tables and per-step length work."""
+                           ("sparse tables (2026-12-01)", "e2e-medium-fill0.5-20261201-214826.json"),
+                           ("+ packed fusion hints (2a07862)", "e2e-medium-fill0.5-20261202-214640.json"),
+                           ("+ table batching (33ed1cb)", "e2e-medium-fill0.5-20261202-224724.json")]
+"""GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
+run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
 
 
@@ -771,8 +774,9 @@ def e2e_medium_before_after() -> str:
                          f(r.get("speedup_vs_inductor")), f"{pct(r.get('mfu'))}%", f(kp.get("ms_per_step"), ".1f")]
                         + [f(by.get(c), ".1f") for c in KERNEL_CLASSES]
                         + [f(kp.get("kernels_per_step"), ".0f"), f(r.get("peak_memory_gib"), ".1f")])
-    lines = ["GEM-ref medium, batch 256, fill 0.5, one H200: before and after issue 24's sparse embedding tables and "
-             "once-per-step length work. Kernel ms per step by class (torch.profiler; `other` holds cuDNN's SDPA "
+    lines = ["GEM-ref medium, batch 256, fill 0.5, one H200: before issue 24 and after its steps (sparse embedding "
+             "tables and once-per-step length work; torch 2.11's fusion over packed buffers, passes/packed_size_hints.py; "
+             "the tables' lookups in one call, passes/table_batching.py). Kernel ms per step by class (torch.profiler; `other` holds cuDNN's SDPA "
              "and torch's own CUDA kernels such as the optimizers' multi_tensor_apply). Plot: "
              "`docs/e2e_kernel_classes.png` (`python benchmarks/render_report.py --write --plot`).", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
@@ -787,14 +791,14 @@ def render_kernel_class_plot(plt, path: Path = REPO / "docs" / "e2e_kernel_class
         _, payload = load(name)
         for r in payload["results"]:
             by = (r.get("kernel_profile") or {}).get("by_class_ms") or {}
-            bars.append((f"{r['method']}\n{label}", [by.get(c, 0.0) for c in KERNEL_CLASSES]))
-    fig, ax = plt.subplots(figsize=(7, 4))
+            bars.append((f"{r['method']}, {label}", [by.get(c, 0.0) for c in KERNEL_CLASSES]))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     bottoms = [0.0] * len(bars)
     for i, cls in enumerate(KERNEL_CLASSES):
         heights = [ms[i] for _, ms in bars]
         ax.bar(range(len(bars)), heights, bottom=bottoms, label=cls)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("GPU ms per step (torch.profiler)")
     ax.set_title("GEM-ref medium, B 256, fill 0.5, H200: GPU time by kernel class", fontsize=9)
     ax.legend(fontsize=7)
@@ -1289,28 +1293,34 @@ def readme_e2e() -> str:
 
 @block("readme-e2e-sparse-tables")
 def readme_e2e_sparse_tables() -> str:
-    mpath, medium = load("e2e-medium-fill0.5-20261201-214826.json")
-    tpath, tables = load("sparse_tables-medium-b256-20261201-214406.json")
+    mpath, medium = load("e2e-medium-fill0.5-20261202-224724.json")
+    tpath, tables = load("sparse_tables-medium-b256-20261202-225739.json")
     m = {r["method"]: r for r in medium["results"]}
     t = {r["method"]: r for r in tables["results"]}
-    env = medium["environment"]
-    g, i = m["gem"], m["inductor"]
-    return (f"With the embedding tables trained sparsely (row gradients and SparseAdagrad, gem_compile's "
-            f"default; the torch.compile peer keeps dense tables and torch's Adagrad), GEM-ref medium at batch "
-            f"{medium['config']['batch_size']}, fill {medium['config']['fill']} ({cite(mpath)}, {env['gpu']}, torch "
-            f"{env['torch']}, triton {env['triton']}, {env['date_utc'][:10]}): gem_compile trains "
+    env, tenv = medium["environment"], tables["environment"]
+    g, i, nb = m["gem"], m["inductor"], m["gem-no-table_batching"]
+    kp = lambda r, key: r["kernel_profile"][key]  # noqa: E731
+    return (f"GEM-ref medium at batch {medium['config']['batch_size']}, fill {medium['config']['fill']}, with the "
+            f"embedding tables trained sparsely (row gradients and SparseAdagrad, gem_compile's default; the "
+            f"torch.compile peer keeps dense tables and torch's Adagrad) and their lookups in one call "
+            f"(`table_batching`) ({cite(mpath)}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+            f"{env['date_utc'][:10]}, code `{env['git_commit'][:7]}`): gem_compile trains "
             f"{f(g['speedup_vs_inductor'])}x torch.compile's samples/s ({f(g['samples_per_s'], '.0f')} against "
             f"{f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU; kernel time {f(g['kernel_ms_per_step'], '.1f')} "
-            f"against {f(i['kernel_ms_per_step'], '.1f')} ms a step, {f(g['kernel_profile']['kernels_per_step'], '.0f')} "
-            f"against {f(i['kernel_profile']['kernels_per_step'], '.0f')} kernels a step, peak memory "
-            f"{f(g['peak_memory_gib'], '.1f')} against {f(i['peak_memory_gib'], '.1f')} GiB (compile times in this file "
-            f"are Inductor cache hits: not a compile-time measurement). The tables alone, eager, one step of lookups, "
-            f"backward and optimizer ({cite(tpath)}): dense {f(t['dense']['step_ms'], '.1f')} ms, torch's sparse "
-            f"gradients {f(t['torch-sparse']['step_ms'], '.1f')} ms, SparseAdagrad {f(t['sparse-rows']['step_ms'], '.1f')} "
-            f"ms: in isolation the sparse path is not faster than dense Adagrad on these tables (its optimizer "
-            f"step {f(t['sparse-rows']['optimizer_ms'], '.1f')} against {f(t['dense']['optimizer_ms'], '.1f')} ms, host-bound: "
-            f"about ten launches per table); in the whole step it removes the dense table gradients and "
-            f"their radix sorts.")
+            f"of a {f(g['step_ms_median'], '.1f')} ms step against {f(i['kernel_ms_per_step'], '.1f')} of "
+            f"{f(i['step_ms_median'], '.1f')} ms, {f(kp(g, 'kernels_per_step'), '.0f')} against "
+            f"{f(kp(i, 'kernels_per_step'), '.0f')} kernels a step, peak memory {f(g['peak_memory_gib'], '.1f')} against "
+            f"{f(i['peak_memory_gib'], '.1f')} GiB, compile {f(g['compile_s'], '.0f')} against {f(i['compile_s'], '.0f')} s "
+            f"({f(g['compile_time_vs_inductor'])}x). In the same run without table batching: "
+            f"{f(nb['speedup_vs_inductor'])}x, {f(kp(nb, 'kernels_per_step'), '.0f')} kernels and the same kernel time "
+            f"({f(nb['kernel_ms_per_step'], '.1f')} ms) in a {f(nb['step_ms_median'], '.1f')} ms step: the batching "
+            f"removes host time, not GPU time. The tables alone, eager, one step of lookups, backward and optimizer "
+            f"({cite(tpath)}, code `{tenv['git_commit'][:7]}`): dense {f(t['dense']['step_ms'], '.1f')} ms (optimizer "
+            f"{f(t['dense']['optimizer_ms'], '.1f')} ms), SparseAdagrad with per-table lookups "
+            f"{f(t['sparse-rows']['step_ms'], '.1f')} ms (optimizer {f(t['sparse-rows']['optimizer_ms'], '.1f')} ms), "
+            f"with the lookups in one call {f(t['sparse-rows-batched']['step_ms'], '.1f')} ms (optimizer "
+            f"{f(t['sparse-rows-batched']['optimizer_ms'], '.1f')} ms, "
+            f"{pct(t['sparse-rows-batched']['optimizer_share_of_dense'])}% of dense Adagrad's).")
 
 
 @block("readme-scaling")
