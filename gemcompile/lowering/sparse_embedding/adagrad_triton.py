@@ -221,7 +221,6 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
 
 _CACHE_SIZE = 64
 _META: dict[tuple, torch.Tensor] = {}
-_TABLE_INDEX: dict[tuple, torch.Tensor] = {}
 
 
 def _tables_meta(weights: list[torch.Tensor], state_sums: list[torch.Tensor]) -> torch.Tensor:
@@ -237,13 +236,9 @@ def _tables_meta(weights: list[torch.Tensor], state_sums: list[torch.Tensor]) ->
 
 
 def _table_index(counts: list[int], device: torch.device) -> torch.Tensor:
-    """The table of each id when the tables' ids (counts[t] each) are concatenated; kept per counts (a
-    model's bag features look up the same number of ids every step)."""
-    key = (tuple(counts), device)
-    index = _TABLE_INDEX.get(key)
-    if index is None:
-        if len(_TABLE_INDEX) >= _CACHE_SIZE:
-            _TABLE_INDEX.clear()
-        index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
-        _TABLE_INDEX[key] = index
-    return index
+    """The table of each id when the tables' ids (counts[t] each) are concatenated, built on the device
+    from a pinned copy of the counts: a pageable copy would wait for every kernel queued before it."""
+    repeats = torch.tensor(counts, dtype=torch.int64)
+    if device.type == "cuda":
+        repeats = repeats.pin_memory().to(device, non_blocking=True)
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), repeats, output_size=sum(counts))
