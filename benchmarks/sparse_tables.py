@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import bench_ms, environment, write_json  # noqa: E402
 
+from gemcompile.lowering.sparse_embedding.bags import sparse_embedding_bags  # noqa: E402
+from gemcompile.lowering.sparse_embedding.op import MODE_SUM  # noqa: E402
 from gemcompile.models.data import SyntheticData  # noqa: E402
 from gemcompile.models.gem import gem_ref_config  # noqa: E402
 from gemcompile.runtime.training.optimizers import build_optimizers  # noqa: E402
@@ -55,9 +57,6 @@ class Tables(nn.Module):
 
     def forward(self, sparse_ids, seq_items):
         if self.batched:
-            from gemcompile.lowering.sparse_embedding.bags import sparse_embedding_bags
-            from gemcompile.lowering.sparse_embedding.op import MODE_SUM
-
             ids = torch.stack([sparse_ids[:, i] for i in range(len(self.bags))])
             pooled = sparse_embedding_bags(ids, [t.weight for t in self.bags], self.bags[0].row_grad_token, MODE_SUM,
                                            0, [t.table_key for t in self.bags]).transpose(0, 1)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common.tuned_launch import INTERPRET
+from .table_meta import TL_DTYPES, device_table
 
 __all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_"]
 
@@ -183,9 +184,6 @@ def _adagrad_table_slots_kernel(KeyOf, Acc, WeightPtrs, SumPtrs, Rows, StrideW, 
                         lr, eps)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 @torch.no_grad()
 def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list[torch.Tensor],
                            grads: list[torch.Tensor], lr: float, eps: float) -> None:
@@ -203,7 +201,10 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     n = sum(counts)
     if n == 0:
         return
-    meta = _tables_meta(weights, state_sums)
+    # weight and sum addresses, rows, weight and sum row strides: (5, tables), kept per set of tables
+    meta = device_table((tuple(w.data_ptr() for w in weights), tuple(s.data_ptr() for s in state_sums),
+                         tuple(w.shape[0] for w in weights), tuple(w.stride(0) for w in weights),
+                         tuple(s.stride(0) for s in state_sums)), device)
     # every table's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
     # fixed handful of launches whatever the number of tables
     flat = torch.cat([i.reshape(-1) for i in ids]).to(torch.int64)
@@ -216,23 +217,7 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     block = _block(dim)
     _adagrad_table_slots_kernel[(slots, triton.cdiv(dim, block))](
         key_of, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0), float(lr),
-        float(eps), W_DTYPE=_TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)
-
-
-_CACHE_SIZE = 64
-_META: dict[tuple, torch.Tensor] = {}
-
-
-def _tables_meta(weights: list[torch.Tensor], state_sums: list[torch.Tensor]) -> torch.Tensor:
-    """(5, tables) int64 on the device: weight and sum addresses, rows, weight and sum row strides. Kept per
-    set of tables (their storage does not move while they train): a step copies nothing from the host."""
-    key = tuple((w.data_ptr(), s.data_ptr(), w.shape[0], w.stride(0), s.stride(0)) for w, s in zip(weights, state_sums))
-    meta = _META.get(key)
-    if meta is None:
-        if len(_META) >= _CACHE_SIZE:
-            _META.clear()
-        meta = _META[key] = torch.tensor(key, dtype=torch.int64).t().contiguous().to(weights[0].device)
-    return meta
+        float(eps), W_DTYPE=TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)
 
 
 def _table_index(counts: list[int], device: torch.device) -> torch.Tensor:

@@ -72,9 +72,8 @@ def bag_row_grads(grad: Tensor, ids: Tensor, mode: int, padding_idx: int) -> tup
     pad = flat == padding_idx if padding_idx >= 0 else None
     per_bag = grad
     if mode == MODE_MEAN:  # every id of a bag of k (non-padding) ids got out / k
-        size = torch.full((tables, bags), hot, dtype=torch.int64, device=ids.device) if pad is None else \
-            (~pad).sum(-1)
-        per_bag = grad / size.clamp(min=1).to(grad.dtype)[:, :, None]
+        size = (~pad).sum(-1).clamp(min=1).to(grad.dtype)[:, :, None] if pad is not None else max(hot, 1)
+        per_bag = grad / size
     rows = torch.empty((tables, bags * hot, dim), dtype=grad.dtype, device=grad.device)
     rows.view(tables, bags, hot, dim).copy_(per_bag[:, :, None, :].expand(tables, bags, hot, dim))
     if pad is not None:

@@ -2,7 +2,7 @@
 
 One program sums (or averages) a block of bags of one table over a block of columns. The tables' weights
 stay separate tensors: the kernel reads each table's weight pointer, row count and row stride from a small
-int64 table (``table_meta``), built once per set of weights and kept (the pointers do not change while a
+int64 table (table_meta.py), built once per set of weights and kept (the pointers do not change while a
 model trains), so a call copies nothing from the host.
 
 The ids of a bag are summed in order with an fp32 accumulator, as torch's CUDA embedding_bag kernel sums
@@ -19,12 +19,9 @@ import triton
 import triton.language as tl
 
 from ..common.tuned_launch import INTERPRET
+from .table_meta import TL_DTYPES, device_table
 
-__all__ = ["embedding_bags_triton", "table_meta"]
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_META_CACHE: dict[tuple, torch.Tensor] = {}
-_META_CACHE_SIZE = 64
+__all__ = ["embedding_bags_triton"]
 
 
 @triton.jit
@@ -60,19 +57,6 @@ def _bags_fwd_kernel(Ids, Meta, Out, Ok, bags, dim, padding_idx, stride_it, stri
         tl.store(Ok, 0)
 
 
-def table_meta(weights: list[torch.Tensor]) -> torch.Tensor:
-    """(tables, 3) int64 on the weights' device: each weight's address, rows and row stride. Kept per set
-    of weights (a model's tables keep their storage from step to step), so a step builds none."""
-    key = tuple((w.data_ptr(), w.shape[0], w.stride(0), w.device) for w in weights)
-    meta = _META_CACHE.get(key)
-    if meta is None:
-        if len(_META_CACHE) >= _META_CACHE_SIZE:
-            _META_CACHE.clear()
-        meta = torch.tensor([[w.data_ptr(), w.shape[0], w.stride(0)] for w in weights], dtype=torch.int64)
-        meta = _META_CACHE[key] = meta.to(weights[0].device)
-    return meta
-
-
 @torch.no_grad()
 def embedding_bags_triton(ids: torch.Tensor, weights: list[torch.Tensor], mean: bool, padding_idx: int
                           ) -> torch.Tensor:
@@ -88,9 +72,10 @@ def embedding_bags_triton(ids: torch.Tensor, weights: list[torch.Tensor], mean: 
     block_d = min(128 if not INTERPRET else 32, triton.next_power_of_2(dim))
     block_b = 16 if not INTERPRET else 4
     grid = (triton.cdiv(bags, block_b), tables, triton.cdiv(dim, block_d))
+    meta = device_table(tuple((w.data_ptr(), w.shape[0], w.stride(0)) for w in weights), ids.device)
     _bags_fwd_kernel[grid](
-        ids, table_meta(weights), out, ok, bags, dim, padding_idx, ids.stride(0), ids.stride(1),
-        ids.stride(2), out.stride(0), out.stride(1), HOT=hot, MEAN=mean, W_DTYPE=_TL_DTYPES[dtype], BLOCK_B=block_b,
+        ids, meta, out, ok, bags, dim, padding_idx, ids.stride(0), ids.stride(1),
+        ids.stride(2), out.stride(0), out.stride(1), HOT=hot, MEAN=mean, W_DTYPE=TL_DTYPES[dtype], BLOCK_B=block_b,
         BLOCK_D=block_d, num_warps=4)
     torch._assert_async(ok, "gemcompile::sparse_embedding_bags: an id lies outside its table's rows")
     return out
