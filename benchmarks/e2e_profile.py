@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -27,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_json  # noqa: E402
 
 from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, start_method  # noqa: E402
-from gemcompile.runtime.training.kernel_time import _kernel_spans  # noqa: E402
 
 
 def _device_us(event) -> float:
@@ -42,22 +43,27 @@ def device_time_by_op(prof, steps: int, top: int) -> list[dict]:
              "calls_per_step": e.count / steps} for e in rows[:top]]
 
 
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+
+
 def _busy_gaps(spans, min_us: float) -> list[tuple[float, float]]:
     spans = sorted(spans)
     gaps, busy_until = [], spans[0][1] if spans else 0.0
-    for start, end, _ in spans[1:]:
+    for start, end in spans[1:]:
         if start - busy_until >= min_us:
             gaps.append((busy_until, start))
         busy_until = max(busy_until, end)
     return gaps
 
 
-def idle_by_host_op(prof, steps: int, top: int, min_us: float = 20.0) -> dict:
-    """GPU idle time in gaps >= min_us, given at each instant to the innermost host op open then."""
-    gaps = _busy_gaps(_kernel_spans(prof), min_us)
-    host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-            if getattr(getattr(e, "device_type", None), "name", "CPU") == "CPU" and e.time_range.end > e.time_range.start]
-    host.sort(key=lambda h: (h[0], -h[1]))
+def idle_by_host_op(trace_events: list[dict], steps: int, top: int, min_us: float = 20.0) -> dict:
+    """GPU idle time in gaps >= min_us (from a Chrome trace's events), given at each instant to the
+    innermost host op open then (the latest-started one, any thread)."""
+    complete = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
+    gaps = _busy_gaps([(e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") in _DEVICE_CATS], min_us)
+    host = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in complete
+                   if e.get("cat") in _HOST_CATS and e["dur"] > 0), key=lambda h: (h[0], -h[1]))
     totals: dict[str, float] = {}
     active: list[tuple[float, float, str]] = []  # host ops open at some instant of the current gap
     j = 0
@@ -67,7 +73,7 @@ def idle_by_host_op(prof, steps: int, top: int, min_us: float = 20.0) -> dict:
             j += 1
         active = [h for h in active if h[1] > g0]
         t = g0
-        while t < g1:  # the innermost op at an instant is the latest-starting open one; 5 us samples
+        while t < g1:  # 5 us samples
             inner = max((h for h in active if h[0] <= t < h[1]), key=lambda h: h[0], default=None)
             name = inner[2][:100] if inner else "(no host op)"
             dt = min(5.0, g1 - t)
@@ -76,6 +82,12 @@ def idle_by_host_op(prof, steps: int, top: int, min_us: float = 20.0) -> dict:
     ranked = sorted(totals.items(), key=lambda kv: kv[1], reverse=True)[:top]
     return {"gaps_per_step": len(gaps) / steps, "idle_ms_per_step": sum(b - a for a, b in gaps) / 1e3 / steps,
             "min_gap_us": min_us, "by_innermost_host_op": [{"op": k, "ms_per_step": v / 1e3 / steps} for k, v in ranked]}
+
+
+def _trace_events(prof, path: Path) -> list[dict]:
+    prof.export_chrome_trace(str(path))
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
 
 
 def main(argv=None) -> int:
@@ -105,8 +117,12 @@ def main(argv=None) -> int:
         for batch in batches:
             run.train_step(batch)
         sync()
+    raw = Path(args.out or "/tmp") / f"e2e_profile-{args.size}-{args.method}.trace.json"
+    if os.environ.get("OUT"):
+        raw = Path(os.environ["OUT"]) / raw.name
+    events = _trace_events(prof, raw)
     payload = {"config": vars(args), "ops": device_time_by_op(prof, args.steps, args.top),
-               "idle": idle_by_host_op(prof, args.steps, args.top)}
+               "idle": idle_by_host_op(events, args.steps, args.top)}
     path = write_json(f"e2e_profile-{args.size}-{args.method}", {"benchmark": "e2e_profile", **payload}, args.out)
     print(f"wrote {path}")
     for row in payload["ops"][:30]:
@@ -115,11 +131,9 @@ def main(argv=None) -> int:
     for row in payload["idle"]["by_innermost_host_op"][:30]:
         print(f"{row['ms_per_step']:8.3f} ms  {row['op']}")
     if args.trace:
-        raw = Path(path).with_suffix(".trace.json")
-        prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
-        raw.unlink()
+    raw.unlink()
     return 0
 
 
