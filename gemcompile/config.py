@@ -172,6 +172,28 @@ class TableBatchingConfig:
 
 
 @config_section
+class TokenGemmConfig:
+    """GEMMs over a data-dependent token count -> GEMMs of bucketed sizes (post-grad, passes/token_gemm.py)."""
+
+    enabled: bool = True
+    """Cover each mm / addmm's token dim with GEMMs of a few sizes per octave, so that cuBLAS chooses a
+    kernel for each size once instead of at every step's new token count (0.2 to 4 ms of host time per
+    GEMM on an H200, while the GPU waits). Costs at most 1/per_octave of the tokens computed twice."""
+
+    per_octave: int = 16
+    """Sizes per octave of the token count: more wastes fewer repeated tokens and meets more new shapes."""
+
+    min_rows: int = 256
+    """Smallest window; token dims under twice this run as one GEMM."""
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.per_octave < 1 or self.min_rows < 1:
+            raise ConfigError(f"TokenGemmConfig: per_octave = {self.per_octave} and min_rows = {self.min_rows} "
+                              f"must be >= 1")
+
+
+@config_section
 class UnpadConfig:
     """Token-wise regions of padded sequences (projections, norms, FFN) run on packed tokens (pre-grad)."""
 
@@ -468,6 +490,9 @@ class GemConfig:
 
     table_batching: TableBatchingConfig = field(default_factory=TableBatchingConfig)
     """Sparse embedding-bag lookups of many tables -> one lookup op (pre-grad)."""
+
+    token_gemm: TokenGemmConfig = field(default_factory=TokenGemmConfig)
+    """GEMMs over a data-dependent token count -> GEMMs of bucketed sizes (post-grad)."""
 
     mxfp8: Mxfp8Config = field(default_factory=Mxfp8Config)
     """FP8 block-scaled GEMMs in the forward and backward graphs (post-grad)."""

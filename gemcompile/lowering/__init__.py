@@ -23,6 +23,7 @@ Importing this package registers every op. One folder per op, one file per conce
     sparse_embedding/     gemcompile::sparse_embedding   op.py pending.py adagrad.py reference.py adagrad_triton.py
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index, gemcompile::valid_mask_index
+    token_gemm.py         gemcompile::token_mm (a GEMM over packed tokens as GEMMs of bucketed sizes)
     length_order.py       gemcompile::length_order, gemcompile::key_bounds (derived once per step, shared)
 
 A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from
@@ -31,6 +32,7 @@ imports nothing outside lowering/.
 """
 
 from . import length_order  # noqa: F401  registers gemcompile::length_order, gemcompile::key_bounds
+from . import token_gemm  # noqa: F401  registers gemcompile::token_mm
 from . import valid_tokens  # noqa: F401  registers gemcompile::valid_token_index, gemcompile::valid_mask_index
 from .block_attention import op as block_attention_op  # noqa: F401  registers gemcompile::block_attention*
 from .common.checks import strict_length_checks

@@ -1,0 +1,69 @@
+"""token_gemm (post-grad): the GEMMs over a packed token count become gemcompile::token_mm, in the forward
+(rows: tokens) and the backward (dgrad rows, and weight gradients summed over tokens), with eager's outputs
+and gradients over token counts that split and ones that do not, and no recompiles. Static shapes (unpad
+off) and the pass turned off are left alone."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from gemcompile import GemConfig, explain, gem_compile
+from tests.integration.test_unpad_pass import LENGTH_SETS, MaskedResidualFfn, x_only
+
+# windows of 2 tokens and up: the tests' few tokens (up to 36) split as medium's 260k do
+SMALL = {"per_octave": 2, "min_rows": 2}
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_caches():
+    """A graph served from Inductor's or AOTAutograd's cache is not compiled, so the pass does not count."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _train_and_compare(model, config):
+    counters.clear()
+    compiled = gem_compile(model, config=config)
+    params = list(model.parameters())
+    for lengths in LENGTH_SETS:
+        x, lengths = x_only(torch.tensor(lengths))
+        out = compiled(x, lengths)
+        grads = torch.autograd.grad(out.square().sum(), params)
+        ref = model(x, lengths)
+        ref_grads = torch.autograd.grad(ref.square().sum(), params)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        for g, g_ref in zip(grads, ref_grads):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1, "a new token count recompiled"
+
+
+def test_packed_gemms_bucketed_with_eager_gradients():
+    model = MaskedResidualFfn()
+    _train_and_compare(model, GemConfig(token_gemm=SMALL))
+    # forward: the input projection and the two FFNs' up and down (5 addmm over T rows); backward: the
+    # dgrads over T rows (4: the input projection's needs none) and the 5 weight gradients summed over T
+    assert counters["gemcompile"]["token_gemm"] == 2  # one report per graph: forward, backward
+    report = explain(model, *x_only(torch.tensor(LENGTH_SETS[0])), config=GemConfig(token_gemm=SMALL))
+    forward, backward = [r.metrics for r in report.rewrites if r.pass_name == "token_gemm"]
+    assert forward == {"gemms": 5, "token_rows": 5, "token_sums": 0}
+    assert backward == {"gemms": 9, "token_rows": 4, "token_sums": 5}
+
+
+def test_default_sizes_match_eager():
+    """The default windows (256 tokens and up): these token counts run as one GEMM each, same results."""
+    _train_and_compare(MaskedResidualFfn(), GemConfig())
+    assert counters["gemcompile"]["token_gemm"] == 2
+
+
+def test_static_shapes_left_alone():
+    model = MaskedResidualFfn()
+    _train_and_compare(model, GemConfig(unpad={"enabled": False}, token_gemm=SMALL))
+    assert counters["gemcompile"]["token_gemm"] == 0
+
+
+def test_turned_off():
+    _train_and_compare(MaskedResidualFfn(), GemConfig(token_gemm={"enabled": False}))
+    assert counters["gemcompile"]["token_gemm"] == 0
