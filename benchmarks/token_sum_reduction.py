@@ -66,12 +66,43 @@ def main(argv=None) -> int:
 
     rows = []
     torch._dynamo.config.capture_scalar_outputs = True
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.codegen.triton import FixedTritonConfig
+    from torch._inductor.virtualized import V
+
+    class Fixed(InductorChoices):
+        """Every reduction over one dim with a fixed block config (to time configs against Inductor's)."""
+
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+        def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
+            if features.is_reduction() and groups and set(groups[0]) == {"x", "r0_"} and \
+                    not kernel_kwargs.get("override_persistent_reduction"):
+                kernel_kwargs = {**kernel_kwargs, "fixed_config": FixedTritonConfig(dict(self.config)),
+                                 "override_persistent_reduction": False, "override_cooperative_reduction": False}
+            return kernel_kwargs
+
+    def with_choices(fn, config):
+        def call(*a):
+            with V.set_choices_handler(Fixed(config)):
+                return fn(*a)
+        return call
+
     cases = {
         "static": (torch.compile(weight_grad, dynamic=False), (dy, x, mean, rstd)),
         "dynamic": (torch.compile(weight_grad, dynamic=True), (dy, x, mean, rstd)),
         "unbacked": (torch.compile(lambda *a: unbacked(*a, pad=False)), (dy, x, mean, rstd, count)),
         "unbacked_padded": (torch.compile(lambda *a: unbacked(*a, pad=True)), (dy, x, mean, rstd, count)),
     }
+    for name, config in {"x64_r8_w8": {"XBLOCK": 64, "R0_BLOCK": 8, "num_warps": 8},
+                         "x32_r64_w4": {"XBLOCK": 32, "R0_BLOCK": 64, "num_warps": 4},
+                         "x128_r16_w8": {"XBLOCK": 128, "R0_BLOCK": 16, "num_warps": 8},
+                         "x64_r32_w8": {"XBLOCK": 64, "R0_BLOCK": 32, "num_warps": 8}}.items():
+        for pad in (False, True):
+            fn = with_choices(torch.compile(lambda *a, pad=pad: unbacked(*a, pad=pad)), config)
+            cases[f"unbacked{'_padded' if pad else ''}_{name}"] = (fn, (dy, x, mean, rstd, count))
     bytes_read = 2 * T * D * 2 + 2 * T * 4
     for name, (fn, inputs) in cases.items():
         try:
