@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.config import GemConfig
-from gemcompile.passes import PIPELINE, GemPass, PassManager, packed_size_hints
+from gemcompile.passes import PIPELINE, GemPass, PassManager, packed_reduction_blocks, packed_size_hints
 from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
                                                   has_partitioner_slot)
 from gemcompile.passes.base import instantiate, run_pre_grad
@@ -161,6 +161,7 @@ class GemBackend:
 
         patches = _inductor_patches(mode, options, dynamic=None)
         packed_size_hints.install()  # the backward compiles later, at its first call: a lasting wrapper
+        packed_reduction_blocks.install()  # likewise (acts only on graphs with unpad's token counts)
         passes = self.make_passes()
         # Report into an outer log (explain) when there is one, else into this backend's own.
         target = active_log() or PassLog()
