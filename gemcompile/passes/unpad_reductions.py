@@ -58,6 +58,8 @@ class UnpadReductionsPass(GemPass):
     name = "unpad_reductions"
     stage = "post_grad"
     config_section = "unpad"
+    # how Inductor then compiles these sums (its block sizes) changes the kernels: part of the cache key
+    source_modules = ("gemcompile.passes.packed_reduction_blocks",)
 
     @property
     def enabled(self) -> bool:
