@@ -958,6 +958,23 @@ OP_HOST_TIME_FILES = ["op_host_time-20261202-024518.json", "op_host_time-2026120
 (opkit.cuda_kernel) and direct launches of seen specializations (common/tuned_launch.py)."""
 
 
+GEMM_HOST_TIME = "gemm_host_time-20261203-005811.json"
+
+
+@block("gemm-host-time")
+def gemm_host_time() -> str:
+    path, payload = load(GEMM_HOST_TIME)
+    rows = [[r["library"], str(r["k"]), str(r["n"]), "addmm" if r["bias"] else "mm", f(r["new_m_us"], ".0f"),
+             f(r["new_m_max_us"], ".0f"), f(r["seen_m_us"], ".0f"), f(r["bucketed_m_us"], ".0f")]
+            for r in payload["rows"]]
+    lines = [f"Host time of one bf16 GEMM call at a row count M cuBLAS has not seen ({cite(path)}, "
+             "`python benchmarks/gemm_host_time.py`; the GPU idle before each call, median of 20 calls, us): "
+             "packed tokens make M new at every step. `bucketed`: M from a few fixed sizes, each seen "
+             "once before, what passes/token_gemm.py asks of cuBLAS. The first row's max holds the process's first GEMM (cuBLAS's set-up).", ""]
+    lines += table(["preferred library", "K", "N", "op", "new M", "new M, max", "seen M", "bucketed M"], rows)
+    return "\n".join(lines)
+
+
 @block("op-host-time")
 def op_host_time() -> str:
     loaded = [load(name) for name in OP_HOST_TIME_FILES]
