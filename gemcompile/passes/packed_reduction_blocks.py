@@ -11,7 +11,8 @@ sums in torch.compile's padded graph) get 8 to 64 rows per iteration (benchmarks
 ``install`` wraps ``InductorChoices.triton_kernel_kwargs`` (Inductor's hook for out-of-tree heuristics,
 "used to apply fixed configurations") so that in graphs with unpad's recorded token counts (gemcompile's
 packed graphs, lowering/valid_tokens.py) an outer reduction over one dim that reads a buffer of data-
-dependent size gets a fixed config computed as the static-shape branch of that heuristic computes it.
+dependent size, over a static number of rows per program (Inductor's split of the sum, or unpad_reductions'
+padding), gets a fixed config computed as the static-shape branch of that heuristic computes it.
 Every other kernel, and every graph without recorded token counts (not gemcompile's), is left to Inductor.
 """
 
@@ -53,6 +54,10 @@ def _reads_data_dependent_sizes(features: Any) -> bool:
     return False
 
 
+def _symbolic(expr: Any) -> bool:
+    return bool(getattr(expr, "free_symbols", None))
+
+
 def _loads(features: Any) -> int:
     return len({dep.name for node in features.scheduler_nodes() for dep in node.read_writes.reads})
 
@@ -71,6 +76,10 @@ def packed_outer_config(features: Any, groups: list, kernel_kwargs: dict) -> dic
     if not recorded_hints(getattr(V.graph.sizevars, "shape_env", None)):
         return None
     if features.get_reduction_hint() != ReductionHint.OUTER or not _reads_data_dependent_sizes(features):
+        return None
+    if _symbolic(features.numel) or _symbolic(features.reduction_numel):
+        # a reduction over a data-dependent row count that Inductor did not split (few programs, each over
+        # every row): a fixed block there ran 10x slower than Inductor's choice on the H200
         return None
     sizevars = V.graph.sizevars
     x = sizevars.optimization_hint(features.numel, fallback=8192)
