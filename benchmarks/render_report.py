@@ -975,6 +975,24 @@ def gemm_host_time() -> str:
     return "\n".join(lines)
 
 
+TOKEN_SUM_REDUCTION = "token_sum_reduction-20261203-020406.json"
+
+
+@block("token-sum-reduction")
+def token_sum_reduction() -> str:
+    path, payload = load(TOKEN_SUM_REDUCTION)
+    rows = [[r["case"], f(r.get("ms"), ".3f"), f(r.get("tb_per_s"), ".2f")] for r in payload["rows"]]
+    lines = [f"A norm-weight gradient, the sum over {payload['tokens']} tokens of a bf16 ({payload['tokens']}, "
+             f"{payload['dim']}) product, compiled by Inductor with the token count known four ways "
+             f"({cite(path)}, `python benchmarks/token_sum_reduction.py`; median ms of CUDA-event timings). "
+             "`_padded`: padded to the static bound first (unpad_reductions, torch 2.11). `_xA_rB_wC`: a fixed "
+             "block config (XBLOCK, R0_BLOCK, warps) through an InductorChoices; passes/packed_reduction_blocks.py "
+             "gives padded sums over packed tokens the static-shape config (here x32_r64_w4) and leaves unsplit "
+             "sums to Inductor.", ""]
+    lines += table(["case", "ms", "TB/s read"], rows)
+    return "\n".join(lines)
+
+
 @block("op-host-time")
 def op_host_time() -> str:
     loaded = [load(name) for name in OP_HOST_TIME_FILES]
