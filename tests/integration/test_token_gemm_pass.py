@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
 from tests.integration.test_unpad_pass import LENGTH_SETS, MaskedResidualFfn, x_only
+from tests.integration.test_unpad_reductions import _train_and_compare_uncached as _train_and_compare
 
 # windows of 2 tokens and up: the tests' few tokens (up to 36) split as medium's 260k do
 SMALL = {"per_octave": 2, "min_rows": 2}
@@ -22,22 +23,6 @@ def _no_compile_caches():
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
-
-
-def _train_and_compare(model, config):
-    counters.clear()
-    compiled = gem_compile(model, config=config)
-    params = list(model.parameters())
-    for lengths in LENGTH_SETS:
-        x, lengths = x_only(torch.tensor(lengths))
-        out = compiled(x, lengths)
-        grads = torch.autograd.grad(out.square().sum(), params)
-        ref = model(x, lengths)
-        ref_grads = torch.autograd.grad(ref.square().sum(), params)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
-        for g, g_ref in zip(grads, ref_grads):
-            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
-    assert counters["stats"]["unique_graphs"] == 1, "a new token count recompiled"
 
 
 def test_packed_gemms_bucketed_with_eager_gradients():
