@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from gemcompile import GemConfig, explain, gem_compile
+from gemcompile import GemConfig, explain
 from tests.integration.test_unpad_pass import LENGTH_SETS, MaskedResidualFfn, x_only
 from tests.integration.test_unpad_reductions import _train_and_compare_uncached as _train_and_compare
 
