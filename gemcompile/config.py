@@ -178,7 +178,8 @@ class TokenGemmConfig:
     enabled: bool = True
     """Cover each mm / addmm's token dim with GEMMs of a few sizes per octave, so that cuBLAS chooses a
     kernel for each size once instead of at every step's new token count (0.2 to 4 ms of host time per
-    GEMM on an H200, while the GPU waits). Costs at most 1/per_octave of the tokens computed twice."""
+    GEMM on an H200, while the GPU waits). Costs fewer than max(1/per_octave of the tokens, min_rows)
+    tokens computed twice."""
 
     per_octave: int = 16
     """Sizes per octave of the token count: more wastes fewer repeated tokens and meets more new shapes."""

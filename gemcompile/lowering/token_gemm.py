@@ -7,11 +7,11 @@
 
 Why: packed tokens make the token count new at every step, and cuBLAS(Lt) picks a kernel for each new
 GEMM shape on the host. On an H200 that took 0.2 to 4 ms per call at a new M (a seen M: 30 us;
-benchmarks/gemm_host_time.py), while the GPU waited: GEM-ref medium's forward launches some forty such
-GEMMs a step. Here the token dim n is covered by a GEMM over its first ``floor(n / q) * q`` tokens and one
+benchmarks/gemm_host_time.py), while the GPU waited: GEM-ref small's step runs 86 such GEMMs forward
+and 172 backward (tests/golden/explain-gem-ref-small.json). Here the token dim n is covered by a GEMM over its first ``floor(n / q) * q`` tokens and one
 over a window of its last q tokens, q = ``bucket_quantum(n)`` (a power of two, 1/per_octave of n's power of
 two). Both sizes come from a few values per octave, so cuBLAS meets each shape once and its heuristic
-cache answers afterwards. The window overlaps the first GEMM (at most q tokens are computed twice): for
+cache answers afterwards. The window overlaps the first GEMM (fewer than q tokens are computed twice): for
 split_dim 0 it rewrites rows with the same values; for split_dim 1 the tokens already summed are zeroed in
 the window's copy of b, and the window's product is added (addmm) onto the first one: one more rounding in
 a's dtype than a single GEMM.
