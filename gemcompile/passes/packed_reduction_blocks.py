@@ -45,11 +45,30 @@ def static_outer_config(x: int, rnumel: int, loads: int) -> dict[str, int]:
     return {"XBLOCK": x_block, "R0_BLOCK": r_block, "num_warps": max(2, min(8, x_block * r_block // 128))}
 
 
+def _buffer_size(name: str) -> list | None:
+    from torch._inductor.virtualized import V
+
+    node = V.graph.graph_inputs.get(name)
+    try:
+        node = node if node is not None else V.graph.get_buffer(name)
+        return list(node.get_size())
+    except Exception:  # noqa: BLE001 - a buffer without a layout (removed, multi-output): nothing to read
+        return None
+
+
 def _reads_data_dependent_sizes(features: Any) -> bool:
+    """Whether the kernel reads a buffer whose size is data-dependent. The read's own index may be static
+    (unpad_reductions' padded sums read the packed buffer over the padded range, masked at T), so the
+    buffer's layout is what tells."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     for node in features.scheduler_nodes():
         for dep in node.read_writes.reads:
             has = getattr(dep, "has_unbacked_symbols", None)
             if has is not None and has():
+                return True
+            size = _buffer_size(dep.name)
+            if size and any(free_unbacked_symbols(s) for s in size):
                 return True
     return False
 
