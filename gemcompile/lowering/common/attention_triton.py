@@ -63,6 +63,12 @@ KV_BOUNDS_WIDTH = tl.constexpr(length_order.KV_BOUNDS_WIDTH)
 
 
 # How a side (queries or keys) finds its sequences.
+PER_STEP_SIZES = ("total_q_rows", "total_kv_rows", "stride_lh")
+"""Kernel arguments whose values change with every batch: the packed token counts and the head stride of a
+packed lse / delta (H, T). Triton specializes an int argument on its divisibility by 16 and compiles the
+kernel again for a value that changes it, so every kernel taking T compiled anew (seconds, in a training
+step) the first time a batch's T was a multiple of 16; the kernels list these in ``do_not_specialize``."""
+
 MODE_FULL = 0  # every sequence has the padded length
 MODE_LENGTHS = 1  # padded layout, lengths (B,) tensor, start row 0
 MODE_OFFSETS = 2  # packed layout, offsets (B+1,) tensor
@@ -206,7 +212,7 @@ def store_rows(base, rows, offs_d, stride_r, stride_d, value, mask_rows, HEAD_D:
     tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask_rows[:, None] & (offs_d < HEAD_D)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_SIZES)
 def _bwd_delta_kernel(
     Out, DO, Delta, QOffsets, QLengths,
     stride_ob, stride_oh, stride_om, stride_od,

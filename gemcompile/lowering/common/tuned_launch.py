@@ -38,18 +38,21 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-def _specialization(args: tuple) -> tuple:
+def _specialization(args: tuple, params=()) -> tuple:
     """What Triton specializes a kernel on, per positional argument, never less (a stricter key only sends
     more launches the slow way): a tensor's 16-byte alignment (its dtype is in the tuning key), an int's
-    value 1, divisibility by 16 and width (i32 / i64 / u64), None; floats and bools are not specialized."""
+    value 1, divisibility by 16 and width (i32 / i64 / u64), None; floats and bools are not specialized.
+    An int among the kernel's ``do_not_specialize`` (``params``: its KernelParams) counts by width only."""
     key = []
-    for a in args:
+    for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             key.append(a.data_ptr() % 16 == 0)
         elif isinstance(a, bool) or a is None:
             key.append(a)
         elif isinstance(a, int):
-            key.append((a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63))
+            width = (-(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63)
+            fixed = i < len(params) and getattr(params[i], "do_not_specialize", False)
+            key.append(width if fixed else (a == 1, a % 16 == 0, *width))
         else:
             key.append(type(a))
     return tuple(key)
@@ -88,7 +91,7 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
     direct = DIRECT_LAUNCH and hasattr(kernel.fn, "params")  # a JITFunction (not a heuristics wrapper)
     if direct:
         # per device, as Triton's own caches: a compiled kernel's function handle belongs to one device
-        spec = (key, _current_device(), _specialization(args))
+        spec = (key, _current_device(), _specialization(args, kernel.fn.params))
         seen = _COMPILED.get(spec)
         if seen is not None and seen[0] is kernel.configs:
             _, compiled, trailing = seen

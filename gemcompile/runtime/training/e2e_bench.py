@@ -546,17 +546,15 @@ def _timed_steps(run: _MethodRun) -> _Timings:
 def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile | None) -> dict[str, Any]:
     """The method's row of the results JSON (see the module docstring)."""
     cfg, device, step_ms, losses = run.cfg, run.device, timings.step_ms, timings.losses
-    total_s = sum(step_ms) / 1e3
-    median_ms = statistics.median(step_ms)
+    total_s, median_ms = sum(step_ms) / 1e3, statistics.median(step_ms)
     useful_per_s = sum(timings.useful) / total_s
     kernel_ms = profiled.ms_per_step if profiled is not None else None
     useful_per_step = sum(timings.useful) / len(timings.useful)
     graphs_after_warmup = timings.graphs_after_warmup or 0
     return {
-        "method": run.method,
-        "samples_per_s": run.batch_size * len(step_ms) / total_s,
+        "method": run.method, "samples_per_s": run.batch_size * len(step_ms) / total_s,
         "step_ms_median": median_ms,
-        "step_ms_mean": 1e3 * total_s / len(step_ms),
+        "step_ms_mean": 1e3 * total_s / len(step_ms), "step_ms": [round(t, 3) for t in step_ms],
         "useful_tflops": useful_per_s / 1e12,
         "mfu": mfu(useful_per_s, device),
         "kernel_ms_per_step": kernel_ms,
@@ -608,7 +606,9 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
         f"{result['useful_tflops']:7.2f} TF/s  "
         f"MFU {_pct(result['mfu'])}  compile {result['compile_s']:6.1f} s  recompiles "
         f"{result['recompiles_after_warmup']}  {_ne_text(result)}"
-        + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else ""))
+        + (f"  kernels {kernel_ms:.1f} of {median_ms:.1f} ms/step" if kernel_ms else "")
+        + (f"  (step ms mean {result['step_ms_mean']:.1f}, slowest {max(result['step_ms']):.1f})"
+           if result.get("step_ms") else ""))
     if profiled is not None:
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
             + f"; {profiled.kernels_per_step:.0f} kernels/step"
