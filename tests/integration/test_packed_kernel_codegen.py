@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_packed_size_hints import B, Block, D, L  # noqa: E402  (tests/integration is on sys.path)
 
 from gemcompile import GemConfig
 from gemcompile.backend import GemBackend
 from gemcompile.config import UnpadConfig
 from gemcompile.passes import packed_reduction_blocks
-
-from test_packed_size_hints import B, D, L, Block  # noqa: E402  (tests/integration is on sys.path)
 
 
 class _NotRun(Exception):

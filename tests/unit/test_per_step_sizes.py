@@ -33,7 +33,8 @@ def test_every_kernel_with_a_per_step_size_leaves_it_unspecialized():
         if per_step:
             found += 1
             # a JITFunction keeps the list; the interpreter's function (TRITON_INTERPRET=1) its jit kwargs
-            fixed = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize")
+            fixed = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get(
+                "do_not_specialize")
             assert per_step <= set(fixed or ()), f"{module_name}.{name} specializes on {per_step}"
     assert found >= 10  # jagged 3, block 5, GDPA 4, the delta kernel
 

@@ -59,6 +59,7 @@ from gemcompile.runtime.training.memory_snapshot import run_snapshot, snapshot_l
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
+from gemcompile.runtime.training.step_timing import Timings, graph_count, sync, timed_steps
 
 __all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_section", "memory_variant",
            "methods_help", "run_e2e_bench", "split_method", "start_method", "step_begin", "unknown_methods"]
@@ -288,17 +289,6 @@ def step_begin(method: str) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _layer_inputs(model, batch) -> list[tuple[tuple, dict]]:
     """The (args, kwargs) each GemLayer receives in one eager forward, detached (leaf copies)."""
     captured: list[tuple[tuple, dict]] = []
@@ -348,7 +338,7 @@ def _time_layer(fn, args, kwargs, reps: int, device: torch.device, autocast, met
 
     for _ in range(3):
         step()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -374,7 +364,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     run = _MethodRun.start(cfg, method)
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timings = _timed_steps(run)
+    timings = timed_steps(run)
     # the GPU's own time per step, on batches after the measured ones (host gaps excluded)
     extra = range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.kernel_steps)
     profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra),
@@ -421,7 +411,7 @@ def measure(run: _MethodRun) -> dict[str, Any]:
     without the kernel profile); the CUDA peak is reset first."""
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    result = _method_result(run, _timed_steps(run), None)
+    result = _method_result(run, timed_steps(run), None)
     if run.cfg.memory_snapshot:
         result["memory_snapshot"] = run_snapshot(run, run.cfg.warmup + run.cfg.steps)
     return result
@@ -495,55 +485,7 @@ class _MethodRun:
         return logits, loss.item()
 
 
-@dataclass
-class _Timings:
-    """Wall times of the warm-up and measured steps, and Dynamo's graph count around them."""
-
-    graphs_before: int
-    warmup_s: float = 0.0
-    graphs_after_warmup: int | None = None
-    step_ms: list[float] = field(default_factory=list)
-    """Measured steps only."""
-    useful: list[float] = field(default_factory=list)
-    """Useful FLOPs of each measured step."""
-    losses: list[float] = field(default_factory=list)
-    """Every step's loss, warm-up included."""
-    peak_warmup_bytes: int | None = None
-    """CUDA peak allocated over the warm-up steps (compilation and autotuning included)."""
-    peak_steady_bytes: int | None = None
-    """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
-
-
-def _timed_steps(run: _MethodRun) -> _Timings:
-    """warmup + steps training steps, each timed alone (device synced before and after)."""
-    cfg, device = run.cfg, run.device
-    timings = _Timings(graphs_before=_graph_count())
-    for step in range(cfg.warmup + cfg.steps):
-        if step == cfg.warmup:
-            timings.graphs_after_warmup = _graph_count()
-            if device.type == "cuda":  # the compile's transients (autotuning buffers) stay in the warm-up's peak
-                timings.peak_warmup_bytes = torch.cuda.max_memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-        cpu_batch = run.data.batch(step)
-        batch = cpu_batch.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        logits, loss_value = run.train_step(batch)
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        timings.losses.append(loss_value)
-        if step < cfg.warmup:
-            timings.warmup_s += elapsed
-            continue
-        timings.step_ms.append(1e3 * elapsed)
-        timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
-        run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
-    if device.type == "cuda":
-        timings.peak_steady_bytes = torch.cuda.max_memory_allocated()
-    return timings
-
-
-def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile | None) -> dict[str, Any]:
+def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | None) -> dict[str, Any]:
     """The method's row of the results JSON (see the module docstring)."""
     cfg, device, step_ms, losses = run.cfg, run.device, timings.step_ms, timings.losses
     total_s, median_ms = sum(step_ms) / 1e3, statistics.median(step_ms)
@@ -567,7 +509,7 @@ def _method_result(run: _MethodRun, timings: _Timings, profiled: KernelProfile |
         "tables": table_training(run.method),
         "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
-        "recompiles_after_warmup": _graph_count() - graphs_after_warmup,
+        "recompiles_after_warmup": graph_count() - graphs_after_warmup,
         # over the warm-up (compilation included) and the measured steps: what must fit
         "peak_memory_gib": (max(timings.peak_warmup_bytes or 0, timings.peak_steady_bytes) / 2**30
                             if timings.peak_steady_bytes is not None else None),

@@ -45,6 +45,7 @@ from gemcompile.runtime.training.checkpoint import (
 from gemcompile.runtime.training.checkpoint_files import check_checkpoint_dir, kill_point
 from gemcompile.runtime.training.config import TrainConfig, gem_config
 from gemcompile.runtime.training.flops import GemFlopFormula, PaddedFlopCounter, mfu
+from gemcompile.runtime.training.gc_policy import compiled_state_frozen, freeze_compiled_state
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.parallel import ParallelTraining
@@ -115,10 +116,12 @@ def _train(cfg: TrainConfig) -> TrainResult:
     # Losses of the current, unfinished window (non-empty only when resuming mid-window).
     run.window_losses = run.losses[len(run.losses) - len(run.losses) % run.cfg.log_every :]
     run.model.train()
-    with reporter:
+    with reporter, compiled_state_frozen():
         for step in range(run.start_step, run.cfg.steps):
             cpu_batch, batch, logits, loss_value = _train_step(run, step)
             _record_step(run, step, cpu_batch, batch, logits, loss_value, reporter)
+            if step == run.start_step + 1:  # compiled by now (two batch shapes settle dynamic shapes)
+                freeze_compiled_state()
     result = _result(run)
     reporter.summary(result)
     return result

@@ -1,0 +1,85 @@
+"""The timed steps of the e2e benchmark (runtime/training/e2e_bench.py): warm-up steps (compilation), then
+measured steps, each timed alone between device syncs, with Dynamo's graph count around them and the CUDA
+peaks of both phases. The compiled state is frozen for Python's collector once the warm-up is done
+(gc_policy.py), as a training loop should run.
+
+``run`` is e2e_bench's per-method run: ``cfg`` (warmup, steps), ``device``, ``data``, ``train_step``,
+``formula`` and ``window``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gemcompile.runtime.training.gc_policy import compiled_state_frozen, freeze_compiled_state
+
+__all__ = ["Timings", "graph_count", "sync", "timed_steps"]
+
+
+def graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Timings:
+    """Wall times of the warm-up and measured steps, and Dynamo's graph count around them."""
+
+    graphs_before: int
+    warmup_s: float = 0.0
+    graphs_after_warmup: int | None = None
+    step_ms: list[float] = field(default_factory=list)
+    """Measured steps only."""
+    useful: list[float] = field(default_factory=list)
+    """Useful FLOPs of each measured step."""
+    losses: list[float] = field(default_factory=list)
+    """Every step's loss, warm-up included."""
+    peak_warmup_bytes: int | None = None
+    """CUDA peak allocated over the warm-up steps (compilation and autotuning included)."""
+    peak_steady_bytes: int | None = None
+    """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
+
+
+def timed_steps(run: Any) -> Timings:
+    """warmup + steps training steps, each timed alone (device synced before and after)."""
+    timings = Timings(graphs_before=graph_count())
+    with compiled_state_frozen():
+        _run_steps(run, timings)
+    if run.device.type == "cuda":
+        timings.peak_steady_bytes = torch.cuda.max_memory_allocated()
+    return timings
+
+
+def _run_steps(run: Any, timings: Timings) -> None:
+    cfg, device = run.cfg, run.device
+    for step in range(cfg.warmup + cfg.steps):
+        if step == cfg.warmup:
+            timings.graphs_after_warmup = graph_count()
+            freeze_compiled_state()  # no full collection over the compiled state inside a measured step
+            if device.type == "cuda":  # the compile's transients (autotuning buffers): the warm-up's peak
+                timings.peak_warmup_bytes = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+        cpu_batch = run.data.batch(step)
+        batch = cpu_batch.to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        logits, loss_value = run.train_step(batch)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        timings.losses.append(loss_value)
+        if step < cfg.warmup:
+            timings.warmup_s += elapsed
+            continue
+        timings.step_ms.append(1e3 * elapsed)
+        timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
+        run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
