@@ -8,13 +8,13 @@
 Why: packed tokens make the token count new at every step, and cuBLAS(Lt) picks a kernel for each new
 GEMM shape on the host. On an H200 that took 0.2 to 4 ms per call at a new M (a seen M: 30 us;
 benchmarks/gemm_host_time.py), while the GPU waited: GEM-ref small's step runs 86 such GEMMs forward
-and 172 backward (tests/golden/explain-gem-ref-small.json). Here the token dim n is covered by a GEMM over its first ``floor(n / q) * q`` tokens and one
-over a window of its last q tokens, q = ``bucket_quantum(n)`` (a power of two, 1/per_octave of n's power of
+and 172 backward (tests/golden/explain-gem-ref-small.json). Here the token dim n is covered by a GEMM
+over its first ``floor(n / q) * q`` tokens and one over a window of its last q tokens, q = ``bucket_quantum(n)`` (a power of two, 1/per_octave of n's power of
 two). Both sizes come from a few values per octave, so cuBLAS meets each shape once and its heuristic
 cache answers afterwards. The window overlaps the first GEMM (fewer than q tokens are computed twice): for
 split_dim 0 it rewrites rows with the same values; for split_dim 1 the tokens already summed are zeroed in
-the window's copy of b, and the window's product is added (addmm) onto the first one: one more rounding in
-a's dtype than a single GEMM.
+the window's copy of b (one ``where`` against a cached row mask), and the window's product is added (addmm)
+onto the first one: one more rounding in a's dtype than a single GEMM.
 
 Token dims below ``2 * min_rows``, or already a bucket size, run as one GEMM.
 """
@@ -56,6 +56,18 @@ def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = 
     return torch.addmm(bias, a, b) if out is None else torch.addmm(bias, a, b, out=out)
 
 
+_ROW_STEPS: dict = {}
+"""(q, device) -> (2q,) bool, False then True: every window's row mask is a view of it (no launch per call)."""
+
+
+def _rows_from(q: int, first: int, device: torch.device) -> Tensor:
+    """(q,) bool view: False for rows < first, True from ``first`` on."""
+    steps = _ROW_STEPS.get((q, device))
+    if steps is None:
+        steps = _ROW_STEPS[(q, device)] = torch.arange(2 * q, device=device) >= q
+    return steps[q - first: 2 * q - first]
+
+
 def token_mm_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, per_octave: int,
                   min_rows: int) -> Tensor:
     n = a.shape[split_dim]
@@ -70,8 +82,7 @@ def token_mm_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, 
         return out
     # reduction over tokens: the window's tokens that the head already summed count zero
     out = _gemm(a[:, :head], b[:head], bias)
-    window = b[n - q:].clone()
-    window[: head - (n - q)] = 0
+    window = torch.where(_rows_from(q, head - (n - q), b.device)[:, None], b[n - q:], 0)
     return torch.addmm(out, a[:, n - q:], window)
 
 

@@ -81,3 +81,29 @@ def test_bad_arguments(bad):
         split = 2
     with pytest.raises(ValueError, match="token_mm"):
         ops.token_mm(a, b, bias, split, 4, 16)
+
+
+
+@pytest.mark.parametrize("q", [256, 1024])
+def test_window_row_mask_is_a_view_of_one_cached_tensor(q):
+    from gemcompile.lowering import token_gemm
+
+    cpu = torch.device("cpu")
+    for first in (0, 1, q // 3, q - 1):
+        got = token_gemm._rows_from(q, first, cpu)
+        assert torch.equal(got, torch.arange(q) >= first)
+        steps = token_gemm._ROW_STEPS[(q, cpu)]
+        assert got.untyped_storage().data_ptr() == steps.untyped_storage().data_ptr()  # no new tensor per call
+
+
+def test_reduction_split_keeps_infinities_of_the_head_only():
+    """The window's zeroed rows are zeros, not a product with 0: an inf among the tokens the head summed is
+    counted once (inf), not turned into NaN by the window."""
+    from gemcompile.lowering.token_gemm import bucket_quantum, token_mm_impl
+
+    n, q = 700, bucket_quantum(700, 16, 32)
+    a = torch.ones(3, n, dtype=torch.float64)
+    b = torch.ones(n, 2, dtype=torch.float64)
+    b[n // q * q - 1, 0] = float("inf")  # a head token that the window overlaps
+    got = token_mm_impl(a, b, None, 1, 16, 32)
+    assert torch.equal(got, a @ b)
