@@ -74,13 +74,13 @@ from ..common.attention_triton import (
     LOG2E,
     MODE_FULL,
     MODE_OFFSETS,
-    PER_STEP_SIZES,
     bwd_delta_kernel,
     dot_precision,
     fit_shared_memory,
     length_bucket,
     load_rows,
     mask_key_bounds,
+    per_step_jit,
     store_rows,
 )
 from ..common.tuned_launch import INTERPRET, launch
@@ -444,7 +444,7 @@ def _finish_softmax(acc, l_i, m_i):
 
 @triton.autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _closed_fwd_kernel(
     Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -506,7 +506,7 @@ def _closed_fwd_kernel(
 
 @triton.autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _closed_bwd_kernel(
     Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -595,7 +595,7 @@ def _closed_bwd_kernel(
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _fwd_kernel(
     Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -673,7 +673,7 @@ def _fwd_kernel(
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -766,7 +766,7 @@ def _bwd_dkdv_kernel(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths, Offsets,
     stride_qb, stride_qh, stride_qm, stride_qd,

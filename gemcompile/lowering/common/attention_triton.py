@@ -18,6 +18,8 @@ and the jagged attention launchers of packed keys/values (jagged_attention/packe
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -67,7 +69,14 @@ PER_STEP_SIZES = ("total_q_rows", "total_kv_rows", "stride_lh")
 """Kernel arguments whose values change with every batch: the packed token counts and the head stride of a
 packed lse / delta (H, T). Triton specializes an int argument on its divisibility by 16 and compiles the
 kernel again for a value that changes it, so every kernel taking T compiled anew (seconds, in a training
-step) the first time a batch's T was a multiple of 16; the kernels list these in ``do_not_specialize``."""
+step) the first time a batch's T was a multiple of 16; the kernels are declared with :func:`per_step_jit`."""
+
+
+def per_step_jit(fn):
+    """``triton.jit`` with the PER_STEP_SIZES that ``fn`` takes in ``do_not_specialize`` (by name, only the
+    ones it has: some Triton versions look every listed name up among the parameters)."""
+    names = [name for name in inspect.signature(fn).parameters if name in PER_STEP_SIZES]
+    return triton.jit(fn, do_not_specialize=names)
 
 MODE_FULL = 0  # every sequence has the padded length
 MODE_LENGTHS = 1  # padded layout, lengths (B,) tensor, start row 0
@@ -212,7 +221,7 @@ def store_rows(base, rows, offs_d, stride_r, stride_d, value, mask_rows, HEAD_D:
     tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask_rows[:, None] & (offs_d < HEAD_D)[None, :])
 
 
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _bwd_delta_kernel(
     Out, DO, Delta, QOffsets, QLengths,
     stride_ob, stride_oh, stride_om, stride_od,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.attention_triton import PER_STEP_SIZES, load_rows
+from ..common.attention_triton import load_rows, per_step_jit
 from ..common.tuned_launch import INTERPRET
 from .pairs_triton import act_grad, key_keep, output_scale, pair_mask, query_start, sample_bounds
 
@@ -66,7 +66,7 @@ def _reached_prefix(Order, QLengths, KVLengths, NumTargets, m0, n0, B, search_st
     return lo
 
 
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _gdpa_bwd_dbias_kernel(
     Q, K, V, Bias, DO, Part,
     QLengths, KVLengths, NumTargets, Order, KVMask,

@@ -79,7 +79,6 @@ from ..common.attention_triton import (
     MODE_FULL,
     MODE_LENGTHS,
     MODE_OFFSETS,
-    PER_STEP_SIZES,
     Side,
     batch_order,
     bhld_strides,
@@ -91,6 +90,7 @@ from ..common.attention_triton import (
     loop_split,
     make_prune,
     mask_key_bounds,
+    per_step_jit,
     program_coordinates,
     store_rows,
 )
@@ -260,7 +260,7 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, kvm_base, offs_m, offs_n, offs
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _gdpa_fwd_kernel(
     Q, K, V, Bias, Out,
     QLengths, KVLengths, NumTargets, Order, KVMask, KVBounds,
@@ -372,7 +372,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, DK, DV,
     QLengths, KVLengths, NumTargets, Order, KVMask,
@@ -509,7 +509,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, kvm_base, offs_m, offs
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
                  prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, Bias, DO, DQ, DS,
     QLengths, KVLengths, NumTargets, Order, KVMask, KVBounds,

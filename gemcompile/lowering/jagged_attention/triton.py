@@ -58,7 +58,6 @@ from ..common.attention_triton import (
     LOG2E,
     MODE_FULL,
     MODE_LENGTHS,
-    PER_STEP_SIZES,
     Side,
     batch_order,
     bhld_strides,
@@ -71,6 +70,7 @@ from ..common.attention_triton import (
     loop_split,
     make_prune,
     mask_key_bounds,
+    per_step_jit,
     program_coordinates,
     same_sequences,
     sequence,
@@ -200,7 +200,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
     QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
@@ -338,7 +338,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
     QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
@@ -479,7 +479,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
                  prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
-@triton.jit(do_not_specialize=PER_STEP_SIZES)
+@per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
     QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
