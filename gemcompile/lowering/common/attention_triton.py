@@ -282,12 +282,13 @@ class Side:
 
 
 def batch_order(primary: Side, B: int, device) -> torch.Tensor:
-    """Batch indices, longest sequence first: the side's given order, else a device-side stable argsort in
-    one launch (no host sync); arange without lengths."""
+    """Batch indices, longest sequence first: the side's given order (its lengths', packed or not: the graph
+    derives it once per step), else a device-side stable argsort in one launch (no host sync); arange
+    without lengths."""
     key = primary.sort_key()
     if key is None:
         return torch.arange(B, device=device)
-    if primary.mode == MODE_LENGTHS and primary.order is not None:
+    if primary.order is not None:
         return primary.order
     return longest_first_order(key)
 

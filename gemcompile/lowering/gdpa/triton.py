@@ -602,7 +602,7 @@ def _sides(q, k, q_lengths, kv_lengths, q_order=None, kv_order=None, kv_mask=Non
     if dummy is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
     if token_offsets is not None:
-        q_side = Side(MODE_OFFSETS, token_offsets, token_offsets, Lq, q.shape[0], dummy)
+        q_side = Side(MODE_OFFSETS, token_offsets, token_offsets, Lq, q.shape[0], dummy, q_order)
     else:
         q_side = Side(MODE_FULL if q_lengths is None else MODE_LENGTHS, None, q_lengths, Lq, Lq, dummy, q_order)
     kv_side = Side(MODE_FULL if kv_lengths is None else MODE_LENGTHS, None, kv_lengths, Lk, Lk, dummy,

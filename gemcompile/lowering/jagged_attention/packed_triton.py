@@ -30,10 +30,11 @@ def _lse_strides(lse: torch.Tensor, q_packed: bool) -> tuple:
     return (0, lse.stride(1), lse.stride(0)) if q_packed else lse.stride()
 
 
-def _sides(q, k, q_lengths, token_offsets, packed_len: int, q_order, dummy):
-    """(q side, kv side): the keys by offsets; q the same sequences when packed (one Side: both loops share
-    the order), else dense by its lengths."""
-    kv_side = Side(MODE_OFFSETS, token_offsets, None, packed_len, k.shape[0], dummy)
+def _sides(q, k, q_lengths, token_offsets, packed_len: int, q_order, kv_order, dummy):
+    """(q side, kv side): the keys by offsets, in ``kv_order`` when given (the kv lengths' order, which the
+    op checks against the offsets; None with a kv_mask, whose order is its key span's); q the same sequences
+    when packed (one Side: both loops share the order), else dense by its lengths."""
+    kv_side = Side(MODE_OFFSETS, token_offsets, None, packed_len, k.shape[0], dummy, kv_order)
     if q.dim() == 3:
         return kv_side, kv_side
     Lq = q.shape[2]
@@ -72,7 +73,8 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
         q_strides = bhld_strides(q, q.shape[0] != B)
     if B * H * Lq * N * T == 0 or D == 0:  # no pair: zeros, lse +inf
         return out, lse
-    q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order, lse)
+    q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order, kv_order if kv_mask is None else None,
+                             lse)
     o_strides = _rows_strides(out) if q_packed else out.stride()
     padded._forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale, q_strides, _rows_strides(k),
                     _rows_strides(v), out, o_strides, lse, _lse_strides(lse, q_packed), kv_mask, uniform_keys,
@@ -103,7 +105,8 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
     ds = torch.zeros((B, H, Lq, N), dtype=torch.float32, device=q.device) if bias_grad else None
     if B * H * Lq * N * T > 0 and D > 0:
         delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-        q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order, delta)
+        q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order,
+                                 kv_order if kv_mask is None else None, delta)
         if q_packed:
             q_strides, g_strides, o_strides = _rows_strides(q), _rows_strides(grad_out), _rows_strides(out)
             dq_strides = _rows_strides(dq_buffer)
