@@ -802,10 +802,10 @@ def e2e_small_steps() -> str:
                          f(((r.get("kernel_profile") or {}).get("idle") or {}).get("idle_ms_per_step"), ".1f"),
                          f(payload["environment"].get("load_average_1min"), ".1f")])
     lines = ["GEM-ref small, batch 1024, fill 0.5, one H200. samples/s is over the mean step. In the first run "
-             "gem_compile's median step was under half the peer's and its mean far above its median: kernels "
-             "taking the packed token count as an argument compiled again whenever a batch's count was the first "
-             "one divisible by sixteen (Triton specializes int arguments on that); 8f4892e keeps those arguments "
-             "unspecialized. The second run (only gem_compile finished before the session's device time ran out; "
+             "gem_compile's median step was under half the peer's and its mean far above its median. The likely "
+             "cause, read from the code (the file has no per-step times): kernels taking the packed token count "
+             "as an argument compile again whenever a batch's count is the first one divisible by sixteen "
+             "(Triton specializes int arguments on that); 8f4892e keeps those arguments unspecialized. The second run (only gem_compile finished before the session's device time ran out; "
              "a machine with a higher load, where the step is host-bound: GPU idle per step under the profiler) "
              "still had one slow step (slowest column); 35b2819 then freezes the compiled state for Python's "
              "collector after the warm-up (runtime/training/gc_policy.py), not yet measured on the GPU.", ""]
