@@ -9,12 +9,13 @@ Why: packed tokens make the token count new at every step, and cuBLAS(Lt) picks 
 GEMM shape on the host. On an H200 that took 0.2 to 4 ms per call at a new M (a seen M: 30 us;
 benchmarks/gemm_host_time.py), while the GPU waited: GEM-ref small's step runs 86 such GEMMs forward
 and 172 backward (tests/golden/explain-gem-ref-small.json). Here the token dim n is covered by a GEMM
-over its first ``floor(n / q) * q`` tokens and one over a window of its last q tokens, q = ``bucket_quantum(n)`` (a power of two, 1/per_octave of n's power of
-two). Both sizes come from a few values per octave, so cuBLAS meets each shape once and its heuristic
-cache answers afterwards. The window overlaps the first GEMM (fewer than q tokens are computed twice): for
-split_dim 0 it rewrites rows with the same values; for split_dim 1 the tokens already summed are zeroed in
-the window's copy of b (one ``where`` against a cached row mask), and the window's product is added (addmm)
-onto the first one: one more rounding in a's dtype than a single GEMM.
+over its first ``floor(n / q) * q`` tokens and one over a window of its last q tokens, q =
+``bucket_quantum(n)`` (a power of two, 1/per_octave of n's power of two). Both sizes come from a few
+values per octave, so cuBLAS meets each shape once and its heuristic cache answers afterwards. The
+window overlaps the first GEMM (fewer than q tokens are computed twice): for split_dim 0 it rewrites rows
+with the same values; for split_dim 1 the tokens already summed are zeroed in the window's copy of b (one
+``where`` against a cached row mask), and the window's product is added (addmm) onto the first one: one
+more rounding in a's dtype than a single GEMM.
 
 Token dims below ``2 * min_rows``, or already a bucket size, run as one GEMM.
 """
@@ -39,15 +40,17 @@ def bucket_quantum(n: int, per_octave: int, min_rows: int) -> int:
 
 def _check(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int) -> None:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"token_mm: expected a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"token_mm: expected a (M, K) and b (K, N), got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
     if a.dtype != b.dtype or (bias is not None and bias.dtype != a.dtype):
         raise ValueError(f"token_mm: a, b and bias must share a dtype, got {a.dtype}, {b.dtype}, "
                          f"{None if bias is None else bias.dtype}")
     if bias is not None and bias.numel() != b.shape[1]:
-        raise ValueError(f"token_mm: bias must have N = {b.shape[1]} elements (a row broadcast over the output), "
-                         f"got {tuple(bias.shape)}")
+        raise ValueError(f"token_mm: bias must have N = {b.shape[1]} elements (a row broadcast over the "
+                         f"output), got {tuple(bias.shape)}")
     if split_dim not in (0, 1):
-        raise ValueError(f"token_mm: split_dim must be 0 (rows of a) or 1 (the reduction dim), got {split_dim}")
+        raise ValueError(f"token_mm: split_dim must be 0 (rows of a) or 1 (the reduction dim), got "
+                         f"{split_dim}")
 
 
 def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
@@ -57,7 +60,7 @@ def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = 
 
 
 _ROW_STEPS: dict = {}
-"""(q, device) -> (2q,) bool, False then True: every window's row mask is a view of it (no launch per call)."""
+"""(q, device) -> (2q,) bool, False then True: every window's row mask is a view of it (no launch a call)."""
 
 
 def _rows_from(q: int, first: int, device: torch.device) -> Tensor:
@@ -87,8 +90,9 @@ def token_mm_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, 
 
 
 @torch.library.custom_op("gemcompile::token_mm", mutates_args=())
-def token_mm(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, per_octave: int, min_rows: int) -> Tensor:
-    """a @ b (+ bias) with the token dim (split_dim) covered by GEMMs of bucketed sizes (see the module doc)."""
+def token_mm(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, per_octave: int,
+             min_rows: int) -> Tensor:
+    """a @ b (+ bias) with the token dim (split_dim) covered by GEMMs of bucketed sizes (module doc)."""
     _check(a, b, bias, split_dim)
     return token_mm_impl(a, b, bias, split_dim, per_octave, min_rows)
 
@@ -102,5 +106,5 @@ def _token_mm_fake(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int,
 
 @register_flop_formula(torch.ops.gemcompile.token_mm)
 def _token_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
-    """The product's FLOPs, 2 M N K (what the model asks for; the window's repeated tokens are not counted)."""
+    """The product's FLOPs, 2 M N K (what the model asks for: the window's repeated tokens not counted)."""
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]

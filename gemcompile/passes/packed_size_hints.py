@@ -20,8 +20,8 @@ model's activations, has such a size:
 * **Kernel block sizes.** ``TritonKernel.codegen_kernel`` gives the runtime heuristics a size hint per
   block dim from ``sizevars.symbolic_hint``, and 8192 for any size it cannot evaluate: every pointwise
   kernel over packed rows got a 256-element block. On the H200 a gelu over 277k packed rows of 1024 ran
-  at 1.5 TB/s that way against 2.5 TB/s for the same static size (one compiled gelu timed alone, 0.76
-  vs 0.45 ms).
+  at 1.5 TB/s that way against 2.5 TB/s for the same static size (0.76 vs 0.45 ms: one compiled gelu
+  timed alone by a diagnostic script, not a committed benchmark).
 
 ``install`` wraps ``GraphLowering.get_dep_size_hint`` (a heuristic's size: fusion scores, memory estimates)
 so that a dependency it sizes at 0 whose unbacked symbols all have a recorded hint (valid_tokens.

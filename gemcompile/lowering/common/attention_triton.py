@@ -64,12 +64,11 @@ KV_BOUNDS_WIDTH = tl.constexpr(length_order.KV_BOUNDS_WIDTH)
 """int32 entries per sample of the key bounds (lo, hi, holes): the kernels read sample b's at 3 * b."""
 
 
-# How a side (queries or keys) finds its sequences.
 PER_STEP_SIZES = ("total_q_rows", "total_kv_rows", "stride_lh")
 """Kernel arguments whose values change with every batch: the packed token counts and the head stride of a
 packed lse / delta (H, T). Triton specializes an int argument on its divisibility by 16 and compiles the
-kernel again for a value that changes it, so every kernel taking T compiled anew (seconds, in a training
-step) the first time a batch's T was a multiple of 16; the kernels are declared with :func:`per_step_jit`."""
+kernel again for a value that changes it, so every kernel taking T compiled anew, inside a training step,
+the first time a batch's T was a multiple of 16; the kernels are declared with :func:`per_step_jit`."""
 
 
 def per_step_jit(fn):
@@ -78,6 +77,8 @@ def per_step_jit(fn):
     names = [name for name in inspect.signature(fn).parameters if name in PER_STEP_SIZES]
     return triton.jit(fn, do_not_specialize=names)
 
+
+# How a side (queries or keys) finds its sequences.
 MODE_FULL = 0  # every sequence has the padded length
 MODE_LENGTHS = 1  # padded layout, lengths (B,) tensor, start row 0
 MODE_OFFSETS = 2  # packed layout, offsets (B+1,) tensor
