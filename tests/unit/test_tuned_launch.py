@@ -2,6 +2,8 @@
 and the compiled kernel directly for one seen before (no GPU: the kernel objects are stand-ins that record
 how they were called; the parameter list is a real triton.jit function's)."""
 
+import inspect
+
 import pytest
 import torch
 import triton
@@ -144,3 +146,50 @@ def test_every_op_with_triton_kernels_has_its_cuda_kernel_at_the_cuda_key():
                  "block_attention_bwd", "fp8_mm"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gemcompile::{name}", "CUDA"), name
         assert "opkit.py" in torch._C._dispatch_dump(f"gemcompile::{name}").split("CUDA: registered at ")[1]
+
+
+class _TunerWithConfigs(_Tuner):
+    """Two configs and Autotuner.warmup's contract: under AsyncCompileMode each config's compile is submitted
+    to the mode's pool; the kernel is filed (finalized) when the mode exits."""
+
+    def __init__(self):
+        super().__init__()
+        self.configs = [triton.Config({"BLOCK": 16}, num_warps=2), triton.Config({"BLOCK": 32}, num_warps=4)]
+        self.filed = []
+
+    def warmup(self, *args, grid, **consts):
+        from triton.runtime._async_compile import active_mode
+
+        mode = active_mode.get()
+        self.calls.append(("warmup", mode is not None, consts))
+        extra = (lambda kernel: None,) * ("cleanup_fn" in inspect.signature(mode.submit).parameters)  # 3.9
+        for config in self.configs:
+            mode.submit(str(config), lambda c=config: c.kwargs["BLOCK"], self.filed.append, *extra)
+
+    def __getitem__(self, grid):
+        tune = super().__getitem__(grid)
+
+        def after_compiles(*args, **consts):
+            self.calls.append(("filed before timing", sorted(self.filed)))
+            tune(*args, **consts)
+        return after_compiles
+
+
+@pytest.mark.skipif(tuned_launch.AsyncCompileMode is None, reason="this Triton has no AsyncCompileMode")
+def test_a_new_key_compiles_its_configs_in_the_pool_before_the_autotuner_times_them(monkeypatch, direct):
+    monkeypatch.setattr(tuned_launch, "PARALLEL_TUNING", True)
+    monkeypatch.setattr(tuned_launch, "TUNING", tuned_launch.TuningTotals())
+    tuner, x, y = _TunerWithConfigs(), torch.zeros(64), torch.zeros(64)
+    for _ in range(3):
+        tuned_launch.launch(tuner, _grid, (x, y, 40, 0.5), {"FLAG": True}, (64,))
+    assert [c[0] for c in tuner.calls] == ["warmup", "filed before timing", "autotune", "run", "direct"]
+    assert tuner.calls[0][1:] == (True, {"FLAG": True})  # inside the mode, with the launch's constexprs
+    assert tuner.calls[1][1] == [16, 32]  # every config compiled and filed before the autotuner runs
+    assert tuned_launch.TUNING.keys == 1 and tuned_launch.TUNING.seconds >= tuned_launch.TUNING.compile_seconds
+
+
+def test_without_the_pool_the_autotuner_compiles_alone(monkeypatch, direct):
+    monkeypatch.setattr(tuned_launch, "PARALLEL_TUNING", False)
+    tuner, x, y = _TunerWithConfigs(), torch.zeros(64), torch.zeros(64)
+    tuned_launch.launch(tuner, _grid, (x, y, 40, 0.5), {"FLAG": True}, (64,))
+    assert [c[0] for c in tuner.calls] == ["filed before timing", "autotune"]

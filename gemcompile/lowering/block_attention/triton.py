@@ -83,7 +83,7 @@ from ..common.attention_triton import (
     per_step_jit,
     store_rows,
 )
-from ..common.tuned_launch import INTERPRET, launch
+from ..common.tuned_launch import INTERPRET, autotune, launch
 from .reference import apply_rotary, apply_rotary_transpose, packed_positions, rotary_tables, rotate
 
 __all__ = [
@@ -442,7 +442,7 @@ def _finish_softmax(acc, l_i, m_i):
 # Closed kernels: block | BLOCK, one tile of BLOCK rows holds whole blocks and all their keys
 
 
-@triton.autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
+@autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @per_step_jit
 def _closed_fwd_kernel(
@@ -504,7 +504,7 @@ def _closed_fwd_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
+@autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @per_step_jit
 def _closed_bwd_kernel(
@@ -594,7 +594,7 @@ def _closed_bwd_kernel(
 # General kernels: loops over the key range (forward, dQ) or the query range (dK/dV)
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
+@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
 @per_step_jit
 def _fwd_kernel(
     Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
@@ -671,7 +671,7 @@ def _fwd_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _bwd_dkdv_kernel(
@@ -765,7 +765,7 @@ def _bwd_dkdv_kernel(
     store_rows(DV + x_off, cols, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
+@autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths, Offsets,

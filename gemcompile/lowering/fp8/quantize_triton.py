@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common.tuned_launch import INTERPRET, launch  # launch: autotune once per key, then the tuned kernel
+from ..common.tuned_launch import INTERPRET, autotune, launch  # once per key, then the tuned kernel
 
 __all__ = [
     "alloc_outputs",
@@ -197,7 +197,7 @@ _BLOCK_CONFIGS = (
 )
 
 
-@triton.autotune(configs=_MX_CONFIGS, key=["C_BUCKET", "IN_KIND", "BLOCK_C"])
+@autotune(configs=_MX_CONFIGS, key=["C_BUCKET", "IN_KIND", "BLOCK_C"])
 @triton.jit
 def _mx_kernel(
     x_ptr, y_ptr, code_ptr, R, C, sxr, sxc, C_BUCKET,
@@ -226,7 +226,7 @@ def _mx_kernel(
     tl.store(code_ptr + rows[:, None].to(tl.int64) * n_groups + groups[None, :], codes.to(tl.uint8), mask=gmask)
 
 
-@triton.autotune(configs=_BLOCK_CONFIGS, key=["C_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
+@autotune(configs=_BLOCK_CONFIGS, key=["C_BUCKET", "IN_KIND", "TILE", "WRITE_ROW", "WRITE_COL", "EVEN"])
 @triton.jit
 def _block_kernel(
     x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, R_OUT, C_OUT, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,

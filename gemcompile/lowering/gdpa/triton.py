@@ -97,7 +97,7 @@ from ..common.attention_triton import (
 from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
-from ..common.tuned_launch import INTERPRET, launch
+from ..common.tuned_launch import INTERPRET, autotune, launch
 from .diagonal_sums_triton import relative_table_grad_triton
 from .pairs_triton import (act, act_grad, key_keep, masked_key_range, output_scale, pair_mask, query_start,
                            sample_bounds)
@@ -259,7 +259,7 @@ def _fwd_inner(acc, q, k_base, v_base, bias_base, kvm_base, offs_m, offs_n, offs
     return acc
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
+@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
 @per_step_jit
 def _gdpa_fwd_kernel(
     Q, K, V, Bias, Out,
@@ -370,7 +370,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
                  prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _gdpa_bwd_dkdv_kernel(
@@ -507,7 +507,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, kvm_base, offs_m, offs
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
+@autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
                  prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _gdpa_bwd_dq_kernel(

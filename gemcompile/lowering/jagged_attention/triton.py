@@ -79,7 +79,7 @@ from ..common.attention_triton import (
 from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
-from ..common.tuned_launch import INTERPRET, launch
+from ..common.tuned_launch import INTERPRET, autotune, launch
 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
@@ -199,7 +199,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
+@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
 @per_step_jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
@@ -337,7 +337,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
+@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
@@ -477,7 +477,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
+@autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
                  prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _bwd_dq_kernel(

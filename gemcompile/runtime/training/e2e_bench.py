@@ -508,6 +508,7 @@ def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | 
         "optimizers": [f"{type(o).__name__}(fused={bool(o.defaults.get('fused'))})" for o in run.optimizers],
         "tables": table_training(run.method),
         "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
+        "kernel_tuning": timings.kernel_tuning,  # our Triton kernels' autotuning: part of compile_s
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": graph_count() - graphs_after_warmup,
         # over the warm-up (compilation included) and the measured steps: what must fit
@@ -520,9 +521,8 @@ def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | 
         # host-bound step's time is only comparable between runs on an equally quiet host
         "host_load": {"load_avg_1min": _load_average(), "cpus": os.cpu_count()},
         "ne": list(run.window.compute().ne),  # per task
-        # NE >= 1: the model does not yet beat predicting the base rate (a short run from a cold start: every
-        # method reads 4-70 after 20 steps of GEM-ref medium); NE then says nothing about quality, so the
-        # console prints none and the gap to eager is not computed
+        # NE >= 1 (4-70 after 20 steps of GEM-ref medium from a cold start) does not beat the base rate and
+        # says nothing about quality: the console prints none and the gap to eager is not computed
         "ne_meaningful": ne_meaningful(list(run.window.compute().ne)),
         "final_loss": losses[-1],
         "losses": losses,

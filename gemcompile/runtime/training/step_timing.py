@@ -9,6 +9,7 @@ peaks of both phases. The compiled state is frozen for Python's collector once t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,9 @@ class Timings:
     """CUDA peak allocated over the warm-up steps (compilation and autotuning included)."""
     peak_steady_bytes: int | None = None
     """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
+    kernel_tuning: dict = field(default_factory=dict)
+    """Our Triton kernels' autotuning over the warm-up (lowering/common/tuned_launch.TUNING): tuning keys,
+    seconds (compile and timing of the configs), of which the parallel compile; part of compile_s."""
 
 
 def timed_steps(run: Any) -> Timings:
@@ -61,9 +65,16 @@ def timed_steps(run: Any) -> Timings:
 
 
 def _run_steps(run: Any, timings: Timings) -> None:
+    from gemcompile.lowering.common.tuned_launch import TUNING
+
     cfg, device = run.cfg, run.device
+    tuning_before = dataclasses.replace(TUNING)
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
+            timings.kernel_tuning = {"keys": TUNING.keys - tuning_before.keys,
+                                     "seconds": round(TUNING.seconds - tuning_before.seconds, 3),
+                                     "parallel_compile_seconds": round(
+                                         TUNING.compile_seconds - tuning_before.compile_seconds, 3)}
             timings.graphs_after_warmup = graph_count()
             freeze_compiled_state()  # no full collection over the compiled state inside a measured step
             if device.type == "cuda":  # the compile's transients (autotuning buffers): the warm-up's peak
