@@ -53,7 +53,7 @@ def _adagrad_slots_kernel(RowOf, Acc, Weight, Sum, n_rows, dim, stride_a, stride
         _update_row(Weight, Sum, row, g, cols, col_ok, stride_w, stride_s, lr, eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n: this step's id count (see _slot_sums_kernel)
 def _adagrad_runs_kernel(SortedIds, Perm, Grads, Weight, Sum, n, n_rows, dim, stride_g, stride_w, stride_s,
                          lr, eps, BLOCK_D: tl.constexpr):
     # the deterministic variant: the first sorted position of each id sums its run in order
@@ -88,7 +88,9 @@ def _seg_add(key_a, val_a, key_b, val_b):
     return key_b, tl.where(key_a == key_b, val_a + val_b, val_b)
 
 
-@triton.jit
+# n, the step's id count, changes with the batch where ids are packed tokens: specialized on its divisibility
+# by 16, the kernel would compile again inside a training step the first time a count were a multiple of 16
+@triton.jit(do_not_specialize=["n"])
 def _slot_sums_kernel(SlotSorted, Perm, Grads, Acc, n, dim, stride_g, stride_a, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
     pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -511,6 +511,7 @@ def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | 
         "kernel_tuning": timings.kernel_tuning,  # our Triton kernels' autotuning: part of compile_s
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": graph_count() - graphs_after_warmup,
+        "triton_compiles_after_warmup": [list(c) for c in timings.triton_compiles],  # (measured step, kernel)
         # over the warm-up (compilation included) and the measured steps: what must fit
         "peak_memory_gib": (max(timings.peak_warmup_bytes or 0, timings.peak_steady_bytes) / 2**30
                             if timings.peak_steady_bytes is not None else None),
@@ -555,6 +556,8 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
             + f"; {profiled.kernels_per_step:.0f} kernels/step"
             + (f"; GPU idle {profiled.idle['idle_ms_per_step']:.1f} ms/step" if profiled.idle else ""))
+    if result.get("triton_compiles_after_warmup"):
+        log(f"    Triton JIT compiles inside measured steps (step, kernel): {result['triton_compiles_after_warmup']}")
 
 
 def _local_layers(run: _MethodRun, log) -> list[dict]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gemcompile.runtime.training.gc_policy import compiled_state_frozen, freeze_compiled_state
+from gemcompile.runtime.training.triton_compiles import recording_triton_compiles
 
 __all__ = ["Timings", "graph_count", "sync", "timed_steps"]
 
@@ -49,6 +50,8 @@ class Timings:
     """CUDA peak allocated over the warm-up steps (compilation and autotuning included)."""
     peak_steady_bytes: int | None = None
     """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
+    triton_compiles: list = field(default_factory=list)
+    """Kernels the Triton JIT compiled inside measured steps, as (step, kernel name) (triton_compiles.py)."""
     kernel_tuning: dict = field(default_factory=dict)
     """Our Triton kernels' autotuning over the warm-up (lowering/common/tuned_launch.TUNING): tuning keys,
     seconds (compile and timing of the configs), of which the parallel compile; part of compile_s."""
@@ -83,14 +86,17 @@ def _run_steps(run: Any, timings: Timings) -> None:
         cpu_batch = run.data.batch(step)
         batch = cpu_batch.to(device)
         sync(device)
+        compiled: list[str] = []
         t0 = time.perf_counter()
-        logits, loss_value = run.train_step(batch)
-        sync(device)
+        with recording_triton_compiles(compiled):
+            logits, loss_value = run.train_step(batch)
+            sync(device)
         elapsed = time.perf_counter() - t0
         timings.losses.append(loss_value)
         if step < cfg.warmup:
             timings.warmup_s += elapsed
             continue
         timings.step_ms.append(1e3 * elapsed)
+        timings.triton_compiles += [(step - cfg.warmup, name) for name in compiled]
         timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
         run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
