@@ -140,6 +140,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                      "alive there, grouped by allocating frame (results: memory_snapshot; CUDA)")
     e2e.add_argument("--kernel-top", type=int, default=40,
                      help="kernels with the most device time listed per method (results: kernel_profile.top)")
+    e2e.add_argument("--host-profile-steps", type=int, default=0,
+                     help="steps after the measured ones under cProfile: the host's busiest functions per "
+                          "method (results: host_profile)")
     e2e.add_argument("--out", default=None, help="directory of the results JSON (default: print only)")
     _debug_argument(e2e)
 
@@ -153,7 +156,8 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = available_methods() if args.methods == "all" else [m for m in args.methods.split(",") if m]
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
-                         layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_top=args.kernel_top)
+                         layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_top=args.kernel_top,
+                         host_profile_steps=args.host_profile_steps)
     command = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
     path = None
     if args.out:

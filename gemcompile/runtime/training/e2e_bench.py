@@ -59,6 +59,7 @@ from gemcompile.runtime.training.memory_snapshot import run_snapshot, snapshot_l
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
+from gemcompile.runtime.training.host_profile import host_profile
 from gemcompile.runtime.training.step_timing import Timings, graph_count, sync, timed_steps
 
 __all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_section", "memory_variant",
@@ -209,6 +210,10 @@ class E2EBenchConfig:
     kernel_top: int = 40
     """Kernels with the most device time listed in each method's kernel_profile.top."""
 
+    host_profile_steps: int = 0
+    """Train steps after the kernel_steps run under Python's cProfile: the functions with the most host time
+    per step go into the method's ``host_profile`` (runtime/training/host_profile.py). 0 = skip."""
+
     memory_snapshot: bool = False
     """CUDA only: one more train step after the measured ones (and the kernel_steps), outside their timing,
     under torch's CUDA memory history; its summary (runtime/training/memory_snapshot.py: the step's peak and
@@ -227,8 +232,9 @@ class E2EBenchConfig:
                              "dynamic shapes)")
         if self.steps < 1:
             raise ValueError(f"E2EBenchConfig.steps = {self.steps}: need >= 1")
-        if self.kernel_steps < 0:
-            raise ValueError(f"E2EBenchConfig.kernel_steps = {self.kernel_steps}: need >= 0")
+        if self.kernel_steps < 0 or self.host_profile_steps < 0:
+            raise ValueError(f"E2EBenchConfig: kernel_steps = {self.kernel_steps}, host_profile_steps = "
+                             f"{self.host_profile_steps}: need >= 0")
         if not 0.0 < self.fill <= 1.0:
             raise ValueError(f"E2EBenchConfig.fill = {self.fill}: need a float in (0, 1]")
         unknown = unknown_methods(self.methods)
@@ -370,8 +376,13 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     profiled = (kernel_profile(run.train_step, [run.data.batch(i).to(run.device) for i in extra], len(extra),
                                top=cfg.kernel_top) if run.device.type == "cuda" else None)
     result = _method_result(run, timings, profiled)
+    first = cfg.warmup + cfg.steps + cfg.kernel_steps
+    if cfg.host_profile_steps:
+        batches = [run.data.batch(first + i).to(run.device) for i in range(cfg.host_profile_steps)]
+        result["host_profile"] = host_profile(run.train_step, batches, cfg.host_profile_steps)
+        first += cfg.host_profile_steps
     if cfg.memory_snapshot:
-        result["memory_snapshot"] = run_snapshot(run, cfg.warmup + cfg.steps + cfg.kernel_steps)
+        result["memory_snapshot"] = run_snapshot(run, first)
     _log_method(log, result, profiled)
     for line in snapshot_lines(result.get("memory_snapshot")):
         log(f"    {line}")
@@ -556,6 +567,8 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
             + f"; {profiled.kernels_per_step:.0f} kernels/step"
             + (f"; GPU idle {profiled.idle['idle_ms_per_step']:.1f} ms/step" if profiled.idle else ""))
+    for row in (result.get("host_profile") or {}).get("by_own_time", [])[:10]:
+        log(f"    host {row['own_ms_per_step']:7.2f} ms/step own, {row['calls_per_step']:7.0f} calls: {row['function']}")
     if result.get("triton_compiles_after_warmup"):
         log(f"    Triton JIT compiles inside measured steps (step, kernel): {result['triton_compiles_after_warmup']}")
 
