@@ -31,6 +31,7 @@ from .common.length_order import (
     key_span,
     stable_longest_first,
 )
+from .common.opkit import direct_cuda
 
 __all__ = ["bounds_and_span", "derive_plan", "longest_first"]
 
@@ -67,6 +68,9 @@ def length_order(key: Tensor) -> Tensor:
     return longest_first(key)
 
 
+direct_cuda(length_order)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
+
+
 @length_order.register_fake
 def _length_order_fake(key: Tensor) -> Tensor:
     _check_key(key)
@@ -90,6 +94,9 @@ def key_bounds_op(kv_mask: Tensor, kv_lengths: Optional[Tensor]) -> tuple[Tensor
     _check_mask(kv_mask, kv_lengths)
     bounds, span = bounds_and_span(kv_mask, kv_lengths)
     return bounds, longest_first(span)
+
+
+direct_cuda(key_bounds_op)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
 
 
 @key_bounds_op.register_fake

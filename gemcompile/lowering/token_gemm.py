@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from .common.opkit import direct_cuda
+
 __all__ = ["bucket_quantum", "token_mm"]
 
 
@@ -95,6 +97,9 @@ def token_mm(a: Tensor, b: Tensor, bias: Optional[Tensor], split_dim: int, per_o
     """a @ b (+ bias) with the token dim (split_dim) covered by GEMMs of bucketed sizes (module doc)."""
     _check(a, b, bias, split_dim)
     return token_mm_impl(a, b, bias, split_dim, per_octave, min_rows)
+
+
+direct_cuda(token_mm)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
 
 
 @token_mm.register_fake

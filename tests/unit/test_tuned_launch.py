@@ -193,3 +193,14 @@ def test_without_the_pool_the_autotuner_compiles_alone(monkeypatch, direct):
     tuner, x, y = _TunerWithConfigs(), torch.zeros(64), torch.zeros(64)
     tuned_launch.launch(tuner, _grid, (x, y, 40, 0.5), {"FLAG": True}, (64,))
     assert [c[0] for c in tuner.calls] == ["filed before timing", "autotune"]
+
+
+def test_small_ops_called_every_step_have_their_own_impl_at_the_cuda_key():
+    """opkit.direct_cuda: token_mm, the order/bounds ops, the table lookups and relative_bias run their own
+    implementation at the CUDA key (no register_kernel wrapper on every call of a compiled step)."""
+    import gemcompile.lowering  # noqa: F401
+
+    for name in ("token_mm", "length_order", "key_bounds", "sparse_embedding", "sparse_embedding_bags",
+                 "relative_bias"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gemcompile::{name}", "CUDA"), name
+        assert "opkit.py" in torch._C._dispatch_dump(f"gemcompile::{name}").split("CUDA: registered at ")[1], name

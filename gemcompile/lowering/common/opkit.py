@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["LIB", "cuda_kernel", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path",
+__all__ = ["LIB", "cuda_kernel", "direct_cuda", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path",
            "use_triton"]
 
 LIB = torch.library.Library("gemcompile", "FRAGMENT")
@@ -60,6 +60,16 @@ def cuda_kernel(op):
         return fn
 
     return register
+
+
+def direct_cuda(op) -> None:
+    """Register the custom op ``op``'s own (device-generic) implementation at the CUDA key too, as
+    :func:`cuda_kernel` registers a CUDA-only one: CUDA calls then skip register_kernel's wrapper (a
+    Dynamo-disabled function and the aliasing check). For the small ops a compiled step calls many times:
+    token_mm ran 162 times a step of GEM-ref medium, and the wrappers were the largest item of the host's
+    time under cProfile (benchmarks/results/e2e-medium-fill0.5-20261203-090042.json, host_profile). The
+    implementation must return new tensors (the check it skips)."""
+    LIB.impl(op._name, op._init_fn, "CUDA")  # noqa: SLF001
 
 
 def is_fake(t: Tensor) -> bool:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..common.opkit import direct_cuda
+
 __all__ = ["positions_span", "relative_bias", "relative_bias_backward", "relative_bias_reference"]
 
 
@@ -72,6 +74,9 @@ def relative_bias(table: Tensor, rows: int, cols: int, offset: int) -> Tensor:
     """out[i, j, ...] = table[j - i + offset, ...], (rows, cols, *table.shape[1:]); every slot read must
     lie in the table (ValueError otherwise: no wrap-around of negative positions)."""
     return relative_bias_reference(table, rows, cols, offset)
+
+
+direct_cuda(relative_bias)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
 
 
 @relative_bias.register_fake

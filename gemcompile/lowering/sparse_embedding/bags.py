@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..common.opkit import direct_cuda
 from .op import MODE_MEAN, MODE_SUM
 from .pending import file_rows
 
@@ -56,6 +57,9 @@ def _sparse_embedding_bags(ids: Tensor, weights: list[Tensor], token: Tensor, mo
     bag_mode = "mean" if mode == MODE_MEAN else "sum"
     return torch.stack([F.embedding_bag(ids[t], w, mode=bag_mode, padding_idx=padding)
                         for t, w in enumerate(weights)])
+
+
+direct_cuda(_sparse_embedding_bags)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
 
 
 @_sparse_embedding_bags.register_fake

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..common.opkit import direct_cuda
 from .pending import file_rows
 
 __all__ = ["MODE_LOOKUP", "MODE_MEAN", "MODE_SUM", "per_id_grads", "sparse_embedding"]
@@ -55,6 +56,9 @@ def _sparse_embedding(ids: Tensor, weight: Tensor, offsets: Optional[Tensor], to
     if mode == MODE_LOOKUP:
         return F.embedding(ids, weight, padding)
     return F.embedding_bag(ids, weight, offsets, mode=_BAG_MODES[mode], padding_idx=padding)
+
+
+direct_cuda(_sparse_embedding)  # CUDA calls skip register_kernel's wrapper (opkit.direct_cuda)
 
 
 @_sparse_embedding.register_fake
