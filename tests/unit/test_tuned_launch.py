@@ -204,3 +204,16 @@ def test_small_ops_called_every_step_have_their_own_impl_at_the_cuda_key():
                  "relative_bias"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gemcompile::{name}", "CUDA"), name
         assert "opkit.py" in torch._C._dispatch_dump(f"gemcompile::{name}").split("CUDA: registered at ")[1], name
+
+
+@pytest.mark.skipif(tuned_launch.AsyncCompileMode is None, reason="this Triton has no AsyncCompileMode")
+def test_a_failing_parallel_compile_warns_and_the_autotuner_still_runs(monkeypatch, direct):
+    monkeypatch.setattr(tuned_launch, "PARALLEL_TUNING", True)
+    tuner, x, y = _TunerWithConfigs(), torch.zeros(64), torch.zeros(64)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no driver")
+    tuner.warmup = broken
+    with pytest.warns(UserWarning, match="one by one"):
+        tuned_launch.launch(tuner, _grid, (x, y, 40, 0.5), {"FLAG": True}, (64,))
+    assert [c[0] for c in tuner.calls] == ["filed before timing", "autotune"]

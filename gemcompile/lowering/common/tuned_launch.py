@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,8 +89,12 @@ def _compile_configs(kernel, grid, args: tuple, consts: dict) -> None:
     if _EXECUTOR is None:
         _EXECUTOR = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1),
                                        thread_name_prefix="gemcompile-tuning")
-    with AsyncCompileMode(_EXECUTOR, ignore_errors=True):
-        kernel.warmup(*args, grid=grid, **consts)
+    try:
+        with AsyncCompileMode(_EXECUTOR, ignore_errors=True):
+            kernel.warmup(*args, grid=grid, **consts)
+    except Exception as e:  # noqa: BLE001  a speed-up only: the autotuner then compiles (and reports) serially
+        warnings.warn(f"gemcompile: compiling {getattr(kernel, 'base_fn', kernel)!r}'s configs in parallel "
+                      f"failed ({type(e).__name__}: {e}); the autotuner compiles them one by one", stacklevel=3)
 
 
 _BEST_CONFIG: dict = {}
