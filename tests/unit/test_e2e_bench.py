@@ -65,6 +65,7 @@ def test_the_mode_reaches_torch_compile(monkeypatch, method, mode):
     ({"warmup": 1}, "warmup"), ({"steps": 0}, "steps"), ({"fill": 0.0}, "fill"),
     ({"methods": ("eager", "fast")}, "unknown method"), ({"dtype": "float16"}, "dtype"),
     ({"methods": ("eager@reduce-overhead",)}, "unknown method"), ({"kernel_steps": -1}, "kernel_steps"),
+    ({"host_profile_steps": -1}, "host_profile_steps"),
 ])
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -73,7 +74,7 @@ def test_bad_config_is_refused(kwargs, match):
 
 def test_eager_run_reports_consistent_numbers(tmp_path):
     cfg = E2EBenchConfig(size="tiny", batch_size=64, steps=3, warmup=2, methods=("eager",), device="cpu",
-                         dtype="float32", ne_window=3, layers=True, layer_reps=2)
+                         dtype="float32", ne_window=3, layers=True, layer_reps=2, host_profile_steps=1)
     payload = run_e2e_bench(cfg, log=lambda *a: None)
     (r,) = payload["results"]
     assert "error" not in r, r
@@ -90,6 +91,12 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     assert env["torch"] == torch.__version__ and env["machine_shared"] in ("yes", "no", "unknown")
     assert [row["layer"] for row in r["layers"]] == [0, 1] and all(row["ms"] > 0 for row in r["layers"])
     assert r["host_load"]["cpus"] >= 1 and r["host_load"]["load_avg_1min"] >= 0
+    # no Triton kernel on the CPU: no JIT compile inside a step, no autotuning in the warm-up
+    assert r["triton_compiles_after_warmup"] == [] and r["kernel_tuning"]["keys"] == 0
+    # one step under cProfile after the measured ones: the model's forward is among the busiest functions
+    profile = r["host_profile"]
+    assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0
+    assert any("gem.py" in row["function"] for row in profile["by_cumulative_time"])
 
     # the renderer turns the JSON into a markdown row per method
     spec = importlib.util.spec_from_file_location(
