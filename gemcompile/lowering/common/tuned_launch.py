@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import triton
 
 try:  # Triton >= 3.4
     from triton.runtime._async_compile import AsyncCompileMode
@@ -71,13 +70,15 @@ def tuning_bench(kernel_call, quantiles):
     """The autotuner's timing of one config: Triton's ``do_bench`` with 5 ms of warm-up and 25 ms of
     measurement instead of 25 and 100, a fifth of the time (a kernel of 1 ms still runs 25 times; the
     median is kept)."""
-    import triton.testing  # not imported by ``import triton``
+    import triton.testing
 
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
 def autotune(configs, key, **kwargs):
     """``triton.autotune`` with :func:`tuning_bench` as the timing of a config."""
+    import triton
+
     return triton.autotune(configs=configs, key=key, do_bench=tuning_bench, **kwargs)
 
 
