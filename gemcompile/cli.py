@@ -128,6 +128,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--fill", type=float, default=0.5, help="mean sequence length / max length")
     e2e.add_argument("--steps", type=int, default=50, help="measured steps (lengths vary per batch)")
     e2e.add_argument("--warmup", type=int, default=3, help="steps before the measured ones")
+    e2e.add_argument("--seed", type=int, default=0,
+                     help="model initialization and data seed, the same for every method (another seed: the "
+                          "run-to-run noise that NE differences are read against)")
     e2e.add_argument("--methods", default="eager,inductor,gem",
                      help="comma-separated: eager, inductor, gem, gem-no-<pass>, gem+mxfp8, or 'all'; a "
                      "compiled method may end in @reduce-overhead (CUDA graphs) or @cpp-wrapper (Inductor's C++ "
@@ -157,7 +160,7 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
                          layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_top=args.kernel_top,
-                         host_profile_steps=args.host_profile_steps)
+                         host_profile_steps=args.host_profile_steps, seed=args.seed)
     command = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
     path = None
     if args.out:
