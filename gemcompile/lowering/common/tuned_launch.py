@@ -113,23 +113,41 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
+_NOT_SPECIALIZED: dict = {}
+"""id(a kernel's params) -> (the params, one do_not_specialize flag per parameter): read once per kernel."""
+
+_I32_MIN, _I32_END, _U64_START = -(2 ** 31), 2 ** 31, 2 ** 63
+
+
+def _fixed_flags(params, n: int) -> tuple:
+    """Whether each of the first ``n`` parameters is in the kernel's ``do_not_specialize`` (False past the
+    end of ``params``), cached per params list."""
+    entry = _NOT_SPECIALIZED.get(id(params))
+    if entry is None or entry[0] is not params or len(entry[1]) < n:
+        flags = tuple(getattr(p, "do_not_specialize", False) for p in params)
+        entry = _NOT_SPECIALIZED[id(params)] = (params, flags + (False,) * max(0, n - len(flags)))
+    return entry[1]
+
+
 def _specialization(args: tuple, params=()) -> tuple:
     """What Triton specializes a kernel on, per positional argument, never less (a stricter key only sends
     more launches the slow way): a tensor's 16-byte alignment (its dtype is in the tuning key), an int's
     value 1, divisibility by 16 and width (i32 / i64 / u64), None; floats and bools are not specialized.
-    An int among the kernel's ``do_not_specialize`` (``params``: its KernelParams) counts by width only."""
+    An int among the kernel's ``do_not_specialize`` (``params``: its KernelParams) counts by width only.
+    Runs on every launch (host time): one pass, the type tested by identity first."""
     key = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            key.append(a.data_ptr() % 16 == 0)
-        elif isinstance(a, bool) or a is None:
-            key.append(a)
-        elif isinstance(a, int):
-            width = (-(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63)
-            fixed = i < len(params) and getattr(params[i], "do_not_specialize", False)
-            key.append(width if fixed else (a == 1, a % 16 == 0, *width))
+    append = key.append
+    for a, fixed in zip(args, _fixed_flags(params, len(args))):
+        kind = type(a)
+        if kind is int or (kind is not bool and isinstance(a, int)):
+            width = (_I32_MIN <= a < _I32_END, a >= _U64_START)
+            append(width if fixed else (a == 1, a % 16 == 0, *width))
+        elif kind is bool or a is None:
+            append(a)
+        elif isinstance(a, torch.Tensor):
+            append(a.data_ptr() % 16 == 0)
         else:
-            key.append(type(a))
+            append(kind)
     return tuple(key)
 
 
