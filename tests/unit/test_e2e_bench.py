@@ -149,7 +149,8 @@ def test_cli_records_the_command_in_the_results_json(tmp_path):
     from gemcompile.cli import main
 
     argv = ["bench", "e2e", "--size", "tiny", "--batch-size", "8", "--steps", "1", "--warmup", "2",
-            "--methods", "eager", "--device", "cpu", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)]
+            "--methods", "eager", "--device", "cpu", "--dtype", "float32", "--seed", "3",
+            "--out", str(tmp_path)]
     assert main(argv) == 0
     (path,) = tmp_path.glob("e2e-tiny-*.json")
     payload = json.loads(path.read_text())

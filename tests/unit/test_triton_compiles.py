@@ -15,12 +15,13 @@ class _Info:
 
 def test_compiles_are_recorded_and_the_previous_hook_kept(monkeypatch):
     seen = []
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kwargs: seen.append(kwargs["fn"].name))
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda **kwargs: seen.append(kwargs["fn"].name))
     previous = knobs.runtime.jit_post_compile_hook
     log = []
     with recording_triton_compiles(log):
-        knobs.runtime.jit_post_compile_hook(key=None, repr="r", fn=_Info(), compile={}, is_manual_warmup=False,
-                                            already_compiled=False)
+        knobs.runtime.jit_post_compile_hook(key=None, repr="r", fn=_Info(), compile={},
+                                            is_manual_warmup=False, already_compiled=False)
     assert log == ["_rank_kernel"] and seen == ["_rank_kernel"]
     assert knobs.runtime.jit_post_compile_hook is previous
 

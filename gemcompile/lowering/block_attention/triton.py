@@ -443,7 +443,7 @@ def _finish_softmax(acc, l_i, m_i):
 
 
 @autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
-                 prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
+          prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @per_step_jit
 def _closed_fwd_kernel(
     Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
@@ -505,7 +505,7 @@ def _closed_fwd_kernel(
 
 
 @autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
-                 prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
+          prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @per_step_jit
 def _closed_bwd_kernel(
     Q, K, V, Cos, Sin, DO, Lse, DQ, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
@@ -672,7 +672,7 @@ def _fwd_kernel(
 
 
 @autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
-                 prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
+          prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,

@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["LIB", "cuda_kernel", "direct_cuda", "ignoring_plan", "input_grads", "is_fake", "save_for_backward", "takes_eager_path",
-           "use_triton"]
+__all__ = ["LIB", "cuda_kernel", "direct_cuda", "ignoring_plan", "input_grads", "is_fake",
+           "save_for_backward", "takes_eager_path", "use_triton"]
 
 LIB = torch.library.Library("gemcompile", "FRAGMENT")
 """The one torch.library handle of the gemcompile namespace (schemas and impls of the public ops)."""

@@ -95,9 +95,10 @@ def _compile_configs(kernel, grid, args: tuple, consts: dict) -> None:
     try:
         with AsyncCompileMode(_EXECUTOR, ignore_errors=True):
             kernel.warmup(*args, grid=grid, **consts)
-    except Exception as e:  # noqa: BLE001  a speed-up only: the autotuner then compiles (and reports) serially
+    except Exception as e:  # noqa: BLE001  a speed-up only: the autotuner then compiles (and reports) them
         warnings.warn(f"gemcompile: compiling {getattr(kernel, 'base_fn', kernel)!r}'s configs in parallel "
-                      f"failed ({type(e).__name__}: {e}); the autotuner compiles them one by one", stacklevel=3)
+                      f"failed ({type(e).__name__}: {e}); the autotuner compiles them one by one",
+                      stacklevel=3)
 
 
 _BEST_CONFIG: dict = {}

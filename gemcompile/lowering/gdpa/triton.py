@@ -371,7 +371,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, z_base, offs_n, offs_d, q_len, kv
 
 
 @autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
-                 prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
+          prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, DK, DV,
@@ -508,7 +508,7 @@ def _dq_inner(dq, q, do, k_base, v_base, z_base, ds_base, kvm_base, offs_m, offs
 
 
 @autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
-                 prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
+          prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, Bias, DO, DQ, DS,

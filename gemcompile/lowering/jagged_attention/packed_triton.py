@@ -73,8 +73,8 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
         q_strides = bhld_strides(q, q.shape[0] != B)
     if B * H * Lq * N * T == 0 or D == 0:  # no pair: zeros, lse +inf
         return out, lse
-    q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order, kv_order if kv_mask is None else None,
-                             lse)
+    q_side, kv_side = _sides(q, k, q_lengths, token_offsets, N, q_order,
+                             kv_order if kv_mask is None else None, lse)
     o_strides = _rows_strides(out) if q_packed else out.stride()
     padded._forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale, q_strides, _rows_strides(k),
                     _rows_strides(v), out, o_strides, lse, _lse_strides(lse, q_packed), kv_mask, uniform_keys,

@@ -478,7 +478,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 
 
 @autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
-                 prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
+          prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,

@@ -54,12 +54,12 @@ from gemcompile.models.data import SyntheticData
 from gemcompile.models.gem import GemRef, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE
 from gemcompile.runtime.training.flops import TRAIN_FLOPS_PER_FORWARD, GemFlopFormula, mfu, peak_flops
+from gemcompile.runtime.training.host_profile import host_profile
 from gemcompile.runtime.training.kernel_time import KernelProfile, kernel_profile
 from gemcompile.runtime.training.memory_snapshot import run_snapshot, snapshot_lines
 from gemcompile.runtime.training.metrics import MetricWindow
 from gemcompile.runtime.training.optimizers import build_optimizers
 from gemcompile.runtime.training.results import environment as results_environment
-from gemcompile.runtime.training.host_profile import host_profile
 from gemcompile.runtime.training.step_timing import Timings, graph_count, sync, timed_steps
 
 __all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_section", "memory_variant",
@@ -379,7 +379,7 @@ def run_method(cfg: E2EBenchConfig, method: str, log=print) -> dict[str, Any]:
     first = cfg.warmup + cfg.steps + cfg.kernel_steps
     if cfg.host_profile_steps:
         batches = [run.data.batch(first + i).to(run.device) for i in range(cfg.host_profile_steps)]
-        result["host_profile"] = host_profile(run.train_step, batches, cfg.host_profile_steps)
+        result["host_profile"] = host_profile(run.train_step, batches, cfg.host_profile_steps, run.device)
         first += cfg.host_profile_steps
     if cfg.memory_snapshot:
         result["memory_snapshot"] = run_snapshot(run, first)
@@ -568,9 +568,11 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
             + f"; {profiled.kernels_per_step:.0f} kernels/step"
             + (f"; GPU idle {profiled.idle['idle_ms_per_step']:.1f} ms/step" if profiled.idle else ""))
     for row in (result.get("host_profile") or {}).get("by_own_time", [])[:10]:
-        log(f"    host {row['own_ms_per_step']:7.2f} ms/step own, {row['calls_per_step']:7.0f} calls: {row['function']}")
+        log(f"    host {row['own_ms_per_step']:7.2f} ms/step own, {row['calls_per_step']:7.0f} calls: "
+            f"{row['function']}")
     if result.get("triton_compiles_after_warmup"):
-        log(f"    Triton JIT compiles inside measured steps (step, kernel): {result['triton_compiles_after_warmup']}")
+        log("    Triton JIT compiles inside measured steps (step, kernel): "
+            f"{result['triton_compiles_after_warmup']}")
 
 
 def _local_layers(run: _MethodRun, log) -> list[dict]:
