@@ -41,7 +41,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, graphed, tflops, write_json  # noqa: E402
+from harness import bench_ms, environment, format_table, graphed, kernel_times, tflops, write_json  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
 
@@ -223,19 +223,6 @@ def correctness(shape, fns, q, k, v, n, x) -> dict:
 def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def kernel_times(fn, reps: int = 5) -> list[dict]:
-    """GPU microseconds per call of each kernel of fn (torch.profiler), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [{"kernel": e.key[:90], "us": e.device_time_total / reps, "calls": e.count / reps}
-            for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["us"])[:12]
 
 
 def run_shape(shape, args, index, device):

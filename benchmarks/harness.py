@@ -31,6 +31,7 @@ __all__ = [
     "tflops",
     "format_table",
     "graphed",
+    "kernel_times",
 ]
 
 
@@ -135,3 +136,16 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def kernel_times(fn, reps: int = 5, top: int = 12) -> list[dict]:
+    """GPU microseconds per call of each kernel of fn (torch.profiler), the `top` largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:90], "us": e.device_time_total / reps, "calls": e.count / reps}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us"])[:top]

@@ -1,10 +1,13 @@
 """Jagged softmax self-attention: gemcompile::jagged_attention against the peers a user would pick instead.
 
-    python benchmarks/jagged_attention.py [--quick] [--out DIR] [--budget-s 300] [--only anchors|grid]
-                                          [--cuda-graph]
+    python benchmarks/jagged_attention.py [--quick] [--out DIR] [--budget-s 300]
+                                          [--only anchors|grid|hopper] [--methods a,b] [--cuda-graph]
+                                          [--kernel-profile]
 
 Side by side in one run, forward only and forward+backward, bf16, non-causal, no bias:
   gemcompile           torch.ops.gemcompile.jagged_attention on padded (B, H, L, D) + lengths
+  gem_compile_module   gem_compile of a plain padded module (SDPA, key mask from the lengths, output rows
+                       zeroed by the same mask): what a user gets without calling our op
   sdpa_padded_mask     F.scaled_dot_product_attention on the padded tensors with a boolean key mask
   compiled_padded      torch.compile of hand-written masked attention (q@k^T*scale, masked_fill, softmax, @v)
   flex_document_mask   compiled FlexAttention over packed tokens with a document mask (block mask built
@@ -23,6 +26,8 @@ correctness spot check of gemcompile against padded SDPA at valid rows (output a
 fast wrong kernel cannot go unnoticed. A failing peer records its error and the run goes on. Shapes
 run in order (anchors first, largest last); a shape or peer that would start after --budget-s is
 skipped and recorded as such (run ``--only anchors`` and ``--only grid`` separately to cover both).
+``--only hopper`` runs issue 25's shapes; ``speedup_vs_module`` there is peer time / gem_compile_module time,
+and ``--kernel-profile`` records each method's kernels (GPU us per fwd+bwd call, torch.profiler).
 The JSON is rewritten after every shape, so a killed run keeps what it measured. ``--cuda-graph`` times
 every method replayed from a CUDA graph: the GPU work alone, with the host's Python and launch costs
 taken out for all methods alike.
@@ -47,8 +52,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import (bench_ms, environment, format_table, graphed, rewrite_results, rotation_count, tflops,  # noqa: E402
-                     write_json)
+from harness import (bench_ms, environment, format_table, graphed, kernel_times, rewrite_results,  # noqa: E402
+                     rotation_count, tflops, write_json)
 
 import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*)
 from gemcompile.lowering.common.flops import BACKWARD_FLOPS_RATIO  # noqa: E402
@@ -67,8 +72,14 @@ GRID = [
     for B in (256, 1152)
     for fill in (0.5, 0.7)
 ]
+HOPPER = [  # issue 25's must-show shapes (uniform lengths)
+    dict(B=1152, L=1024, H=4, D=128, fill=0.5),
+    dict(B=256, L=4096, H=4, D=128, fill=0.3),
+    dict(B=32, L=2048, H=8, D=64, fill=0.5),
+]
 QUICK = [dict(B=8, L=512, H=4, D=64, fill=0.5), dict(B=16, L=256, H=2, D=128, fill=0.7)]
-METHODS = ["gemcompile", "sdpa_padded_mask", "compiled_padded", "flex_document_mask", "njt_sdpa"]
+METHODS = ["gemcompile", "gem_compile_module", "sdpa_padded_mask", "compiled_padded", "flex_document_mask",
+           "njt_sdpa"]
 
 
 def draw_lengths(B: int, L: int, fill: float, seed: int) -> torch.Tensor:
@@ -84,6 +95,14 @@ def draw_lengths(B: int, L: int, fill: float, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------
 # Peers
+
+
+def plain_padded_module(q, k, v, lengths):
+    """What most models write: SDPA with a key-padding mask built from the lengths, then the padded query
+    rows zeroed by the same mask (gem_compile'd: the pass folds the zeroing into the kernel's q_lengths)."""
+    valid = torch.arange(q.shape[2], device=q.device)[None, :] < lengths[:, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+    return o * valid[:, None, :, None]
 
 
 def padded_masked_attention(q, k, v, keymask, scale):
@@ -104,6 +123,8 @@ PEER_SETUP = {
                           "torch._dynamo.reset(); Inductor's default kernel options",
     "njt_sdpa": "nested jagged tensors (torch.nested, layout=jagged) + F.scaled_dot_product_attention, eager",
     "gemcompile": "torch.ops.gemcompile.jagged_attention, eager calls, kernels autotuned per shape",
+    "gem_compile_module": "gem_compile(plain_padded_module, dynamic=False): SDPA with a key mask from the lengths, "
+                          "output rows zeroed by it; a fresh compile per shape after torch._dynamo.reset()",
 }
 """How each method is set up, recorded in the JSON (``peer_setup``)."""
 
@@ -211,6 +232,10 @@ def make_methods(shape, sets, lengths, keymask):
     methods["sdpa_padded_mask"] = padded(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=am)
     )
+    from gemcompile import gem_compile
+
+    module = gem_compile(plain_padded_module, dynamic=False)
+    methods["gem_compile_module"] = padded(lambda q, k, v: module(q, k, v, lengths))
     padded_peer = compiled_padded()
     methods["compiled_padded"] = padded(lambda q, k, v: padded_peer(q, k, v, keymask, scale))
 
@@ -345,7 +370,15 @@ def run_shape(shape, args, index):
         rec["correctness"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     print(f"   correctness vs padded SDPA: {rec['correctness']}", flush=True)
 
+    if "gem_compile_module" in (args.methods or METHODS):  # the pass fired, and folded the query rows
+        from gemcompile import GemConfig, explain
+
+        report = explain(plain_padded_module, *sets[0][:3], lengths, config=GemConfig())
+        rec["module_rewrites"] = {k: v for k, v in report.counts.items() if v}
+        rec["module_refusals"] = [r.reason for r in report.refusals]
     methods = make_methods(shape, sets, lengths, keymask)
+    if args.methods:
+        methods = {name: setup for name, setup in methods.items() if name in args.methods}
     for name, setup in methods.items():
         entry = rec["results"].setdefault(name, {})
         reason = memory_guard(name, shape)
@@ -371,6 +404,8 @@ def run_shape(shape, args, index):
             entry["fwdbwd_ms"] = bench_ms([c[1] for c in closures])
             entry["fwd_tflops"] = tflops(fwd_flops, entry["fwd_ms"])
             entry["fwdbwd_tflops"] = tflops(train_flops, entry["fwdbwd_ms"])
+            if args.kernel_profile:
+                entry["fwdbwd_kernels"] = kernel_times(closures[0][1])
             print(
                 f"   {name:20s} fwd {entry['fwd_ms']:8.3f} ms {entry['fwd_tflops']:6.1f} TF/s   "
                 f"fwd+bwd {entry['fwdbwd_ms']:8.3f} ms {entry['fwdbwd_tflops']:6.1f} TF/s   "
@@ -383,15 +418,13 @@ def run_shape(shape, args, index):
         finally:
             gc.collect()
             torch.cuda.empty_cache()
-    ours = rec["results"].get("gemcompile", {})
-    for name, entry in rec["results"].items():
-        if name == "gemcompile":
-            continue
-        rec["speedup"][name] = {
-            mode: (entry[f"{mode}_ms"] / ours[f"{mode}_ms"])
-            if (f"{mode}_ms" in entry and f"{mode}_ms" in ours)
-            else None
-            for mode in ("fwd", "fwdbwd")
+    for key, reference in (("speedup", "gemcompile"), ("speedup_vs_module", "gem_compile_module")):
+        ours = rec["results"].get(reference, {})
+        rec[key] = {
+            name: {mode: (entry[f"{mode}_ms"] / ours[f"{mode}_ms"])
+                   if (f"{mode}_ms" in entry and f"{mode}_ms" in ours) else None
+                   for mode in ("fwd", "fwdbwd")}
+            for name, entry in rec["results"].items() if name != reference
         }
     del sets
     gc.collect()
@@ -416,6 +449,7 @@ def summary_rows(shapes):
     for rec in shapes:
         for name, entry in rec.get("results", {}).items():
             sp = rec["speedup"].get(name, {})
+            sp_module = rec.get("speedup_vs_module", {}).get(name, {})
             rows.append(
                 dict(
                     shape=rec["label"],
@@ -426,6 +460,7 @@ def summary_rows(shapes):
                     fb_tf=entry.get("fwdbwd_tflops"),
                     sp_fwd=sp.get("fwd"),
                     sp_fb=sp.get("fwdbwd"),
+                    sp_module_fb=sp_module.get("fwdbwd"),
                     note=" ".join((entry.get("error") or "").split())[:60],
                 )
             )
@@ -446,13 +481,21 @@ def main(argv=None):
         default=300.0,
         help="do not start a shape or peer after this many seconds (default 300)",
     )
-    parser.add_argument("--only", default="all", choices=["all", "anchors", "grid"], help="which shapes")
+    parser.add_argument("--only", default="all", choices=["all", "anchors", "grid", "hopper"],
+                        help="which shapes (hopper: issue 25's)")
+    parser.add_argument("--methods", default=None, type=lambda s: s.split(","),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="record each method's kernels per fwd+bwd call (torch.profiler)")
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time every method replayed from a CUDA graph (no host overhead) instead of eager calls",
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.methods or ()) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {METHODS}")
     args.t0 = time.time()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/jagged_attention.py needs a CUDA GPU")
@@ -466,6 +509,8 @@ def main(argv=None):
     shapes = (
         QUICK
         if args.quick
+        else HOPPER
+        if args.only == "hopper"
         else (ANCHORS if args.only != "grid" else []) + (GRID if args.only != "anchors" else [])
     )
     payload = dict(
@@ -529,6 +574,7 @@ def main(argv=None):
                 ("fb_tf", "fwd+bwd TF/s", ".1f"),
                 ("sp_fwd", "ours x fwd", ".2f"),
                 ("sp_fb", "ours x fwd+bwd", ".2f"),
+                ("sp_module_fb", "module x fwd+bwd", ".2f"),
                 ("note", "note", "s"),
             ],
         )

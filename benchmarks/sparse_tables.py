@@ -14,7 +14,7 @@ Per method: the median step time (triton.testing.do_bench), the optimizer step a
 (the update must be the same). The ids follow the synthetic data of ``gemcompile bench e2e``: multi-hot
 bags with padding for the sparse tables, padded item sequences at the given fill for the item table.
 
-    python benchmarks/sparse_tables.py --size medium --batch-size 256
+    python benchmarks/sparse_tables.py --size medium --batch-size 256 [--kernel-profile]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import bench_ms, environment, write_json  # noqa: E402
+from harness import bench_ms, environment, kernel_times, write_json  # noqa: E402
 
 from gemcompile.lowering.sparse_embedding.bags import sparse_embedding_bags  # noqa: E402
 from gemcompile.lowering.sparse_embedding.op import MODE_SUM  # noqa: E402
@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="record each method's kernels per step (forward, backward, optimizer; torch.profiler)")
     args = parser.parse_args()
     device = torch.device(args.device)
     cfg = gem_ref_config(args.size)
@@ -130,6 +132,8 @@ def main() -> None:
                 opt_ms.append(ev[0].elapsed_time(ev[1]))
         row = {"method": method, "step_ms": step_ms, "optimizer_ms": statistics.median(opt_ms) if opt_ms else None,
                "optimizers": [type(o).__name__ for o in optimizers]}
+        if args.kernel_profile and device.type == "cuda":
+            row["step_kernels"] = kernel_times(lambda: _step(model, optimizers, batches[3]), top=30)
         if "dense" in finals:
             row["max_abs_diff_vs_dense"] = max((a - b).abs().max().item() for a, b in zip(finals[method], finals["dense"]))
         results.append(row)

@@ -72,3 +72,17 @@ def test_peers_record_their_setup(bench):
     for text in (jagged_attention.PEER_SETUP["compiled_padded"], jagged_attention.PEER_SETUP["flex_document_mask"],
                  block_attention.PEER_SETUP["flex_no_rotary"]):
         assert "dynamic=False" in text and "per shape" in text
+
+
+def test_jagged_attention_plain_module_is_rewritten_with_its_rows_folded(bench):
+    # gem_compile_module measures what a user gets: the pass must fire on it and fold the zeroed query rows
+    # into the kernel's q_lengths (else the benchmark would time something other than the claim)
+    from gemcompile import GemConfig, explain
+
+    _, jagged_attention = bench
+    q, k, v = (torch.randn(3, 2, 64, 32) for _ in range(3))
+    lengths = torch.tensor([0, 64, 17])
+    report = explain(jagged_attention.plain_padded_module, q, k, v, lengths, config=GemConfig())
+    assert report.counts["jagged_attention"] == 1 and not report.refusals
+    assert "query rows: n < " in str(report)
+    assert set(jagged_attention.PEER_SETUP) == set(jagged_attention.METHODS)
