@@ -91,11 +91,13 @@ def _seg_add(key_a, val_a, key_b, val_b):
 # n, the step's id count, changes with the batch where ids are packed tokens: specialized on its divisibility
 # by 16, the kernel would compile again inside a training step the first time a count were a multiple of 16
 @triton.jit(do_not_specialize=["n"])
-def _slot_sums_kernel(SlotSorted, Perm, Grads, Acc, n, dim, stride_g, stride_a, BLOCK_N: tl.constexpr,
+def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Grads, Acc, n, dim, stride_g, stride_a, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
     pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    pos_ok = pos < n
+    # skipped ids (-1: padding, out of range) sort first; their gradient rows are never read (half of the
+    # rows at fill 0.5 are padding), and their slot's sum stays 0 (the update skips it anyway)
+    pos_ok = (pos < n) & (tl.load(SortedIds + pos, mask=pos < n, other=-1) >= 0)
     col_ok = cols < dim
     slot = tl.load(SlotSorted + pos, mask=pos_ok, other=-1)
     src = tl.load(Perm + pos, mask=pos_ok, other=0).to(tl.int64)
@@ -126,7 +128,7 @@ def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: torch.Tensor
     grads = grads if grads.stride(-1) == 1 else grads.contiguous()
     block_n, block_d = (128, min(64, triton.next_power_of_2(dim))) if not INTERPRET else (16, 16)
     _slot_sums_kernel[(triton.cdiv(n, block_n), triton.cdiv(dim, block_d))](
-        slot_sorted, perm, grads, acc, n, dim, grads.stride(0), acc.stride(0), BLOCK_N=block_n, BLOCK_D=block_d,
+        sorted_ids, slot_sorted, perm, grads, acc, n, dim, grads.stride(0), acc.stride(0), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4)
     return id_of, acc
 
