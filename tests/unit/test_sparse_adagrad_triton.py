@@ -71,6 +71,44 @@ def test_many_tables_in_one_go_match_the_reference_per_table(rows, dim, dtype):
         torch.testing.assert_close(w.float(), w_want.to(dtype).float(), rtol=tol, atol=tol)
 
 
+def test_many_tables_filed_as_views_of_one_buffer_match_the_reference():
+    """The bag tables file their ids and rows as consecutive slices of one fresh pair (bags.py): the update
+    reads that buffer in place (no concatenation) and still equals the reference per table."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+
+    g = torch.Generator().manual_seed(3)
+    tables, n, rows, dim = 4, 37, 11, 5
+    weights = [torch.randn(rows, dim, generator=g) for _ in range(tables)]
+    sums = [torch.rand(rows, dim, generator=g) for _ in range(tables)]
+    flat = (torch.rand(tables, n, generator=g) * (rows + 1)).long() - 1
+    grad_rows = torch.randn(tables, n, dim, generator=g)
+    want = [(w.clone(), s.clone()) for w, s in zip(weights, sums)]
+    for t, (w, s) in enumerate(want):
+        keep = flat[t] < rows
+        adagrad_rows_reference_(w, s, flat[t][keep], grad_rows[t][keep], 0.05, 1e-10)
+    adagrad_tables_triton_(weights, sums, list(flat), list(grad_rows), 0.05, 1e-10)
+    for (w_want, s_want), w, s in zip(want, weights, sums):
+        torch.testing.assert_close(s, s_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w, w_want, rtol=1e-6, atol=1e-6)
+
+
+def test_joined_reads_adjacent_slices_in_place_and_copies_anything_else():
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import _joined
+
+    base = torch.arange(24.0).reshape(4, 3, 2)
+    parts = list(base)
+    whole = _joined(parts)
+    assert whole.data_ptr() == base.data_ptr() and torch.equal(whole, torch.cat(parts))
+    one_row = list(base[:, :1])  # (1, 2) slices 6 elements apart: not adjacent
+    assert torch.equal(_joined(one_row), torch.cat(one_row)) and _joined(one_row).data_ptr() != base.data_ptr()
+    rows = list(base.reshape(12, 2).split([1, 5, 6]))  # adjacent, one of them a single row
+    assert _joined(rows).data_ptr() == base.data_ptr() and torch.equal(_joined(rows), base.reshape(12, 2))
+    swapped = [parts[1], parts[0]]
+    assert torch.equal(_joined(swapped), torch.cat(swapped))
+    other = [parts[0], parts[1].clone()]  # another buffer
+    assert torch.equal(_joined(other), torch.cat(other))
+
+
 def test_many_tables_refuse_mixed_dims():
     from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
 

@@ -211,12 +211,12 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
                          tuple(s.stride(0) for s in state_sums)), device)
     # every table's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
     # fixed handful of launches whatever the number of tables
-    flat = torch.cat([i.reshape(-1) for i in ids]).to(torch.int64)
+    flat = _joined([i.reshape(-1) for i in ids]).to(torch.int64)
     table_of = _table_index(counts, device)
     inside = (flat >= 0) & (flat < meta[2].index_select(0, table_of))
     key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
-    key_of, acc = _sum_by_id(sorted_keys, perm, torch.cat(grads), len(weights) * rows_per_table)
+    key_of, acc = _sum_by_id(sorted_keys, perm, _joined(grads), len(weights) * rows_per_table)
     slots = key_of.numel()
     block = _block(dim)
     _adagrad_table_slots_kernel[(slots, triton.cdiv(dim, block))](
@@ -224,10 +224,43 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
         float(eps), W_DTYPE=TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, or, when the parts are consecutive slices of one contiguous buffer (the
+    bag tables' rows, filed as views of one fresh tensor), that buffer's view: no copy of every gradient row."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    shape = first.shape[1:]
+    adjacent = all(p.is_contiguous() and p.shape[1:] == shape and p.dtype == first.dtype for p in parts)
+    if adjacent:
+        step = first.element_size()
+        adjacent = all(b.data_ptr() == a.data_ptr() + a.numel() * step and
+                       b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                       for a, b in zip(parts, parts[1:]))
+    if not adjacent:
+        return torch.cat(parts)
+    inner = [1]  # contiguous strides (a one-row part's own stride need not say)
+    for size in reversed(shape):
+        inner.insert(0, inner[0] * size)
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *shape), inner, first.storage_offset())
+
+
+_TABLE_INDEX: dict[tuple, torch.Tensor] = {}
+
+
 def _table_index(counts: list[int], device: torch.device) -> torch.Tensor:
     """The table of each id when the tables' ids (counts[t] each) are concatenated, built on the device
-    from a pinned copy of the counts: a pageable copy would wait for every kernel queued before it."""
-    repeats = torch.tensor(counts, dtype=torch.int64)
-    if device.type == "cuda":
-        repeats = repeats.pin_memory().to(device, non_blocking=True)
-    return torch.repeat_interleave(torch.arange(len(counts), device=device), repeats, output_size=sum(counts))
+    from a pinned copy of the counts (a pageable copy would wait for every kernel queued before it), and
+    kept for counts seen before (the bag tables' are the same every step)."""
+    key = (tuple(counts), device)
+    index = _TABLE_INDEX.get(key)
+    if index is None:
+        repeats = torch.tensor(counts, dtype=torch.int64)
+        if device.type == "cuda":
+            repeats = repeats.pin_memory().to(device, non_blocking=True)
+        index = torch.repeat_interleave(torch.arange(len(counts), device=device), repeats, output_size=sum(counts))
+        if len(_TABLE_INDEX) >= 16:  # packed item ids change their count every step
+            _TABLE_INDEX.clear()
+        _TABLE_INDEX[key] = index
+    return index

@@ -66,6 +66,7 @@ class SparseAdagrad(torch.optim.Adagrad):
             with torch.enable_grad():
                 loss = closure()
         dense_pending = False
+        steps = []  # every updated table's step count, incremented in one call
         for group in self.param_groups:
             batches: dict[tuple, list] = {}
             if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
@@ -80,7 +81,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 if not filed:
                     continue
                 state = self.state[p]
-                state["step"] += 1  # dense Adagrad counts a step for every table with a gradient
+                steps.append(state["step"])  # dense Adagrad counts a step for every table with a gradient
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
                 weight, state_sum = _local(p), _local(state["sum"])
@@ -95,6 +96,8 @@ class SparseAdagrad(torch.optim.Adagrad):
                     adagrad_rows_(*tables[0], group["lr"], group["eps"])
                 else:
                     adagrad_tables_(*map(list, zip(*tables)), group["lr"], group["eps"])
+        if steps:
+            torch._foreach_add_(steps, 1)
         if dense_pending:
             super().step()  # the tables with a dense .grad (their filed rows added in), and only those
         return loss
