@@ -140,6 +140,7 @@ def graphed(fn):
 
 def kernel_times(fn, reps: int = 5, top: int = 12) -> list[dict]:
     """GPU microseconds per call of each kernel of fn (torch.profiler), the `top` largest first."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
