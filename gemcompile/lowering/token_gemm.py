@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .common.opkit import direct_cuda
+from .common.opkit import direct_cuda, kept_tensor
 
 __all__ = ["bucket_quantum", "token_mm"]
 
@@ -69,7 +69,7 @@ def _rows_from(q: int, first: int, device: torch.device) -> Tensor:
     """(q,) bool view: False for rows < first, True from ``first`` on."""
     steps = _ROW_STEPS.get((q, device))
     if steps is None:
-        steps = _ROW_STEPS[(q, device)] = torch.arange(2 * q, device=device) >= q
+        steps = _ROW_STEPS[(q, device)] = kept_tensor(lambda: torch.arange(2 * q, device=device) >= q, device)
     return steps[q - first: 2 * q - first]
 
 

@@ -34,11 +34,13 @@ reference); every other device runs its plain-PyTorch reference. Neither path sy
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["LIB", "cuda_kernel", "direct_cuda", "ignoring_plan", "input_grads", "is_fake",
+__all__ = ["LIB", "cuda_kernel", "direct_cuda", "ignoring_plan", "input_grads", "is_fake", "kept_tensor",
            "save_for_backward", "takes_eager_path", "use_triton"]
 
 LIB = torch.library.Library("gemcompile", "FRAGMENT")
@@ -123,3 +125,27 @@ def ignoring_plan(reference):
         return reference(*args, **kwargs)
 
     return call
+
+
+def kept_tensor(make, device: torch.device) -> Tensor:
+    """``make()`` for a tensor an op keeps across calls (a cache), allocated where no CUDA graph pool can
+    own it. CUDA-graph trees route every allocation of the thread that warms up or records a graph into the
+    graph's private pool, and fail the step if a tensor of that pool outlives the call without being an
+    output ("tensor(s) in the cudagraph pool not tracked as outputs"). So on CUDA ``make`` runs in a helper
+    thread, on a side stream it waits for before returning (a one-time cost per cache entry). Keep such a
+    tensor for the life of the process, or free it only after a device synchronize: it was made on that side
+    stream, so the allocator would not order its reuse after the kernels that read it."""
+    if device.type != "cuda":
+        return make()
+    if device.index is None:  # the helper thread's current device is its own, not this thread's
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def build():
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            tensor = make()
+        stream.synchronize()
+        return tensor
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(build).result()
