@@ -92,6 +92,28 @@ def test_many_tables_filed_as_views_of_one_buffer_match_the_reference():
         torch.testing.assert_close(w, w_want, rtol=1e-6, atol=1e-6)
 
 
+def test_many_tables_with_several_lookups_each_read_in_place_match_the_reference():
+    """A table looked up several times a step (the item table of each sequence) files one part per lookup:
+    the update takes the parts as they are, with another table's and an empty part between them."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+
+    g = torch.Generator().manual_seed(5)
+    rows, dim = (30, 7), 6
+    weights = [torch.randn(r, dim, generator=g) for r in rows]
+    sums = [torch.rand(r, dim, generator=g) for r in rows]
+    ids = [[(torch.rand(n, generator=g) * (r + 2)).long() - 1 for n in (40, 0, 25)] for r in rows]
+    grads = [[torch.randn(i.numel(), dim, generator=g) for i in parts] for parts in ids]
+    want = [(w.clone(), s.clone()) for w, s in zip(weights, sums)]
+    for (w, s), i, gr in zip(want, ids, grads):
+        i, gr = torch.cat(i), torch.cat(gr)
+        keep = i < w.shape[0]
+        adagrad_rows_reference_(w, s, i[keep], gr[keep], 0.05, 1e-10)
+    adagrad_tables_triton_(weights, sums, ids, grads, 0.05, 1e-10)
+    for (w_want, s_want), w, s in zip(want, weights, sums):
+        torch.testing.assert_close(s, s_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w, w_want, rtol=1e-6, atol=1e-6)
+
+
 def test_joined_reads_adjacent_slices_in_place_and_copies_anything_else():
     from gemcompile.lowering.sparse_embedding.adagrad_triton import _joined
 
@@ -126,18 +148,28 @@ def test_many_distinct_ids_past_the_table_are_skipped_without_overflowing_the_sl
     assert torch.equal(state, torch.ones(2, 3))
 
 
+@pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("n,rows,dim", [(1000, 3, 5), (257, 40, 16), (33, 1, 1), (600, 600, 7)])
-def test_slot_sums_match_float64_with_runs_across_blocks(n, rows, dim):
+def test_slot_sums_match_float64_with_runs_across_blocks(n, rows, dim, parts):
     """Step 2 alone: the segmented sums per slot, runs of one id longer than a block (16 positions under
-    the interpreter) split across programs and added back together, against float64 sums."""
+    the interpreter) split across programs and added back together (atomically for a block's first and last
+    slots, stored for the others), against float64 sums. With parts, the gradient rows lie in separate
+    tensors (one with a row stride wider than its rows), read in place in their concatenated order."""
     from gemcompile.lowering.sparse_embedding.adagrad_triton import _sum_by_id
 
     g = torch.Generator().manual_seed(n + rows)
     ids = (torch.rand(n, generator=g) ** 3 * rows).long()
     grads = torch.randn(n, dim, generator=g)
     sorted_ids, perm = torch.sort(ids, stable=True)
-    id_of, acc = _sum_by_id(sorted_ids, perm, grads, rows)
+    cuts = [0, n // 3, n // 2, n][: parts] + [n] if parts > 1 else [0, n]
+    pieces = [grads[a:b] for a, b in zip(cuts, cuts[1:])]
+    if parts > 1:  # the first part as a column slice of a wider buffer: row stride dim + 3
+        wide = torch.zeros(pieces[0].shape[0], dim + 3)
+        wide[:, :dim] = pieces[0]
+        pieces[0] = wide[:, :dim]
+    id_of, acc, last_slot = _sum_by_id(sorted_ids, perm, pieces, rows)
     distinct = torch.unique(ids)
+    assert last_slot.tolist() == [distinct.numel() - 1]
     assert torch.equal(id_of[: distinct.numel()], distinct) and bool((id_of[distinct.numel():] == -1).all())
     want = torch.zeros(rows, dim, dtype=torch.float64).index_add_(0, ids, grads.double())
     torch.testing.assert_close(acc[: distinct.numel()].double(), want[distinct], rtol=1e-5, atol=1e-5)

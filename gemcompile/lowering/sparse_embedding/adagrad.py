@@ -39,12 +39,14 @@ def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor,
         adagrad_rows_reference_(weight, state_sum, ids, grads, lr, eps)
 
 
-def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list[Tensor], grads: list[Tensor],
-                    lr: float, eps: float) -> None:
+def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, grads: list, lr: float,
+                    eps: float) -> None:
     """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
-    (adagrad_tables_triton_); each table checked as adagrad_rows_ checks it."""
+    (adagrad_tables_triton_); ``ids[t]`` / ``grads[t]`` a table's tensors or lists of parts (one per lookup),
+    each part checked as adagrad_rows_ checks a table's."""
     for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
-        _check(w, s, i, g)
+        for i_part, g_part in zip(*((i, g) if isinstance(i, (list, tuple)) else ([i], [g])), strict=True):
+            _check(w, s, i_part, g_part)
     from .adagrad_triton import adagrad_tables_triton_
 
     adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps)

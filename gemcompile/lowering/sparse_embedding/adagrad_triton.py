@@ -90,10 +90,12 @@ def _seg_add(key_a, val_a, key_b, val_b):
 
 # n, the step's id count, changes with the batch where ids are packed tokens: specialized on its divisibility
 # by 16, the kernel would compile again inside a training step the first time a count were a multiple of 16
-@triton.jit(do_not_specialize=["n"])
-def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Grads, Acc, n, dim, stride_g, stride_a, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit(do_not_specialize=["n", "n_parts"])
+def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, stride_a, G_DTYPE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_N)
+    pos = pid * BLOCK_N + lanes
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     # skipped ids (-1: padding, out of range) sort first; their gradient rows are never read (half of the
     # rows at fill 0.5 are padding), and their slot's sum stays 0 (the update skips it anyway)
@@ -101,21 +103,48 @@ def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Grads, Acc, n, dim, stride_g,
     col_ok = cols < dim
     slot = tl.load(SlotSorted + pos, mask=pos_ok, other=-1)
     src = tl.load(Perm + pos, mask=pos_ok, other=0).to(tl.int64)
-    g = tl.load(Grads + src[:, None] * stride_g + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :],
-                other=0.0).to(tl.float32)
+    # the gradient rows stay where each lookup filed them (no concatenation): Parts is (3, n_parts) int64,
+    # each part's address, row stride and first index in the ids' concatenated order
+    part = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for p in range(1, n_parts):
+        part += (src >= tl.load(Parts + 2 * n_parts + p)).to(tl.int32)
+    base = tl.load(Parts + part, mask=pos_ok, other=0)
+    row_stride = tl.load(Parts + n_parts + part, mask=pos_ok, other=0)
+    first = tl.load(Parts + 2 * n_parts + part, mask=pos_ok, other=0)
+    rows = base.to(tl.pointer_type(G_DTYPE)) + (src - first) * row_stride
+    g = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     keys = tl.broadcast_to(slot[:, None], (BLOCK_N, BLOCK_D))
     _, sums = tl.associative_scan((keys, g), 0, _seg_add)
     # the last position of each slot within the block holds the block's partial sum of that slot
     next_slot = tl.load(SlotSorted + pos + 1, mask=pos + 1 < n, other=-2)
-    last = pos_ok & ((next_slot != slot) | (tl.arange(0, BLOCK_N) == BLOCK_N - 1))
-    tl.atomic_add(Acc + slot.to(tl.int64)[:, None] * stride_a + cols[None, :], sums,
-                  mask=last[:, None] & col_ok[None, :])
+    last = pos_ok & ((next_slot != slot) | (lanes == BLOCK_N - 1))
+    # only the block's first and last slots can continue into a neighbouring block: their partial sums are
+    # added atomically, every other slot lies wholly in this block and is stored once
+    edge = (slot == tl.load(SlotSorted + pid * BLOCK_N)) | \
+        (slot == tl.load(SlotSorted + tl.minimum(pid * BLOCK_N + BLOCK_N, n) - 1))
+    acc = Acc + slot.to(tl.int64)[:, None] * stride_a + cols[None, :]
+    tl.atomic_add(acc, sums, mask=(last & edge)[:, None] & col_ok[None, :])
+    tl.store(acc, sums, mask=(last & ~edge)[:, None] & col_ok[None, :])
 
 
-def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: torch.Tensor, n_ids: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _parts_table(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(3, parts) int64 on the device: each gradient part's address, row stride and first row in the
+    concatenated order, copied from pinned memory (a pageable copy waits for every kernel queued before it)."""
+    firsts = [0]
+    for g in grads[:-1]:
+        firsts.append(firsts[-1] + g.shape[0])
+    meta = torch.tensor([[g.data_ptr() for g in grads], [g.stride(0) for g in grads], firsts], dtype=torch.int64)
+    if device.type == "cuda":
+        meta = meta.pin_memory().to(device, non_blocking=True)
+    return meta.to(device)
+
+
+def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: list[torch.Tensor], n_ids: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-2 of the module docstring: (the id of each slot, -1 for an unused one; the fp32 sum of each
-    slot's gradient rows), from the ids sorted (``perm`` their positions) and ids in [-1, n_ids)."""
+    slot's gradient rows; a one-element view of the last slot in use), from the ids sorted (``perm`` their
+    positions in the concatenation of the parts ``grads``, one dtype, unit column strides) and ids in
+    [-1, n_ids)."""
     n = sorted_ids.numel()
     new_id = torch.ones(n, dtype=torch.int64, device=sorted_ids.device)
     new_id[1:] = (sorted_ids[1:] != sorted_ids[:-1]).to(torch.int64)
@@ -123,14 +152,21 @@ def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: torch.Tensor
     slots = min(n, n_ids + 1)  # distinct ids: at most one per id, plus the padding id -1
     id_of = torch.full((slots,), -1, dtype=torch.int64, device=sorted_ids.device)
     id_of.scatter_(0, slot_sorted, sorted_ids)  # every position of a slot writes the same id
-    dim = grads.shape[1]
+    dim = grads[0].shape[1]
     acc = torch.zeros((slots, dim), dtype=torch.float32, device=sorted_ids.device)
-    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
+    parts = _parts_table(grads, sorted_ids.device)
     block_n, block_d = (128, min(64, triton.next_power_of_2(dim))) if not INTERPRET else (16, 16)
     _slot_sums_kernel[(triton.cdiv(n, block_n), triton.cdiv(dim, block_d))](
-        sorted_ids, slot_sorted, perm, grads, acc, n, dim, grads.stride(0), acc.stride(0), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4)
-    return id_of, acc
+        sorted_ids, slot_sorted, perm, parts, acc, n, len(grads), dim, acc.stride(0),
+        G_DTYPE=TL_DTYPES[grads[0].dtype], BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+    return id_of, acc, slot_sorted[n - 1:]
+
+
+def _float_rows(grads: torch.Tensor) -> torch.Tensor:
+    """Gradient rows the slot sums read: unit column stride, a dtype the kernel loads (else fp32)."""
+    if grads.dtype not in TL_DTYPES:
+        grads = grads.float()
+    return grads if grads.stride(-1) == 1 else grads.contiguous()
 
 
 def _block(dim: int) -> int:
@@ -159,7 +195,7 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
             sorted_ids, perm, grads, weight, state_sum, n, n_rows, dim, grads.stride(0), weight.stride(0),
             state_sum.stride(0), float(lr), float(eps), BLOCK_D=block, num_warps=warps)
         return
-    row_of, acc = _sum_by_id(sorted_ids, perm, grads, n_rows)
+    row_of, acc, _ = _sum_by_id(sorted_ids, perm, [_float_rows(grads)], n_rows)
     slots = row_of.numel()
     _adagrad_slots_kernel[(slots, triton.cdiv(dim, block))](
         row_of, acc, weight, state_sum, n_rows, dim, acc.stride(0), weight.stride(0), state_sum.stride(0),
@@ -170,58 +206,116 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
 
 
 @triton.jit
-def _adagrad_table_slots_kernel(KeyOf, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS, rows_per_table, dim,
-                                stride_a, lr, eps, W_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
-    # a slot's key is table * rows_per_table + row; the table's weight and sum are read from pointer arrays
-    slot = tl.program_id(0)
+def _adagrad_table_slots_kernel(KeyOf, LastSlot, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS, rows_per_table,
+                                dim, stride_a, lr, eps, W_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    # a slot's key is table * rows_per_table + row; the table's weight and sum are read from pointer arrays.
+    # The programs stride over the slots in use (their count read here, never on the host), BLOCK_S at a
+    # time: a grid over every possible slot (one per id) launched mostly empty programs
+    in_use = tl.load(LastSlot) + 1
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
-    key = tl.load(KeyOf + slot)
-    if key >= 0:
-        table = key // rows_per_table
-        row = key % rows_per_table
-        if row < tl.load(Rows + table):
-            weight = tl.load(WeightPtrs + table).to(tl.pointer_type(W_DTYPE))
-            state = tl.load(SumPtrs + table).to(tl.pointer_type(tl.float32))
-            g = tl.load(Acc + slot.to(tl.int64) * stride_a + cols, mask=col_ok, other=0.0)
-            _update_row(weight, state, row, g, cols, col_ok, tl.load(StrideW + table), tl.load(StrideS + table),
-                        lr, eps)
+    for first in range(tl.program_id(0) * BLOCK_S, in_use, tl.num_programs(0) * BLOCK_S):
+        slot = first + tl.arange(0, BLOCK_S)
+        key = tl.load(KeyOf + slot, mask=slot < in_use, other=-1)
+        table = tl.where(key >= 0, key // rows_per_table, 0)
+        row = tl.where(key >= 0, key % rows_per_table, 0).to(tl.int64)
+        ok = (key >= 0) & (row < tl.load(Rows + table))
+        mask = ok[:, None] & col_ok[None, :]
+        weight = (tl.load(WeightPtrs + table).to(tl.pointer_type(W_DTYPE)) + row * tl.load(StrideW + table))[:, None] \
+            + cols[None, :]
+        state = (tl.load(SumPtrs + table).to(tl.pointer_type(tl.float32)) + row * tl.load(StrideS + table))[:, None] \
+            + cols[None, :]
+        g = tl.load(Acc + slot.to(tl.int64)[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
+        # sum += g * g, then w += -lr * (g / (sqrt(sum) + eps)): the order of torch's single-tensor Adagrad
+        s = tl.load(state, mask=mask, other=0.0) + g * g
+        tl.store(state, s, mask=mask)
+        w = tl.load(weight, mask=mask, other=0.0).to(tl.float32)
+        w = w + (-lr) * (g / (tl.sqrt(s) + eps))
+        tl.store(weight, w.to(W_DTYPE), mask=mask)
+
+
+def _update_programs(slots: int, block_s: int, device: torch.device) -> int:
+    """Programs of the striding update: enough to fill the GPU a few times over, never more than the slots."""
+    if INTERPRET or device.type != "cuda":
+        return max(1, min(triton.cdiv(slots, block_s), 4))
+    return max(1, min(triton.cdiv(slots, block_s), 8 * _sm_count(device)))
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 @torch.no_grad()
-def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list[torch.Tensor],
-                           grads: list[torch.Tensor], lr: float, eps: float) -> None:
+def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list,
+                           grads: list, lr: float, eps: float) -> None:
     """adagrad_rows_triton_ on several tables at once (one dim, one weight dtype, one device, unit column
     strides, fp32 sums): one sort, one gradient sum and one update launch for all of them, where a table at a
-    time takes about fifteen launches each. Ids < 0 or past their table are skipped. Not deterministic (the
-    gradient adds are atomic); use adagrad_rows_triton_(deterministic=True) per table for that."""
+    time takes about fifteen launches each. ``ids[t]`` / ``grads[t]``: a table's ids (n,) and gradient rows
+    (n, dim), or lists of such parts (one per lookup: read where they are, never concatenated). Ids < 0 or
+    past their table are skipped. Not deterministic (the gradient adds are atomic); use
+    adagrad_rows_triton_(deterministic=True) per table for that."""
     if not weights:
         return
     dim, device, dtype = weights[0].shape[1], weights[0].device, weights[0].dtype
     if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
         raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
     rows_per_table = max(1, max(w.shape[0] for w in weights))
-    counts = [i.numel() for i in ids]
-    n = sum(counts)
-    if n == 0:
+    id_parts, grad_parts, table_of_part = [], [], []
+    for t, (i, g) in enumerate(zip(ids, grads, strict=True)):
+        i, g = (i, g) if isinstance(i, (list, tuple)) else ([i], [g])
+        for i_part, g_part in zip(i, g, strict=True):
+            if i_part.numel():
+                id_parts.append(i_part.reshape(-1))
+                grad_parts.append(_float_rows(g_part))
+                table_of_part.append(t)
+    counts = [i.numel() for i in id_parts]
+    if not counts:
         return
+    if len({g.dtype for g in grad_parts}) > 1:
+        grad_parts = [g.float() for g in grad_parts]
     # weight and sum addresses, rows, weight and sum row strides: (5, tables), kept per set of tables
     meta = device_table((tuple(w.data_ptr() for w in weights), tuple(s.data_ptr() for s in state_sums),
                          tuple(w.shape[0] for w in weights), tuple(w.stride(0) for w in weights),
                          tuple(s.stride(0) for s in state_sums)), device)
-    # every table's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
+    # every part's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
     # fixed handful of launches whatever the number of tables
-    flat = _joined([i.reshape(-1) for i in ids]).to(torch.int64)
-    table_of = _table_index(counts, device)
+    flat = _joined(id_parts).to(torch.int64)
+    table_of = _table_index(counts, table_of_part, device)
     inside = (flat >= 0) & (flat < meta[2].index_select(0, table_of))
     key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
-    key_of, acc = _sum_by_id(sorted_keys, perm, _joined(grads), len(weights) * rows_per_table)
-    slots = key_of.numel()
+    key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_parts), len(weights) * rows_per_table)
     block = _block(dim)
-    _adagrad_table_slots_kernel[(slots, triton.cdiv(dim, block))](
-        key_of, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0), float(lr),
-        float(eps), W_DTYPE=TL_DTYPES[dtype], BLOCK_D=block, num_warps=1 if block <= 64 else 2)
+    block_s = 8 if not INTERPRET else 4
+    _adagrad_table_slots_kernel[(_update_programs(key_of.numel(), block_s, device), triton.cdiv(dim, block))](
+        key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0),
+        float(lr), float(eps), W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
+
+
+def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parts with every run of consecutive slices of one buffer (the bag tables' rows) as one view: fewer
+    parts for the slot sums to search."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        if _follows(runs[-1][-1], part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [_joined(run) for run in runs]
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b starts where a ends in one contiguous buffer, with a's row shape and dtype."""
+    return (a.is_contiguous() and b.is_contiguous() and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -230,15 +324,9 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     first = parts[0]
     if len(parts) == 1:
         return first
-    shape = first.shape[1:]
-    adjacent = all(p.is_contiguous() and p.shape[1:] == shape and p.dtype == first.dtype for p in parts)
-    if adjacent:
-        step = first.element_size()
-        adjacent = all(b.data_ptr() == a.data_ptr() + a.numel() * step and
-                       b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                       for a, b in zip(parts, parts[1:]))
-    if not adjacent:
+    if not all(_follows(a, b) for a, b in zip(parts, parts[1:])):
         return torch.cat(parts)
+    shape = first.shape[1:]
     inner = [1]  # contiguous strides (a one-row part's own stride need not say)
     for size in reversed(shape):
         inner.insert(0, inner[0] * size)
@@ -249,17 +337,17 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 _TABLE_INDEX: dict[tuple, torch.Tensor] = {}
 
 
-def _table_index(counts: list[int], device: torch.device) -> torch.Tensor:
-    """The table of each id when the tables' ids (counts[t] each) are concatenated, built on the device
-    from a pinned copy of the counts (a pageable copy would wait for every kernel queued before it), and
-    kept for counts seen before (the bag tables' are the same every step)."""
-    key = (tuple(counts), device)
+def _table_index(counts: list[int], tables: list[int], device: torch.device) -> torch.Tensor:
+    """The table of each id when the parts' ids (counts[p] each, of table tables[p]) are concatenated, built
+    on the device from a pinned copy (a pageable copy would wait for every kernel queued before it), and kept
+    for counts seen before (the bag tables' are the same every step)."""
+    key = (tuple(counts), tuple(tables), device)
     index = _TABLE_INDEX.get(key)
     if index is None:
-        repeats = torch.tensor(counts, dtype=torch.int64)
+        values = torch.tensor([tables, counts], dtype=torch.int64)
         if device.type == "cuda":
-            repeats = repeats.pin_memory().to(device, non_blocking=True)
-        index = torch.repeat_interleave(torch.arange(len(counts), device=device), repeats, output_size=sum(counts))
+            values = values.pin_memory().to(device, non_blocking=True)
+        index = torch.repeat_interleave(values[0], values[1], output_size=sum(counts))
         if len(_TABLE_INDEX) >= 16:  # packed item ids change their count every step
             _TABLE_INDEX.clear()
         _TABLE_INDEX[key] = index

@@ -82,20 +82,19 @@ class SparseAdagrad(torch.optim.Adagrad):
                     continue
                 state = self.state[p]
                 steps.append(state["step"])  # dense Adagrad counts a step for every table with a gradient
+                weight, state_sum = _local(p), _local(state["sum"])
+                if id(p) not in self._fixed_order and _batchable(weight, state_sum, [g for _, g in filed]):
+                    # each lookup's rows stay where they were filed: the update reads them in place
+                    key = (weight.device, weight.shape[1], weight.dtype)
+                    batches.setdefault(key, []).append((weight, state_sum, [i for i, _ in filed],
+                                                        [g for _, g in filed]))
+                    continue
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
-                weight, state_sum = _local(p), _local(state["sum"])
-                if id(p) not in self._fixed_order and _batchable(weight, state_sum, grads):
-                    key = (weight.device, weight.shape[1], weight.dtype)
-                    batches.setdefault(key, []).append((weight, state_sum, ids, grads))
-                    continue
                 adagrad_rows_(weight, state_sum, ids, grads, group["lr"], group["eps"],
                               deterministic=True if id(p) in self._fixed_order else None)
             for tables in batches.values():  # this group's CUDA tables of one dim and dtype: one launch
-                if len(tables) == 1:
-                    adagrad_rows_(*tables[0], group["lr"], group["eps"])
-                else:
-                    adagrad_tables_(*map(list, zip(*tables)), group["lr"], group["eps"])
+                adagrad_tables_(*map(list, zip(*tables)), group["lr"], group["eps"])
         if steps:
             torch._foreach_add_(steps, 1)
         if dense_pending:
@@ -108,12 +107,13 @@ class SparseAdagrad(torch.optim.Adagrad):
             clear(key)
 
 
-def _batchable(weight: Tensor, state_sum: Tensor, grads: Tensor) -> bool:
+def _batchable(weight: Tensor, state_sum: Tensor, grads: list[Tensor]) -> bool:
     """Whether a table's update can join one launch with others (adagrad_tables_triton_): CUDA, unit column
     strides, an fp32 sum, and no deterministic-algorithms request (its adds are atomic)."""
     return (weight.device.type == "cuda" and weight.dim() == 2 and weight.stride(1) == 1
             and state_sum.stride(1) == 1 and state_sum.dtype == torch.float32
-            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and grads.device == weight.device
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(g.device == weight.device for g in grads)
             and not torch.are_deterministic_algorithms_enabled())
 
 
