@@ -847,7 +847,13 @@ def e2e_small_steps() -> str:
              "step's id count. The fifth run (gem_compile alone: the session's device time allowed no peer, so "
              "its ratio column is empty; the peer's two earlier runs read 3707 and 3646 samples/s) has no slow "
              "step and no JIT compile inside a step. At batch 256 (fourth run) both methods are host-bound: the "
-             "GPU idles most of gem_compile's step, and the ratio is what each host needs to launch a step.", ""]
+             "GPU idles most of gem_compile's step, and the ratio is what each host needs to launch a step. The "
+             "last two runs try CUDA graphs at batch 256 (`@reduce-overhead`, the peer's too; gem_compile with "
+             "unpad's token counts rounded to 16 capacities, gem-token-buckets). In the sixth, gem_compile's "
+             "failed: CUDA-graph trees found a tensor of a graph's memory pool that outlived the call (a cache "
+             "inside our ops); 9605d02 makes those caches outside any graph pool (opkit.kept_tensor). In the "
+             "seventh it runs, with 0 recompiles, but slower than without graphs: its GPU idles most of the step "
+             "(GPU idle column), so the graphs as partitioned around our ops do not remove the host's time.", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",
                     "mean step ms", "slowest step ms", "kernel ms / step", "GPU idle ms / step", "load average"],
                    rows)
@@ -1425,12 +1431,40 @@ def readme_e2e_sparse_tables() -> str:
             f"{f(t['sparse-rows']['step_ms'], '.1f')} ms (optimizer {f(t['sparse-rows']['optimizer_ms'], '.1f')} ms), "
             f"with the lookups in one call {f(t['sparse-rows-batched']['step_ms'], '.1f')} ms (optimizer "
             f"{f(t['sparse-rows-batched']['optimizer_ms'], '.1f')} ms, "
-            f"{pct(t['sparse-rows-batched']['optimizer_share_of_dense'])}% of dense Adagrad's).")
+            f"{pct(t['sparse-rows-batched']['optimizer_share_of_dense'])}% of dense Adagrad's). "
+            + sparse_optimizer_kernels())
+
+
+SPARSE_OPTIMIZER_AB = ("sparse_tables-medium-b256-20261203-120041.json", "sparse_tables-medium-b256-20261203-121400.json")
+"""The tables alone before and after the optimizer read the filed rows in place (runs with --kernel-profile)."""
+
+
+def _kernel_us(row: dict, name: str) -> float:
+    """The largest profile entry whose kernel name holds ``name`` (us per step)."""
+    return max((k["us"] for k in row.get("step_kernels", []) if name in k["kernel"]), default=float("nan"))
+
+
+def sparse_optimizer_kernels() -> str:
+    (bpath, before), (apath, after) = (load(n) for n in SPARSE_OPTIMIZER_AB)
+    b = next(r for r in before["results"] if r["method"] == "sparse-rows-batched")
+    a = next(r for r in after["results"] if r["method"] == "sparse-rows-batched")
+    code = lambda p: f"`{p['environment']['git_commit'][:7]}`"  # noqa: E731
+    return (f"Later ({cite(bpath)}, code {code(before)}, then {cite(apath)}, code {code(after)}, kernel profiles of "
+            f"the whole step): the update kernel took {f(_kernel_us(b, '_adagrad_table_slots_kernel'), '.0f')} then "
+            f"{f(_kernel_us(a, '_adagrad_table_slots_kernel'), '.0f')} us, the slot sums "
+            f"{f(_kernel_us(b, '_slot_sums_kernel'), '.0f')} then {f(_kernel_us(a, '_slot_sums_kernel'), '.0f')} us, "
+            f"the largest concatenation {f(_kernel_us(b, 'CatArrayBatchedCopy'), '.0f')} then "
+            f"{f(_kernel_us(a, 'CatArrayBatchedCopy'), '.0f')} us; the optimizer's span between CUDA events, "
+            f"{f(a['optimizer_ms'], '.2f')} ms ({pct(a['optimizer_share_of_dense'])}% of dense Adagrad's "
+            f"{f(next(r for r in after['results'] if r['method'] == 'dense')['optimizer_ms'], '.1f')} ms), is "
+            f"several times the GPU time of those kernels: the rest is read as the GPU waiting for the host's "
+            f"Python over {after['config']['n_tables'] + 1} tables (inferred from the profile, not timed apart).")
 
 
 E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-20261203-064326.json",
                    "e2e-small-fill0.5-20261203-083412.json", "e2e-small-fill0.5-20261203-091209.json",
-                   "e2e-small-fill0.5-20261203-091716.json"]
+                   "e2e-small-fill0.5-20261203-091716.json", "e2e-small-fill0.5-20261203-111954.json",
+                   "e2e-small-fill0.5-20261203-120052.json"]
 """GEM-ref small, B 1024, after issue 24's steps: every step's time is in the later files only."""
 
 
