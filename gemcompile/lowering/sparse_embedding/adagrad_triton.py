@@ -300,38 +300,40 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
 
 
 def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parts with every run of consecutive slices of one buffer (the bag tables' rows) as one view: fewer
-    parts for the slot sums to search."""
-    runs = [[parts[0]]]
-    for part in parts[1:]:
-        if _follows(runs[-1][-1], part):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    return [_joined(run) for run in runs]
+    """The parts with every run of consecutive slices of one buffer (the bag tables' rows, filed as views of
+    one fresh tensor) as one view of that buffer: fewer parts to search, nothing copied."""
+    runs, start = [], 0
+    for k in range(1, len(parts) + 1):
+        if k == len(parts) or not _follows(parts[k - 1], parts[k]):
+            runs.append(_view_of_run(parts[start:k]))
+            start = k
+    return runs
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether b starts where a ends in one contiguous buffer, with a's row shape and dtype."""
-    return (a.is_contiguous() and b.is_contiguous() and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+    return (b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and a.dtype == b.dtype
+            and a.shape[1:] == b.shape[1:] and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts) along dim 0, or, when the parts are consecutive slices of one contiguous buffer (the
-    bag tables' rows, filed as views of one fresh tensor), that buffer's view: no copy of every gradient row."""
-    first = parts[0]
-    if len(parts) == 1:
+def _view_of_run(run: list[torch.Tensor]) -> torch.Tensor:
+    """One view spanning consecutive slices of a contiguous buffer (checked by _follows)."""
+    first = run[0]
+    if len(run) == 1:
         return first
-    if not all(_follows(a, b) for a, b in zip(parts, parts[1:])):
-        return torch.cat(parts)
     shape = first.shape[1:]
     inner = [1]  # contiguous strides (a one-row part's own stride need not say)
     for size in reversed(shape):
         inner.insert(0, inner[0] * size)
-    rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, *shape), inner, first.storage_offset())
+    return first.as_strided((sum(p.shape[0] for p in run), *shape), inner, first.storage_offset())
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, copying only what is not already one buffer in order: the bag tables'
+    rows, filed as consecutive views of one fresh tensor, are read in place."""
+    runs = _adjacent_merged(parts)
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 _TABLE_INDEX: dict[tuple, torch.Tensor] = {}
