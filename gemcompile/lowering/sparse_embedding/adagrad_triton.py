@@ -91,8 +91,8 @@ def _seg_add(key_a, val_a, key_b, val_b):
 # n, the step's id count, changes with the batch where ids are packed tokens: specialized on its divisibility
 # by 16, the kernel would compile again inside a training step the first time a count were a multiple of 16
 @triton.jit(do_not_specialize=["n", "n_parts"])
-def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, stride_a, G_DTYPE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, stride_a,
+                      G_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_N)
     pos = pid * BLOCK_N + lanes
@@ -112,7 +112,8 @@ def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, 
     row_stride = tl.load(Parts + n_parts + part, mask=pos_ok, other=0)
     first = tl.load(Parts + 2 * n_parts + part, mask=pos_ok, other=0)
     rows = base.to(tl.pointer_type(G_DTYPE)) + (src - first) * row_stride
-    g = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :], other=0.0)
+    g = g.to(tl.float32)
     keys = tl.broadcast_to(slot[:, None], (BLOCK_N, BLOCK_D))
     _, sums = tl.associative_scan((keys, g), 0, _seg_add)
     # the last position of each slot within the block holds the block's partial sum of that slot
@@ -129,11 +130,13 @@ def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, 
 
 def _parts_table(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """(3, parts) int64 on the device: each gradient part's address, row stride and first row in the
-    concatenated order, copied from pinned memory (a pageable copy waits for every kernel queued before it)."""
+    concatenated order, copied from pinned memory (a pageable copy waits for every kernel queued
+    before it)."""
     firsts = [0]
     for g in grads[:-1]:
         firsts.append(firsts[-1] + g.shape[0])
-    meta = torch.tensor([[g.data_ptr() for g in grads], [g.stride(0) for g in grads], firsts], dtype=torch.int64)
+    meta = torch.tensor([[g.data_ptr() for g in grads], [g.stride(0) for g in grads], firsts],
+                        dtype=torch.int64)
     if device.type == "cuda":
         meta = meta.pin_memory().to(device, non_blocking=True)
     return meta.to(device)
@@ -206,9 +209,9 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
 
 
 @triton.jit
-def _adagrad_table_slots_kernel(KeyOf, LastSlot, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS, rows_per_table,
-                                dim, stride_a, lr, eps, W_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
+def _adagrad_table_slots_kernel(KeyOf, LastSlot, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS,
+                                rows_per_table, dim, stride_a, lr, eps, W_DTYPE: tl.constexpr,
+                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # a slot's key is table * rows_per_table + row; the table's weight and sum are read from pointer arrays.
     # The programs stride over the slots in use (their count read here, never on the host), BLOCK_S at a
     # time: a grid over every possible slot (one per id) launched mostly empty programs
@@ -222,10 +225,12 @@ def _adagrad_table_slots_kernel(KeyOf, LastSlot, Acc, WeightPtrs, SumPtrs, Rows,
         row = tl.where(key >= 0, key % rows_per_table, 0).to(tl.int64)
         ok = (key >= 0) & (row < tl.load(Rows + table))
         mask = ok[:, None] & col_ok[None, :]
-        weight = (tl.load(WeightPtrs + table).to(tl.pointer_type(W_DTYPE)) + row * tl.load(StrideW + table))[:, None] \
-            + cols[None, :]
-        state = (tl.load(SumPtrs + table).to(tl.pointer_type(tl.float32)) + row * tl.load(StrideS + table))[:, None] \
-            + cols[None, :]
+        weight_rows = tl.load(WeightPtrs + table).to(tl.pointer_type(W_DTYPE))
+        weight_rows += row * tl.load(StrideW + table)
+        state_rows = tl.load(SumPtrs + table).to(tl.pointer_type(tl.float32))
+        state_rows += row * tl.load(StrideS + table)
+        weight = weight_rows[:, None] + cols[None, :]
+        state = state_rows[:, None] + cols[None, :]
         g = tl.load(Acc + slot.to(tl.int64)[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
         # sum += g * g, then w += -lr * (g / (sqrt(sum) + eps)): the order of torch's single-tensor Adagrad
         s = tl.load(state, mask=mask, other=0.0) + g * g
@@ -291,12 +296,14 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     inside = (flat >= 0) & (flat < meta[2].index_select(0, table_of))
     key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
-    key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_parts), len(weights) * rows_per_table)
+    key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_parts),
+                                        len(weights) * rows_per_table)
     block = _block(dim)
     block_s = 8 if not INTERPRET else 4
     _adagrad_table_slots_kernel[(_update_programs(key_of.numel(), block_s, device), triton.cdiv(dim, block))](
-        key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim, acc.stride(0),
-        float(lr), float(eps), W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
+        key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim,
+        acc.stride(0), float(lr), float(eps),
+        W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
 
 
 def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:
