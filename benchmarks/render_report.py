@@ -390,6 +390,20 @@ def jagged_hopper() -> str:
     return "\n".join(lines)
 
 
+@block("kernel-registers")
+def kernel_registers() -> str:
+    path, payload = load("kernel_registers-d128-20261203-122214.json")
+    rows = [[r["kernel"], f"{r['BLOCK_M']}x{r['BLOCK_N']}", str(r["num_warps"]), str(r["num_stages"]),
+             str(r["maxnreg"] or "-"), str(r.get("registers", "-")), str(r.get("spill_store_bytes", "-")),
+             str(r.get("shared_bytes", "-")), "yes" if r.get("wgmma_serialized") else "no"]
+            for r in payload["rows"]]
+    lines = [f"The jagged kernels at D 128 compiled for {payload['target']}, per tile config and register cap. "
+             f"Source: {source_line((path, payload))}", ""]
+    lines += table(["kernel", "tile", "warps", "stages", "maxnreg", "registers", "spill bytes", "shared bytes",
+                    "wgmma serialized"], rows)
+    return "\n".join(lines)
+
+
 @block("jagged-check-large")
 def jagged_check_large() -> str:
     path, payload = load("jagged_attention-check-large-20261130.json")
