@@ -40,10 +40,28 @@ CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the lists' 
     "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
 }
 KERNELS = {"fwd": jagged._fwd_kernel, "dkdv": jagged._bwd_dkdv_kernel, "dq": jagged._bwd_dq_kernel}
-POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16", "Out": "*bf16", "DQ": "*bf16",
-            "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "KVMask": "*u8",
-            "KVBounds": "*i32", "Uniform": "*u8", "QOffsets": "*i64", "QLengths": "*i64", "KVOffsets": "*i64",
-            "KVLengths": "*i64", "Order": "*i64"}
+POINTERS = {
+    "Q": "*bf16",
+    "K": "*bf16",
+    "V": "*bf16",
+    "Bias": "*bf16",
+    "DO": "*bf16",
+    "Out": "*bf16",
+    "DQ": "*bf16",
+    "DK": "*bf16",
+    "DV": "*bf16",
+    "DS": "*fp32",
+    "Lse": "*fp32",
+    "Delta": "*fp32",
+    "KVMask": "*u8",
+    "KVBounds": "*i32",
+    "Uniform": "*u8",
+    "QOffsets": "*i64",
+    "QLengths": "*i64",
+    "KVOffsets": "*i64",
+    "KVLengths": "*i64",
+    "Order": "*i64",
+}
 
 
 def _jit(kernel):
@@ -55,15 +73,28 @@ def _jit(kernel):
 def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int | None):
     fn = _jit(kernel)
     consts = dict(constexprs)
-    consts.update({n: 1 for n in fn.arg_names if n.startswith("stride_") and n not in consts
-                   and (n.endswith("d") or n in ("stride_zn", "stride_mn", "stride_lm"))})
-    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n else "i32")
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride_") or n.endswith("BUCKET")))}
+    consts.update(
+        {
+            n: 1
+            for n in fn.arg_names
+            if n.startswith("stride_")
+            and n not in consts
+            and (n.endswith("d") or n in ("stride_zn", "stride_mn", "stride_lm"))
+        }
+    )
+    sig = {
+        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n else "i32")
+        for n in fn.arg_names
+    }
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride_") or n.endswith("BUCKET")))
+    }
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    return triton.compile(
+        ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options
+    )
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -72,13 +103,20 @@ def ptxas_report(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         Path(src).write_text(ptx)
-        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     log = done.stdout + done.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
-    return {"registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spill.group(1)) if spill else 0,
-            "wgmma_serialized": bool(re.search(r"wgmma.*serializ", log, re.IGNORECASE))}
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_store_bytes": int(spill.group(1)) if spill else 0,
+        "wgmma_serialized": bool(re.search(r"wgmma.*serializ", log, re.IGNORECASE)),
+    }
 
 
 def main() -> None:
@@ -86,25 +124,49 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
-    base = dict(HEAD_D=args.head_dim, BLOCK_D=args.head_dim, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
-                DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False)
+    base = dict(
+        HEAD_D=args.head_dim,
+        BLOCK_D=args.head_dim,
+        Q_MODE=1,
+        KV_MODE=1,
+        HAS_BIAS=False,
+        CAUSAL=False,
+        DOT_PRECISION="tf32",
+        HAS_KV_MASK=False,
+        HAS_UNIFORM=False,
+    )
     rows = []
     for name, configs in CONFIGS.items():
         for m, n, warps, stages in configs:
             for maxnreg in (None, 168, 128):
                 consts = dict(base, BLOCK_M=m, BLOCK_N=n, **({"BIAS_GRAD": False} if name == "dq" else {}))
-                row = {"kernel": name, "BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages,
-                       "maxnreg": maxnreg}
+                row = {
+                    "kernel": name,
+                    "BLOCK_M": m,
+                    "BLOCK_N": n,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                    "maxnreg": maxnreg,
+                }
                 try:
                     compiled = compile_sm90(KERNELS[name], consts, warps, stages, maxnreg)
                     row.update(ptxas_report(compiled.asm["ptx"]), shared_bytes=compiled.metadata.shared)
-                except Exception as e:  # a config this compiler refuses: recorded, the sweep goes on
+                except Exception as e:  # noqa: BLE001  a config this compiler refuses: recorded, the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print(row, flush=True)
-    print(write_json(f"kernel_registers-d{args.head_dim}", {"benchmark": "kernel_registers", "environment": environment(),
-                                                           "target": "sm_90a (compiled on the CPU)", "rows": rows},
-                     args.out))
+    print(
+        write_json(
+            f"kernel_registers-d{args.head_dim}",
+            {
+                "benchmark": "kernel_registers",
+                "environment": environment(),
+                "target": "sm_90a (compiled on the CPU)",
+                "rows": rows,
+            },
+            args.out,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -269,8 +269,8 @@ def block(name: str):
     return register
 
 
-def _speed(shape: dict, peer: str, mode: str):
-    return (shape.get("speedup", {}).get(peer) or {}).get(mode)
+def _speed(shape: dict, peer: str, mode: str, key: str = "speedup"):
+    return (shape.get(key, {}).get(peer) or {}).get(mode)
 
 
 def _res(shape: dict, method: str, key: str):
@@ -374,7 +374,7 @@ def jagged_hopper() -> str:
         rows.append([s["label"], f(_res(s, "gem_compile_module", "fwdbwd_ms"), ".3f"),
                      f(_res(s, "gem_compile_module", "fwdbwd_tflops"), ".0f"),
                      f(_res(s, "flex_document_mask", "fwdbwd_tflops"), ".0f"),
-                     f(_speed({"speedup": s.get("speedup_vs_module", {})}, "flex_document_mask", "fwdbwd")),
+                     f(_speed(s, "flex_document_mask", "fwdbwd", key="speedup_vs_module")),
                      f(_res(s, "gemcompile", "fwdbwd_tflops"), ".0f"), target, _jagged_check(s.get("correctness") or {})])
     lines = [f"The shapes of `issue 25`, forward+backward, {payload.get('timing', 'eager calls')}, every method in one run. "
              f"Source: {source_line((path, payload))}", ""]

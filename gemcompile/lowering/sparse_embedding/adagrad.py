@@ -44,9 +44,9 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
     """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
     (adagrad_tables_triton_); ``ids[t]`` / ``grads[t]`` a table's tensors or lists of parts (one per lookup),
     each part checked as adagrad_rows_ checks a table's."""
-    for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
-        for i_part, g_part in zip(*((i, g) if isinstance(i, (list, tuple)) else ([i], [g])), strict=True):
-            _check(w, s, i_part, g_part)
-    from .adagrad_triton import adagrad_tables_triton_
+    from .adagrad_triton import adagrad_tables_triton_, lookup_parts
 
+    for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
+        for i_part, g_part in lookup_parts(i, g):
+            _check(w, s, i_part, g_part)
     adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps)

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..common.tuned_launch import INTERPRET
 from .table_meta import TL_DTYPES, device_table
 
-__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_"]
+__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_", "lookup_parts"]
 
 
 @triton.jit
@@ -130,16 +130,18 @@ def _slot_sums_kernel(SortedIds, SlotSorted, Perm, Parts, Acc, n, n_parts, dim, 
 
 def _parts_table(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """(3, parts) int64 on the device: each gradient part's address, row stride and first row in the
-    concatenated order, copied from pinned memory (a pageable copy waits for every kernel queued
-    before it)."""
+    concatenated order."""
     firsts = [0]
     for g in grads[:-1]:
         firsts.append(firsts[-1] + g.shape[0])
-    meta = torch.tensor([[g.data_ptr() for g in grads], [g.stride(0) for g in grads], firsts],
-                        dtype=torch.int64)
-    if device.type == "cuda":
-        meta = meta.pin_memory().to(device, non_blocking=True)
-    return meta.to(device)
+    return _on_device([[g.data_ptr() for g in grads], [g.stride(0) for g in grads], firsts], device)
+
+
+def _on_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(rows, dtype=int64)`` on ``device``, through pinned memory on CUDA: a pageable copy
+    would wait for every kernel queued before it."""
+    values = torch.tensor(rows, dtype=torch.int64)
+    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
 def _sum_by_id(sorted_ids: torch.Tensor, perm: torch.Tensor, grads: list[torch.Tensor], n_ids: int
@@ -189,7 +191,7 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
         deterministic = torch.are_deterministic_algorithms_enabled()
     n_rows, dim = weight.shape
     ids = _valid_or_minus_one(ids, n_rows)
-    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
+    grads = _float_rows(grads)
     block = _block(dim)
     warps = 1 if block <= 64 else 2
     sorted_ids, perm = torch.sort(ids, stable=True)
@@ -198,7 +200,7 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
             sorted_ids, perm, grads, weight, state_sum, n, n_rows, dim, grads.stride(0), weight.stride(0),
             state_sum.stride(0), float(lr), float(eps), BLOCK_D=block, num_warps=warps)
         return
-    row_of, acc, _ = _sum_by_id(sorted_ids, perm, [_float_rows(grads)], n_rows)
+    row_of, acc, _ = _sum_by_id(sorted_ids, perm, [grads], n_rows)
     slots = row_of.numel()
     _adagrad_slots_kernel[(slots, triton.cdiv(dim, block))](
         row_of, acc, weight, state_sum, n_rows, dim, acc.stride(0), weight.stride(0), state_sum.stride(0),
@@ -244,17 +246,8 @@ def _update_programs(slots: int, block_s: int, device: torch.device) -> int:
     """Programs of the striding update: enough to fill the GPU a few times over, never more than the slots."""
     if INTERPRET or device.type != "cuda":
         return max(1, min(triton.cdiv(slots, block_s), 4))
-    return max(1, min(triton.cdiv(slots, block_s), 8 * _sm_count(device)))
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(slots, block_s), 8 * sms))
 
 
 @torch.no_grad()
@@ -274,8 +267,7 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     rows_per_table = max(1, max(w.shape[0] for w in weights))
     id_parts, grad_parts, table_of_part = [], [], []
     for t, (i, g) in enumerate(zip(ids, grads, strict=True)):
-        i, g = (i, g) if isinstance(i, (list, tuple)) else ([i], [g])
-        for i_part, g_part in zip(i, g, strict=True):
+        for i_part, g_part in lookup_parts(i, g):
             if i_part.numel():
                 id_parts.append(i_part.reshape(-1))
                 grad_parts.append(_float_rows(g_part))
@@ -304,6 +296,14 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
         key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim,
         acc.stride(0), float(lr), float(eps),
         W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
+
+
+def lookup_parts(ids, grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A table's (ids, gradient rows) pairs: one per lookup when given as lists of parts, else the one
+    pair."""
+    if isinstance(ids, (list, tuple)):
+        return list(zip(ids, grads, strict=True))
+    return [(ids, grads)]
 
 
 def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -348,14 +348,11 @@ _TABLE_INDEX: dict[tuple, torch.Tensor] = {}
 
 def _table_index(counts: list[int], tables: list[int], device: torch.device) -> torch.Tensor:
     """The table of each id when the parts' ids (counts[p] each, of table tables[p]) are concatenated, built
-    on the device from a pinned copy (a pageable copy would wait for every kernel queued before it), and kept
-    for counts seen before (the bag tables' are the same every step)."""
+    on the device, and kept for counts seen before (the bag tables' are the same every step)."""
     key = (tuple(counts), tuple(tables), device)
     index = _TABLE_INDEX.get(key)
     if index is None:
-        values = torch.tensor([tables, counts], dtype=torch.int64)
-        if device.type == "cuda":
-            values = values.pin_memory().to(device, non_blocking=True)
+        values = _on_device([tables, counts], device)
         index = torch.repeat_interleave(values[0], values[1], output_size=sum(counts))
         if len(_TABLE_INDEX) >= 16:  # packed item ids change their count every step
             _TABLE_INDEX.clear()
