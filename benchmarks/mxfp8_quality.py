@@ -27,6 +27,9 @@ gem_compile with its default passes (recipe "none": no FP8) against it:
 
     python benchmarks/mxfp8_quality.py --baseline eager --baseline-repeats 2 --recipes none
 
+``--tables sparse-rows`` makes that gem_compile run train its tables as ``gemcompile bench e2e``'s gem does
+(row gradients and SparseAdagrad), against the eager baseline's dense gradients and torch's Adagrad.
+
 The same again for activation memory (issue 26: held-out NE with FP8 saved activations within the
 run-to-run noise of bf16 saved activations): a recipe may also be an activation memory setting, named as
 ``gemcompile bench e2e`` names it (e2e_bench.memory_variant): ``gem+fp8-saved`` (GemConfig.memory.fp8_saved:
@@ -172,11 +175,14 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
                                                ctr_target=args.ctr, cvr_target=args.cvr))
     torch.manual_seed(init_seed)  # the batches follow args.seed whatever the initialization
     model = GemRef(model_cfg).to(device)
-    optimizers = build_optimizers(model, args.lr, args.embedding_lr)
+    eager = baseline and args.baseline == "eager"  # the baseline of the gem_compile-vs-eager check
+    # --tables sparse-rows: the gem_compile runs train their tables as ``bench e2e``'s gem does (row gradients,
+    # SparseAdagrad); an eager baseline keeps dense gradients and torch's Adagrad, the reference they must match
+    sparse_rows = args.tables == "sparse-rows" and not eager
+    optimizers = build_optimizers(model, args.lr, args.embedding_lr, sparse_embeddings=sparse_rows)
     factor = functools.partial(lr_factor, steps=args.steps, warmup=args.lr_warmup, schedule=args.lr_schedule)
     schedules = ([torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
                  if args.lr_schedule != "constant" or args.lr_warmup else [])
-    eager = baseline and args.baseline == "eager"  # the baseline of the gem_compile-vs-eager check
     runner = model if eager else gem_compile(model, config=_gem_config(recipe, args.min_dim,
                                                                        tuple(args.bf16_weight_grad)))
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
@@ -199,7 +205,8 @@ def _run_one(name, recipe, args, device, init_seed, on_checkpoint, baseline: boo
     window = MetricWindow(model_cfg.n_tasks, window=args.window)
     marks = set(checkpoint_steps(args.steps, args.eval_every))
     result = {"name": name, "recipe": recipe, "baseline": baseline, "compiled": not eager,
-              "init_seed": init_seed, "losses": [], "checkpoints": [],
+              "init_seed": init_seed, "optimizers": [type(o).__name__ for o in optimizers],
+              "losses": [], "checkpoints": [],
               "step_ms": math.nan, "compile_s": math.nan, "complete": False}
     losses: list[float] = result["losses"]
     started = time.perf_counter()
@@ -474,6 +481,10 @@ def parse_args(argv=None):
                         help="module patterns whose wgrad stays bf16 (Mxfp8Config.bf16_weight_grad)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="autocast dtype of the forward (default bfloat16; float32 with --smoke)")
+    parser.add_argument("--tables", choices=["dense", "sparse-rows"], default="dense",
+                        help="how the gem_compile runs train the embedding tables: dense gradients and torch's "
+                             "Adagrad, or row gradients and SparseAdagrad (bench e2e's gem); an eager baseline "
+                             "is always dense")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--embedding-lr", type=float, default=0.01)
     parser.add_argument("--lr-warmup", type=int, default=0,

@@ -10,11 +10,12 @@ optimizer step), side by side in one process on GEM-ref's table shapes:
   call, as passes/table_batching.py rewrites a compiled model's lookups (here called eagerly).
 
 Per method: the median step time (triton.testing.do_bench), the optimizer step alone (CUDA events around
-``step()`` over the timed steps), and the tables' max difference from ``dense`` after three identical steps
-(the update must be the same). The ids follow the synthetic data of ``gemcompile bench e2e``: multi-hot
-bags with padding for the sparse tables, padded item sequences at the given fill for the item table.
+``step()`` over the timed steps, and the host's wall time inside ``step()``), and the tables' max difference
+from ``dense`` after three identical steps (the update must be the same). The ids follow the synthetic data
+of ``gemcompile bench e2e``: multi-hot bags with padding for the sparse tables, padded item sequences at the
+given fill for the item table.
 
-    python benchmarks/sparse_tables.py --size medium --batch-size 256 [--kernel-profile]
+    python benchmarks/sparse_tables.py --size medium --batch-size 256 [--kernel-profile] [--host-profile]
 """
 
 from __future__ import annotations
@@ -84,10 +85,37 @@ def _step(model, optimizers, batch, events=None):
     loss.backward()
     if events is not None:
         events[0].record()
+    start = time.perf_counter()
     for opt in optimizers:
         opt.step()
+    host_ms = (time.perf_counter() - start) * 1e3
     if events is not None:
         events[1].record()
+    return host_ms
+
+
+def _host_profile(model, optimizers, batch, steps: int = 10, top: int = 25) -> list[dict]:
+    """The host's busiest functions inside the optimizers' step() (cProfile over `steps` steps; the
+    forward and backward are not profiled), by own time: what the step's wall time goes to."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        loss = model(batch.sparse_ids, batch.seq_items)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        profile.enable()
+        for opt in optimizers:
+            opt.step()
+        profile.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / steps,
+             "own_us_per_step": own / steps * 1e6, "cum_us_per_step": cum / steps * 1e6}
+            for (file, line, name), (_, calls, own, cum, _) in rows]
 
 
 def _wall_ms(fn) -> float:
@@ -106,6 +134,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--kernel-profile", action="store_true",
                         help="record each method's kernels per step (forward, backward, optimizer; torch.profiler)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="the host's busiest functions in the optimizers' step() (cProfile)")
     args = parser.parse_args()
     device = torch.device(args.device)
     cfg = gem_ref_config(args.size)
@@ -123,15 +153,18 @@ def main() -> None:
             step_ms = bench_ms(lambda: _step(model, optimizers, batches[3]), warmup_ms=50, rep_ms=300)
         else:  # a smoke run: wall time, median of five
             step_ms = statistics.median(_wall_ms(lambda: _step(model, optimizers, batches[3])) for _ in range(5))
-        opt_ms = []
+        opt_ms, host_ms = [], []
         if device.type == "cuda":
             for _ in range(10):
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                _step(model, optimizers, batches[3], ev)
+                host_ms.append(_step(model, optimizers, batches[3], ev))
                 torch.cuda.synchronize()
                 opt_ms.append(ev[0].elapsed_time(ev[1]))
         row = {"method": method, "step_ms": step_ms, "optimizer_ms": statistics.median(opt_ms) if opt_ms else None,
+               "optimizer_host_ms": statistics.median(host_ms) if host_ms else None,
                "optimizers": [type(o).__name__ for o in optimizers]}
+        if args.host_profile and device.type == "cuda":
+            row["optimizer_host_profile"] = _host_profile(model, optimizers, batches[3])
         if args.kernel_profile and device.type == "cuda":
             row["step_kernels"] = kernel_times(lambda: _step(model, optimizers, batches[3]), top=30)
         if "dense" in finals:

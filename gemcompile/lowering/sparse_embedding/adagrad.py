@@ -10,16 +10,22 @@ from .reference import adagrad_rows_reference_
 __all__ = ["adagrad_rows_", "adagrad_tables_"]
 
 
-def _check(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor) -> None:
+def _check_table(weight: Tensor, state_sum: Tensor) -> None:
     if weight.dim() != 2 or state_sum.shape != weight.shape:
         raise ValueError(f"adagrad_rows_: weight and state_sum must be one (rows, dim) shape, got "
                          f"{tuple(weight.shape)} and {tuple(state_sum.shape)}")
-    if ids.dim() != 1 or grads.dim() != 2 or grads.shape != (ids.shape[0], weight.shape[1]):
+    if state_sum.device != weight.device:
+        raise ValueError("adagrad_rows_: weight, state_sum, ids and grads must be on one device")
+
+
+def _check_rows(weight: Tensor, ids: Tensor, grads: Tensor) -> None:
+    """One lookup's ids and gradient rows against its table (cheap: it runs for every part of every step)."""
+    if ids.dim() != 1 or grads.dim() != 2 or grads.shape[0] != ids.shape[0] or grads.shape[1] != weight.shape[1]:
         raise ValueError(f"adagrad_rows_: ids must be (n,) and grads (n, {weight.shape[1]}), got "
                          f"{tuple(ids.shape)} and {tuple(grads.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"adagrad_rows_: ids must be an integer tensor, got {ids.dtype}")
-    if len({weight.device, state_sum.device, ids.device, grads.device}) != 1:
+    if ids.device != weight.device or grads.device != weight.device:
         raise ValueError("adagrad_rows_: weight, state_sum, ids and grads must be on one device")
 
 
@@ -30,7 +36,8 @@ def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor,
     `deterministic`: True sums each row's gradient rows in a fixed order on CUDA too (replicas that must
     stay bit for bit identical); None follows torch.are_deterministic_algorithms_enabled(). The CPU
     reference is deterministic either way."""
-    _check(weight, state_sum, ids, grads)
+    _check_table(weight, state_sum)
+    _check_rows(weight, ids, grads)
     if weight.device.type == "cuda" and weight.stride(1) == 1 and state_sum.stride(1) == 1:
         from .adagrad_triton import adagrad_rows_triton_
 
@@ -47,6 +54,7 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
     from .adagrad_triton import adagrad_tables_triton_, lookup_parts
 
     for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
+        _check_table(w, s)
         for i_part, g_part in lookup_parts(i, g):
-            _check(w, s, i_part, g_part)
+            _check_rows(w, i_part, g_part)
     adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps)

@@ -321,7 +321,9 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether b starts where a ends in one contiguous buffer, with a's row shape and dtype."""
     return (b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and a.dtype == b.dtype
             and a.shape[1:] == b.shape[1:] and a.is_contiguous() and b.is_contiguous()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+            # views of one tensor (the cheap test), else one storage
+            and (a._base is b._base is not None
+                 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()))
 
 
 def _view_of_run(run: list[torch.Tensor]) -> torch.Tensor:

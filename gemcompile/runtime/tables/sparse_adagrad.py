@@ -58,6 +58,7 @@ class SparseAdagrad(torch.optim.Adagrad):
         self._fixed_order = {id(t.weight) for t in tables if getattr(t, "identical_replicas", False)}
         super().__init__([t.weight for t in tables], lr=lr, eps=eps,
                          initial_accumulator_value=initial_accumulator_value, foreach=False)
+        self._layouts: dict[int, tuple] = {}  # _layout's, per table
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -67,6 +68,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 loss = closure()
         dense_pending = False
         steps = []  # every updated table's step count, incremented in one call
+        atomic_ok = not torch.are_deterministic_algorithms_enabled()  # the batched launch adds atomically
         for group in self.param_groups:
             batches: dict[tuple, list] = {}
             if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
@@ -82,12 +84,11 @@ class SparseAdagrad(torch.optim.Adagrad):
                     continue
                 state = self.state[p]
                 steps.append(state["step"])  # dense Adagrad counts a step for every table with a gradient
-                weight, state_sum = _local(p), _local(state["sum"])
-                if id(p) not in self._fixed_order and _batchable(weight, state_sum, [g for _, g in filed]):
+                weight, state_sum, batch = self._layout(p, state)
+                if batch is not None and atomic_ok and _on_device(filed, weight.device):
                     # each lookup's rows stay where they were filed: the update reads them in place
-                    key = (weight.device, weight.shape[1], weight.dtype)
-                    batches.setdefault(key, []).append((weight, state_sum, [i for i, _ in filed],
-                                                        [g for _, g in filed]))
+                    batches.setdefault(batch, []).append((weight, state_sum, [i for i, _ in filed],
+                                                          [g for _, g in filed]))
                     continue
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
@@ -101,20 +102,40 @@ class SparseAdagrad(torch.optim.Adagrad):
             super().step()  # the tables with a dense .grad (their filed rows added in), and only those
         return loss
 
+    def _layout(self, p: Tensor, state: dict) -> tuple[Tensor, Tensor, tuple | None]:
+        """(p's local weight, its local Adagrad sum, the key of the batched launch it can join or None),
+        worked out once per (table, sum tensor): a step visits every table, and a load_state_dict brings
+        new sum tensors (looked up again then)."""
+        state_sum = state["sum"]
+        known = self._layouts.get(id(p))
+        if known is None or known[0] is not state_sum:
+            weight, local_sum = _local(p), _local(state_sum)
+            batch = None
+            if id(p) not in self._fixed_order and _batchable(weight, local_sum):
+                batch = (weight.device, weight.shape[1], weight.dtype)
+            known = self._layouts[id(p)] = (state_sum, weight, local_sum, batch)
+        return known[1:]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for key in self._keys.values():
             clear(key)
 
 
-def _batchable(weight: Tensor, state_sum: Tensor, grads: list[Tensor]) -> bool:
+def _batchable(weight: Tensor, state_sum: Tensor) -> bool:
     """Whether a table's update can join one launch with others (adagrad_tables_triton_): CUDA, unit column
-    strides, an fp32 sum, and no deterministic-algorithms request (its adds are atomic)."""
+    strides and an fp32 sum (and, checked at each step, rows on its device and no deterministic-algorithms
+    request: the launch's adds are atomic)."""
     return (weight.device.type == "cuda" and weight.dim() == 2 and weight.stride(1) == 1
             and state_sum.stride(1) == 1 and state_sum.dtype == torch.float32
-            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(g.device == weight.device for g in grads)
-            and not torch.are_deterministic_algorithms_enabled())
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _on_device(filed: list, device: torch.device) -> bool:
+    for _, rows in filed:
+        if rows.device != device:
+            return False
+    return True
 
 
 def _local(t: Tensor) -> Tensor:
