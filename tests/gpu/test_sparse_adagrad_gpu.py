@@ -124,3 +124,26 @@ def test_many_tables_in_one_launch_match_the_reference(weight_dtype):
         torch.testing.assert_close(s, s64.float(), rtol=5e-5, atol=1e-5)
         torch.testing.assert_close(w.float(), w64.to(weight_dtype).float(), rtol=2e-2 if weight_dtype == torch.bfloat16
                                    else 5e-5, atol=1e-5 if weight_dtype == torch.float32 else 1e-2)
+
+
+def test_many_tables_compile_once_whatever_the_id_count():
+    """The batched path's kernels take views and counts that change with the step's ids (the last slot in use
+    is a view at the id count): compiled for one count, no other count may compile them again (a compile
+    inside a training step costs it a second)."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+    from gemcompile.runtime.training.triton_compiles import recording_triton_compiles
+
+    weights = [torch.zeros(1000, 32, device="cuda") for _ in range(3)]
+    sums = [torch.zeros(1000, 32, device="cuda") for _ in range(3)]
+
+    def step(n):
+        ids = [torch.randint(-1, 1000, (n + t,), device="cuda") for t in range(3)]
+        adagrad_tables_triton_(weights, sums, ids, [torch.randn(len(i), 32, device="cuda") for i in ids], 0.1, 1e-10)
+
+    step(500)  # compiles here
+    compiled: list[str] = []
+    with recording_triton_compiles(compiled):
+        for n in (501, 502, 503, 512, 515, 4096, 7):
+            step(n)
+    torch.cuda.synchronize()
+    assert compiled == []

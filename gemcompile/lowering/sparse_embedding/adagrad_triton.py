@@ -210,7 +210,9 @@ def adagrad_rows_triton_(weight: torch.Tensor, state_sum: torch.Tensor, ids: tor
 # -- many tables in one go ---------------------------------------------------------------------------------
 
 
-@triton.jit
+# LastSlot is a one-element view at the step's id count: its address alignment changes with that count, and
+# specialized on it the kernel compiled again inside a training step (seen in GEM-ref medium's first step)
+@triton.jit(do_not_specialize=["LastSlot"])
 def _adagrad_table_slots_kernel(KeyOf, LastSlot, Acc, WeightPtrs, SumPtrs, Rows, StrideW, StrideS,
                                 rows_per_table, dim, stride_a, lr, eps, W_DTYPE: tl.constexpr,
                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
