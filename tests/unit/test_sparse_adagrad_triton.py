@@ -114,6 +114,56 @@ def test_many_tables_with_several_lookups_each_read_in_place_match_the_reference
         torch.testing.assert_close(w, w_want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("order", ["filed", "shuffled"])
+def test_many_tables_given_their_shares_of_one_filing_match_the_reference(order):
+    """The batched bag backward files each table's slice with its share of the whole filing (pending.Filed):
+    consecutive shares are read as one part without an address test; out of the filing's order (tables
+    listed otherwise, another table's lookup between them) each share is its own part. Either way the update
+    equals the reference per table."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import adagrad_tables_triton_
+
+    g = torch.Generator().manual_seed(11)
+    tables, n, rows, dim = 5, 23, 13, 4
+    flat = (torch.rand(tables, n, generator=g) * (rows + 2)).long() - 1
+    grad_rows = torch.randn(tables, n, dim, generator=g)
+    extra_ids = (torch.rand(9, generator=g) * rows).long()  # table 2 is also looked up on its own
+    extra_rows = torch.randn(9, dim, generator=g)
+    weights = [torch.randn(rows, dim, generator=g) for _ in range(tables)]
+    sums = [torch.rand(rows, dim, generator=g) for _ in range(tables)]
+    want = [(w.clone(), s.clone()) for w, s in zip(weights, sums)]
+    for t, (w, s) in enumerate(want):
+        i, gr = flat[t], grad_rows[t]
+        if t == 2:
+            i, gr = torch.cat([i, extra_ids]), torch.cat([gr, extra_rows])
+        keep = i < rows
+        adagrad_rows_reference_(w, s, i[keep], gr[keep], 0.05, 1e-10)
+    visit = list(range(tables)) if order == "filed" else [3, 0, 4, 2, 1]
+    ids = [[flat[t]] + ([extra_ids] if t == 2 else []) for t in visit]
+    grads = [[grad_rows[t]] + ([extra_rows] if t == 2 else []) for t in visit]
+    shares = [[(flat, grad_rows, t)] + ([None] if t == 2 else []) for t in visit]
+    adagrad_tables_triton_([weights[t] for t in visit], [sums[t] for t in visit], ids, grads, 0.05, 1e-10,
+                           shares)
+    for (w_want, s_want), w, s in zip(want, weights, sums):
+        torch.testing.assert_close(s, s_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w, w_want, rtol=1e-6, atol=1e-6)
+
+
+def test_runs_join_only_consecutive_shares_of_one_filing():
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import _runs
+
+    ids, rows = torch.arange(12).reshape(4, 3), torch.randn(4, 3, 2)
+    other_ids, other_rows = ids.clone(), rows.clone()
+    order = [(ids, rows, 0), (ids, rows, 1), (ids, rows, 2), (ids, rows, 0), None,
+             (other_ids, other_rows, 3), (ids, rows, 3)]
+    id_parts = [s[0][s[2]] if s else torch.tensor([7]) for s in order]
+    grad_parts = [s[1][s[2]] if s else torch.zeros(1, 2) for s in order]
+    id_runs, grad_runs = _runs(id_parts, grad_parts, order)
+    assert [r.numel() for r in id_runs] == [9, 3, 1, 3, 3]  # 0-2 joined; a restart, None, another filing
+    assert id_runs[0].data_ptr() == ids.data_ptr() and grad_runs[0].data_ptr() == rows.data_ptr()
+    assert torch.equal(torch.cat(id_runs), torch.cat(id_parts))
+    assert torch.equal(torch.cat(grad_runs), torch.cat(grad_parts))
+
+
 def test_joined_reads_adjacent_slices_in_place_and_copies_anything_else():
     from gemcompile.lowering.sparse_embedding.adagrad_triton import _joined
 

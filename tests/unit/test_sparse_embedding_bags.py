@@ -104,8 +104,12 @@ def test_backward_files_what_each_tables_lookup_files(mode, padding_idx):
     assert all(w.grad is None for w in weights) and token.item() == 1
     flat, per_id = bag_row_grads(grad, ids, mode, padding_idx)
     for t, key in enumerate(keys):
-        (filed_ids, filed_rows), = take_rows(key)
+        (entry,) = take_rows(key)
+        filed_ids, filed_rows = entry
         want_ids, want_rows = per_id_grads(grad[t], ids[t], None, mode, padding_idx)
         assert torch.equal(filed_ids, want_ids) and torch.equal(filed_rows, want_rows)
+        # its share of the one filing: the optimizer joins consecutive shares without testing addresses
+        all_ids, all_rows, index = entry.share
+        assert index == t and torch.equal(all_ids[t], filed_ids) and all_rows[t].data_ptr() == filed_rows.data_ptr()
         assert torch.equal(flat[t], want_ids) and torch.equal(per_id[t], want_rows)
     assert filed_rows.data_ptr() != grad.data_ptr()  # fresh rows, never the gradient buffer itself

@@ -47,14 +47,17 @@ def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor,
 
 
 def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, grads: list, lr: float,
-                    eps: float) -> None:
+                    eps: float, shares: list | None = None) -> None:
     """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
     (adagrad_tables_triton_); ``ids[t]`` / ``grads[t]`` a table's tensors or lists of parts (one per lookup),
-    each part checked as adagrad_rows_ checks a table's."""
-    from .adagrad_triton import adagrad_tables_triton_, lookup_parts
+    each part checked as adagrad_rows_ checks a table's; ``shares``: see adagrad_tables_triton_."""
+    from .adagrad_triton import adagrad_tables_triton_
 
     for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
         _check_table(w, s)
-        for i_part, g_part in lookup_parts(i, g):
-            _check_rows(w, i_part, g_part)
-    adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps)
+        if isinstance(i, (list, tuple)):
+            for i_part, g_part in zip(i, g, strict=True):
+                _check_rows(w, i_part, g_part)
+        else:
+            _check_rows(w, i, g)
+    adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps, shares)

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..common.tuned_launch import INTERPRET
 from .table_meta import TL_DTYPES, device_table
 
-__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_", "lookup_parts"]
+__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_"]
 
 
 @triton.jit
@@ -254,43 +254,53 @@ def _update_programs(slots: int, block_s: int, device: torch.device) -> int:
 
 @torch.no_grad()
 def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list,
-                           grads: list, lr: float, eps: float) -> None:
+                           grads: list, lr: float, eps: float, shares: list | None = None) -> None:
     """adagrad_rows_triton_ on several tables at once (one dim, one weight dtype, one device, unit column
     strides, fp32 sums): one sort, one gradient sum and one update launch for all of them, where a table at a
     time takes about fifteen launches each. ``ids[t]`` / ``grads[t]``: a table's ids (n,) and gradient rows
-    (n, dim), or lists of such parts (one per lookup: read where they are, never concatenated). Ids < 0 or
-    past their table are skipped. Not deterministic (the gradient adds are atomic); use
-    adagrad_rows_triton_(deterministic=True) per table for that."""
+    (n, dim), or lists of such parts (one per lookup: read where they are, never concatenated).
+    ``shares[t]``: for each of table t's parts, its pending.Filed share or None (a tensor's: one share or
+    None); consecutive shares of one filing are read as one part. Ids < 0 or past their table are skipped.
+    Not deterministic (the gradient adds are atomic); use adagrad_rows_triton_(deterministic=True) per table
+    for that."""
     if not weights:
         return
     dim, device, dtype = weights[0].shape[1], weights[0].device, weights[0].dtype
     if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
         raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
     rows_per_table = max(1, max(w.shape[0] for w in weights))
-    id_parts, grad_parts, table_of_part = [], [], []
+    id_parts, grad_parts, part_shares, counts, table_of_part = [], [], [], [], []
     for t, (i, g) in enumerate(zip(ids, grads, strict=True)):
-        for i_part, g_part in lookup_parts(i, g):
-            if i_part.numel():
-                id_parts.append(i_part.reshape(-1))
-                grad_parts.append(_float_rows(g_part))
+        if isinstance(i, (list, tuple)):
+            parts = zip(i, g, shares[t] if shares is not None else [None] * len(i), strict=True)
+        else:
+            parts = ((i, g, shares[t] if shares is not None else None),)
+        for i_part, g_part, share in parts:
+            n = i_part.numel()
+            if n:
+                id_parts.append(i_part if i_part.dim() == 1 else i_part.reshape(-1))
+                grad_parts.append(g_part)
+                part_shares.append(share)
+                counts.append(n)
                 table_of_part.append(t)
-    counts = [i.numel() for i in id_parts]
     if not counts:
         return
-    if len({g.dtype for g in grad_parts}) > 1:
-        grad_parts = [g.float() for g in grad_parts]
+    id_runs, grad_runs = _runs(id_parts, grad_parts, part_shares)
+    grad_runs = [_float_rows(g) for g in grad_runs]
+    if len({g.dtype for g in grad_runs}) > 1:
+        grad_runs = [g.float() for g in grad_runs]
     # weight and sum addresses, rows, weight and sum row strides: (5, tables), kept per set of tables
     meta = device_table((tuple(w.data_ptr() for w in weights), tuple(s.data_ptr() for s in state_sums),
                          tuple(w.shape[0] for w in weights), tuple(w.stride(0) for w in weights),
                          tuple(s.stride(0) for s in state_sums)), device)
     # every part's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
     # fixed handful of launches whatever the number of tables
-    flat = _joined(id_parts).to(torch.int64)
+    flat = _joined(id_runs).to(torch.int64)
     table_of = _table_index(counts, table_of_part, device)
     inside = (flat >= 0) & (flat < meta[2].index_select(0, table_of))
     key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
-    key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_parts),
+    key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_runs),
                                         len(weights) * rows_per_table)
     block = _block(dim)
     block_s = 8 if not INTERPRET else 4
@@ -300,12 +310,26 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
         W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
 
 
-def lookup_parts(ids, grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A table's (ids, gradient rows) pairs: one per lookup when given as lists of parts, else the one
-    pair."""
-    if isinstance(ids, (list, tuple)):
-        return list(zip(ids, grads, strict=True))
-    return [(ids, grads)]
+def _runs(id_parts: list[torch.Tensor], grad_parts: list[torch.Tensor], shares: list
+          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parts with every stretch of consecutive shares of one filing (pending.Filed) as one view of that
+    filing's tensors: (ids parts, gradient parts), the same rows in the same order, fewer of them."""
+    id_runs, grad_runs, k = [], [], 0
+    while k < len(id_parts):
+        end = k + 1
+        if shares[k] is not None:
+            ids_all, rows_all, first = shares[k]
+            while (end < len(id_parts) and shares[end] is not None and shares[end][0] is ids_all
+                   and shares[end][2] == first + end - k):
+                end += 1
+        if end - k > 1:
+            id_runs.append(ids_all[first:first + end - k].reshape(-1))
+            grad_runs.append(rows_all[first:first + end - k].reshape(-1, rows_all.shape[-1]))
+        else:
+            id_runs.append(id_parts[k])
+            grad_runs.append(grad_parts[k])
+        k = end
+    return id_runs, grad_runs
 
 
 def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -92,7 +92,7 @@ def _file_bag_row_grads_(token: Tensor, grad: Tensor, ids: Tensor, lookup: int, 
                          tables: list[int]) -> None:
     flat, rows = bag_row_grads(grad, ids, lookup, padding_idx)
     for t, table in enumerate(tables):  # views of one fresh pair: each table files its own share
-        file_rows(table, flat[t], rows[t])
+        file_rows(table, flat[t], rows[t], share=(flat, rows, t))
     token.add_(1)
 
 

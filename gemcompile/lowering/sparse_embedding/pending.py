@@ -11,12 +11,13 @@ per lookup; the optimizer sums them like autograd would sum dense gradients.
 from __future__ import annotations
 
 import itertools
+from typing import Self
 
 from torch import Tensor
 
-__all__ = ["clear", "file_rows", "new_table_key", "take_rows"]
+__all__ = ["Filed", "clear", "file_rows", "new_table_key", "take_rows"]
 
-_PENDING: dict[int, list[tuple[Tensor, Tensor]]] = {}
+_PENDING: dict[int, list[Filed]] = {}
 _KEYS = itertools.count(1)
 
 
@@ -25,12 +26,28 @@ def new_table_key() -> int:
     return next(_KEYS)
 
 
-def file_rows(table: int, ids: Tensor, grads: Tensor) -> None:
-    """File (ids (n,), grads (n, dim)) of one lookup's backward for `table`; ids < 0 are skipped later."""
-    _PENDING.setdefault(table, []).append((ids, grads))
+class Filed(tuple):
+    """One lookup's (ids, grads) pair, and ``share``: for a table's slice of a filing made for several tables
+    at once (the batched bag lookups), ``(every table's ids (T, n), every table's rows (T, n, dim), this
+    table's index)``, else None. The optimizer reads consecutive shares of one filing as one part, knowing
+    they are adjacent without testing their addresses (a test per table that cost more host time than the
+    update's launches)."""
+
+    share: tuple[Tensor, Tensor, int] | None
+
+    def __new__(cls, ids: Tensor, grads: Tensor, share: tuple[Tensor, Tensor, int] | None = None) -> Self:
+        entry = super().__new__(cls, (ids, grads))
+        entry.share = share
+        return entry
 
 
-def take_rows(table: int) -> list[tuple[Tensor, Tensor]]:
+def file_rows(table: int, ids: Tensor, grads: Tensor, share: tuple[Tensor, Tensor, int] | None = None) -> None:
+    """File (ids (n,), grads (n, dim)) of one lookup's backward for `table`; ids < 0 are skipped later.
+    `share`: see Filed (ids and grads must then be ``share[0][share[2]]`` and ``share[1][share[2]]``)."""
+    _PENDING.setdefault(table, []).append(Filed(ids, grads, share))
+
+
+def take_rows(table: int) -> list[Filed]:
     """Every entry filed for `table` since the last call, oldest first (and forget them)."""
     return _PENDING.pop(table, [])
 

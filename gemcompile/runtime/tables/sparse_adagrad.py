@@ -88,14 +88,15 @@ class SparseAdagrad(torch.optim.Adagrad):
                 if batch is not None and atomic_ok and _on_device(filed, weight.device):
                     # each lookup's rows stay where they were filed: the update reads them in place
                     batches.setdefault(batch, []).append((weight, state_sum, [i for i, _ in filed],
-                                                          [g for _, g in filed]))
+                                                          [g for _, g in filed], [f.share for f in filed]))
                     continue
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
                 adagrad_rows_(weight, state_sum, ids, grads, group["lr"], group["eps"],
                               deterministic=True if id(p) in self._fixed_order else None)
             for tables in batches.values():  # this group's CUDA tables of one dim and dtype: one launch
-                adagrad_tables_(*map(list, zip(*tables)), group["lr"], group["eps"])
+                weights, sums, ids, grads, shares = map(list, zip(*tables))
+                adagrad_tables_(weights, sums, ids, grads, group["lr"], group["eps"], shares)
         if steps:
             torch._foreach_add_(steps, 1)
         if dense_pending:
