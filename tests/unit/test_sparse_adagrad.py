@@ -152,6 +152,29 @@ def test_checkpoint_state_is_dense_adagrads():
     assert "row_grad_token" not in sparse.state_dict() and set(sparse.state_dict()) == set(dense.state_dict())
 
 
+def test_a_resumed_optimizer_updates_the_loaded_state():
+    """load_state_dict gives the tables new sum tensors: the steps after it must read and write those (step()
+    keeps each table's layout while its sum is the same tensor), and match a run that never stopped."""
+    _, _, sparse, sparse_opts = _pair("embedding")
+    _train(sparse, sparse_opts, "embedding", steps=2)
+    saved = copy.deepcopy((sparse.state_dict(), [o.state_dict() for o in sparse_opts]))
+
+    def third_step():
+        for opt in sparse_opts:
+            opt.zero_grad(set_to_none=True)
+        sparse(*_batch("embedding", 2))[0].backward()
+        for opt in sparse_opts:
+            opt.step()
+        return sparse.table.weight.detach().clone(), sparse_opts[0].state[sparse.table.weight]["sum"].clone()
+
+    want_w, want_sum = third_step()
+    sparse.load_state_dict(saved[0])
+    for opt, state in zip(sparse_opts, saved[1]):
+        opt.load_state_dict(state)
+    got_w, got_sum = third_step()
+    assert torch.equal(got_w, want_w) and torch.equal(got_sum, want_sum)
+
+
 def test_zero_grad_drops_rows_of_a_step_never_taken():
     _, _, sparse, sparse_opts = _pair("embedding")
     before = sparse.table.weight.detach().clone()

@@ -50,14 +50,21 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
                     eps: float, shares: list | None = None) -> None:
     """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
     (adagrad_tables_triton_); ``ids[t]`` / ``grads[t]`` a table's tensors or lists of parts (one per lookup),
-    each part checked as adagrad_rows_ checks a table's; ``shares``: see adagrad_tables_triton_."""
+    each part checked as adagrad_rows_ checks a table's (a part that is a share of a filing for several
+    tables, through that filing, once); ``shares``: see adagrad_tables_triton_."""
     from .adagrad_triton import adagrad_tables_triton_
 
-    for w, s, i, g in zip(weights, state_sums, ids, grads, strict=True):
+    checked: set[int] = set()  # the filings whose shares were checked, by id of their ids tensor
+    for t, (w, s, i, g) in enumerate(zip(weights, state_sums, ids, grads, strict=True)):
         _check_table(w, s)
-        if isinstance(i, (list, tuple)):
-            for i_part, g_part in zip(i, g, strict=True):
+        parts = zip(i, g, strict=True) if isinstance(i, (list, tuple)) else ((i, g),)
+        table_shares = (shares[t] if isinstance(i, (list, tuple)) else (shares[t],)) if shares else None
+        for k, (i_part, g_part) in enumerate(parts):
+            share = table_shares[k] if table_shares else None
+            if share is None:
                 _check_rows(w, i_part, g_part)
-        else:
-            _check_rows(w, i, g)
+            elif id(share[0]) not in checked:
+                ids_all, rows_all, _ = share
+                _check_rows(w, ids_all.reshape(-1), rows_all.reshape(-1, rows_all.shape[-1]))
+                checked.add(id(share[0]))
     adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps, shares)

@@ -73,8 +73,9 @@ class SparseAdagrad(torch.optim.Adagrad):
             batches: dict[tuple, list] = {}
             if group["lr_decay"] != 0 or group["weight_decay"] != 0 or group["maximize"]:
                 raise ValueError("SparseAdagrad supports lr_decay = weight_decay = 0 and maximize = False only")
+            keys, layouts = self._keys, self._layouts
             for p in group["params"]:
-                filed = take_rows(self._keys[id(p)])
+                filed = take_rows(keys[id(p)])
                 if p.grad is not None:  # also used outside its lookups (a weight tied to an output layer)
                     # one dense update of the whole gradient, as dense Adagrad does
                     _add_rows_(_local(p.grad), filed)
@@ -84,7 +85,9 @@ class SparseAdagrad(torch.optim.Adagrad):
                     continue
                 state = self.state[p]
                 steps.append(state["step"])  # dense Adagrad counts a step for every table with a gradient
-                weight, state_sum, batch = self._layout(p, state)
+                known = layouts.get(id(p))
+                weight, state_sum, batch = (known[1:] if known is not None and known[0] is state["sum"]
+                                            else self._layout(p, state))
                 if batch is not None and atomic_ok and _on_device(filed, weight.device):
                     # each lookup's rows stay where they were filed: the update reads them in place
                     batches.setdefault(batch, []).append((weight, state_sum, [i for i, _ in filed],
@@ -104,18 +107,16 @@ class SparseAdagrad(torch.optim.Adagrad):
         return loss
 
     def _layout(self, p: Tensor, state: dict) -> tuple[Tensor, Tensor, tuple | None]:
-        """(p's local weight, its local Adagrad sum, the key of the batched launch it can join or None),
-        worked out once per (table, sum tensor): a step visits every table, and a load_state_dict brings
-        new sum tensors (looked up again then)."""
+        """(p's local weight, its local Adagrad sum, the key of the batched launch it can join or None), kept
+        in _layouts for the steps after (step() reads them there while p's sum is the same tensor: a
+        load_state_dict brings new sum tensors, worked out again then)."""
         state_sum = state["sum"]
-        known = self._layouts.get(id(p))
-        if known is None or known[0] is not state_sum:
-            weight, local_sum = _local(p), _local(state_sum)
-            batch = None
-            if id(p) not in self._fixed_order and _batchable(weight, local_sum):
-                batch = (weight.device, weight.shape[1], weight.dtype)
-            known = self._layouts[id(p)] = (state_sum, weight, local_sum, batch)
-        return known[1:]
+        weight, local_sum = _local(p), _local(state_sum)
+        batch = None
+        if id(p) not in self._fixed_order and _batchable(weight, local_sum):
+            batch = (weight.device, weight.shape[1], weight.dtype)
+        self._layouts[id(p)] = (state_sum, weight, local_sum, batch)
+        return weight, local_sum, batch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
