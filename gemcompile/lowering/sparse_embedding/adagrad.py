@@ -54,7 +54,7 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
     tables, through that filing, once); ``shares``: see adagrad_tables_triton_."""
     from .adagrad_triton import adagrad_tables_triton_
 
-    checked: set[int] = set()  # the filings whose shares were checked, by id of their ids tensor
+    checked = None  # the ids tensor of the filing whose shares were checked last (a filing's shares come in a row)
     for t, (w, s, i, g) in enumerate(zip(weights, state_sums, ids, grads, strict=True)):
         _check_table(w, s)
         parts = zip(i, g, strict=True) if isinstance(i, (list, tuple)) else ((i, g),)
@@ -63,8 +63,8 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
             share = table_shares[k] if table_shares else None
             if share is None:
                 _check_rows(w, i_part, g_part)
-            elif id(share[0]) not in checked:
+            elif share[0] is not checked:
                 ids_all, rows_all, _ = share
                 _check_rows(w, ids_all.reshape(-1), rows_all.reshape(-1, rows_all.shape[-1]))
-                checked.add(id(share[0]))
+                checked = ids_all
     adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps, shares)

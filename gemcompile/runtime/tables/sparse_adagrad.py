@@ -75,7 +75,8 @@ class SparseAdagrad(torch.optim.Adagrad):
                 raise ValueError("SparseAdagrad supports lr_decay = weight_decay = 0 and maximize = False only")
             keys, layouts = self._keys, self._layouts
             for p in group["params"]:
-                filed = take_rows(keys[id(p)])
+                pid = id(p)
+                filed = take_rows(keys[pid])
                 if p.grad is not None:  # also used outside its lookups (a weight tied to an output layer)
                     # one dense update of the whole gradient, as dense Adagrad does
                     _add_rows_(_local(p.grad), filed)
@@ -85,7 +86,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                     continue
                 state = self.state[p]
                 steps.append(state["step"])  # dense Adagrad counts a step for every table with a gradient
-                known = layouts.get(id(p))
+                known = layouts.get(pid)
                 weight, state_sum, batch = (known[1:] if known is not None and known[0] is state["sum"]
                                             else self._layout(p, state))
                 if batch is not None and atomic_ok and _on_device(filed, weight.device):
@@ -96,7 +97,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 ids = torch.cat([i for i, _ in filed]) if len(filed) > 1 else filed[0][0]
                 grads = torch.cat([g for _, g in filed]) if len(filed) > 1 else filed[0][1]
                 adagrad_rows_(weight, state_sum, ids, grads, group["lr"], group["eps"],
-                              deterministic=True if id(p) in self._fixed_order else None)
+                              deterministic=True if pid in self._fixed_order else None)
             for tables in batches.values():  # this group's CUDA tables of one dim and dtype: one launch
                 weights, sums, ids, grads, shares = map(list, zip(*tables))
                 adagrad_tables_(weights, sums, ids, grads, group["lr"], group["eps"], shares)
