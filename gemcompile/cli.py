@@ -141,6 +141,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--memory-snapshot", action="store_true",
                      help="per method one more step under torch's CUDA memory history: the peak and what is "
                      "alive there, grouped by allocating frame (results: memory_snapshot; CUDA)")
+    e2e.add_argument("--kernel-steps", type=int, default=3,
+                     help="steps after the measured ones under torch.profiler: kernel time per step and its "
+                          "classes (0 skips them, and the time their profile takes)")
     e2e.add_argument("--kernel-top", type=int, default=40,
                      help="kernels with the most device time listed per method (results: kernel_profile.top)")
     e2e.add_argument("--host-profile-steps", type=int, default=0,
@@ -159,7 +162,8 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = available_methods() if args.methods == "all" else [m for m in args.methods.split(",") if m]
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
-                         layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_top=args.kernel_top,
+                         layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_steps=args.kernel_steps,
+                         kernel_top=args.kernel_top,
                          host_profile_steps=args.host_profile_steps, seed=args.seed)
     command = " ".join(shlex.quote(a) for a in ["gemcompile", *args.argv])
     path = None

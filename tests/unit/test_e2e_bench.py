@@ -210,3 +210,13 @@ def test_cli_memory_snapshot_flag_reaches_the_config(monkeypatch):
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu", "--memory-snapshot"]) == 0
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu"]) == 0
     assert [cfg.memory_snapshot for cfg in seen] == [True, False]
+
+
+def test_cli_kernel_steps_reach_the_config(monkeypatch):
+    from gemcompile.cli import main
+
+    seen = []
+    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or {})
+    assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu", "--kernel-steps", "0"]) == 0
+    assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu"]) == 0
+    assert [cfg.kernel_steps for cfg in seen] == [0, 3]
