@@ -1551,12 +1551,21 @@ def sparse_optimizer_host() -> str:
     lines += table(["after", "file", "step ms", "optimizer span ms", "optimizer host ms", "dense Adagrad ms",
                     "share of dense", "step x dense"], rows)
     path, payload, a = last
-    top = [[f"`{r['function']}`", f(r["calls_per_step"], ".0f"), f(r["own_us_per_step"], ".0f"),
-            f(r["cum_us_per_step"], ".0f")] for r in a["optimizer_host_profile"][:10]]
+    top = [[f"`{fn}`", f(calls, ".0f"), f(own, ".0f"), f(cum, ".0f")]
+           for fn, calls, own, cum in _host_rows_us(a["optimizer_host_profile"])[:10]]
     lines += ["", f"Where the host's time in `step()` goes in the last run (cProfile over 10 steps, which slows the "
               f"Python it measures; per step). Source: {source_line((path, payload))}", ""]
     lines += table(["function", "calls", "own us", "cumulative us"], top)
     return "\n".join(lines)
+
+
+def _host_rows_us(profile) -> list[tuple]:
+    """(function, calls, own us, cumulative us) per step, by own time: the first files hold a list in us,
+    later ones host_profile.profile_summary's dict in ms."""
+    if isinstance(profile, list):
+        return [(r["function"], r["calls_per_step"], r["own_us_per_step"], r["cum_us_per_step"]) for r in profile]
+    return [(r["function"], r["calls_per_step"], 1e3 * r["own_ms_per_step"], 1e3 * r["cumulative_ms_per_step"])
+            for r in profile["by_own_time"]]
 
 
 NE_SPARSE_ROWS = ["ne_vs_eager-gpu-small-sparse-rows-20261203-134026.json",

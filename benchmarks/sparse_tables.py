@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ from gemcompile.lowering.sparse_embedding.bags import sparse_embedding_bags  # n
 from gemcompile.lowering.sparse_embedding.op import MODE_SUM  # noqa: E402
 from gemcompile.models.data import SyntheticData  # noqa: E402
 from gemcompile.models.gem import gem_ref_config  # noqa: E402
+from gemcompile.runtime.training.host_profile import profile_summary  # noqa: E402
 from gemcompile.runtime.training.optimizers import build_optimizers  # noqa: E402
 
 METHODS = ("dense", "torch-sparse", "sparse-rows", "sparse-rows-batched")
@@ -78,44 +80,34 @@ def _method_model(base: Tables, method: str) -> tuple[Tables, list[torch.optim.O
     return model, optimizers
 
 
-def _step(model, optimizers, batch, events=None):
+def _step(model, optimizers, batch, events=None, profiler=None):
     loss = model(batch.sparse_ids, batch.seq_items)
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     loss.backward()
     if events is not None:
         events[0].record()
+    if profiler is not None:
+        profiler.enable()
     start = time.perf_counter()
     for opt in optimizers:
         opt.step()
     host_ms = (time.perf_counter() - start) * 1e3
+    if profiler is not None:
+        profiler.disable()
     if events is not None:
         events[1].record()
     return host_ms
 
 
-def _host_profile(model, optimizers, batch, steps: int = 10, top: int = 25) -> list[dict]:
+def _host_profile(model, optimizers, batch, steps: int = 10) -> dict:
     """The host's busiest functions inside the optimizers' step() (cProfile over `steps` steps; the
-    forward and backward are not profiled), by own time: what the step's wall time goes to."""
-    import cProfile
-    import pstats
-
-    profile = cProfile.Profile()
+    forward and backward are not profiled): what the step's wall time goes to."""
+    profiler = cProfile.Profile()
     for _ in range(steps):
-        loss = model(batch.sparse_ids, batch.seq_items)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        profile.enable()
-        for opt in optimizers:
-            opt.step()
-        profile.disable()
+        _step(model, optimizers, batch, profiler=profiler)
         torch.cuda.synchronize()
-    stats = pstats.Stats(profile).stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / steps,
-             "own_us_per_step": own / steps * 1e6, "cum_us_per_step": cum / steps * 1e6}
-            for (file, line, name), (_, calls, own, cum, _) in rows]
+    return profile_summary(profiler, steps)
 
 
 def _wall_ms(fn) -> float:

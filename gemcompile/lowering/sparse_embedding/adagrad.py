@@ -52,15 +52,12 @@ def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, 
     (adagrad_tables_triton_); ``ids[t]`` / ``grads[t]`` a table's tensors or lists of parts (one per lookup),
     each part checked as adagrad_rows_ checks a table's (a part that is a share of a filing for several
     tables, through that filing, once); ``shares``: see adagrad_tables_triton_."""
-    from .adagrad_triton import adagrad_tables_triton_
+    from .adagrad_triton import adagrad_tables_triton_, table_parts
 
     checked = None  # the ids tensor of the filing whose shares were checked last (a filing's shares come in a row)
     for t, (w, s, i, g) in enumerate(zip(weights, state_sums, ids, grads, strict=True)):
         _check_table(w, s)
-        parts = zip(i, g, strict=True) if isinstance(i, (list, tuple)) else ((i, g),)
-        table_shares = (shares[t] if isinstance(i, (list, tuple)) else (shares[t],)) if shares else None
-        for k, (i_part, g_part) in enumerate(parts):
-            share = table_shares[k] if table_shares else None
+        for i_part, g_part, share in table_parts(i, g, shares[t] if shares is not None else None):
             if share is None:
                 _check_rows(w, i_part, g_part)
             elif share[0] is not checked:

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..common.tuned_launch import INTERPRET
 from .table_meta import TL_DTYPES, device_table
 
-__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_"]
+__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_", "table_parts"]
 
 
 @triton.jit
@@ -271,11 +271,7 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     rows_per_table = max(1, max(w.shape[0] for w in weights))
     id_parts, grad_parts, part_shares, counts, table_of_part = [], [], [], [], []
     for t, (i, g) in enumerate(zip(ids, grads, strict=True)):
-        if isinstance(i, (list, tuple)):
-            parts = zip(i, g, shares[t] if shares is not None else [None] * len(i), strict=True)
-        else:
-            parts = ((i, g, shares[t] if shares is not None else None),)
-        for i_part, g_part, share in parts:
+        for i_part, g_part, share in table_parts(i, g, shares[t] if shares is not None else None):
             n = i_part.numel()
             if n:
                 id_parts.append(i_part if i_part.dim() == 1 else i_part.reshape(-1))
@@ -308,6 +304,14 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
         key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim,
         acc.stride(0), float(lr), float(eps),
         W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
+
+
+def table_parts(ids, grads, shares=None) -> list[tuple]:
+    """A table's (ids, gradient rows, share or None) per lookup, from ``ids`` / ``grads`` given as one
+    tensor pair or as lists of parts, and ``shares`` as adagrad_tables_triton_ takes them (or None)."""
+    if isinstance(ids, (list, tuple)):
+        return list(zip(ids, grads, shares if shares is not None else [None] * len(ids), strict=True))
+    return [(ids, grads, shares)]
 
 
 def _runs(id_parts: list[torch.Tensor], grad_parts: list[torch.Tensor], shares: list
@@ -347,9 +351,7 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether b starts where a ends in one contiguous buffer, with a's row shape and dtype."""
     return (b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and a.dtype == b.dtype
             and a.shape[1:] == b.shape[1:] and a.is_contiguous() and b.is_contiguous()
-            # views of one tensor (the cheap test), else one storage
-            and (a._base is b._base is not None
-                 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()))
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def _view_of_run(run: list[torch.Tensor]) -> torch.Tensor:

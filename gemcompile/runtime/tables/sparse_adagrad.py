@@ -89,7 +89,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                 known = layouts.get(pid)
                 weight, state_sum, batch = (known[1:] if known is not None and known[0] is state["sum"]
                                             else self._layout(p, state))
-                if batch is not None and atomic_ok and _on_device(filed, weight.device):
+                if batch is not None and atomic_ok and _rows_on(filed, weight.device):
                     # each lookup's rows stay where they were filed: the update reads them in place
                     batches.setdefault(batch, []).append((weight, state_sum, [i for i, _ in filed],
                                                           [g for _, g in filed], [f.share for f in filed]))
@@ -134,7 +134,8 @@ def _batchable(weight: Tensor, state_sum: Tensor) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def _on_device(filed: list, device: torch.device) -> bool:
+def _rows_on(filed: list, device: torch.device) -> bool:
+    """Whether every filed gradient row tensor is on ``device`` (the batched launch reads them there)."""
     for _, rows in filed:
         if rows.device != device:
             return False
