@@ -147,3 +147,29 @@ def test_many_tables_compile_once_whatever_the_id_count():
             step(n)
     torch.cuda.synchronize()
     assert compiled == []
+
+
+def test_a_table_moved_in_memory_between_steps_is_updated_where_it_lives():
+    """SparseAdagrad keeps each group's batched tables (their device addresses included) across steps: a
+    table whose .data is replaced between steps must be updated in its new storage, as dense Adagrad does."""
+    torch.manual_seed(0)
+    sparse = Lookups().cuda()
+    dense = copy.deepcopy(sparse)
+    runs = [(sparse, build_optimizers(sparse, 1e-3, 0.05, sparse_embeddings=True)),
+            (dense, build_optimizers(dense, 1e-3, 0.05))]
+    for step in range(4):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        seq = torch.randint(0, 5000, (32, 40), device="cuda", generator=g)
+        hot = torch.randint(0, 3000, (32, 6), device="cuda", generator=g)
+        for model, opts in runs:
+            if step == 2:
+                model.bags.weight.data = model.bags.weight.data.clone()
+            loss = model(seq, hot)
+            for o in opts:
+                o.zero_grad()
+            loss.backward()
+            for o in opts:
+                o.step()
+    for name in ("item.weight", "bags.weight"):
+        torch.testing.assert_close(dict(sparse.named_parameters())[name], dict(dense.named_parameters())[name],
+                                   rtol=1e-5, atol=1e-6)

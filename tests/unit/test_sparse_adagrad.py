@@ -6,6 +6,7 @@ outputs). Bags and tables looked up several times per step match within fp32 rou
 backward adds a row's contributions in another order than the order of the ids."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -173,6 +174,45 @@ def test_a_resumed_optimizer_updates_the_loaded_state():
         opt.load_state_dict(state)
     got_w, got_sum = third_step()
     assert torch.equal(got_w, want_w) and torch.equal(got_sum, want_sum)
+
+
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(ROWS, DIM), nn.Embedding(ROWS, DIM)
+
+    def forward(self, ids, use_b):
+        out = self.a(ids).sum() + (self.b(ids).pow(2).sum() if use_b else 0)
+        return out
+
+
+def test_step_counts_follow_dense_adagrad_across_a_save_and_load():
+    """Each table counts a step only when it was looked up (as dense Adagrad counts a table with a gradient);
+    the counts are views of one buffer (SparseAdagrad._Plan), which must survive torch.save / load_state_dict
+    and keep counting per table."""
+    torch.manual_seed(0)
+    dense = TwoTables()
+    sparse = copy.deepcopy(dense)
+    d_opt, s_opt = torch.optim.Adagrad(dense.parameters(), lr=0.3), SparseAdagrad(use_sparse_row_gradients(sparse), lr=0.3)
+
+    def steps(uses):
+        for use_b in uses:
+            ids = _batch("embedding", len(uses))[0]
+            for model, opt in ((dense, d_opt), (sparse, s_opt)):
+                opt.zero_grad(set_to_none=True)
+                model(ids, use_b).backward()
+                opt.step()
+        return [float(s_opt.state[t.weight]["step"]) for t in (sparse.a, sparse.b)]
+
+    assert steps([True, False, False]) == [3.0, 1.0]
+    buffer = io.BytesIO()
+    torch.save(s_opt.state_dict(), buffer)
+    buffer.seek(0)
+    s_opt.load_state_dict(torch.load(buffer))
+    assert steps([False, True]) == [5.0, 2.0]
+    for s_table, d_table in ((sparse.a, dense.a), (sparse.b, dense.b)):
+        assert torch.equal(s_opt.state[s_table.weight]["step"], d_opt.state[d_table.weight]["step"])
+        assert torch.equal(s_opt.state[s_table.weight]["sum"], d_opt.state[d_table.weight]["sum"])
 
 
 def test_zero_grad_drops_rows_of_a_step_never_taken():

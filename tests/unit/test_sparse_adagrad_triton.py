@@ -149,19 +149,46 @@ def test_many_tables_given_their_shares_of_one_filing_match_the_reference(order)
 
 
 def test_runs_join_only_consecutive_shares_of_one_filing():
-    from gemcompile.lowering.sparse_embedding.adagrad_triton import _runs
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import TableSet, _runs
 
     ids, rows = torch.arange(12).reshape(4, 3), torch.randn(4, 3, 2)
     other_ids, other_rows = ids.clone(), rows.clone()
     order = [(ids, rows, 0), (ids, rows, 1), (ids, rows, 2), (ids, rows, 0), None,
              (other_ids, other_rows, 3), (ids, rows, 3)]
-    id_parts = [s[0][s[2]] if s else torch.tensor([7]) for s in order]
-    grad_parts = [s[1][s[2]] if s else torch.zeros(1, 2) for s in order]
-    id_runs, grad_runs = _runs(id_parts, grad_parts, order)
+    parts = [(k % 2, s[0][s[2]], s[1][s[2]], s) if s else (0, torch.tensor([7]), torch.zeros(1, 2), None)
+             for k, s in enumerate(order)]
+    tables = TableSet([torch.zeros(20, 2), torch.zeros(20, 2)], [torch.zeros(20, 2), torch.zeros(20, 2)])
+    id_runs, grad_runs, counts, table_of_part = _runs(tables, parts)
     assert [r.numel() for r in id_runs] == [9, 3, 1, 3, 3]  # 0-2 joined; a restart, None, another filing
     assert id_runs[0].data_ptr() == ids.data_ptr() and grad_runs[0].data_ptr() == rows.data_ptr()
-    assert torch.equal(torch.cat(id_runs), torch.cat(id_parts))
-    assert torch.equal(torch.cat(grad_runs), torch.cat(grad_parts))
+    assert torch.equal(torch.cat(id_runs), torch.cat([p[1] for p in parts]))
+    assert torch.equal(torch.cat(grad_runs), torch.cat([p[2] for p in parts]))
+    assert counts == [3, 3, 3, 3, 1, 3, 3] and table_of_part == [0, 1, 0, 1, 0, 1, 0]
+
+
+def test_runs_check_each_filing_once_and_every_other_part():
+    """A filing whose rows do not match its ids, or a lone part with the wrong dim: a clear error."""
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import TableSet, _runs
+
+    tables = TableSet([torch.zeros(5, 2)], [torch.zeros(5, 2)])
+    ids, rows = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, 2)  # 3 ids per table, 4 rows
+    with pytest.raises(ValueError, match="ids must be"):
+        _runs(tables, [(0, ids[0], rows[0], (ids, rows, 0))])
+    with pytest.raises(ValueError, match="grads"):
+        _runs(tables, [(0, torch.zeros(3, dtype=torch.long), torch.zeros(3, 3), None)])
+    with pytest.raises(TypeError, match="integer"):
+        _runs(tables, [(0, torch.zeros(3), torch.zeros(3, 2), None)])
+
+
+def test_a_table_set_refuses_tables_the_launch_cannot_serve():
+    from gemcompile.lowering.sparse_embedding.adagrad_triton import TableSet
+
+    with pytest.raises(ValueError, match="float32 sums"):
+        TableSet([torch.zeros(4, 2)], [torch.zeros(4, 2, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="unit"):
+        TableSet([torch.zeros(2, 4).t()], [torch.zeros(4, 2)])
+    with pytest.raises(ValueError, match="one .rows, dim. shape"):
+        TableSet([torch.zeros(4, 2)], [torch.zeros(4, 3)])
 
 
 def test_joined_reads_adjacent_slices_in_place_and_copies_anything_else():

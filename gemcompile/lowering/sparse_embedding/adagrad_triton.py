@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 
 from ..common.tuned_launch import INTERPRET
+from .row_checks import check_rows, check_table
 from .table_meta import TL_DTYPES, device_table
 
-__all__ = ["adagrad_rows_triton_", "adagrad_tables_triton_", "table_parts"]
+__all__ = ["TableSet", "adagrad_rows_triton_", "adagrad_table_set_", "adagrad_tables_triton_", "table_parts"]
 
 
 @triton.jit
@@ -252,6 +253,39 @@ def _update_programs(slots: int, block_s: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(slots, block_s), 8 * sms))
 
 
+class TableSet:
+    """The tables one batched update serves (one dim, weight dtype and device; unit column strides; fp32
+    Adagrad sums), checked once, with the (5, tables) int64 device tensor its kernel reads: each table's weight
+    and sum address, rows, weight and sum row strides. SparseAdagrad keeps one per parameter group and kind
+    of table across steps (the per-table work of a step is then only its parts)."""
+
+    def __init__(self, weights: list[torch.Tensor], state_sums: list[torch.Tensor]) -> None:
+        if not weights:
+            raise ValueError("adagrad_tables_triton_: no tables")
+        for w, s in zip(weights, state_sums, strict=True):
+            check_table(w, s)
+        dim, device, dtype = weights[0].shape[1], weights[0].device, weights[0].dtype
+        if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
+            raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
+        if dtype not in TL_DTYPES or any(w.stride(1) != 1 or s.stride(1) != 1 or s.dtype != torch.float32
+                                         for w, s in zip(weights, state_sums)):
+            raise ValueError(f"adagrad_tables_triton_: needs {list(TL_DTYPES)} weights and float32 sums with unit "
+                             f"column strides")
+        self.weights, self.state_sums = list(weights), list(state_sums)
+        self.dim, self.device, self.dtype = dim, device, dtype
+        self.rows_per_table = max(1, max(w.shape[0] for w in weights))
+        self.addresses = tuple(w.data_ptr() for w in weights)
+        self.meta = device_table((self.addresses, tuple(s.data_ptr() for s in state_sums),
+                                  tuple(w.shape[0] for w in weights), tuple(w.stride(0) for w in weights),
+                                  tuple(s.stride(0) for s in state_sums)), device)
+
+    def moved(self) -> bool:
+        """Whether a table's weight is now elsewhere in memory than this set's device tensor says (its
+        ``.data`` replaced; the optimizer's sums change only through load_state_dict, which brings new
+        tensors): build a new set then."""
+        return tuple(w.data_ptr() for w in self.weights) != self.addresses
+
+
 @torch.no_grad()
 def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.Tensor], ids: list,
                            grads: list, lr: float, eps: float, shares: list | None = None) -> None:
@@ -265,30 +299,25 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     for that."""
     if not weights:
         return
-    dim, device, dtype = weights[0].shape[1], weights[0].device, weights[0].dtype
-    if any(w.shape[1] != dim or w.device != device or w.dtype != dtype for w in weights):
-        raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
-    rows_per_table = max(1, max(w.shape[0] for w in weights))
-    id_parts, grad_parts, part_shares, counts, table_of_part = [], [], [], [], []
-    for t, (i, g) in enumerate(zip(ids, grads, strict=True)):
-        for i_part, g_part, share in table_parts(i, g, shares[t] if shares is not None else None):
-            n = i_part.numel()
-            if n:
-                id_parts.append(i_part if i_part.dim() == 1 else i_part.reshape(-1))
-                grad_parts.append(g_part)
-                part_shares.append(share)
-                counts.append(n)
-                table_of_part.append(t)
+    tables = TableSet(weights, state_sums)
+    parts = [(t, i, g, share) for t, (ids_t, grads_t) in enumerate(zip(ids, grads, strict=True))
+             for i, g, share in table_parts(ids_t, grads_t, shares[t] if shares is not None else None)]
+    adagrad_table_set_(tables, parts, lr, eps)
+
+
+@torch.no_grad()
+def adagrad_table_set_(tables: TableSet, parts: list[tuple], lr: float, eps: float) -> None:
+    """adagrad_tables_triton_ on a TableSet: ``parts`` lists (table index in the set, ids (n,), gradient rows
+    (n, dim), share or None) per lookup, in any order; each is checked (a filing's shares once, through the
+    filing)."""
+    id_runs, grad_runs, counts, table_of_part = _runs(tables, parts)
     if not counts:
         return
-    id_runs, grad_runs = _runs(id_parts, grad_parts, part_shares)
+    device, dim = tables.device, tables.dim
     grad_runs = [_float_rows(g) for g in grad_runs]
     if len({g.dtype for g in grad_runs}) > 1:
         grad_runs = [g.float() for g in grad_runs]
-    # weight and sum addresses, rows, weight and sum row strides: (5, tables), kept per set of tables
-    meta = device_table((tuple(w.data_ptr() for w in weights), tuple(s.data_ptr() for s in state_sums),
-                         tuple(w.shape[0] for w in weights), tuple(w.stride(0) for w in weights),
-                         tuple(s.stride(0) for s in state_sums)), device)
+    meta, rows_per_table = tables.meta, tables.rows_per_table
     # every part's ids in one tensor and a key per id (table * rows_per_table + row, -1 to skip), built in a
     # fixed handful of launches whatever the number of tables
     flat = _joined(id_runs).to(torch.int64)
@@ -297,13 +326,13 @@ def adagrad_tables_triton_(weights: list[torch.Tensor], state_sums: list[torch.T
     key = torch.where(inside, flat + table_of * rows_per_table, -1)
     sorted_keys, perm = torch.sort(key, stable=True)
     key_of, acc, last_slot = _sum_by_id(sorted_keys, perm, _adjacent_merged(grad_runs),
-                                        len(weights) * rows_per_table)
+                                        len(tables.weights) * rows_per_table)
     block = _block(dim)
     block_s = 8 if not INTERPRET else 4
     _adagrad_table_slots_kernel[(_update_programs(key_of.numel(), block_s, device), triton.cdiv(dim, block))](
         key_of, last_slot, acc, meta[0], meta[1], meta[2], meta[3], meta[4], rows_per_table, dim,
         acc.stride(0), float(lr), float(eps),
-        W_DTYPE=TL_DTYPES[dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
+        W_DTYPE=TL_DTYPES[tables.dtype], BLOCK_S=block_s, BLOCK_D=block, num_warps=4)
 
 
 def table_parts(ids, grads, shares=None) -> list[tuple]:
@@ -314,26 +343,40 @@ def table_parts(ids, grads, shares=None) -> list[tuple]:
     return [(ids, grads, shares)]
 
 
-def _runs(id_parts: list[torch.Tensor], grad_parts: list[torch.Tensor], shares: list
-          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parts with every stretch of consecutive shares of one filing (pending.Filed) as one view of that
-    filing's tensors: (ids parts, gradient parts), the same rows in the same order, fewer of them."""
-    id_runs, grad_runs, k = [], [], 0
-    while k < len(id_parts):
+def _runs(tables: TableSet, parts: list[tuple]) -> tuple[list, list, list[int], list[int]]:
+    """The parts checked and read as runs: every stretch of consecutive shares of one filing (pending.Filed)
+    as one view of that filing's tensors, found without testing addresses. Returns (ids runs, gradient-row
+    runs, ids per part, table per part), empty parts left out; the runs hold the parts' rows in order."""
+    id_runs, grad_runs, counts, table_of_part = [], [], [], []
+    checked = None  # the ids of the filing whose shares were checked last (a filing's shares come in a row)
+    k = 0
+    while k < len(parts):
+        t, ids, rows, share = parts[k]
         end = k + 1
-        if shares[k] is not None:
-            ids_all, rows_all, first = shares[k]
-            while (end < len(id_parts) and shares[end] is not None and shares[end][0] is ids_all
-                   and shares[end][2] == first + end - k):
-                end += 1
-        if end - k > 1:
-            id_runs.append(ids_all[first:first + end - k].reshape(-1))
-            grad_runs.append(rows_all[first:first + end - k].reshape(-1, rows_all.shape[-1]))
-        else:
-            id_runs.append(id_parts[k])
-            grad_runs.append(grad_parts[k])
+        if share is None:
+            check_rows(tables.weights[t], ids, rows)
+            if ids.numel():
+                id_runs.append(ids)
+                grad_runs.append(rows)
+                counts.append(ids.numel())
+                table_of_part.append(t)
+            k = end
+            continue
+        ids_all, rows_all, first = share
+        if ids_all is not checked:
+            check_rows(tables.weights[t], ids_all.reshape(-1), rows_all.reshape(-1, rows_all.shape[-1]))
+            checked = ids_all
+        while end < len(parts) and (nxt := parts[end][3]) is not None and nxt[0] is ids_all \
+                and nxt[2] == first + end - k:
+            end += 1
+        n = ids_all.shape[1]
+        if n:
+            id_runs.append(ids_all[first:first + end - k].reshape(-1) if end - k > 1 else ids)
+            grad_runs.append(rows_all[first:first + end - k].reshape(-1, rows_all.shape[-1]) if end - k > 1 else rows)
+            counts.extend([n] * (end - k))
+            table_of_part.extend(parts[j][0] for j in range(k, end))
         k = end
-    return id_runs, grad_runs
+    return id_runs, grad_runs, counts, table_of_part
 
 
 def _adjacent_merged(parts: list[torch.Tensor]) -> list[torch.Tensor]:
