@@ -826,7 +826,9 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ token GEMMs (eb5aa10)", "e2e-medium-fill0.5-20261203-060217.json"),
                            ("+ padded sums' blocks (b83dbb7)", "e2e-medium-fill0.5-20261203-061809.json"),
                            ("+ parallel config compile (f3126db)", "e2e-medium-fill0.5-20261203-090042.json"),
-                           ("+ direct CUDA calls (2349e45), peer cut", "e2e-medium-fill0.5-20261203-131812.json")]
+                           ("+ direct CUDA calls (2349e45), peer cut", "e2e-medium-fill0.5-20261203-131812.json"),
+                           ("+ sparse Adagrad host time, no JIT in a step (999fa8d)",
+                            "e2e-medium-fill0.5-20261203-160229.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
@@ -850,12 +852,14 @@ def e2e_medium_before_after() -> str:
              "sizes, passes/token_gemm.py; the static-shape block config for sums over packed tokens, "
              "passes/packed_reduction_blocks.py). Kernel ms per step by class (torch.profiler; `other` holds cuDNN's SDPA "
              "and torch's own CUDA kernels such as the optimizers' multi_tensor_apply). Plot: "
-             "`docs/e2e_kernel_classes.png` (`python benchmarks/render_report.py --write --plot`). In the last "
-             "run the peer was cut by the device call's time limit during its kernel profile (no ratio), and "
+             "`docs/e2e_kernel_classes.png` (`python benchmarks/render_report.py --write --plot`). In the run after "
+             "direct CUDA calls the peer was cut by the device call's time limit during its kernel profile (no ratio), and "
              "gem_compile's first measured step held a Triton JIT compile of the sparse Adagrad update kernel "
              "(`triton_compiles_after_warmup`: the kernel specialized on the alignment of a view whose offset is "
              "the step's id count), which lowers its mean; ee30311 removes that specialization (not re-measured "
-             "here).", ""]
+             "here). The last run has both methods and no kernel profile (`--kernel-steps 0`, to fit the device call's "
+             "limit; its kernel columns are empty): ee30311's fix and the embedding optimizer's host-time cuts "
+             "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file).", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -1527,7 +1531,9 @@ def sparse_optimizer_host_now() -> str:
 SPARSE_OPTIMIZER_HOST = [("addresses tested per table (ee30311)", "sparse_tables-medium-b256-20261203-132833.json"),
                          ("shares of one filing (dd79410)", "sparse_tables-medium-b256-20261203-134011.json"),
                          ("layouts read in the loop, a filing checked once (e3b334f)",
-                          "sparse_tables-medium-b256-20261203-135029.json")]
+                          "sparse_tables-medium-b256-20261203-135029.json"),
+                         ("a plan per group kept across steps, step counts in one buffer (999fa8d)",
+                          "sparse_tables-medium-b256-20261203-160219.json")]
 """The tables alone with the host's time in SparseAdagrad.step() measured (--host-profile), after each cut."""
 
 
@@ -1544,18 +1550,22 @@ def sparse_optimizer_host() -> str:
         last = (path, payload, a)
     lines = ["GEM-ref medium's tables alone (64 bag tables in one lookup call and the item table), batch 256, one "
              "eager step of lookups, backward and optimizer, one H200 (`python benchmarks/sparse_tables.py --size "
-             "medium --batch-size 256 --methods dense,sparse-rows-batched --kernel-profile --host-profile`). The "
+             "medium --batch-size 256 --methods dense,sparse-rows-batched --host-profile`, the runs before the last one "
+             "also with `--kernel-profile`). The "
              "optimizer's span is between CUDA events around `step()`; its host time is the wall time inside "
              "`step()`. The span follows the host time: the GPU waits for the host's Python over the tables. "
              "Target (`issue 24`): the optimizer at `<= 10%` of dense Adagrad's time.", ""]
     lines += table(["after", "file", "step ms", "optimizer span ms", "optimizer host ms", "dense Adagrad ms",
                     "share of dense", "step x dense"], rows)
     path, payload, a = last
-    top = [[f"`{fn}`", f(calls, ".0f"), f(own, ".0f"), f(cum, ".0f")]
-           for fn, calls, own, cum in _host_rows_us(a["optimizer_host_profile"])[:10]]
+    profile = a["optimizer_host_profile"]
+    in_ms = isinstance(profile, dict)  # profile_summary's layout, in ms (written as the file holds them)
+    top = [[f"`{fn}`", f(calls, ".0f"), f(own / 1e3, ".3f") if in_ms else f(own, ".0f"),
+            f(cum / 1e3, ".3f") if in_ms else f(cum, ".0f")] for fn, calls, own, cum in _host_rows_us(profile)[:10]]
     lines += ["", f"Where the host's time in `step()` goes in the last run (cProfile over 10 steps, which slows the "
               f"Python it measures; per step). Source: {source_line((path, payload))}", ""]
-    lines += table(["function", "calls", "own us", "cumulative us"], top)
+    lines += table(["function", "calls", "own ms" if in_ms else "own us",
+                    "cumulative ms" if in_ms else "cumulative us"], top)
     return "\n".join(lines)
 
 
@@ -1613,12 +1623,14 @@ E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-
 
 @block("readme-e2e-now")
 def readme_e2e_now() -> str:
-    mpath, medium = load("e2e-medium-fill0.5-20261203-090042.json")
-    ppath, previous = load("e2e-medium-fill0.5-20261203-061809.json")
+    mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")
+    kpath, kernels = load("e2e-medium-fill0.5-20261203-131812.json")  # the last gem_compile kernel profile
+    ppath, peer = load("e2e-medium-fill0.5-20261203-090042.json")  # the last peer kernel profile
     spath, small = load("e2e-small-fill0.5-20261203-083412.json")
     bpath, b256 = load("e2e-small-fill0.5-20261203-091209.json")
     m = {r["method"]: r for r in medium["results"]}
-    p = {r["method"]: r for r in previous["results"]}
+    k = {r["method"]: r for r in kernels["results"]}["gem"]
+    pk = {r["method"]: r for r in peer["results"]}["inductor"]
     s = {r["method"]: r for r in small["results"]}
     b = {r["method"]: r for r in b256["results"]}
     env, g, i = medium["environment"], m["gem"], m["inductor"]
@@ -1626,14 +1638,15 @@ def readme_e2e_now() -> str:
             f"{env['date_utc'][:10]}, code `{env['git_commit'][:7]}`): GEM-ref medium at batch "
             f"{medium['config']['batch_size']}, fill {medium['config']['fill']}, gem_compile trains "
             f"{f(g['speedup_vs_inductor'])}x torch.compile's samples/s ({f(g['samples_per_s'], '.0f')} against "
-            f"{f(i['samples_per_s'], '.0f')}; {f(p['gem']['speedup_vs_inductor'])}x in the run before, "
-            f"{cite(ppath)}, on a host that left the GPU less idle) at {pct(g['mfu'])}% MFU; kernel time "
-            f"{f(g['kernel_ms_per_step'], '.1f')} of a {f(g['step_ms_median'], '.1f')} ms step, "
-            f"{f(g['kernel_profile']['kernels_per_step'], '.0f')} against "
-            f"{f(i['kernel_profile']['kernels_per_step'], '.0f')} kernels a step, peak memory "
+            f"{f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU (target `25%`), median step "
+            f"{f(g['step_ms_median'], '.1f')} against {f(i['step_ms_median'], '.1f')} ms, peak memory "
             f"{f(g['peak_memory_gib'], '.1f')} against {f(i['peak_memory_gib'], '.1f')} GiB, compile "
             f"{f(g['compile_s'], '.0f')} against {f(i['compile_s'], '.0f')} s ({f(g['compile_time_vs_inductor'])}x), "
-            f"{g['recompiles_after_warmup']} recompiles over {medium['config']['steps']} batches. GEM-ref small at "
+            f"{g['recompiles_after_warmup']} recompiles over {medium['config']['steps']} batches; that run has no "
+            f"kernel profile. The last ones ({cite(kpath)}, code `{kernels['environment']['git_commit'][:7]}`, and "
+            f"{cite(ppath)} for the peer): kernel time {f(k['kernel_ms_per_step'], '.1f')} against "
+            f"{f(pk['kernel_ms_per_step'], '.1f')} ms a step, {f(k['kernel_profile']['kernels_per_step'], '.0f')} "
+            f"against {f(pk['kernel_profile']['kernels_per_step'], '.0f')} kernels. GEM-ref small at "
             f"batch {small['config']['batch_size']} ({cite(spath)}): {f(s['gem']['speedup_vs_inductor'])}x "
             f"(one step of {f(max(s['gem']['step_ms']), '.0f')} ms among steps under 200 ms); at batch "
             f"{b256['config']['batch_size']} ({cite(bpath)}): {f(b['gem']['speedup_vs_inductor'])}x, both methods "
