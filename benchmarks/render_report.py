@@ -913,8 +913,9 @@ def render_kernel_class_plot(plt, path: Path = REPO / "docs" / "e2e_kernel_class
     for label, name in E2E_MEDIUM_BEFORE_AFTER:
         _, payload = load(name)
         for r in payload["results"]:
-            by = (r.get("kernel_profile") or {}).get("by_class_ms") or {}
-            bars.append((f"{r['method']}, {label}", [by.get(c, 0.0) for c in KERNEL_CLASSES]))
+            by = (r.get("kernel_profile") or {}).get("by_class_ms")
+            if by:  # a run without a kernel profile has no bar (not a bar of zeros)
+                bars.append((f"{r['method']}, {label}", [by.get(c, 0.0) for c in KERNEL_CLASSES]))
     fig, ax = plt.subplots(figsize=(11, 5.5))
     bottoms = [0.0] * len(bars)
     for i, cls in enumerate(KERNEL_CLASSES):
