@@ -69,6 +69,22 @@ class Lookups(nn.Module):
         return self.head(x).square().mean()
 
 
+def _lookup_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return (torch.randint(0, 5000, (32, 40), device="cuda", generator=g),
+            torch.randint(0, 3000, (32, 6), device="cuda", generator=g))
+
+
+def _train_step(runner, opts, batch) -> torch.Tensor:
+    loss = runner(*batch)
+    for o in opts:
+        o.zero_grad()
+    loss.backward()
+    for o in opts:
+        o.step()
+    return loss
+
+
 def test_inductor_compiled_sparse_tables_equal_eager():
     torch.manual_seed(0)
     eager = Lookups().cuda()
@@ -82,16 +98,7 @@ def test_inductor_compiled_sparse_tables_equal_eager():
     for model, opts, runner in runs:
         out = []
         for step in range(4):
-            g = torch.Generator(device="cuda").manual_seed(step)
-            seq = torch.randint(0, 5000, (32, 40), device="cuda", generator=g)
-            hot = torch.randint(0, 3000, (32, 6), device="cuda", generator=g)
-            loss = runner(seq, hot)
-            for o in opts:
-                o.zero_grad()
-            loss.backward()
-            for o in opts:
-                o.step()
-            out.append(loss.item())
+            out.append(_train_step(runner, opts, _lookup_batch(step)).item())
         losses.append(out)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses[2], losses[0], rtol=1e-5, atol=1e-6)
@@ -158,18 +165,10 @@ def test_a_table_moved_in_memory_between_steps_is_updated_where_it_lives():
     runs = [(sparse, build_optimizers(sparse, 1e-3, 0.05, sparse_embeddings=True)),
             (dense, build_optimizers(dense, 1e-3, 0.05))]
     for step in range(4):
-        g = torch.Generator(device="cuda").manual_seed(step)
-        seq = torch.randint(0, 5000, (32, 40), device="cuda", generator=g)
-        hot = torch.randint(0, 3000, (32, 6), device="cuda", generator=g)
         for model, opts in runs:
             if step == 2:
                 model.bags.weight.data = model.bags.weight.data.clone()
-            loss = model(seq, hot)
-            for o in opts:
-                o.zero_grad()
-            loss.backward()
-            for o in opts:
-                o.step()
+            _train_step(model, opts, _lookup_batch(step))
     for name in ("item.weight", "bags.weight"):
         torch.testing.assert_close(dict(sparse.named_parameters())[name], dict(dense.named_parameters())[name],
                                    rtol=1e-5, atol=1e-6)
