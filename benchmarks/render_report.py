@@ -872,7 +872,7 @@ def e2e_small_steps() -> str:
         path, payload = load(name)
         for r in payload["results"]:
             steps = r.get("step_ms")
-            rows.append([cite(path), f"`{payload['environment']['git_commit'][:7]}`", str(payload["config"]["batch_size"]),
+            rows.append([cite(path), code_of(payload["environment"]), str(payload["config"]["batch_size"]),
                          r["method"], f(r.get("samples_per_s"), ".0f"), f(r.get("speedup_vs_inductor")),
                          f(r.get("step_ms_median"), ".1f"), f(r.get("step_ms_mean"), ".1f"),
                          f(max(steps), ".1f") if steps else "-", f(r.get("kernel_ms_per_step"), ".1f"),
@@ -900,7 +900,9 @@ def e2e_small_steps() -> str:
              "failed: CUDA-graph trees found a tensor of a graph's memory pool that outlived the call (a cache "
              "inside our ops); 9605d02 makes those caches outside any graph pool (opkit.kept_tensor). In the "
              "seventh it runs, with 0 recompiles, but slower than without graphs: its GPU idles most of the step "
-             "(GPU idle column), so the graphs as partitioned around our ops do not remove the host's time.", ""]
+             "(GPU idle column), so the graphs as partitioned around our ops do not remove the host's time. The "
+             "eighth is batch 1024 again with both methods at ec6c110 (no kernel profile: `--kernel-steps 0`), "
+             "after the embedding optimizer's host-time cuts.", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",
                     "mean step ms", "slowest step ms", "kernel ms / step", "GPU idle ms / step", "load average"],
                    rows)
@@ -1615,10 +1617,26 @@ def ne_vs_eager_sparse_rows() -> str:
     return "\n".join(lines)
 
 
+COMMIT_BY_DIGEST = {"e3f30917d855e051538bd2f3617de4c5f1f2624d915955b7eb5fb70934fb5abb": "ec6c110"}
+"""Results files whose git_commit is wrong, told by their source_digest: the GPU machine's copied .git kept
+a stale HEAD, and a run that took its commit from ``git rev-parse`` there recorded it. Each digest here was
+recomputed with results.source_digest on a checkout of the commit it names."""
+
+
+def code_of(env: dict) -> str:
+    """The commit a file's code was, in backticks: its git_commit, or the commit its source_digest names
+    (COMMIT_BY_DIGEST) with the file's own value beside it."""
+    known = COMMIT_BY_DIGEST.get(env.get("source_digest") or "")
+    commit = (env.get("git_commit") or "")[:7]
+    if known and known != commit:
+        return f"`{known}` (by source digest; the file says `{commit}`)"
+    return f"`{commit}`"
+
+
 E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-20261203-064326.json",
                    "e2e-small-fill0.5-20261203-083412.json", "e2e-small-fill0.5-20261203-091209.json",
                    "e2e-small-fill0.5-20261203-091716.json", "e2e-small-fill0.5-20261203-111954.json",
-                   "e2e-small-fill0.5-20261203-120052.json"]
+                   "e2e-small-fill0.5-20261203-120052.json", "e2e-small-fill0.5-20261203-163128.json"]
 """GEM-ref small, B 1024, after issue 24's steps: every step's time is in the later files only."""
 
 
@@ -1627,7 +1645,7 @@ def readme_e2e_now() -> str:
     mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")
     kpath, kernels = load("e2e-medium-fill0.5-20261203-131812.json")  # the last gem_compile kernel profile
     ppath, peer = load("e2e-medium-fill0.5-20261203-090042.json")  # the last peer kernel profile
-    spath, small = load("e2e-small-fill0.5-20261203-083412.json")
+    spath, small = load("e2e-small-fill0.5-20261203-163128.json")
     bpath, b256 = load("e2e-small-fill0.5-20261203-091209.json")
     m = {r["method"]: r for r in medium["results"]}
     k = {r["method"]: r for r in kernels["results"]}["gem"]
@@ -1648,8 +1666,10 @@ def readme_e2e_now() -> str:
             f"{cite(ppath)} for the peer): kernel time {f(k['kernel_ms_per_step'], '.1f')} against "
             f"{f(pk['kernel_ms_per_step'], '.1f')} ms a step, {f(k['kernel_profile']['kernels_per_step'], '.0f')} "
             f"against {f(pk['kernel_profile']['kernels_per_step'], '.0f')} kernels. GEM-ref small at "
-            f"batch {small['config']['batch_size']} ({cite(spath)}): {f(s['gem']['speedup_vs_inductor'])}x "
-            f"(one step of {f(max(s['gem']['step_ms']), '.0f')} ms among steps under 200 ms); at batch "
+            f"batch {small['config']['batch_size']} ({cite(spath)}, code {code_of(small['environment'])}): "
+            f"{f(s['gem']['speedup_vs_inductor'])}x ({f(s['gem']['samples_per_s'], '.0f')} against "
+            f"{f(s['inductor']['samples_per_s'], '.0f')} samples/s, target `2.0x`), slowest step "
+            f"{f(max(s['gem']['step_ms']), '.0f')} ms; at batch "
             f"{b256['config']['batch_size']} ({cite(bpath)}): {f(b['gem']['speedup_vs_inductor'])}x, both methods "
             f"host-bound (gem_compile's kernels {f(b['gem']['kernel_ms_per_step'], '.1f')} ms of a "
             f"{f(b['gem']['step_ms_median'], '.1f')} ms step). benchmarks/README.md has every run.")
