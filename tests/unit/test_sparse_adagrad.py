@@ -215,6 +215,15 @@ def test_step_counts_follow_dense_adagrad_across_a_save_and_load():
         assert torch.equal(s_opt.state[s_table.weight]["sum"], d_opt.state[d_table.weight]["sum"])
 
 
+def test_add_param_group_refuses_weights_it_was_not_built_with():
+    _, _, sparse, sparse_opts = _pair("embedding")
+    with pytest.raises(TypeError, match="tables it was built with"):
+        sparse_opts[0].add_param_group({"params": [sparse.head.weight]})
+    other = use_sparse_row_gradients(Lookups(nn.Embedding(ROWS, DIM)))
+    with pytest.raises(TypeError, match="tables it was built with"):
+        sparse_opts[0].add_param_group({"params": other[0].weight})
+
+
 def test_zero_grad_drops_rows_of_a_step_never_taken():
     _, _, sparse, sparse_opts = _pair("embedding")
     before = sparse.table.weight.detach().clone()

@@ -22,7 +22,15 @@ the table gradients (they never exist as tensors: build dense tables when you cl
 gradients over several backward passes before a step (each backward's rows are kept and summed at the
 step, which is the same thing; a ``zero_grad()`` drops them). A table whose weight also gets a dense
 ``.grad`` (tied to an output layer, ``logits = h @ table.weight.T``, as SASRec and BERT4Rec do) gets its
-filed rows added into that gradient and one dense Adagrad update, exactly what dense training does.
+filed rows added into that gradient and one dense Adagrad update, exactly what dense training does. The
+tables are given at construction (``add_param_group`` refuses weights it was not built with: their lookups'
+keys come from the table modules).
+
+Host time: per parameter group the first step works out a plan (each table's pending key, local weight and
+sum, its place in the batched launch, checked once) and keeps it while the optimizer state, the parameter
+list, the sum tensors and the weights' addresses stay (a ``load_state_dict`` or a replaced ``.data`` makes a
+new one). The plan also makes every table's ``state["step"]`` a 0-d view of one buffer (the value and dtype
+dense Adagrad keeps; checkpoints store it as usual), so that a step counts with one add.
 """
 
 from __future__ import annotations
@@ -60,6 +68,15 @@ class SparseAdagrad(torch.optim.Adagrad):
         super().__init__([t.weight for t in tables], lr=lr, eps=eps,
                          initial_accumulator_value=initial_accumulator_value, foreach=False)
         self._plans: dict[int, _Plan] = {}  # per parameter group
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if any(id(p) not in self._keys for p in params):
+            raise TypeError("SparseAdagrad.add_param_group: takes only the weights of the tables it was built with "
+                            "(their lookups file rows under the table module's key); build another SparseAdagrad "
+                            "for other tables")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
