@@ -255,9 +255,9 @@ def _update_programs(slots: int, block_s: int, device: torch.device) -> int:
 
 class TableSet:
     """The tables one batched update serves (one dim, weight dtype and device; unit column strides; fp32
-    Adagrad sums), checked once, with the (5, tables) int64 device tensor its kernel reads: each table's weight
-    and sum address, rows, weight and sum row strides. SparseAdagrad keeps one per parameter group and kind
-    of table across steps (the per-table work of a step is then only its parts)."""
+    Adagrad sums), checked once, with the (5, tables) int64 device tensor its kernel reads: each table's
+    weight and sum address, rows, weight and sum row strides. SparseAdagrad keeps one per parameter group
+    and kind of table across steps (the per-table work of a step is then only its parts)."""
 
     def __init__(self, weights: list[torch.Tensor], state_sums: list[torch.Tensor]) -> None:
         if not weights:
@@ -269,8 +269,8 @@ class TableSet:
             raise ValueError("adagrad_tables_triton_: the tables must share one dim, dtype and device")
         if dtype not in TL_DTYPES or any(w.stride(1) != 1 or s.stride(1) != 1 or s.dtype != torch.float32
                                          for w, s in zip(weights, state_sums)):
-            raise ValueError(f"adagrad_tables_triton_: needs {list(TL_DTYPES)} weights and float32 sums with unit "
-                             f"column strides")
+            raise ValueError(f"adagrad_tables_triton_: needs {list(TL_DTYPES)} weights and float32 sums with "
+                             f"unit column strides")
         self.weights, self.state_sums = list(weights), list(state_sums)
         self.dim, self.device, self.dtype = dim, device, dtype
         self.rows_per_table = max(1, max(w.shape[0] for w in weights))
@@ -371,8 +371,11 @@ def _runs(tables: TableSet, parts: list[tuple]) -> tuple[list, list, list[int], 
             end += 1
         n = ids_all.shape[1]
         if n:
-            id_runs.append(ids_all[first:first + end - k].reshape(-1) if end - k > 1 else ids)
-            grad_runs.append(rows_all[first:first + end - k].reshape(-1, rows_all.shape[-1]) if end - k > 1 else rows)
+            if end - k > 1:  # the stretch as one view of the filing's tensors
+                ids, rows = ids_all[first:end - k + first].reshape(-1), rows_all[first:end - k + first]
+                rows = rows.reshape(-1, rows_all.shape[-1])
+            id_runs.append(ids)
+            grad_runs.append(rows)
             counts.extend([n] * (end - k))
             table_of_part.extend(parts[j][0] for j in range(k, end))
         k = end

@@ -21,7 +21,8 @@ def check_table(weight: Tensor, state_sum: Tensor) -> None:
 def check_rows(weight: Tensor, ids: Tensor, grads: Tensor) -> None:
     """One lookup's ids (n,) and gradient rows (n, dim) against its table (cheap: it runs for every part of
     every step)."""
-    if ids.dim() != 1 or grads.dim() != 2 or grads.shape[0] != ids.shape[0] or grads.shape[1] != weight.shape[1]:
+    if (ids.dim() != 1 or grads.dim() != 2 or grads.shape[0] != ids.shape[0]
+            or grads.shape[1] != weight.shape[1]):
         raise ValueError(f"adagrad_rows_: ids must be (n,) and grads (n, {weight.shape[1]}), got "
                          f"{tuple(ids.shape)} and {tuple(grads.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
