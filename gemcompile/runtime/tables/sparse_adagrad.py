@@ -181,9 +181,9 @@ class _Plan:
 
 
 def _batchable(weight: Tensor, state_sum: Tensor) -> bool:
-    """Whether a table's update can join one launch with others (adagrad_tables_triton_): CUDA, unit column
-    strides and an fp32 sum (and, checked at each step, rows on its device and no deterministic-algorithms
-    request: the launch's adds are atomic)."""
+    """Whether a table's update can join one launch with others (a TableSet): CUDA, unit column strides and
+    an fp32 sum (and, checked at each step, no deterministic-algorithms request: the launch's adds are
+    atomic)."""
     return (weight.device.type == "cuda" and weight.dim() == 2 and weight.stride(1) == 1
             and state_sum.stride(1) == 1 and state_sum.dtype == torch.float32
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
