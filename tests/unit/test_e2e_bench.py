@@ -93,6 +93,7 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     assert r["host_load"]["cpus"] >= 1 and r["host_load"]["load_avg_1min"] >= 0
     # no Triton kernel on the CPU: no JIT compile inside a step, no autotuning in the warm-up
     assert r["triton_compiles_after_warmup"] == [] and r["kernel_tuning"]["keys"] == 0
+    assert r["cuda_graph_captures_after_warmup"] == []  # no CUDA graph on the CPU
     # one step under cProfile after the measured ones: the model's forward is among the busiest functions
     profile = r["host_profile"]
     assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0

@@ -8,7 +8,9 @@ Every method trains a fresh GEM-ref (same seed, same synthetic batches, lengths 
 - compile time: the wall time of the warm-up steps minus warm-up x the median measured step (what the
   compilations cost beyond running those steps);
 - recompiles after warm-up: Dynamo's count of compiled graphs, read before and after the measured steps
-  (the warm-up holds at least two batch shapes, so automatic dynamic shapes settle inside it);
+  (the warm-up holds at least two batch shapes, so automatic dynamic shapes settle inside it), and per
+  measured step the Triton JIT compiles and the CUDA-graph captures in it (triton_compiles.py,
+  graph_captures.py: CUDA-graph trees recording new size combinations under ``@reduce-overhead``);
 - peak memory (CUDA) and the final NE over the last ``ne_window`` steps, with its relative gap to eager's
   NE on the same batches;
 - on CUDA, the GPU's own time per step: the summed kernel time of ``kernel_steps`` more steps under
@@ -523,6 +525,8 @@ def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | 
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": graph_count() - graphs_after_warmup,
         "triton_compiles_after_warmup": [list(c) for c in timings.triton_compiles],  # (measured step, kernel)
+        # (measured step, CUDA graphs captured in it): CUDA-graph trees recording inside the measured steps
+        "cuda_graph_captures_after_warmup": [list(c) for c in timings.graph_captures],
         # over the warm-up (compilation included) and the measured steps: what must fit
         "peak_memory_gib": (max(timings.peak_warmup_bytes or 0, timings.peak_steady_bytes) / 2**30
                             if timings.peak_steady_bytes is not None else None),
@@ -573,6 +577,9 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
     if result.get("triton_compiles_after_warmup"):
         log("    Triton JIT compiles inside measured steps (step, kernel): "
             f"{result['triton_compiles_after_warmup']}")
+    if result.get("cuda_graph_captures_after_warmup"):
+        log("    CUDA graphs captured inside measured steps (step, captures): "
+            f"{result['cuda_graph_captures_after_warmup']}")
 
 
 def _local_layers(run: _MethodRun, log) -> list[dict]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gemcompile.runtime.training.gc_policy import compiled_state_frozen, freeze_compiled_state
+from gemcompile.runtime.training.graph_captures import recording_graph_captures
 from gemcompile.runtime.training.triton_compiles import recording_triton_compiles
 
 __all__ = ["Timings", "graph_count", "sync", "timed_steps"]
@@ -52,6 +53,9 @@ class Timings:
     """CUDA peak allocated over the measured steps alone: what training needs once compiled."""
     triton_compiles: list = field(default_factory=list)
     """Kernels the Triton JIT compiled inside measured steps, as (step, kernel name) (triton_compiles.py)."""
+    graph_captures: list = field(default_factory=list)
+    """CUDA graphs captured inside measured steps, as (step, captures) for the steps with any
+    (graph_captures.py; CUDA-graph trees under mode="reduce-overhead")."""
     kernel_tuning: dict = field(default_factory=dict)
     """Our Triton kernels' autotuning over the warm-up (lowering/common/tuned_launch.TUNING): tuning keys,
     seconds (compile and timing of the configs), of which the parallel compile; part of compile_s."""
@@ -87,8 +91,9 @@ def _run_steps(run: Any, timings: Timings) -> None:
         batch = cpu_batch.to(device)
         sync(device)
         compiled: list[str] = []
+        captures: list[int] = []
         t0 = time.perf_counter()
-        with recording_triton_compiles(compiled):
+        with recording_triton_compiles(compiled), recording_graph_captures(captures):
             logits, loss_value = run.train_step(batch)
             sync(device)
         elapsed = time.perf_counter() - t0
@@ -98,5 +103,7 @@ def _run_steps(run: Any, timings: Timings) -> None:
             continue
         timings.step_ms.append(1e3 * elapsed)
         timings.triton_compiles += [(step - cfg.warmup, name) for name in compiled]
+        if captures:
+            timings.graph_captures.append((step - cfg.warmup, len(captures)))
         timings.useful.append(run.formula.train_flops(cpu_batch.seq_lengths, run.batch_size))
         run.window.update(logits.detach().float(), batch.labels, batch.label_mask)
