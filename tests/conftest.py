@@ -34,3 +34,28 @@ def _fresh_state():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def timed_stand_in_run():
+    """step_timing.timed_steps over a stand-in run: ``timed_stand_in_run(train_step, warmup, steps)`` trains
+    with ``train_step(batch) -> (logits, loss)`` on CPU batches that carry nothing, and returns the Timings."""
+    import types
+
+    from gemcompile.runtime.training.step_timing import timed_steps
+
+    class _Batch:
+        seq_lengths = torch.ones(2)
+        labels = label_mask = None
+
+        def to(self, device):
+            return self
+
+    def run(train_step, warmup: int, steps: int):
+        return timed_steps(types.SimpleNamespace(
+            cfg=types.SimpleNamespace(warmup=warmup, steps=steps), device=torch.device("cpu"),
+            data=types.SimpleNamespace(batch=lambda step: _Batch()), train_step=train_step,
+            formula=types.SimpleNamespace(train_flops=lambda lengths, b: 1.0),
+            window=types.SimpleNamespace(update=lambda *a: None), batch_size=2))
+
+    return run

@@ -2,8 +2,6 @@
 passed on, the method is put back after the block (an error included), and step_timing files them per
 measured step. No GPU here: capture_begin is a stand-in that records its calls."""
 
-import types
-
 import pytest
 import torch
 
@@ -37,17 +35,8 @@ def test_the_method_is_restored_on_error(stand_in):
     assert torch.cuda.CUDAGraph.capture_begin is original
 
 
-def test_the_timed_steps_file_captures_per_measured_step(stand_in):
+def test_the_timed_steps_file_captures_per_measured_step(stand_in, timed_stand_in_run):
     """Captures in the warm-up are not counted; two in measured step 2 are filed as (2, 2)."""
-    from gemcompile.runtime.training.step_timing import timed_steps
-
-    class _Batch:
-        seq_lengths = torch.ones(2)
-        labels = label_mask = None
-
-        def to(self, device):
-            return self
-
     calls = []
 
     def train_step(batch):
@@ -57,10 +46,5 @@ def test_the_timed_steps_file_captures_per_measured_step(stand_in):
             torch.cuda.CUDAGraph.capture_begin(object())
         return torch.zeros(1), 0.5
 
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(warmup=3, steps=3), device=torch.device("cpu"),
-        data=types.SimpleNamespace(batch=lambda step: _Batch()), train_step=train_step,
-        formula=types.SimpleNamespace(train_flops=lambda lengths, b: 1.0),
-        window=types.SimpleNamespace(update=lambda *a: None), batch_size=2)
-    timings = timed_steps(run)
+    timings = timed_stand_in_run(train_step, warmup=3, steps=3)
     assert len(timings.step_ms) == 3 and timings.graph_captures == [(2, 2)] and len(stand_in) == 5

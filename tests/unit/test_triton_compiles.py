@@ -34,21 +34,11 @@ def test_nothing_recorded_outside_and_the_hook_restored_on_error(monkeypatch):
     assert knobs.runtime.jit_post_compile_hook is None and log == []
 
 
-def test_the_timed_steps_record_a_compile_inside_a_measured_step_with_its_index(monkeypatch):
+def test_the_timed_steps_record_a_compile_inside_a_measured_step_with_its_index(monkeypatch,
+                                                                                 timed_stand_in_run):
     """step_timing.timed_steps: a JIT compile during the warm-up is not counted; one inside measured step 1
     is recorded as (1, kernel)."""
-    import types
-
     import torch
-
-    from gemcompile.runtime.training.step_timing import timed_steps
-
-    class _Batch:
-        seq_lengths = torch.ones(2)
-        labels = label_mask = None
-
-        def to(self, device):
-            return self
 
     calls = []
 
@@ -60,11 +50,6 @@ def test_the_timed_steps_record_a_compile_inside_a_measured_step_with_its_index(
         return torch.zeros(1), 0.5
 
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(warmup=2, steps=3), device=torch.device("cpu"),
-        data=types.SimpleNamespace(batch=lambda step: _Batch()), train_step=train_step,
-        formula=types.SimpleNamespace(train_flops=lambda lengths, b: 1.0),
-        window=types.SimpleNamespace(update=lambda *a: None), batch_size=2)
-    timings = timed_steps(run)
+    timings = timed_stand_in_run(train_step, warmup=2, steps=3)
     assert len(timings.step_ms) == 3 and timings.triton_compiles == [(1, "_rank_kernel")]
     assert knobs.runtime.jit_post_compile_hook is None
