@@ -38,8 +38,9 @@ def _fresh_state():
 
 @pytest.fixture
 def timed_stand_in_run():
-    """step_timing.timed_steps over a stand-in run: ``timed_stand_in_run(train_step, warmup, steps)`` trains
-    with ``train_step(batch) -> (logits, loss)`` on CPU batches that carry nothing, and returns the Timings."""
+    """step_timing.timed_steps over a stand-in run: ``timed_stand_in_run(train_step, warmup, steps)``
+    trains with ``train_step(batch) -> (logits, loss)`` on CPU batches that carry nothing, and returns the
+    Timings."""
     import types
 
     from gemcompile.runtime.training.step_timing import timed_steps
