@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .reference import adagrad_rows_reference_
 from .row_checks import check_rows, check_table
 
-__all__ = ["adagrad_rows_", "adagrad_tables_"]
+__all__ = ["adagrad_rows_"]
 
 
 def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor, lr: float, eps: float,
@@ -26,14 +25,3 @@ def adagrad_rows_(weight: Tensor, state_sum: Tensor, ids: Tensor, grads: Tensor,
         adagrad_rows_triton_(weight, state_sum, ids, grads, lr, eps, deterministic=deterministic)
     else:
         adagrad_rows_reference_(weight, state_sum, ids, grads, lr, eps)
-
-
-def adagrad_tables_(weights: list[Tensor], state_sums: list[Tensor], ids: list, grads: list, lr: float,
-                    eps: float, shares: list | None = None) -> None:
-    """adagrad_rows_ on several CUDA tables of one dim and dtype in one sort and one launch
-    (adagrad_tables_triton_: every table and part checked as adagrad_rows_ checks them); ``ids[t]`` /
-    ``grads[t]`` a table's tensors or lists of parts (one per lookup); ``shares``: see
-    adagrad_tables_triton_."""
-    from .adagrad_triton import adagrad_tables_triton_
-
-    adagrad_tables_triton_(weights, state_sums, ids, grads, lr, eps, shares)

@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
-from gemcompile.lowering.sparse_embedding.adagrad_triton import TableSet, adagrad_table_set_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
 from gemcompile.runtime.tables.sparse_tables import is_sparse_grad_table
 
@@ -116,7 +115,7 @@ class SparseAdagrad(torch.optim.Adagrad):
                               deterministic=True if id(p) in self._fixed_order else None)
             for tables, set_parts in zip(plan.sets, parts):  # this group's CUDA tables of one dim and dtype
                 if set_parts:
-                    adagrad_table_set_(tables, set_parts, group["lr"], group["eps"])
+                    plan.launch(tables, set_parts, group["lr"], group["eps"])
             plan.count_steps(updated)
         if dense_pending:
             super().step()  # the tables with a dense .grad (their filed rows added in), and only those
@@ -139,9 +138,9 @@ class SparseAdagrad(torch.optim.Adagrad):
 class _Plan:
     """What SparseAdagrad.step needs of a parameter group's tables, worked out once: per table (param, pending
     key, local weight, local Adagrad sum, (TableSet index, table index in it) or None); the TableSets of its
-    batchable tables (one per device, dim and dtype); and the tables' step counts as views of one buffer
-    (state["step"] stays a 0-d tensor per table, as dense Adagrad's, for checkpoints; a step counts with one
-    add where a per-table add over GEM-ref's 65 tables took 0.12 ms on a 2-core CPU)."""
+    batchable tables (one per device, dim and dtype) and their launcher; and the tables' step counts as views
+    of one buffer (state["step"] stays a 0-d tensor per table, as dense Adagrad's, for checkpoints; a step
+    counts with one add where a per-table add over GEM-ref's 65 tables took 0.12 ms on a 2-core CPU)."""
 
     def __init__(self, opt: SparseAdagrad, params: list[Tensor]) -> None:
         self.state, self.params, self.count = opt.state, params, len(params)
@@ -152,7 +151,11 @@ class _Plan:
             if id(p) not in opt._fixed_order and _batchable(weight, local_sum):
                 members.setdefault((weight.device, weight.shape[1], weight.dtype), []).append(len(rows))
             rows.append([p, opt._keys[id(p)], weight, local_sum, None])
-        self.sets = []
+        self.sets, self.launch = [], None
+        if members:  # CUDA tables: Triton (a Linux-only dependency) is imported only for them
+            from gemcompile.lowering.sparse_embedding.adagrad_triton import TableSet, adagrad_table_set_
+
+            self.launch = adagrad_table_set_
         for index in members.values():
             for t, k in enumerate(index):
                 rows[k][4] = (len(self.sets), t)
