@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gemcompile.config import GemConfig
+from gemcompile.config import GemConfig, resolve_token_buckets
 from gemcompile.passes import PIPELINE, GemPass, PassManager, packed_reduction_blocks, packed_size_hints
 from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
                                                   has_partitioner_slot)
@@ -157,12 +157,16 @@ class GemBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Any:
+        import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
         patches = _inductor_patches(mode, options, dynamic=None)
+        cudagraphs = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+        # (unpad's token counts bucketed when CUDA-graph trees would otherwise record a graph per batch)
+        config = resolve_token_buckets(self.config, cudagraphs)
         packed_size_hints.install()  # the backward compiles later, at its first call: a lasting wrapper
         packed_reduction_blocks.install()  # likewise (acts only on graphs with unpad's token counts)
-        passes = self.make_passes()
+        passes = instantiate(self.pass_types, config)
         # Report into an outer log (explain) when there is one, else into this backend's own.
         target = active_log() or PassLog()
         self.last_log = target

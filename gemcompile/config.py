@@ -211,12 +211,14 @@ class UnpadConfig:
     """The share of valid tokens Inductor tunes packed kernels for (its size hint for T = B * N * this);
     any fill runs correctly and nothing recompiles, only kernel choices depend on it."""
 
-    token_buckets: int = 0
-    """0 (the default): the packed length is exactly the batch's token count T. k > 0: T rounded up to a
-    multiple of ceil(B * N / k) (at most k + 1 sizes; at most B * N / k rows of slack, computed on copies of a
-    real token and dropped at the exit). For CUDA graphs (mode="reduce-overhead"): CUDA-graph trees record
-    one graph per distinct size, so an exact T records anew for nearly every batch; with buckets each
-    capacity records once. Costs one more small op per region and the slack rows."""
+    token_buckets: int | None = None
+    """0: the packed length is exactly the batch's token count T. k > 0: T rounded up to a multiple of
+    ceil(B * N / k) (at most k + 1 sizes; at most B * N / k rows of slack, computed on copies of a real token
+    and dropped at the exit). For CUDA graphs (mode="reduce-overhead"): CUDA-graph trees record one graph
+    per distinct size, so an exact T records anew for nearly every batch; with buckets each capacity
+    records once. Costs the slack rows, and attention ops then stay region boundaries (packed_attention
+    needs exact token counts). None (the default): DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS when the compile
+    captures CUDA graphs (Inductor's triton.cudagraphs, as set by mode="reduce-overhead"), else 0."""
 
     packed_attention: bool = True
     """Attention ops with a packed layout (block_attention) read and write the region's packed rows, so the
@@ -235,9 +237,23 @@ class UnpadConfig:
             raise ConfigError(f"UnpadConfig.expected_fill = {self.expected_fill} is invalid: expected (0, 1]")
         if self.min_gemms < 0:
             raise ConfigError(f"UnpadConfig.min_gemms = {self.min_gemms} is invalid: expected >= 0")
-        if self.token_buckets < 0:
+        if self.token_buckets is not None and self.token_buckets < 0:
             raise ConfigError(f"UnpadConfig.token_buckets = {self.token_buckets} is invalid: expected 0 (exact "
                               "token counts) or the number of capacities k >= 1")
+
+
+DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS = 16
+"""UnpadConfig.token_buckets under CUDA graphs when not set: at fill 0.5 about 3% slack rows on average
+(half a bucket of B * N / 16 over T = B * N / 2), and at most 17 sizes per token index."""
+
+
+def resolve_token_buckets(config: "GemConfig", cudagraphs: bool) -> "GemConfig":
+    """``config`` with UnpadConfig.token_buckets decided (None: by whether the compile captures CUDA
+    graphs)."""
+    if config.unpad.token_buckets is not None:
+        return config
+    buckets = DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS if cudagraphs else 0
+    return dataclasses.replace(config, unpad=dataclasses.replace(config.unpad, token_buckets=buckets))
 
 
 MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")

@@ -1,5 +1,5 @@
 """gemcompile::valid_token_index and gemcompile::valid_mask_index: where the valid tokens of a padded batch
-are, as flat row indices (and gemcompile::bucket_token_index, the same rounded up to a few capacities).
+are, as flat row indices (optionally rounded up to a few capacities, ``buckets``).
 
 The unpad pass packs a token-wise region of a padded model: ``packed = x[index // N, index % N]`` and
 back ``zeros(B, N, ...).index_put((index // N, index % N), packed)``. ``index`` lists the positions
@@ -10,9 +10,12 @@ SymInt (the fake implementation allocates one), so one compiled graph serves eve
 Inductor sizes the packed kernels at run time. The price is one device-to-host read of T per call (the
 index's size must be known to allocate it), the same as ``torch.nonzero``.
 
-``bucket_token_index`` pads such an index up to one of a few capacities (UnpadConfig.token_buckets) with a
-sentinel row: the packed size then takes at most buckets + 1 values, so CUDA-graph trees, which record one
-graph per distinct size, record a few graphs instead of one per batch.
+``buckets = k > 0`` pads the index up to one of k + 1 capacities (UnpadConfig.token_buckets) with a sentinel
+row: the packed size then takes at most k + 1 values, so CUDA-graph trees, which record one graph per
+distinct size, record a few graphs instead of one per batch. The padding happens inside the op, so no
+tensor of the exact size T reaches the compiled graph: a graph partition reading T would be recorded again
+for every batch, and with it every partition after it in the tree (seen on the H200 with a separate
+padding op: a recording per step).
 
 ``valid_mask_index`` is the same index for tokens marked by a (B, N) boolean vector instead of lengths
 (``ids != 0``, an attention_mask, left padding, holes): the positions where the vector holds, row-major,
@@ -29,9 +32,8 @@ from torch import Tensor
 
 from .common.opkit import LIB
 
-LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0) -> Tensor")
-LIB.define("valid_mask_index(Tensor valid, int size_hint=0) -> Tensor")
-LIB.define("bucket_token_index(Tensor index, int total, int buckets, int size_hint=0) -> Tensor")
+LIB.define("valid_token_index(Tensor lengths, SymInt max_len, int size_hint=0, int buckets=0) -> Tensor")
+LIB.define("valid_mask_index(Tensor valid, int size_hint=0, int buckets=0) -> Tensor")
 
 
 def _check(lengths: Tensor, max_len) -> None:
@@ -51,8 +53,9 @@ def valid_token_index_reference(lengths: Tensor, max_len: int) -> Tensor:
 
 
 @torch.library.impl(LIB, "valid_token_index", "CompositeExplicitAutograd")
-def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
-    return valid_token_index_reference(lengths, max_len)
+def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0, buckets: int = 0) -> Tensor:
+    index = valid_token_index_reference(lengths, max_len)
+    return pad_to_bucket(index, lengths.shape[0] * max_len, buckets) if buckets else index
 
 
 def _check_mask(valid: Tensor) -> None:
@@ -68,8 +71,9 @@ def valid_mask_index_reference(valid: Tensor) -> Tensor:
 
 
 @torch.library.impl(LIB, "valid_mask_index", "CompositeExplicitAutograd")
-def _valid_mask_index(valid: Tensor, size_hint: int = 0) -> Tensor:
-    return valid_mask_index_reference(valid)
+def _valid_mask_index(valid: Tensor, size_hint: int = 0, buckets: int = 0) -> Tensor:
+    index = valid_mask_index_reference(valid)
+    return pad_to_bucket(index, valid.numel(), buckets) if buckets else index
 
 
 def bucket_capacity(count: int, total: int, buckets: int) -> int:
@@ -78,30 +82,21 @@ def bucket_capacity(count: int, total: int, buckets: int) -> int:
     return min(total, -(-count // step) * step)
 
 
-def bucket_token_index_reference(index: Tensor, total: int, buckets: int) -> Tensor:
+def pad_to_bucket(index: Tensor, total: int, buckets: int) -> Tensor:
     """``index`` (T,) padded to bucket_capacity(T) entries with the sentinel ``total`` (one past the last
     flat position: a scatter sends those rows to a row that is dropped)."""
     if index.dim() != 1 or index.dtype != torch.int64:
-        raise ValueError(f"bucket_token_index: index must be 1-D int64, got {index.dtype} {tuple(index.shape)}")
+        raise ValueError(f"pad_to_bucket: index must be 1-D int64, got {index.dtype} {tuple(index.shape)}")
     if buckets < 1 or total < 0 or index.numel() > total:
-        raise ValueError(f"bucket_token_index: need buckets >= 1 and 0 <= T <= total, got buckets {buckets}, "
+        raise ValueError(f"pad_to_bucket: need buckets >= 1 and 0 <= T <= total, got buckets {buckets}, "
                          f"T {index.numel()}, total {total}")
     capacity = bucket_capacity(index.numel(), total, buckets)
     return torch.cat([index, index.new_full((capacity - index.numel(),), total)])
 
 
-@torch.library.impl(LIB, "bucket_token_index", "CompositeExplicitAutograd")
-def _bucket_token_index(index: Tensor, total: int, buckets: int, size_hint: int = 0) -> Tensor:
-    return bucket_token_index_reference(index, total, buckets)
-
-
-@torch.library.register_fake("gemcompile::bucket_token_index")
-def _bucket_token_index_fake(index: Tensor, total: int, buckets: int, size_hint: int = 0) -> Tensor:
-    from torch._subclasses.fake_tensor import is_fake
-
-    if not is_fake(index):  # a shape-only run: the largest capacity
-        return index.new_empty((total,))
-    return _data_dependent_index(index, total, size_hint and bucket_capacity(size_hint, total, buckets))
+def _check_buckets(buckets: int) -> None:
+    if buckets < 0:
+        raise ValueError(f"buckets must be >= 0 (0: the exact token count), got {buckets}")
 
 
 _HINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,24 +119,35 @@ def inductor_reads_unbacked_hints() -> bool:
 
 
 @torch.library.register_fake("gemcompile::valid_token_index")
-def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0) -> Tensor:
+def _valid_token_index_fake(lengths: Tensor, max_len, size_hint: int = 0, buckets: int = 0) -> Tensor:
     from torch._subclasses.fake_tensor import is_fake
 
     _check(lengths, max_len)
+    _check_buckets(buckets)
     if not is_fake(lengths):
         # plain meta tensors hold no lengths: a shape-only run (explain on the meta device) sees every row
         return lengths.new_empty((lengths.shape[0] * max_len,), dtype=torch.int64)
-    return _data_dependent_index(lengths, lengths.shape[0] * max_len, size_hint)
+    total = lengths.shape[0] * max_len
+    return _data_dependent_index(lengths, total, _hinted(size_hint, total, buckets))
 
 
 @torch.library.register_fake("gemcompile::valid_mask_index")
-def _valid_mask_index_fake(valid: Tensor, size_hint: int = 0) -> Tensor:
+def _valid_mask_index_fake(valid: Tensor, size_hint: int = 0, buckets: int = 0) -> Tensor:
     from torch._subclasses.fake_tensor import is_fake
 
     _check_mask(valid)
+    _check_buckets(buckets)
     if not is_fake(valid):  # a meta vector holds no values: every row (as valid_token_index on meta)
         return valid.new_empty((valid.numel(),), dtype=torch.int64)
-    return _data_dependent_index(valid, valid.shape[0] * valid.shape[1], size_hint)
+    total = valid.shape[0] * valid.shape[1]
+    return _data_dependent_index(valid, total, _hinted(size_hint, total, buckets))
+
+
+def _hinted(size_hint: int, total, buckets: int) -> int:
+    """The hint of the index's size: the expected T, or its capacity when bucketed."""
+    if size_hint > 0 and buckets and isinstance(total, int):
+        return bucket_capacity(size_hint, total, buckets)
+    return size_hint
 
 
 def _data_dependent_index(like: Tensor, bound, size_hint: int) -> Tensor:
@@ -171,13 +177,15 @@ def _data_dependent_index(like: Tensor, bound, size_hint: int) -> Tensor:
     return like.new_empty((count,), dtype=torch.int64)
 
 
-def valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0) -> Tensor:
+def valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0, buckets: int = 0) -> Tensor:
     """Flat row-major positions (int64, (T,)) of the tokens n < lengths[b] of a (B, max_len) padded batch.
 
-    ``size_hint`` is the expected T, for compilers only (Inductor sizes reductions over T with it)."""
-    return torch.ops.gemcompile.valid_token_index(lengths, max_len, size_hint)
+    ``size_hint`` is the expected T, for compilers only (Inductor sizes reductions over T with it).
+    ``buckets > 0``: padded to bucket_capacity(T, B * max_len, buckets) with the sentinel B * max_len."""
+    return torch.ops.gemcompile.valid_token_index(lengths, max_len, size_hint, buckets)
 
 
-def valid_mask_index(valid: Tensor, size_hint: int = 0) -> Tensor:
-    """Flat row-major positions (int64, (T,)) of the tokens where the (B, N) bool ``valid`` holds."""
-    return torch.ops.gemcompile.valid_mask_index(valid, size_hint)
+def valid_mask_index(valid: Tensor, size_hint: int = 0, buckets: int = 0) -> Tensor:
+    """Flat row-major positions (int64, (T,)) of the tokens where the (B, N) bool ``valid`` holds
+    (``buckets > 0``: padded as valid_token_index's)."""
+    return torch.ops.gemcompile.valid_mask_index(valid, size_hint, buckets)

@@ -90,7 +90,7 @@ attention kernels' forward (a whole kernel to recompute an output the size of q,
 the per-step batch order and key bounds every attention site shares (passes/attention/plans.py: derived
 once per step, by design)."""
 
-DATA_DEPENDENT_OPS = ("valid_token_index", "valid_mask_index", "bucket_token_index")
+DATA_DEPENDENT_OPS = ("valid_token_index", "valid_mask_index")
 """gemcompile ops never recomputed at all: unpad's token index (by lengths or by a token vector), whose
 length T is data-dependent (recomputing it is a second device-to-host sync; a budget of 0.3 on GEM-ref tiny
 moved it into the backward). Any other node that binds an unbacked size (``meta["unbacked_bindings"]``:

@@ -38,7 +38,7 @@ bucket's slack). The price is one device-to-host read of T per region per step, 
 unpad benchmark (a token vector's T is read once per step for every region it packs). A capacity would
 need T on the host just the same (to pick the bucket) and would recompile once per bucket.
 The exception is CUDA graphs: CUDA-graph trees record a graph per distinct size, so a new T records anew.
-``UnpadConfig.token_buckets = k`` rounds T up to one of k + 1 capacities (``bucket_token_index``): the
+``UnpadConfig.token_buckets = k`` rounds T up to one of k + 1 capacities (the index ops' ``buckets``): the
 slack rows gather a real token (row B - 1; x there is finite wherever the model's is), scatter into an extra
 batch row B that each exit slices away, and so get a zero gradient; still no recompile.
 """
@@ -384,7 +384,7 @@ class UnpadPass(GemPass):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
-        buckets = self.options.token_buckets
+        buckets = (self.options.token_buckets or 0)
         index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
         if shared is None or order[shared[0]] > order[first]:  # (regions come in graph order)
@@ -445,7 +445,7 @@ class UnpadPass(GemPass):
                 attention: dict, gathers: int, scatters: int) -> None:
         """The region's rewrite record for explain: what ran packed, the gathers and scatters left, the
         attention ops packed, the zeroings dropped before it (unpad_zeroed_rows.py)."""
-        mask, seq, buckets = region.mask, region.mask.seq, self.options.token_buckets
+        mask, seq, buckets = region.mask, region.mask.seq, (self.options.token_buckets or 0)
         ops: dict[str, int] = {}
         for n in region.nodes:
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
@@ -457,10 +457,9 @@ class UnpadPass(GemPass):
                   f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}{dropped}"
                   f"{gathers} gathers in, {scatters} scatters out; GEMMs skip padding: {macs} MACs per "
                   f"padding token forward, saves 6 x {macs} x (B*N - T) FLOPs per training step")
-        call = f"valid_token_index({mask.lengths.name}, {seq})" if mask.vector is None else \
-            f"valid_mask_index({mask.vector.text})"
-        if buckets:
-            call = f"bucket_token_index({call}, {mask.batch * seq}, {buckets})"
+        extra = f", buckets={buckets}" if buckets else ""
+        call = f"valid_token_index({mask.lengths.name}, {seq}{extra})" if mask.vector is None else \
+            f"valid_mask_index({mask.vector.text}{extra})"
         self.rewrote(first, "\n".join(snapshot), (
             f"index = gemcompile.{call}  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
@@ -476,7 +475,7 @@ class UnpadPass(GemPass):
         counts by op, the scatters and gathers that went away, and the text for explain."""
         result = {"ops": {}, "scatters": 0, "gathers": 0, "text": ""}
         if (not self.options.packed_attention or mask.vector is not None
-                or self.options.token_buckets):  # (packed by lengths, no slack rows)
+                or (self.options.token_buckets or 0)):  # (packed by lengths, no slack rows)
             return result
 
         def offsets() -> fx.Node:  # one per lengths per graph, right after the token index
@@ -498,13 +497,11 @@ class UnpadPass(GemPass):
 
     def _token_indices(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> tuple:
         """(index, its batch and sequence positions for the scatters, the batch positions for the gathers)."""
-        buckets = self.options.token_buckets
+        buckets = (self.options.token_buckets or 0)
         if buckets and not isinstance(mask.batch, int):
             raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
+        # bucketed: slack rows hold the sentinel B * N (their scatter row B is dropped at each exit)
         index = self._index(emit, mask, seq, device)
-        if buckets:  # slack rows hold the sentinel B * N: their scatter row B is dropped at each exit
-            index = emit.call(torch.ops.gemcompile.bucket_token_index.default,
-                              (index, mask.batch * seq, buckets, self._hint(mask, seq)))
         batch_index = emit.call(operator.floordiv, (index, seq))
         seq_index = emit.call(operator.mod, (index, seq))
         # gathers read the slack rows from a real position (row B - 1, finite wherever x is)
@@ -521,14 +518,14 @@ class UnpadPass(GemPass):
     def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
         """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
         from the tensors it reads (valid_mask_index)."""
-        hint = self._hint(mask, seq)
+        hint, buckets = self._hint(mask, seq), (self.options.token_buckets or 0)
         if mask.vector is None:
             lengths = mask.lengths
             if mask.offset != 0:
                 lengths = emit.call(operator.add, (lengths, mask.offset))
-            return emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint))
+            return emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint, buckets))
         valid = emit_token_vector(emit, mask.vector, mask.batch, seq, device, "the packed region")
-        return emit.call(torch.ops.gemcompile.valid_mask_index.default, (valid, hint))
+        return emit.call(torch.ops.gemcompile.valid_mask_index.default, (valid, hint, buckets))
 
     def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
         if a in packed:

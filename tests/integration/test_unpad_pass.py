@@ -277,13 +277,14 @@ def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
     """UnpadConfig.token_buckets: the packed length is one of k + 1 capacities; the slack rows (copies of a
     real token) are dropped at the exit, so outputs and every gradient still equal eager, for empty, full and
     mixed batches, in one compile."""
-    from gemcompile.lowering.valid_tokens import bucket_capacity, bucket_token_index_reference
+    from gemcompile.lowering.valid_tokens import bucket_capacity, pad_to_bucket, valid_token_index_reference
 
     model = MaskedResidualFfn()
     sizes = []
 
-    def spy(index, total, buckets, size_hint=0):
-        out = bucket_token_index_reference(index, total, buckets)
+    def spy(lengths, max_len, size_hint=0, buckets=0):
+        index = valid_token_index_reference(lengths, max_len)
+        out = pad_to_bucket(index, lengths.numel() * max_len, buckets) if buckets else index
         sizes.append((index.numel(), out.numel()))
         return out
 
@@ -295,7 +296,7 @@ def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
         x.requires_grad_(True)
         params = list(model.parameters())
         with torch.library._scoped_library("gemcompile", "IMPL") as lib:  # count what the op returns
-            lib.impl("bucket_token_index", spy, "CPU")
+            lib.impl("valid_token_index", spy, "CPU")
             out = compiled(x, lengths)
         grads = torch.autograd.grad(out.square().sum(), params + [x])
         ref = model(x, lengths)
@@ -309,25 +310,76 @@ def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
     assert sizes == [(17, 24), (36, 36), (0, 0), (15, 24), (20, 24)]
     assert all(bucket_capacity(t, 36, 3) == c for t, c in sizes)
     report = explain(model, *x_only(torch.tensor(LENGTH_SETS[0])), config=GemConfig(unpad={"token_buckets": 3}))
-    assert "bucket_token_index" in report.graph_after.code
+    # the index is bucketed inside the op: no tensor of the exact size T in the graph, whose partitions
+    # CUDA-graph trees would otherwise record again for every batch
+    calls = [n for n in report.graph_after.graph.nodes if "valid_token_index" in str(n.target)]
+    assert calls and all(n.args[3] == 3 for n in calls)
+    assert "buckets=3" in str(report)
 
 
 @pytest.mark.parametrize("count,total,buckets,expected", [
     (0, 36, 3, 0), (1, 36, 3, 12), (12, 36, 3, 12), (13, 36, 3, 24), (36, 36, 3, 36), (5, 7, 2, 7),
     (5, 7, 7, 5), (3, 5, 100, 3), (0, 0, 4, 0)])
-def test_bucket_token_index_pads_with_the_sentinel(count, total, buckets, expected):
-    from gemcompile.lowering.valid_tokens import bucket_capacity
+def test_pad_to_bucket_pads_with_the_sentinel(count, total, buckets, expected):
+    from gemcompile.lowering.valid_tokens import bucket_capacity, pad_to_bucket
 
     index = torch.arange(count, dtype=torch.int64)
-    out = torch.ops.gemcompile.bucket_token_index(index, total, buckets)
+    out = pad_to_bucket(index, total, buckets)
     assert bucket_capacity(count, total, buckets) == expected == out.numel()
     assert torch.equal(out[:count], index) and bool((out[count:] == total).all())
 
 
-def test_bucket_token_index_refuses_bad_arguments():
+@pytest.mark.parametrize("lengths,max_len,buckets", [([0, 0], 5, 2), ([5, 5], 5, 2), ([3, 0, 4], 4, 3),
+                                                     ([1, 2, 3], 4, 100), ([2], 3, 1)])
+def test_bucketed_index_ops_equal_the_index_padded_to_its_bucket(lengths, max_len, buckets):
+    """valid_token_index and valid_mask_index with buckets: the exact index, then the sentinel B * N."""
+    from gemcompile.lowering.valid_tokens import pad_to_bucket, valid_token_index_reference
+
+    lengths = torch.tensor(lengths)
+    total = lengths.numel() * max_len
+    expected = pad_to_bucket(valid_token_index_reference(lengths, max_len), total, buckets)
+    assert torch.equal(torch.ops.gemcompile.valid_token_index(lengths, max_len, 0, buckets), expected)
+    valid = torch.arange(max_len)[None, :] < lengths[:, None]
+    assert torch.equal(torch.ops.gemcompile.valid_mask_index(valid, 0, buckets), expected)
+
+
+def test_pad_to_bucket_refuses_bad_arguments():
+    from gemcompile.lowering.valid_tokens import pad_to_bucket
+
     with pytest.raises(ValueError, match="buckets >= 1"):
-        torch.ops.gemcompile.bucket_token_index(torch.arange(3), 10, 0)
+        pad_to_bucket(torch.arange(3), 10, 0)
     with pytest.raises(ValueError, match="T <= total"):
-        torch.ops.gemcompile.bucket_token_index(torch.arange(11), 10, 2)
+        pad_to_bucket(torch.arange(11), 10, 2)
+    with pytest.raises(ValueError, match="buckets >= 1"):
+        torch.ops.gemcompile.valid_token_index(torch.tensor([1, 2]), 3, 0, -1)
     with pytest.raises(ValueError, match="1-D int64"):
-        torch.ops.gemcompile.bucket_token_index(torch.arange(3, dtype=torch.int32), 10, 2)
+        pad_to_bucket(torch.arange(3, dtype=torch.int32), 10, 2)
+
+
+@pytest.mark.parametrize("compile_kwargs,buckets", [({}, 0), ({"mode": "reduce-overhead"}, 16),
+                                                     ({"options": {"triton.cudagraphs": True}}, 16)])
+def test_token_buckets_default_to_bucketed_only_under_cuda_graphs(compile_kwargs, buckets):
+    """UnpadConfig.token_buckets = None: exact token counts, unless the compile captures CUDA graphs, where
+    an exact count would record a graph per batch (on the CPU Inductor skips the graphs; the pass still
+    decides from the mode)."""
+    from gemcompile.config import DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS
+
+    assert buckets in (0, DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS)
+    seen = []
+
+    def spy(lengths, max_len, size_hint=0, buckets=0):
+        from gemcompile.lowering.valid_tokens import pad_to_bucket, valid_token_index_reference
+
+        seen.append(buckets)
+        index = valid_token_index_reference(lengths, max_len)
+        return pad_to_bucket(index, lengths.numel() * max_len, buckets) if buckets else index
+
+    model = MaskedResidualFfn()
+    torch._dynamo.reset()
+    compiled = gem_compile(model, **compile_kwargs)
+    x, lengths = x_only(torch.tensor(LENGTH_SETS[0]))
+    with torch.library._scoped_library("gemcompile", "IMPL") as lib:
+        lib.impl("valid_token_index", spy, "CPU")
+        out = compiled(x, lengths)
+    torch.testing.assert_close(out, model(x, lengths), atol=1e-5, rtol=1e-4)
+    assert seen == [buckets]
