@@ -127,6 +127,22 @@ def test_ratios_against_the_peers_come_from_their_rows():
     assert "speedup_vs_inductor" not in by["gem-no-unpad"]  # a failed method gets no ratios
 
 
+def test_ratios_by_the_median_step_and_against_the_cuda_graph_peer():
+    """A one-time cost inside the measured steps moves the mean (samples/s), not the median: both ratios are
+    written, against torch.compile's default mode and its CUDA-graph mode."""
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=1, warmup=2, device="cpu", dtype="float32",
+                         methods=("inductor", "inductor@reduce-overhead", "gem@reduce-overhead"))
+    rows = [{"method": m, "samples_per_s": rate, "step_ms_median": median, "compile_s": 1.0}
+            for m, rate, median in [("inductor", 100.0, 80.0), ("inductor@reduce-overhead", 125.0, 64.0),
+                                    ("gem@reduce-overhead", 150.0, 40.0)]]
+    by = {r["method"]: r for r in e2e_bench._payload(cfg, rows)["results"]}
+    gem = by["gem@reduce-overhead"]
+    assert gem["speedup_vs_inductor"] == pytest.approx(1.5)
+    assert gem["median_step_speedup_vs_inductor"] == pytest.approx(2.0)
+    assert gem["speedup_vs_inductor@reduce-overhead"] == pytest.approx(1.2)
+    assert gem["median_step_speedup_vs_inductor@reduce-overhead"] == pytest.approx(1.6)
+
+
 def test_ne_past_the_base_rate_only_is_compared_and_printed():
     """NE >= 1 (a short run that has not beaten the base rate yet) is neither compared with eager's nor printed."""
     assert e2e_bench.ne_meaningful([0.9, 0.99]) and not e2e_bench.ne_meaningful([0.9, 1.0])
