@@ -109,8 +109,9 @@ class GemBackend:
         self.pass_types = tuple(PIPELINE if passes is None else passes)
         self.last_log = PassLog()
 
-    def make_passes(self) -> list[GemPass]:
-        return instantiate(self.pass_types, self.config)
+    def make_passes(self, config: GemConfig | None = None) -> list[GemPass]:
+        """The passes, configured by ``config`` (this backend's when None)."""
+        return instantiate(self.pass_types, self.config if config is None else config)
 
     def slot_managers(self, passes: Sequence[GemPass], patches: dict[str, Any]) -> dict[str, PassManager]:
         """One PassManager per Inductor slot gemcompile uses, chaining what is installed there."""
@@ -166,7 +167,7 @@ class GemBackend:
         config = resolve_token_buckets(self.config, cudagraphs)
         packed_size_hints.install()  # the backward compiles later, at its first call: a lasting wrapper
         packed_reduction_blocks.install()  # likewise (acts only on graphs with unpad's token counts)
-        passes = instantiate(self.pass_types, config)
+        passes = self.make_passes(config)
         # Report into an outer log (explain) when there is one, else into this backend's own.
         target = active_log() or PassLog()
         self.last_log = target

@@ -247,7 +247,7 @@ DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS = 16
 (half a bucket of B * N / 16 over T = B * N / 2), and at most 17 sizes per token index."""
 
 
-def resolve_token_buckets(config: "GemConfig", cudagraphs: bool) -> "GemConfig":
+def resolve_token_buckets(config: GemConfig, cudagraphs: bool) -> GemConfig:
     """``config`` with UnpadConfig.token_buckets decided (None: by whether the compile captures CUDA
     graphs)."""
     if config.unpad.token_buckets is not None:

@@ -54,6 +54,7 @@ def valid_token_index_reference(lengths: Tensor, max_len: int) -> Tensor:
 
 @torch.library.impl(LIB, "valid_token_index", "CompositeExplicitAutograd")
 def _valid_token_index(lengths: Tensor, max_len: int, size_hint: int = 0, buckets: int = 0) -> Tensor:
+    _check_buckets(buckets)
     index = valid_token_index_reference(lengths, max_len)
     return pad_to_bucket(index, lengths.shape[0] * max_len, buckets) if buckets else index
 
@@ -72,6 +73,7 @@ def valid_mask_index_reference(valid: Tensor) -> Tensor:
 
 @torch.library.impl(LIB, "valid_mask_index", "CompositeExplicitAutograd")
 def _valid_mask_index(valid: Tensor, size_hint: int = 0, buckets: int = 0) -> Tensor:
+    _check_buckets(buckets)
     index = valid_mask_index_reference(valid)
     return pad_to_bucket(index, valid.numel(), buckets) if buckets else index
 

@@ -259,6 +259,11 @@ class UnpadPass(GemPass):
     stage = "pre_grad"
     config_section = "unpad"
 
+    @property
+    def _buckets(self) -> int:
+        """UnpadConfig.token_buckets (None, left for the backend to decide, packs exact counts)."""
+        return self.options.token_buckets or 0
+
     # -- finding --------------------------------------------------------------------------------
     def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask]) -> list[Region]:
         claimed: set[fx.Node] = set()
@@ -384,7 +389,7 @@ class UnpadPass(GemPass):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
-        buckets = (self.options.token_buckets or 0)
+        buckets = self._buckets
         index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)
         if shared is None or order[shared[0]] > order[first]:  # (regions come in graph order)
@@ -445,7 +450,7 @@ class UnpadPass(GemPass):
                 attention: dict, gathers: int, scatters: int) -> None:
         """The region's rewrite record for explain: what ran packed, the gathers and scatters left, the
         attention ops packed, the zeroings dropped before it (unpad_zeroed_rows.py)."""
-        mask, seq, buckets = region.mask, region.mask.seq, (self.options.token_buckets or 0)
+        mask, seq, buckets = region.mask, region.mask.seq, self._buckets
         ops: dict[str, int] = {}
         for n in region.nodes:
             ops[target_name(n)] = ops.get(target_name(n), 0) + 1
@@ -475,7 +480,7 @@ class UnpadPass(GemPass):
         counts by op, the scatters and gathers that went away, and the text for explain."""
         result = {"ops": {}, "scatters": 0, "gathers": 0, "text": ""}
         if (not self.options.packed_attention or mask.vector is not None
-                or (self.options.token_buckets or 0)):  # (packed by lengths, no slack rows)
+                or self._buckets):  # (packed by lengths, no slack rows)
             return result
 
         def offsets() -> fx.Node:  # one per lengths per graph, right after the token index
@@ -497,7 +502,7 @@ class UnpadPass(GemPass):
 
     def _token_indices(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> tuple:
         """(index, its batch and sequence positions for the scatters, the batch positions for the gathers)."""
-        buckets = (self.options.token_buckets or 0)
+        buckets = self._buckets
         if buckets and not isinstance(mask.batch, int):
             raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
         # bucketed: slack rows hold the sentinel B * N (their scatter row B is dropped at each exit)
@@ -518,7 +523,7 @@ class UnpadPass(GemPass):
     def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
         """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
         from the tensors it reads (valid_mask_index)."""
-        hint, buckets = self._hint(mask, seq), (self.options.token_buckets or 0)
+        hint, buckets = self._hint(mask, seq), self._buckets
         if mask.vector is None:
             lengths = mask.lengths
             if mask.offset != 0:

@@ -273,21 +273,28 @@ def test_dynamic_batch_is_refused_with_a_reason():
     assert counters["gemcompile"]["unpad_refused"] >= 1
 
 
+def _index_spy(calls: list):
+    """A CPU implementation of gemcompile::valid_token_index (the op's own) that records, per call, the
+    token count T, the rows it returns and its buckets."""
+    from gemcompile.lowering.valid_tokens import _valid_token_index
+
+    def spy(lengths, max_len, size_hint=0, buckets=0):
+        out = _valid_token_index(lengths, max_len, size_hint, buckets)
+        calls.append((int(lengths.clamp(0, max_len).sum()), out.numel(), buckets))
+        return out
+
+    return spy
+
+
 def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
     """UnpadConfig.token_buckets: the packed length is one of k + 1 capacities; the slack rows (copies of a
     real token) are dropped at the exit, so outputs and every gradient still equal eager, for empty, full and
     mixed batches, in one compile."""
-    from gemcompile.lowering.valid_tokens import bucket_capacity, pad_to_bucket, valid_token_index_reference
+    from gemcompile.lowering.valid_tokens import bucket_capacity
 
     model = MaskedResidualFfn()
-    sizes = []
-
-    def spy(lengths, max_len, size_hint=0, buckets=0):
-        index = valid_token_index_reference(lengths, max_len)
-        out = pad_to_bucket(index, lengths.numel() * max_len, buckets) if buckets else index
-        sizes.append((index.numel(), out.numel()))
-        return out
-
+    calls = []
+    spy = _index_spy(calls)
     torch.manual_seed(0)
     counters.clear()
     compiled = gem_compile(model, config=GemConfig(unpad={"token_buckets": 3}))
@@ -307,13 +314,14 @@ def test_token_buckets_pad_the_packed_rows_to_a_few_capacities():
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["gemcompile"]["unpad"] == 1
     # B * N = 36 in 3 buckets: capacities 0, 12, 24, 36; T = 17, 36, 0, 15, 20
+    sizes = [(t, rows) for t, rows, _ in calls]
     assert sizes == [(17, 24), (36, 36), (0, 0), (15, 24), (20, 24)]
     assert all(bucket_capacity(t, 36, 3) == c for t, c in sizes)
     report = explain(model, *x_only(torch.tensor(LENGTH_SETS[0])), config=GemConfig(unpad={"token_buckets": 3}))
     # the index is bucketed inside the op: no tensor of the exact size T in the graph, whose partitions
     # CUDA-graph trees would otherwise record again for every batch
-    calls = [n for n in report.graph_after.graph.nodes if "valid_token_index" in str(n.target)]
-    assert calls and all(n.args[3] == 3 for n in calls)
+    nodes = [n for n in report.graph_after.graph.nodes if "valid_token_index" in str(n.target)]
+    assert nodes and all(n.args[3] == 3 for n in nodes)
     assert "buckets=3" in str(report)
 
 
@@ -350,8 +358,10 @@ def test_pad_to_bucket_refuses_bad_arguments():
         pad_to_bucket(torch.arange(3), 10, 0)
     with pytest.raises(ValueError, match="T <= total"):
         pad_to_bucket(torch.arange(11), 10, 2)
-    with pytest.raises(ValueError, match="buckets >= 1"):
+    with pytest.raises(ValueError, match="buckets must be >= 0"):
         torch.ops.gemcompile.valid_token_index(torch.tensor([1, 2]), 3, 0, -1)
+    with pytest.raises(ValueError, match="buckets must be >= 0"):
+        torch.ops.gemcompile.valid_mask_index(torch.ones(2, 3, dtype=torch.bool), 0, -1)
     with pytest.raises(ValueError, match="1-D int64"):
         pad_to_bucket(torch.arange(3, dtype=torch.int32), 10, 2)
 
@@ -365,15 +375,8 @@ def test_token_buckets_default_to_bucketed_only_under_cuda_graphs(compile_kwargs
     from gemcompile.config import DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS
 
     assert buckets in (0, DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS)
-    seen = []
-
-    def spy(lengths, max_len, size_hint=0, buckets=0):
-        from gemcompile.lowering.valid_tokens import pad_to_bucket, valid_token_index_reference
-
-        seen.append(buckets)
-        index = valid_token_index_reference(lengths, max_len)
-        return pad_to_bucket(index, lengths.numel() * max_len, buckets) if buckets else index
-
+    calls = []
+    spy = _index_spy(calls)
     model = MaskedResidualFfn()
     torch._dynamo.reset()
     compiled = gem_compile(model, **compile_kwargs)
@@ -382,4 +385,4 @@ def test_token_buckets_default_to_bucketed_only_under_cuda_graphs(compile_kwargs
         lib.impl("valid_token_index", spy, "CPU")
         out = compiled(x, lengths)
     torch.testing.assert_close(out, model(x, lengths), atol=1e-5, rtol=1e-4)
-    assert seen == [buckets]
+    assert [b for _, _, b in calls] == [buckets]
