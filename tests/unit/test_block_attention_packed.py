@@ -200,3 +200,81 @@ def test_max_len_without_offsets_is_refused():
     with pytest.raises(ValueError, match="give it only with token_offsets"):
         ops.block_attention(q, q, q, torch.tensor([8, 3]), 4, -1, False, None, None, "none", 0.3, None, None,
                             None, None, 8)
+
+
+def with_slack(q, k, v, extra, dtype, seed=11):
+    """q, k, v with `extra` rows after the last sequence (a bucketed token index's slack rows): finite
+    values that belong to no sequence."""
+    g = torch.Generator().manual_seed(seed)
+    T, H, D = q.shape
+    tail = torch.randn(extra, 3 * H * D, generator=g).to(q.device, dtype)
+    return tuple(torch.cat([x, t.view(extra, H, D)]) for x, t in zip((q, k, v), tail.split(H * D, dim=1)))
+
+
+def check_slack(got, exact, T, dtype):
+    """Rows < T equal the call without slack rows; rows >= T: output 0, lse +inf, gradients 0."""
+    out, lse, *grads = got
+    compare((out[:T], lse[:, :T], *(g[:T] for g in grads)), [x.double() for x in exact], dtype,
+            tol=(1e-6, 1e-6) if dtype != torch.float16 else (1e-3, 1e-3), lse_tol=1e-6)
+    assert torch.equal(out[T:], torch.zeros_like(out[T:]))
+    assert torch.isposinf(lse[:, T:]).all()
+    for g in grads:
+        assert torch.equal(g[T:], torch.zeros_like(g[T:]))
+
+
+SLACK_CASES = [CASES[0], CASES[4], CASES[6]]  # closed kernels, general kernels, torch-side rotary
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter test: runs on a machine without CUDA")
+@pytest.mark.parametrize("extra", [1, 37])
+@pytest.mark.parametrize("case", SLACK_CASES, ids=[IDS[CASES.index(c)] for c in SLACK_CASES])
+def test_packed_kernels_slack_rows(case, extra):
+    """Rows past token_offsets[B] (token buckets): the kernels give them zeros (lse +inf) and zero
+    gradients, and the valid rows equal the call without them."""
+    pytest.importorskip("triton")
+    from gemcompile.lowering.block_attention.triton import (
+        block_attention_backward_triton,
+        block_attention_forward_triton,
+    )
+
+    block, window, causal, rotary, dtype, L, *head = case
+    B, H, D = 5, 2, (head or [32])[0]
+    q, k, v, lengths, offsets, cos, sin, _ = packed_case(B, H, L, D, dtype, rotary, seed=L + block + 1)
+    T = q.shape[0]
+    qs, ks, vs = with_slack(q, k, v, extra, dtype)
+    grad_out = torch.randn(qs.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
+    packed = {"token_offsets": offsets.int(), "max_len": L}
+    out, lse = block_attention_forward_triton(qs, ks, vs, *args, **packed)
+    grads = block_attention_backward_triton(grad_out, qs, ks, vs, out, lse, *args, **packed)
+    out0, lse0 = block_attention_forward_triton(q, k, v, *args, **packed)
+    grads0 = block_attention_backward_triton(grad_out[:T], q, k, v, out0, lse0, *args, **packed)
+    check_slack((out, lse, *grads), (out0, lse0, *grads0), T, dtype)
+
+
+@pytest.mark.parametrize("extra", [1, 9])
+@pytest.mark.parametrize("rotary", ["none", "half"])
+def test_packed_op_slack_rows_on_reference_path(rotary, extra):
+    """The public op on CPU with autograd and rows past token_offsets[B]: zeros there (output, lse,
+    gradients), the valid rows as the padded float64 reference."""
+    B, H, L, D = 5, 2, 24, 16
+    dtype = torch.float64
+    q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=extra)
+    T = q.shape[0]
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in with_slack(q, k, v, extra, dtype))
+    call = (lengths, 8, -1, True, cos, sin, rotary, 0.3, None, None, None, offsets, L)
+    out = ops.block_attention(qs, ks, vs, *call)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    _, lse = ops.block_attention_fwd(qs.detach(), ks.detach(), vs.detach(), *call)
+    want = padded_reference(q, k, v, lengths, cos, sin, where, L, 8, -1, True, rotary, grad_out[:T])
+    check_slack((out.detach(), lse, *grads), want, T, dtype)
+
+
+def test_packed_offsets_past_the_rows_are_refused():
+    """Offsets that end past q's rows (fewer rows than tokens) are an error, not a read past the end."""
+    q, k, v, lengths, offsets, *_ = packed_case(2, 2, 8, 16, torch.float32, seed=5, lengths=torch.tensor([8, 3]))
+    with pytest.raises(ValueError, match="ending at most at T = 10"):
+        ops.block_attention(q[:10], k[:10], v[:10], lengths, 4, -1, False, None, None, "none", 0.3, None, None,
+                            None, offsets, 8)

@@ -39,7 +39,8 @@ projection viewed as (T, H, D) is read in place); token n < lengths[b] of sequen
 token_offsets[b] + n, at position n (rotary tables are indexed by n). The result equals the padded op
 on the padded tensors restricted to the valid rows: out and dq, dk, dv are (T, H, D), lse is (H, T).
 Rows past a length do not exist, so q_lengths must be None (it would be lengths) and kv_mask None.
-Without token_offsets, max_len must be 0 (L is q.shape[2]). Offsets are value-checked like lengths (CPU
+q may have rows past token_offsets[B] (T >= the valid count: the slack rows of a bucketed token index):
+they belong to no sequence, their output and gradients are 0 and their lse +inf. Without token_offsets, max_len must be 0 (L is q.shape[2]). Offsets are value-checked like lengths (CPU
 always, CUDA under ``strict_length_checks``).
 
 Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
@@ -197,9 +198,10 @@ def _check_values(q, lengths, kv_mask=None, kv_bounds=None, q_lengths=None, toke
         check_plan_values(None, lengths, kv_mask, kv_bounds=kv_bounds)
     if token_offsets is not None and checks.should_check_values(token_offsets):
         want = torch.cat([lengths.new_zeros(1), lengths.clamp(0, L).cumsum(0)]).to(token_offsets.device)
-        if not torch.equal(token_offsets.long(), want.long()) or int(want[-1]) != q.shape[0]:
-            raise ValueError(f"token_offsets must be [0, cumsum(lengths)] ending at T = {q.shape[0]} (the "
-                             f"rows of q), got {token_offsets.tolist()} for lengths {lengths.tolist()}")
+        # rows past the last offset (a bucketed token index's slack rows) belong to no sequence: output 0
+        if not torch.equal(token_offsets.long(), want.long()) or int(want[-1]) > q.shape[0]:
+            raise ValueError(f"token_offsets must be [0, cumsum(lengths)] ending at most at T = {q.shape[0]} "
+                             f"(the rows of q), got {token_offsets.tolist()} for lengths {lengths.tolist()}")
 
 
 def _kernels(q: Tensor, block: int, window: int):

@@ -15,8 +15,9 @@ jagged-attention reference; its backward applies the transposed rotation to dq a
 O(B*H*L*L). Math in float32 for half inputs, float64 for float64.
 
 Packed layout (token_offsets given, op.py): q, k, v (T, H, D) are scattered into zeros (B, H, L, D)
-(:func:`packed_positions`), the padded reference runs with q_lengths = lengths (rows past a length do
-not exist in the packed layout), and the valid rows are gathered back; lse comes back as (H, T).
+(common/packed.py), the padded reference runs with q_lengths = lengths (rows past a length do not exist
+in the packed layout), and the valid rows are gathered back; lse comes back as (H, T). Rows past the last
+offset (the slack rows of a bucketed token index) belong to no sequence: output and gradients 0, lse +inf.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..common.packed import pack_padded, pad_packed
 from ..common.reference import compute_dtype, zero_invalid_rows
 from ..jagged_attention.reference import reference_backward as jagged_reference_backward
 from ..jagged_attention.reference import reference_forward as jagged_reference_forward
@@ -122,40 +124,45 @@ def _rotated(q, k, v, cos, sin, rotary, kv_mask):
 
 def packed_positions(token_offsets: Tensor, T: int) -> tuple[Tensor, Tensor]:
     """(batch, position) of each of the T packed rows, from the (B+1,) offsets; no host sync (the output
-    size is given)."""
+    size is given). Rows past the last offset (slack rows of a bucketed token index) read as position 0 of
+    the last sequence: the rotary tables stay in range there, and the kernels never compute those rows."""
     offsets = token_offsets.long()
-    counts = offsets[1:] - offsets[:-1]
-    batch = torch.repeat_interleave(torch.arange(counts.shape[0], device=offsets.device), counts,
-                                    output_size=T)
-    return batch, torch.arange(T, device=offsets.device) - offsets[batch]
-
-
-def _pad(x: Tensor, where: tuple[Tensor, Tensor], B: int, L: int, fill: float = 0.0) -> Tensor:
-    """(T, H, ...) packed rows -> (B, H, L, ...) padded, ``fill`` at padded rows."""
-    padded = x.new_full((B, L, *x.shape[1:]), fill)
-    padded[where] = x
-    return padded.transpose(1, 2)
+    rows = torch.arange(T, device=offsets.device)
+    batch = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=max(offsets.shape[0] - 2, 0))
+    position = torch.where(rows < offsets[-1], rows - offsets[batch], 0)
+    return batch, position
 
 
 def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, token_offsets,
                     max_len):
-    B, L = lengths.shape[0], int(max_len)
-    where = packed_positions(token_offsets, q.shape[0])
-    qp, kp, vp = (_pad(x, where, B, L) for x in (q, k, v))
+    L, T = int(max_len), q.shape[0]
+    qp, kp, vp = (pad_packed(x, token_offsets, L) for x in (q, k, v))
     out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, cos, sin, rotary, scale,
                                  q_lengths=lengths)
-    return out.transpose(1, 2)[where].contiguous(), lse.transpose(0, 1)[:, where[0], where[1]].contiguous()
+    # (B, H, L) -> (H, T); a row outside every sequence has no allowed key: +inf, as in the kernels
+    lse_rows = pack_padded(lse.unsqueeze(-1), token_offsets, T).squeeze(-1)
+    inside = _inside(token_offsets, T)[:, None]
+    lse_rows = torch.where(inside, lse_rows, torch.full_like(lse_rows, float("inf")))
+    return pack_padded(out, token_offsets, T), lse_rows.transpose(0, 1).contiguous()
 
 
 def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
                      token_offsets, max_len):
-    B, L = lengths.shape[0], int(max_len)
-    where = packed_positions(token_offsets, q.shape[0])
-    padded = [_pad(x, where, B, L) for x in (grad_out, q, k, v, out)]
-    lse_p = _pad(lse.transpose(0, 1), where, B, L, float("inf"))  # (H, T) -> (B, H, L), +inf past lengths
+    L, T = int(max_len), q.shape[0]
+    padded = [pad_packed(x, token_offsets, L) for x in (grad_out, q, k, v, out)]
+    lse_p = pad_packed(lse.transpose(0, 1).unsqueeze(-1), token_offsets, L).squeeze(-1)  # (B, H, L)
+    past = torch.arange(L, device=lse.device)[None, :] >= lengths.to(lse.device).long()[:, None]
+    lse_p = lse_p.masked_fill(past[:, None, :], float("inf"))  # +inf past lengths
     grads = reference_backward(*padded, lse_p, lengths, block, window, causal, cos, sin, rotary, scale,
                                q_lengths=lengths)
-    return tuple(g.transpose(1, 2)[where].contiguous() for g in grads)
+    return tuple(pack_padded(g, token_offsets, T) for g in grads)  # zeros on rows outside every sequence
+
+
+def _inside(token_offsets: Tensor, T: int) -> Tensor:
+    """(T,) bool: the packed rows that belong to a sequence."""
+    offsets = token_offsets.long()
+    rows = torch.arange(T, device=offsets.device)
+    return (rows >= offsets[0]) & (rows < offsets[-1])
 
 
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,

@@ -963,8 +963,10 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (H, T))."""
     packed = token_offsets is not None
     (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((H, q.shape[0]) if packed else (B, H, L), dtype=torch.float32, device=q.device)
+    # packed: rows past the last offset (a bucketed index's slack) belong to no program: 0 and lse +inf
+    out = (torch.zeros if packed else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    lse = (torch.full((H, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device) if packed
+           else torch.empty((B, H, L), dtype=torch.float32, device=q.device))
     if out.numel() == 0:
         return out, lse
     if _unfused_rotary(rotary, D):
@@ -1014,9 +1016,10 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
     unfused = _unfused_rotary(rotary, D)
     # unfused rotary: the kernels' dq, dk stay fp32 until the transposed rotation (one rounding)
-    dq = torch.empty(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
-    dk = torch.empty(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
-    dv = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    new = torch.zeros if packed else torch.empty  # packed: zero gradients on rows outside every sequence
+    dq = new(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
+    dk = new(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
+    dv = new(q.shape, dtype=v.dtype, device=q.device)
     if dq.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype), dv
     if unfused:
