@@ -923,17 +923,19 @@ def e2e_small_steps() -> str:
              "The tenth to twelfth runs (gem_compile alone: each call's peer was cut by the call's time limit, "
              "so no ratio) take a longer warm-up: no capture inside a measured step at batch 256; at batch 1024 "
              "the graphs give nothing (the step is the GPU's). The thirteenth is batch 256 with all three methods and a "
-             "warm-up of 20 steps, so that every capacity pair is recorded before the measured steps. The fourteenth "
-             "profiles batch 1024 with and without CUDA graphs (gem_compile alone): under graphs the GPU idles "
+             "warm-up of 20 steps, so that every capacity pair is recorded before the measured steps. The "
+             "fourteenth profiles batch 1024 with and without CUDA graphs (gem_compile alone): under graphs "
+             "the GPU idles "
              "only a few ms a step, but its kernel time is higher, mostly Inductor's gathers and scatters "
              "(index and index_put kernels): with token buckets on, the unpad pass kept every attention op a "
              "region boundary, so q, k and v were scattered to padded rows and the outputs gathered back. "
-             "75f5490 kept the attention on packed tokens under buckets (block_attention gives the slack rows "
+             "75f5490 kept the attention on packed tokens under buckets (block_attention gives the slack "
+             "rows "
              "zero outputs and gradients; tested on the CPU, under the Triton interpreter and in the "
-             "stack's compiled-vs-eager test). In the fifteenth run (75f5490) gem_compile's compile failed on "
-             "the H200 (InductorError: GuardOnDataDependentSymNode, Eq(Max(1, u0), 1) on the bucketed size; "
-             "the error is in the file's gem@reduce-overhead row), so the pass again keeps attention a region "
-             "boundary under buckets; the op's slack-row support stays.", ""]
+             "stack's compiled-vs-eager test). In the fifteenth run (75f5490) gem_compile's compile failed "
+             "on the H200 (InductorError: GuardOnDataDependentSymNode, Eq(Max(1, u0), 1) on the bucketed size; "
+             "the error is in the file's gem@reduce-overhead row), so the pass again keeps attention a "
+             "region boundary under buckets; the op's slack-row support stays.", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",
                     "mean step ms", "slowest step ms", "kernel ms / step", "GPU idle ms / step", "warm-up steps",
                     "CUDA graphs captured in measured steps", "load average"],
