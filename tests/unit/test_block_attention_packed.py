@@ -274,7 +274,8 @@ def test_packed_op_slack_rows_on_reference_path(rotary, extra):
 
 def test_packed_offsets_past_the_rows_are_refused():
     """Offsets that end past q's rows (fewer rows than tokens) are an error, not a read past the end."""
-    q, k, v, lengths, offsets, *_ = packed_case(2, 2, 8, 16, torch.float32, seed=5, lengths=torch.tensor([8, 3]))
+    q, k, v, lengths, offsets, *_ = packed_case(2, 2, 8, 16, torch.float32, seed=5,
+                                                lengths=torch.tensor([8, 3]))
     with pytest.raises(ValueError, match="ending at most at T = 10"):
-        ops.block_attention(q[:10], k[:10], v[:10], lengths, 4, -1, False, None, None, "none", 0.3, None, None,
-                            None, offsets, 8)
+        ops.block_attention(q[:10], k[:10], v[:10], lengths, 4, -1, False, None, None, "none", 0.3, None,
+                            None, None, offsets, 8)

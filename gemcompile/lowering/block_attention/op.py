@@ -40,8 +40,9 @@ token_offsets[b] + n, at position n (rotary tables are indexed by n). The result
 on the padded tensors restricted to the valid rows: out and dq, dk, dv are (T, H, D), lse is (H, T).
 Rows past a length do not exist, so q_lengths must be None (it would be lengths) and kv_mask None.
 q may have rows past token_offsets[B] (T >= the valid count: the slack rows of a bucketed token index):
-they belong to no sequence, their output and gradients are 0 and their lse +inf. Without token_offsets, max_len must be 0 (L is q.shape[2]). Offsets are value-checked like lengths (CPU
-always, CUDA under ``strict_length_checks``).
+they belong to no sequence, their output and gradients are 0 and their lse +inf. Without token_offsets,
+max_len must be 0 (L is q.shape[2]). Offsets are value-checked like lengths (CPU always, CUDA under
+``strict_length_checks``).
 
 Rotary: ``rotary`` in {"none", "half", "interleaved"}. "none" needs cos = sin = None; otherwise cos and
 sin are (L, D), (B, L, D) or (1|B, 1, L, D) (shared tables are read with batch stride 0, never copied),

@@ -35,7 +35,6 @@ __all__ = [
     "allowed_pattern",
     "apply_rotary",
     "apply_rotary_transpose",
-    "packed_positions",
     "reference_backward",
     "reference_forward",
     "rotary_tables",
@@ -122,17 +121,6 @@ def _rotated(q, k, v, cos, sin, rotary, kv_mask):
     return q, k, v
 
 
-def packed_positions(token_offsets: Tensor, T: int) -> tuple[Tensor, Tensor]:
-    """(batch, position) of each of the T packed rows, from the (B+1,) offsets; no host sync (the output
-    size is given). Rows past the last offset (slack rows of a bucketed token index) read as position 0 of
-    the last sequence: the rotary tables stay in range there, and the kernels never compute those rows."""
-    offsets = token_offsets.long()
-    rows = torch.arange(T, device=offsets.device)
-    batch = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=max(offsets.shape[0] - 2, 0))
-    position = torch.where(rows < offsets[-1], rows - offsets[batch], 0)
-    return batch, position
-
-
 def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, token_offsets,
                     max_len):
     L, T = int(max_len), q.shape[0]
@@ -140,9 +128,7 @@ def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, s
     out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, cos, sin, rotary, scale,
                                  q_lengths=lengths)
     # (B, H, L) -> (H, T); a row outside every sequence has no allowed key: +inf, as in the kernels
-    lse_rows = pack_padded(lse.unsqueeze(-1), token_offsets, T).squeeze(-1)
-    inside = _inside(token_offsets, T)[:, None]
-    lse_rows = torch.where(inside, lse_rows, torch.full_like(lse_rows, float("inf")))
+    lse_rows = pack_padded(lse.unsqueeze(-1), token_offsets, T, fill=float("inf")).squeeze(-1)
     return pack_padded(out, token_offsets, T), lse_rows.transpose(0, 1).contiguous()
 
 
@@ -156,13 +142,6 @@ def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal
     grads = reference_backward(*padded, lse_p, lengths, block, window, causal, cos, sin, rotary, scale,
                                q_lengths=lengths)
     return tuple(pack_padded(g, token_offsets, T) for g in grads)  # zeros on rows outside every sequence
-
-
-def _inside(token_offsets: Tensor, T: int) -> Tensor:
-    """(T,) bool: the packed rows that belong to a sequence."""
-    offsets = token_offsets.long()
-    rows = torch.arange(T, device=offsets.device)
-    return (rows >= offsets[0]) & (rows < offsets[-1])
 
 
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,

@@ -83,8 +83,9 @@ from ..common.attention_triton import (
     per_step_jit,
     store_rows,
 )
+from ..common.packed import packed_rows
 from ..common.tuned_launch import INTERPRET, autotune, launch
-from .reference import apply_rotary, apply_rotary_transpose, packed_positions, rotary_tables, rotate
+from .reference import apply_rotary, apply_rotary_transpose, rotary_tables, rotate
 
 __all__ = [
     "block_attention_backward_triton",
@@ -894,11 +895,12 @@ def _unfused_rotary(rotary: str, D: int) -> bool:
 
 
 def _token_tables(cos, sin, token_offsets, T: int):
-    """Packed layout: the fp32 (T, 1, D) rows of cos and sin at each token's (sample, position)."""
-    batch, position = packed_positions(token_offsets, T)
+    """Packed layout: the fp32 (T, 1, D) rows of cos and sin at each token's (sample, position); rows outside
+    every sequence (a bucketed index's slack) read a real row, and no kernel computes them."""
     rows = []
     for table in (cos, sin):
         t3 = rotary_tables(table, 0)  # (Bc, L, D), Bc in {1, B}
+        batch, position, _ = packed_rows(token_offsets, T, t3.shape[1])
         rows.append(t3[batch if t3.shape[0] > 1 else 0, position].float()[:, None, :])
     return rows
 

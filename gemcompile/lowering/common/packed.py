@@ -29,6 +29,7 @@ __all__ = [
     "offsets_batch",
     "pack_padded",
     "packed_lengths",
+    "packed_rows",
     "pad_packed",
     "padded_stand_in",
 ]
@@ -113,8 +114,9 @@ def check_token_offsets_values(token_offsets: Tensor | None, T: int, N: int,
                              f"in sequence {i})")
 
 
-def _rows(token_offsets: Tensor, T: int, N: int):
-    """Per packed row: (sequence b, position n, whether the row is a valid token), clamped indices."""
+def packed_rows(token_offsets: Tensor, T: int, N: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed row: (sequence b, position n, whether the row is a valid token), indices clamped into
+    [0, B) and [0, N) (rows outside every sequence read a real slot); no host sync."""
     off = token_offsets.to(torch.int64)
     B = off.shape[0] - 1
     rows = torch.arange(T, device=off.device)
@@ -129,19 +131,19 @@ def pad_packed(x: Tensor, token_offsets: Tensor, N: int) -> Tensor:
     B, T = token_offsets.shape[0] - 1, x.shape[0]
     padded = x.new_zeros((B, N, *x.shape[1:]))
     if B > 0 and N > 0 and T > 0:
-        b, n, valid = _rows(token_offsets, T, N)
+        b, n, valid = packed_rows(token_offsets, T, N)
         keep = valid.view(T, *([1] * (x.dim() - 1)))
         # accumulate: rows outside every sequence add 0 to a clamped slot
         padded.index_put_((b, n), torch.where(keep, x, x.new_zeros(())), accumulate=True)
     return padded.transpose(1, 2)
 
 
-def pack_padded(x: Tensor, token_offsets: Tensor, T: int) -> Tensor:
-    """(B, H, N, ...) padded -> (T, H, ...) packed (contiguous), zeros on rows outside every sequence."""
+def pack_padded(x: Tensor, token_offsets: Tensor, T: int, fill: float = 0.0) -> Tensor:
+    """(B, H, N, ...) padded -> (T, H, ...) packed (contiguous), ``fill`` on rows outside every sequence."""
     N = x.shape[2]
     xt = x.transpose(1, 2)  # (B, N, H, ...)
     if x.shape[0] == 0 or N == 0 or T == 0:
-        return x.new_zeros((T, *xt.shape[2:]))
-    b, n, valid = _rows(token_offsets, T, N)
+        return x.new_full((T, *xt.shape[2:]), fill)
+    b, n, valid = packed_rows(token_offsets, T, N)
     out = xt[b, n]
-    return torch.where(valid.view(T, *([1] * (out.dim() - 1))), out, out.new_zeros(())).contiguous()
+    return torch.where(valid.view(T, *([1] * (out.dim() - 1))), out, out.new_full((), fill)).contiguous()
