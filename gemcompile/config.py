@@ -216,10 +216,9 @@ class UnpadConfig:
     ceil(B * N / k) (at most k + 1 sizes; at most B * N / k rows of slack, computed on copies of a real token
     and dropped at the exit). For CUDA graphs (mode="reduce-overhead"): CUDA-graph trees record one graph
     per distinct size, so an exact T records anew for nearly every batch; with buckets each capacity
-    records once. Costs the slack rows, and attention ops then stay region boundaries (the reason is in
-    passes/unpad.py, UnpadPass._pack_attentions). None (the default): DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS when
-    the compile captures CUDA graphs (Inductor's triton.cudagraphs, as set by mode="reduce-overhead"),
-    else 0."""
+    records once. Costs the slack rows (packed attention ops give them zero outputs and gradients). None
+    (the default): DEFAULT_CUDA_GRAPH_TOKEN_BUCKETS when the compile captures CUDA graphs (Inductor's
+    triton.cudagraphs, as set by mode="reduce-overhead"), else 0."""
 
     packed_attention: bool = True
     """Attention ops with a packed layout (block_attention) read and write the region's packed rows, so the

@@ -479,10 +479,9 @@ class UnpadPass(GemPass):
         """Attention ops that now read and write this region's packed rows (unpad_attention.py): their
         counts by op, the scatters and gathers that went away, and the text for explain."""
         result = {"ops": {}, "scatters": 0, "gathers": 0, "text": ""}
-        # packed by lengths, and not under token buckets: the block_attention op takes slack rows (zeros
-        # there), but on the H200 Inductor then failed to compile GEM-ref small under CUDA graphs
-        # (GuardOnDataDependentSymNode on the bucketed size; benchmarks/README.md, e2e-small-steps)
-        if not self.options.packed_attention or mask.vector is not None or self._buckets:
+        # packed by lengths; a bucketed index's slack rows come after the last offset, where the packed
+        # ops write zero outputs and gradients (lowering/common/packed.py)
+        if not self.options.packed_attention or mask.vector is not None:
             return result
 
         def offsets() -> fx.Node:  # one per lengths per graph, right after the token index

@@ -33,7 +33,9 @@ packed op computes the valid rows as the padded one does (op.py), positions n in
 other query rows are read by nobody: every reader of a token-row output is the gather (through the
 transpose back and an optional flatten to (B, N, H * D)), which reads the valid rows only; a dense output
 has no padded rows. Anything else (another reader, a kv_mask, lengths other than the region's, an argument
-built another way, token buckets) keeps the old boundary, silently: it is what the pass did before.
+built another way) keeps the old boundary, silently: it is what the pass did before. Token buckets do not:
+their slack rows come after the last offset, where every packed op writes zero outputs and gradients
+(lowering/common/packed.py), and the exit's scatter drops them as before.
 """
 
 from __future__ import annotations
@@ -138,7 +140,12 @@ def _row_op(node: fx.Node) -> bool:
 
 
 def _scattered(node: fx.Node, index: RegionIndex) -> fx.Node | None:
-    """P when ``node`` is ``new_zeros(P, (B, N, ...)).index_put((batch_index, seq_index), P)``."""
+    """P when ``node`` is ``new_zeros(P, (B, N, ...)).index_put((batch_index, seq_index), P)``, or with
+    token buckets ``new_zeros(P, (B + 1, N, ...)).index_put(...)[:B]`` (row B takes the slack rows)."""
+    if (node.target is torch.ops.aten.slice.Tensor and len(node.args) == 4
+            and isinstance(node.args[0], fx.Node)
+            and node.args[1] == 0 and node.args[2] == 0 and same_size(node.args[3], index.mask.batch)):
+        node = node.args[0]
     if node.target is not torch.ops.aten.index_put.default or len(node.args) != 3:
         return None
     zeros, indices, values = node.args

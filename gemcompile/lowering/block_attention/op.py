@@ -37,7 +37,10 @@ length, an int >= 1 (positions, block ids, rotary rows and the tiles are counted
 read from q, and cos/sin are absent without rotary). q, k, v are then (T, H, D), any strides (a (T, H*D)
 projection viewed as (T, H, D) is read in place); token n < lengths[b] of sequence b is row
 token_offsets[b] + n, at position n (rotary tables are indexed by n). The result equals the padded op
-on the padded tensors restricted to the valid rows: out and dq, dk, dv are (T, H, D), lse is (H, T).
+on the padded tensors restricted to the valid rows: out and dq, dk, dv are (T, H, D), lse is (T, H)
+(token-major, as jagged_attention's packed lse: an unbacked T as its leading size keeps it out of the
+strides, which CUDA-graph trees compare when they check a graph's inputs for overlap; an (H, T) lse
+made Inductor fail with GuardOnDataDependentSymNode Eq(Max(1, u0), 1) on the H200).
 Rows past a length do not exist, so q_lengths must be None (it would be lengths) and kv_mask None.
 q may have rows past token_offsets[B] (T >= the valid count: the slack rows of a bucketed token index):
 they belong to no sequence, their output and gradients are 0 and their lse +inf. Without token_offsets,
@@ -239,7 +242,7 @@ def block_attention_fwd(
     max_len: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key).
-    Packed: (out (T, H, D), lse (H, T))."""
+    Packed: (out (T, H, D), lse (T, H))."""
     return _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
                     q_lengths, token_offsets, max_len)
 
@@ -270,7 +273,7 @@ def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin,
     lse_dtype = compute_dtype(q.dtype)
     if token_offsets is not None:
         T, H, D = q.shape
-        return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=lse_dtype)
+        return q.new_empty((T, H, D)), q.new_empty((T, H), dtype=lse_dtype)
     B, H, L, D = q.shape
     return q.new_empty((B, H, L, D)), q.new_empty((B, H, L), dtype=lse_dtype)
 

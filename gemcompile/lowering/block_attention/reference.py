@@ -16,7 +16,7 @@ O(B*H*L*L). Math in float32 for half inputs, float64 for float64.
 
 Packed layout (token_offsets given, op.py): q, k, v (T, H, D) are scattered into zeros (B, H, L, D)
 (common/packed.py), the padded reference runs with q_lengths = lengths (rows past a length do not exist
-in the packed layout), and the valid rows are gathered back; lse comes back as (H, T). Rows past the last
+in the packed layout), and the valid rows are gathered back; lse comes back as (T, H). Rows past the last
 offset (the slack rows of a bucketed token index) belong to no sequence: output and gradients 0, lse +inf.
 """
 
@@ -127,16 +127,16 @@ def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, s
     qp, kp, vp = (pad_packed(x, token_offsets, L) for x in (q, k, v))
     out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, cos, sin, rotary, scale,
                                  q_lengths=lengths)
-    # (B, H, L) -> (H, T); a row outside every sequence has no allowed key: +inf, as in the kernels
+    # (B, H, L) -> (T, H); a row outside every sequence has no allowed key: +inf, as in the kernels
     lse_rows = pack_padded(lse.unsqueeze(-1), token_offsets, T, fill=float("inf")).squeeze(-1)
-    return pack_padded(out, token_offsets, T), lse_rows.transpose(0, 1).contiguous()
+    return pack_padded(out, token_offsets, T), lse_rows.contiguous()
 
 
 def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
                      token_offsets, max_len):
     L, T = int(max_len), q.shape[0]
     padded = [pad_packed(x, token_offsets, L) for x in (grad_out, q, k, v, out)]
-    lse_p = pad_packed(lse.transpose(0, 1).unsqueeze(-1), token_offsets, L).squeeze(-1)  # (B, H, L)
+    lse_p = pad_packed(lse.unsqueeze(-1), token_offsets, L).squeeze(-1)  # (T, H) -> (B, H, L)
     past = torch.arange(L, device=lse.device)[None, :] >= lengths.to(lse.device).long()[:, None]
     lse_p = lse_p.masked_fill(past[:, None, :], float("inf"))  # +inf past lengths
     grads = reference_backward(*padded, lse_p, lengths, block, window, causal, cos, sin, rotary, scale,
@@ -147,7 +147,7 @@ def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
                       scale: float, kv_mask=None, q_lengths=None, token_offsets=None, max_len: int = 0):
     """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys).
-    Packed (token_offsets given): q, k, v (T, H, D) -> (out (T, H, D), lse (H, T))."""
+    Packed (token_offsets given): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H))."""
     if token_offsets is not None:
         return _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
                                token_offsets, max_len)

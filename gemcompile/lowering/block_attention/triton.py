@@ -27,7 +27,7 @@ values read as 0, get exactly zero dK and dV). HAS_KV_MASK is a constexpr: witho
 compile to the code they had before.
 
 Packed layout (PACKED constexpr; without it the kernels compile to the code they had before): q, k, v,
-out, dO and dQ, dK, dV are (T, H, D) and lse, delta (H, T); the launcher passes them with batch stride 0
+out, dO and dQ, dK, dV are (T, H, D) and lse, delta (T, H); the launcher passes them with batch stride 0
 and each program starts sequence b at row0 = token_offsets[b] (``_seq_off``). Rows past the length are
 the next sequence's: loads and stores stop at the length instead of L (``_row_end``), and query rows past
 it are not computed (the q_lengths path with q_lengths = lengths). Positions, blocks, rotary table rows
@@ -931,7 +931,7 @@ def _consts(D, block, window, causal, rotary, dtype, kv_mask=None, q_lengths=Non
 
 def _packed_layout(q, lengths, token_offsets, max_len):
     """(B, H, L, D) and the stride functions of the call's layout. Packed, q is (T, H, D) and every
-    row-indexed tensor (q, k, v, out, dO, dQ, dK, dV as (T, H, D); lse and delta as (H, T)) is given batch
+    row-indexed tensor (q, k, v, out, dO, dQ, dK, dV as (T, H, D); lse and delta as (T, H)) is given batch
     stride 0 and its row stride; the kernels start sequence b at row token_offsets[b]."""
     if token_offsets is None:
         B, H, L, D = q.shape
@@ -939,7 +939,7 @@ def _packed_layout(q, lengths, token_offsets, max_len):
     T, H, D = q.shape
     assert max_len >= 1, "the packed layout needs max_len (the padded length)"
     return ((lengths.shape[0], H, int(max_len), D), (lambda t: (0, t.stride(1), t.stride(0), t.stride(2))),
-            (lambda t: (0, *t.stride())))
+            (lambda t: (0, t.stride(1), t.stride(0))))
 
 
 def kv_mask_range(kv_mask, lengths, L: int) -> torch.Tensor:
@@ -962,12 +962,12 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
                                    rotary: str, scale: float, kv_mask=None, *, kv_bounds=None,
                                    q_lengths=None, token_offsets=None, max_len: int = 0):
     """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32). Packed
-    (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (H, T))."""
+    (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H))."""
     packed = token_offsets is not None
     (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
     # packed: rows past the last offset (a bucketed index's slack) belong to no program: 0 and lse +inf
     out = (torch.zeros if packed else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    lse = (torch.full((H, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device) if packed
+    lse = (torch.full((q.shape[0], H), float("inf"), dtype=torch.float32, device=q.device) if packed
            else torch.empty((B, H, L), dtype=torch.float32, device=q.device))
     if out.numel() == 0:
         return out, lse
@@ -998,7 +998,7 @@ def _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3):
     """delta = rowsum(O * dO) (fp32, lse's layout): every row < L padded (MODE_FULL), the packed rows of
     each sequence packed (MODE_OFFSETS, the offsets mode of the shared kernel)."""
     packed = token_offsets is not None
-    delta = torch.empty((H, out.shape[0]) if packed else (B, H, L), dtype=torch.float32, device=out.device)
+    delta = torch.empty((out.shape[0], H) if packed else (B, H, L), dtype=torch.float32, device=out.device)
     delta_block = 32 if INTERPRET else 64
     # the lengths arguments are unused in MODE_FULL
     bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](

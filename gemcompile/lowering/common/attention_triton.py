@@ -66,9 +66,10 @@ KV_BOUNDS_WIDTH = tl.constexpr(length_order.KV_BOUNDS_WIDTH)
 
 PER_STEP_SIZES = ("total_q_rows", "total_kv_rows", "stride_lh")
 """Kernel arguments whose values change with every batch: the packed token counts and the head stride of a
-packed lse / delta (H, T). Triton specializes an int argument on its divisibility by 16 and compiles the
-kernel again for a value that changes it, so every kernel taking T compiled anew, inside a training step,
-the first time a batch's T was a multiple of 16; the kernels are declared with :func:`per_step_jit`."""
+packed lse / delta laid out (H, T) (none is now: both packed lse are (T, H)). Triton specializes an int
+argument on its divisibility by 16 and compiles the kernel again for a value that changes it, so every
+kernel taking T compiled anew, inside a training step, the first time a batch's T was a multiple of 16; the
+kernels are declared with :func:`per_step_jit`."""
 
 
 def per_step_jit(fn):

@@ -46,6 +46,7 @@ import os
 import re
 import statistics
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -622,8 +623,12 @@ def run_e2e_bench(cfg: E2EBenchConfig, log=print, on_progress=None) -> dict[str,
         try:
             results.append(run_method(cfg, method, log))
         except Exception as e:  # a method that fails (OOM, a compile error) is recorded; the others still run
-            results.append({"method": method, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-            log(f"  {method} failed: {results[-1]['error'][:200]}")
+            # the traceback goes to the log in full and into the JSON (its tail): a compile error is
+            # only diagnosable from where it was raised
+            tb = traceback.format_exc()
+            results.append({"method": method, "error": f"{type(e).__name__}: {str(e)[:400]}",
+                            "traceback_tail": tb[-4000:]})
+            log(f"  {method} failed: {results[-1]['error'][:200]}\n{tb}")
         if on_progress is not None:
             on_progress(_payload(cfg, [dict(r) for r in results]))
     return _payload(cfg, results)
