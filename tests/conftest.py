@@ -60,3 +60,16 @@ def timed_stand_in_run():
             window=types.SimpleNamespace(update=lambda *a: None), batch_size=2))
 
     return run
+
+
+@pytest.fixture
+def nan_empty():
+    """torch.empty and friends give NaN (ints: their maximum) instead of whatever memory held: a test of
+    outputs allocated empty then fills every row it claims to, instead of passing on fresh zero pages."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    filled = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = filled
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])

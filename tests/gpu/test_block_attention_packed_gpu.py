@@ -56,3 +56,29 @@ def test_public_op_with_autograd_on_cuda():
                                                       None, None, None, offsets, L)
     want = padded_reference(q, k, v, lengths, cos, sin, where, L, 32, -1, True, "half", grad_out)
     compare((out, lse, *grads), want, torch.float16)
+
+
+@pytest.mark.parametrize("extra", [1, 300])
+def test_slack_rows_on_cuda(extra):
+    """Rows past token_offsets[B] (token buckets), bfloat16: output 0, lse +inf, gradients 0 (the outputs
+    are allocated empty and only the slack rows filled, slack_rows_triton.py); the other rows as without
+    them."""
+    from tests.unit.test_block_attention_packed import with_slack
+
+    B, H, L, D, dtype = 7, 4, 256, 64, torch.bfloat16
+    q, k, v, lengths, offsets, cos, sin, _ = packed_case(B, H, L, D, dtype, "half", seed=extra, device="cuda")
+    T = q.shape[0]
+    qs, ks, vs = (x.cuda() for x in with_slack(q.cpu(), k.cpu(), v.cpu(), extra, dtype))
+    torch.cuda.empty_cache()
+    grad_out = torch.randn(qs.shape, device="cuda", dtype=dtype)
+    args = (lengths, 64, -1, True, cos, sin, "half", 0.3)
+    packed = {"token_offsets": offsets, "max_len": L}
+    junk = torch.full((4 * qs.numel(),), float("nan"), device="cuda", dtype=torch.float32)
+    del junk  # its block goes back to the allocator: empty outputs now start as NaN, not fresh zeros
+    out, lse = block_attention_forward_triton(qs, ks, vs, *args, **packed)
+    grads = block_attention_backward_triton(grad_out, qs, ks, vs, out, lse, *args, **packed)
+    out0, lse0 = block_attention_forward_triton(q, k, v, *args, **packed)
+    grads0 = block_attention_backward_triton(grad_out[:T], q, k, v, out0, lse0, *args, **packed)
+    assert torch.isposinf(lse[T:]).all() and (out[T:] == 0).all() and all((g[T:] == 0).all() for g in grads)
+    for got, want in zip((out, lse, *grads), (out0, lse0, *grads0)):  # autotuning may pick other tiles
+        torch.testing.assert_close(got[:T].float(), want.float(), rtol=2e-2, atol=2e-2)

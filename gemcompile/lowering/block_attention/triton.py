@@ -84,6 +84,7 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.packed import packed_rows
+from ..common.slack_rows_triton import fill_slack_rows
 from ..common.tuned_launch import INTERPRET, autotune, launch
 from .reference import apply_rotary, apply_rotary_transpose, rotary_tables, rotate
 
@@ -965,12 +966,12 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H))."""
     packed = token_offsets is not None
     (B, H, L, D), rows4, rows3 = _packed_layout(q, lengths, token_offsets, max_len)
-    # packed: rows past the last offset (a bucketed index's slack) belong to no program: 0 and lse +inf
-    out = (torch.zeros if packed else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    lse = (torch.full((q.shape[0], H), float("inf"), dtype=torch.float32, device=q.device) if packed
-           else torch.empty((B, H, L), dtype=torch.float32, device=q.device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], H) if packed else (B, H, L), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if packed:  # rows past the last offset (a bucketed index's slack) belong to no program: 0, lse +inf
+        fill_slack_rows(token_offsets, (out, 0.0), (lse, float("inf")))
     if _unfused_rotary(rotary, D):
         q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)
         cos = sin = None
@@ -1018,12 +1019,13 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     lse = lse.contiguous()  # the dK/dV and dQ kernels read lse and delta with one set of strides
     unfused = _unfused_rotary(rotary, D)
     # unfused rotary: the kernels' dq, dk stay fp32 until the transposed rotation (one rounding)
-    new = torch.zeros if packed else torch.empty  # packed: zero gradients on rows outside every sequence
-    dq = new(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
-    dk = new(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
-    dv = new(q.shape, dtype=v.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=torch.float32 if unfused else q.dtype, device=q.device)
+    dk = torch.empty(q.shape, dtype=torch.float32 if unfused else k.dtype, device=q.device)
+    dv = torch.empty(q.shape, dtype=v.dtype, device=q.device)
     if dq.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype), dv
+    if packed:  # zero gradients on rows outside every sequence
+        fill_slack_rows(token_offsets, (dq, 0.0), (dk, 0.0), (dv, 0.0))
     if unfused:
         tables = (cos, sin, rotary)
         q, k = _rotated_inputs(q, k, cos, sin, rotary, token_offsets)

@@ -97,6 +97,7 @@ from ..common.attention_triton import (
 from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
+from ..common.slack_rows_triton import fill_slack_rows
 from ..common.tuned_launch import INTERPRET, autotune, launch
 from .diagonal_sums_triton import relative_table_grad_triton
 from .pairs_triton import (act, act_grad, key_keep, masked_key_range, output_scale, pair_mask, query_start,
@@ -714,14 +715,13 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
     B, H, Lk, D = k.shape
     packed = token_offsets is not None
     Lq = int(packed_len) if packed else q.shape[2]
-    if packed:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    else:
-        out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape if packed else (B, H, Lq, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0 or B * H * Lq == 0:
-        return out
+        return out.zero_()
     if Lk == 0:
         return out.zero_()
+    if packed:  # rows outside every sequence (a bucketed index's slack) belong to no program: 0
+        fill_slack_rows(token_offsets, (out, 0.0))
     q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask, token_offsets, Lq)
     bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, spec.relative_offset)
     mask_t, m_strides, bounds, span = _kv_mask_args(kv_mask, kv_lengths, kv_side.lengths, kv_bounds)
@@ -765,14 +765,16 @@ def gdpa_backward_triton(grad_out, q, k, v, q_lengths, kv_lengths, bias, spec: G
     dbias = None
     dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=v.device)
-    if packed:
-        dq_buffer = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if packed:  # zero gradients on rows outside every sequence (filled below; the kernel writes the others)
+        dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:
         dq_buffer = torch.empty((B, H, Lq, D), dtype=torch.float32 if shared_q else q.dtype, device=q.device)
     ds = (torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
           if bias_grad and not in_kernel_bias_grad else None)
     if B * H > 0 and Lq > 0 and Lk > 0 and q.numel() > 0:
         q_side, kv_side = _sides(q, k, q_lengths, kv_lengths, q_order, kv_order, kv_mask, token_offsets, Lq)
+        if packed:
+            fill_slack_rows(token_offsets, (dq_buffer, 0.0))
         bias_t, z_strides = _bias_args(bias, q, B, H, Lq, Lk, relative_offset)
         if ds is None:
             ds_t, ds_strides = dq_buffer, (0, 0, 0)

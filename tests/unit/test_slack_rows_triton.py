@@ -1,0 +1,40 @@
+"""fill_slack_rows: rows from token_offsets[B] on take the value, every other row keeps its bytes; under
+the Triton interpreter against the plain-PyTorch reference, on shapes where the slack is empty, the
+whole tensor, or a part that ends off the kernel's block."""
+
+import os
+
+import pytest
+import torch
+
+from gemcompile.lowering.common.slack_rows_triton import fill_slack_rows, fill_slack_rows_reference
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter test: runs on a machine without CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, last, row", [(10, 7, (3, 4)), (10, 10, (3, 4)), (10, 0, (2,)), (1, 0, ()),
+                                          (3000, 5, (2,)), (777, 700, (5, 3))])
+@pytest.mark.parametrize("value", [0.0, float("inf")])
+def test_fill_slack_rows(dtype, T, last, row, value):
+    g = torch.Generator().manual_seed(T + last)
+    x = torch.randn(T, *row, generator=g).to(dtype)
+    offsets = torch.tensor([0, last // 3, last])
+    want = fill_slack_rows_reference(offsets, x, value)
+    fill_slack_rows(offsets, (x, value))
+    assert torch.equal(x, want)
+
+
+def test_several_tensors_and_empty_ones():
+    offsets = torch.tensor([0, 2, 4], dtype=torch.int32)
+    a, b, empty = torch.ones(6, 2, 3), torch.ones(6, 2), torch.ones(0, 4)
+    fill_slack_rows(offsets, (a, 0.0), (b, float("inf")), (empty, 0.0))
+    assert (a[:4] == 1).all() and (a[4:] == 0).all()
+    assert (b[:4] == 1).all() and torch.isposinf(b[4:]).all()
+
+
+def test_non_contiguous_is_refused():
+    x = torch.ones(4, 6)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        fill_slack_rows(torch.tensor([0, 2]), (x, 0.0))
