@@ -828,7 +828,9 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ parallel config compile (f3126db)", "e2e-medium-fill0.5-20261203-090042.json"),
                            ("+ direct CUDA calls (2349e45), peer cut", "e2e-medium-fill0.5-20261203-131812.json"),
                            ("+ sparse Adagrad host time, no JIT in a step (999fa8d)",
-                            "e2e-medium-fill0.5-20261203-160229.json")]
+                            "e2e-medium-fill0.5-20261203-160229.json"),
+                           ("+ CUDA graphs, attention packed under token buckets (d3c05b6)",
+                            "e2e-medium-fill0.5-20261204-031049.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
@@ -859,7 +861,10 @@ def e2e_medium_before_after() -> str:
              "the step's id count), which lowers its mean; ee30311 removes that specialization (not re-measured "
              "here). The last run has both methods and no kernel profile (`--kernel-steps 0`, to fit the device call's "
              "limit; its kernel columns are empty): ee30311's fix and the embedding optimizer's host-time cuts "
-             "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file).", ""]
+             "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file). The run after it is gem_compile under "
+             "CUDA graphs (`gem@reduce-overhead`: unpad's token counts bucketed, so the attention ops stay on "
+             "packed tokens with slack rows, d3c05b6) against torch.compile's default mode, warm-up 20 steps, "
+             "with a kernel profile.", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -934,8 +939,16 @@ def e2e_small_steps() -> str:
              "zero outputs and gradients; tested on the CPU, under the Triton interpreter and in the "
              "stack's compiled-vs-eager test). In the fifteenth run (75f5490) gem_compile's compile failed "
              "on the H200 (InductorError: GuardOnDataDependentSymNode, Eq(Max(1, u0), 1) on the bucketed size; "
-             "the error is in the file's gem@reduce-overhead row), so the pass again keeps attention a "
-             "region boundary under buckets; the op's slack-row support stays.", ""]
+             "the error is in the file's gem@reduce-overhead row), so the pass again kept attention a "
+             "region boundary under buckets. The cause (found on the CPU from the error's origin, "
+             "complex_memory_overlap: CUDA-graph trees compare the strides of every graph input): "
+             "block_attention's packed lse was (H, T), so the unbacked token count stood in a stride "
+             "(Max(1, u0)). d3c05b6 makes it (T, H), as jagged_attention's, tests every packed op's outputs "
+             "for strides free of T, and packs attention under buckets again. The sixteenth run is batch "
+             "1024 at d3c05b6 with a kernel profile (the index and index_put kernels of the fourteenth are "
+             "gone); the seventeenth batch 256 at d3c05b6 with all three methods. Both still allocate the "
+             "packed outputs with zeros (88 bf16 fills, 3.8 ms a step in the sixteenth's profile); the "
+             "9c2273e fills only the slack rows (not re-measured end to end).", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",
                     "mean step ms", "slowest step ms", "kernel ms / step", "GPU idle ms / step", "warm-up steps",
                     "CUDA graphs captured in measured steps", "load average"],
@@ -1674,52 +1687,51 @@ E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-
                    "e2e-small-fill0.5-20261203-191832.json", "e2e-small-fill0.5-20261203-193054.json",
                    "e2e-small-fill0.5-20261203-193604.json", "e2e-small-fill0.5-20261203-192545.json",
                    "e2e-small-fill0.5-20261203-210112.json", "e2e-small-fill0.5-20261203-222529.json",
-                   "e2e-small-fill0.5-20261203-224137.json"]
+                   "e2e-small-fill0.5-20261203-224137.json", "e2e-small-fill0.5-20261204-025213.json",
+                   "e2e-small-fill0.5-20261204-030111.json"]
 """GEM-ref small, B 1024, after issue 24's steps: every step's time is in the later files only."""
 
 
 @block("readme-e2e-now")
 def readme_e2e_now() -> str:
-    mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")
-    kpath, kernels = load("e2e-medium-fill0.5-20261203-131812.json")  # the last gem_compile kernel profile
-    ppath, peer = load("e2e-medium-fill0.5-20261203-090042.json")  # the last peer kernel profile
-    spath, small = load("e2e-small-fill0.5-20261203-163128.json")
-    bpath, b256 = load("e2e-small-fill0.5-20261203-210112.json")  # warm-up 20: every capacity pair recorded
+    gpath, graphs = load("e2e-medium-fill0.5-20261204-031049.json")  # CUDA graphs, with kernel profiles
+    mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")  # default mode
+    spath, small = load("e2e-small-fill0.5-20261204-025213.json")
+    bpath, b256 = load("e2e-small-fill0.5-20261204-030111.json")  # warm-up 20: every capacity pair recorded
+    mg = {r["method"]: r for r in graphs["results"]}
     m = {r["method"]: r for r in medium["results"]}
-    k = {r["method"]: r for r in kernels["results"]}["gem"]
-    pk = {r["method"]: r for r in peer["results"]}["inductor"]
     s = {r["method"]: r for r in small["results"]}
     b = {r["method"]: r for r in b256["results"]}
-    bg = b["gem@reduce-overhead"]
-    env, g, i = medium["environment"], m["gem"], m["inductor"]
-    return (f"Now ({cite(mpath)}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+    env, g, i = graphs["environment"], mg["gem@reduce-overhead"], mg["inductor"]
+    sg, bg = s["gem@reduce-overhead"], b["gem@reduce-overhead"]
+
+    def kernels(r: dict) -> str:
+        return f"{f(r['kernel_ms_per_step'], '.1f')} ms of kernels in a {f(r['step_ms_mean'], '.1f')} ms step"
+
+    return (f"Now ({cite(gpath)}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
             f"{env['date_utc'][:10]}, code `{env['git_commit'][:7]}`): GEM-ref medium at batch "
-            f"{medium['config']['batch_size']}, fill {medium['config']['fill']}, gem_compile trains "
-            f"{f(g['speedup_vs_inductor'])}x torch.compile's samples/s ({f(g['samples_per_s'], '.0f')} against "
-            f"{f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU (target `25%`), median step "
-            f"{f(g['step_ms_median'], '.1f')} against {f(i['step_ms_median'], '.1f')} ms, peak memory "
+            f"{graphs['config']['batch_size']}, fill {graphs['config']['fill']}, gem_compile under CUDA graphs "
+            f"(mode=\"reduce-overhead\") trains {f(g['speedup_vs_inductor'])}x torch.compile's samples/s "
+            f"({f(g['samples_per_s'], '.0f')} against {f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU "
+            f"(target `25%`: missed); {kernels(g)} against {kernels(i)}, "
+            f"{f(g['kernel_profile']['kernels_per_step'], '.0f')} against "
+            f"{f(i['kernel_profile']['kernels_per_step'], '.0f')} kernels a step, peak memory "
             f"{f(g['peak_memory_gib'], '.1f')} against {f(i['peak_memory_gib'], '.1f')} GiB, compile "
-            f"{f(g['compile_s'], '.0f')} against {f(i['compile_s'], '.0f')} s ({f(g['compile_time_vs_inductor'])}x), "
-            f"{g['recompiles_after_warmup']} recompiles over {medium['config']['steps']} batches; that run has no "
-            f"kernel profile. The last ones ({cite(kpath)}, code `{kernels['environment']['git_commit'][:7]}`, and "
-            f"{cite(ppath)} for the peer): kernel time {f(k['kernel_ms_per_step'], '.1f')} against "
-            f"{f(pk['kernel_ms_per_step'], '.1f')} ms a step, {f(k['kernel_profile']['kernels_per_step'], '.0f')} "
-            f"against {f(pk['kernel_profile']['kernels_per_step'], '.0f')} kernels. GEM-ref small at "
-            f"batch {small['config']['batch_size']} ({cite(spath)}, code {code_of(small['environment'])}): "
-            f"{f(s['gem']['speedup_vs_inductor'])}x ({f(s['gem']['samples_per_s'], '.0f')} against "
-            f"{f(s['inductor']['samples_per_s'], '.0f')} samples/s, target `2.0x`), slowest step "
-            f"{f(max(s['gem']['step_ms']), '.0f')} ms; at batch "
-            f"{b256['config']['batch_size']}, host-bound without CUDA graphs, gem_compile under CUDA graphs "
-            f"(mode=\"reduce-overhead\", {cite(bpath)}, code `{b256['environment']['git_commit'][:7]}`): "
-            f"gem_compile's median step {f(bg['step_ms_median'], '.1f')} ms against torch.compile's "
-            f"{f(b['inductor']['step_ms_median'], '.1f')} (default mode) and "
-            f"{f(b['inductor@reduce-overhead']['step_ms_median'], '.1f')} (CUDA graphs); by samples/s "
+            f"{f(g['compile_s'], '.0f')} against {f(i['compile_s'], '.0f')} s ({f(g['compile_time_vs_inductor'])}x, "
+            f"target `1.5x`), {g['recompiles_after_warmup']} recompiles over {graphs['config']['steps']} batches. "
+            f"Without CUDA graphs ({cite(mpath)}, code `{medium['environment']['git_commit'][:7]}`): "
+            f"{f(m['gem']['speedup_vs_inductor'])}x at {pct(m['gem']['mfu'])}% MFU, compile "
+            f"{f(m['gem']['compile_time_vs_inductor'])}x. GEM-ref small at batch {small['config']['batch_size']} "
+            f"under CUDA graphs ({cite(spath)}, code `{small['environment']['git_commit'][:7]}`): "
+            f"{f(sg['speedup_vs_inductor'])}x ({f(sg['samples_per_s'], '.0f')} against "
+            f"{f(s['inductor']['samples_per_s'], '.0f')} samples/s, target `2.0x`), {kernels(sg)}, compile "
+            f"{f(sg['compile_time_vs_inductor'])}x; at batch {b256['config']['batch_size']} ({cite(bpath)}): "
             f"{f(bg['speedup_vs_inductor'])}x torch.compile (target `1.8x`) and "
-            f"{f(bg['speedup_vs_inductor@reduce-overhead'])}x torch.compile with CUDA graphs, after a warm-up of "
-            f"{b256['config']['warmup']} steps (no graph captured inside a measured step, slowest step "
-            f"{f(max(bg['step_ms']), '.0f')} ms); compile {f(bg['compile_s'], '.0f')} against "
-            f"{f(b['inductor']['compile_s'], '.0f')} s ({f(bg['compile_time_vs_inductor'])}x, target `1.5x`: "
-            f"missed in this run). benchmarks/README.md has every run.")
+            f"{f(bg['speedup_vs_inductor@reduce-overhead'])}x torch.compile under CUDA graphs by samples/s, "
+            f"median step {f(bg['step_ms_median'], '.1f')} ms against {f(b['inductor']['step_ms_median'], '.1f')} "
+            f"and {f(b['inductor@reduce-overhead']['step_ms_median'], '.1f')}, compile "
+            f"{f(bg['compile_time_vs_inductor'])}x, after a warm-up of {b256['config']['warmup']} steps (no graph "
+            f"captured inside a measured step). benchmarks/README.md has every run.")
 
 
 @block("readme-scaling")
