@@ -5,7 +5,8 @@ import torch
 from gemcompile import gem_compile
 
 
-def assert_compiled_matches_eager(model, *inputs, atol: float = 2e-5, rtol: float = 1e-4) -> None:
+def assert_compiled_matches_eager(model, *inputs, atol: float = 2e-5, rtol: float = 1e-4,
+                                  config=None) -> None:
     """Every output of the compiled model equals eager's, and so do the gradients of the outputs' squared sum
     with respect to the inputs that require grad and every parameter (an unused one gets zeros on both
     sides)."""
@@ -17,7 +18,7 @@ def assert_compiled_matches_eager(model, *inputs, atol: float = 2e-5, rtol: floa
         loss = sum(o.float().square().sum() for o in outs)
         return outs, torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True)
 
-    (outs, grads), (refs, ref_grads) = run(gem_compile(model)), run(model)
+    (outs, grads), (refs, ref_grads) = run(gem_compile(model, config=config)), run(model)
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     for g, r in zip(grads, ref_grads, strict=True):

@@ -129,3 +129,16 @@ def test_packed_attention_off_keeps_the_pma_boundary():
     (node,) = ops_named(report, "jagged_attention")
     assert len(node.args) < 15 or node.args[13] is None
     assert all(fed_by_scatter(a) for a in node.args[1:3]), node.format_node()
+
+
+@pytest.mark.parametrize("model, op", [(PoolingModel, "jagged_attention"), (CrossModel, "gdpa")])
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_token_buckets_keep_cross_attention_packed(model, op, buckets):
+    """Token buckets (CUDA graphs' default) end the packed rows with slack rows of no sequence: the op still
+    reads (and gdpa writes) the packed rows, the slack rows get zeros, and the compiled model equals eager,
+    gradients included."""
+    config = GemConfig(unpad={"token_buckets": buckets})
+    report = compare(model(), lambda m: gem_compile(m, config=config), config)
+    assert unpad_record(report).metrics["packed_attention"] == {op: 1}
+    (node,) = ops_named(report, op)
+    assert node.args[-2] is not None, node.format_node()  # token_offsets
