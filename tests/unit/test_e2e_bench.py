@@ -187,6 +187,28 @@ def test_results_are_handed_over_after_each_method():
     assert seen[0]["results"][0]["samples_per_s"] == final["results"][0]["samples_per_s"]
 
 
+def test_a_failed_method_keeps_its_traceback(monkeypatch):
+    """A method that raises (a compile error on the GPU) is recorded with where it was raised, in the log and
+    in the JSON, and the next method still runs."""
+    real, calls = e2e_bench.run_method, []
+
+    def fail_first(cfg, method, log):
+        calls.append(method)
+        if len(calls) == 1:
+            raise RuntimeError("guard on a data-dependent size")
+        return real(cfg, method, log)
+
+    monkeypatch.setattr(e2e_bench, "run_method", fail_first)
+    logged = []
+    cfg = E2EBenchConfig(size="tiny", batch_size=8, steps=1, warmup=2, methods=("eager", "eager"),
+                         device="cpu", dtype="float32", ne_window=1)
+    failed, ran = run_e2e_bench(cfg, log=logged.append)["results"]
+    assert failed["error"] == "RuntimeError: guard on a data-dependent size"
+    assert "Traceback" in failed["traceback_tail"] and "in fail_first" in failed["traceback_tail"]
+    assert any("in fail_first" in str(line) for line in logged)
+    assert "error" not in ran and ran["samples_per_s"] > 0
+
+
 def test_cpp_wrapper_suffix_reaches_torch_compile_as_an_inductor_option(monkeypatch):
     # the suffix must reach Inductor as options={"cpp_wrapper": True}, for the peer and for gem_compile
     assert unknown_methods(["gem@cpp-wrapper", "inductor@cpp-wrapper"]) == []
