@@ -829,7 +829,7 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ direct CUDA calls (2349e45), peer cut", "e2e-medium-fill0.5-20261203-131812.json"),
                            ("+ sparse Adagrad host time, no JIT in a step (999fa8d)",
                             "e2e-medium-fill0.5-20261203-160229.json"),
-                           ("+ CUDA graphs, attention packed under token buckets (d3c05b6)",
+                           ("+ CUDA graphs, attention packed under token buckets (9c2273e)",
                             "e2e-medium-fill0.5-20261204-031049.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
@@ -863,8 +863,8 @@ def e2e_medium_before_after() -> str:
              "limit; its kernel columns are empty): ee30311's fix and the embedding optimizer's host-time cuts "
              "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file). The run after it is gem_compile under "
              "CUDA graphs (`gem@reduce-overhead`: unpad's token counts bucketed, so the attention ops stay on "
-             "packed tokens with slack rows, d3c05b6) against torch.compile's default mode, warm-up 20 steps, "
-             "with a kernel profile.", ""]
+             "packed tokens with slack rows, d3c05b6, and only the slack rows filled, 9c2273e) against "
+             "torch.compile's default mode, warm-up 20 steps, with a kernel profile.", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -948,7 +948,8 @@ def e2e_small_steps() -> str:
              "1024 at d3c05b6 with a kernel profile (the index and index_put kernels of the fourteenth are "
              "gone); the seventeenth batch 256 at d3c05b6 with all three methods. Both still allocate the "
              "packed outputs with zeros (88 bf16 fills, 3.8 ms a step in the sixteenth's profile); the "
-             "9c2273e fills only the slack rows (not re-measured end to end).", ""]
+             "9c2273e fills only the slack rows (measured in medium's run under CUDA graphs, "
+             "e2e-medium-before-after: 28 fill kernels, 0.66 ms a step; small not re-measured).", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",
                     "mean step ms", "slowest step ms", "kernel ms / step", "GPU idle ms / step", "warm-up steps",
                     "CUDA graphs captured in measured steps", "load average"],
@@ -1664,10 +1665,13 @@ def ne_vs_eager_sparse_rows() -> str:
     return "\n".join(lines)
 
 
-COMMIT_BY_DIGEST = {"e3f30917d855e051538bd2f3617de4c5f1f2624d915955b7eb5fb70934fb5abb": "ec6c110"}
+COMMIT_BY_DIGEST = {"e3f30917d855e051538bd2f3617de4c5f1f2624d915955b7eb5fb70934fb5abb": "ec6c110",
+                    "7d47b6a9d257b45311f95d547fb36c22ba27db9207e1ba9f983b5cf669ffd76f": "9c2273e"}
 """Results files whose git_commit is wrong, told by their source_digest: the GPU machine's copied .git kept
-a stale HEAD, and a run that took its commit from ``git rev-parse`` there recorded it. Each digest here was
-recomputed with results.source_digest on a checkout of the commit it names."""
+a stale HEAD, and a run that took its commit from ``git rev-parse`` there recorded it; or the commit was
+set by hand while the working tree copied to the machine already held the next commit's code (9c2273e's,
+in e2e-medium-fill0.5-20261204-031049.json). Each digest here was recomputed with results.source_digest on
+a checkout of the commit it names."""
 
 
 def code_of(env: dict) -> str:
@@ -1709,7 +1713,7 @@ def readme_e2e_now() -> str:
         return f"{f(r['kernel_ms_per_step'], '.1f')} ms of kernels in a {f(r['step_ms_mean'], '.1f')} ms step"
 
     return (f"Now ({cite(gpath)}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-            f"{env['date_utc'][:10]}, code `{env['git_commit'][:7]}`): GEM-ref medium at batch "
+            f"{env['date_utc'][:10]}, code {code_of(env)}): GEM-ref medium at batch "
             f"{graphs['config']['batch_size']}, fill {graphs['config']['fill']}, gem_compile under CUDA graphs "
             f"(mode=\"reduce-overhead\") trains {f(g['speedup_vs_inductor'])}x torch.compile's samples/s "
             f"({f(g['samples_per_s'], '.0f')} against {f(i['samples_per_s'], '.0f')}) at {pct(g['mfu'])}% MFU "
@@ -1719,10 +1723,10 @@ def readme_e2e_now() -> str:
             f"{f(g['peak_memory_gib'], '.1f')} against {f(i['peak_memory_gib'], '.1f')} GiB, compile "
             f"{f(g['compile_s'], '.0f')} against {f(i['compile_s'], '.0f')} s ({f(g['compile_time_vs_inductor'])}x, "
             f"target `1.5x`), {g['recompiles_after_warmup']} recompiles over {graphs['config']['steps']} batches. "
-            f"Without CUDA graphs ({cite(mpath)}, code `{medium['environment']['git_commit'][:7]}`): "
+            f"Without CUDA graphs ({cite(mpath)}, code {code_of(medium['environment'])}): "
             f"{f(m['gem']['speedup_vs_inductor'])}x at {pct(m['gem']['mfu'])}% MFU, compile "
             f"{f(m['gem']['compile_time_vs_inductor'])}x. GEM-ref small at batch {small['config']['batch_size']} "
-            f"under CUDA graphs ({cite(spath)}, code `{small['environment']['git_commit'][:7]}`): "
+            f"under CUDA graphs ({cite(spath)}, code {code_of(small['environment'])}): "
             f"{f(sg['speedup_vs_inductor'])}x ({f(sg['samples_per_s'], '.0f')} against "
             f"{f(s['inductor']['samples_per_s'], '.0f')} samples/s, target `2.0x`), {kernels(sg)}, compile "
             f"{f(sg['compile_time_vs_inductor'])}x; at batch {b256['config']['batch_size']} ({cite(bpath)}): "
