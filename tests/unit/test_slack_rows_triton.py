@@ -34,6 +34,15 @@ def test_several_tensors_and_empty_ones():
     assert (b[:4] == 1).all() and torch.isposinf(b[4:]).all()
 
 
+def test_offsets_outside_the_rows_write_nothing_outside_x():
+    """Unchecked bad offsets (negative, past T) stay inside x: all rows, or none."""
+    base = torch.ones(3, 4, 2)
+    fill_slack_rows(torch.tensor([0, -5]), (base[1], 0.0))  # x is the middle third of base
+    assert (base[0] == 1).all() and (base[1] == 0).all() and (base[2] == 1).all()
+    fill_slack_rows(torch.tensor([0, 9]), (base[2], 0.0))
+    assert (base[2] == 1).all()
+
+
 def test_non_contiguous_is_refused():
     x = torch.ones(4, 6)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):

@@ -4,9 +4,9 @@ A bucketed token index (UnpadConfig.token_buckets) gives the packed tensors more
 rows belong to no sequence, and the packed attention ops give them output 0, lse +inf and zero gradients
 (packed.py). The kernels write every row before ``token_offsets[B]``, so only the slack needs a fill:
 allocating the outputs with zeros instead memset all T rows (on the H200, GEM-ref small at B 1024 under
-CUDA graphs: 88 bf16 fills a step, 3.8 ms of its 117 ms of kernel time). Where the offsets count is on
-the device only, the kernel reads it there (no host sync): a fixed grid of programs strides over the rows
-from ``token_offsets[B]`` to the end, and does nothing when there is no slack (no buckets).
+CUDA graphs: 88 bf16 fills a step, 3.8 ms of its 117 ms of kernel time). The kernel reads
+``token_offsets[B]`` on the device (no host sync): a fixed grid of programs strides over the rows from
+there to the end, and does nothing when there is no slack (no buckets).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ _MAX_PROGRAMS = 1024
 
 @triton.jit(do_not_specialize=["numel"])
 def _fill_slack_rows_kernel(X, Offsets, B, numel, row_numel, value, BLOCK: tl.constexpr):
-    first = tl.load(Offsets + B).to(tl.int64) * row_numel  # the first slack element
+    # the first slack element; clamped at 0 so that a bad (negative) offset cannot write before x (packed.py:
+    # unchecked offsets on CUDA give unspecified values, never an access outside the tensors)
+    first = tl.maximum(tl.load(Offsets + B).to(tl.int64), 0) * row_numel
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     fill = tl.full((BLOCK,), value, X.dtype.element_ty)
     for start in range(first + tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
@@ -40,7 +42,7 @@ def _fill_slack_rows_kernel(X, Offsets, B, numel, row_numel, value, BLOCK: tl.co
 def fill_slack_rows(token_offsets: Tensor, *filled: tuple[Tensor, float]) -> None:
     """For each (x, value): x[token_offsets[-1]:] = value, in place. x is a contiguous packed tensor
     (T, ...) on token_offsets' device (CUDA, or the CPU under the Triton interpreter); token_offsets[-1]
-    is taken inside [0, T] (larger: no row; the ops' value checks refuse it before)."""
+    is taken inside [0, T] (outside it: no row, or all of them; the ops' value checks refuse such offsets)."""
     B = token_offsets.shape[0] - 1
     for x, value in filled:
         if not x.is_contiguous():
