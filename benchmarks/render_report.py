@@ -947,7 +947,7 @@ def e2e_small_steps() -> str:
              "for strides free of T, and packs attention under buckets again. The sixteenth run is batch "
              "1024 at d3c05b6 with a kernel profile (the index and index_put kernels of the fourteenth are "
              "gone); the seventeenth batch 256 at d3c05b6 with all three methods. Both still allocate the "
-             "packed outputs with zeros (88 bf16 fills, 3.8 ms a step in the sixteenth's profile); the "
+             "packed outputs with zeros (88 bf16 fills, 3.8 ms a step in the sixteenth's profile); "
              "9c2273e fills only the slack rows (measured in medium's run under CUDA graphs, "
              "e2e-medium-before-after: 28 fill kernels, 0.66 ms a step; small not re-measured).", ""]
     lines += table(["file", "code", "batch", "method", "samples/s", "x torch.compile", "median step ms",

@@ -716,9 +716,7 @@ def gdpa_forward_triton(q, k, v, q_lengths, kv_lengths, bias, spec: GdpaSpec, nu
     packed = token_offsets is not None
     Lq = int(packed_len) if packed else q.shape[2]
     out = torch.empty(q.shape if packed else (B, H, Lq, D), dtype=q.dtype, device=q.device)
-    if out.numel() == 0 or B * H * Lq == 0:
-        return out.zero_()
-    if Lk == 0:
+    if out.numel() == 0 or B * H * Lq == 0 or Lk == 0:  # no pair: zeros
         return out.zero_()
     if packed:  # rows outside every sequence (a bucketed index's slack) belong to no program: 0
         fill_slack_rows(token_offsets, (out, 0.0))
