@@ -195,6 +195,19 @@ class TokenGemmConfig:
 
 
 @config_section
+class Fp32GemmOutConfig:
+    """bf16 / fp16 GEMMs whose result is only cast to float32 write float32 (post-grad,
+    passes/fp32_gemm_out.py)."""
+
+    enabled: bool = True
+    """Ask cuBLAS for the float32 result (``mm.dtype``) instead of a bf16 result and a cast kernel: the
+    weight gradients of float32 parameters under autocast. CUDA only; a no-op where torch lacks it."""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@config_section
 class UnpadConfig:
     """Token-wise regions of padded sequences (projections, norms, FFN) run on packed tokens (pre-grad)."""
 
@@ -224,6 +237,12 @@ class UnpadConfig:
     """Attention ops with a packed layout (block_attention) read and write the region's packed rows, so the
     region goes on through them (passes/unpad_attention.py) instead of scattering q, k, v to padded rows and
     gathering the output back. False keeps every attention op a region boundary."""
+
+    packed_row_reads: bool = True
+    """A reader that picks a few rows of a region's output (``x.gather(1, idx)``, ``x[:, c]``,
+    ``x[torch.arange(B), idx]``: the last or the k most recent tokens, a pooler's first token) reads them
+    from the packed rows, so no B x N scatter is written for it (passes/unpad_row_reads.py). False keeps the
+    scatter."""
 
     pad_reductions: bool | None = None
     """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
@@ -513,6 +532,9 @@ class GemConfig:
 
     mxfp8: Mxfp8Config = field(default_factory=Mxfp8Config)
     """FP8 block-scaled GEMMs in the forward and backward graphs (post-grad)."""
+
+    fp32_gemm_out: Fp32GemmOutConfig = field(default_factory=Fp32GemmOutConfig)
+    """bf16 GEMMs cast to float32 (weight gradients under autocast) -> GEMMs writing float32 (post-grad)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""

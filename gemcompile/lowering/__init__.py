@@ -32,6 +32,7 @@ imports nothing outside lowering/.
 """
 
 from . import length_order  # noqa: F401  registers gemcompile::length_order, gemcompile::key_bounds
+from . import packed_row_gather  # noqa: F401  registers gemcompile::packed_row_gather(_backward)
 from . import token_gemm  # noqa: F401  registers gemcompile::token_mm
 from . import valid_tokens  # noqa: F401  registers gemcompile::valid_token_index, gemcompile::valid_mask_index
 from .block_attention import op as block_attention_op  # noqa: F401  registers gemcompile::block_attention*

@@ -9,6 +9,7 @@ from gemcompile.passes.attention.joint import JaggedAttentionJointPass
 from gemcompile.passes.attention.relative_bias import RelativeBiasPass
 from gemcompile.passes.attention.rewrite import AttentionRewritePass
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
+from gemcompile.passes.fp32_gemm_out import Fp32GemmOutPass
 from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
@@ -28,6 +29,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
     TokenGemmPass,  # post_grad: GEMMs over a data-dependent token count -> GEMMs of bucketed sizes
+    Fp32GemmOutPass,  # post_grad: bf16 GEMMs only cast to float32 (weight gradients) -> GEMMs writing float32
 )
 """The default passes, in order."""
 

@@ -73,6 +73,7 @@ from gemcompile.passes.token_wise import (
 from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
                                                pack_attentions)
 from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
+from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
@@ -442,12 +443,16 @@ class UnpadPass(GemPass):
                 graph.erase_node(node)
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
         attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
+        reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(
+            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None))
+        attention["text"] += "".join(f"{form} row read x{count}, " for form, count in reads.items())
         self._indices[index_key] = shared
-        self._record(region, first, snapshot, gemms, macs, attention,
-                     gathers=len(entries) - attention["gathers"], scatters=n_exits - attention["scatters"])
+        self._record(region, first, snapshot, gemms, macs, attention, reads=reads,
+                     gathers=len(entries) - attention["gathers"],
+                     scatters=n_exits - attention["scatters"] - reads_removed)
 
     def _record(self, region: Region, first: fx.Node, snapshot: list[str], gemms: list[fx.Node], macs: int,
-                attention: dict, gathers: int, scatters: int) -> None:
+                attention: dict, reads: dict[str, int], gathers: int, scatters: int) -> None:
         """The region's rewrite record for explain: what ran packed, the gathers and scatters left, the
         attention ops packed, the zeroings dropped before it (unpad_zeroed_rows.py)."""
         mask, seq, buckets = region.mask, region.mask.seq, self._buckets
@@ -467,12 +472,13 @@ class UnpadPass(GemPass):
             f"valid_mask_index({mask.vector.text}{extra})"
         self.rewrote(first, "\n".join(snapshot), (
             f"index = gemcompile.{call}  # T valid tokens\n"
-            f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in, "
-            f"zeros(B, {seq}, ...).index_put(...) out"), detail,
+            f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in"
+            + (f", zeros(B, {seq}, ...).index_put(...) out" if scatters else "")), detail,
             metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": gathers,
-                     "scatters": scatters, "packed_attention": attention["ops"], "zeroings_dropped": zeroings})
+                     "scatters": scatters, "packed_attention": attention["ops"], "packed_row_reads": reads,
+                     "zeroings_dropped": zeroings})
 
     def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq: int, index_key: tuple,
                          shared: tuple) -> dict:

@@ -139,7 +139,7 @@ def _row_op(node: fx.Node) -> bool:
     return name in ZERO_PRESERVING_UNARY and not others and name != "dropout"
 
 
-def _scattered(node: fx.Node, index: RegionIndex) -> fx.Node | None:
+def scattered_rows(node: fx.Node, index: RegionIndex) -> fx.Node | None:
     """P when ``node`` is ``new_zeros(P, (B, N, ...)).index_put((batch_index, seq_index), P)``, or with
     token buckets ``new_zeros(P, (B + 1, N, ...)).index_put(...)[:B]`` (row B takes the slack rows)."""
     if (node.target is torch.ops.aten.slice.Tensor and len(node.args) == 4
@@ -176,10 +176,10 @@ def _packed_rows(arg, index: RegionIndex, heads: int, dim: int) -> tuple[fx.Node
     if not isinstance(split, fx.Node) or not _same_shape(shape_of(split), (index.mask.batch, index.mask.seq,
                                                                           heads, dim)):
         return None
-    packed = _scattered(split, index)
+    packed = scattered_rows(split, index)
     if packed is None and target_name(split) in ("unflatten", "view", "reshape") and \
             isinstance(split.args[0], fx.Node):  # (B, N, H * D) scattered, then split
-        packed = _scattered(split.args[0], index)
+        packed = scattered_rows(split.args[0], index)
     if packed is None or tuple(shape_of(packed)[1:]) not in ((heads, dim), (heads * dim,)):
         return None
     return packed, ops[::-1]
@@ -266,7 +266,7 @@ def pack_attentions(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple
     Returns (the names of the ops packed, scatters removed, gathers removed)."""
     names: list[str] = []
     gathers_removed = 0
-    scatters = [n for n in graph.nodes if _scattered(n, index) is not None]
+    scatters = [n for n in graph.nodes if scattered_rows(n, index) is not None]
     for node in list(graph.nodes):
         name = target_name(node)
         if name not in PACKED_LAYOUTS or not isinstance(node.target, torch._ops.OpOverload) or \

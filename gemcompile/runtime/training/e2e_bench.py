@@ -125,6 +125,9 @@ def memory_section(method: str) -> dict[str, Any] | None:
 COMPILE_SUFFIXES: dict[str, dict[str, Any]] = {
     "reduce-overhead": {"mode": "reduce-overhead"},
     "cpp-wrapper": {"options": {"cpp_wrapper": True}},
+    # reduce-overhead plus Inductor's coordinate-descent tuning of its own Triton kernels' block sizes
+    # (what mode="max-autotune" adds besides GEMM templates): the glue's reductions and pointwise kernels
+    "reduce-overhead-cdt": {"options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}},
 }
 """torch.compile settings a compiled method can take as a suffix, ``<method>@<suffix>`` (inductor@reduce-overhead,
 gem@cpp-wrapper), for the peer too. Both attack the host time of a host-bound step: reduce-overhead
@@ -291,10 +294,18 @@ def compile_method(module: torch.nn.Module, method: str):
     return gem_compile(module, config=_gem_config(method), **kwargs)
 
 
+def uses_cuda_graphs(method: str) -> bool:
+    """Whether the method's @suffix has Inductor replay CUDA graphs (CUDA-graph trees)."""
+    suffix = split_method(method)[1]
+    settings = COMPILE_SUFFIXES.get(suffix, {}) if suffix else {}
+    options = settings.get("options", {})
+    return settings.get("mode") == "reduce-overhead" or bool(options.get("triton.cudagraphs"))
+
+
 def step_begin(method: str) -> None:
     """Marks a new training step for CUDA-graph trees (a no-op for other methods): the previous step's
     outputs may then be overwritten by the next replay."""
-    if split_method(method)[1] == "reduce-overhead":
+    if uses_cuda_graphs(method):
         torch.compiler.cudagraph_mark_step_begin()
 
 

@@ -1,0 +1,132 @@
+"""Readers that pick a few rows of a packed region's output read them from the packed rows (no scatter).
+
+The region: two Linears and a GELU over padded tokens, zeroed by the row mask. Its readers, as recommender
+code writes them: the k most recent tokens by ``gather`` (GEM-ref's sequence summary), the last valid token
+by ``x[torch.arange(B), lengths - 1]`` (SASRec / HSTU), the first position by ``x[:, 0]`` (a BERT pooler),
+and the last position ``x[:, -1]`` under a token mask read from data (left padding). Each must leave no
+scatter and equal eager, gradients included, with exact token counts and with token buckets, for
+sequences that are empty, full and in between. Near-misses keep their scatter: a reader of every row
+(a sum over N), a gather along the feature dim, a slice of positions.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemcompile import GemConfig, explain
+from tests.compiled_vs_eager import assert_compiled_matches_eager
+
+B, N, D = 5, 12, 16
+LENGTHS = torch.tensor([0, 3, 12, 1, 7])
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def encode(self, x, valid):
+        return (x + self.down(F.gelu(self.up(x)))) * valid[..., None]
+
+    @staticmethod
+    def valid(lengths):
+        return torch.arange(N, device=lengths.device)[None, :] < lengths[:, None]
+
+
+class Recent(Encoder):
+    def forward(self, x, lengths):
+        h = self.encode(x, self.valid(lengths))
+        index = lengths[:, None] - 1 - torch.arange(3, device=x.device)[None, :]
+        recent = torch.gather(h, 1, index.clamp(min=0)[..., None].expand(-1, -1, h.shape[-1]))
+        return recent * (index >= 0)[..., None]
+
+
+class Last(Encoder):
+    def forward(self, x, lengths):
+        h = self.encode(x, self.valid(lengths))
+        # length 0 reads position -1: a padded row (zeros)
+        return h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+
+
+class First(Encoder):
+    def forward(self, x, lengths):
+        return self.encode(x, self.valid(lengths))[:, 0]
+
+
+class LeftPaddedLast(Encoder):
+    """Left padding, the tokens marked by ids != 0: the newest token is always at position N - 1."""
+
+    def forward(self, x, ids):
+        return self.encode(x, ids != 0)[:, -1]
+
+
+class ReadsEveryRow(Encoder):
+    def forward(self, x, lengths):
+        return self.encode(x, self.valid(lengths)).sum(1)
+
+
+class GathersFeatures(Encoder):
+    def forward(self, x, lengths):
+        h = self.encode(x, self.valid(lengths))
+        return torch.gather(h, 2, torch.zeros(B, N, 2, dtype=torch.int64))
+
+
+class SlicesPositions(Encoder):
+    def forward(self, x, lengths):
+        return self.encode(x, self.valid(lengths))[:, 1:3]
+
+
+def _left_padded_ids(lengths):
+    return (torch.arange(N)[None, :] >= N - lengths[:, None]).long() * 7
+
+
+def _unpad(model, *inputs, config=None):
+    return [r.metrics for r in explain(model, *inputs, config=config).rewrites if r.pass_name == "unpad"]
+
+
+def _config(buckets):
+    return GemConfig(unpad={"token_buckets": buckets, "min_gemms": 1})
+
+
+@pytest.mark.parametrize("buckets", [0, 3])
+@pytest.mark.parametrize("model_type,form", [(Recent, "gather"), (Last, "per_batch"), (First, "position")])
+@pytest.mark.parametrize("lengths", [LENGTHS, torch.zeros(B, dtype=torch.int64), torch.full((B,), N)])
+def test_row_reads_come_from_packed_rows(model_type, form, buckets, lengths):
+    torch.manual_seed(0)
+    model = model_type()
+    x = torch.randn(B, N, D, requires_grad=True)
+    (metrics,) = _unpad(model, x, lengths, config=_config(buckets))
+    assert metrics["packed_row_reads"] == {form: 1}
+    assert metrics["scatters"] == 0
+    assert_compiled_matches_eager(model, x, lengths, config=_config(buckets))
+
+
+@pytest.mark.parametrize("buckets", [0, 3])
+def test_a_token_mask_from_data_reads_its_last_position_packed(buckets):
+    torch.manual_seed(0)
+    model = LeftPaddedLast()
+    x = torch.randn(B, N, D, requires_grad=True)
+    ids = _left_padded_ids(LENGTHS)
+    (metrics,) = _unpad(model, x, ids, config=_config(buckets))
+    assert metrics["packed_row_reads"] == {"position": 1} and metrics["scatters"] == 0
+    assert_compiled_matches_eager(model, x, ids, config=_config(buckets))
+
+
+@pytest.mark.parametrize("model_type", [ReadsEveryRow, GathersFeatures, SlicesPositions])
+def test_readers_of_more_than_a_few_rows_keep_the_scatter(model_type):
+    torch.manual_seed(0)
+    model = model_type()
+    x = torch.randn(B, N, D, requires_grad=True)
+    (metrics,) = _unpad(model, x, LENGTHS, config=_config(0))
+    assert not metrics["packed_row_reads"] and metrics["scatters"] == 1
+    assert_compiled_matches_eager(model, x, LENGTHS, config=_config(0))
+
+
+def test_the_option_off_keeps_the_scatter():
+    torch.manual_seed(0)
+    model = Recent()
+    x = torch.randn(B, N, D, requires_grad=True)
+    config = GemConfig(unpad={"packed_row_reads": False, "min_gemms": 1})
+    (metrics,) = _unpad(model, x, LENGTHS, config=config)
+    assert not metrics["packed_row_reads"] and metrics["scatters"] == 1
