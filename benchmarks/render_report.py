@@ -830,7 +830,9 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ sparse Adagrad host time, no JIT in a step (999fa8d)",
                             "e2e-medium-fill0.5-20261203-160229.json"),
                            ("+ CUDA graphs, attention packed under token buckets (9c2273e)",
-                            "e2e-medium-fill0.5-20261204-031049.json")]
+                            "e2e-medium-fill0.5-20261204-031049.json"),
+                           ("+ packed row reads, float32 weight-gradient GEMMs (ea9c6a1)",
+                            "e2e-medium-fill0.5-20261204-054114.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
@@ -864,7 +866,10 @@ def e2e_medium_before_after() -> str:
              "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file). The run after it is gem_compile under "
              "CUDA graphs (`gem@reduce-overhead`: unpad's token counts bucketed, so the attention ops stay on "
              "packed tokens with slack rows, d3c05b6, and only the slack rows filled, 9c2273e) against "
-             "torch.compile's default mode, warm-up 20 steps, with a kernel profile.", ""]
+             "torch.compile's default mode, warm-up 20 steps, with a kernel profile. The last run is the same "
+             "command at ea9c6a1: readers of a few rows of the sequence (the sequence summary's recent tokens) "
+             "read the packed rows, passes/unpad_row_reads.py, so no sequence is scattered back to (B, N) rows; "
+             "and weight gradients under autocast are float32 GEMM outputs, passes/fp32_gemm_out.py.", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -1698,7 +1703,7 @@ E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-
 
 @block("readme-e2e-now")
 def readme_e2e_now() -> str:
-    gpath, graphs = load("e2e-medium-fill0.5-20261204-031049.json")  # CUDA graphs, with kernel profiles
+    gpath, graphs = load("e2e-medium-fill0.5-20261204-054114.json")  # CUDA graphs, with kernel profiles
     mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")  # default mode
     spath, small = load("e2e-small-fill0.5-20261204-025213.json")
     bpath, b256 = load("e2e-small-fill0.5-20261204-030111.json")  # warm-up 20: every capacity pair recorded
