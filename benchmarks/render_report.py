@@ -1671,7 +1671,8 @@ def ne_vs_eager_sparse_rows() -> str:
 
 
 COMMIT_BY_DIGEST = {"e3f30917d855e051538bd2f3617de4c5f1f2624d915955b7eb5fb70934fb5abb": "ec6c110",
-                    "7d47b6a9d257b45311f95d547fb36c22ba27db9207e1ba9f983b5cf669ffd76f": "9c2273e"}
+                    "7d47b6a9d257b45311f95d547fb36c22ba27db9207e1ba9f983b5cf669ffd76f": "9c2273e",
+                    "b59d672b97c2bfba61f11876f935d60d42a9e4d914af56312d1646ae15646261": "d95dc0a"}
 """Results files whose git_commit is wrong, told by their source_digest: the GPU machine's copied .git kept
 a stale HEAD, and a run that took its commit from ``git rev-parse`` there recorded it; or the commit was
 set by hand while the working tree copied to the machine already held the next commit's code (9c2273e's,
