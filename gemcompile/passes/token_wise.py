@@ -97,7 +97,8 @@ class TokenWise:
     """(args, kwargs) -> the packed node's (args, kwargs) with dims moved (tensors untouched)."""
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+def node_argument(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` of a call, or its keyword ``name`` (``default`` when neither is given)."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
@@ -174,7 +175,8 @@ def _view_rule(node: fx.Node, first: fx.Node, out_shape: tuple) -> TokenWise | N
 def _two_dims_rule(node: fx.Node, first: fx.Node, rank: int, one: tuple, two: tuple) -> TokenWise | None:
     """flatten / transpose: an op with two dim arguments (positions 1 and 2, names and defaults in
     ``one`` / ``two``), structural when both dims are trailing; each is shifted to the packed rank."""
-    dims = [_arg(node, position, name, default) for position, (name, default) in ((1, one), (2, two))]
+    dims = [node_argument(node, position, name, default)
+            for position, (name, default) in ((1, one), (2, two))]
     if any(packed_dim(d, rank) is None for d in dims):
         return None
 
@@ -198,7 +200,7 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
     if any(isinstance(a, (list, tuple)) for a in node.args[1:]) and name not in TAKES_SEQUENCE_ARGS:
         return None
     if name in ELEMENTWISE:
-        if name == "dropout" and _arg(node, 3, "inplace", False):
+        if name == "dropout" and node_argument(node, 3, "inplace", False):
             return None
         rank = len(out.shape)
         # a row operand has the output's rank (right-aligned broadcasting puts its dims 0, 1 on B, N)
@@ -215,12 +217,12 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
             if not parts or not all(isinstance(p, fx.Node) and has_rows(shape_of(p), batch, seq) for p in parts):
                 return None
             translate = _dims_translator(1, "dim", len(out.shape), required=False)
-            if translate(node.args, node.kwargs) is None or _arg(node, 1, "dim", 0) in (0, 1):
+            if translate(node.args, node.kwargs) is None or node_argument(node, 1, "dim", 0) in (0, 1):
                 return None
             return TokenWise(node, "structural", tuple(parts), translate)
         return None
     in_shape = shape_of(first)
-    if name == "sparse_embedding" and _arg(node, 4, "mode") == 0:  # MODE_LOOKUP: F.embedding's rule
+    if name == "sparse_embedding" and node_argument(node, 4, "mode") == 0:  # MODE_LOOKUP: F.embedding's rule
         name = "embedding"
     if not has_rows(in_shape, batch, seq) and name != "embedding":
         return None
@@ -231,7 +233,7 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
     if name == "linear":
         return TokenWise(node, "structural", (first,), _same)
     if name in NORMS:
-        shape = _arg(node, 1, "normalized_shape")
+        shape = node_argument(node, 1, "normalized_shape")
         n = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list)) else None
         return TokenWise(node, "structural", (first,), _same) if n is not None and n <= rank - 2 else None
     if name == "embedding":
@@ -279,7 +281,7 @@ def zero_preserving(tw: TokenWise, zero: Callable[[Any], bool], is_mask: Callabl
                                                  "amax", "amin", "mean", "rms_norm", "view", "reshape"):
         return bool(tw.rows) and all(zero(r) for r in tw.rows)
     if name == "linear":
-        bias = _arg(tw.node, 2, "bias")
+        bias = node_argument(tw.node, 2, "bias")
         return bias is None and zero(tw.node.args[0])
     if name == "cat":
         return all(zero(r) for r in tw.rows)

@@ -445,7 +445,6 @@ class UnpadPass(GemPass):
         attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
         reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(
             graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None))
-        attention["text"] += "".join(f"{form} row read x{count}, " for form, count in reads.items())
         self._indices[index_key] = shared
         self._record(region, first, snapshot, gemms, macs, attention, reads=reads,
                      gathers=len(entries) - attention["gathers"],
@@ -463,8 +462,10 @@ class UnpadPass(GemPass):
         rows = f"{mask.lengths.name} rows" if mask.vector is None else mask.describe()
         zeroings = sum(1 for _, lengths in self._zeroings_dropped if lengths is mask.lengths)
         dropped = f"{zeroings} zeroing(s) of attention rows the op writes as 0 dropped; " if zeroings else ""
+        read_text = "".join(f"{form} row read x{count}, " for form, count in reads.items())
         detail = (f"region over {rows} (B, N) = ({mask.batch}, {seq}): "
-                  f"{len(region.nodes)} ops on packed tokens ({op_text}); {attention['text']}{dropped}"
+                  f"{len(region.nodes)} ops on packed tokens ({op_text}); "
+                  f"{attention['text']}{read_text}{dropped}"
                   f"{gathers} gathers in, {scatters} scatters out; GEMMs skip padding: {macs} MACs per "
                   f"padding token forward, saves 6 x {macs} x (B*N - T) FLOPs per training step")
         extra = f", buckets={buckets}" if buckets else ""

@@ -29,16 +29,10 @@ from torch import fx
 
 import gemcompile.lowering.packed_row_gather  # noqa: F401  registers gemcompile::packed_row_gather
 from gemcompile.passes.graph import Emitter, erase_dead, target_name
-from gemcompile.passes.token_wise import same_size, shape_of
+from gemcompile.passes.token_wise import node_argument, same_size, shape_of
 from gemcompile.passes.unpad_attention import RegionIndex, scattered_rows
 
 aten = torch.ops.aten
-
-
-def _argument(node: fx.Node, position: int, name: str, default=None):
-    if len(node.args) > position:
-        return node.args[position]
-    return node.kwargs.get(name, default)
 
 
 def _is_full_slice(s) -> bool:
@@ -63,17 +57,17 @@ def _read_form(user: fx.Node, x: fx.Node, seq) -> tuple[str, object] | None:
     shape = shape_of(x)
     name = target_name(user)
     if name == "gather" and user.op in ("call_function", "call_method"):
-        source = _argument(user, 0, "input")
-        dim, idx = _argument(user, 1, "dim"), _argument(user, 2, "index")
-        sparse = _argument(user, 3, "sparse_grad", False)
+        source = node_argument(user, 0, "input")
+        dim, idx = node_argument(user, 1, "dim"), node_argument(user, 2, "index")
+        sparse = node_argument(user, 3, "sparse_grad", False)
         if source is x and dim in (1, 1 - len(shape)) and sparse is False and isinstance(idx, fx.Node) \
                 and len(shape_of(idx) or ()) == len(shape) and idx.meta.get("example_value") is not None \
                 and idx.meta["example_value"].dtype == torch.int64:
             return "gather", idx
         return None
-    if name == "select" and _argument(user, 0, "input") is x and \
-            _argument(user, 1, "dim") in (1, 1 - len(shape)):
-        c = _argument(user, 2, "index")
+    if name == "select" and node_argument(user, 0, "input") is x and \
+            node_argument(user, 1, "dim") in (1, 1 - len(shape)):
+        c = node_argument(user, 2, "index")
         return ("position", c) if isinstance(c, int) and -seq <= c < seq else None
     if user.target is operator.getitem and user.args[0] is x and isinstance(user.args[1], tuple) \
             and len(user.args[1]) == 2:
