@@ -21,7 +21,9 @@ import hashlib
 import importlib
 import inspect
 import logging
+import time
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -160,6 +162,11 @@ class GemPass(CustomGraphPass):
         log.debug("%s refused %s: %s", self.name, anchor, reason)
 
 
+PASS_SECONDS: Counter[str] = Counter()
+"""Wall seconds each pass ran in this process, by pass name (compile time: the e2e benchmark reports the
+passes' share of it; the joint pattern pass's first run includes tracing its patterns)."""
+
+
 class PassManager(CustomGraphPass):
     """Runs one stage's passes in pipeline order, after ``chained`` (the pass already in the slot)."""
 
@@ -172,9 +179,11 @@ class PassManager(CustomGraphPass):
         if self.chained is not None:
             self.chained(graph)
         for p in self.passes:
+            start = time.perf_counter()
             p(graph)
             if self.stage != "pre_grad":  # functional graphs: dead code is safe to drop (see graph.erase_dead)
                 graph.eliminate_dead_code()
+            PASS_SECONDS[p.name] += time.perf_counter() - start
         graph.lint()
 
     def uuid(self) -> str | None:

@@ -87,3 +87,44 @@ def test_the_default_pipeline_rewrites_pre_grad_first():
     report = explain(masked_fill_div, q, k, v, torch.tensor([L, 5, 1]))
     assert report.counts["jagged_attention"] == 1 and report.counts["jagged_attention_joint"] == 0
     assert sum(report.counts.values()) == 1  # and no other pass took it
+
+
+def _joint_graph(fn, *inputs):
+    """The joint forward+backward graph AOTAutograd hands to joint_custom_pre_pass for ``fn`` (with
+    Inductor's decompositions: softmax as amax / sub / exp / sum / div)."""
+    from functorch.compile import nop
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.decomposition import select_decomp_table
+
+    from torch._functorch.partitioners import default_partition
+
+    joint = []
+
+    def keep_joint(gm, *args, **kwargs):
+        joint.append(gm.graph)
+        return default_partition(gm, *args, **kwargs)
+
+    compiled = aot_function(fn, fw_compiler=nop, bw_compiler=nop,
+                            partition_fn=keep_joint, decompositions=select_decomp_table())
+    compiled(*inputs)
+    return joint[0]
+
+
+def test_no_pattern_tracing_without_a_softmax_over_a_matmul(monkeypatch):
+    """A softmax over a Linear's output (an expert gate) is no attention: the pass returns before tracing its
+    36 patterns (seconds of compile time); a softmax over q @ k^T is a candidate."""
+    from gemcompile.passes.attention import joint
+
+    traced = []
+    monkeypatch.setattr(joint, "_patterns", lambda: traced.append(1) or joint.PatternMatcherPass())
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    gate = _joint_graph(lambda x, w: torch.softmax(x @ w.t(), dim=-1) * 2.0, x, w)
+    assert any(n.target is torch.ops.aten.amax.default for n in gate.nodes)
+    assert not joint._has_candidate(gate)
+    JaggedAttentionJointPass(GemBackend().config).run(gate)
+    assert traced == []
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    attention = _joint_graph(lambda q, k, v: masked_fill_div(q, k, v, torch.tensor([L, 5, 1])), q, k, v)
+    assert joint._has_candidate(attention)
+    JaggedAttentionJointPass(GemBackend().config).run(attention)
+    assert traced == [1]

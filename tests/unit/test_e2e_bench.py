@@ -94,6 +94,7 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     # no Triton kernel on the CPU: no JIT compile inside a step, no autotuning in the warm-up
     assert r["triton_compiles_after_warmup"] == [] and r["kernel_tuning"]["keys"] == 0
     assert r["cuda_graph_captures_after_warmup"] == []  # no CUDA graph on the CPU
+    assert r["compile_phases"]["gemcompile_passes_s"] == {}  # eager runs no pass
     # one step under cProfile after the measured ones: the model's forward is among the busiest functions
     profile = r["host_profile"]
     assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0

@@ -187,6 +187,8 @@ def test_a_new_key_compiles_its_configs_in_the_pool_before_the_autotuner_times_t
     assert tuner.calls[1][1] == [16, 32]  # every config compiled and filed before the autotuner runs
     totals = tuned_launch.TUNING
     assert totals.keys == 1 and totals.seconds >= totals.compile_seconds
+    (keys, seconds, _), = totals.by_kernel.values()  # one kernel, one key, its seconds
+    assert keys == 1 and seconds == pytest.approx(totals.seconds)
 
 
 def test_without_the_pool_the_autotuner_compiles_alone(monkeypatch, direct):

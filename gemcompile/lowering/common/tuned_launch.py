@@ -28,7 +28,7 @@ import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +59,8 @@ class TuningTotals:
     """Wall time of those first launches: compiling every config, timing them, the launch."""
     compile_seconds: float = 0.0
     """Of which the parallel compile of the configs (0 when PARALLEL_TUNING is off)."""
+    by_kernel: dict = field(default_factory=dict)
+    """Kernel name -> [keys tuned, seconds, configs timed] (configs after pruning, summed over its keys)."""
 
 
 TUNING = TuningTotals()
@@ -181,10 +183,17 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
         start = time.perf_counter()
         _compile_configs(kernel, grid, args, consts)
         TUNING.compile_seconds += time.perf_counter() - start
+        kernel.configs_timings = None  # set again by the autotuner only when it times more than one config
         kernel[grid](*args, **consts)
         _BEST_CONFIG[key] = (kernel.configs, kernel.best_config)
+        seconds = time.perf_counter() - start
         TUNING.keys += 1
-        TUNING.seconds += time.perf_counter() - start
+        TUNING.seconds += seconds
+        name = getattr(getattr(kernel, "base_fn", None), "__name__", None) or repr(kernel)
+        entry = TUNING.by_kernel.setdefault(name, [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] += len(getattr(kernel, "configs_timings", None) or ()) or 1
         return
     config = tuned[1]
     direct = DIRECT_LAUNCH and hasattr(kernel.fn, "params")  # a JITFunction (not a heuristics wrapper)

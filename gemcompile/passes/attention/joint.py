@@ -166,6 +166,26 @@ def _patterns() -> PatternMatcherPass:
     return patterns
 
 
+_SCORE_CHAIN_DEPTH = 8
+"""How far above a softmax's amax a score matmul may sit: the patterns put at most view, scale, mask and a
+dtype cast (5 nodes) between the bmm and the amax."""
+
+
+def _has_candidate(graph: fx.Graph) -> bool:
+    """Whether some amax reads, within _SCORE_CHAIN_DEPTH nodes, the output of a batched matmul (q @ k^T):
+    the only place a pattern can match. Tracing the patterns costs seconds of compile time (36 traces), so
+    graphs whose softmaxes read no matmul of two activations (GEM-ref's expert gate reads a Linear) skip
+    it."""
+    for amax in graph.find_nodes(op="call_function", target=torch.ops.aten.amax.default):
+        frontier, seen = [amax], {amax}
+        for _ in range(_SCORE_CHAIN_DEPTH):
+            frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen]
+            seen.update(frontier)
+            if any(n.target is torch.ops.aten.bmm.default for n in frontier):
+                return True
+    return False
+
+
 class JaggedAttentionJointPass(GemPass):
     """Rewrites hand-written padded softmax attention found in the joint (or inference) graph."""
 
@@ -174,8 +194,8 @@ class JaggedAttentionJointPass(GemPass):
     config_section = "jagged_attention"
 
     def run(self, graph: fx.Graph) -> None:
-        if not any(n.target is torch.ops.aten.amax.default for n in graph.nodes):
-            return  # no decomposed softmax: nothing to match, and no pattern tracing at start-up
+        if not _has_candidate(graph):
+            return  # no softmax over a matmul's scores: nothing to match, and no pattern tracing
         from torch._inductor.fx_passes.joint_graph import early_patterns
         from torch._inductor.fx_passes.post_grad import remove_noop_ops
 

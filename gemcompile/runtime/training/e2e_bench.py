@@ -534,6 +534,7 @@ def _method_result(run: _MethodRun, timings: Timings, profiled: KernelProfile | 
         "tables": table_training(run.method),
         "compile_s": max(0.0, timings.warmup_s - cfg.warmup * median_ms / 1e3),
         "kernel_tuning": timings.kernel_tuning,  # our Triton kernels' autotuning: part of compile_s
+        "compile_phases": timings.compile_phases,  # torch's compile phases and gemcompile's passes, seconds
         "graphs_compiled": graphs_after_warmup - timings.graphs_before,
         "recompiles_after_warmup": graph_count() - graphs_after_warmup,
         "triton_compiles_after_warmup": [list(c) for c in timings.triton_compiles],  # (measured step, kernel)
@@ -583,6 +584,12 @@ def _log_method(log, result: dict[str, Any], profiled: KernelProfile | None) -> 
         log("    GPU ms/step by kernel class: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.by_class.items())
             + f"; {profiled.kernels_per_step:.0f} kernels/step"
             + (f"; GPU idle {profiled.idle['idle_ms_per_step']:.1f} ms/step" if profiled.idle else ""))
+    phases = result.get("compile_phases") or {}
+    passes, tuning = phases.get("gemcompile_passes_s") or {}, result.get("kernel_tuning") or {}
+    if passes or tuning.get("seconds"):
+        log(f"    compile: gemcompile passes {sum(passes.values()):.1f} s ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in list(passes.items())[:4])
+            + f"), kernel tuning {tuning.get('seconds', 0.0):.1f} s")
     for row in (result.get("host_profile") or {}).get("by_own_time", [])[:10]:
         log(f"    host {row['own_ms_per_step']:7.2f} ms/step own, {row['calls_per_step']:7.0f} calls: "
             f"{row['function']}")

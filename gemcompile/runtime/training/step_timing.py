@@ -59,6 +59,43 @@ class Timings:
     kernel_tuning: dict = field(default_factory=dict)
     """Our Triton kernels' autotuning over the warm-up (lowering/common/tuned_launch.TUNING): tuning keys,
     seconds (compile and timing of the configs), of which the parallel compile; part of compile_s."""
+    compile_phases: dict = field(default_factory=dict)
+    """Where the warm-up's compile time went: ``torch_s``, torch's own compile-phase timers over the warm-up
+    (torch._dynamo.utils.compilation_time_metrics, seconds per phase; phases nest, so they do not add up),
+    and ``gemcompile_passes_s``, seconds per gemcompile pass (passes/base.PASS_SECONDS; inside torch's
+    phases)."""
+
+
+def compile_phase_seconds() -> tuple[dict[str, float], dict[str, float]]:
+    """(torch's compile-phase seconds so far, gemcompile's pass seconds so far), this process."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from gemcompile.passes.base import PASS_SECONDS
+
+    return {k: sum(v) for k, v in compilation_time_metrics.items()}, dict(PASS_SECONDS)
+
+
+def compile_phases_since(before: tuple[dict[str, float], dict[str, float]], at_least_s: float = 0.05) -> dict:
+    """The seconds added to each phase and pass since ``before`` (compile_phase_seconds), phases of at least
+    ``at_least_s`` only, largest first."""
+    def grown(now: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+        added = {k: v - then.get(k, 0.0) for k, v in now.items()}
+        return {k: round(v, 3) for k, v in sorted(added.items(), key=lambda kv: -kv[1]) if v >= at_least_s}
+
+    torch_now, passes_now = compile_phase_seconds()
+    return {"torch_s": grown(torch_now, before[0]), "gemcompile_passes_s": grown(passes_now, before[1])}
+
+
+def _tuned_since(before: dict) -> dict:
+    """Per kernel: keys tuned, seconds and configs timed since ``before`` (TUNING.by_kernel's copy)."""
+    from gemcompile.lowering.common.tuned_launch import TUNING
+
+    out = {}
+    for name, (keys, seconds, configs) in TUNING.by_kernel.items():
+        k0, s0, c0 = before.get(name, (0, 0.0, 0))
+        if keys > k0:
+            out[name] = {"keys": keys - k0, "seconds": round(seconds - s0, 3), "configs": configs - c0}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
 
 
 def timed_steps(run: Any) -> Timings:
@@ -75,13 +112,16 @@ def _run_steps(run: Any, timings: Timings) -> None:
     from gemcompile.lowering.common.tuned_launch import TUNING
 
     cfg, device = run.cfg, run.device
-    tuning_before = dataclasses.replace(TUNING)
+    tuning_before = dataclasses.replace(TUNING, by_kernel={k: list(v) for k, v in TUNING.by_kernel.items()})
+    phases_before = compile_phase_seconds()
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
+            timings.compile_phases = compile_phases_since(phases_before)
             timings.kernel_tuning = {"keys": TUNING.keys - tuning_before.keys,
                                      "seconds": round(TUNING.seconds - tuning_before.seconds, 3),
                                      "parallel_compile_seconds": round(
-                                         TUNING.compile_seconds - tuning_before.compile_seconds, 3)}
+                                         TUNING.compile_seconds - tuning_before.compile_seconds, 3),
+                                     "by_kernel": _tuned_since(tuning_before.by_kernel)}
             timings.graphs_after_warmup = graph_count()
             freeze_compiled_state()  # no full collection over the compiled state inside a measured step
             if device.type == "cuda":  # the compile's transients (autotuning buffers): the warm-up's peak
