@@ -8,9 +8,10 @@ both; the medians and the ratio after / before go to one JSON. The ops are calle
     python benchmarks/refactor_ab.py --before .base --after . --out $OUT
 
 Cases: jagged softmax attention (the anchor shape B32 L2048 H8 D64), GDPA as HSTU uses it (SiLU,
-causal, a relative-position table read in place, B32 L1024 H4 D64) and block attention (64-token blocks, B16 L4096 H4 D128), bf16, forward and
-forward+backward; eager calls and CUDA-graph replay (the kernels alone, no host time); and the host's
-time per eager forward call at a tiny shape (B2 L64 H1 D64), where nothing else shows.
+causal, a relative-position table read in place, B32 L1024 H4 D64) and block attention (64-token blocks,
+B16 L4096 H4 D128; and with rotate-half RoPE fused, B64 L2048 H4 D128), bf16, forward and
+forward+backward; eager calls and CUDA-graph replay (the kernels alone, no host time); and the host's time
+per eager forward call at a tiny shape (B2 L64 H1 D64), where nothing else shows.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-CASES = ("jagged_attention", "gdpa_hstu", "block_attention")
+CASES = ("jagged_attention", "gdpa_hstu", "block_attention", "block_attention_rope")
 
 
 SHAPES = {"jagged_attention": (32, 8, 2048, 64), "gdpa_hstu": (32, 4, 1024, 64),
-          "block_attention": (16, 4, 4096, 128)}
+          "block_attention": (16, 4, 4096, 128), "block_attention_rope": (64, 4, 2048, 128)}
 """(B, H, L, D) of each case: the kernels' anchor shapes, GPU-bound."""
 SMALL = (2, 1, 64, 64)
 """A shape whose kernels take a few microseconds: the host's time per call shows alone."""
@@ -58,6 +59,13 @@ def _op_call(case: str, q, k, v, lengths, table):
         L = q.shape[2]  # HSTU: silu(q k^T * alpha + table[j - i + L - 1]) / L, causal, the table read in place
         return lambda: ops.gdpa(q, k, v, lengths, lengths, table, "silu", q.shape[-1] ** -0.5, 1.0 / L, False,
                                 True, 0, None, 0, L - 1)
+    if case == "block_attention_rope":  # rotate-half RoPE fused; one fp32 (L, D) table pair for the batch
+        L, D = q.shape[2], q.shape[3]
+        inv_freq = 10000.0 ** (-torch.arange(0, D, 2, device=q.device) / D)
+        angles = torch.arange(L, device=q.device)[:, None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1).float()
+        cos, sin = angles.cos(), angles.sin()
+        return lambda: ops.block_attention(q, k, v, lengths, 64, -1, False, cos, sin, "half", D ** -0.5)
     return lambda: ops.block_attention(q, k, v, lengths, 64, -1, False, None, None, "none", q.shape[-1] ** -0.5)
 
 

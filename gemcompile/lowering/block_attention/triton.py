@@ -401,6 +401,56 @@ def _rotate_both(qa, qb, ka, kb, cos_base, sin_base, rows, mask_rows, stride_cm,
 
 
 @triton.jit
+def _partner_columns(HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """(columns, each column's rotation partner, whether it is in half A): "half" pairs j with j + D/2,
+    "interleaved" pairs 2i with 2i + 1."""
+    d = tl.arange(0, HEAD_D)
+    if ROTARY == 1:
+        partner = (d + HEAD_D // 2) % HEAD_D
+        in_a = d < HEAD_D // 2
+    else:
+        partner = d ^ 1
+        in_a = (d % 2) == 0
+    return d, partner, in_a
+
+
+@triton.jit
+def _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
+                   ROTARY: tl.constexpr):
+    """(cos, sin with half A's columns negated), fp32, full width: rot(x)[j] = x[j] cos[j] + x[p(j)] sin'[j]
+    for p(j) the partner column (A' = A cos_A - B sin_A, B' = B cos_B + A sin_B)."""
+    d, _, in_a = _partner_columns(HEAD_D, ROTARY)
+    c = load_rows(cos_base, rows, d, stride_cm, stride_cd, mask_rows, HEAD_D, HEAD_D, True).to(tl.float32)
+    s = load_rows(sin_base, rows, d, stride_cm, stride_cd, mask_rows, HEAD_D, HEAD_D, True).to(tl.float32)
+    return c, tl.where(in_a[None, :], -s, s)
+
+
+@triton.jit
+def _load_rotated(base, rows, mask_rows, stride_r, stride_d, c, s_signed, HEAD_D: tl.constexpr,
+                  ROTARY: tl.constexpr):
+    """A q or k tile rotated full width, rounded to its dtype: the tile and its partner columns are two
+    loads of the same lines (the second hits L1), so no register shuffle splits the tile into halves (the
+    split needed 255 registers, spills and ~30 barriers per program at D 128 on sm_90a)."""
+    d, partner, _ = _partner_columns(HEAD_D, ROTARY)
+    x = load_rows(base, rows, d, stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+    xp = load_rows(base, rows, partner, stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
+    return (x.to(tl.float32) * c + xp.to(tl.float32) * s_signed).to(x.dtype)
+
+
+@triton.jit
+def _unrotate(g, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
+              ROTARY: tl.constexpr):
+    """The gradient w.r.t. the un-rotated rows from g, the gradient w.r.t. the rotated ones, full width:
+    R^T g = g cos + (g sin')[:, p(j)] (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner
+    columns come from one tl.gather along the head dim, not a split of g into halves (which needed 255
+    registers and spilled at D 128 on sm_90a; this form compiles to 187 at 8 warps, no spill)."""
+    _, partner, _ = _partner_columns(HEAD_D, ROTARY)
+    c, s_signed = _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
+    t = g * s_signed
+    return g * c + tl.gather(t, tl.broadcast_to(partner[None, :], t.shape), 1)
+
+
+@triton.jit
 def _rotate_transpose(ga, gb, ca, cb, sa, sb):
     """Gradient w.r.t. the un-rotated halves from the gradient w.r.t. the rotated ones."""
     return ga * ca + gb * sb, gb * cb - ga * sa
@@ -481,16 +531,19 @@ def _closed_fwd_kernel(
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
-    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
-    ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
-    if ROTARY != 0:
-        qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
-                                      row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+    if ROTARY != 0:  # q and k of the same rows: one load of the table rows, full-width rotations
+        c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
+                                     stride_cd, HEAD_D, ROTARY)
+        q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
+        k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+    else:
+        q = load_rows(q_base, rows, tl.arange(0, HEAD_D), stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
+        k = load_rows(k_base, rows, tl.arange(0, HEAD_D), stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
     v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
                   rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
                   col_ok, HEAD_D, HEAD_D, True)
-    s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
@@ -545,20 +598,23 @@ def _closed_bwd_kernel(
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
-    qa, qb = _load_tile(q_base, rows, row_ok, stride_qm, stride_qd, HEAD_D, ROTARY)
     k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
-    ka, kb = _load_tile(k_base, rows, col_ok, stride_kn, stride_kd, HEAD_D, ROTARY)
-    if ROTARY != 0:
-        qa, qb, ka, kb = _rotate_both(qa, qb, ka, kb, Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows,
-                                      row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+    cos_base, sin_base = Cos + b64 * stride_cb, Sin + b64 * stride_cb
     offs_d = tl.arange(0, HEAD_D)
+    if ROTARY != 0:  # full-width rotations (see _load_rotated); the tables are dropped until the end
+        c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
+        k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+    else:
+        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
+        k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
     do_base = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED) + h64 * stride_gh
     q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
     do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
     l_off = _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh
     lse = tl.load(Lse + l_off + rows * stride_lm,
                   mask=q_ok, other=float("inf"))
-    s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
@@ -573,23 +629,16 @@ def _closed_bwd_kernel(
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
     delta = tl.sum(p * dp, 1)
-    ds = (p * (dp - delta[:, None])).to(qa.dtype)
-    # dQ is finished and stored before dK is computed: fewer live registers. The rotary tables are
-    # loaded again (cache hits) rather than kept live across the whole kernel.
-    dqa = tl.dot(ds, ka, input_precision=DOT_PRECISION) * scale
-    dqb = dqa
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    # dQ is finished and stored before dK is computed: fewer live registers
+    dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
     if ROTARY != 0:
-        dqb = tl.dot(ds, kb, input_precision=DOT_PRECISION) * scale
-        ca, cb, sa, sb = _load_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
-                                      stride_cd, HEAD_D, ROTARY)
-        dqa, dqb = _rotate_transpose(dqa, dqb, ca, cb, sa, sb)
-    _store_tile(DQ + x_off, rows, row_ok, stride_xm, stride_xd, dqa, dqb, HEAD_D, ROTARY)
-    dka = tl.dot(tl.trans(ds), qa, input_precision=DOT_PRECISION) * scale
-    dkb = dka
+        dq = _unrotate(dq, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+    store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, row_ok, HEAD_D)
+    dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
     if ROTARY != 0:
-        dkb = tl.dot(tl.trans(ds), qb, input_precision=DOT_PRECISION) * scale
-        dka, dkb = _rotate_transpose(dka, dkb, ca, cb, sa, sb)
-    _store_tile(DK + x_off, rows, row_ok, stride_xm, stride_xd, dka, dkb, HEAD_D, ROTARY)
+        dk = _unrotate(dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+    store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, row_ok, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
