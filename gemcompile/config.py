@@ -195,6 +195,23 @@ class TokenGemmConfig:
 
 
 @config_section
+class TokenColumnSumsConfig:
+    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> one bandwidth-bound kernel
+    (post-grad, passes/token_column_sums.py)."""
+
+    enabled: bool = True
+    """Run such sums as gemcompile::token_column_sum instead of Inductor's reduction over an unbacked
+    row count. CUDA only."""
+    min_columns: int = 16
+    """Sums over fewer columns are left to Inductor."""
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.min_columns < 1:
+            raise ConfigError(f"TokenColumnSumsConfig.min_columns = {self.min_columns} must be >= 1")
+
+
+@config_section
 class Fp32GemmOutConfig:
     """bf16 / fp16 GEMMs whose result is only cast to float32 write float32 (post-grad,
     passes/fp32_gemm_out.py)."""
@@ -535,6 +552,9 @@ class GemConfig:
 
     fp32_gemm_out: Fp32GemmOutConfig = field(default_factory=Fp32GemmOutConfig)
     """bf16 GEMMs cast to float32 (weight gradients under autocast) -> GEMMs writing float32 (post-grad)."""
+
+    token_column_sums: TokenColumnSumsConfig = field(default_factory=TokenColumnSumsConfig)
+    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> one kernel (post-grad)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""

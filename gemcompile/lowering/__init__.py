@@ -24,6 +24,7 @@ Importing this package registers every op. One folder per op, one file per conce
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index, gemcompile::valid_mask_index
     token_gemm.py         gemcompile::token_mm (a GEMM over packed tokens as GEMMs of bucketed sizes)
+    token_column_sum.py   gemcompile::token_column_sum (a sum over packed tokens at bandwidth: bias gradients)
     length_order.py       gemcompile::length_order, gemcompile::key_bounds (derived once per step, shared)
 
 A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from
@@ -33,6 +34,7 @@ imports nothing outside lowering/.
 
 from . import length_order  # noqa: F401  registers gemcompile::length_order, gemcompile::key_bounds
 from . import packed_row_gather  # noqa: F401  registers gemcompile::packed_row_gather(_backward)
+from . import token_column_sum  # noqa: F401  registers gemcompile::token_column_sum
 from . import token_gemm  # noqa: F401  registers gemcompile::token_mm
 from . import valid_tokens  # noqa: F401  registers gemcompile::valid_token_index, gemcompile::valid_mask_index
 from .block_attention import op as block_attention_op  # noqa: F401  registers gemcompile::block_attention*

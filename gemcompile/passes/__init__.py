@@ -14,6 +14,7 @@ from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.table_batching import TableBatchingPass
+from gemcompile.passes.token_column_sums import TokenColumnSumPass
 from gemcompile.passes.token_gemm import TokenGemmPass
 from gemcompile.passes.unpad import UnpadPass
 from gemcompile.passes.unpad_reductions import UnpadReductionsPass
@@ -26,6 +27,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     TableBatchingPass,  # pre_grad: sparse embedding-bag lookups of many tables -> one sparse_embedding_bags
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
+    TokenColumnSumPass,  # post_grad: sums over packed tokens of tensors in memory (bias grads) -> one kernel
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
     TokenGemmPass,  # post_grad: GEMMs over a data-dependent token count -> GEMMs of bucketed sizes
