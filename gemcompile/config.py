@@ -196,12 +196,12 @@ class TokenGemmConfig:
 
 @config_section
 class TokenColumnSumsConfig:
-    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> one bandwidth-bound kernel
+    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> torch's own reduction
     (post-grad, passes/token_column_sums.py)."""
 
     enabled: bool = True
-    """Run such sums as gemcompile::token_column_sum instead of Inductor's reduction over an unbacked
-    row count. CUDA only."""
+    """Run such sums as gemcompile::token_column_sum (torch.sum, sized at each call) instead of Inductor's
+    reduction over an unbacked row count. CUDA only."""
     min_columns: int = 16
     """Sums over fewer columns are left to Inductor."""
 
@@ -554,7 +554,7 @@ class GemConfig:
     """bf16 GEMMs cast to float32 (weight gradients under autocast) -> GEMMs writing float32 (post-grad)."""
 
     token_column_sums: TokenColumnSumsConfig = field(default_factory=TokenColumnSumsConfig)
-    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> one kernel (post-grad)."""
+    """Sums over packed tokens of tensors in memory anyway (bias gradients) -> torch.sum (post-grad)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The 5D parallel plan (sharding annotations pre-grad; the runtime applies them)."""

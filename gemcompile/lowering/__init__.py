@@ -24,7 +24,7 @@ Importing this package registers every op. One folder per op, one file per conce
     fp8/                  gemcompile::fp8_mm             scaled_mm.py quantize_triton.py numerics.py
     valid_tokens.py       gemcompile::valid_token_index, gemcompile::valid_mask_index
     token_gemm.py         gemcompile::token_mm (a GEMM over packed tokens as GEMMs of bucketed sizes)
-    token_column_sum.py   gemcompile::token_column_sum (a sum over packed tokens at bandwidth: bias gradients)
+    token_column_sum.py   gemcompile::token_column_sum (a sum over packed tokens by torch.sum: bias gradients)
     length_order.py       gemcompile::length_order, gemcompile::key_bounds (derived once per step, shared)
 
 A new op is one folder like the others: ``op.py`` (schema, fake, autograd, dispatch, built from

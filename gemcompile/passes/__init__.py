@@ -27,7 +27,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     TableBatchingPass,  # pre_grad: sparse embedding-bag lookups of many tables -> one sparse_embedding_bags
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
-    TokenColumnSumPass,  # post_grad: sums over packed tokens of tensors in memory (bias grads) -> one kernel
+    TokenColumnSumPass,  # post_grad: sums over packed tokens of tensors in memory (bias grads) -> torch.sum
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)
     Mxfp8Pass,  # post_grad: FP8 casts around the fwd / dgrad / wgrad GEMMs of qualifying layers
     TokenGemmPass,  # post_grad: GEMMs over a data-dependent token count -> GEMMs of bucketed sizes
