@@ -1,5 +1,6 @@
-"""gemcompile::token_column_sum against float64 sums (its autograd and schema), and TokenColumnSumPass on post-grad graphs of fake CUDA tensors: a sum over the
-symbolic token rows of a GEMM's output becomes the op; near-misses stay."""
+"""gemcompile::token_column_sum against float64 sums (its autograd and schema), and TokenColumnSumPass on
+post-grad graphs of fake CUDA tensors: a sum over the symbolic token rows of a GEMM's output becomes the
+op; near-misses stay."""
 
 import pytest
 import torch
