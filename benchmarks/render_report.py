@@ -1065,16 +1065,27 @@ def parallel_scaling() -> str:
     return "\n".join(lines)
 
 
-@block("refactor-ab")
-def refactor_ab() -> str:
+def _refactor_ab_tables(names) -> str:
     lines = []
-    for name in ("refactor_ab-20261201-165639.json", "refactor_ab-20261201-170317.json"):
+    for name in names:
         path, payload = load(name)
         rows = [[r["case"], r["metric"], f(r["before_ms"], ".3f"), f(r["after_ms"], ".3f"), f(r["after_over_before"], ".3f")]
                 for r in payload["rows"]]
         lines += [f"{payload.get('repeats_done')} rounds. Source: {source_line((path, payload))}", ""]
         lines += table(["op", "metric", "before ms", "after ms", "after / before"], rows) + [""]
     return "\n".join(lines).rstrip()
+
+
+@block("refactor-ab")
+def refactor_ab() -> str:
+    return _refactor_ab_tables(("refactor_ab-20261201-165639.json", "refactor_ab-20261201-170317.json"))
+
+
+@block("block-rotary-ab")
+def block_rotary_ab() -> str:
+    """Block attention's closed kernels with rotary applied full width: the tree before (halves) against the
+    backward's R^T by tl.gather (140600, the code kept) and by a second dot (140743)."""
+    return _refactor_ab_tables(("refactor_ab-20261204-140600.json", "refactor_ab-20261204-140743.json"))
 
 
 DATA_MASK_FILES = ["data_masks-20261201-190904.json", "data_masks-20261202-000141.json",
