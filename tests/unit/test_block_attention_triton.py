@@ -163,6 +163,22 @@ def test_closed_64_row_tiles(monkeypatch, block, rotary):
     check(q, k, v, lengths, block, 3, True, None, None, "none")
 
 
+@pytest.mark.parametrize("heads_per_program,H", [(1, 2), (2, 3), (4, 3)])
+@pytest.mark.parametrize("packed_rows", [False, True], ids=["lengths", "q_lengths"])
+def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, packed_rows):
+    """HEADS heads of a tile per program (a loop over heads): with H not a multiple of HEADS the last
+    program's heads past H are computed from clamped addresses and never stored; zero-length and skipped
+    query rows still write exact zeros for every head."""
+    config = [triton.Config({"BLOCK": 32, "HEADS": heads_per_program}, num_warps=4, num_stages=1)]
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs", config)
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs", config)
+    q, k, v, lengths, cos, sin = make_inputs(3, H, 70, 32, torch.float32, "shared", seed=H + heads_per_program,
+                                             lengths=torch.tensor([70, 0, 33]))
+    q_lengths = torch.tensor([50, 10, 70]) if packed_rows else None
+    check(q, k, v, lengths, 32, -1, False, cos, sin, "half", q_lengths=q_lengths)
+    check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=q_lengths)
+
+
 def test_general_kernels_other_tile_shapes(monkeypatch):
     """Loop bounds of the general kernels with square 64 tiles and with tall/wide tiles."""
     for fwd, dkdv in (((64, 64), (64, 64)), ((16, 64), (64, 16))):

@@ -110,9 +110,12 @@ MIN_FUSED_ROTARY_HEAD_DIM = 32
 # these configs: they are served for accuracy, not speed.
 
 _S, _L, _SR, _LR = "small", "large", "small_rot", "large_rot"
-_CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR), (128, 8): (_S, _SR, _L)}
+_CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR), (128, 8): (_S, _SR, _L),
+                      (64, 8, 4): (_L, _LR)}
 _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR, _L, _LR),
-                      (128, 8): (_S, _SR)}
+                      (128, 8): (_S, _SR), (64, 8, 4): (_L,)}
+# (BLOCK, warps, HEADS): four heads of a tile per program, two stages (the next head's loads in flight);
+# at D 128 on sm_90a the backward with rotary needs more shared memory than a CTA has, so it keeps one head
 _FWD_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L, _LR), (128, 128, 8, 3): (_S,),
                (64, 32, 4, 3): (_S, _SR, _L, _LR)}
 _DKDV_SHAPES = {(32, 64, 4, 3): (_S, _SR, _L), (64, 64, 4, 3): (_S,), (64, 128, 8, 3): (_S,),
@@ -122,9 +125,13 @@ _DQ_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L), (64
 
 
 def _closed_configs(shapes):
+    """(BLOCK, warps[, HEADS]) -> a config; HEADS > 1 (heads of a tile per program, a loop the compiler
+    pipelines) with two stages. The interpreter runs two heads per program, so the CPU tests cover the loop
+    (and, with an odd H, a head past H)."""
     if INTERPRET:
-        return [triton.Config({"BLOCK": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1) for t, w in shapes]
+        return [triton.Config({"BLOCK": 32, "HEADS": 2}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK": shape[0], "HEADS": (shape[2:] or (1,))[0]}, num_warps=shape[1],
+                          num_stages=1 if len(shape) == 2 else 2) for shape in shapes]
 
 
 def _general_configs(shapes, interpret_shape):
@@ -152,6 +159,12 @@ def _head_class(args) -> str:
     return _variant(args.get("HEAD_D", 64), args.get("ROTARY", 0))
 
 
+def _closed_shape(config) -> tuple:
+    """A closed config's key in the shape tables: (BLOCK, warps), with HEADS when it is above 1."""
+    heads = config.kwargs.get("HEADS", 1)
+    return (config.kwargs["BLOCK"], config.num_warps) + ((heads,) if heads > 1 else ())
+
+
 def _closed_prune(shapes):
     def prune(configs, named_args, **kwargs):
         """Tiles that hold whole blocks, meant for this head dim, not far larger than the length."""
@@ -159,7 +172,7 @@ def _closed_prune(shapes):
         block, head = args["ATTN_BLOCK"], _head_class(args)
         fits = [c for c in configs if c.kwargs["BLOCK"] % block == 0]
         kept = [c for c in fits
-                if head in shapes.get((c.kwargs["BLOCK"], c.num_warps), (head,))
+                if head in shapes.get(_closed_shape(c), (head,))
                 and c.kwargs["BLOCK"] <= max(args.get("L_BUCKET", 1 << 30), 64)]
         return kept or fits
 
@@ -511,52 +524,65 @@ def _closed_fwd_kernel(
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
     PACKED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1,
 ):
-    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
+    # HEADS heads of one tile per program: the rows' bounds, masks and rotary tables are loaded once, and
+    # the loop over heads lets the next head's loads overlap this head's dots (num_stages > 1)
+    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
-    h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
     row_ok = rows < _row_end(L, q_hi, PACKED)
-    o_base = Out + _seq_off(b64, row0, stride_ob, stride_om, PACKED) + h64 * stride_oh
-    l_ptrs = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh + rows * stride_lm
+    o_seq = Out + _seq_off(b64, row0, stride_ob, stride_om, PACKED)
+    l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + rows * stride_lm
     # the tile's blocks hold no valid key, or no computed query row
     if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
-        _store_zero_rows(o_base, rows, row_ok, stride_om, stride_od, BLOCK, HEAD_D)
-        tl.store(l_ptrs, tl.full([BLOCK], float("inf"), tl.float32), mask=row_ok)
+        for i in tl.static_range(HEADS):
+            h = group * HEADS + i
+            store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+            h64 = tl.minimum(h, H - 1).to(tl.int64)
+            _store_zero_rows(o_seq + h64 * stride_oh, rows, store_ok, stride_om, stride_od, BLOCK, HEAD_D)
+            tl.store(l_seq + h64 * stride_lh, tl.full([BLOCK], float("inf"), tl.float32), mask=store_ok)
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
-    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
-    if ROTARY != 0:  # q and k of the same rows: one load of the table rows, full-width rotations
-        c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
-                                     stride_cd, HEAD_D, ROTARY)
-        q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
-        k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-    else:
-        q = load_rows(q_base, rows, tl.arange(0, HEAD_D), stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
-        k = load_rows(k_base, rows, tl.arange(0, HEAD_D), stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
-    v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
-                  rows, tl.arange(0, HEAD_D), stride_vn, stride_vd,
-                  col_ok, HEAD_D, HEAD_D, True)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    q_seq = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED)
+    k_seq = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED)
+    v_seq = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED)
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
     if HAS_Q_LENGTHS:  # rows not computed see no key: out 0, lse +inf
         ok = ok & (rows < q_hi)[:, None]
-    s = tl.where(ok, s, float("-inf"))
-    m = tl.max(s, 1)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp2(s - m_use[:, None])
-    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
-    store_rows(o_base, rows, tl.arange(0, HEAD_D), stride_om, stride_od, out, row_ok, HEAD_D)
-    tl.store(l_ptrs, lse, mask=row_ok)
+    offs_d = tl.arange(0, HEAD_D)
+    if ROTARY != 0:  # q and k of the same rows: one load of the table rows for all heads
+        c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
+                                     stride_cd, HEAD_D, ROTARY)
+    for i in tl.range(0, HEADS):
+        h = group * HEADS + i
+        h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
+        q_base = q_seq + h64 * stride_qh
+        k_base = k_seq + h64 * stride_kh
+        if ROTARY != 0:
+            q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
+            k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+        else:
+            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
+            k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
+        v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
+                      True)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(ok, s, float("-inf"))
+        m = tl.max(s, 1)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m_use[:, None])
+        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
+        store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+        store_rows(o_seq + h64 * stride_oh, rows, offs_d, stride_om, stride_od, out, store_ok, HEAD_D)
+        tl.store(l_seq + h64 * stride_lh, lse, mask=store_ok)
 
 
 @autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
@@ -577,68 +603,80 @@ def _closed_bwd_kernel(
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
     PACKED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1,
 ):
-    # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*)
-    tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK))
+    # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*). HEADS heads of
+    # one tile per program, as the forward.
+    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
-    h64 = h.to(tl.int64)
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
     row_ok = rows < _row_end(L, q_hi, PACKED)
-    x_off = _seq_off(b64, row0, stride_xb, stride_xm, PACKED) + h64 * stride_xh
+    x_seq = _seq_off(b64, row0, stride_xb, stride_xm, PACKED)
     # no valid key, or no computed query row (whose keys are the tile's own: no dK, dV either)
     if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
-        _store_zero_rows(DQ + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
-        _store_zero_rows(DK + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
-        _store_zero_rows(DV + x_off, rows, row_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+        for i in tl.static_range(HEADS):
+            h = group * HEADS + i
+            store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+            x_off = x_seq + tl.minimum(h, H - 1).to(tl.int64) * stride_xh
+            _store_zero_rows(DQ + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+            _store_zero_rows(DK + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+            _store_zero_rows(DV + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
         return
     col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-    q_base = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED) + h64 * stride_qh
-    k_base = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED) + h64 * stride_kh
+    q_seq = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED)
+    k_seq = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED)
+    v_seq = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED)
+    do_seq = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED)
+    l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + rows * stride_lm
     cos_base, sin_base = Cos + b64 * stride_cb, Sin + b64 * stride_cb
     offs_d = tl.arange(0, HEAD_D)
-    if ROTARY != 0:  # full-width rotations (see _load_rotated); the tables are dropped until the end
-        c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-        q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
-        k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-    else:
-        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
-        k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
-    do_base = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED) + h64 * stride_gh
     q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
-    do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
-    l_off = _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + h64 * stride_lh
-    lse = tl.load(Lse + l_off + rows * stride_lm,
-                  mask=q_ok, other=float("inf"))
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
     if HAS_KV_MASK:
         ok = ok & col_ok[None, :]
     if HAS_Q_LENGTHS:
         ok = ok & q_ok[:, None]
-    p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
-    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-    store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, row_ok, HEAD_D)  # early: frees registers
-    v = load_rows(V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED) + h64 * stride_vh,
-                  rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D,
-                  HEAD_D, True)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
-    delta = tl.sum(p * dp, 1)
-    ds = (p * (dp - delta[:, None])).to(q.dtype)
-    # dQ is finished and stored before dK is computed: fewer live registers
-    dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-    if ROTARY != 0:
-        dq = _unrotate(dq, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-    store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, row_ok, HEAD_D)
-    dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
-    if ROTARY != 0:
-        dk = _unrotate(dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-    store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, row_ok, HEAD_D)
+    for i in tl.range(0, HEADS):
+        h = group * HEADS + i
+        h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
+        store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+        x_off = x_seq + h64 * stride_xh
+        q_base = q_seq + h64 * stride_qh
+        k_base = k_seq + h64 * stride_kh
+        if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads the tables (cache hits)
+            c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
+                                         ROTARY)
+            q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
+            k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+        else:
+            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
+            k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
+        do = load_rows(do_seq + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D,
+                       True)
+        lse = tl.load(l_seq + h64 * stride_lh, mask=q_ok, other=float("inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)  # early: frees regs
+        v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
+                      True)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
+        delta = tl.sum(p * dp, 1)
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        # dQ is finished and stored before dK is computed: fewer live registers
+        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+        if ROTARY != 0:
+            dq = _unrotate(dq, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
+        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
+        if ROTARY != 0:
+            dk = _unrotate(dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+        store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -906,8 +944,12 @@ def _bwd_dq_kernel(
 def _closed_tiles(kernel, shapes, variant: str) -> list[int]:
     """Tile sizes of a closed kernel's configs meant for this variant (configs missing from the table,
     e.g. pinned by tests, serve every variant)."""
-    return [c.kwargs["BLOCK"] for c in kernel.configs
-            if variant in shapes.get((c.kwargs["BLOCK"], c.num_warps), (variant,))]
+    return [c.kwargs["BLOCK"] for c in kernel.configs if variant in shapes.get(_closed_shape(c), (variant,))]
+
+
+def _closed_programs(meta: dict, B: int, H: int, L: int) -> int:
+    """A closed kernel's grid: one program per (tile, batch, group of HEADS heads)."""
+    return triton.cdiv(L, meta["BLOCK"]) * B * triton.cdiv(H, meta.get("HEADS", 1))
 
 
 def closed_tile_serves(block: int, head_dim: int, rotary: str = "none") -> bool:
@@ -1037,8 +1079,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
             float(scale) * _LOG2E, *buckets)
     consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths, packed)
     if closed_tile_serves(block, D, rotary):
-        launch(_closed_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,), args, consts,
-               buckets)
+        launch(_closed_fwd_kernel, lambda meta: (_closed_programs(meta, B, H, L),), args, consts, buckets)
     else:
         launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
     return out, lse
@@ -1092,7 +1133,7 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     strides = (*rows4(q), *rows4(k), *rows4(v), *c_strides, *rows4(grad_out), *rows3(lse))
     scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
     if closed_tile_serves(block, D, rotary):
-        launch(_closed_bwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK"]) * B * H,),
+        launch(_closed_bwd_kernel, lambda meta: (_closed_programs(meta, B, H, L),),
                (*inputs, lse, dq, dk, dv, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     else:
         delta = _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3)
