@@ -7,7 +7,8 @@ sums took about twice as long as torch's own reduction on the H200 (lowering/tok
 in memory already (the GEMMs of the input and weight gradients read it), so summing it in a kernel of
 its own costs nothing that a fused sum saved.
 
-Matches ``aten.sum.dim_IntList(x, [0] or [-2], keepdim)`` with no dtype, on CUDA, x 2-D float16 /
+Matches ``aten.sum.dim_IntList(x, [0] or [-2], keepdim[, dtype=a float dtype])`` on CUDA (torch 2.11
+writes a half sum as one with dtype=float32 followed by a cast), x 2-D float16 /
 bfloat16 / float32 (through views of one), whose row count is symbolic (packed tokens; a static T is
 left to Inductor, which splits it) and whose column count is static and at least ``min_columns``, when x
 (or the tensor it views) is materialized anyway: a graph input, the output of a GEMM or of a gemcompile op,
@@ -51,7 +52,10 @@ def _materialized(x: fx.Node) -> bool:
 
 def _token_sum(node: fx.Node, min_columns: int) -> fx.Node | None:
     """x when ``node`` is a sum over the packed-token rows of a 2-D x this pass takes (module doc)."""
-    if node.op != "call_function" or node.target is not aten.sum.dim_IntList or node.kwargs.get("dtype"):
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList:
+        return None
+    dtype = node.kwargs.get("dtype")
+    if set(node.kwargs) - {"dtype"} or (dtype is not None and dtype not in _DTYPES):
         return None
     x, dims = node.args[0], node.args[1]
     if len(node.args) > 3 or not isinstance(x, fx.Node) or list(dims or ()) not in ([0], [-2]):
@@ -82,7 +86,8 @@ class TokenColumnSumPass(GemPass):
                 continue
             want = node.meta["val"]
             with graph.inserting_before(node):
-                out = graph.call_function(torch.ops.gemcompile.token_column_sum.default, (x,))
+                out = graph.call_function(torch.ops.gemcompile.token_column_sum.default, (x,),
+                                          {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") else {})
                 out.meta["val"] = want.reshape(want.shape[-1])
                 if want.dim() == 2:  # keepdim: (1, N)
                     out = graph.call_function(aten.view.default, (out, list(want.shape)))

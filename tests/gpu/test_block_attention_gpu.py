@@ -39,9 +39,9 @@ TOL = {
 
 
 def _pin(monkeypatch, closed_fwd, closed_bwd, fwd, dkdv, dq):
-    for kernel, (t, w) in ((kernels._closed_fwd_kernel, closed_fwd),
-                           (kernels._closed_bwd_kernel, closed_bwd)):
-        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK": t}, num_warps=w, num_stages=1)])
+    for kernel, shape in ((kernels._closed_fwd_kernel, closed_fwd), (kernels._closed_bwd_kernel, closed_bwd)):
+        # a shape-table key: (BLOCK, warps) or (BLOCK, warps, HEADS), built as the kernels' own list builds it
+        monkeypatch.setattr(kernel, "configs", kernels._closed_configs({shape: ()}))
     pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv,
                             kernels._bwd_dq_kernel: dq})
 

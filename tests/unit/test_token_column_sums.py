@@ -29,6 +29,15 @@ def test_op_matches_float64(T, N, dtype):
 def test_op_schema_autograd_and_bad_input():
     x = torch.randn(50, 20, requires_grad=True)
     torch.library.opcheck(torch.ops.gemcompile.token_column_sum, (x,))
+    half = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.gemcompile.token_column_sum, (half,), {"dtype": torch.float32})
+    wide = torch.ops.gemcompile.token_column_sum(half, dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, half.float().sum(0))
+    wide.sum().backward()
+    assert half.grad.dtype == torch.bfloat16 and (half.grad == 1).all()
+    with pytest.raises(ValueError, match="floating"):
+        torch.ops.gemcompile.token_column_sum(half, dtype=torch.int32)
     g = torch.randn(20)
     (torch.ops.gemcompile.token_column_sum(x) * g).sum().backward()
     assert torch.equal(x.grad, g.expand(50, 20))
@@ -84,6 +93,16 @@ def test_a_sum_over_token_rows_of_a_gemm_output_becomes_the_op(keepdim, dims):
     assert tuple(out.meta["val"].shape) == tuple(want.shape) and out.meta["val"].dtype == want.dtype
 
 
+def test_a_half_sum_into_float32_keeps_its_dtype():
+    """torch 2.11's form of a bf16 bias gradient: sum(x, [0], True, dtype=float32)."""
+    graph, want = _graph(sum_dtype=torch.float32)
+    assert torch.ops.gemcompile.token_column_sum.default in _run(graph)
+    op = next(n for n in graph.nodes if n.target is torch.ops.gemcompile.token_column_sum.default)
+    assert op.kwargs == {"dtype": torch.float32} and op.meta["val"].dtype == torch.float32
+    (out,) = [n for n in graph.nodes if n.op == "output"][0].args[0]
+    assert out.meta["val"].dtype == torch.float32 and tuple(out.meta["val"].shape) == tuple(want.shape)
+
+
 def test_a_pointwise_producer_read_by_a_gemm_counts_as_materialized():
     graph, _ = _graph(producer="relu")
     relu = next(n for n in graph.nodes if n.target is aten.relu.default)
@@ -102,7 +121,7 @@ def test_a_pointwise_producer_read_by_a_gemm_counts_as_materialized():
     {"dims": (1,)},  # a sum over the columns
     {"dims": (0, 1)},  # over everything
     {"cols": 8},  # fewer columns than min_columns
-    {"sum_dtype": torch.float32},  # a sum with its own dtype
+    {"sum_dtype": torch.int64},  # a sum into an integer dtype
 ])
 def test_near_misses_stay(kwargs):
     graph, _ = _graph(**kwargs)
