@@ -870,10 +870,18 @@ def e2e_medium_before_after() -> str:
              "(2349e45 to 999fa8d; `sparse-optimizer-host` in this file). The run after it is gem_compile under "
              "CUDA graphs (`gem@reduce-overhead`: unpad's token counts bucketed, so the attention ops stay on "
              "packed tokens with slack rows, d3c05b6, and only the slack rows filled, 9c2273e) against "
-             "torch.compile's default mode, warm-up 20 steps, with a kernel profile. The last run is the same "
+             "torch.compile's default mode, warm-up 20 steps, with a kernel profile. The next run is the same "
              "command at ea9c6a1: readers of a few rows of the sequence (the sequence summary's recent tokens) "
              "read the packed rows, passes/unpad_row_reads.py, so no sequence is scattered back to (B, N) rows; "
-             "and weight gradients under autocast are float32 GEMM outputs, passes/fp32_gemm_out.py.", ""]
+             "and weight gradients under autocast are float32 GEMM outputs, passes/fp32_gemm_out.py. At 5b6bcd0 "
+             "the joint-graph attention pass stopped tracing its 36 patterns for graphs with no softmax over a "
+             "batched matmul (GEM-ref's only softmax is its expert gate), which cut the compile (the files' "
+             "`compile_phases` split it by torch phase and gemcompile pass, and `kernel_tuning.by_kernel` the "
+             "autotuning by kernel). The last run (`5560202`) has block attention's rotary applied full width in "
+             "its forward and backward (`_closed_fwd_kernel`, `_closed_bwd_kernel`), and a third method with "
+             "the token_column_sums pass off: that pass took no sum on torch 2.11 at that commit (2.11 writes a "
+             "bf16 sum with dtype=float32, which it did not match until 4b72e3e), so the two gem rows run the "
+             "same graphs.", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -1088,8 +1096,10 @@ def refactor_ab() -> str:
 @block("block-rotary-ab")
 def block_rotary_ab() -> str:
     """Block attention's closed kernels with rotary applied full width: the tree before (halves) against the
-    backward's R^T by tl.gather (140600, the code kept) and by a second dot (140743)."""
-    return _refactor_ab_tables(("refactor_ab-20261204-140600.json", "refactor_ab-20261204-140743.json"))
+    backward's R^T by tl.gather (140600, the code kept) and by a second dot (140743); then four heads per
+    program as an autotune option (142844, before = the full-width tree)."""
+    return _refactor_ab_tables(("refactor_ab-20261204-140600.json", "refactor_ab-20261204-140743.json",
+                                "refactor_ab-20261204-142844.json"))
 
 
 DATA_MASK_FILES = ["data_masks-20261201-190904.json", "data_masks-20261202-000141.json",
