@@ -199,9 +199,12 @@ class TokenColumnSumsConfig:
     """Sums over packed tokens of tensors in memory anyway (bias gradients) -> torch's own reduction
     (post-grad, passes/token_column_sums.py)."""
 
-    enabled: bool = True
+    enabled: bool = False
     """Run such sums as gemcompile::token_column_sum (torch.sum, sized at each call) instead of Inductor's
-    reduction over an unbacked row count. CUDA only."""
+    reduction over an unbacked row count. CUDA only. Off by default: torch's sum beat Inductor's unbacked
+    one alone (lowering/token_column_sum.py), but in GEM-ref medium on torch 2.11 the sums run padded to a
+    static size (passes/unpad_reductions.py) at a comparable time, and the pass's effect on the step has
+    not been measured (``gemcompile bench e2e --methods gem+token_column_sums``)."""
     min_columns: int = 16
     """Sums over fewer columns are left to Inductor."""
 

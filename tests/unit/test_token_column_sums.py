@@ -48,9 +48,13 @@ def test_op_schema_autograd_and_bad_input():
         torch.ops.gemcompile.token_column_sum(torch.ones(2, 3, dtype=torch.int64))
 
 
-def test_config_refuses_zero_columns():
+def test_config_refuses_zero_columns_and_is_off_by_default():
     with pytest.raises(ConfigError, match="min_columns"):
         TokenColumnSumsConfig(min_columns=0)
+    assert TokenColumnSumsConfig().enabled is False  # not measured on the step yet (the config's doc)
+    graph, _ = _graph()
+    TokenColumnSumPass(GemConfig())(graph)
+    assert aten.sum.dim_IntList in [n.target for n in graph.nodes]
 
 
 def _graph(device="cuda", symbolic=True, producer="mm", dims=(0,), keepdim=True, cols=64,
@@ -78,7 +82,7 @@ def _graph(device="cuda", symbolic=True, producer="mm", dims=(0,), keepdim=True,
 
 
 def _run(graph, **config):
-    TokenColumnSumPass(GemConfig(token_column_sums=config) if config else GemConfig())(graph)
+    TokenColumnSumPass(GemConfig(token_column_sums={"enabled": True, **config}))(graph)
     return [n.target for n in graph.nodes if n.op == "call_function"]
 
 

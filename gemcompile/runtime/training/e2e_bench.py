@@ -68,7 +68,7 @@ from gemcompile.runtime.training.step_timing import Timings, graph_count, sync, 
 __all__ = ["E2EBenchConfig", "available_methods", "compile_method", "measure", "memory_section", "memory_variant",
            "methods_help", "run_e2e_bench", "split_method", "start_method", "step_begin", "unknown_methods"]
 
-PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8",)
+PASS_GROUPS_OFF_BY_DEFAULT = ("mxfp8", "token_column_sums")
 """GemConfig sections that are off by default and can run in one process (the parallel plan needs torchrun)."""
 
 
