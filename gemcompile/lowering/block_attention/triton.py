@@ -451,6 +451,21 @@ def _load_rotated(base, rows, mask_rows, stride_r, stride_d, c, s_signed, HEAD_D
 
 
 @triton.jit
+def _load_qk(q_base, k_base, rows, q_ok, k_ok, stride_qm, stride_qd, stride_kn, stride_kd, c, s_signed,
+             HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """A closed tile's q and k (the same rows), rotated full width with the tables (c, s_signed) when
+    ROTARY (unused without)."""
+    if ROTARY != 0:
+        q = _load_rotated(q_base, rows, q_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
+        k = _load_rotated(k_base, rows, k_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+    else:
+        offs_d = tl.arange(0, HEAD_D)
+        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, q_ok, HEAD_D, HEAD_D, True)
+        k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, k_ok, HEAD_D, HEAD_D, True)
+    return q, k
+
+
+@triton.jit
 def _unrotate(g, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
               ROTARY: tl.constexpr):
     """The gradient w.r.t. the un-rotated rows from g, the gradient w.r.t. the rotated ones, full width:
@@ -557,20 +572,15 @@ def _closed_fwd_kernel(
     if HAS_Q_LENGTHS:  # rows not computed see no key: out 0, lse +inf
         ok = ok & (rows < q_hi)[:, None]
     offs_d = tl.arange(0, HEAD_D)
+    c, s_signed = 0.0, 0.0
     if ROTARY != 0:  # q and k of the same rows: one load of the table rows for all heads
         c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
                                      stride_cd, HEAD_D, ROTARY)
     for i in tl.range(0, HEADS):
         h = group * HEADS + i
         h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
-        q_base = q_seq + h64 * stride_qh
-        k_base = k_seq + h64 * stride_kh
-        if ROTARY != 0:
-            q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
-            k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-        else:
-            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
-            k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
+        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
         v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
                       True)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -645,16 +655,12 @@ def _closed_bwd_kernel(
         h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
         store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
         x_off = x_seq + h64 * stride_xh
-        q_base = q_seq + h64 * stride_qh
-        k_base = k_seq + h64 * stride_kh
+        c, s_signed = 0.0, 0.0
         if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads the tables (cache hits)
             c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
                                          ROTARY)
-            q = _load_rotated(q_base, rows, row_ok, stride_qm, stride_qd, c, s_signed, HEAD_D, ROTARY)
-            k = _load_rotated(k_base, rows, col_ok, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-        else:
-            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, HEAD_D, True)
-            k = load_rows(k_base, rows, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, HEAD_D, True)
+        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
         do = load_rows(do_seq + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D,
                        True)
         lse = tl.load(l_seq + h64 * stride_lh, mask=q_ok, other=float("inf"))
