@@ -5,6 +5,12 @@ Why: at head dim 128 the forward and dK/dV kernels run one CTA per SM (issue 25)
 (``maxnreg``) to fit two would only pay if ptxas neither spills nor serializes the wgmma under the cap.
 
     python benchmarks/kernel_registers.py [--out DIR]
+    python benchmarks/kernel_registers.py --kernels block-closed [--out DIR]
+
+``--kernels block-closed``: block attention's closed kernels (one tile per 64-token block, packed layout,
+q_lengths), every closed config of the head dim's class, with and without the fused rotate-half rotary
+(fp32 tables, as GEM-ref builds them), plus the barriers (bar.sync) in the PTX: the layout changes through
+shared memory that splitting tiles into halves cost.
 
 Each kernel is compiled as a launch specializes it (unit head-dim strides, 16-divisible pointers and
 strides), bf16, not causal, no bias, without TRITON_INTERPRET; ptxas -v is run on the PTX.
@@ -119,11 +125,47 @@ def ptxas_report(ptx: str) -> dict:
     }
 
 
+def block_closed_rows(head_dim: int) -> list[dict]:
+    """One row per (kernel, rotary, closed config) of block attention's closed kernels at this head dim."""
+    from gemcompile.lowering.block_attention import triton as block
+
+    POINTERS.update({"Cos": "*fp32", "Sin": "*fp32", "Lengths": "*i64", "KvMask": "*u8", "KvRange": "*i32",
+                     "QLengths": "*i64", "Offsets": "*i64"})
+    rows = []
+    for name, kernel, shapes in (("closed_fwd", block._closed_fwd_kernel, block._CLOSED_FWD_SHAPES),
+                                 ("closed_bwd", block._closed_bwd_kernel, block._CLOSED_BWD_SHAPES)):
+        for rotary in ("none", "half"):
+            variant = block._variant(head_dim, block.ROTARY_CODES[rotary])
+            for config in block._closed_configs({shape: () for shape, kinds in shapes.items() if variant in kinds}):
+                consts = dict(HEAD_D=head_dim, ATTN_BLOCK=64, HAS_WINDOW=False, CAUSAL=False,
+                              ROTARY=block.ROTARY_CODES[rotary], DOT_PRECISION="tf32", HAS_KV_MASK=False,
+                              HAS_Q_LENGTHS=True, PACKED=True, **config.kwargs)
+                row = {"kernel": name, "rotary": rotary, **config.kwargs, "num_warps": config.num_warps,
+                       "num_stages": config.num_stages}
+                try:
+                    compiled = compile_sm90(kernel, consts, config.num_warps, config.num_stages, None)
+                    ptx = compiled.asm["ptx"]
+                    row.update(ptxas_report(ptx), shared_bytes=compiled.metadata.shared,
+                               barriers=len(re.findall(r"bar\.sync", ptx)))
+                except Exception as e:  # noqa: BLE001  a config this compiler refuses: recorded, the sweep goes on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kernels", default="jagged", choices=["jagged", "block-closed"])
     args = parser.parse_args()
+    if args.kernels == "block-closed":
+        print(write_json(f"kernel_registers-block-closed-d{args.head_dim}",
+                         {"benchmark": "kernel_registers", "environment": environment(),
+                          "target": "sm_90a (compiled on the CPU)", "kernels": "block-closed",
+                          "rows": block_closed_rows(args.head_dim)}, args.out))
+        return
     base = dict(
         HEAD_D=args.head_dim,
         BLOCK_D=args.head_dim,
