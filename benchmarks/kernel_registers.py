@@ -136,7 +136,8 @@ def block_closed_rows(head_dim: int) -> list[dict]:
                                  ("closed_bwd", block._closed_bwd_kernel, block._CLOSED_BWD_SHAPES)):
         for rotary in ("none", "half"):
             variant = block._variant(head_dim, block.ROTARY_CODES[rotary])
-            for config in block._closed_configs({shape: () for shape, kinds in shapes.items() if variant in kinds}):
+            served = {shape: () for shape, kinds in shapes.items() if variant in kinds}
+            for config in block._closed_configs(served):
                 consts = dict(HEAD_D=head_dim, ATTN_BLOCK=64, HAS_WINDOW=False, CAUSAL=False,
                               ROTARY=block.ROTARY_CODES[rotary], DOT_PRECISION="tf32", HAS_KV_MASK=False,
                               HAS_Q_LENGTHS=True, PACKED=True, **config.kwargs)
@@ -147,7 +148,7 @@ def block_closed_rows(head_dim: int) -> list[dict]:
                     ptx = compiled.asm["ptx"]
                     row.update(ptxas_report(ptx), shared_bytes=compiled.metadata.shared,
                                barriers=len(re.findall(r"bar\.sync", ptx)))
-                except Exception as e:  # noqa: BLE001  a config this compiler refuses: recorded, the sweep goes on
+                except Exception as e:  # noqa: BLE001  a refused config is recorded; the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print(row, flush=True)

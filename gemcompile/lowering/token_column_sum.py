@@ -15,9 +15,9 @@ the real T at every call. No atomics: deterministic.
 
 from __future__ import annotations
 
-import torch
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .common.opkit import direct_cuda

@@ -172,8 +172,8 @@ def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, pac
     config = [triton.Config({"BLOCK": 32, "HEADS": heads_per_program}, num_warps=4, num_stages=1)]
     monkeypatch.setattr(kernels._closed_fwd_kernel, "configs", config)
     monkeypatch.setattr(kernels._closed_bwd_kernel, "configs", config)
-    q, k, v, lengths, cos, sin = make_inputs(3, H, 70, 32, torch.float32, "shared", seed=H + heads_per_program,
-                                             lengths=torch.tensor([70, 0, 33]))
+    q, k, v, lengths, cos, sin = make_inputs(3, H, 70, 32, torch.float32, "shared",
+                                             seed=H + heads_per_program, lengths=torch.tensor([70, 0, 33]))
     q_lengths = torch.tensor([50, 10, 70]) if packed_rows else None
     check(q, k, v, lengths, 32, -1, False, cos, sin, "half", q_lengths=q_lengths)
     check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=q_lengths)

@@ -404,16 +404,6 @@ def _rotate(xa, xb, ca, cb, sa, sb):
 
 
 @triton.jit
-def _rotate_both(qa, qb, ka, kb, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd,
-                 HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
-    """Rotate q and k tiles of the same rows (closed tiles) with one load of the table rows."""
-    ca, cb, sa, sb = _load_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
-    qa, qb = _rotate(qa, qb, ca, cb, sa, sb)
-    ka, kb = _rotate(ka, kb, ca, cb, sa, sb)
-    return qa, qb, ka, kb
-
-
-@triton.jit
 def _partner_columns(HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
     """(columns, each column's rotation partner, whether it is in half A): "half" pairs j with j + D/2,
     "interleaved" pairs 2i with 2i + 1."""
@@ -442,8 +432,9 @@ def _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HE
 def _load_rotated(base, rows, mask_rows, stride_r, stride_d, c, s_signed, HEAD_D: tl.constexpr,
                   ROTARY: tl.constexpr):
     """A q or k tile rotated full width, rounded to its dtype: the tile and its partner columns are two
-    loads of the same lines (the second hits L1), so no register shuffle splits the tile into halves (the
-    split needed 255 registers, spills and ~30 barriers per program at D 128 on sm_90a)."""
+    loads of the same lines (the second hits L1), so no register shuffle splits the tile into halves (at D 128
+    on sm_90a the forward with the split used 255 registers with spills and 35 barriers, full width 136 and
+    5: benchmarks/results/kernel_registers-block-closed-d128-*.json)."""
     d, partner, _ = _partner_columns(HEAD_D, ROTARY)
     x = load_rows(base, rows, d, stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
     xp = load_rows(base, rows, partner, stride_r, stride_d, mask_rows, HEAD_D, HEAD_D, True)
@@ -470,8 +461,8 @@ def _unrotate(g, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD
               ROTARY: tl.constexpr):
     """The gradient w.r.t. the un-rotated rows from g, the gradient w.r.t. the rotated ones, full width:
     R^T g = g cos + (g sin')[:, p(j)] (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner
-    columns come from one tl.gather along the head dim, not a split of g into halves (which needed 255
-    registers and spilled at D 128 on sm_90a; this form compiles to 187 at 8 warps, no spill)."""
+    columns come from one tl.gather along the head dim, not a split of g into halves (at D 128 on sm_90a the
+    backward with the split used 255 registers with spills, this form 189 at 8 warps without)."""
     _, partner, _ = _partner_columns(HEAD_D, ROTARY)
     c, s_signed = _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
     t = g * s_signed
