@@ -1,7 +1,7 @@
 """Block attention with fused rotary: gemcompile::block_attention against the peers a user would pick instead.
 
     python benchmarks/block_attention.py [--quick] [--only grid|linear|claims] [--budget-s 360] [--out DIR]
-                                         [--flex-blocks 64[,128]]
+                                         [--flex-blocks 64[,128]] [--cuda-graph]
     python benchmarks/block_attention.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
 The workload (issue 5, the TLX BlockAttention regime): jagged sequences in padded (B, H, L, D) tensors,
@@ -16,9 +16,10 @@ one run, forward and forward+backward:
                         block, built from the lengths (query block i meets key block i only; a block
                         wholly below the length is a *full* block, where mask_mod is not evaluated; the
                         block the length cuts is partial, with mask_mod "same 64-block and key <
-                        length"; nothing past the length), the Triton tiles capped at 64 to fit it
-                        (kernel_options: Inductor's default tile of 128 does not divide a 64-token
-                        sparse block), compiled per shape (torch._dynamo.reset(), dynamic=False):
+                        length"; nothing past the length), compiled per shape with Inductor's
+                        max-autotune (torch._dynamo.reset(), dynamic=False,
+                        mode="max-autotune-no-cudagraphs": FlexAttention autotunes its tiles among
+                        those that divide the 64-token sparse block; see FLEX_MODE):
                         attention alone. What create_block_mask(mask_mod, ..., BLOCK_SIZE=64) would
                         build, without evaluating mask_mod on all B * L * L pairs
                         (tests/unit/test_benchmark_peers.py checks the two agree)
@@ -73,7 +74,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # the repository root: import gemcompile without installing it
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, environment, format_table, rewrite_results, rotation_count, tflops, write_json
+from harness import (bench_ms, environment, format_table, graphed,  # noqa: E402
+                     rewrite_results, rotation_count, tflops, write_json)
 
 import gemcompile.lowering  # noqa: F401  (registers torch.ops.gemcompile.*)
 from gemcompile.lowering.block_attention.flops import block_attention_pairs
@@ -107,12 +109,13 @@ LINEAR_METHODS = ["ours_fused_rotary", "ours_no_rotary", "flex_no_rotary"]
 CLAIMS = [GRID[6], GRID[7], GRID[0], GRID[4]]  # B64 L4096 D64, B4 L16384 D64, B1152 L1024 D64 and D128
 CLAIMS_METHODS = ["ours_fused_rotary", "ours_no_rotary", "flex_no_rotary", "ours_rotary_outside",
                   "sdpa_rotary_outside", "flex_no_rotary_b128"]
-FLEX_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-             "num_warps": 4, "num_stages": 3}
-"""FlexAttention's Triton tiles for a 64-token BlockMask: Inductor's sm90 defaults (forward 128 x 128 at D 64,
-128 x 64 at D 128; backward 64 x 128 / 128 x 64 at D 128) do not divide a 64-token sparse block, and a single
-default config that does not fit is an error, so the tiles are capped at the block, as the sm90 default
-for small head dims (64, 64, 3 stages, 4 warps) has them."""
+FLEX_MODE = "max-autotune-no-cudagraphs"
+"""How the 64-token-block FlexAttention peer is compiled. Inductor's single default tile at head dim 64
+and 128 on sm90 (128 wide) does not divide a 64-token sparse block. Capping the tiles with kernel_options
+works for the forward only: torch 2.11 filters the backward's configs by their own tiles before it applies
+kernel_options, so none was left (NoValidChoicesError in block_attention-claims-20261204-140035.json).
+Under max-autotune FlexAttention times its tile list (32 and 64 tiles among them), keeps those that divide
+the block and picks the fastest, the set-up its documentation recommends for speed."""
 
 
 def draw_lengths(B: int, L: int, fill: float, seed: int, device) -> torch.Tensor:
@@ -144,9 +147,10 @@ def rotate_outside(x, cos, sin):
 
 
 PEER_SETUP = {
-    "flex_no_rotary": "FlexAttention, BlockMask BLOCK_SIZE 64 (= the mask's block) with full blocks marked, "
-                      "kernel_options " + ", ".join(f"{k}={v}" for k, v in FLEX_TILE.items()) + "; "
-                      "torch.compile(flex_attention, dynamic=False), compiled per shape after torch._dynamo.reset()",
+    "flex_no_rotary": "FlexAttention, BlockMask BLOCK_SIZE 64 (= the mask's block) with full blocks marked; "
+                      f"torch.compile(flex_attention, dynamic=False, mode={FLEX_MODE!r}) "
+                      "(its tiles autotuned), "
+                      "compiled per shape after torch._dynamo.reset()",
     "flex_no_rotary_b128": "FlexAttention, BlockMask BLOCK_SIZE 128, all blocks partial (the set-up before issue "
                            "28), Inductor's default tiles; compiled per shape as above",
     "sdpa_rotary_outside": "F.scaled_dot_product_attention with the (B, 1, L, L) bool mask built once per shape "
@@ -156,12 +160,13 @@ PEER_SETUP = {
 """How each peer is set up, recorded in the JSON (``peer_setup``)."""
 
 
-def flex(compiled: bool):
+def flex(compiled: bool, mode: str | None = None):
     """FlexAttention; compiled: a fresh torch.compile with static shapes (the caller resets Dynamo per shape,
-    so each shape gets its own compile, as our kernels get their own autotuning)."""
+    so each shape gets its own compile, as our kernels get their own autotuning), in torch.compile's
+    `mode`."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return torch.compile(flex_attention, dynamic=False, mode=mode) if compiled else flex_attention
 
 
 def flex_block_mask(lengths: torch.Tensor, L: int, block: int = BLOCK, flex_block: int = BLOCK):
@@ -219,11 +224,10 @@ def make_methods(shape, lengths, cos, sin, device, names, compiled_flex=True):
                                                               "none", scale),
     }
     bm = flex_block_mask(lengths, L)
-    fa = flex(compiled_flex)
-    opts = {"kernel_options": dict(FLEX_TILE)} if compiled_flex else {}
-    methods["flex_no_rotary"] = lambda q, k, v: fa(q, k, v, block_mask=bm, scale=scale, **opts)
+    fa = flex(compiled_flex, FLEX_MODE)
+    methods["flex_no_rotary"] = lambda q, k, v: fa(q, k, v, block_mask=bm, scale=scale)
     methods["flex_rotary_outside"] = lambda q, k, v: fa(
-        rotate_outside(q, cos, sin), rotate_outside(k, cos, sin), v, block_mask=bm, scale=scale, **opts)
+        rotate_outside(q, cos, sin), rotate_outside(k, cos, sin), v, block_mask=bm, scale=scale)
     if "flex_no_rotary_b128" in names:
         bm128, fa128 = flex_block_mask(lengths, L, flex_block=128), flex(compiled_flex)
         methods["flex_no_rotary_b128"] = lambda q, k, v: fa128(q, k, v, block_mask=bm128, scale=scale)
@@ -372,6 +376,8 @@ def run_shape(shape, args, index, device, names):
             for fwd, fwdbwd in closures:  # compile, autotune and warm up outside the timing
                 fwd()
                 fwdbwd()
+            if args.cuda_graph:  # captured after the warm-up: autotuning and compiles are done by then
+                closures = [(graphed(fwd), graphed(fwdbwd)) for fwd, fwdbwd in closures]
             torch.cuda.synchronize()
             entry["setup_and_compile_s"] = round(time.time() - t, 1)
             entry["fwd_ms"] = bench_ms([c[0] for c in closures])
@@ -479,6 +485,9 @@ def main(argv=None):
                         help="FlexAttention BlockMask block sizes to time: 64 (the documented set-up, "
                              "flex_no_rotary) and/or 128 (the earlier one, flex_no_rotary_b128); default 64,128 "
                              "for --only claims, else 64")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time CUDA-graph replays of each call (no host time, as under reduce-overhead); "
+                             "the small shapes are host-bound as eager calls")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="do not start a shape or method after this many seconds (default 360)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
@@ -517,7 +526,9 @@ def main(argv=None):
         "flops_convention": "fwd = 4*H*D*valid pairs (i, j < length, same 64-block); fwd+bwd = 3.5x fwd",
         "speedup_convention": "peer ms / our ms (see the docstring for which of ours)",
         "budget_s": args.budget_s,
-        "timing": "eager calls, triton.testing.do_bench median", "shapes": [],
+        "timing": ("CUDA graph replay" if args.cuda_graph else "eager calls")
+                  + ", triton.testing.do_bench median",
+        "shapes": [],
         "peer_setup": {k: v for k, v in PEER_SETUP.items() if k == "ours" or k in names},
         "correctness_convention": "relative error norm against float64 over the valid rows of [0, 2048) of three "
                                   "sequences; upstream gradient zero at padded rows",
@@ -542,6 +553,7 @@ def main(argv=None):
             continue
         if path is None:
             suffix = "-quick" if args.quick else {"linear": "-linear", "claims": "-claims"}.get(args.only, "")
+            suffix += "-cudagraph" if args.cuda_graph else ""
             path = write_json("block_attention" + suffix, payload, args.out)
         else:
             rewrite_results(path, payload)

@@ -457,16 +457,19 @@ def _load_qk(q_base, k_base, rows, q_ok, k_ok, stride_qm, stride_qd, stride_kn, 
 
 
 @triton.jit
-def _unrotate(g, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
-              ROTARY: tl.constexpr):
-    """The gradient w.r.t. the un-rotated rows from g, the gradient w.r.t. the rotated ones, full width:
-    R^T g = g cos + (g sin')[:, p(j)] (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner
-    columns come from one tl.gather along the head dim, not a split of g into halves (at D 128 on sm_90a the
-    backward with the split used 255 registers with spills, this form 189 at 8 warps without)."""
+def _unrotate_pair(ga, gb, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
+                   ROTARY: tl.constexpr):
+    """The gradients w.r.t. the un-rotated rows from ga and gb, two gradients w.r.t. the same rotated rows
+    (dQ and dK of a closed tile), full width, the tables loaded once: R^T g = g cos + (g sin')[:, p(j)]
+    (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner columns come from one tl.gather along
+    the head dim, not a split of g into halves (at D 128 on sm_90a the backward with the split used 255
+    registers with spills, this form 189 at 8 warps without, when it loaded the tables for each gradient)."""
     _, partner, _ = _partner_columns(HEAD_D, ROTARY)
     c, s_signed = _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
-    t = g * s_signed
-    return g * c + tl.gather(t, tl.broadcast_to(partner[None, :], t.shape), 1)
+    ta = ga * s_signed
+    tb = gb * s_signed
+    index = tl.broadcast_to(partner[None, :], ta.shape)
+    return ga * c + tl.gather(ta, index, 1), gb * c + tl.gather(tb, index, 1)
 
 
 @triton.jit
@@ -647,7 +650,7 @@ def _closed_bwd_kernel(
         store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
         x_off = x_seq + h64 * stride_xh
         c, s_signed = 0.0, 0.0
-        if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads the tables (cache hits)
+        if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads them once (cache hits)
             c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
                                          ROTARY)
         q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
@@ -665,14 +668,17 @@ def _closed_bwd_kernel(
         # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
         delta = tl.sum(p * dp, 1)
         ds = (p * (dp - delta[:, None])).to(q.dtype)
-        # dQ is finished and stored before dK is computed: fewer live registers
         dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
         if ROTARY != 0:
-            dq = _unrotate(dq, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
-        store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
-        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
-        if ROTARY != 0:
-            dk = _unrotate(dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+            # dQ and dK have the same rows (a closed tile's queries are its keys): R^T for both from one
+            # load of the tables
+            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
+            dq, dk = _unrotate_pair(dq, dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
+                                    ROTARY)
+            store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
+        else:  # dQ is stored before dK is computed: fewer live registers
+            store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
+            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
         store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
 
 
