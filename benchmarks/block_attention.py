@@ -1,7 +1,7 @@
 """Block attention with fused rotary: gemcompile::block_attention against the peers a user would pick instead.
 
     python benchmarks/block_attention.py [--quick] [--only grid|linear|claims] [--budget-s 360] [--out DIR]
-                                         [--flex-blocks 64[,128]] [--cuda-graph]
+                                         [--flex-blocks 64[,128]] [--cuda-graph] [--head-dims 128]
     python benchmarks/block_attention.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
 The workload (issue 5, the TLX BlockAttention regime): jagged sequences in padded (B, H, L, D) tensors,
@@ -488,6 +488,8 @@ def main(argv=None):
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays of each call (no host time, as under reduce-overhead); "
                              "the small shapes are host-bound as eager calls")
+    parser.add_argument("--head-dims", default=None,
+                        help="only the shapes of these head dims, comma-separated (e.g. 128)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="do not start a shape or method after this many seconds (default 360)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
@@ -511,6 +513,9 @@ def main(argv=None):
         shapes, names = CLAIMS, CLAIMS_METHODS
     else:
         shapes, names = GRID, METHODS
+    if args.head_dims:
+        head_dims = {int(d) for d in args.head_dims.split(",")}
+        shapes = [shape for shape in shapes if shape["D"] in head_dims]
     blocks = (args.flex_blocks or ("64,128" if args.only == "claims" and not (args.smoke or args.quick) else "64"))
     blocks = {b.strip() for b in blocks.split(",")}
     names = [m for m in names if m != "flex_no_rotary_b128"]
