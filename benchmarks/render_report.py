@@ -702,12 +702,14 @@ def block_attention_claims_cudagraph() -> str:
                          f(_speed(s, "vs_flex_b128", "fwdbwd")),
                          "met" if flex is not None and flex >= 2.0 else "missed",
                          "met" if rotary is not None and rotary <= 1.3 else "missed",
-                         "ok" if (s.get("correctness", {}).get("ours_fused_rotary") or {}).get("ok") else "FAILED"])
+                         "ok" if (s.get("correctness", {}).get("ours_fused_rotary") or {}).get("ok")
+                         else "FAILED"])
     lines = ["CUDA-graph replays (the kernels' time, no host), triton.testing.do_bench median; every method of a "
              "shape in one run. Sources: " + " ".join(sources), ""]
     lines += table(["shape", "ours, RoPE fused, ms fwd / fwd+bwd", "ours, no RoPE, ms fwd / fwd+bwd",
                     "x Flex 64-token blocks (autotuned), fwd / fwd+bwd",
-                    "x Flex 128-token blocks, fwd+bwd", "target `>= 2x` the faster Flex", "target: RoPE fused fwd+bwd `<= 1.3x` no RoPE",
+                    "x Flex 128-token blocks, fwd+bwd", "target `>= 2x` the faster Flex",
+                    "target: RoPE fused fwd+bwd `<= 1.3x` no RoPE",
                     "ours vs float64"], rows)
     path, payload = load(BLOCK_CLAIMS_CUDAGRAPH[-1])
     lines += ["", _block_peer_setup(payload)]
