@@ -188,7 +188,7 @@ def test_1x128_dual_pass_matches_reference_on_x_and_its_transpose(dtype, rule):
 
 
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("rows", [150, 148])  # 148 % 4 == 0: the dual copy from whole tiles
+@pytest.mark.parametrize("rows", [150, 148])  # 148 % 4 == 0: the transposed copy from whole tiles
 def test_1x128_single_copies_tails_and_strided_input(rule, rows):
     # neither dim a multiple of 128: zero-padding semantics
     x = (torch.randn(rows, 200) * 10).to(torch.bfloat16)
@@ -248,13 +248,12 @@ def test_varying_token_counts_share_one_tuning():
 
     for kernel in (mqt._mx_kernel, mqt._block_kernel, mqt._col_tile_kernel):
         assert "C" not in kernel.keys and "C_BUCKET" in kernel.keys, kernel.keys
-    # the dual copy with rows a multiple of 4: the whole-tile kernel; else the sliced _block_kernel
-    for rows, row, kernel in ((256, True, mqt._col_tile_kernel), (258, True, mqt._block_kernel),
-                              (256, False, mqt._block_kernel)):
+    # rows a multiple of 4: the whole-tile kernel with packed words; else the sliced _block_kernel
+    for rows, kernel in ((256, mqt._col_tile_kernel), (258, mqt._block_kernel)):
         shared._BEST_CONFIG.clear()
         for tokens in (300, 333, 410):  # one bucket (512); the transposed copy's C is the token count
             x = torch.randn(rows, tokens, dtype=torch.float32)
-            quantize_1x128(x, row=row)
+            quantize_1x128(x, row=False)
         tuned = [key for key in shared._BEST_CONFIG if key[0] is kernel]
         assert len(tuned) == 1 and tuned[0][1] == 512, (rows, list(shared._BEST_CONFIG))
 

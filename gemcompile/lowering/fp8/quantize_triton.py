@@ -33,8 +33,8 @@ One pass: :func:`_block_kernel` walks a tile in CHUNK-row slices; the copies tha
 reduction (the transposed 1x128 copy, the 128x128 tiles) re-read the slices from L1/L2 after the column
 amax, so HBM sees x once. On the H200 that walk made the dual 1x128 copy ~5x slower than the row copy (a
 cross-warp column reduction with barriers per slice, and byte-wise shared-memory transposes of CHUNK-byte
-rows). So the dual 1x128 copy (rows and transposed) goes to :func:`_col_tile_kernel` when the output's rows
-are a multiple of 4: the whole 128-row tile at once, one column reduction, four quantized
+rows). So the transposed 1x128 copy (alone, or with the row copy) goes to :func:`_col_tile_kernel` when the
+output's rows are a multiple of 4: the whole 128-row tile at once, one column reduction, four quantized
 rows packed into a word before the transpose (128 contiguous bytes per row of the copy). Its bytes come
 from the same scale and element helpers, so it writes what _block_kernel writes (the interpreter tests
 compare both against the reference; tests/gpu/test_mx_quantize_gpu.py the hardware path).
@@ -313,13 +313,22 @@ def _block_kernel(
 
 # (BLOCK_C, warps) of the transposed 1x128 copy's whole-tile kernel; the dual copy needs BLOCK_C = 128
 _COL_TILE_CONFIGS = (
-    [triton.Config({"BLOCK_C": 128}, num_warps=4)]
+    [triton.Config({"BLOCK_C": c}, num_warps=4) for c in (32, 128)]  # one of them per launch (prune)
     if INTERPRET
-    else [triton.Config({"BLOCK_C": 128}, num_warps=w) for w in (8, 16)]
+    else [triton.Config({"BLOCK_C": c}, num_warps=w) for c, w in ((128, 8), (128, 16), (64, 8), (64, 4))]
 )
 
 
-@autotune(configs=_COL_TILE_CONFIGS, key=["C_BUCKET", "IN_KIND", "WRITE_ROW"])
+def _col_tile_prune(configs, named_args, **kwargs):
+    """The row copy's 1x128 blocks span 128 columns: with it, only BLOCK_C = 128 (under the interpreter,
+    32 without it, so the tests cover a tile narrower than a row block)."""
+    if {**named_args, **kwargs}.get("WRITE_ROW"):
+        return [c for c in configs if c.kwargs["BLOCK_C"] == 128]
+    return [c for c in configs if c.kwargs["BLOCK_C"] == 32] if INTERPRET else configs
+
+
+@autotune(configs=_COL_TILE_CONFIGS, key=["C_BUCKET", "IN_KIND", "WRITE_ROW"],
+          prune_configs_by={"early_config_prune": _col_tile_prune})
 @triton.jit
 def _col_tile_kernel(
     x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, R_OUT, C_OUT, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,
@@ -485,10 +494,7 @@ def _launch_block(x, rule, tile, row, col, use_hw, out, pad_to=None):
         return
     dummy8 = x8 if x8 is not None else xt8
     dummys = s if s is not None else st
-    # the dual 1x128 copy from whole tiles, packed words. Not the transposed copy alone: on the H200
-    # (triton 3.6) that variant wrote wrong bytes for an input whose row stride is not a multiple of 16
-    # (x (1024, 600) padded to (1024, 608)), where the interpreter and the dual variant are exact
-    if col and row and not tile and R_out % 4 == 0:
+    if col and not tile and R_out % 4 == 0:  # the transposed copy from whole tiles, packed words
         def grid(meta):
             return triton.cdiv(R_out, 128), triton.cdiv(C_out, meta["BLOCK_C"])
 
