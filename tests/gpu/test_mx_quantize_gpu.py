@@ -51,7 +51,6 @@ def _one_config(request, monkeypatch):
 
     monkeypatch.setattr(k._mx_kernel, "configs", [triton.Config({"BLOCK_R": 32}, num_warps=8)])
     monkeypatch.setattr(k._block_kernel, "configs", [triton.Config({"CHUNK": 16}, num_warps=8)])
-    monkeypatch.setattr(k._col_tile_kernel, "configs", [triton.Config({"BLOCK_C": 128}, num_warps=16)])
 
 
 def u8(t):
@@ -351,34 +350,6 @@ def test_transposed_only_copy_against_the_reference_autotuned(shape):
     if not torch.equal(dual_st.float().contiguous().view(torch.int32), want_s):
         problems.append("dual scales vs reference")
     assert not problems, "; ".join(problems)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_col_tile_kernel_every_config(monkeypatch, dtype):
-    """Each config of the transposed copy's whole-tile kernel (rows a multiple of 4), the copy alone and
-    with the row copy (BLOCK_C 128 only), against the reference, with tails on both dims."""
-    from gemcompile.lowering.common import tuned_launch
-
-    configs = list(k._COL_TILE_CONFIGS)
-    assert len(configs) > 1
-    for name, x in inputs(dtype, seed=5, block=128, rows=1024, cols=2048).items():
-        x = x[:1000, :1960]  # tails on both dims; 1000 rows: a multiple of 4
-        R, C = x.shape
-        pad = torch.nn.functional.pad(x, (0, -C % 128, 0, -R % 128))
-        want_t8, want_st = block_quantize(pad.t().contiguous(), (1, 128), "rceil")
-        want_8, want_s = block_quantize(pad, (1, 128), "rceil")
-        xd = x.to(DEV)
-        runs = [(c, r) for c in configs for r in (False, True) if c.kwargs["BLOCK_C"] == 128 or not r]
-        for config, row in runs:
-            monkeypatch.setattr(k._col_tile_kernel, "configs", [config])
-            tuned_launch._BEST_CONFIG.clear()
-            x8, s, xt8, st = k.quantize_1x128(xd, "rceil", row=row)
-            what = f"{name} {config} row={row}"
-            assert_bytes_equal(xt8, want_t8[:C, :R], f"{what} transposed copy")
-            assert_scales_equal(st, want_st[:C], f"{what} col scales")
-            if row:
-                assert_bytes_equal(x8, want_8[:R, :C], f"{what} rows")
-                assert_scales_equal(s, want_s[:R], f"{what} row scales")
 
 
 @pytest.mark.parametrize("tile", [False, True])

@@ -32,12 +32,8 @@ GEMM wants (aten/src/ATen/native/cuda/ScaledBlas.cpp, ``is_blockwise_1x128_scali
 One pass: :func:`_block_kernel` walks a tile in CHUNK-row slices; the copies that need a whole tile's
 reduction (the transposed 1x128 copy, the 128x128 tiles) re-read the slices from L1/L2 after the column
 amax, so HBM sees x once. On the H200 that walk made the dual 1x128 copy ~5x slower than the row copy (a
-cross-warp column reduction with barriers per slice, and byte-wise shared-memory transposes of CHUNK-byte
-rows). So the transposed 1x128 copy (alone, or with the row copy) goes to :func:`_col_tile_kernel` when the
-output's rows are a multiple of 4: the whole 128-row tile at once, one column reduction, four quantized
-rows packed into a word before the transpose (128 contiguous bytes per row of the copy). Its bytes come
-from the same scale and element helpers, so it writes what _block_kernel writes (the interpreter tests
-compare both against the reference; tests/gpu/test_mx_quantize_gpu.py the hardware path).
+cross-warp column reduction with barriers per slice, and byte-wise shared-memory transposes); a one-pass
+tile kernel, faster but never shown byte-exact on the GPU (benchmarks/README.md), was dropped.
 
 Shapes that are not multiples of the block: the kernels mask the tails, which is exactly the reference
 applied to the tensor zero-padded to the next block multiple (zeros do not change a block's amax) and
@@ -101,12 +97,6 @@ def _load_bits(ptr, offs, mask, IN_KIND: tl.constexpr, MASKED: tl.constexpr = Tr
         raw = tl.load(ptr + offs, mask=mask, other=0)
     else:
         raw = tl.load(ptr + offs)
-    return _widen_bits(raw, IN_KIND)
-
-
-@triton.jit
-def _widen_bits(raw, IN_KIND: tl.constexpr):
-    """fp32 bit pattern (int32) of each element as loaded (int32 for fp32, int16 for bf16, fp16)."""
     if IN_KIND == 0:
         u = raw
     elif IN_KIND == 1:
@@ -311,74 +301,6 @@ def _block_kernel(
                 _store(yt_tile + lc[:, None] * R_OUT + rl2[None, :], tl.trans(b2), tmask, not EVEN)
 
 
-# (BLOCK_C, warps) of the transposed 1x128 copy's whole-tile kernel; the dual copy needs BLOCK_C = 128
-_COL_TILE_CONFIGS = (
-    [triton.Config({"BLOCK_C": c}, num_warps=4) for c in (32, 128)]  # one of them per launch (prune)
-    if INTERPRET
-    else [triton.Config({"BLOCK_C": c}, num_warps=w) for c, w in ((128, 8), (128, 16), (64, 8), (64, 4))]
-)
-
-
-def _col_tile_prune(configs, named_args, **kwargs):
-    """The row copy's 1x128 blocks span 128 columns: with it, only BLOCK_C = 128 (under the interpreter,
-    32 without it, so the tests cover a tile narrower than a row block)."""
-    if {**named_args, **kwargs}.get("WRITE_ROW"):
-        return [c for c in configs if c.kwargs["BLOCK_C"] == 128]
-    return [c for c in configs if c.kwargs["BLOCK_C"] == 32] if INTERPRET else configs
-
-
-@autotune(configs=_COL_TILE_CONFIGS, key=["C_BUCKET", "IN_KIND", "WRITE_ROW"],
-          prune_configs_by={"early_config_prune": _col_tile_prune})
-@triton.jit
-def _col_tile_kernel(
-    x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, R, C, R_OUT, C_OUT, sxr, sxc, s_s0, s_s1, st_s0, st_s1, C_BUCKET,
-    IN_KIND: tl.constexpr, RCEIL: tl.constexpr, USE_HW: tl.constexpr, WRITE_ROW: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """The transposed 1x128 copy yt (C, R) of a (128, BLOCK_C) tile of x (R, C), and with WRITE_ROW the row
-    copy y (R, C) from the same read (BLOCK_C = 128): the whole tile is held at once, so the column amax
-    is one reduction and x is read once. R_OUT % 4 == 0: four quantized rows are packed into one int32
-    before the transpose (yt_ptr is yt viewed as int32 (C, R_OUT / 4)), so the transpose through shared
-    memory moves words, not bytes, and each row of yt gets 128 contiguous bytes. The element and scale
-    bits come from the same helpers as _block_kernel's. R_OUT >= R, C_OUT >= C as in _block_kernel."""
-    tl.static_assert(BLOCK_C == 128 or not WRITE_ROW, "the row copy's blocks span 128 columns")
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    r0 = pid_r * 128
-    c0 = pid_c * BLOCK_C
-    lr = tl.arange(0, 128)
-    lc = tl.arange(0, BLOCK_C)
-    rows = r0 + lr
-    cols = c0 + lc
-    x_tile = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    # the tile stays in its input width; its fp32 bits are made where they are used (fewer live registers)
-    raw = tl.load(x_tile + lr[:, None] * sxr + lc[None, :] * sxc,
-                  mask=(rows < R)[:, None] & (cols < C)[None, :], other=0)
-    u = _widen_bits(raw, IN_KIND)
-    a = u & 0x7FFFFFFF
-    am = tl.where(a >= 0x7F800000, 0, a)  # amax over finite values; max(a) >= Inf flags a non-finite block
-    e_c = _scale_exponent(tl.max(am, axis=0), RCEIL)
-    finite_c = tl.max(a, axis=0) < 0x7F800000
-    if WRITE_ROW:  # the row reductions too, before the column copy, so that a and am die here
-        e_r = _scale_exponent(tl.max(am, axis=1), RCEIL)
-        finite_r = tl.max(a, axis=1) < 0x7F800000
-    tl.store(st_ptr + cols.to(tl.int64) * st_s0 + pid_r * st_s1, _descale_bits(e_c, finite_c),
-             mask=cols < C_OUT)
-    bq = _quantize(_widen_bits(raw, IN_KIND), e_c[None, :], USE_HW)  # int32 bytes 0..255
-    # rows 4w .. 4w+3 -> one little-endian word (disjoint bits: the sum is the OR, modulo 2^32)
-    shifts = tl.arange(0, 4) * 8
-    words = tl.sum(tl.reshape(bq, (32, 4, BLOCK_C)) << shifts[None, :, None], axis=1)  # (32, BLOCK_C)
-    w_idx = pid_r * 32 + tl.arange(0, 32)
-    tl.store(yt_ptr + cols[:, None].to(tl.int64) * (R_OUT // 4) + w_idx[None, :], tl.trans(words),
-             mask=(cols < C_OUT)[:, None] & (w_idx < R_OUT // 4)[None, :])
-    if WRITE_ROW:
-        b = _quantize(_widen_bits(raw, IN_KIND), e_r[:, None], USE_HW).to(tl.uint8)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * C_OUT + cols[None, :], b,
-                 mask=(rows < R_OUT)[:, None] & (cols < C_OUT)[None, :])
-        tl.store(s_ptr + rows.to(tl.int64) * s_s0 + pid_c * s_s1,
-                 _descale_bits(e_r, finite_r), mask=rows < R_OUT)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Launchers
 
@@ -494,22 +416,6 @@ def _launch_block(x, rule, tile, row, col, use_hw, out, pad_to=None):
         return
     dummy8 = x8 if x8 is not None else xt8
     dummys = s if s is not None else st
-    if col and not tile and R_out % 4 == 0:  # the transposed copy from whole tiles, packed words
-        def grid(meta):
-            return triton.cdiv(R_out, 128), triton.cdiv(C_out, meta["BLOCK_C"])
-
-        launch(_col_tile_kernel, grid, (
-            _as_loadable(x),
-            (x8 if x8 is not None else dummy8).view(torch.uint8),
-            (s if s is not None else dummys).view(torch.int32),
-            xt8.view(torch.uint8).view(torch.int32),
-            st.view(torch.int32),
-            R, C, R_out, C_out, x.stride(0), x.stride(1),
-            s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-            st.stride(0), st.stride(1), _bucket(C_out),
-        ), {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw),
-            "WRITE_ROW": row}, (_bucket(C_out),))
-        return
     block_r = 128 if (tile or col) else 32
     grid = (triton.cdiv(R_out, block_r), triton.cdiv(C_out, 128))
     launch(_block_kernel, grid, (
