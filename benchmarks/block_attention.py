@@ -518,6 +518,8 @@ def main(argv=None):
     if args.head_dims:
         head_dims = {int(d) for d in args.head_dims.split(",")}
         shapes = [shape for shape in shapes if shape["D"] in head_dims]
+        if not shapes:
+            sys.exit(f"--head-dims {args.head_dims}: no shape of this sweep has that head dim")
     blocks = (args.flex_blocks or ("64,128" if args.only == "claims" and not (args.smoke or args.quick) else "64"))
     blocks = {b.strip() for b in blocks.split(",")}
     names = [m for m in names if m != "flex_no_rotary_b128"]

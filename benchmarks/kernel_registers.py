@@ -10,7 +10,8 @@ Why: at head dim 128 the forward and dK/dV kernels run one CTA per SM (issue 25)
 ``--kernels block-closed``: block attention's closed kernels (one tile per 64-token block, packed layout,
 q_lengths), every closed config of the head dim's class, with and without the fused rotate-half rotary
 (fp32 tables, as GEM-ref builds them), plus the barriers (bar.sync) in the PTX: the layout changes through
-shared memory that splitting tiles into halves cost.
+shared memory that splitting tiles into halves cost; and the PTX's global load instructions (cp.async
+copies into shared memory, ld.global into registers): the tiles a program fetches.
 
 Each kernel is compiled as a launch specializes it (unit head-dim strides, 16-divisible pointers and
 strides), bf16, not causal, no bias, without TRITON_INTERPRET; ptxas -v is run on the PTX.
@@ -147,7 +148,11 @@ def block_closed_rows(head_dim: int) -> list[dict]:
                     compiled = compile_sm90(kernel, consts, config.num_warps, config.num_stages, None)
                     ptx = compiled.asm["ptx"]
                     row.update(ptxas_report(ptx), shared_bytes=compiled.metadata.shared,
-                               barriers=len(re.findall(r"bar\.sync", ptx)))
+                               barriers=len(re.findall(r"bar\.sync", ptx)),
+                               # global loads in the PTX: asynchronous copies into shared memory (cp.async,
+                               # the pipelined tiles) and loads into registers
+                               cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
+                               ld_global=len(re.findall(r"ld\.global", ptx)))
                 except Exception as e:  # noqa: BLE001  a refused config is recorded; the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
