@@ -433,16 +433,18 @@ def block_kernel_registers() -> str:
     width, four-heads configs), compiled for sm_90a on the CPU."""
     lines, rows = [], []
     for name in ("kernel_registers-block-closed-d128-20261204-150019.json",
-                 "kernel_registers-block-closed-d128-20261204-150013.json"):
+                 "kernel_registers-block-closed-d128-20261204-150013.json",
+                 "kernel_registers-block-closed-d128-20261204-165838.json"):
         path, payload = load(name)
         lines.append(f"Source: {source_line((path, payload))} Code {code_of(payload['environment'])}.")
         code = code_of(payload["environment"])
         rows += [[code, r["kernel"], r["rotary"], str(r["BLOCK"]), str(r.get("HEADS", 1)), str(r["num_warps"]),
                   str(r["num_stages"]), str(r.get("registers", "-")), str(r.get("spill_store_bytes", "-")),
-                  str(r.get("shared_bytes", "-")), str(r.get("barriers", "-"))]
+                  str(r.get("shared_bytes", "-")), str(r.get("barriers", "-")), str(r.get("cp_async", "-")),
+                  str(r.get("ld_global", "-"))]
                  for r in payload["rows"]]
     header = ["code", "kernel", "rotary", "tile", "heads", "warps", "stages", "registers", "spill bytes",
-              "shared bytes", "barriers (bar.sync)"]
+              "shared bytes", "barriers (bar.sync)", "cp.async in the PTX", "ld.global in the PTX"]
     return "\n".join(lines + [""] + table(header, rows))
 
 
