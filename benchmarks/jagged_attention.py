@@ -2,7 +2,7 @@
 
     python benchmarks/jagged_attention.py [--quick] [--out DIR] [--budget-s 300]
                                           [--only anchors|grid|hopper] [--methods a,b] [--cuda-graph]
-                                          [--kernel-profile]
+                                          [--kernel-profile] [--flex-mode default|max-autotune]
 
 Side by side in one run, forward only and forward+backward, bf16, non-causal, no bias:
   gemcompile           torch.ops.gemcompile.jagged_attention on padded (B, H, L, D) + lengths
@@ -134,11 +134,19 @@ def compiled_padded():
     return torch.compile(padded_masked_attention, dynamic=False)
 
 
+FLEX_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs"}
+"""--flex-mode -> torch.compile mode of the FlexAttention peer. "max-autotune": FlexAttention times its own
+tile list per shape (the block attention benchmark's 64-token peer needs it; here it is optional, and the
+runs so far used the default)."""
+_FLEX = {"mode": None}
+
+
 def compiled_flex():
-    """A fresh compile of FlexAttention with static shapes (run_shape resets Dynamo for every shape)."""
+    """A fresh compile of FlexAttention with static shapes (run_shape resets Dynamo for every shape), in the
+    torch.compile mode --flex-mode picked."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=_FLEX["mode"])
 
 
 def document_block_mask(lengths: torch.Tensor, block: int = 128):
@@ -487,6 +495,8 @@ def main(argv=None):
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="record each method's kernels per fwd+bwd call (torch.profiler)")
+    parser.add_argument("--flex-mode", default="default", choices=sorted(FLEX_MODES),
+                        help="torch.compile mode of the FlexAttention peer (default: Inductor's default)")
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
@@ -513,6 +523,12 @@ def main(argv=None):
         if args.only == "hopper"
         else (ANCHORS if args.only != "grid" else []) + (GRID if args.only != "anchors" else [])
     )
+    _FLEX["mode"] = FLEX_MODES[args.flex_mode]
+    peer_setup = dict(PEER_SETUP)
+    if _FLEX["mode"] is not None:
+        peer_setup["flex_document_mask"] = peer_setup["flex_document_mask"].replace(
+            "dynamic=False)", f"dynamic=False, mode={_FLEX['mode']!r})").replace(
+            "Inductor's default kernel options", "its tiles autotuned")
     payload = dict(
         benchmark="jagged_attention",
         environment=environment(),
@@ -524,7 +540,7 @@ def main(argv=None):
         speedup_convention="peer ms / gemcompile ms",
         budget_s=args.budget_s,
         timing="CUDA graph replay" if args.cuda_graph else "eager calls",
-        peer_setup=PEER_SETUP,
+        peer_setup=peer_setup,
         shapes=[],
     )
     path = None
