@@ -203,8 +203,9 @@ class TokenColumnSumsConfig:
     """Run such sums as gemcompile::token_column_sum (torch.sum, sized at each call) instead of Inductor's
     reduction over an unbacked row count. CUDA only. Off by default: torch's sum beat Inductor's unbacked
     one alone (lowering/token_column_sum.py), but in GEM-ref medium on torch 2.11 the sums run padded to a
-    static size (passes/unpad_reductions.py) at a comparable time, and the pass's effect on the step has
-    not been measured (``gemcompile bench e2e --methods gem+token_column_sums``)."""
+    static size (passes/unpad_reductions.py), and with the pass on the step did not change: the sums' time
+    moved from Inductor's kernels to torch's (benchmarks/results/e2e-medium-fill0.5-20261204-162825.json,
+    ``gemcompile bench e2e --methods gem+token_column_sums@reduce-overhead``)."""
     min_columns: int = 16
     """Sums over fewer columns are left to Inductor."""
 
