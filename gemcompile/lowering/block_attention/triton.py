@@ -457,37 +457,6 @@ def _load_qk(q_base, k_base, rows, q_ok, k_ok, stride_qm, stride_qd, stride_kn, 
 
 
 @triton.jit
-def _load_half_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr):
-    """(cos_A, cos_B, sin_A, sin_B) of the rows for "half" rotary, fp32, as four half-width loads."""
-    da = tl.arange(0, HEAD_D // 2)
-    db = da + HEAD_D // 2
-    ca = load_rows(cos_base, rows, da, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    cb = load_rows(cos_base, rows, db, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    sa = load_rows(sin_base, rows, da, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    sb = load_rows(sin_base, rows, db, stride_cm, stride_cd, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    return ca.to(tl.float32), cb.to(tl.float32), sa.to(tl.float32), sb.to(tl.float32)
-
-
-@triton.jit
-def _load_rotated_halves(base, rows, mask_rows, stride_r, stride_d, ca, cb, sa, sb, HEAD_D: tl.constexpr):
-    """A q or k tile's rotated halves for "half" rotary, from two half-width loads: each byte is fetched
-    once and nothing is shuffled between registers (the halves are what the rotation mixes and what the
-    half dots take)."""
-    da = tl.arange(0, HEAD_D // 2)
-    xa = load_rows(base, rows, da, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2, True)
-    xb = load_rows(base, rows, da + HEAD_D // 2, stride_r, stride_d, mask_rows, HEAD_D // 2, HEAD_D // 2,
-                   True)
-    return _rotate(xa, xb, ca, cb, sa, sb)
-
-
-@triton.jit
-def _store_half_pair(base, rows, mask_rows, stride_r, stride_d, ga, gb, HEAD_D: tl.constexpr):
-    da = tl.arange(0, HEAD_D // 2)
-    store_rows(base, rows, da, stride_r, stride_d, ga, mask_rows, HEAD_D)
-    store_rows(base, rows, da + HEAD_D // 2, stride_r, stride_d, gb, mask_rows, HEAD_D)
-
-
-@triton.jit
 def _unrotate_pair(ga, gb, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
                    ROTARY: tl.constexpr):
     """The gradients w.r.t. the un-rotated rows from ga and gb, two gradients w.r.t. the same rotated rows
@@ -598,29 +567,17 @@ def _closed_fwd_kernel(
         ok = ok & (rows < q_hi)[:, None]
     offs_d = tl.arange(0, HEAD_D)
     c, s_signed = 0.0, 0.0
-    ca, cb, sa, sb = 0.0, 0.0, 0.0, 0.0
-    # q and k of the same rows: one load of the table rows for all heads
-    if ROTARY == 1:
-        ca, cb, sa, sb = _load_half_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok,
-                                           stride_cm, stride_cd, HEAD_D)
-    elif ROTARY == 2:
+    if ROTARY != 0:  # q and k of the same rows: one load of the table rows for all heads
         c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
                                      stride_cd, HEAD_D, ROTARY)
     for i in tl.range(0, HEADS):
         h = group * HEADS + i
         h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
-        if ROTARY == 1:  # scores as the sum of the two half dots
-            qa, qb = _load_rotated_halves(q_seq + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, ca, cb,
-                                          sa, sb, HEAD_D)
-            ka, kb = _load_rotated_halves(k_seq + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, ca, cb,
-                                          sa, sb, HEAD_D)
-            s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-        else:
-            q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
-                            stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
         v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
                       True)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(ok, s, float("-inf"))
         m = tl.max(s, 1)
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -693,23 +650,15 @@ def _closed_bwd_kernel(
         store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
         x_off = x_seq + h64 * stride_xh
         c, s_signed = 0.0, 0.0
-        if ROTARY == 1:  # rotated halves; R^T reloads the tables once (cache hits)
-            ca, cb, sa, sb = _load_half_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D)
-            qa, qb = _load_rotated_halves(q_seq + h64 * stride_qh, rows, row_ok, stride_qm, stride_qd, ca, cb,
-                                          sa, sb, HEAD_D)
-            ka, kb = _load_rotated_halves(k_seq + h64 * stride_kh, rows, col_ok, stride_kn, stride_kd, ca, cb,
-                                          sa, sb, HEAD_D)
-            s = _dot_rows(qa, qb, ka, kb, ROTARY, DOT_PRECISION) * qk_scale
-        else:
-            if ROTARY == 2:  # full-width rotations (_load_rotated); R^T reloads them once (cache hits)
-                c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
-                                             ROTARY)
-            q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
-                            stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads them once (cache hits)
+            c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
+                                         ROTARY)
+        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
         do = load_rows(do_seq + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D,
                        True)
         lse = tl.load(l_seq + h64 * stride_lh, mask=q_ok, other=float("inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
         store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)  # early: frees regs
@@ -718,32 +667,19 @@ def _closed_bwd_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
         delta = tl.sum(p * dp, 1)
-        ds = (p * (dp - delta[:, None])).to(do.dtype)
-        if ROTARY == 1:  # dQ and dK as halves; R^T on the halves from one load of the tables
-            dqa = tl.dot(ds, ka, input_precision=DOT_PRECISION) * scale
-            dqb = tl.dot(ds, kb, input_precision=DOT_PRECISION) * scale
-            ca, cb, sa, sb = _load_half_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D)
-            dqa, dqb = _rotate_transpose(dqa, dqb, ca, cb, sa, sb)
-            _store_half_pair(DQ + x_off, rows, store_ok, stride_xm, stride_xd, dqa, dqb, HEAD_D)
-            dst = tl.trans(ds)
-            dka = tl.dot(dst, qa, input_precision=DOT_PRECISION) * scale
-            dkb = tl.dot(dst, qb, input_precision=DOT_PRECISION) * scale
-            dka, dkb = _rotate_transpose(dka, dkb, ca, cb, sa, sb)
-            _store_half_pair(DK + x_off, rows, store_ok, stride_xm, stride_xd, dka, dkb, HEAD_D)
-        elif ROTARY == 2:
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+        if ROTARY != 0:
             # dQ and dK have the same rows (a closed tile's queries are its keys): R^T for both from one
             # load of the tables
-            dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
             dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
             dq, dk = _unrotate_pair(dq, dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
                                     ROTARY)
             store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
-            store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
         else:  # dQ is stored before dK is computed: fewer live registers
-            dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
             store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
             dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
-            store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
+        store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
 
 
 # ---------------------------------------------------------------------------------------------------
