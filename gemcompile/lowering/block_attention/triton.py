@@ -111,11 +111,14 @@ MIN_FUSED_ROTARY_HEAD_DIM = 32
 
 _S, _L, _SR, _LR = "small", "large", "small_rot", "large_rot"
 _CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR), (128, 8): (_S, _SR, _L),
-                      (64, 8, 4): (_L, _LR)}
+                      (64, 8, 4): (_L, _LR), (64, 8, 4, 3): (_S, _SR, _L, _LR)}
 _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR, _L, _LR),
-                      (128, 8): (_S, _SR), (64, 8, 4): (_L,)}
-# (BLOCK, warps, HEADS): four heads of a tile per program, two stages (the next head's loads in flight);
-# at D 128 on sm_90a the backward with rotary needs more shared memory than a CTA has, so it keeps one head
+                      (128, 8): (_S, _SR), (64, 8, 4): (_L, _SR), (64, 8, 4, 3): (_S, _L), (64, 8, 2): (_SR, _LR)}
+# (BLOCK, warps, HEADS[, stages]): heads of a tile per program, two stages (the next head's loads in flight)
+# unless a fourth entry says otherwise. In a sweep of pinned configs on the H200 (B1152 L1024 H4 D 128),
+# three stages made the backward without rotary and the forward with it faster, and two heads a program
+# the backward with rotary. A config whose shared memory exceeds a CTA's on some Triton release fails to
+# launch there, and the autotuner skips it.
 _FWD_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L, _LR), (128, 128, 8, 3): (_S,),
                (64, 32, 4, 3): (_S, _SR, _L, _LR)}
 _DKDV_SHAPES = {(32, 64, 4, 3): (_S, _SR, _L), (64, 64, 4, 3): (_S,), (64, 128, 8, 3): (_S,),
@@ -131,7 +134,7 @@ def _closed_configs(shapes):
     if INTERPRET:
         return [triton.Config({"BLOCK": 32, "HEADS": 2}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK": shape[0], "HEADS": (shape[2:] or (1,))[0]}, num_warps=shape[1],
-                          num_stages=1 if len(shape) == 2 else 2) for shape in shapes]
+                          num_stages=1 if len(shape) == 2 else (shape[3:] or (2,))[0]) for shape in shapes]
 
 
 def _general_configs(shapes, interpret_shape):
@@ -160,9 +163,11 @@ def _head_class(args) -> str:
 
 
 def _closed_shape(config) -> tuple:
-    """A closed config's key in the shape tables: (BLOCK, warps), with HEADS when it is above 1."""
+    """A closed config's key in the shape tables: (BLOCK, warps), with HEADS when it is above 1 and the
+    stages when they are not 2."""
     heads = config.kwargs.get("HEADS", 1)
-    return (config.kwargs["BLOCK"], config.num_warps) + ((heads,) if heads > 1 else ())
+    stages = (config.num_stages,) if heads > 1 and config.num_stages != 2 else ()
+    return (config.kwargs["BLOCK"], config.num_warps) + ((heads,) + stages if heads > 1 else ())
 
 
 def _closed_prune(shapes):
