@@ -1,7 +1,10 @@
 """One Linear, y = x W^T, in FP8 blockwise (the Hopper recipe of gemcompile::fp8_mm) against bf16 cuBLAS.
 
     python benchmarks/mxfp8_linear.py [--quick] [--eager] [--rule rceil|floor] [--budget-s 330] [--out DIR]
+    python benchmarks/mxfp8_linear.py --preset gem-medium   # the Linear shapes GEM-ref medium runs (PRESETS)
+    python benchmarks/mxfp8_linear.py --shapes 8192x4096x4096,65536x512x1024   # M x K x N, any list
     python benchmarks/mxfp8_linear.py --smoke     # CPU: tiny shapes, the emulated recipes, correctness only
+    python benchmarks/mxfp8_linear.py --smoke --preset gem-medium   # CPU: the preset's shapes scaled down
 
 Per shape (x (M, K), W (N, K), dY (M, N), bf16), forward and backward timed separately:
   bf16        forward torch.mm(x, W^T); backward dX = dY W and dW = dY^T x (cuBLAS)
@@ -50,6 +53,62 @@ SHAPES = [(m, k, n) for m in (8192, 32768, 65536) for k, n in KN]
 QUICK = [(8192, 1024, 1024), (8192, 4096, 4096)]
 SMOKE = [(64, 256, 128), (96, 200, 72)]
 TARGETS = {"fwd": 1.3, "bwd": 1.5}
+
+# GEM-ref medium at batch 256, fill 0.5 (bench e2e --size medium): (M, K, N, layers, calls per forward),
+# from forward pre-hooks on every nn.Linear of GemRef(gem_ref_config("medium")) on the meta device (batch
+# 256, fill 0.5), with M of the layers gem_compile runs on packed tokens (explain_gem_ref: M = u0 / u1) set to
+# the expected valid tokens, 256 x N_k / 2 (lengths uniform in [0, N_k]: 262144 for N_k 2048, 65536 for 512;
+# 200 drawn batches: mean 260994 +- 9759 and 65544 +- 2418). Sorted by forward FLOPs per step.
+# Left out (N <= 128 or M = 32): the token-axis Linears of Wukong (residual, lcb, compress; M 131072,
+# K 24-224, N 16-128), the softmax gates and towers (N 2), PMA's q_proj of its 32 learned queries (M 32).
+_TOKEN_512 = ("layers.{{0,2}}.seq_summary.pma.{k}.{{k,v}}_proj", "final_summary.pma.{k}.{{k,v}}_proj",
+              "layers.{{0,2}}.gdpa.{k}.{{q,out}}_proj",
+              "layers.{{1,3}}.self_attention.{k}.{{q,k,v,out}}_proj")  # sequence type k's tokens
+GEM_MEDIUM = [
+    (262144, 512, 512, tuple(t.format(k=0) for t in _TOKEN_512), 18),
+    (262144, 512, 1024, ("layers.*.ffn.0.up",), 4),
+    (262144, 1024, 512, ("layers.*.ffn.0.down",), 4),
+    (65536, 512, 512, tuple(t.format(k=1) for t in _TOKEN_512), 18),
+    (256, 2048, 32768, ("layers.*.interaction.experts.*.fm_mlp.4",), 8),
+    (65536, 512, 1024, ("layers.*.ffn.1.up",), 4),
+    (65536, 1024, 512, ("layers.*.ffn.1.down",), 4),
+    (256, 114688, 2048, ("heads.top.0",), 1),
+    (256, 14336, 2048, ("layers.{1,2,3}.interaction.experts.*.fm_mlp.0",), 6),
+    (12288, 512, 512, ("layers.{0,2}.seq_summary.gate.*", "final_summary.gate.*"), 6),
+    (262144, 128, 512, ("seq_embedding.proj.0",), 1),
+    (8192, 512, 512, ("layers.{0,2}.seq_summary.pma.*.out_proj", "final_summary.pma.*.out_proj"), 6),
+    (4096, 512, 512, ("layers.{0,2}.gdpa.*.{k,v}_proj", "layers.{0,2}.summary.gate"), 10),
+    (256, 2048, 2048, ("layers.*.interaction.experts.*.fm_mlp.2",), 8),
+    (256, 7680, 2048, ("layers.0.interaction.experts.*.fm_mlp.0",), 2),
+    (65536, 128, 512, ("seq_embedding.proj.1",), 1),
+    (256, 512, 512, ("nonseq_embedding.group_proj.*",), 16),
+    (256, 1024, 4096, ("nonseq_embedding.dense_mlp.2",), 1),
+    (256, 2048, 1024, ("heads.top.2",), 1),
+    (256, 256, 1024, ("nonseq_embedding.dense_mlp.0",), 1),
+]
+PRESETS = {"gem-medium": GEM_MEDIUM}
+PRESET_SOURCES = {
+    "gem-medium": "nn.Linear forward pre-hooks on GemRef medium, batch 256, fill 0.5; the layers gem_compile "
+                  "packs at M = valid tokens = 256 x N_k / 2 (GEM_MEDIUM's comment)",
+}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, tuple, None]]:
+    """'MxKxN[,MxKxN...]' -> preset-style rows (no layer names, no call counts)."""
+    rows = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        dims = item.lower().split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise argparse.ArgumentTypeError(f"--shapes: {item!r} is not MxKxN (three positive ints)")
+        rows.append((*map(int, dims), (), None))
+    if not rows:
+        raise argparse.ArgumentTypeError("--shapes: no shape given")
+    return rows
+
+
+def smoke_shapes(rows) -> list[tuple[int, int, int]]:
+    """A preset's shapes scaled down for the CPU smoke test (M to at most 128, K and N / 16, at least 64)."""
+    return list(dict.fromkeys((min(M, 128), max(64, K // 16), max(64, N // 16)) for M, K, N, *_ in rows))
 
 
 def rel(a, b) -> float:
@@ -225,10 +284,10 @@ def run_shape(M, K, N, args, index, dev="cuda"):
 # --smoke: CPU, the emulated recipes, correctness only
 
 
-def smoke() -> int:
+def smoke(shapes=SMOKE) -> int:
     ops = torch.ops.gemcompile
     bad = []
-    for M, K, N in SMOKE:
+    for M, K, N in shapes:
         g = torch.Generator().manual_seed(M)
         x = torch.randn(M, K, generator=g).to(DTYPE)
         w = (torch.randn(N, K, generator=g) * K**-0.5).to(DTYPE)
@@ -258,7 +317,9 @@ def print_table(payload):
             continue
         ms, sp, err = s["ms"], s["speedup"], s["rel_err"]
         rows.append({
-            "shape": s["label"], "bf16_f": ms.get("bf16_fwd"), "fp8_f": ms.get("fp8_fwd"), "x_f": sp.get("fp8_fwd"),
+            "shape": s["label"], "calls": s.get("calls_per_forward"),
+            "saved": (s.get("saved_ms_per_step") or {}).get("fp8_op"),
+            "bf16_f": ms.get("bf16_fwd"), "fp8_f": ms.get("fp8_fwd"), "x_f": sp.get("fp8_fwd"),
             "bf16_b": ms.get("bf16_bwd"), "fp8_b": ms.get("fp8_bwd"), "x_b": sp.get("fp8_bwd"),
             "tf_f": s["tflops"].get("fp8_fwd"), "tf_b": s["tflops"].get("fp8_bwd"),
             "op_f": sp.get("fp8_op_fwd"), "op_b": sp.get("fp8_op_bwd"),
@@ -267,7 +328,8 @@ def print_table(payload):
             "err8": max(err["fp8"].values()), "err16": max(err["bf16"].values()),
         })
     print("\n" + format_table(rows, [
-        ("shape", "shape", "s"), ("bf16_f", "bf16 fwd ms", ".3f"), ("fp8_f", "fp8 fwd ms", ".3f"),
+        ("shape", "shape", "s"), ("calls", "calls/fwd", "d"), ("saved", "op saved ms/step", ".2f"),
+        ("bf16_f", "bf16 fwd ms", ".3f"), ("fp8_f", "fp8 fwd ms", ".3f"),
         ("x_f", "x fwd", ".2f"), ("bf16_b", "bf16 bwd ms", ".3f"), ("fp8_b", "fp8 bwd ms", ".3f"),
         ("x_b", "x bwd", ".2f"), ("tf_f", "fp8 fwd TF/s", ".0f"), ("tf_b", "fp8 bwd TF/s", ".0f"),
         ("op_f", "op x fwd", ".2f"), ("op_b", "op x bwd", ".2f"), ("g_f", "GEMM x fwd", ".2f"),
@@ -278,7 +340,11 @@ def print_table(payload):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="two small shapes: a GPU smoke test")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="two small shapes: a GPU smoke test")
+    which.add_argument("--preset", choices=sorted(PRESETS), help="a model's Linear shapes, with each one's "
+                       "layers and calls per forward (gem-medium: GEM-ref medium at batch 256, fill 0.5)")
+    which.add_argument("--shapes", type=parse_shapes, help="MxKxN[,MxKxN...]: these shapes instead of SHAPES")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, emulated recipes, correctness only")
     parser.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA graph replay")
     parser.add_argument("--rule", default="rceil", choices=["floor", "rceil"])
@@ -286,8 +352,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
     args = parser.parse_args(argv)
     t0 = time.time()
+    rows = PRESETS[args.preset] if args.preset else args.shapes
     if args.smoke:
-        sys.exit(smoke())
+        sys.exit(smoke(smoke_shapes(rows) if rows else SMOKE))
     if not torch.cuda.is_available():
         sys.exit("benchmarks/mxfp8_linear.py needs a CUDA GPU (or --smoke on CPU)")
     warnings.simplefilter("always", sm.Fp8FallbackWarning)
@@ -298,9 +365,9 @@ def main(argv=None):
     print(f"blockwise GEMM API: {api}; torch {torch.__version__}", flush=True)
     if api not in ("F.scaled_mm", "torch._scaled_mm"):
         sys.exit(f"no native blockwise scaled GEMM here ({sm._BLOCKWISE_STATE['error']}); nothing to time")
-    shapes = QUICK if args.quick else SHAPES
-    path = results_path("mxfp8_linear" + ("-quick" if args.quick else "") + ("-eager" if args.eager else ""),
-                        args.out)
+    rows = rows or [(M, K, N, (), None) for M, K, N in (QUICK if args.quick else SHAPES)]
+    tag = "-quick" if args.quick else f"-{args.preset}" if args.preset else "-shapes" if args.shapes else ""
+    path = results_path("mxfp8_linear" + tag + ("-eager" if args.eager else ""), args.out)
 
     def save(payload):
         rewrite_results(path, payload)
@@ -310,14 +377,26 @@ def main(argv=None):
         "recipe": "blockwise: E4M3, pow2 scales, 1x128 (x, dY) x 128x128 (W), cuBLAS blockwise scaled_mm",
         "timing": "eager launches" if args.eager else "CUDA graph replay",
         "flops_convention": "fwd 2MNK, bwd 4MNK", "speedup_convention": "bf16 ms / fp8 ms", "targets": TARGETS,
-        "blockwise_api": api, "shapes": [],
+        "blockwise_api": api, "preset": args.preset, "shapes": [],
     }
-    for i, (M, K, N) in enumerate(shapes):
+    if args.preset:
+        payload["preset_source"] = PRESET_SOURCES[args.preset]
+    for i, (M, K, N, layers, calls) in enumerate(rows):
+        about = {"layers": list(layers), "calls_per_forward": calls} if args.preset else {}
         if time.time() - t0 > args.budget_s:
-            payload["shapes"].append({"M": M, "K": K, "N": N, "label": f"M{M} K{K} N{N}", "skipped": "time budget"})
+            payload["shapes"].append({"M": M, "K": K, "N": N, "label": f"M{M} K{K} N{N}", **about,
+                                      "skipped": "time budget"})
             print(f"\n== M{M} K{K} N{N}: skipped (time budget)", flush=True)
             continue
-        payload["shapes"].append(run_shape(M, K, N, args, i))
+        rec = run_shape(M, K, N, args, i)
+        if calls:
+            # per training step (one forward and backward): bf16 - FP8 ms over the shape's calls (> 0: saves)
+            ms = rec["ms"]
+            rec["saved_ms_per_step"] = {
+                name: calls * (ms["bf16_fwd"] + ms["bf16_bwd"] - ms[f"{name}_fwd"] - ms[f"{name}_bwd"])
+                if all(ms.get(f"{n}_{d}") for n in ("bf16", name) for d in ("fwd", "bwd")) else None
+                for name in ("fp8", "fp8_op")}
+        payload["shapes"].append({**rec, **about})
         payload["wall_s"] = time.time() - t0
         save(payload)  # after every shape: a run stopped by a time limit keeps what it measured
     print_table(payload)
