@@ -678,9 +678,18 @@ def block_attention_rerun() -> str:
     return "\n".join(lines)
 
 
-BLOCK_CLAIMS_CUDAGRAPH = ["block_attention-claims-cudagraph-20261204-161959.json",  # the D 64 shapes
-                          "block_attention-claims-cudagraph-20261204-163655.json"]  # D 128 (--head-dims 128)
-"""The claims shapes as CUDA-graph replays (the first run's time budget ran out before its D 128 shape)."""
+BLOCK_CLAIMS_CUDAGRAPH = ["block_attention-claims-cudagraph-20261204-181621.json",  # --head-dims 64
+                          "block_attention-claims-cudagraph-20261204-181530.json"]  # --head-dims 128
+"""The claims shapes as CUDA-graph replays, at 3ebb57d (the closed kernels' three-stage configs)."""
+
+BLOCK_ROTARY_STEPS = [
+    ("4e1fb6f: partner columns as a second load", ["block_attention-claims-cudagraph-20261204-161959.json",
+                                                   "block_attention-claims-cudagraph-20261204-163655.json"]),
+    ("a84d2bc: half-width loads (reverted)", ["block_attention-claims-cudagraph-20261204-175853.json",
+                                              "block_attention-claims-cudagraph-20261204-175742.json"]),
+    ("3ebb57d: 4e1fb6f's loads, three-stage configs", BLOCK_CLAIMS_CUDAGRAPH),
+]
+"""The claims runs of block attention's rotary steps (each pair: D 64, D 128), CUDA-graph replays."""
 
 
 @block("block-attention-claims-cudagraph")
@@ -715,6 +724,29 @@ def block_attention_claims_cudagraph() -> str:
                     "ours vs float64"], rows)
     path, payload = load(BLOCK_CLAIMS_CUDAGRAPH[-1])
     lines += ["", _block_peer_setup(payload)]
+    return "\n".join(lines)
+
+
+@block("block-rotary-steps")
+def block_rotary_steps() -> str:
+    rows, sources = [], []
+    for label, names in BLOCK_ROTARY_STEPS:
+        for name in names:
+            path, payload = load(name)
+            sources.append((path, payload))
+            for sh in payload["shapes"]:
+                if _res(sh, "ours_no_rotary", "fwdbwd_ms") is None:
+                    continue
+                rows.append([label, cite(path), sh["label"],
+                             f"{f(_res(sh, 'ours_fused_rotary', 'fwd_ms'), '.3f')} / "
+                             f"{f(_res(sh, 'ours_fused_rotary', 'fwdbwd_ms'), '.3f')}",
+                             f"{f(_res(sh, 'ours_no_rotary', 'fwd_ms'), '.3f')} / "
+                             f"{f(_res(sh, 'ours_no_rotary', 'fwdbwd_ms'), '.3f')}",
+                             f(_speed(sh, "vs_flex", "fwdbwd"))])
+    lines = ["CUDA-graph replays, `python benchmarks/block_attention.py --only claims --cuda-graph "
+             "--head-dims 64` (then `128`) at each step. Sources: " + source_line(*sources), ""]
+    lines += table(["step", "file", "shape", "ours, RoPE fused, ms fwd / fwd+bwd",
+                    "ours, no RoPE, ms fwd / fwd+bwd", "x the faster Flex, fwd+bwd"], rows)
     return "\n".join(lines)
 
 
@@ -767,6 +799,29 @@ def mxfp8_linear() -> str:
     q = s.get("quantize", {})
     lines += ["", f"Quantize kernels at {s['label']}: " + "; ".join(
         f"{k} {f(v.get('ms'), '.3f')} ms ({f(v.get('GB/s'), '.0f')} GB/s)" for k, v in q.items()) + "."]
+    return "\n".join(lines)
+
+
+@block("mxfp8-gem-medium")
+def mxfp8_gem_medium() -> str:
+    path, payload = load("mxfp8_linear-gem-medium-20261204-181808.json")
+    rows = []
+    for s in payload["shapes"]:
+        if s.get("skipped"):
+            rows.append([f"{s['M']} x {s['K']} x {s['N']}", ", ".join(s.get("layers", [])), "skipped"]
+                        + ["-"] * 3)
+            continue
+        sp, saved = s.get("speedup", {}), s.get("saved_ms_per_step") or {}
+        rows.append([f"{s['M']} x {s['K']} x {s['N']}", ", ".join(f"`{x}`" for x in s.get("layers", [])),
+                     str(s.get("calls_per_forward")),
+                     f"{f(sp.get('fp8_op_fwd'))} / {f(sp.get('fp8_op_bwd'))}",
+                     f"{f(sp.get('fp8_gemm_fwd'))} / {f(sp.get('fp8_gemm_bwd'))}",
+                     f(saved.get("fp8_op"), ".2f")])
+    lines = [f"{payload.get('timing')}; ratios bf16 time / FP8 time (above 1: FP8 faster); the shapes "
+             f"GEM-ref medium's Linears run at batch 256, fill 0.5 ({payload.get('preset_source')}). Source: "
+             f"{source_line((path, payload))}", ""]
+    lines += table(["M x K x N", "layers", "calls a forward", "op x fwd / x bwd", "GEMM alone x fwd / x bwd",
+                    "ms saved a step by the op (negative: lost)"], rows)
     return "\n".join(lines)
 
 
@@ -919,7 +974,9 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ block attention rotary full width (`5560202`)",
                             "e2e-medium-fill0.5-20261204-141339.json"),
                            ("+ block attention four heads a program, one table load for R^T (4e1fb6f)",
-                            "e2e-medium-fill0.5-20261204-162825.json")]
+                            "e2e-medium-fill0.5-20261204-162825.json"),
+                           ("+ block attention three-stage configs (3ebb57d)",
+                            "e2e-medium-fill0.5-20261204-181910.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
@@ -1815,7 +1872,7 @@ E2E_SMALL_STEPS = ["e2e-small-fill0.5-20261203-062918.json", "e2e-small-fill0.5-
 
 @block("readme-e2e-now")
 def readme_e2e_now() -> str:
-    gpath, graphs = load("e2e-medium-fill0.5-20261204-162825.json")  # CUDA graphs, with kernel profiles
+    gpath, graphs = load("e2e-medium-fill0.5-20261204-181910.json")  # CUDA graphs, with kernel profiles
     mpath, medium = load("e2e-medium-fill0.5-20261203-160229.json")  # default mode
     spath, small = load("e2e-small-fill0.5-20261204-025213.json")
     bpath, b256 = load("e2e-small-fill0.5-20261204-030111.json")  # warm-up 20: every capacity pair recorded
