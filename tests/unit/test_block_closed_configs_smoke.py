@@ -1,27 +1,20 @@
 """benchmarks/block_closed_configs.py --smoke: every candidate config of the closed kernels, pinned one kernel
 at a time, under the Triton interpreter against the float64 reference (what the GPU sweep then times)."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the smoke path runs the kernels under the Triton interpreter", allow_module_level=True)
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "block_closed_configs.py"
-
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("block_closed_configs_under_test", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("block_closed_configs")
 
 
 def test_every_candidate_config_matches_the_reference(sweep):

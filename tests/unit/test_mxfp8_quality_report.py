@@ -2,24 +2,16 @@
 activation memory recipes (gem+fp8-saved: judged against the run-to-run noise, inert when nothing was saved
 in FP8)."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "mxfp8_quality.py"
-
+from tests.benchmark_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def quality():
-    sys.path.insert(0, str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("mxfp8_quality_under_test", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mxfp8_quality")
 
 
 def _run(name, recipe, ne_by_step, losses, step_ms=100.0, fp8_gemms=1, saved_in_fp8=0):
