@@ -39,9 +39,13 @@ TOL = {
 
 
 def _pin(monkeypatch, closed_fwd, closed_bwd, fwd, dkdv, dq):
-    for kernel, shape in ((kernels._closed_fwd_kernel, closed_fwd), (kernels._closed_bwd_kernel, closed_bwd)):
+    tables = (kernels._CLOSED_FWD_SHAPES, kernels._CLOSED_BWD_SHAPES)
+    for kernel, shape, table in zip((kernels._closed_fwd_kernel, kernels._closed_bwd_kernel),
+                                    (closed_fwd, closed_bwd), tables):
         # a shape-table key: (BLOCK, warps) or (BLOCK, warps, HEADS), built as the kernels' own list builds it
         monkeypatch.setattr(kernel, "configs", kernels._closed_configs({shape: ()}))
+        if shape in table:  # listed for some variants only: it would not serve the others (general kernels)
+            monkeypatch.setitem(table, shape, (kernels._S, kernels._SR, kernels._L, kernels._LR))
     pin_tiles(monkeypatch, {kernels._fwd_kernel: fwd, kernels._bwd_dkdv_kernel: dkdv,
                             kernels._bwd_dq_kernel: dq})
 
@@ -51,6 +55,8 @@ def single_config(monkeypatch):
     """One config per kernel that compiles without spills for every head dim, rotary mode and half dtype
     (closed tiles of 64 rows: blocks up to 64 take the closed kernels, 128 the general ones)."""
     _pin(monkeypatch, (64, 8), (64, 8), (64, 32, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2))
+    assert all(kernels.closed_tile_serves(64, D, rotary) for D in (32, 64, 128)
+               for rotary in ("none", "half", "interleaved"))
 
 
 def draw_lengths(B, L, g):
