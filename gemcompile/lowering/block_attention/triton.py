@@ -119,7 +119,8 @@ _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR,
 # three stages made the backward without rotary and the forward with it faster, and two heads a program
 # the backward with rotary. That last one, (64, 8, 2) at D 128 with rotary, ran on the H200 under Triton
 # 3.6; ptxas for sm_90a under Triton 3.9 (benchmarks/kernel_registers.py on the CPU) gives it more shared
-# memory than a CTA has and a small spill: there it fails to launch and the autotuner skips it.
+# memory than a CTA has and a small spill: there it fails to launch and the autotuner skips it. The small
+# variants are offered the same shapes unswept: their autotuner decides (the D 64 claims did not move).
 _FWD_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L, _LR), (128, 128, 8, 3): (_S,),
                (64, 32, 4, 3): (_S, _SR, _L, _LR)}
 _DKDV_SHAPES = {(32, 64, 4, 3): (_S, _SR, _L), (64, 64, 4, 3): (_S,), (64, 128, 8, 3): (_S,),
