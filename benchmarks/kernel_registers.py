@@ -11,7 +11,8 @@ Why: at head dim 128 the forward and dK/dV kernels run one CTA per SM (issue 25)
 q_lengths), every closed config of the head dim's class, with and without the fused rotate-half rotary
 (fp32 tables, as GEM-ref builds them), plus the barriers (bar.sync) in the PTX: the layout changes through
 shared memory that splitting tiles into halves cost; and the PTX's global load instructions (cp.async
-copies into shared memory, ld.global into registers): the tiles a program fetches.
+copies into shared memory, ld.global into registers): the tiles a program fetches; and the warp shuffles
+(shfl.sync) and ld.shared / st.shared instructions: data moved between threads.
 
 Each kernel is compiled as a launch specializes it (unit head-dim strides, 16-divisible pointers and
 strides), bf16, not causal, no bias, without TRITON_INTERPRET; ptxas -v is run on the PTX.
@@ -152,7 +153,12 @@ def block_closed_rows(head_dim: int) -> list[dict]:
                                # global loads in the PTX: asynchronous copies into shared memory (cp.async,
                                # the pipelined tiles) and loads into registers
                                cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
-                               ld_global=len(re.findall(r"ld\.global", ptx)))
+                               ld_global=len(re.findall(r"ld\.global", ptx)),
+                               # register shuffles between threads (a tl.gather across the head dim) and
+                               # shared-memory traffic outside the copies and the dots' own operands
+                               shfl=len(re.findall(r"shfl\.sync", ptx)),
+                               ld_shared=len(re.findall(r"ld\.shared", ptx)),
+                               st_shared=len(re.findall(r"st\.shared", ptx)))
                 except Exception as e:  # noqa: BLE001  a refused config is recorded; the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
