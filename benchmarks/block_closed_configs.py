@@ -7,15 +7,15 @@
 The shape is the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half RoPE tables
 (L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the op is timed first with
 both closed kernels autotuned over their lists ("listed"), then with one kernel pinned to each candidate
-config while the other keeps its autotuned choice: the candidates are every (BLOCK 64) config in that
-kernel's list for the variant plus EXTRA, each with and without a register cap (``maxnreg``) where one is
-given. Times are CUDA-graph replays (triton.testing.do_bench median) of the forward and of forward+backward;
-a pinned backward's time is read as forward+backward minus the forward of the same row. Each row also
-records the largest difference of out, dQ, dK, dV from the listed configs' (bf16; a config that computes
-something else shows here). The JSON is rewritten after every row, so a run stopped by a time limit keeps
-what it measured. ``--smoke``: the kernels' launchers under the Triton interpreter (float16: the
-interpreter's bf16 dots are wrong), B2 L128 H2, each pinned config checked against the float64 reference
-(exit status 1 past the tolerance); no timing, no file.
+config while the other keeps its autotuned choice: the candidates are every (BLOCK 64) config in that kernel's
+list for the variant plus EXTRA (other HEADS and stages, register caps (``maxnreg``), and with rotary the
+backward's R^T without a gather, ``R_SPLIT``). Times are CUDA-graph replays (triton.testing.do_bench median)
+of the forward and of forward+backward; a pinned backward's time is read as forward+backward minus the forward
+of the same row. Each row also records the largest difference of out, dQ, dK, dV from the listed configs'
+(bf16; a config that computes something else shows here). The JSON is rewritten after every row, so a run
+stopped by a time limit keeps what it measured. ``--smoke``: the kernels' launchers under the Triton
+interpreter (float16: the interpreter's bf16 dots are wrong), B2 L128 H2, each pinned config checked against
+the float64 reference (exit status 1 past the tolerance); no timing, no file.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ import gemcompile.lowering  # noqa: E402,F401  (registers torch.ops.gemcompile.*
 from gemcompile.lowering.block_attention import triton as kernels  # noqa: E402
 
 B, L, H, FILL, BLOCK = 1152, 1024, 4, 0.5, 64
-EXTRA = {  # (BLOCK, warps, HEADS, stages, maxnreg) tried beyond the lists
+_R_SPLIT = (("R_SPLIT", 1),)  # the backward's R^T without tl.gather (_swap_partners): rotary only
+EXTRA = {  # (BLOCK, warps, HEADS, stages, maxnreg[, other constexprs]) tried beyond the lists
     "fwd": [(64, 4, 2, 1, None), (64, 4, 4, 2, None), (64, 8, 2, 2, None), (64, 8, 4, 1, None),
             (64, 8, 1, 1, 128)],
     "bwd": [(64, 8, 2, 1, None), (64, 8, 2, 2, None), (64, 8, 4, 2, None), (64, 8, 4, 3, None),
-            (64, 8, 1, 1, 128), (64, 8, 1, 1, 168)],
+            (64, 8, 1, 1, 128), (64, 8, 1, 1, 168), (64, 8, 1, 1, None, _R_SPLIT),
+            (64, 8, 2, 2, None, _R_SPLIT), (64, 4, 1, 1, None, _R_SPLIT)],
 }
 KERNELS = {"fwd": "_closed_fwd_kernel", "bwd": "_closed_bwd_kernel"}
 SHAPE_TABLES = {"fwd": "_CLOSED_FWD_SHAPES", "bwd": "_CLOSED_BWD_SHAPES"}
@@ -58,9 +60,9 @@ def listed(which: str, head_dim: int, rotary: str) -> list[tuple]:
 
 
 def config(t: tuple) -> triton.Config:
-    block, warps, heads, stages, maxnreg = t
-    return triton.Config({"BLOCK": block, "HEADS": heads}, num_warps=warps, num_stages=stages,
-                         maxnreg=maxnreg)
+    block, warps, heads, stages, maxnreg, *other = t
+    return triton.Config({"BLOCK": block, "HEADS": heads, **dict(*other)}, num_warps=warps,
+                         num_stages=stages, maxnreg=maxnreg)
 
 
 SMOKE_TOL = 2e-2
@@ -148,6 +150,8 @@ def run(args) -> dict:
             print(payload["rows"][-1], flush=True)
             for which in KERNELS:
                 candidates = list(dict.fromkeys(listed(which, args.head_dim, rotary) + EXTRA[which]))
+                if rotary == "none":  # R_SPLIT changes nothing without rotary
+                    candidates = [t for t in candidates if len(t) == 5]
                 for t in candidates:
                     row = {"rotary": rotary, "pinned": which, "config": list(t),
                            "in_list": t in listed(which, args.head_dim, rotary)}

@@ -81,6 +81,9 @@ def _jit(kernel):
 def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int | None):
     fn = _jit(kernel)
     consts = dict(constexprs)
+    # constexpr parameters left at their defaults (as a launch leaves them), not compiled as runtime args
+    consts.update({p.name: p.default for p in fn.params
+                   if p.is_constexpr and p.has_default and p.name not in consts})
     consts.update(
         {
             n: 1

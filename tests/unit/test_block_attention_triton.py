@@ -163,6 +163,19 @@ def test_closed_64_row_tiles(monkeypatch, block, rotary):
     check(q, k, v, lengths, block, 3, True, None, None, "none")
 
 
+@pytest.mark.parametrize("rotary,D", [("half", 32), ("half", 64), ("interleaved", 32)])
+def test_closed_backward_partner_swap_without_gather(monkeypatch, rotary, D):
+    """R_SPLIT (an autotune option of the closed backward): R^T's partner columns by reshapes and a split
+    instead of tl.gather, for both rotary layouts, against the float64 reference."""
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 64}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 64, "HEADS": 2, "R_SPLIT": 1}, num_warps=4, num_stages=1)])
+    q, k, v, lengths, cos, sin = make_inputs(3, 3, 130, D, torch.float16, "per_sample", seed=D,
+                                             lengths=torch.tensor([130, 0, 70]))
+    check(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
+
+
 @pytest.mark.parametrize("heads_per_program,H", [(1, 2), (2, 3), (4, 3)])
 @pytest.mark.parametrize("packed_rows", [False, True], ids=["lengths", "q_lengths"])
 def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, packed_rows):

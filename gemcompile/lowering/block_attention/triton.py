@@ -113,7 +113,8 @@ _S, _L, _SR, _LR = "small", "large", "small_rot", "large_rot"
 _CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR), (128, 8): (_S, _SR, _L),
                       (64, 8, 4): (_L, _LR), (64, 8, 4, 3): (_S, _SR, _L, _LR)}
 _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR, _L, _LR),
-                      (128, 8): (_S, _SR), (64, 8, 4): (_L, _SR), (64, 8, 4, 3): (_S, _L), (64, 8, 2): (_SR, _LR)}
+                      (128, 8): (_S, _SR), (64, 8, 4): (_L, _SR), (64, 8, 4, 3): (_S, _L),
+                      (64, 8, 2): (_SR, _LR)}
 # (BLOCK, warps, HEADS[, stages]): heads of a tile per program, two stages (the next head's loads in flight)
 # unless a fourth entry says otherwise. In a sweep of pinned configs on the H200 (B1152 L1024 H4 D 128),
 # three stages made the backward without rotary and the forward with it faster, and two heads a program
@@ -464,8 +465,21 @@ def _load_qk(q_base, k_base, rows, q_ok, k_ok, stride_qm, stride_qd, stride_kn, 
 
 
 @triton.jit
+def _swap_partners(t, HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
+    """t[:, p(j)] for every column j (the rotation partner) by reshapes and a split: no cross-thread gather
+    where one warpgroup holds a row's columns (4 warps at a 64-row tile), a layout change through shared
+    memory where two do. An autotune option of the closed backward (R_SPLIT), not yet timed on the GPU."""
+    if ROTARY == 1:  # swap the halves [A | B] -> [B | A]
+        lo, hi = tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, HEAD_D // 2)), (0, 2, 1)))
+        return tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (t.shape[0], HEAD_D))
+    else:  # swap neighbours (2i, 2i + 1)
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], HEAD_D // 2, 2)))
+        return tl.reshape(tl.join(odd, even), (t.shape[0], HEAD_D))
+
+
+@triton.jit
 def _unrotate_pair(ga, gb, cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D: tl.constexpr,
-                   ROTARY: tl.constexpr):
+                   ROTARY: tl.constexpr, R_SPLIT: tl.constexpr = 0):
     """The gradients w.r.t. the un-rotated rows from ga and gb, two gradients w.r.t. the same rotated rows
     (dQ and dK of a closed tile), full width, the tables loaded once: R^T g = g cos + (g sin')[:, p(j)]
     (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner columns come from one tl.gather along
@@ -475,6 +489,8 @@ def _unrotate_pair(ga, gb, cos_base, sin_base, rows, mask_rows, stride_cm, strid
     c, s_signed = _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
     ta = ga * s_signed
     tb = gb * s_signed
+    if R_SPLIT:
+        return ga * c + _swap_partners(ta, HEAD_D, ROTARY), gb * c + _swap_partners(tb, HEAD_D, ROTARY)
     index = tl.broadcast_to(partner[None, :], ta.shape)
     return ga * c + tl.gather(ta, index, 1), gb * c + tl.gather(tb, index, 1)
 
@@ -614,7 +630,7 @@ def _closed_bwd_kernel(
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
     PACKED: tl.constexpr,
-    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1, R_SPLIT: tl.constexpr = 0,
 ):
     # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*). HEADS heads of
     # one tile per program, as the forward.
@@ -681,7 +697,7 @@ def _closed_bwd_kernel(
             # load of the tables
             dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
             dq, dk = _unrotate_pair(dq, dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
-                                    ROTARY)
+                                    ROTARY, R_SPLIT)
             store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
         else:  # dQ is stored before dK is computed: fewer live registers
             store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
