@@ -188,6 +188,28 @@ def test_every_autotune_config(monkeypatch, D, rotary):
         check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("rotary", ["half", "interleaved"])
+@pytest.mark.parametrize("warps,heads,stages", [(8, 1, 1), (8, 2, 2), (4, 1, 1)])
+def test_closed_backward_partner_swap_without_gather(monkeypatch, D, rotary, warps, heads, stages):
+    """R_SPLIT (the closed backward's R^T by reshapes and a split, an autotune option not in the default
+    lists): Triton's layouts for it, on the GPU, against the float64 reference, at the configs the config
+    sweep (benchmarks/block_closed_configs.py) times, on rows whose stride is not a multiple of 16 elements
+    (q, k, v sliced from a wider tensor)."""
+    for table, shape in ((kernels._CLOSED_FWD_SHAPES, (64, 8)), (kernels._CLOSED_BWD_SHAPES, (64, 8))):
+        monkeypatch.setitem(table, shape, (kernels._S, kernels._SR, kernels._L, kernels._LR))
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)])
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 64, "HEADS": heads, "R_SPLIT": 1}, num_warps=warps,
+                                       num_stages=stages)])
+    assert kernels.closed_tile_serves(64, D, rotary)
+    q, k, v, lengths, cos, sin = make_case(5, 3, 520, D + 8, torch.bfloat16, "per_sample", seed=D)
+    q, k, v = (x[..., :D] for x in (q, k, v))
+    cos, sin = (t[..., :D] for t in (cos, sin))
+    check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
+
+
 def test_backward_is_deterministic(single_config):
     q, k, v, lengths, cos, sin = make_case(5, 2, 900, 64, torch.bfloat16, seed=4)
     g = torch.randn_like(q)
