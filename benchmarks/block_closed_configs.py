@@ -149,12 +149,13 @@ def run(args) -> dict:
                                     **{k: base.get(k) for k in ("fwd_ms", "fwdbwd_ms")}})
             print(payload["rows"][-1], flush=True)
             for which in KERNELS:
-                candidates = list(dict.fromkeys(listed(which, args.head_dim, rotary) + EXTRA[which]))
+                in_list = listed(which, args.head_dim, rotary)
+                candidates = list(dict.fromkeys(in_list + EXTRA[which]))
                 if rotary == "none":  # R_SPLIT changes nothing without rotary
                     candidates = [t for t in candidates if len(t) == 5]
                 for t in candidates:
                     row = {"rotary": rotary, "pinned": which, "config": list(t),
-                           "in_list": t in listed(which, args.head_dim, rotary)}
+                           "in_list": t in in_list}
                     if time.time() - t0 > args.budget_s:
                         row["skipped"] = "time budget"
                     else:

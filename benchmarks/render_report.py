@@ -277,6 +277,11 @@ def _res(shape: dict, method: str, key: str):
     return (shape.get("results", {}).get(method) or {}).get(key)
 
 
+def _fwd_and_train_ms(shape: dict, method: str) -> str:
+    """'fwd ms / fwd+bwd ms' of a method in a block attention shape."""
+    return f"{f(_res(shape, method, 'fwd_ms'), '.3f')} / {f(_res(shape, method, 'fwdbwd_ms'), '.3f')}"
+
+
 # --- jagged attention --------------------------------------------------------------------------------
 
 JAGGED_PEERS = [("sdpa_padded_mask", "x padded SDPA+mask"), ("flex_document_mask", "x FlexAttention doc mask"),
@@ -705,13 +710,12 @@ def block_attention_claims_cudagraph() -> str:
             if _res(s, "ours_no_rotary", "fwdbwd_ms") is None:  # not run (the first run's time budget)
                 continue
             fused, plain = _res(s, "ours_fused_rotary", "fwdbwd_ms"), _res(s, "ours_no_rotary", "fwdbwd_ms")
-            fused_fwd, plain_fwd = _res(s, "ours_fused_rotary", "fwd_ms"), _res(s, "ours_no_rotary", "fwd_ms")
             # (the ratio itself is not printed: these files do not hold it, and the check prints only
             # numbers a cited file holds)
             flex = _speed(s, "vs_flex", "fwdbwd")  # against the faster of the two Flex set-ups
             rotary = fused / plain if fused and plain else None
-            rows.append([s["label"], f"{f(fused_fwd, '.3f')} / {f(fused, '.3f')}",
-                         f"{f(plain_fwd, '.3f')} / {f(plain, '.3f')}",
+            rows.append([s["label"], _fwd_and_train_ms(s, "ours_fused_rotary"),
+                         _fwd_and_train_ms(s, "ours_no_rotary"),
                          f"{f(_speed(s, 'vs_flex_b64', 'fwd'))} / {f(_speed(s, 'vs_flex_b64', 'fwdbwd'))}",
                          f(_speed(s, "vs_flex_b128", "fwdbwd")),
                          "met" if flex is not None and flex >= 2.0 else "missed",
@@ -741,10 +745,8 @@ def block_rotary_steps() -> str:
                 if _res(sh, "ours_no_rotary", "fwdbwd_ms") is None:
                     continue
                 rows.append([label, cite(path), sh["label"],
-                             f"{f(_res(sh, 'ours_fused_rotary', 'fwd_ms'), '.3f')} / "
-                             f"{f(_res(sh, 'ours_fused_rotary', 'fwdbwd_ms'), '.3f')}",
-                             f"{f(_res(sh, 'ours_no_rotary', 'fwd_ms'), '.3f')} / "
-                             f"{f(_res(sh, 'ours_no_rotary', 'fwdbwd_ms'), '.3f')}",
+                             _fwd_and_train_ms(sh, "ours_fused_rotary"),
+                             _fwd_and_train_ms(sh, "ours_no_rotary"),
                              f(_speed(sh, "vs_flex", "fwdbwd"))])
     lines = ["CUDA-graph replays, `python benchmarks/block_attention.py --only claims --cuda-graph "
              "--head-dims 64` (then `128`) at each step. Sources: " + source_line(*sources), ""]
