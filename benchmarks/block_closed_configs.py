@@ -1,7 +1,7 @@
 """Block attention's closed kernels, one tile config at a time: which configs the lists should hold.
 
-    python benchmarks/block_closed_configs.py [--head-dim 128] [--rotary none,half] [--budget-s 240]
-                                              [--out DIR]
+    python benchmarks/block_closed_configs.py [--head-dim 128] [--rotary none,half] [--which fwd,bwd]
+                                              [--budget-s 240] [--out DIR]
     TRITON_INTERPRET=1 python benchmarks/block_closed_configs.py --smoke   # CPU: tiny shape, no timing
 
 The shape is the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half RoPE tables
@@ -45,7 +45,8 @@ EXTRA = {  # (BLOCK, warps, HEADS, stages, maxnreg[, other constexprs]) tried be
             (64, 8, 1, 1, 128)],
     "bwd": [(64, 8, 2, 1, None), (64, 8, 2, 2, None), (64, 8, 4, 2, None), (64, 8, 4, 3, None),
             (64, 8, 1, 1, 128), (64, 8, 1, 1, 168), (64, 8, 1, 1, None, _R_SPLIT),
-            (64, 8, 2, 2, None, _R_SPLIT), (64, 4, 1, 1, None, _R_SPLIT)],
+            (64, 8, 2, 2, None, _R_SPLIT), (64, 8, 4, 3, None, _R_SPLIT), (64, 4, 1, 1, None, _R_SPLIT),
+            (64, 4, 2, 2, None, _R_SPLIT)],
 }
 KERNELS = {"fwd": "_closed_fwd_kernel", "bwd": "_closed_bwd_kernel"}
 SHAPE_TABLES = {"fwd": "_CLOSED_FWD_SHAPES", "bwd": "_CLOSED_BWD_SHAPES"}
@@ -148,7 +149,7 @@ def run(args) -> dict:
             payload["rows"].append({"rotary": rotary, "pinned": "none (listed configs, autotuned)",
                                     **{k: base.get(k) for k in ("fwd_ms", "fwdbwd_ms")}})
             print(payload["rows"][-1], flush=True)
-            for which in KERNELS:
+            for which in args.which:
                 in_list = listed(which, args.head_dim, rotary)
                 candidates = list(dict.fromkeys(in_list + EXTRA[which]))
                 if rotary == "none":  # R_SPLIT changes nothing without rotary
@@ -209,12 +210,16 @@ def main(argv=None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rotary", default="none,half", type=lambda s: s.split(","))
     parser.add_argument("--budget-s", type=float, default=240.0, help="rows started after this are skipped")
+    parser.add_argument("--which", default="fwd,bwd", type=lambda s: s.split(","),
+                        help="the kernels whose candidates are pinned (fwd, bwd or both)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, no timing")
     args = parser.parse_args(argv)
     bad = sorted(set(args.rotary) - {"none", "half", "interleaved"})
     if bad:
         parser.error(f"--rotary: unknown modes {bad}")
+    if sorted(set(args.which) - set(KERNELS)):
+        parser.error(f"--which: unknown kernels {sorted(set(args.which) - set(KERNELS))}")
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--smoke runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
