@@ -1,21 +1,22 @@
 """Block attention's closed kernels, one tile config at a time: which configs the lists should hold.
 
     python benchmarks/block_closed_configs.py [--head-dim 128] [--rotary none,half] [--which fwd,bwd]
-                                              [--budget-s 240] [--out DIR]
+                                              [--only-with R_SPLIT] [--budget-s 240] [--out DIR]
     TRITON_INTERPRET=1 python benchmarks/block_closed_configs.py --smoke   # CPU: tiny shape, no timing
 
 The shape is the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half RoPE tables
-(L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the op is timed first with
+(L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the launchers are timed first with
 both closed kernels autotuned over their lists ("listed"), then with one kernel pinned to each candidate
 config while the other keeps its autotuned choice: the candidates are every (BLOCK 64) config in that kernel's
 list for the variant plus EXTRA (other HEADS and stages, register caps (``maxnreg``), and with rotary the
 backward's R^T without a gather, ``R_SPLIT``). Times are CUDA-graph replays (triton.testing.do_bench median)
-of the forward and of forward+backward; a pinned backward's time is read as forward+backward minus the forward
-of the same row. Each row also records the largest difference of out, dQ, dK, dV from the listed configs'
-(bf16; a config that computes something else shows here). The JSON is rewritten after every row, so a run
-stopped by a time limit keeps what it measured. ``--smoke``: the kernels' launchers under the Triton
-interpreter (float16: the interpreter's bf16 dots are wrong), B2 L128 H2, each pinned config checked against
-the float64 reference (exit status 1 past the tolerance); no timing, no file.
+of the forward launcher and of the forward and backward launchers; a pinned backward's time is read as
+forward+backward minus the forward of the same row. Each row also records the largest difference of out, dQ,
+dK, dV from the listed configs' (bf16; a config that computes something else shows here). The JSON is
+rewritten after every row, so a run stopped by a time limit keeps what it measured. ``--smoke``: the
+kernels' launchers under the Triton interpreter (float16: the interpreter's bf16 dots are wrong), B2 L128 H2,
+each pinned config checked against the float64 reference (exit status 1 past the tolerance); no timing, no
+file.
 """
 
 from __future__ import annotations
@@ -99,28 +100,25 @@ def reference_once(leaves, go, lengths, cos, sin, rotary: str, head_dim: int) ->
 
 
 def measure(leaves, go, lengths, cos, sin, rotary: str, head_dim: int, timed: bool = True) -> dict:
-    """fwd and fwd+bwd ms (CUDA-graph replays) and the outputs (out, dQ, dK, dV) of one call."""
+    """fwd and fwd+bwd ms (CUDA-graph replays of the launchers) and the outputs (out, dQ, dK, dV) of one call.
+    The launchers, not the op: autograd adds nothing a replay would time, and its leaves' gradient
+    accumulators (made on the default stream) cannot join a capture on torch 2.11."""
+    outputs = launch_once(leaves, go, lengths, cos, sin, rotary, head_dim)
     if not timed:
-        return {"outputs": launch_once(leaves, go, lengths, cos, sin, rotary, head_dim)}
+        return {"outputs": outputs}
     c, s = (cos, sin) if rotary != "none" else (None, None)
-
-    def call():
-        return torch.ops.gemcompile.block_attention(*leaves, lengths, BLOCK, -1, False, c, s, rotary,
-                                                    head_dim ** -0.5)
+    q, k, v = (x.detach() for x in leaves)
+    args = (lengths, BLOCK, -1, False, c, s, rotary, head_dim ** -0.5)
 
     def fwd():
-        with torch.no_grad():
-            call()
+        return kernels.block_attention_forward_triton(q, k, v, *args)
 
     def fwdbwd():
-        return torch.autograd.grad(call(), leaves, go)
+        out, lse = fwd()
+        return kernels.block_attention_backward_triton(go, q, k, v, out, lse, *args)
 
-    out = call()
-    grads = torch.autograd.grad(out, leaves, go)
-    fwd()
     fwdbwd()
-    return {"outputs": [out.detach(), *grads], "fwd_ms": bench_ms(graphed(fwd)),
-            "fwdbwd_ms": bench_ms(graphed(fwdbwd))}
+    return {"outputs": outputs, "fwd_ms": bench_ms(graphed(fwd)), "fwdbwd_ms": bench_ms(graphed(fwdbwd))}
 
 
 def run(args) -> dict:
@@ -154,6 +152,8 @@ def run(args) -> dict:
                 candidates = list(dict.fromkeys(in_list + EXTRA[which]))
                 if rotary == "none":  # R_SPLIT changes nothing without rotary
                     candidates = [t for t in candidates if len(t) == 5]
+                if args.only_with:
+                    candidates = [t for t in candidates if args.only_with in repr(t)]
                 for t in candidates:
                     row = {"rotary": rotary, "pinned": which, "config": list(t),
                            "in_list": t in in_list}
@@ -212,6 +212,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=240.0, help="rows started after this are skipped")
     parser.add_argument("--which", default="fwd,bwd", type=lambda s: s.split(","),
                         help="the kernels whose candidates are pinned (fwd, bwd or both)")
+    parser.add_argument("--only-with", default=None,
+                        help="only the candidates whose config tuple's repr holds this string (e.g. R_SPLIT)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, no timing")
     args = parser.parse_args(argv)

@@ -196,13 +196,15 @@ def test_closed_backward_partner_swap_without_gather(monkeypatch, D, rotary, war
     lists): Triton's layouts for it, on the GPU, against the float64 reference, at the configs the config
     sweep (benchmarks/block_closed_configs.py) times, on rows whose stride is not a multiple of 16 elements
     (q, k, v sliced from a wider tensor)."""
-    for table, shape in ((kernels._CLOSED_FWD_SHAPES, (64, 8)), (kernels._CLOSED_BWD_SHAPES, (64, 8))):
-        monkeypatch.setitem(table, shape, (kernels._S, kernels._SR, kernels._L, kernels._LR))
-    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs",
-                        [triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)])
-    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs",
-                        [triton.Config({"BLOCK": 64, "HEADS": heads, "R_SPLIT": 1}, num_warps=warps,
-                                       num_stages=stages)])
+    fwd = triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)
+    bwd = triton.Config({"BLOCK": 64, "HEADS": heads, "R_SPLIT": 1}, num_warps=warps, num_stages=stages)
+    # listed for every variant while pinned, else a config the table gives other variants only would route
+    # this one to the general kernels
+    for table, cfg in ((kernels._CLOSED_FWD_SHAPES, fwd), (kernels._CLOSED_BWD_SHAPES, bwd)):
+        every = (kernels._S, kernels._SR, kernels._L, kernels._LR)
+        monkeypatch.setitem(table, kernels._closed_shape(cfg), every)
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs", [fwd])
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs", [bwd])
     assert kernels.closed_tile_serves(64, D, rotary)
     q, k, v, lengths, cos, sin = make_case(5, 3, 520, D + 8, torch.bfloat16, "per_sample", seed=D)
     q, k, v = (x[..., :D] for x in (q, k, v))

@@ -19,7 +19,7 @@ def sweep():
 
 def test_every_candidate_config_matches_the_reference(sweep):
     args = type("Args", (), {"smoke": True, "head_dim": 32, "rotary": ["half"], "budget_s": 1e9, "out": None,
-                         "which": ["fwd", "bwd"]})
+                         "which": ["fwd", "bwd"], "only_with": None})
     payload = sweep.run(args)
     pinned = [r for r in payload["rows"] if r["pinned"] in ("fwd", "bwd")]
     # every EXTRA config of both kernels ran (the interpreter's lists hold no 64-row config of their own)
