@@ -5,7 +5,8 @@
     TRITON_INTERPRET=1 python benchmarks/block_closed_configs.py --smoke   # CPU: tiny shape, no timing
 
 The shape is the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half RoPE tables
-(L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the launchers are timed first with
+(L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the launchers are timed first
+with
 both closed kernels autotuned over their lists ("listed"), then with one kernel pinned to each candidate
 config while the other keeps its autotuned choice: the candidates are every (BLOCK 64) config in that kernel's
 list for the variant plus EXTRA (other HEADS and stages, register caps (``maxnreg``), and with rotary the
