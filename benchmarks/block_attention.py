@@ -2,6 +2,7 @@
 
     python benchmarks/block_attention.py [--quick] [--only grid|linear|claims] [--budget-s 360] [--out DIR]
                                          [--flex-blocks 64[,128]] [--cuda-graph] [--head-dims 128]
+                                         [--shapes 3,5,8]
     python benchmarks/block_attention.py --smoke          # CPU: tiny shapes, correctness only, no timing
 
 The workload (issue 5, the TLX BlockAttention regime): jagged sequences in padded (B, H, L, D) tensors,
@@ -492,6 +493,8 @@ def main(argv=None):
                              "the small shapes are host-bound as eager calls")
     parser.add_argument("--head-dims", default=None,
                         help="only the shapes of these head dims, comma-separated (e.g. 128)")
+    parser.add_argument("--shapes", default=None,
+                        help="only these shapes of the sweep, by index (e.g. 3,5,8 of the grid)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="do not start a shape or method after this many seconds (default 360)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: $OUT, else results/)")
@@ -515,6 +518,11 @@ def main(argv=None):
         shapes, names = CLAIMS, CLAIMS_METHODS
     else:
         shapes, names = GRID, METHODS
+    if args.shapes:
+        picked = [int(i) for i in args.shapes.split(",")]
+        if not all(0 <= i < len(shapes) for i in picked):
+            sys.exit(f"--shapes {args.shapes}: this sweep has shapes 0..{len(shapes) - 1}")
+        shapes = [shapes[i] for i in picked]
     if args.head_dims:
         head_dims = {int(d) for d in args.head_dims.split(",")}
         shapes = [shape for shape in shapes if shape["D"] in head_dims]
@@ -532,6 +540,7 @@ def main(argv=None):
         "heads": H,
         "causal": False, "rotary": "half (tables shared by the batch, in the input dtype)", "methods": names,
         "sweep": "smoke" if args.smoke else "quick" if args.quick else args.only,
+        "shape_indices": args.shapes,
         "flops_convention": "fwd = 4*H*D*valid pairs (i, j < length, same 64-block); fwd+bwd = 3.5x fwd",
         "speedup_convention": "peer ms / our ms (see the docstring for which of ours)",
         "budget_s": args.budget_s,
