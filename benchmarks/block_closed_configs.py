@@ -55,11 +55,16 @@ SHAPE_TABLES = {"fwd": "_CLOSED_FWD_SHAPES", "bwd": "_CLOSED_BWD_SHAPES"}
 
 
 def listed(which: str, head_dim: int, rotary: str) -> list[tuple]:
-    """The kernel's listed configs for this variant with BLOCK 64, as (BLOCK, warps, HEADS, stages, None)."""
+    """The kernel's listed configs for this variant with BLOCK 64, as (BLOCK, warps, HEADS, stages, None[,
+    other constexprs]), EXTRA's form."""
     variant = kernels._variant(head_dim, kernels.ROTARY_CODES[rotary])
     shapes = {s: () for s, kinds in getattr(kernels, SHAPE_TABLES[which]).items() if variant in kinds}
-    return [(c.kwargs["BLOCK"], c.num_warps, c.kwargs["HEADS"], c.num_stages, None)
-            for c in kernels._closed_configs(shapes) if c.kwargs["BLOCK"] == BLOCK]
+    out = []
+    for c in kernels._closed_configs(shapes):
+        other = tuple((k, v) for k, v in c.kwargs.items() if k not in ("BLOCK", "HEADS"))  # R_SPLIT
+        if c.kwargs["BLOCK"] == BLOCK:
+            out.append((BLOCK, c.num_warps, c.kwargs["HEADS"], c.num_stages, None) + ((other,) if other else ()))
+    return out
 
 
 def config(t: tuple) -> triton.Config:

@@ -114,7 +114,7 @@ _CLOSED_FWD_SHAPES = {(32, 2): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_L, _LR)
                       (64, 8, 4): (_L, _LR), (64, 8, 4, 3): (_S, _SR, _L, _LR)}
 _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR, _L, _LR),
                       (128, 8): (_S, _SR), (64, 8, 4): (_L, _SR), (64, 8, 4, 3): (_S, _L),
-                      (64, 8, 2): (_SR, _LR)}
+                      (64, 8, 2): (_SR, _LR), (64, 4, "split"): (_LR,), (64, 8, 2, "split"): (_LR,)}
 # (BLOCK, warps, HEADS[, stages]): heads of a tile per program, two stages (the next head's loads in flight)
 # unless a fourth entry says otherwise. In a sweep of pinned configs on the H200 (B1152 L1024 H4 D 128),
 # three stages made the backward without rotary and the forward with it faster, and two heads a program
@@ -122,6 +122,11 @@ _CLOSED_BWD_SHAPES = {(32, 4): (_S,), (64, 4): (_S, _SR, _L), (64, 8): (_S, _SR,
 # 3.6; ptxas for sm_90a under Triton 3.9 (benchmarks/kernel_registers.py on the CPU) gives it more shared
 # memory than a CTA has and a small spill: there it fails to launch and the autotuner skips it. The small
 # variants are offered the same shapes unswept: their autotuner decides (the D 64 claims did not move).
+# A trailing "split" sets R_SPLIT: the backward's R^T by reshapes and a split instead of tl.gather (no warp
+# shuffles). At D 128 with rotary it made the backward a little faster on the H200 at 4 warps and at the
+# two-head config (block_closed_configs-d128-20261204-202617.json), with bitwise the same gradients. The
+# 4-warp one spills (556 bytes, ptxas under Triton 3.9 on the CPU) yet timed fastest under 3.6: it is listed
+# for the autotuner to time, against this file's rule for spills.
 _FWD_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L, _LR), (128, 128, 8, 3): (_S,),
                (64, 32, 4, 3): (_S, _SR, _L, _LR)}
 _DKDV_SHAPES = {(32, 64, 4, 3): (_S, _SR, _L), (64, 64, 4, 3): (_S,), (64, 128, 8, 3): (_S,),
@@ -131,13 +136,18 @@ _DQ_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L), (64
 
 
 def _closed_configs(shapes):
-    """(BLOCK, warps[, HEADS]) -> a config; HEADS > 1 (heads of a tile per program, a loop the compiler
-    pipelines) with two stages. The interpreter runs two heads per program, so the CPU tests cover the loop
+    """(BLOCK, warps[, HEADS[, stages]][, "split"]) -> a config; HEADS > 1 (heads of a tile per program, a
+    loop the compiler pipelines) with two stages unless given; "split" sets R_SPLIT. The interpreter runs two heads per program, so the CPU tests cover the loop
     (and, with an odd H, a head past H)."""
     if INTERPRET:
         return [triton.Config({"BLOCK": 32, "HEADS": 2}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK": shape[0], "HEADS": (shape[2:] or (1,))[0]}, num_warps=shape[1],
-                          num_stages=1 if len(shape) == 2 else (shape[3:] or (2,))[0]) for shape in shapes]
+    configs = []
+    for key in shapes:
+        shape, split = (key[:-1], {"R_SPLIT": 1}) if key[-1] == "split" else (key, {})
+        configs.append(triton.Config({"BLOCK": shape[0], "HEADS": (shape[2:] or (1,))[0], **split},
+                                     num_warps=shape[1],
+                                     num_stages=1 if len(shape) == 2 else (shape[3:] or (2,))[0]))
+    return configs
 
 
 def _general_configs(shapes, interpret_shape):
@@ -167,10 +177,11 @@ def _head_class(args) -> str:
 
 def _closed_shape(config) -> tuple:
     """A closed config's key in the shape tables: (BLOCK, warps), with HEADS when it is above 1 and the
-    stages when they are not 2."""
+    stages when they are not 2, and "split" last when R_SPLIT is set."""
     heads = config.kwargs.get("HEADS", 1)
     stages = (config.num_stages,) if heads > 1 and config.num_stages != 2 else ()
-    return (config.kwargs["BLOCK"], config.num_warps) + ((heads,) + stages if heads > 1 else ())
+    split = ("split",) if config.kwargs.get("R_SPLIT") else ()
+    return (config.kwargs["BLOCK"], config.num_warps) + ((heads,) + stages if heads > 1 else ()) + split
 
 
 def _closed_prune(shapes):
