@@ -63,7 +63,8 @@ def listed(which: str, head_dim: int, rotary: str) -> list[tuple]:
     for c in kernels._closed_configs(shapes):
         other = tuple((k, v) for k, v in c.kwargs.items() if k not in ("BLOCK", "HEADS"))  # R_SPLIT
         if c.kwargs["BLOCK"] == BLOCK:
-            out.append((BLOCK, c.num_warps, c.kwargs["HEADS"], c.num_stages, None) + ((other,) if other else ()))
+            base = (BLOCK, c.num_warps, c.kwargs["HEADS"], c.num_stages, None)
+            out.append(base + ((other,) if other else ()))
     return out
 
 

@@ -753,13 +753,13 @@ def block_attention_grid_cudagraph() -> str:
             if _res(s, "ours_no_rotary", "fwdbwd_ms") is None:  # past a run's time budget: another run has it
                 continue
             flex = _speed(s, "vs_flex", "fwdbwd")  # the faster Flex set-up the run timed
+            checks = s.get("correctness") or {"none recorded": None}
             rows.append([s["label"], cite(path), _fwd_and_train_ms(s, "ours_fused_rotary"),
                          _fwd_and_train_ms(s, "ours_no_rotary"),
                          f(_res(s, "ours_no_rotary", "fwd_gbps_min_bytes"), ".0f"),
                          f"{f(_speed(s, 'vs_flex', 'fwd'))} / {f(flex)}",
                          "met" if flex is not None and flex >= 2.0 else "missed",
-                         "ok" if all((c or {}).get("ok") for c in (s.get("correctness") or {"-": None}).values())
-                         else "FAILED"])
+                         "ok" if all((c or {}).get("ok") for c in checks.values()) else "FAILED"])
     lines = ["CUDA-graph replays, triton.testing.do_bench median; every method of a shape in one run; ratios "
              "peer / ours, no RoPE either side. Sources: " + source_line(*sources), ""]
     lines += table(["shape", "file", "ours, RoPE fused, ms fwd / fwd+bwd", "ours, no RoPE, ms fwd / fwd+bwd",
@@ -767,6 +767,26 @@ def block_attention_grid_cudagraph() -> str:
                     "target `>= 2x` (fwd+bwd)", "every method vs float64"], rows)
     path, payload = load(BLOCK_GRID_CUDAGRAPH[-1][0])
     lines += ["", _block_peer_setup(payload)]
+    return "\n".join(lines)
+
+
+@block("block-closed-r-split")
+def block_closed_r_split() -> str:
+    path, payload = load("block_closed_configs-d128-20261204-202617.json")
+    shape = payload["shape"]
+    rows = []
+    for r in payload["rows"]:
+        listed = r["pinned"].startswith("none")
+        pinned = "listed configs, autotuned" if listed else f"{r['pinned']} {r['config']}"
+        error = r.get("error", "-").split(":")[0]  # the type alone: its text holds numbers
+        rows.append([r["rotary"], pinned, f(r.get("fwd_ms"), ".3f"), f(r.get("fwdbwd_ms"), ".3f"),
+                     f(r.get("bwd_ms"), ".3f"), error])
+    lines = [f"B{shape['B']} L{shape['L']} H{shape['H']} D{shape['D']} fill {shape['fill']}, "
+             f"{payload['timing']}; config (BLOCK, warps, HEADS, stages, maxnreg, constexprs). "
+             "`python benchmarks/block_closed_configs.py --head-dim 128 --rotary half --which bwd "
+             f"--only-with R_SPLIT`. Source: {source_line((path, payload))}", ""]
+    lines += table(["rotary", "pinned (the listed configs then: gather only)", "fwd ms", "fwd+bwd ms",
+                    "bwd ms (fwd+bwd minus fwd)", "error"], rows)
     return "\n".join(lines)
 
 

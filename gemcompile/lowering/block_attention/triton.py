@@ -137,8 +137,8 @@ _DQ_SHAPES = {(64, 64, 4, 3): (_S, _SR, _L), (128, 64, 8, 3): (_S, _SR, _L), (64
 
 def _closed_configs(shapes):
     """(BLOCK, warps[, HEADS[, stages]][, "split"]) -> a config; HEADS > 1 (heads of a tile per program, a
-    loop the compiler pipelines) with two stages unless given; "split" sets R_SPLIT. The interpreter runs two heads per program, so the CPU tests cover the loop
-    (and, with an odd H, a head past H)."""
+    loop the compiler pipelines) with two stages unless given; "split" sets R_SPLIT. The interpreter runs two
+    heads per program, so the CPU tests cover the loop (and, with an odd H, a head past H)."""
     if INTERPRET:
         return [triton.Config({"BLOCK": 32, "HEADS": 2}, num_warps=4, num_stages=1)]
     configs = []
