@@ -1,17 +1,18 @@
 """Block attention's closed kernels, one tile config at a time: which configs the lists should hold.
 
     python benchmarks/block_closed_configs.py [--head-dim 128] [--rotary none,half] [--which fwd,bwd]
-                                              [--only-with R_SPLIT] [--budget-s 240] [--out DIR]
+                                              [--only-with R_SPLIT] [--batch 1152 --length 1024 --fill 0.5]
+                                              [--budget-s 240] [--out DIR]
     TRITON_INTERPRET=1 python benchmarks/block_closed_configs.py --smoke   # CPU: tiny shape, no timing
 
-The shape is the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half RoPE tables
-(L, D) in bf16, as benchmarks/block_attention.py builds them). Per rotary mode, the launchers are timed first
-with
-both closed kernels autotuned over their lists ("listed"), then with one kernel pinned to each candidate
-config while the other keeps its autotuned choice: the candidates are every (BLOCK 64) config in that kernel's
-list for the variant plus EXTRA (other HEADS and stages, register caps (``maxnreg``), and with rotary the
-backward's R^T without a gather, ``R_SPLIT``). Times are CUDA-graph replays (triton.testing.do_bench median)
-of the forward launcher and of the forward and backward launchers; a pinned backward's time is read as
+The shape is by default the block attention claims' B1152 L1024 H4 (fill 0.5, 64-token blocks, rotate-half
+RoPE tables (L, D) in bf16, as benchmarks/block_attention.py builds them); --batch, --length and --fill pick
+another. Per rotary mode, the launchers are timed first with both closed kernels autotuned over their lists
+("listed"), then with one kernel pinned to each candidate config while the other keeps its autotuned choice:
+the candidates are every (BLOCK 64) config in that kernel's list for the variant plus EXTRA (other HEADS and
+stages, register caps (``maxnreg``), with rotary the backward's R^T without a gather (``R_SPLIT``), and the
+backward's TILES tiles a program). Times are CUDA-graph replays (triton.testing.do_bench median) of the
+forward launcher and of the forward and backward launchers; a pinned backward's time is read as
 forward+backward minus the forward of the same row. Each row also records the largest difference of out, dQ,
 dK, dV from the listed configs' (bf16; a config that computes something else shows here). The JSON is
 rewritten after every row, so a run stopped by a time limit keeps what it measured. ``--smoke``: the
@@ -48,7 +49,12 @@ EXTRA = {  # (BLOCK, warps, HEADS, stages, maxnreg[, other constexprs]) tried be
     "bwd": [(64, 8, 2, 1, None), (64, 8, 2, 2, None), (64, 8, 4, 2, None), (64, 8, 4, 3, None),
             (64, 8, 1, 1, 128), (64, 8, 1, 1, 168), (64, 8, 1, 1, None, _R_SPLIT),
             (64, 8, 2, 2, None, _R_SPLIT), (64, 8, 4, 3, None, _R_SPLIT), (64, 4, 1, 1, None, _R_SPLIT),
-            (64, 4, 2, 2, None, _R_SPLIT)],
+            (64, 4, 2, 2, None, _R_SPLIT),
+            # TILES tiles a program in one pipelined loop over (tile, head) pairs (ptxas for sm_90a: no spill
+            # without rotary at D 128; with rotary, three stages need more shared memory than a CTA has)
+            (64, 8, 4, 3, None, (("TILES", 2),)), (64, 8, 2, 3, None, (("TILES", 4),)),
+            (64, 8, 1, 3, None, (("TILES", 4),)), (64, 8, 1, 3, None, (("TILES", 8),)),
+            (64, 8, 1, 2, None, (("TILES", 4),))],
 }
 KERNELS = {"fwd": "_closed_fwd_kernel", "bwd": "_closed_bwd_kernel"}
 SHAPE_TABLES = {"fwd": "_CLOSED_FWD_SHAPES", "bwd": "_CLOSED_BWD_SHAPES"}
@@ -78,8 +84,9 @@ SMOKE_TOL = 2e-2
 """Largest relative error (norm of the difference over the reference's) of float16 kernels in --smoke."""
 
 
-def make_inputs(head_dim: int, device, b: int = B, length: int = L, heads: int = H, dtype=torch.bfloat16):
-    lengths = draw_lengths(b, length, FILL, seed=1003, device=device)
+def make_inputs(head_dim: int, device, b: int = B, length: int = L, heads: int = H, dtype=torch.bfloat16,
+                fill: float = FILL):
+    lengths = draw_lengths(b, length, fill, seed=1003, device=device)
     cos, sin = rope_tables(length, head_dim, device, dtype)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, go = (torch.randn(b, heads, length, head_dim, device=device, dtype=dtype, generator=g)
@@ -130,15 +137,16 @@ def measure(leaves, go, lengths, cos, sin, rotary: str, head_dim: int, timed: bo
 
 def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
-    shape = (2, 128, 2) if args.smoke else (B, L, H)
+    shape = (2, 128, 2) if args.smoke else (args.batch, args.length, H)
+    fill = FILL if args.smoke else args.fill
     path = results_path(f"block_closed_configs-d{args.head_dim}", args.out)
     payload = {"benchmark": "block_closed_configs", "environment": environment(),
-               "shape": {"B": shape[0], "L": shape[1], "H": shape[2], "D": args.head_dim, "fill": FILL,
+               "shape": {"B": shape[0], "L": shape[1], "H": shape[2], "D": args.head_dim, "fill": fill,
                          "block": BLOCK},
                "timing": "none (smoke)" if args.smoke else "CUDA graph replay, do_bench median",
                "config_key": "(BLOCK, warps, HEADS, stages, maxnreg)", "rows": []}
     dtype = torch.float16 if args.smoke else torch.bfloat16
-    leaves, go, lengths, cos, sin = make_inputs(args.head_dim, device, *shape, dtype=dtype)
+    leaves, go, lengths, cos, sin = make_inputs(args.head_dim, device, *shape, dtype=dtype, fill=fill)
     worst = 0.0
     saved = {w: getattr(kernels, KERNELS[w]).configs for w in KERNELS}
     # the closed kernels run only when both have a tile that holds the block; the interpreter's one config
@@ -158,7 +166,7 @@ def run(args) -> dict:
                 in_list = listed(which, args.head_dim, rotary)
                 candidates = list(dict.fromkeys(in_list + EXTRA[which]))
                 if rotary == "none":  # R_SPLIT changes nothing without rotary
-                    candidates = [t for t in candidates if len(t) == 5]
+                    candidates = [t for t in candidates if "R_SPLIT" not in repr(t)]
                 if args.only_with:
                     candidates = [t for t in candidates if args.only_with in repr(t)]
                 for t in candidates:
@@ -215,6 +223,9 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=B)
+    parser.add_argument("--length", type=int, default=L, help="padded length L")
+    parser.add_argument("--fill", type=float, default=FILL, help="mean length / L (as block_attention.py)")
     parser.add_argument("--rotary", default="none,half", type=lambda s: s.split(","))
     parser.add_argument("--budget-s", type=float, default=240.0, help="rows started after this are skipped")
     parser.add_argument("--which", default="fwd,bwd", type=lambda s: s.split(","),

@@ -212,6 +212,32 @@ def test_closed_backward_partner_swap_without_gather(monkeypatch, D, rotary, war
     check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
 
 
+# (warps, HEADS, stages, TILES) that fit a CTA's shared memory (ptxas for sm_90a): with rotary at D 128,
+# three stages do not
+_TILES_CONFIGS = [(D, rotary, c) for D in (64, 128) for rotary in ("none", "half")
+                  for c in ((8, 4, 3, 2), (8, 1, 3, 4), (8, 1, 1, 3))
+                  if not (D == 128 and rotary != "none" and c[2] == 3)]
+
+
+@pytest.mark.parametrize("D,rotary,config", _TILES_CONFIGS)
+def test_closed_backward_tiles_per_program(monkeypatch, D, rotary, config):
+    """TILES (the closed backward's one pipelined loop over tiles x heads, an autotune option not in the
+    default lists) on the GPU against the float64 reference, at configs the config sweep times; L not a
+    multiple of TILES tiles, so the last program holds tiles past L."""
+    warps, heads, stages, tiles = config
+    fwd = triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)
+    bwd = triton.Config({"BLOCK": 64, "HEADS": heads, "TILES": tiles}, num_warps=warps, num_stages=stages)
+    for table, cfg in ((kernels._CLOSED_FWD_SHAPES, fwd), (kernels._CLOSED_BWD_SHAPES, bwd)):
+        every = (kernels._S, kernels._SR, kernels._L, kernels._LR)
+        monkeypatch.setitem(table, kernels._closed_shape(cfg), every)
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs", [fwd])
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs", [bwd])
+    assert kernels.closed_tile_serves(64, D, rotary)
+    tables = "none" if rotary == "none" else "per_sample"
+    q, k, v, lengths, cos, sin = make_case(5, 3, 520, D, torch.bfloat16, tables, seed=D + tiles)
+    check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
+
+
 def test_backward_is_deterministic(single_config):
     q, k, v, lengths, cos, sin = make_case(5, 2, 900, 64, torch.bfloat16, seed=4)
     g = torch.randn_like(q)

@@ -192,6 +192,31 @@ def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, pac
     check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=q_lengths)
 
 
+@pytest.mark.parametrize("tiles,heads,H", [(2, 1, 2), (3, 2, 3)])
+def test_closed_backward_tiles_per_program(monkeypatch, tiles, heads, H):
+    """TILES (an autotune option of the closed backward): one pipelined loop over TILES tiles x HEADS heads
+    per program, without a branch. Tiles past a length (or past L, when L is not a multiple of TILES tiles)
+    read nothing and store exact zeros; skipped query rows, kv masks and rotary as with one tile."""
+    monkeypatch.setattr(kernels._closed_fwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 32, "HEADS": 1}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(kernels._closed_bwd_kernel, "configs",
+                        [triton.Config({"BLOCK": 32, "HEADS": heads, "TILES": tiles}, num_warps=4,
+                                       num_stages=1)])
+    q, k, v, lengths, cos, sin = make_inputs(3, H, 130, 32, torch.float32, "per_sample", seed=tiles,
+                                             lengths=torch.tensor([130, 0, 45]))
+    check(q, k, v, lengths, 32, -1, False, cos, sin, "half")
+    check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=torch.tensor([100, 0, 20]))
+    check(q, k, v, lengths, 32, -1, False, None, None, "none", kv_mask=make_kv_mask("holes", 3, 130, seed=2))
+    # keys past each length: exact zeros in dK and dV; tiles wholly past it (they read nothing): in dQ too
+    args = (lengths, 32, -1, False, cos, sin, "half", 0.3, None)
+    out, lse = kernels.block_attention_forward_triton(q, k, v, *args)
+    dq, dk, dv = kernels.block_attention_backward_triton(torch.randn_like(out), q, k, v, out, lse, *args)
+    row = torch.arange(130)[None, :]
+    padded, dead = row >= lengths[:, None], row >= (lengths[:, None] + 31) // 32 * 32
+    assert dead.any() and (dq.transpose(1, 2)[dead] == 0).all()
+    assert (dk.transpose(1, 2)[padded] == 0).all() and (dv.transpose(1, 2)[padded] == 0).all()
+
+
 def test_general_kernels_other_tile_shapes(monkeypatch):
     """Loop bounds of the general kernels with square 64 tiles and with tall/wide tiles."""
     for fwd, dkdv in (((64, 64), (64, 64)), ((16, 64), (64, 16))):

@@ -623,6 +623,48 @@ def _closed_fwd_kernel(
         tl.store(l_seq + h64 * stride_lh, lse, mask=store_ok)
 
 
+@triton.jit
+def _closed_bwd_head(q_seq, k_seq, v_seq, do_seq, l_rows, DQ, DK, DV, x_off, h64, cos_base, sin_base,
+                     rows, row_ok, col_ok, q_ok, store_ok, ok,
+                     stride_qh, stride_qm, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn,
+                     stride_vd, stride_cm, stride_cd, stride_gh, stride_gm, stride_gd, stride_lh, stride_xm,
+                     stride_xd, qk_scale, scale,
+                     HEAD_D: tl.constexpr, ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     R_SPLIT: tl.constexpr):
+    """dQ, dK, dV of head h64 of a closed tile (rows = keys), stored at rows store_ok. q is read at row_ok,
+    k and v at col_ok, dO and the log-sum-exp at q_ok; P is kept where ok. (Each address is formed where it
+    is used, as the loop body did before this helper: the same live ranges, the same registers.)"""
+    offs_d = tl.arange(0, HEAD_D)
+    c, s_signed = 0.0, 0.0
+    if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads them once (cache hits)
+        c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D, ROTARY)
+    q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                    stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+    do = load_rows(do_seq + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D, True)
+    lse = tl.load(l_rows + h64 * stride_lh, mask=q_ok, other=float("inf"))
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+    store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)  # early: frees registers
+    v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
+    delta = tl.sum(p * dp, 1)
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+    if ROTARY != 0:
+        # dQ and dK have the same rows (a closed tile's queries are its keys): R^T for both from one load of
+        # the tables
+        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
+        dq, dk = _unrotate_pair(dq, dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
+                                ROTARY, R_SPLIT)
+        store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
+    else:  # dQ is stored before dK is computed: fewer live registers
+        store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
+        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
+    store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
+
+
 @autotune(configs=_CLOSED_BWD_CONFIGS, key=_AUTOTUNE_KEY,
           prune_configs_by=_closed_prune(_CLOSED_BWD_SHAPES))
 @per_step_jit
@@ -641,79 +683,78 @@ def _closed_bwd_kernel(
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
     PACKED: tl.constexpr,
-    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1, R_SPLIT: tl.constexpr = 0,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1, R_SPLIT: tl.constexpr = 0, TILES: tl.constexpr = 1,
 ):
     # dQ, dK and dV are allocated contiguous (B, H, L, D): one set of strides (stride_x*). HEADS heads of
-    # one tile per program, as the forward.
-    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK))
+    # TILES consecutive tiles per program.
+    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK * TILES))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
-    m0 = tile * BLOCK
-    rows = m0 + tl.arange(0, BLOCK)
-    row_ok = rows < _row_end(L, q_hi, PACKED)
     x_seq = _seq_off(b64, row0, stride_xb, stride_xm, PACKED)
-    # no valid key, or no computed query row (whose keys are the tile's own: no dK, dV either)
-    if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
-        for i in tl.static_range(HEADS):
-            h = group * HEADS + i
-            store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
-            x_off = x_seq + tl.minimum(h, H - 1).to(tl.int64) * stride_xh
-            _store_zero_rows(DQ + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
-            _store_zero_rows(DK + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
-            _store_zero_rows(DV + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
-        return
-    col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
     q_seq = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED)
     k_seq = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED)
     v_seq = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED)
     do_seq = DO + _seq_off(b64, row0, stride_gb, stride_gm, PACKED)
-    l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED) + rows * stride_lm
+    l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED)
     cos_base, sin_base = Cos + b64 * stride_cb, Sin + b64 * stride_cb
-    offs_d = tl.arange(0, HEAD_D)
-    q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
-    ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
-    if HAS_KV_MASK:
-        ok = ok & col_ok[None, :]
-    if HAS_Q_LENGTHS:
-        ok = ok & q_ok[:, None]
-    for i in tl.range(0, HEADS):
-        h = group * HEADS + i
-        h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
-        store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
-        x_off = x_seq + h64 * stride_xh
-        c, s_signed = 0.0, 0.0
-        if ROTARY != 0:  # full-width rotations (_load_rotated); R^T reloads them once (cache hits)
-            c, s_signed = _signed_tables(cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
-                                         ROTARY)
-        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
-                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-        do = load_rows(do_seq + h64 * stride_gh, rows, offs_d, stride_gm, stride_gd, q_ok, HEAD_D, HEAD_D,
-                       True)
-        lse = tl.load(l_seq + h64 * stride_lh, mask=q_ok, other=float("inf"))
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(ok, tl.exp2(s - lse[:, None] * LOG2E), 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        store_rows(DV + x_off, rows, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)  # early: frees regs
-        v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
-                      True)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        # every key of these rows is in the tile: delta = rowsum(P * dP) = rowsum(O * dO), without reading O
-        delta = tl.sum(p * dp, 1)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-        if ROTARY != 0:
-            # dQ and dK have the same rows (a closed tile's queries are its keys): R^T for both from one
-            # load of the tables
-            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
-            dq, dk = _unrotate_pair(dq, dk, cos_base, sin_base, rows, row_ok, stride_cm, stride_cd, HEAD_D,
-                                    ROTARY, R_SPLIT)
-            store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
-        else:  # dQ is stored before dK is computed: fewer live registers
-            store_rows(DQ + x_off, rows, offs_d, stride_xm, stride_xd, dq, store_ok, HEAD_D)
-            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale
-        store_rows(DK + x_off, rows, offs_d, stride_xm, stride_xd, dk, store_ok, HEAD_D)
+    if TILES == 1:
+        m0 = tile * BLOCK
+        rows = m0 + tl.arange(0, BLOCK)
+        row_ok = rows < _row_end(L, q_hi, PACKED)
+        # no valid key, or no computed query row (whose keys are the tile's own: no dK, dV either)
+        if _no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) | (m0 >= q_hi):
+            for i in tl.static_range(HEADS):
+                h = group * HEADS + i
+                store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+                x_off = x_seq + tl.minimum(h, H - 1).to(tl.int64) * stride_xh
+                _store_zero_rows(DQ + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+                _store_zero_rows(DK + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+                _store_zero_rows(DV + x_off, rows, store_ok, stride_xm, stride_xd, BLOCK, HEAD_D)
+            return
+        col_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
+        q_ok = rows < q_hi  # rows not computed: dO read as 0, no P (their dQ is 0, no part in dK, dV)
+        ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+        if HAS_KV_MASK:
+            ok = ok & col_ok[None, :]
+        if HAS_Q_LENGTHS:
+            ok = ok & q_ok[:, None]
+        l_rows = l_seq + rows * stride_lm
+        for i in tl.range(0, HEADS):
+            h = group * HEADS + i
+            h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): not stored
+            store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
+            x_off = x_seq + h64 * stride_xh
+            _closed_bwd_head(q_seq, k_seq, v_seq, do_seq, l_rows, DQ, DK, DV, x_off, h64, cos_base, sin_base,
+                             rows, row_ok, col_ok, q_ok, store_ok, ok, stride_qh, stride_qm, stride_qd,
+                             stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, stride_cm,
+                             stride_cd, stride_gh, stride_gm, stride_gd, stride_lh, stride_xm, stride_xd,
+                             qk_scale, scale, HEAD_D, ROTARY, DOT_PRECISION, R_SPLIT)
+    else:
+        # one loop over (tile, head) pairs, so the compiler pipelines the next pair's loads across tiles
+        # too. No branch in it: a tile with no key or no computed row reads nothing (every load masked
+        # off) and stores the zeros its P of zeros gives.
+        for it in tl.range(0, TILES * HEADS):
+            m0 = (tile * TILES + it // HEADS) * BLOCK
+            h = group * HEADS + it % HEADS
+            h64 = tl.minimum(h, H - 1).to(tl.int64)
+            rows = m0 + tl.arange(0, BLOCK)
+            row_ok = rows < _row_end(L, q_hi, PACKED)
+            live = (m0 < q_hi) & (_no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) == 0)
+            store_ok = tl.where(h < H, row_ok, False)
+            read_ok = tl.where(live, row_ok, False)
+            key_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
+            col_ok = tl.where(live, key_ok, False)
+            q_ok = tl.where(live, rows < q_hi, False)
+            ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+            ok = ok & col_ok[None, :] & q_ok[:, None]
+            x_off = x_seq + h64 * stride_xh
+            _closed_bwd_head(q_seq, k_seq, v_seq, do_seq, l_seq + rows * stride_lm, DQ, DK, DV, x_off, h64,
+                             cos_base, sin_base, rows, read_ok, col_ok, q_ok, store_ok, ok, stride_qh,
+                             stride_qm, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn,
+                             stride_vd, stride_cm, stride_cd, stride_gh, stride_gm, stride_gd, stride_lh,
+                             stride_xm, stride_xd, qk_scale, scale, HEAD_D, ROTARY, DOT_PRECISION, R_SPLIT)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -985,8 +1026,8 @@ def _closed_tiles(kernel, shapes, variant: str) -> list[int]:
 
 
 def _closed_programs(meta: dict, B: int, H: int, L: int) -> int:
-    """A closed kernel's grid: one program per (tile, batch, group of HEADS heads)."""
-    return triton.cdiv(L, meta["BLOCK"]) * B * triton.cdiv(H, meta.get("HEADS", 1))
+    """A closed kernel's grid: one program per (TILES tiles, batch, group of HEADS heads)."""
+    return triton.cdiv(L, meta["BLOCK"] * meta.get("TILES", 1)) * B * triton.cdiv(H, meta.get("HEADS", 1))
 
 
 def closed_tile_serves(block: int, head_dim: int, rotary: str = "none") -> bool:
