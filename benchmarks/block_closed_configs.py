@@ -11,7 +11,7 @@ another. Per rotary mode, the launchers are timed first with both closed kernels
 ("listed"), then with one kernel pinned to each candidate config while the other keeps its autotuned choice:
 the candidates are every (BLOCK 64) config in that kernel's list for the variant plus EXTRA (other HEADS and
 stages, register caps (``maxnreg``), with rotary the backward's R^T without a gather (``R_SPLIT``), and the
-backward's TILES tiles a program). Times are CUDA-graph replays (triton.testing.do_bench median) of the
+TILES tiles a program). Times are CUDA-graph replays (triton.testing.do_bench median) of the
 forward launcher and of the forward and backward launchers; a pinned backward's time is read as
 forward+backward minus the forward of the same row. Each row also records the largest difference of out, dQ,
 dK, dV from the listed configs' (bf16; a config that computes something else shows here). The JSON is
@@ -45,13 +45,17 @@ B, L, H, FILL, BLOCK = 1152, 1024, 4, 0.5, 64
 _R_SPLIT = (("R_SPLIT", 1),)  # the backward's R^T without tl.gather (_swap_partners): rotary only
 EXTRA = {  # (BLOCK, warps, HEADS, stages, maxnreg[, other constexprs]) tried beyond the lists
     "fwd": [(64, 4, 2, 1, None), (64, 4, 4, 2, None), (64, 8, 2, 2, None), (64, 8, 4, 1, None),
-            (64, 8, 1, 1, 128)],
+            (64, 8, 1, 1, 128),
+            (64, 4, 1, 2, None, (("TILES", 4),)), (64, 4, 1, 3, None, (("TILES", 4),)),
+            (64, 8, 1, 3, None, (("TILES", 4),)), (64, 8, 4, 3, None, (("TILES", 2),)),
+            (64, 4, 2, 2, None, (("TILES", 4),))],
     "bwd": [(64, 8, 2, 1, None), (64, 8, 2, 2, None), (64, 8, 4, 2, None), (64, 8, 4, 3, None),
             (64, 8, 1, 1, 128), (64, 8, 1, 1, 168), (64, 8, 1, 1, None, _R_SPLIT),
             (64, 8, 2, 2, None, _R_SPLIT), (64, 8, 4, 3, None, _R_SPLIT), (64, 4, 1, 1, None, _R_SPLIT),
             (64, 4, 2, 2, None, _R_SPLIT),
-            # TILES tiles a program in one pipelined loop over (tile, head) pairs (ptxas for sm_90a: no spill
-            # without rotary at D 128; with rotary, three stages need more shared memory than a CTA has)
+            # TILES tiles a program in one pipelined loop over (tile, head) pairs, in both kernels (ptxas for
+            # sm_90a: no spill without rotary at D 128; with rotary, three stages need more shared memory
+            # than a CTA has)
             (64, 8, 4, 3, None, (("TILES", 2),)), (64, 8, 2, 3, None, (("TILES", 4),)),
             (64, 8, 1, 3, None, (("TILES", 4),)), (64, 8, 1, 3, None, (("TILES", 8),)),
             (64, 8, 1, 2, None, (("TILES", 4),))],

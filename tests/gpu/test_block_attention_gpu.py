@@ -188,11 +188,11 @@ def test_every_autotune_config(monkeypatch, D, rotary):
         check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)
 
 
-def _pin_closed_backward(monkeypatch, bwd, D, rotary):
-    """The closed backward pinned to one config (an option outside the default lists), the forward to
-    (64, 8 warps). Each is listed for every variant while pinned, else a config the table gives other
-    variants only would route this one to the general kernels."""
-    fwd = triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)
+def _pin_closed(monkeypatch, bwd, D, rotary, fwd=None):
+    """The closed backward pinned to one config (an option outside the default lists), the forward to fwd
+    (default (64, 8 warps)). Each is listed for every variant while pinned, else a config the table gives
+    other variants only would route this one to the general kernels."""
+    fwd = fwd or triton.Config({"BLOCK": 64, "HEADS": 1}, num_warps=8, num_stages=1)
     for table, cfg in ((kernels._CLOSED_FWD_SHAPES, fwd), (kernels._CLOSED_BWD_SHAPES, bwd)):
         every = (kernels._S, kernels._SR, kernels._L, kernels._LR)
         monkeypatch.setitem(table, kernels._closed_shape(cfg), every)
@@ -209,8 +209,8 @@ def test_closed_backward_partner_swap_without_gather(monkeypatch, D, rotary, war
     lists): Triton's layouts for it, on the GPU, against the float64 reference, at the configs the config
     sweep (benchmarks/block_closed_configs.py) times, on rows whose stride is not a multiple of 16 elements
     (q, k, v sliced from a wider tensor)."""
-    _pin_closed_backward(monkeypatch, triton.Config({"BLOCK": 64, "HEADS": heads, "R_SPLIT": 1},
-                                                    num_warps=warps, num_stages=stages), D, rotary)
+    _pin_closed(monkeypatch, triton.Config({"BLOCK": 64, "HEADS": heads, "R_SPLIT": 1}, num_warps=warps,
+                                           num_stages=stages), D, rotary)
     q, k, v, lengths, cos, sin = make_case(5, 3, 520, D + 8, torch.bfloat16, "per_sample", seed=D)
     q, k, v = (x[..., :D] for x in (q, k, v))
     cos, sin = (t[..., :D] for t in (cos, sin))
@@ -225,13 +225,14 @@ _TILES_CONFIGS = [(D, rotary, c) for D in (64, 128) for rotary in ("none", "half
 
 
 @pytest.mark.parametrize("D,rotary,config", _TILES_CONFIGS)
-def test_closed_backward_tiles_per_program(monkeypatch, D, rotary, config):
-    """TILES (the closed backward's one pipelined loop over tiles x heads, an autotune option not in the
+def test_closed_kernels_tiles_per_program(monkeypatch, D, rotary, config):
+    """TILES (the closed kernels' one pipelined loop over tiles x heads, an autotune option not in the
     default lists) on the GPU against the float64 reference, at configs the config sweep times; L not a
     multiple of TILES tiles, so the last program holds tiles past L."""
     warps, heads, stages, tiles = config
-    _pin_closed_backward(monkeypatch, triton.Config({"BLOCK": 64, "HEADS": heads, "TILES": tiles},
-                                                    num_warps=warps, num_stages=stages), D, rotary)
+    fwd = triton.Config({"BLOCK": 64, "HEADS": 1, "TILES": tiles}, num_warps=4, num_stages=2)
+    _pin_closed(monkeypatch, triton.Config({"BLOCK": 64, "HEADS": heads, "TILES": tiles}, num_warps=warps,
+                                           num_stages=stages), D, rotary, fwd)
     tables = "none" if rotary == "none" else "per_sample"
     q, k, v, lengths, cos, sin = make_case(5, 3, 520, D, torch.bfloat16, tables, seed=D + tiles)
     check_case(q, k, v, lengths, 64, -1, False, cos, sin, rotary)

@@ -192,13 +192,15 @@ def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, pac
     check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=q_lengths)
 
 
-@pytest.mark.parametrize("tiles,heads,H", [(2, 1, 2), (3, 2, 3)])
-def test_closed_backward_tiles_per_program(monkeypatch, tiles, heads, H):
-    """TILES (an autotune option of the closed backward): one pipelined loop over TILES tiles x HEADS heads
+@pytest.mark.parametrize("fwd_tiles,tiles,heads,H", [(1, 2, 1, 2), (3, 3, 2, 3), (2, 1, 1, 3)])
+def test_closed_kernels_tiles_per_program(monkeypatch, fwd_tiles, tiles, heads, H):
+    """TILES (an autotune option of both closed kernels): one pipelined loop over TILES tiles x HEADS heads
     per program, without a branch. Tiles past a length (or past L, when L is not a multiple of TILES tiles)
-    read nothing and store exact zeros; skipped query rows, kv masks and rotary as with one tile."""
+    read nothing and store exact zeros (out 0, lse +inf); skipped query rows, kv masks and rotary as with
+    one tile."""
     monkeypatch.setattr(kernels._closed_fwd_kernel, "configs",
-                        [triton.Config({"BLOCK": 32, "HEADS": 1}, num_warps=4, num_stages=1)])
+                        [triton.Config({"BLOCK": 32, "HEADS": heads, "TILES": fwd_tiles}, num_warps=4,
+                                       num_stages=1)])
     monkeypatch.setattr(kernels._closed_bwd_kernel, "configs",
                         [triton.Config({"BLOCK": 32, "HEADS": heads, "TILES": tiles}, num_warps=4,
                                        num_stages=1)])
@@ -215,6 +217,7 @@ def test_closed_backward_tiles_per_program(monkeypatch, tiles, heads, H):
     padded, dead = row >= lengths[:, None], row >= (lengths[:, None] + 31) // 32 * 32
     assert dead.any() and (dq.transpose(1, 2)[dead] == 0).all()
     assert (dk.transpose(1, 2)[padded] == 0).all() and (dv.transpose(1, 2)[padded] == 0).all()
+    assert (out.transpose(1, 2)[dead] == 0).all() and torch.isposinf(lse.transpose(1, 2)[dead]).all()
 
 
 def test_general_kernels_other_tile_shapes(monkeypatch):

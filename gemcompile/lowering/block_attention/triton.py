@@ -550,6 +550,70 @@ def _finish_softmax(acc, l_i, m_i):
 # Closed kernels: block | BLOCK, one tile of BLOCK rows holds whole blocks and all their keys
 
 
+@triton.jit
+def _closed_fwd_head(q_seq, k_seq, v_seq, o_seq, l_rows, h, H, rows, row_ok, col_ok, out_ok, ok, c, s_signed,
+                     stride_qh, stride_qm, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn,
+                     stride_vd, stride_oh, stride_om, stride_od, stride_lh, qk_scale, HEAD_D: tl.constexpr,
+                     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out and the log-sum-exp of head h of a closed tile (rows = keys); q read at row_ok, k and v at col_ok,
+    scores kept where ok; stored at rows out_ok when h < H. (Addresses formed where they are used, as in the
+    loop body this came from: the same live ranges.)"""
+    offs_d = tl.arange(0, HEAD_D)
+    h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
+    q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
+                    stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
+    v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(ok, s, float("-inf"))
+    m = tl.max(s, 1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m_use[:, None])
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
+    store_ok = tl.where(h < H, out_ok, False)  # (not &: the interpreter mistypes it)
+    store_rows(o_seq + h64 * stride_oh, rows, offs_d, stride_om, stride_od, out, store_ok, HEAD_D)
+    tl.store(l_rows + h64 * stride_lh, lse, mask=store_ok)
+
+
+@triton.jit
+def _closed_fwd_tiles(Q, K, V, Cos, Sin, Out, Lse, KvMask, tile, b64, row0, group, kv_lo, kv_hi, q_hi,
+                      stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                      stride_vb, stride_vh, stride_vn, stride_vd, stride_cb, stride_cm, stride_cd,
+                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                      stride_mb, stride_mn, H, L, window, qk_scale,
+                      HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      CAUSAL: tl.constexpr, ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      HAS_KV_MASK: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
+                      HEADS: tl.constexpr, TILES: tl.constexpr):
+    """The closed forward's TILES tiles x HEADS heads of one program in one loop, so the compiler pipelines
+    the next pair's loads across tiles too. No branch in it: a tile with no key or no computed row reads
+    nothing (every load masked off) and stores what no key gives, out 0 and lse +inf."""
+    q_seq = Q + _seq_off(b64, row0, stride_qb, stride_qm, PACKED)
+    k_seq = K + _seq_off(b64, row0, stride_kb, stride_kn, PACKED)
+    v_seq = V + _seq_off(b64, row0, stride_vb, stride_vn, PACKED)
+    o_seq = Out + _seq_off(b64, row0, stride_ob, stride_om, PACKED)
+    l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED)
+    for it in tl.range(0, TILES * HEADS):
+        m0 = (tile * TILES + it // HEADS) * BLOCK
+        rows = m0 + tl.arange(0, BLOCK)
+        row_ok = rows < _row_end(L, q_hi, PACKED)
+        live = (m0 < q_hi) & (_no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) == 0)
+        read_ok = tl.where(live, row_ok, False)
+        key_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
+        col_ok = tl.where(live, key_ok, False)
+        ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+        ok = ok & col_ok[None, :] & (rows < q_hi)[:, None]
+        c, s_signed = 0.0, 0.0
+        if ROTARY != 0:
+            c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, read_ok,
+                                         stride_cm, stride_cd, HEAD_D, ROTARY)
+        h = group * HEADS + it % HEADS
+        _closed_fwd_head(q_seq, k_seq, v_seq, o_seq, l_seq + rows * stride_lm, h, H, rows, read_ok, col_ok,
+                         row_ok, ok, c, s_signed, stride_qh, stride_qm, stride_qd, stride_kh, stride_kn,
+                         stride_kd, stride_vh, stride_vn, stride_vd, stride_oh, stride_om, stride_od,
+                         stride_lh, qk_scale, HEAD_D, ROTARY, DOT_PRECISION)
+
+
 @autotune(configs=_CLOSED_FWD_CONFIGS, key=_AUTOTUNE_KEY,
           prune_configs_by=_closed_prune(_CLOSED_FWD_SHAPES))
 @per_step_jit
@@ -567,15 +631,24 @@ def _closed_fwd_kernel(
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
     PACKED: tl.constexpr,
-    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr = 1, TILES: tl.constexpr = 1,
 ):
     # HEADS heads of one tile per program: the rows' bounds, masks and rotary tables are loaded once, and
-    # the loop over heads lets the next head's loads overlap this head's dots (num_stages > 1)
-    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK))
+    # the loop over heads lets the next head's loads overlap this head's dots (num_stages > 1). TILES > 1:
+    # TILES consecutive tiles too, in one loop (_closed_fwd_tiles)
+    tile, b, group = _coordinates(tl.cdiv(H, HEADS), tl.cdiv(L, BLOCK * TILES))
     kv_lo, kv_hi = _kv_bounds(Lengths, KvRange, b, L, HAS_KV_MASK)
     q_hi = _q_rows(QLengths, b, L, HAS_Q_LENGTHS)
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
+    if TILES > 1:
+        _closed_fwd_tiles(Q, K, V, Cos, Sin, Out, Lse, KvMask, tile, b64, row0, group, kv_lo, kv_hi, q_hi,
+                          stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
+                          stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_cb, stride_cm,
+                          stride_cd, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+                          stride_lm, stride_mb, stride_mn, H, L, window, qk_scale, HEAD_D, ATTN_BLOCK,
+                          HAS_WINDOW, CAUSAL, ROTARY, DOT_PRECISION, HAS_KV_MASK, PACKED, BLOCK, HEADS, TILES)
+        return
     m0 = tile * BLOCK
     rows = m0 + tl.arange(0, BLOCK)
     row_ok = rows < _row_end(L, q_hi, PACKED)
@@ -599,28 +672,15 @@ def _closed_fwd_kernel(
         ok = ok & col_ok[None, :]
     if HAS_Q_LENGTHS:  # rows not computed see no key: out 0, lse +inf
         ok = ok & (rows < q_hi)[:, None]
-    offs_d = tl.arange(0, HEAD_D)
     c, s_signed = 0.0, 0.0
     if ROTARY != 0:  # q and k of the same rows: one load of the table rows for all heads
         c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, row_ok, stride_cm,
                                      stride_cd, HEAD_D, ROTARY)
     for i in tl.range(0, HEADS):
-        h = group * HEADS + i
-        h64 = tl.minimum(h, H - 1).to(tl.int64)  # a head past H (H not a multiple of HEADS): read, not stored
-        q, k = _load_qk(q_seq + h64 * stride_qh, k_seq + h64 * stride_kh, rows, row_ok, col_ok, stride_qm,
-                        stride_qd, stride_kn, stride_kd, c, s_signed, HEAD_D, ROTARY)
-        v = load_rows(v_seq + h64 * stride_vh, rows, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D,
-                      True)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(ok, s, float("-inf"))
-        m = tl.max(s, 1)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m_use[:, None])
-        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        out, lse = _finish_softmax(acc, tl.sum(p, 1), m_use)
-        store_ok = tl.where(h < H, row_ok, False)  # (not &: the interpreter mistypes it)
-        store_rows(o_seq + h64 * stride_oh, rows, offs_d, stride_om, stride_od, out, store_ok, HEAD_D)
-        tl.store(l_seq + h64 * stride_lh, lse, mask=store_ok)
+        _closed_fwd_head(q_seq, k_seq, v_seq, o_seq, l_seq, group * HEADS + i, H, rows, row_ok, col_ok,
+                         row_ok, ok, c, s_signed, stride_qh, stride_qm, stride_qd, stride_kh, stride_kn,
+                         stride_kd, stride_vh, stride_vn, stride_vd, stride_oh, stride_om, stride_od,
+                         stride_lh, qk_scale, HEAD_D, ROTARY, DOT_PRECISION)
 
 
 @triton.jit
