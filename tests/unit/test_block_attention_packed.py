@@ -116,6 +116,31 @@ def test_packed_kernels_match_padded(case):
     compare((out, lse, *grads), want, dtype)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter test: runs on a machine without CUDA")
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=[IDS[1], IDS[2]])
+def test_packed_kernels_tiles_per_program(monkeypatch, case):
+    """The closed kernels' TILES option on packed rows against the padded reference (a sequence's tiles
+    past its length hold the next sequence's rows: the row masks keep them out)."""
+    triton = pytest.importorskip("triton")
+    from gemcompile.lowering.block_attention import triton as kernels
+
+    for kernel in (kernels._closed_fwd_kernel, kernels._closed_bwd_kernel):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK": 32, "HEADS": 2, "TILES": 3},
+                                                              num_warps=4, num_stages=1)])
+    block, window, causal, rotary, dtype, L, *head = case
+    B, H, D = 5, 3, (head or [32])[0]
+    q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=L + block)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
+    packed = {"token_offsets": offsets.int(), "max_len": L}
+    assert kernels.closed_tile_serves(block, D, rotary)
+    out, lse = kernels.block_attention_forward_triton(q, k, v, *args, **packed)
+    grads = kernels.block_attention_backward_triton(grad_out, q, k, v, out, lse, *args, **packed)
+    want = padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out)
+    compare((out, lse, *grads), want, dtype)
+
+
 @pytest.mark.parametrize("block,window,causal,rotary,dtype", [
     (16, -1, True, "half", torch.float64),
     (32, -1, False, "none", torch.float32),
