@@ -435,16 +435,19 @@ def kernel_registers() -> str:
 @block("block-kernel-registers")
 def block_kernel_registers() -> str:
     """Block attention's closed kernels at D 128 before (5b6bcd0's kernels: rotary on halves) and after (full
-    width, four-heads configs, then 3ebb57d's three-stage configs), compiled for sm_90a on the CPU."""
+    width, four-heads configs, then 3ebb57d's three-stage configs, then the R_SPLIT configs listed and the
+    per-head helpers), compiled for sm_90a on the CPU."""
     lines, rows = [], []
     for name in ("kernel_registers-block-closed-d128-20261204-150019.json",
                  "kernel_registers-block-closed-d128-20261204-150013.json",
                  "kernel_registers-block-closed-d128-20261204-165838.json",
-                 "kernel_registers-block-closed-d128-20261204-184403.json"):
+                 "kernel_registers-block-closed-d128-20261204-184403.json",
+                 "kernel_registers-block-closed-d128-20261204-211956.json"):
         path, payload = load(name)
         lines.append(f"Source: {source_line((path, payload))} Code {code_of(payload['environment'])}.")
         code = code_of(payload["environment"])
-        rows += [[code, r["kernel"], r["rotary"], str(r["BLOCK"]), str(r.get("HEADS", 1)), str(r["num_warps"]),
+        rows += [[code, r["kernel"], r["rotary"], str(r["BLOCK"]),
+                  str(r.get("HEADS", 1)) + (", R^T split" if r.get("R_SPLIT") else ""), str(r["num_warps"]),
                   str(r["num_stages"]), str(r.get("registers", "-")), str(r.get("spill_store_bytes", "-")),
                   str(r.get("shared_bytes", "-")), str(r.get("barriers", "-")), str(r.get("cp_async", "-")),
                   str(r.get("ld_global", "-")), str(r.get("shfl", "-")),
