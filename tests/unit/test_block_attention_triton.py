@@ -192,6 +192,17 @@ def test_closed_kernels_heads_per_program(monkeypatch, heads_per_program, H, pac
     check(q, k, v, lengths, 16, -1, True, None, None, "none", q_lengths=q_lengths)
 
 
+def test_closed_shape_keys_round_trip(monkeypatch):
+    """Every key of the closed kernels' shape tables builds a config whose key is that key again (the tables
+    and the pruner agree on which variants a config serves), "split" (R_SPLIT) included."""
+    monkeypatch.setattr(kernels, "INTERPRET", False)  # the GPU's lists, not the interpreter's one config
+    for table in (kernels._CLOSED_FWD_SHAPES, kernels._CLOSED_BWD_SHAPES):
+        for key in table:
+            (config,) = kernels._closed_configs({key: ()})
+            assert kernels._closed_shape(config) == key, key
+            assert bool(config.kwargs.get("R_SPLIT")) == (key[-1] == "split"), key
+
+
 @pytest.mark.parametrize("fwd_tiles,tiles,heads,H", [(1, 2, 1, 2), (3, 3, 2, 3), (2, 1, 1, 3)])
 def test_closed_kernels_tiles_per_program(monkeypatch, fwd_tiles, tiles, heads, H):
     """TILES (an autotune option of both closed kernels): one pipelined loop over TILES tiles x HEADS heads
