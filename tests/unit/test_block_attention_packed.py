@@ -94,18 +94,15 @@ CASES = [  # block, window, causal, rotary, dtype, L (interpreter tiles: closed 
 IDS = [f"block{c[0]}-w{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}-{str(c[4])[6:]}" for c in CASES]
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="interpreter test: runs on a machine without CUDA")
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_packed_kernels_match_padded(case):
-    pytest.importorskip("triton")
+def check_packed_kernels(case, H=2):
+    """The Triton launchers on packed rows (B 5) against the padded reference."""
     from gemcompile.lowering.block_attention.triton import (
         block_attention_backward_triton,
         block_attention_forward_triton,
     )
 
     block, window, causal, rotary, dtype, L, *head = case
-    B, H, D = 5, 2, (head or [32])[0]
+    B, D = 5, (head or [32])[0]
     q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=L + block)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
@@ -114,6 +111,14 @@ def test_packed_kernels_match_padded(case):
     grads = block_attention_backward_triton(grad_out, q, k, v, out, lse, *args, **packed)
     want = padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out)
     compare((out, lse, *grads), want, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter test: runs on a machine without CUDA")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_packed_kernels_match_padded(case):
+    pytest.importorskip("triton")
+    check_packed_kernels(case)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -128,17 +133,9 @@ def test_packed_kernels_tiles_per_program(monkeypatch, case):
     for kernel in (kernels._closed_fwd_kernel, kernels._closed_bwd_kernel):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK": 32, "HEADS": 2, "TILES": 3},
                                                               num_warps=4, num_stages=1)])
-    block, window, causal, rotary, dtype, L, *head = case
-    B, H, D = 5, 3, (head or [32])[0]
-    q, k, v, lengths, offsets, cos, sin, where = packed_case(B, H, L, D, dtype, rotary, seed=L + block)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    args = (lengths, block, window, causal, cos, sin, rotary, 0.3)
-    packed = {"token_offsets": offsets.int(), "max_len": L}
+    block, rotary, D = case[0], case[3], (case[6:] or [32])[0]
     assert kernels.closed_tile_serves(block, D, rotary)
-    out, lse = kernels.block_attention_forward_triton(q, k, v, *args, **packed)
-    grads = kernels.block_attention_backward_triton(grad_out, q, k, v, out, lse, *args, **packed)
-    want = padded_reference(q, k, v, lengths, cos, sin, where, L, block, window, causal, rotary, grad_out)
-    compare((out, lse, *grads), want, dtype)
+    check_packed_kernels(case, H=3)
 
 
 @pytest.mark.parametrize("block,window,causal,rotary,dtype", [
