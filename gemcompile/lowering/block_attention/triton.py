@@ -479,7 +479,7 @@ def _load_qk(q_base, k_base, rows, q_ok, k_ok, stride_qm, stride_qd, stride_kn, 
 def _swap_partners(t, HEAD_D: tl.constexpr, ROTARY: tl.constexpr):
     """t[:, p(j)] for every column j (the rotation partner) by reshapes and a split: no cross-thread gather
     where one warpgroup holds a row's columns (4 warps at a 64-row tile), a layout change through shared
-    memory where two do. An autotune option of the closed backward (R_SPLIT), not yet timed on the GPU."""
+    memory where two do. The closed backward's R_SPLIT configs ("split" in the shape tables)."""
     if ROTARY == 1:  # swap the halves [A | B] -> [B | A]
         lo, hi = tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, HEAD_D // 2)), (0, 2, 1)))
         return tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (t.shape[0], HEAD_D))
@@ -495,7 +495,8 @@ def _unrotate_pair(ga, gb, cos_base, sin_base, rows, mask_rows, stride_cm, strid
     (dQ and dK of a closed tile), full width, the tables loaded once: R^T g = g cos + (g sin')[:, p(j)]
     (dA = gA cos_A + gB sin_B, dB = gB cos_B - gA sin_A). The partner columns come from one tl.gather along
     the head dim, not a split of g into halves (at D 128 on sm_90a the backward with the split used 255
-    registers with spills, this form 189 at 8 warps without, when it loaded the tables for each gradient)."""
+    registers with spills, this form 189 at 8 warps without, when it loaded the tables for each gradient),
+    or with R_SPLIT from _swap_partners (no warp shuffles)."""
     _, partner, _ = _partner_columns(HEAD_D, ROTARY)
     c, s_signed = _signed_tables(cos_base, sin_base, rows, mask_rows, stride_cm, stride_cd, HEAD_D, ROTARY)
     ta = ga * s_signed
@@ -551,6 +552,25 @@ def _finish_softmax(acc, l_i, m_i):
 
 
 @triton.jit
+def _tile_of_loop(m0, b64, kv_lo, kv_hi, q_hi, KvMask, stride_mb, stride_mn, L, window,
+                  ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_KV_MASK: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    """The rows and masks of the closed tile at row m0 inside a TILES loop (no branch there): rows, row_ok
+    (rows that exist), read_ok, col_ok and q_ok (rows whose q, k / v, dO are read; all False for a tile with
+    no key or no computed row, so it reads nothing) and ok (pairs kept)."""
+    rows = m0 + tl.arange(0, BLOCK)
+    row_ok = rows < _row_end(L, q_hi, PACKED)
+    live = (m0 < q_hi) & (_no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) == 0)
+    read_ok = tl.where(live, row_ok, False)
+    key_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
+    col_ok = tl.where(live, key_ok, False)
+    q_ok = tl.where(live, rows < q_hi, False)
+    ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
+    ok = ok & col_ok[None, :] & q_ok[:, None]
+    return rows, row_ok, read_ok, col_ok, q_ok, ok
+
+
+@triton.jit
 def _closed_fwd_head(q_seq, k_seq, v_seq, o_seq, l_rows, h, H, rows, row_ok, col_ok, out_ok, ok, c, s_signed,
                      stride_qh, stride_qm, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn,
                      stride_vd, stride_oh, stride_om, stride_od, stride_lh, qk_scale, HEAD_D: tl.constexpr,
@@ -595,14 +615,9 @@ def _closed_fwd_tiles(Q, K, V, Cos, Sin, Out, Lse, KvMask, tile, b64, row0, grou
     l_seq = Lse + _seq_off(b64, row0, stride_lb, stride_lm, PACKED)
     for it in tl.range(0, TILES * HEADS):
         m0 = (tile * TILES + it // HEADS) * BLOCK
-        rows = m0 + tl.arange(0, BLOCK)
-        row_ok = rows < _row_end(L, q_hi, PACKED)
-        live = (m0 < q_hi) & (_no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) == 0)
-        read_ok = tl.where(live, row_ok, False)
-        key_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-        col_ok = tl.where(live, key_ok, False)
-        ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
-        ok = ok & col_ok[None, :] & (rows < q_hi)[:, None]
+        rows, row_ok, read_ok, col_ok, q_ok, ok = _tile_of_loop(
+            m0, b64, kv_lo, kv_hi, q_hi, KvMask, stride_mb, stride_mn, L, window, ATTN_BLOCK, HAS_WINDOW,
+            CAUSAL, HAS_KV_MASK, PACKED, BLOCK)
         c, s_signed = 0.0, 0.0
         if ROTARY != 0:
             c, s_signed = _signed_tables(Cos + b64 * stride_cb, Sin + b64 * stride_cb, rows, read_ok,
@@ -799,16 +814,10 @@ def _closed_bwd_kernel(
             m0 = (tile * TILES + it // HEADS) * BLOCK
             h = group * HEADS + it % HEADS
             h64 = tl.minimum(h, H - 1).to(tl.int64)
-            rows = m0 + tl.arange(0, BLOCK)
-            row_ok = rows < _row_end(L, q_hi, PACKED)
-            live = (m0 < q_hi) & (_no_keys(m0, m0 + BLOCK, kv_lo, kv_hi, HAS_KV_MASK) == 0)
+            rows, row_ok, read_ok, col_ok, q_ok, ok = _tile_of_loop(
+                m0, b64, kv_lo, kv_hi, q_hi, KvMask, stride_mb, stride_mn, L, window, ATTN_BLOCK, HAS_WINDOW,
+                CAUSAL, HAS_KV_MASK, PACKED, BLOCK)
             store_ok = tl.where(h < H, row_ok, False)
-            read_ok = tl.where(live, row_ok, False)
-            key_ok = _key_ok(KvMask, b64, rows, kv_hi, stride_mb, stride_mn, HAS_KV_MASK)
-            col_ok = tl.where(live, key_ok, False)
-            q_ok = tl.where(live, rows < q_hi, False)
-            ok = _closed_allowed(rows, kv_hi, window, ATTN_BLOCK, BLOCK, HAS_WINDOW, CAUSAL)
-            ok = ok & col_ok[None, :] & q_ok[:, None]
             x_off = x_seq + h64 * stride_xh
             _closed_bwd_head(q_seq, k_seq, v_seq, do_seq, l_seq + rows * stride_lm, DQ, DK, DV, x_off, h64,
                              cos_base, sin_base, rows, read_ok, col_ok, q_ok, store_ok, ok, stride_qh,
