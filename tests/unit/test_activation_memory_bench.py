@@ -3,10 +3,7 @@ understands, the largest-batch search on fake "fits" functions, and the whole sc
 e2e_bench.run_method replaced by a fake (the JSON after every method, the time budget, the CPU skip)."""
 
 import functools
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,17 +12,12 @@ import torch
 from gemcompile.config import ConfigError, MemoryConfig
 from gemcompile.runtime.training import e2e_bench
 from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, memory_variant, unknown_methods
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "activation_memory.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("activation_memory_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("activation_memory", "activation_memory_bench", register=True)
 
 
 # -- the method names --------------------------------------------------------------------------------------

@@ -1,16 +1,15 @@
 """`gemcompile bench e2e` (runtime/training/e2e_bench.py) on the CPU: the method list, config errors, and
 one eager run whose numbers are checked against what they must be; and the report renderer on its JSON."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from gemcompile.runtime.training import e2e_bench
 from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench, unknown_methods
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_methods_follow_the_config_sections():
@@ -101,10 +100,7 @@ def test_eager_run_reports_consistent_numbers(tmp_path):
     assert any("gem.py" in row["function"] for row in profile["by_cumulative_time"])
 
     # the renderer turns the JSON into a markdown row per method
-    spec = importlib.util.spec_from_file_location(
-        "render_report", Path(__file__).resolve().parents[2] / "benchmarks" / "render_report.py")
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
+    render = load_benchmark("render_report", "render_report")
     path = tmp_path / "e2e-tiny-20261130-000000.json"
     path.write_text(json.dumps(payload))
     markdown = "\n".join(render._e2e_table(path, json.loads(path.read_text())))

@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmark_scripts import load_benchmark
 
+
 @pytest.fixture(scope="module")
 def quality():
     return load_benchmark("mxfp8_quality")

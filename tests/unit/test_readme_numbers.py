@@ -6,24 +6,22 @@ the results files it cites, no performance number stands outside a block, and ev
 the one writer's environment block or is a listed file from before the writer. The other tests show that
 the check catches what it is there to catch, on altered copies."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def render():
-    spec = importlib.util.spec_from_file_location("render_report_under_test", REPO / "benchmarks" / "render_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("render_report", register=True)
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop(module.__name__, None)
 
 
 def test_the_readmes_render_from_the_committed_results(render):
