@@ -12,6 +12,7 @@ causal mask next to a boolean padding mask. Each: every attention is rewritten (
 eager for outputs and every gradient (float32), and 20 batches whose masks change compile once."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -100,14 +101,14 @@ def _defined_rows(name, mask_input):
     return torch.ones(B, L, 1, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
+def _check_against_eager(name, seed: int = 1):
+    """The compiled model runs the one rewritten attention; outputs and gradients equal eager's (float32) on
+    the rows eager defines."""
     make, kind, family = MODELS[name]
     torch.manual_seed(0)
     model = make(H, D).eval()
-    hidden, mask_input = _batch(kind, torch.Generator().manual_seed(1))
-    report = explain(model, hidden, mask_input)
-    assert report.counts[family] == 1, [r.reason for r in report.refusals]
+    hidden, mask_input = _batch(kind, torch.Generator().manual_seed(seed))
+    allow_warnings_in_graphs()  # as gem_compile does (TransformerEncoderLayer warns while it runs)
     counters.clear()
     compiled = rewritten(model)
     # eager SDPA's fused CPU kernel rebuilds P from a logsumexp that cannot hold log(L) next to finfo.min:
@@ -127,6 +128,33 @@ def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
         assert (g is None) == (g_ref is None)
         if g is not None:
             torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
+    make, kind, family = MODELS[name]
+    torch.manual_seed(0)
+    hidden, mask_input = _batch(kind, torch.Generator().manual_seed(1))
+    report = explain(make(H, D).eval(), hidden, mask_input)
+    assert report.counts[family] == 1, [r.reason for r in report.refusals]
+    _check_against_eager(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton interpreter on a machine without CUDA (conftest sets TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_through_the_triton_launchers(name, monkeypatch):
+    """The same check with the ops running their Triton launchers (interpreter, float32) instead of the CPU
+    reference: the tensors the graph derives once per step (orders, key bounds, q_lengths folded from
+    zeroed rows) reach the kernels, which the reference ignores."""
+    pytest.importorskip("triton")
+    from gemcompile.lowering.block_attention import op as block_op
+    from gemcompile.lowering.gdpa import op as gdpa_op
+    from gemcompile.lowering.jagged_attention import op as jagged_op
+
+    for module in (jagged_op, gdpa_op, block_op):
+        monkeypatch.setattr(module, "use_triton", lambda q: q.dtype != torch.float64)
+    _check_against_eager(name, seed=7)
 
 
 def _twenty_batches(compiled, model, name: str, kind: str, seed: int) -> None:
