@@ -141,7 +141,7 @@ def test_model_is_rewritten_with_eager_outputs_and_gradients(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton interpreter on a machine without CUDA (conftest sets TRITON_INTERPRET=1)")
+                    reason="the Triton interpreter on a machine without CUDA (conftest sets it)")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_through_the_triton_launchers(name, monkeypatch):
     """The same check with the ops running their Triton launchers (interpreter, float32) instead of the CPU
