@@ -170,6 +170,35 @@ def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:
     return False
 
 
+def _mutates(node: fx.Node) -> bool:
+    name = target_name(node)
+    return (name.endswith("_") and not name.endswith("__")) or node.is_impure()
+
+
+def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
+    """Move ``node`` and the producers it has after ``anchor`` to just before ``anchor``, in their order, so
+    that a rewrite at ``anchor`` can read it (a row mask the model computes after the attention). Unproven
+    when ``node`` depends on ``anchor`` or when an op between the two may mutate what they read."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    start = order[anchor]
+    if order[node] < start:
+        return
+    moved, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in moved or order[n] < start:
+            continue
+        if n is anchor:
+            raise Unproven(f"{node.name} depends on the attention's output")
+        moved.add(n)
+        todo.extend(n.all_input_nodes)
+    between = [n for n in anchor.graph.nodes if start <= order[n] <= order[node]]
+    if any(_mutates(n) for n in between):
+        raise Unproven(f"{node.name} is computed after the attention, past an in-place op")
+    for n in sorted(moved, key=order.__getitem__):
+        anchor.prepend(n)
+
+
 BUFFER_VALUE = "gemcompile_buffer_value"
 """Placeholder meta key: the compile-time value of a small 2-D graph input (a registered mask buffer, or a
 mask passed in such as nn.Transformer.generate_square_subsequent_mask(L)); masks/constants.py reads it to

@@ -76,6 +76,8 @@ class RowMasked(nn.Module):
             return x + _zero(self.spelling, y, rows[..., None])
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, L, D)
+        if self.rows == "late":  # the row count taken after the attention, as a model may write it
+            rows = i[None, :] < keys.sum(-1)[:, None]
         if self.miss == "sum_rows":
             pooled = o.sum(2, keepdim=True).transpose(1, 2).reshape(B, 1, E)  # reads every row
             return x + self.out_proj(pooled) * valid[..., None]
@@ -160,6 +162,12 @@ def test_zeroed_query_rows_are_folded_into_q_lengths(name):
 
 def test_multihead_attention_rows_are_folded():
     _check_against_eager(MhaRowMasked(), "jagged_attention", "l_lengths_")
+
+
+def test_rows_counted_after_the_attention_are_hoisted_before_the_kernel():
+    """The row count is computed after the attention in the model: the fold moves it (and what it reads)
+    before the kernel, which reads it as q_lengths."""
+    _check_against_eager(RowMasked(rows="late"), "jagged_attention", "sum_1")
 
 
 def test_left_padded_rows_are_not_a_prefix_and_stay_computed():

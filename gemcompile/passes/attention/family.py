@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, hoist_before
 from gemcompile.passes.masks.classify import Unclassified
 from gemcompile.passes.masks.key_vector import emit_key_mask
 from gemcompile.passes.masks.model import AttentionMask
@@ -141,6 +141,7 @@ def fold_query_rows(site: AttentionSite, mask: AttentionMask, *, within: tuple[f
                            f"attention on {example_value(site.q).device}")
         if within is not None and (fold.lengths is not within[0] or fold.offset > within[1]):
             raise Unproven(f"the model masks rows by {fold.rows()} instead")
+        hoist_before(fold.lengths, site.output)  # the model may count its rows after the attention
     except Unproven as reason:
         if why:
             raise Unproven(f"{why} ({reason})") from None
