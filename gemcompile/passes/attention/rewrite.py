@@ -37,6 +37,7 @@ import torch.fx as fx
 from gemcompile.passes.attention.block import BlockAttention
 from gemcompile.passes.attention.family import AttentionFamily
 from gemcompile.passes.attention.gdpa import Gdpa
+from gemcompile.passes.attention.in_place import functionalize_fresh_updates
 from gemcompile.passes.attention.jagged import JaggedAttention
 from gemcompile.passes.attention.match import (
     AttentionSite,
@@ -100,6 +101,7 @@ class AttentionRewritePass(GemPass):
         return h.hexdigest()
 
     def run(self, graph: fx.Graph) -> None:
+        functionalize_fresh_updates(graph)  # `s /= c`, `s.masked_fill_(pad, -inf)`: chains the matchers read
         emit = Emitter(graph)
         records: dict[str, list[Callable[[], None]]] = {family.name: [] for family in self.families}
         for node in list(graph.nodes):

@@ -1,0 +1,82 @@
+"""In-place updates of fresh tensors, rewritten as the out-of-place ops they equal.
+
+Models write the score chain in place too: ``s /= math.sqrt(d)``, ``s += mask``, ``s.masked_fill_(pad,
+-inf)``. Dynamo records the operator forms as ``operator.itruediv(s, c)`` whose result later code reads, and
+the method forms as a call whose result nobody reads while the softmax reads ``s`` itself, mutated. The
+matchers walk values back from the softmax (attention/scores.py), so they missed such a chain without a
+word in explain.
+
+Where ``s`` is a fresh tensor that nothing else can see, an in-place update is exactly the out-of-place op
+whose result every later reader of ``s`` takes instead: ``s`` must be the result of an op that returns a new
+tensor (a matmul, an einsum, arithmetic, masked_fill, where; never a view, a cast that may return its input,
+or a graph input), read by nothing before the update, and the out-of-place op must give ``s``'s dtype and
+shape (``s += mask`` with a wider mask dtype would promote out of place, so it stays as written). Graph-wide:
+this is what functionalization does later anyway, here early enough for the matchers.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+from gemcompile.passes.graph import Emitter, example_value, target_name
+
+_OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
+              operator.imul: operator.mul}
+_METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
+          "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where")
+"""Ops whose result is a new tensor (no alias of an input)."""
+
+
+def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
+    """(fx op, target) of the out-of-place form of an in-place update, or None."""
+    if node.op == "call_function" and node.target in _OPERATORS:
+        return "call_function", _OPERATORS[node.target]
+    if node.op == "call_method" and node.target in _METHODS:
+        return "call_method", _METHODS[node.target]
+    return None
+
+
+def _fresh(node) -> bool:
+    return (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
+            and target_name(node) in _FRESH and isinstance(example_value(node), torch.Tensor))
+
+
+def _same_layout(before: torch.Tensor, after) -> bool:
+    if not isinstance(after, torch.Tensor) or after.dtype != before.dtype or after.dim() != before.dim():
+        return False
+    return all(known(a == b) for a, b in zip(after.shape, before.shape))
+
+
+def functionalize_fresh_updates(graph: fx.Graph) -> int:
+    """Rewrite each in-place update of a fresh tensor (module doc) out of place; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        form = _out_of_place(node)
+        if form is None or not node.args or not _fresh(node.args[0]):
+            continue
+        base = node.args[0]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if any(order[user] < order[node] for user in base.users):
+            continue  # read before the update (a view of it, a saved copy): the mutation is visible there
+        emit = Emitter(graph, untraceable="")
+        with graph.inserting_before(node):
+            try:
+                new = emit.node(*form, node.args, dict(node.kwargs))
+            except Exception:  # noqa: BLE001 (an op the fake mode cannot run out of place: keep it as written)
+                emit.rollback()
+                continue
+        if not _same_layout(example_value(base), example_value(new)):
+            emit.rollback()
+            continue
+        new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+        node.replace_all_uses_with(new)
+        for user in [u for u in base.users if u is not new and order.get(u, -1) > order[node]]:
+            user.replace_input_with(base, new)
+        graph.erase_node(node)
+        count += 1
+    return count
