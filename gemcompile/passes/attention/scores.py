@@ -44,8 +44,8 @@ def constant_float(x: Any) -> float | None:
 
 
 def _reads_shape_only(user: fx.Node, node: fx.Node) -> bool:
-    """``mask.expand_as(scores)`` (DistilBERT) reads the scores' shape, not their values; ``p.type_as(scores)``
-    (T5's and LLaMA's softmax in fp32) reads their dtype."""
+    """``mask.expand_as(scores)`` (DistilBERT) reads the scores' shape, not their values;
+    ``p.type_as(scores)`` (T5's and LLaMA's softmax in fp32) reads their dtype."""
     name = target_name(user) if user.op in ("call_function", "call_method") else ""
     if name in ("expand_as", "view_as", "reshape_as", "type_as"):
         return len(user.args) > 1 and user.args[1] is node and user.args[0] is not node
