@@ -1,7 +1,8 @@
 """Score chains written with in-place updates (``s /= c``, ``s += mask``, ``s.masked_fill_(pad, -inf)``) are
 read as their out-of-place forms (passes/attention/in_place.py) and rewritten like them; updates that
 another reader could see (a value read before the update, a view, a promoting dtype) stay as written, and
-every model gives eager's outputs and gradients."""
+every model gives eager's outputs and gradients. Also T5's and LLaMA's ``softmax(s.float()).type_as(s)``, whose
+``type_as`` reads only the scores' dtype."""
 
 from __future__ import annotations
 
@@ -47,12 +48,16 @@ class InPlaceScores(nn.Module):
             s = torch.matmul(q.bfloat16(), k.bfloat16().transpose(-1, -2))
             s += torch.zeros(B, 1, 1, L).masked_fill(pad, float("-inf"))
             s = s.float()
-        p = torch.softmax(s, dim=-1)
+        if self.spelling == "float_softmax_type_as":
+            s = s * D**-0.5 + torch.zeros(B, 1, 1, L).masked_fill(pad, torch.finfo(s.dtype).min)
+            p = torch.softmax(s.float(), dim=-1).type_as(s)
+        else:
+            p = torch.softmax(s, dim=-1)
         out = (p @ v).transpose(1, 2).reshape(B, L, E)
         return out if extra is None else (out, extra)
 
 
-REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_"]
+REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as"]
 KEPT = ["read_before", "view", "promoting"]
 
 
