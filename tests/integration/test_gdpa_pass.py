@@ -56,6 +56,12 @@ def sigmoid_mean_over_keys(q, k, v, n, x):
     return (a / n[:, None, None, None].float()) @ v
 
 
+def silu_over_clamped_lengths_per_head(q, k, v, n, x):
+    """A normalizer that is not the key lengths: the clamped count (no 0 / 0), and a per-head factor."""
+    a = F.silu(q @ k.transpose(-2, -1)) * valid(n)[:, None, None, :]
+    return (a / (n.clamp(min=1)[:, None, None, None] * x["head_scale"])) @ v
+
+
 def relu_local_window(q, k, v, n, x):
     i = torch.arange(L)
     near = (i[:, None] - i[None, :]).abs() <= 3
@@ -135,7 +141,8 @@ IDIOMS = {f.__name__: f for f in (
     identity_linear_attention, identity_causal_masked_fill_with_bias,
     hstu_targets, hstu_contextual, hstu_targets_and_contextual,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
-    sigmoid_mean_over_keys, relu_local_window, silu_blhd_einsum, pma_learned_queries,
+    sigmoid_mean_over_keys, silu_over_clamped_lengths_per_head, relu_local_window, silu_blhd_einsum,
+    pma_learned_queries,
     cross_attention_rows_masked_after, silu_key_mask_from_ids,
 )}
 
@@ -152,6 +159,7 @@ def _inputs(seed=0):
         "w_out": torch.randn(H * D, H * D, generator=g, requires_grad=True),
         "targets": torch.tensor([2, 1, 1, 0]),  # at most each sample's length
         "ids": torch.randint(0, 4, (B, L), generator=g),
+        "head_scale": torch.rand(1, H, 1, 1, generator=g) + 0.5,
     }
     return q, k, v, lengths, extra
 
@@ -252,9 +260,9 @@ def miss_scores_used_elsewhere(q, k, v, n, x):
     return a @ v, a.sum()
 
 
-def miss_divided_by_other_lengths(q, k, v, n, x):
+def miss_divided_per_key(q, k, v, n, x):
     a = F.silu(q @ k.transpose(-2, -1)) * valid(n)[:, None, None, :]
-    return (a / (n + 1)[:, None, None, None].float()) @ v
+    return (a / (torch.arange(L) + 1.0)) @ v  # a divisor that varies along the keys is not a normalizer
 
 
 def miss_targets_without_the_diagonal(q, k, v, n, x):
@@ -279,7 +287,7 @@ NEAR_MISSES = {
     miss_weighted_not_masked: "values other than 0 and 1",
     miss_block_diagonal: "not a combination of key padding",
     miss_scores_used_elsewhere: "also used elsewhere",
-    miss_divided_by_other_lengths: "not the key lengths",
+    miss_divided_per_key: "varies along the keys",
     miss_mask_on_heads: "differs between heads",
     miss_targets_without_the_diagonal: "nor HSTU's target/contextual mask",
 }
@@ -324,3 +332,18 @@ def test_disabled_pass_rewrites_nothing():
     q, k, v, lengths, extra = _inputs()
     report = explain(gelu_key_padding_float_mask, q, k, v, lengths, extra, config=GemConfig(gdpa={"enabled": False}))
     assert report.counts.get("gdpa", 0) == 0
+
+
+def test_a_normalizer_that_is_not_the_key_lengths_must_not_hold_zero():
+    """Divided term by term, eager turns a 0 divisor into NaN/inf per term; divided after the sum, the op's
+    output would differ, so the rewrite checks the divisor on the device and stops with a message."""
+    q, k, v, lengths, extra = _inputs()
+    (rewrite,) = [r for r in explain(silu_over_clamped_lengths_per_head, q, k, v, lengths, extra).rewrites
+                  if r.pass_name == "gdpa"]
+    assert "normalized by " in rewrite.detail and "the key lengths" not in rewrite.detail
+    compiled = gem_compile(silu_over_clamped_lengths_per_head, fullgraph=True)
+    compiled(q, k, v, lengths, extra)
+    extra["head_scale"] = extra["head_scale"].detach().clone()
+    extra["head_scale"][0, 1] = 0.0
+    with pytest.raises(RuntimeError, match="normalizer .* holds a 0"):
+        compiled(q, k, v, lengths, extra)

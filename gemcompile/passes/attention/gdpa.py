@@ -50,21 +50,25 @@ class Gdpa(AttentionFamily):
             raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
 
     @staticmethod
-    def _divides_by_kv_length(site: AttentionSite, mask: AttentionMask) -> bool:
+    def _normalizer(site: AttentionSite, mask: AttentionMask) -> str:
+        """How explain names the tensor the activated scores are divided by ('' without one). A divisor
+        constant along the keys (its key dim 1: per sample, head or query row) divides the output of the
+        sum over keys exactly as it divides each term, so the model's own divisor is applied to the op's
+        output (emit)."""
         if site.divisor is None:
-            return False
+            return ""
         node = site.divisor
         while node.op in ("call_function", "call_method") and (
             (node.target is operator.getitem) or target_name(node) in _LENGTH_VIEWS
         ):
             node = node.args[0]
         shape = example_value(site.divisor).shape
-        if mask.kv_lengths is None or node is not mask.kv_lengths or mask.kv_offset != 0:
-            raise Unproven(f"the activated scores are divided by {site.divisor.name}, which is not the key "
-                           "lengths of the mask")
-        if len(shape) != 4 or any(s != 1 for s in shape[1:]):
-            raise Unproven(f"the per-sample normalizer {site.divisor.name} does not have shape (B, 1, 1, 1)")
-        return True
+        if len(shape) > 4 or (len(shape) and shape[-1] != 1):
+            raise Unproven(f"the activated scores are divided by {site.divisor.name}, which varies along the "
+                           "keys")
+        if mask.kv_lengths is not None and node is mask.kv_lengths and mask.kv_offset == 0:
+            return "the key lengths"
+        return site.divisor.name
 
     @staticmethod
     def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
@@ -85,7 +89,7 @@ class Gdpa(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         qv, kv = example_value(q), example_value(k)
         check_qkv(qv, kv, example_value(v), HEAD_DIMS)
-        divide = self._divides_by_kv_length(site, mask)
+        normalizer = self._normalizer(site, mask)
         mask, detail = self._downstream_rows(site, mask)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths, mask.num_targets)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
@@ -94,7 +98,7 @@ class Gdpa(AttentionFamily):
         window = GDPA_NO_WINDOW if mask.window is None else mask.window
         # The normalizer is applied to the output by the model's own divisor tensor: the op's
         # divide_by_kv_length divides by the clamped length, eager by the raw one (a history longer than the
-        # padded length is common in recommendation data), and 0 / 0 stays eager's NaN.
+        # padded length is common in recommendation data), and the key lengths' 0 / 0 stays eager's NaN.
         args = (q, k, v, q_len, kv_len, bias, site.activation, float(site.scale), float(site.out_scale),
                 False, mask.causal, int(window))
         if mask.hstu:
@@ -106,7 +110,11 @@ class Gdpa(AttentionFamily):
             raise Unproven("HSTU's target/contextual mask with key padding read from data (the kernel takes "
                            "lengths there)")
         out = emit.call(torch.ops.gemcompile.gdpa.default, args, {} if kv_mask is None else {"kv_mask": kv_mask})
-        if divide:
+        if normalizer:
+            if normalizer != "the key lengths":  # x / 0 in eager is NaN or inf term by term, not sum / 0
+                nonzero = emit.call(torch.all, (site.divisor,))
+                emit.call(torch._assert_async,
+                          (nonzero, f"gemcompile: the attention's normalizer {site.divisor.name} holds a 0"))
             out = emit.call(operator.truediv, (out, site.divisor))
         return out, (f"{site.activation}; mask proven: {detail}"
-                     + ("; normalized by the key lengths" if divide else ""))
+                     + (f"; normalized by {normalizer}" if normalizer else ""))
