@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the user typed, for results JSON
-    from gemcompile.runtime.training.flags import report_error, run_train_from_args
+    from gemcompile.runtime.training.flags import REPORTED, report_error, run_train_from_args
 
     try:
         if args.command == "explain":
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-    except (Exception, KeyboardInterrupt) as e:
+    except REPORTED as e:
         # One clear line, no traceback from deep inside torch (--debug shows it).
         return report_error(args.command, e, args.debug)
 

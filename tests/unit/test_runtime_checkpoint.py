@@ -194,6 +194,36 @@ def test_a_checkpoint_without_manifest_is_checked_structurally(tmp_path):
     assert choose_checkpoint(tmp_path).path is None and len(choose_checkpoint(tmp_path).skipped) == 2
 
 
+def test_a_manifest_less_checkpoint_whose_data_cannot_be_unpickled_is_skipped(tmp_path):
+    """DCP reports the failed read as CheckpointException, a BaseException: it is still one verdict, and the
+    checkpoint before it is chosen."""
+    older, newer = _saved(tmp_path, 2, 4)
+    (newer / MANIFEST).unlink()
+    data = newer / "__0_0.distcp"
+    data.write_bytes(bytes(data.stat().st_size))  # zeros of the right length: the byte ranges still fit
+    assert verify_checkpoint(newer).startswith("its state cannot be read (UnpicklingError")
+    choice = choose_checkpoint(tmp_path)
+    assert choice.path == older and len(choice.skipped) == 1 and newer.name in choice.skipped[0]
+
+
+@pytest.mark.parametrize("cause,status,line", [
+    (OSError(28, "No space left on device"), 2, "error: [Errno 28] No space left on device"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (RuntimeError("boom"), 1, "error: RuntimeError: boom (run with --debug for the traceback)"),
+])
+def test_a_checkpoint_failure_is_reported_by_its_cause_in_one_line(cause, status, line, capsys):
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from gemcompile.runtime.training.flags import report_error
+
+    error = CheckpointException("CheckpointException ranks: {0}", {0: _wrap_exception(cause)})
+    assert report_error("train", error, debug=False) == status
+    assert capsys.readouterr().err == f"gemcompile train: {line}\n"
+    if status != 130:  # --debug: the traceback of what DCP raised
+        with pytest.raises(CheckpointException):
+            report_error("train", error, debug=True)
+
+
 def test_checkpoint_dir_problems_are_found_before_anything_runs(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from gemcompile.runtime.training.checkpoint_files import (
@@ -125,6 +126,19 @@ def checkpoint_path(checkpoint_dir: str | Path, step: int) -> Path:
     return Path(checkpoint_dir) / f"step_{step:08d}"
 
 
+FAILURES = (Exception, CheckpointException)
+"""What a checkpoint read or write can raise: DCP reports any rank's failure (a full disk, an unreadable
+file, Ctrl-C inside its write) as CheckpointException, which derives from BaseException, not Exception."""
+
+
+def failure_cause(error: BaseException) -> BaseException:
+    """The first rank's own exception inside a CheckpointException (the error itself otherwise)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))
+        return cause[0] if isinstance(cause, tuple) else cause
+    return error
+
+
 def on_rank0(fn):
     """fn() run by rank 0 alone, its result handed to every rank (in one process: just fn()). Every
     rank waits for it; when it raises, every rank raises the same CheckpointError."""
@@ -134,7 +148,8 @@ def on_rank0(fn):
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
-        except Exception as e:
+        except FAILURES as e:
+            e = failure_cause(e)
             box[0] = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
@@ -170,7 +185,8 @@ def _verify(path: Path) -> tuple[str | None, dict[str, Any] | None]:
         return problem, None
     try:
         return None, read_checkpoint_meta(path)
-    except Exception as e:
+    except FAILURES as e:
+        e = failure_cause(e)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"its state cannot be read ({type(e).__name__}: {first})", None
 
@@ -307,7 +323,8 @@ def load_checkpoint(
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
-    except Exception as e:
+    except FAILURES as e:
+        e = failure_cause(e)
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {first}") from e
     set_state_dict(module, optimizer_list, model_state_dict=state["model"], optim_state_dict=state["optim"],

@@ -9,6 +9,7 @@ import os
 import sys
 
 from gemcompile.config import ParallelConfig
+from gemcompile.runtime.training.checkpoint import FAILURES, failure_cause
 from gemcompile.runtime.training.config import (
     COMPILE_MODES,
     DEFAULT_BATCH_SIZE,
@@ -100,15 +101,21 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> None:
                         help="on an error, show the full traceback instead of one line")
 
 
+REPORTED = (*FAILURES, KeyboardInterrupt)
+"""What a command reports as one line (checkpoint failures are BaseExceptions: checkpoint.FAILURES)."""
+
+
 def report_error(command: str, error: BaseException, debug: bool) -> int:
     """What a command does with an exception: with --debug, re-raise it (the traceback); else one line
     on stderr and the exit status: 2 for a bad argument, path, input or checkpoint (ValueError,
-    TypeError, OSError), 1 for anything else, 130 for Ctrl-C."""
+    TypeError, OSError), 1 for anything else, 130 for Ctrl-C. A checkpoint failure is reported by its
+    cause (a full disk is an OSError)."""
+    original, error = error, failure_cause(error)
     if isinstance(error, KeyboardInterrupt):
         print(f"gemcompile {command}: interrupted", file=sys.stderr)
         return 130
     if debug:
-        raise error
+        raise original
     expected = isinstance(error, (ValueError, TypeError, OSError))
     text = str(error).strip()
     line = text.splitlines()[0] if text else ""
@@ -156,7 +163,7 @@ def run_train_from_args(args: argparse.Namespace) -> int:
     for a bad flag value, path, input or checkpoint, 1 otherwise), never a traceback unless --debug."""
     try:
         train(config_from_args(args))
-    except (Exception, KeyboardInterrupt) as e:
+    except REPORTED as e:
         return report_error("train", e, getattr(args, "debug", False))
     return 0
 
