@@ -29,8 +29,10 @@ def test_defaults():
         ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
         ("steps", 2.5, r"TrainConfig.steps = 2.5"),
         ("batch_size", -4, r"TrainConfig.batch_size = -4"),
-        ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a finite float > 0"),
+        ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a float > 0 that float32 holds"),
         ("lr", float("nan"), r"TrainConfig.lr = nan"),
+        ("lr", 1e39, r"TrainConfig.lr = 1e\+39 is invalid"),  # finite in Python, inf in the fp32 optimizer
+        ("embedding_lr", float("inf"), r"TrainConfig.embedding_lr = inf"),
         (
             "compile",
             "tensorrt",

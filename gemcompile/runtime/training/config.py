@@ -40,6 +40,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_rate(value: Any) -> bool:
+    """A learning rate: > 0 and finite in float32, where the optimizers keep it (1e39 is not)."""
+    return _is_number(value) and 0 < value <= _FLOAT32_MAX
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Every field is validated on construction (ValueError naming the field)."""
@@ -165,12 +173,9 @@ class TrainConfig:
         if self.batch_size is None:
             object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE[self.size])
         check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an int >= 1 (or None)")
-        check(_is_number(self.lr) and math.isfinite(self.lr) and self.lr > 0, "lr", "a finite float > 0")
-        check(
-            _is_number(self.embedding_lr) and math.isfinite(self.embedding_lr) and self.embedding_lr > 0,
-            "embedding_lr",
-            "a finite float > 0",
-        )
+        rate = "a float > 0 that float32 holds (at most 3.4e38)"  # the optimizers keep their rates in fp32
+        check(_is_rate(self.lr), "lr", rate)
+        check(_is_rate(self.embedding_lr), "embedding_lr", rate)
         check(self.compile in COMPILE_MODES, "compile", f"one of {', '.join(COMPILE_MODES)}")
         check(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
         check(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
