@@ -107,6 +107,23 @@ def test_world_4_grid_matches_and_resumes_at_world_2(tmp_path, reference):
                                  "resume": True, "sparse_tables": False}, "w2-resumed")
     assert resumed["start_step"] == 3 and resumed["sparse_tables"] is False
     _assert_close(resumed["losses"], reference["plain"])
+    # and in one process, without --parallel (the optimizer state is read in the layout it was saved in)
+    single_dir = tmp_path / "single"
+    shutil.copytree(checkpoint_path(saved, 3), checkpoint_path(single_dir, 3))
+    single = train(TrainConfig(size="tiny", steps=STEPS, batch_size=BATCH, quiet=True,
+                               checkpoint_dir=str(single_dir), resume=True))
+    assert single.start_step == 3
+    _assert_close(single.losses, reference["plain"])
+
+
+def test_a_one_process_checkpoint_resumes_at_world_2(tmp_path, reference):
+    one = tmp_path / "one"
+    train(TrainConfig(size="tiny", steps=3, batch_size=BATCH, quiet=True, checkpoint_dir=str(one),
+                      save_every=3))
+    spec = {"steps": STEPS, "batch_size": BATCH, "checkpoint_dir": str(one), "resume": True}
+    resumed = _run(tmp_path, 2, spec, "w2-from-one")
+    assert resumed["start_step"] == 3
+    _assert_close(resumed["losses"], reference["plain"])
 
 
 def test_world_4_replicated_groups_and_expert_fsdp(tmp_path, reference):

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -259,7 +259,8 @@ def save_checkpoint(
     `model` may be compiled (torch.compile or gem_compile): the original module's state is saved.
     `extra` holds small Python objects (lists, dicts, numbers, strings, bytes, tensors) saved as-is.
     `flatten_optimizer` keys the optimizer state and hyperparameters by parameter name (needed when ranks
-    hold different parameters, e.g. expert parallelism; load with the same flag).
+    hold different parameters, e.g. expert parallelism, and to resume across runs whose optimizers group
+    the parameters differently; load_checkpoint reads which layout a checkpoint has).
     Written atomically: into a hidden folder sealed by a manifest, then renamed into place; the folder of
     a step that already exists is swapped whole, never rewritten in place.
     """
@@ -297,22 +298,38 @@ def save_checkpoint(
     return path
 
 
+def saved_flat_optimizer(path: str | Path) -> bool:
+    """Whether the checkpoint keys its optimizer's hyperparameters by parameter name (saved with
+    flatten_optimizer) rather than by group index, whose groups list their parameters ("...0.params")."""
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except FAILURES as e:
+        e = failure_cause(e)
+        raise CheckpointError(f"cannot read {Path(path) / '.metadata'}: {type(e).__name__}: {e}") from e
+    groups = [k for k in keys if k.startswith("optim.param_groups.")]
+    return bool(groups) and not any(k.endswith(".params") for k in groups)
+
+
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     restore_rng: bool = True,
     *,
-    flatten_optimizer: bool = False,
+    flatten_optimizer: bool | None = None,
 ) -> CheckpointState:
     """Load a checkpoint directory into `model` and `optimizers` (in place) and restore the RNG state.
 
     The optimizers must be built the same way as when saving (same parameter groups). The files are not
     verified here (choose_checkpoint does that); a load that fails raises a one-line CheckpointError.
+    `flatten_optimizer` None: the optimizer layout the checkpoint was saved with (a --parallel run saves
+    it flattened, one process by group index), so either kind of run resumes the other's checkpoints.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no complete DCP checkpoint at {path} (missing .metadata)")
+    if flatten_optimizer is None:
+        flatten_optimizer = saved_flat_optimizer(path)
     module = unwrap_model(model)
     optimizer_list = _as_optimizer_list(optimizers)
     # get_state_dict gives templates with the right FQNs, shapes and dtypes; DCP loads into them (and

@@ -231,7 +231,7 @@ def _resume(run: _TrainingRun, reporter: TrainReporter) -> None:
     if path is None:
         reporter.print(f"no checkpoint in {cfg.checkpoint_dir}: starting from step 0")
         return
-    state = load_checkpoint(path, run.model, run.optimizers, flatten_optimizer=run.parallel is not None)
+    state = load_checkpoint(path, run.model, run.optimizers)  # either optimizer layout (parallel or not)
     run.start_step = state.step
     run.losses = list(state.extra["losses"])
     run.windows = [WindowSummary(**w) for w in state.extra["windows"]]
@@ -335,8 +335,10 @@ def _save(run: _TrainingRun, step: int) -> None:
         "windows": [dataclasses.asdict(w) for w in run.windows],
         "metric_window": run.window.to_bytes(),
     }
+    # optimizer state keyed by parameter name in every run: a --parallel run resumes one process's
+    # checkpoint and the reverse (group indices differ between the two)
     run.checkpoints.append(str(save_checkpoint(run.cfg.checkpoint_dir, step, run.model, run.optimizers, extra,
-                                               flatten_optimizer=run.parallel is not None)))
+                                               flatten_optimizer=True)))
 
 
 def _result(run: _TrainingRun) -> TrainResult:
