@@ -12,6 +12,7 @@ process), or the CLI says in one line why it cannot resume. Bad arguments and pa
 before the model is built.
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import gemcompile.runtime.training.train as train_module
 from gemcompile.cli import main
 from gemcompile.runtime.training.checkpoint import checkpoint_path, choose_checkpoint
 from gemcompile.runtime.training.checkpoint_files import KILL_ENV, MANIFEST
+from gemcompile.runtime.training.checkpoint_owner import LOCK_FILE, RUN_FILE, DirectoryInUse, run_id
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
 from tests.integration.torchrun import torchrun
@@ -85,6 +87,11 @@ def _killed(cfg: TrainConfig, point: str) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"{point}: child status {status}"
 
 
+def _entries(directory) -> list[str]:
+    """The checkpoint directory's entries besides the owner's lock and run id (checkpoint_owner.py)."""
+    return sorted(p.name for p in Path(directory).iterdir() if p.name not in (LOCK_FILE, RUN_FILE))
+
+
 def _committed_before(point: str) -> int:
     """The last checkpoint complete when a run is killed at `point` (0: none)."""
     kind, step, *phase = point.split(":")
@@ -101,7 +108,7 @@ def _assert_resumes_exactly(directory, expected_step, reference_losses):
     resumed = train(_cfg(directory, resume=True))
     assert resumed.start_step == expected_step
     assert resumed.losses == reference_losses  # restored steps and the retrained ones, bit for bit
-    names = sorted(p.name for p in Path(directory).iterdir())
+    names = _entries(directory)
     if expected_step < STEPS:  # the resumed run saved: what the kill left behind is gone
         assert names == ["step_00000002", "step_00000004"]
 
@@ -122,7 +129,8 @@ def test_killed_run_resumes_from_the_last_complete_checkpoint(point, reference, 
 @pytest.mark.parametrize("phase", ["metadata", "rename", "swapped"])
 def test_killed_rewrite_of_an_existing_checkpoint_leaves_old_or_new_whole(phase, reference, tmp_path):
     """A fresh run pointed at a directory that already holds step 2 and 4, killed while it writes step 4
-    again: step 4 is the old folder (untouched) or the new one, never a mix."""
+    again: step 4 is the old folder (untouched) or the new one, never a mix; an untouched old step 4 is
+    another run's, so the resume takes the fresh run's step 2 (checkpoint_owner.py)."""
     losses, saved = reference
     for step in (2, 4):
         shutil.copytree(checkpoint_path(saved, step), checkpoint_path(tmp_path, step))
@@ -133,7 +141,7 @@ def test_killed_rewrite_of_an_existing_checkpoint_leaves_old_or_new_whole(phase,
         expected = 2
     else:
         assert (step_4 / "from_the_old_run").exists() == (phase != "swapped")
-        expected = 4
+        expected = 4 if phase == "swapped" else 2
     assert not (checkpoint_path(tmp_path, 2) / "from_the_old_run").exists()  # step 2 rewritten (swapped)
     _assert_resumes_exactly(tmp_path, expected, losses)
 
@@ -273,8 +281,7 @@ def test_world_2_killed_in_a_save_resumes_past_a_corrupted_checkpoint(reference,
     killed = torchrun(2, [worker, str(tmp_path / "killed.json"), json.dumps(spec)],
                       {KILL_ENV: "save:3:begin@1"})  # rank 1 only
     assert killed.returncode != 0 and not (tmp_path / "killed.json").exists()
-    assert sorted(p.name for p in directory.iterdir()) == [".step_00000003.partial", "step_00000001",
-                                                           "step_00000002"]
+    assert _entries(directory) == [".step_00000003.partial", "step_00000001", "step_00000002"]
     _flip_payload(checkpoint_path(directory, 2) / "__1_0.distcp")
     resumed = torchrun(2, [worker, str(tmp_path / "resumed.json"), json.dumps({**spec, "resume": True})], {})
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -285,3 +292,33 @@ def test_world_2_killed_in_a_save_resumes_past_a_corrupted_checkpoint(reference,
     assert run["start_step"] == 1
     for step, (a, b) in enumerate(zip(run["losses"], losses[:3], strict=True), 1):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} vs {b}"
+
+
+def test_a_fresh_run_resumes_its_own_steps_not_an_earlier_runs_later_ones(reference, tmp_path, capsys):
+    """An earlier run saved steps 2-6 (other settings that do not change the trajectory: dense tables);
+    a fresh run in the same directory saves 2 and is killed: --resume takes its step 2, not the earlier
+    run's 6 (which would end the run with someone else's state), and says so."""
+    losses, _ = reference
+    train(dataclasses.replace(_cfg(tmp_path, sparse_tables=False), steps=6))
+    _killed(_cfg(tmp_path), "step:3")
+    resumed = train(_cfg(tmp_path, resume=True))
+    assert resumed.start_step == 2 and resumed.losses == losses
+    err = capsys.readouterr().err
+    for step in (6, 4):  # 4: the earlier run's, until this resume saved its own
+        assert (f"skipping checkpoint {checkpoint_path(tmp_path, step)}: written by an earlier run in this "
+                "directory") in err
+    assert choose_checkpoint(tmp_path, run_id(tmp_path)).path == checkpoint_path(tmp_path, 4)
+
+
+def test_a_second_run_on_a_directory_in_use_stops_before_touching_it(tmp_path):
+    import fcntl
+
+    held = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT)  # another run's lock, still going
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(DirectoryInUse, match="another run is writing checkpoints to"):
+            train(_cfg(tmp_path))
+        assert _entries(tmp_path) == []
+    finally:
+        os.close(held)
+    assert train(_cfg(tmp_path)).start_step == 0  # free again

@@ -201,18 +201,26 @@ class CheckpointChoice:
     """Its step, RNG states and extras ("step", "rng", "extra"), read without loading the model."""
     skipped: list[str] = field(default_factory=list)
     """One line per newer checkpoint that did not verify: "<folder>: <file> <what is wrong>"."""
+    other_runs: list[str] = field(default_factory=list)
+    """The newer checkpoints that verify but were written by another run than the one asked for."""
 
 
-def choose_checkpoint(checkpoint_dir: str | Path) -> CheckpointChoice:
-    """The newest `step_*` checkpoint under `checkpoint_dir` that verifies; each newer one that does not
-    is listed in `skipped`. Reads files only (call it on one rank and share the answer: on_rank0)."""
+def choose_checkpoint(checkpoint_dir: str | Path, run: str | None = None) -> CheckpointChoice:
+    """The newest `step_*` checkpoint under `checkpoint_dir` that verifies (and, given `run`, was written
+    by that run or records no run: checkpoint_owner.py); each newer one that does not verify is listed in
+    `skipped`, each of another run in `other_runs`. Reads files only (call it on one rank and share the
+    answer: on_rank0)."""
     choice = CheckpointChoice()
     for _, path in step_folders(checkpoint_dir):
         problem, meta = _verify(path)
-        if problem is None:
-            choice.path, choice.meta = path, meta
-            break
-        choice.skipped.append(f"{path}: {problem}")
+        if problem is not None:
+            choice.skipped.append(f"{path}: {problem}")
+            continue
+        if run is not None and meta["extra"].get("run") not in (None, run):
+            choice.other_runs.append(str(path))
+            continue
+        choice.path, choice.meta = path, meta
+        break
     return choice
 
 

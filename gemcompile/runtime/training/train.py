@@ -34,6 +34,7 @@ from gemcompile.api import gem_compile
 from gemcompile.explain import explain
 from gemcompile.models.data import GemBatch, SyntheticData
 from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config, masked_bce_loss
+from gemcompile.runtime.training import checkpoint_owner
 from gemcompile.runtime.training.checkpoint import (
     CheckpointChoice,
     CheckpointError,
@@ -108,6 +109,13 @@ def _deterministic(enabled: bool, device: str):
 
 
 def _train(cfg: TrainConfig) -> TrainResult:
+    try:
+        return _train_owning(cfg)
+    finally:
+        checkpoint_owner.release(cfg.checkpoint_dir)  # the directory's lock, held since _start
+
+
+def _train_owning(cfg: TrainConfig) -> TrainResult:
     run = _start(cfg)
     if run.resume_from is not None:
         _resume(run, TrainReporter(run.cfg, 0))
@@ -146,6 +154,8 @@ class _TrainingRun:
     """The run's side of the parallel plan under torchrun, else None."""
     resume_from: CheckpointChoice | None = None
     """With cfg.resume: the checkpoint chosen (and checked against cfg) before the model was built."""
+    run_id: str | None = None
+    """The id every checkpoint of this run records (checkpoint_owner.py); None without a directory."""
     runner: Any = None
     """The model as the loop calls it (compiled or not)."""
     start_step: int = 0
@@ -175,7 +185,14 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
     if cfg.parallel is not None and cfg.parallel.enabled:
         parallel = ParallelTraining.start(cfg)  # joins the process group; quiet on ranks other than 0
         cfg = parallel.cfg
-    resume_from = _choose_resume_point(cfg) if cfg.resume else None  # before the model is built
+    run_id = resume_from = None
+    if cfg.checkpoint_dir is not None:  # one writer per directory (checkpoint_owner.py)
+        named = on_rank0(lambda: checkpoint_owner.claim(cfg.checkpoint_dir))
+        if cfg.resume:  # before the model is built
+            resume_from = _choose_resume_point(cfg, named)
+            resumed = resume_from.meta["extra"].get("run") if resume_from.path is not None else None
+            run_id = named or resumed
+        run_id = on_rank0(lambda: checkpoint_owner.name_run(cfg.checkpoint_dir, run_id))
     device = torch.device(cfg.device) if parallel is None else parallel.device
     torch.manual_seed(cfg.seed)
     model = GemRef(model_cfg).to(device)
@@ -189,16 +206,20 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
                                                sparse_tables=cfg.trains_tables_sparsely)
     window = MetricWindow(model_cfg.n_tasks, window=cfg.log_every)
     return _TrainingRun(cfg, model_cfg, data, device, model, formula, padded_counter, optimizers, window,
-                        parallel, resume_from)
+                        parallel, resume_from, run_id=run_id)
 
 
-def _choose_resume_point(cfg: TrainConfig) -> CheckpointChoice:
-    """The newest checkpoint of cfg.checkpoint_dir that verifies (rank 0 verifies, every rank takes its
-    answer), each newer one that does not reported in one line on stderr; a checkpoint written under
-    other trajectory settings refused, all before any model state is built or loaded."""
-    choice = on_rank0(lambda: choose_checkpoint(cfg.checkpoint_dir))
+def _choose_resume_point(cfg: TrainConfig, run_id: str | None) -> CheckpointChoice:
+    """The newest checkpoint of cfg.checkpoint_dir that verifies and belongs to this run (rank 0 verifies,
+    every rank takes its answer), each newer one that does not reported in one line on stderr; a
+    checkpoint written under other trajectory settings refused, all before any model state is built or
+    loaded."""
+    choice = on_rank0(lambda: choose_checkpoint(cfg.checkpoint_dir, run_id))
     for line in choice.skipped if _is_rank0() else ():  # on stderr even when quiet: never silent
         print(f"gemcompile: skipping checkpoint {line}", file=sys.stderr, flush=True)
+    for path in choice.other_runs if _is_rank0() else ():
+        print(f"gemcompile: skipping checkpoint {path}: written by an earlier run in this directory "
+              f"(not the one {checkpoint_owner.RUN_FILE} names)", file=sys.stderr, flush=True)
     if choice.path is None and choice.skipped:
         _fail_everywhere(f"cannot resume: none of the {len(choice.skipped)} checkpoints in "
                          f"{cfg.checkpoint_dir} verifies (each is reported above)")
@@ -330,6 +351,7 @@ def _record_step(run: _TrainingRun, step: int, cpu_batch: GemBatch, batch: GemBa
 
 def _save(run: _TrainingRun, step: int) -> None:
     extra = {
+        "run": run.run_id,
         "config": run.cfg.trajectory_fingerprint(),
         "losses": list(run.losses),
         "windows": [dataclasses.asdict(w) for w in run.windows],
