@@ -501,6 +501,11 @@ class ParallelConfig:
     """Embedding tables with at most this many rows (action types, time buckets) are trained as dense
     weights (HSDP) instead of being sharded."""
 
+    collective_timeout_s: float | None = None
+    """Seconds a collective waits for the other ranks before this rank stops with an error (a rank that
+    hangs or was suspended would otherwise hold every other rank). None: torch's default (30 minutes for
+    gloo, 10 for NCCL)."""
+
     expert_modules: tuple[str, ...] = ("WukongExpert",)
     """Modules whose parameters are experts: class names or fnmatch patterns of module paths
     (``layers.*.interaction.experts.*``); each must sit in a ModuleList of sibling experts."""
@@ -516,6 +521,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"ParallelConfig.{name} = {value} is invalid: expected an int >= 1 or None")
+        if self.collective_timeout_s is not None and not 0 < self.collective_timeout_s < float("inf"):
+            raise ConfigError(f"ParallelConfig.collective_timeout_s = {self.collective_timeout_s} is invalid: "
+                              "expected a finite number of seconds > 0 or None")
         if self.dense_table_max_rows < 0:
             raise ConfigError(f"ParallelConfig.dense_table_max_rows = {self.dense_table_max_rows} is invalid: "
                               "expected >= 0")

@@ -183,3 +183,13 @@ def test_bad_plan_fails_before_any_collective():
     assert proc.returncode != 0
     assert "gemcompile train: error: ep=4 does not divide dp_shard=2" in proc.stderr
     assert "Traceback" not in proc.stderr.split("gemcompile train: error")[0]
+
+
+def test_a_rank_that_stops_answering_ends_the_run_after_the_collective_timeout(tmp_path):
+    """Rank 1 hangs after step 1 (the test hook): with ParallelConfig.collective_timeout_s = 5, rank 0's
+    next collective fails within seconds instead of torch's default 30 minutes, and the run ends."""
+    spec = {"steps": 4, "batch_size": BATCH, "parallel": {"collective_timeout_s": 5}}
+    proc = torchrun(2, [str(WORKER), str(tmp_path / "stalled.json"), json.dumps(spec)],
+                    {"GEMCOMPILE_TEST_KILL_AT": "step:1@1!stall"}, timeout=180)
+    assert proc.returncode != 0 and not (tmp_path / "stalled.json").exists()
+    assert "Timed out" in proc.stderr or "timed out" in proc.stderr.lower(), proc.stderr[-3000:]

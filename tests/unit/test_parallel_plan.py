@@ -43,6 +43,10 @@ def test_config_fields_are_checked_with_their_names():
         ParallelConfig(dp_shard=4, ep=3)
     with pytest.raises(ConfigError, match="embedding_sharding"):
         ParallelConfig(embedding_sharding="rows")
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"ParallelConfig.collective_timeout_s = .* seconds > 0"):
+            ParallelConfig(collective_timeout_s=bad)
+    assert ParallelConfig(collective_timeout_s=5).collective_timeout_s == 5
     with pytest.raises(ConfigError, match="expert_modules"):
         ParallelConfig(expert_modules="WukongExpert")
     with pytest.raises(TypeError, match="did you mean 'dp_shard'"):

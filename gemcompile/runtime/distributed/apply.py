@@ -32,6 +32,7 @@ runtime/training/parallel.py.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from collections.abc import Iterable
@@ -63,11 +64,12 @@ from gemcompile.runtime.tables.sparse_adagrad import SparseAdagrad
 __all__ = ["ParallelMeshes", "ParallelRuntime", "build_meshes", "grad_norm_", "init_distributed"]
 
 
-def init_distributed(device: str = "cpu") -> tuple[int, int]:
-    """init_process_group from torchrun's environment (gloo on CPUs, NCCL on GPUs); (rank, world)."""
+def init_distributed(device: str = "cpu", timeout_s: float | None = None) -> tuple[int, int]:
+    """init_process_group from torchrun's environment (gloo on CPUs, NCCL on GPUs); (rank, world).
+    ``timeout_s``: how long a collective waits for the other ranks (None: torch's default)."""
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
-        kwargs = {}
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         if device == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)

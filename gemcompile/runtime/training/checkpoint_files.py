@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -64,16 +65,20 @@ class CheckpointError(ValueError):
 
 
 def kill_point(point: str) -> None:
-    """Test hook: SIGKILL this process when GEMCOMPILE_TEST_KILL_AT names `point` (for this rank)."""
+    """Test hook: SIGKILL this process when GEMCOMPILE_TEST_KILL_AT names `point` (for this rank:
+    ``point@rank``); ``point@rank!stall`` makes it hang there instead (a rank that stops answering)."""
     wanted = os.environ.get(KILL_ENV)
     if not wanted:
         return
     rank = os.environ.get("RANK", "0")
     for item in wanted.split(","):
-        name, _, only_rank = item.strip().partition("@")
+        item, _, action = item.strip().partition("!")
+        name, _, only_rank = item.partition("@")
         if name == point and (not only_rank or only_rank == rank):
             sys.stdout.flush()
             sys.stderr.flush()
+            if action == "stall":
+                time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -183,6 +183,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--embedding-sharding", choices=("grid", "replicated_groups"), default="grid",
                        help="grid: tables fully sharded (columns x rows); replicated_groups: rows sharded, "
                        "replicated over emb-outer")
+    group.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a collective waits for the other ranks before the run stops with an "
+                       "error (a hung or suspended rank); default: torch's (30 min gloo, 10 min NCCL)")
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig | None:
@@ -191,10 +194,12 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig | None
     names = ("dp_replicate", "dp_shard", "ep", "emb_outer", "emb_inner", "gpus_per_node")
     sizes = {n: getattr(args, n, None) for n in names}
     sharding = getattr(args, "embedding_sharding", "grid")
+    timeout = getattr(args, "collective_timeout", None)
     if not getattr(args, "parallel", False):
         given = [n for n, v in sizes.items() if v is not None] + (["embedding_sharding"] if sharding != "grid"
                                                                    else [])
+        given += ["collective_timeout"] if timeout is not None else []
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --parallel")
         return None
-    return ParallelConfig(enabled=True, embedding_sharding=sharding, **sizes)
+    return ParallelConfig(enabled=True, embedding_sharding=sharding, collective_timeout_s=timeout, **sizes)

@@ -93,12 +93,14 @@ class ParallelTraining:
                              "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "
                              "--parallel ...`")
         if cfg.batch_size % world:
-            raise ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world size "
-                             f"{world}: batch_size is the global batch, split evenly over the ranks")
+            error = ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world size "
+                               f"{world}: batch_size is the global batch, split evenly over the ranks")
+            error.same_on_every_rank = True  # every rank finds it: rank 0 says it
+            raise error
         with torch.device("meta"):
             template = GemRef(gem_ref_config(cfg.size))
         plan = plan_for_model(template, cfg.parallel, world)  # ParallelPlanError before any collective
-        init_distributed(cfg.device)
+        init_distributed(cfg.device, cfg.parallel.collective_timeout_s)
         if dist.get_rank() != 0 and not cfg.quiet:
             cfg = dataclasses.replace(cfg, quiet=True)
         return cls(cfg, plan)
