@@ -522,8 +522,8 @@ class ParallelConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"ParallelConfig.{name} = {value} is invalid: expected an int >= 1 or None")
         if self.collective_timeout_s is not None and not 0 < self.collective_timeout_s < float("inf"):
-            raise ConfigError(f"ParallelConfig.collective_timeout_s = {self.collective_timeout_s} is invalid: "
-                              "expected a finite number of seconds > 0 or None")
+            raise ConfigError(f"ParallelConfig.collective_timeout_s = {self.collective_timeout_s} is "
+                              "invalid: expected a finite number of seconds > 0 or None")
         if self.dense_table_max_rows < 0:
             raise ConfigError(f"ParallelConfig.dense_table_max_rows = {self.dense_table_max_rows} is invalid: "
                               "expected >= 0")

@@ -93,8 +93,8 @@ class ParallelTraining:
                              "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "
                              "--parallel ...`")
         if cfg.batch_size % world:
-            error = ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world size "
-                               f"{world}: batch_size is the global batch, split evenly over the ranks")
+            error = ValueError(f"TrainConfig.batch_size = {cfg.batch_size} is not divisible by the world "
+                               f"size {world}: batch_size is the global batch, split evenly over the ranks")
             error.same_on_every_rank = True  # every rank finds it: rank 0 says it
             raise error
         with torch.device("meta"):
