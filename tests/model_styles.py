@@ -213,6 +213,31 @@ class DistilBertStyleAttention(_Attention):
         return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))
 
 
+class T5StyleAttention(_Attention):
+    """HF T5 (the encoder of P5/TIGER-style generative recommenders): no 1/sqrt(d); a learned bias per
+    relative-position bucket and head, summed with the (1 - m) * finfo.min padding mask into one
+    position_bias, added to the scores in place; the softmax in fp32, cast back with type_as."""
+
+    def __init__(self, heads: int, head_dim: int, buckets: int = 8):
+        super().__init__(heads, head_dim)
+        self.q, self.k, self.v = (nn.Linear(self.width, self.width, bias=False) for _ in range(3))
+        self.buckets = buckets
+        self.relative_attention_bias = nn.Embedding(2 * buckets + 1, heads)
+
+    def forward(self, hidden, attention_mask):
+        n = hidden.shape[1]
+        position = torch.arange(n, device=hidden.device)
+        relative = (position[None, :] - position[:, None]).clamp(-self.buckets, self.buckets) + self.buckets
+        position_bias = self.relative_attention_bias(relative).permute(2, 0, 1).unsqueeze(0)  # (1, H, L, L)
+        extended = (1.0 - attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        position_bias = position_bias + extended
+        q, k, v = self.split(self.q(hidden)), self.split(self.k(hidden)), self.split(self.v(hidden))
+        scores = torch.matmul(q, k.transpose(3, 2))
+        scores += position_bias
+        weights = nn.functional.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.merge(torch.matmul(weights, v))
+
+
 class RecBoleStyleAttention(_Attention):
     """RecBole's SASRec: mask = tril((ids != 0)[:, None, None, :].expand(B, 1, L, L)) as where(m, 0, -1e4),
     added to the scaled scores."""

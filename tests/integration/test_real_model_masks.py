@@ -2,7 +2,8 @@
 
 The modules (tests/model_styles.py) are written for these tests from the public behaviour of the models
 they are named after (no third-party code is copied): a Hugging Face style BERT self-attention (its
-extended attention mask, eager and SDPA), DistilBERT's filled mask, the transformers 5 style boolean mask
+extended attention mask, eager and SDPA), DistilBERT's filled mask, T5's relative-position bias summed with
+its padding mask (added in place, softmax in fp32 cast back with type_as), the transformers 5 style boolean mask
 indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
 padding mask from item ids, the 2020 version with a timeline mask, RecBole's -1e4 tril mask), BERT4Rec's
 mask from ``x > 0`` with ``.repeat``, HSTU layers (lengths from offsets, causal written as
@@ -36,6 +37,7 @@ from tests.model_styles import (
     LeftPaddedCausal,
     RecBoleStyleAttention,
     SASRecBlock,
+    T5StyleAttention,
 )
 from tests.rewritten import rewritten
 
@@ -81,6 +83,7 @@ MODELS = {
     "transformers5_query_term": (functools.partial(IndexedBoolMaskAttention, query_floor=0), "attention_mask",
                                  "jagged_attention"),
     "distilbert": (DistilBertStyleAttention, "attention_mask", "jagged_attention"),
+    "t5_relative_bias": (T5StyleAttention, "attention_mask", "jagged_attention"),
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),

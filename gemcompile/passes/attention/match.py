@@ -154,7 +154,7 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
     """The bias and mask ops a softmax's score chain may hold (walk_to_scores' step)."""
     if is_call(node, *ADD):
         chain, term = _which_is_scores(*node.args[:2])
-        ops.append(("mask", MaskTerm(term, "additive")) if _is_additive_mask(term) else ("bias", (term, 1.0)))
+        ops.extend(_added_terms(term))
         return chain
     if is_call(node, *SUB):
         a, b = node.args[:2]
@@ -232,6 +232,24 @@ def _is_additive_mask(term: fx.Node) -> bool:
     except Unproven:
         return _built_like_a_mask(term)
     return isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+
+
+def _added_terms(term: fx.Node, depth: int = 4) -> list[tuple[str, Any]]:
+    """What an added tensor contributes, as walk_to_scores' ops: a mask, a bias, or, for a sum that is not a
+    mask as a whole (T5's ``position_bias + extended_mask``, ALiBi's slopes plus padding), each part
+    classified on its own; s + (b + m) is s + b with the keys m drops dropped."""
+    try:
+        value = MaskEvaluator().tensor(term)
+    except Unproven:
+        value = None
+    if value is not None:
+        mask = isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+        return [("mask", MaskTerm(term, "additive")) if mask else ("bias", (term, 1.0))]
+    if depth and is_call(term, *ADD) and not term.kwargs and all(isinstance(a, fx.Node) for a in term.args[:2]):
+        parts = [op for part in term.args[:2] for op in _added_terms(part, depth - 1)]
+        if any(kind == "mask" for kind, _ in parts):
+            return parts
+    return [("mask", MaskTerm(term, "additive")) if _built_like_a_mask(term) else ("bias", (term, 1.0))]
 
 
 def _built_like_a_mask(term: fx.Node, limit: int = 32) -> bool:
