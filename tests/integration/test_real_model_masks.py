@@ -2,9 +2,9 @@
 
 The modules (tests/model_styles.py) are written for these tests from the public behaviour of the models
 they are named after (no third-party code is copied): a Hugging Face style BERT self-attention (its
-extended attention mask, eager and SDPA), DistilBERT's filled mask, T5's relative-position bias summed with
-its padding mask (added in place, softmax in fp32 cast back with type_as), the transformers 5 style boolean mask
-indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
+extended attention mask, eager and SDPA), DistilBERT's filled mask, T5's relative-position bias summed
+with its padding mask (added in place, softmax in fp32 cast back with type_as), the transformers 5 style
+boolean mask indexed by batch and key index tensors, SASRec blocks (nn.MultiheadAttention with a causal mask and a key
 padding mask from item ids, the 2020 version with a timeline mask, RecBole's -1e4 tril mask), BERT4Rec's
 mask from ``x > 0`` with ``.repeat``, HSTU layers (lengths from offsets, causal written as
 ``eye | (i - j > 0)``, the target mask without a padding term, the research encoder's registered triu

@@ -243,9 +243,11 @@ def _added_terms(term: fx.Node, depth: int = 4) -> list[tuple[str, Any]]:
     except Unproven:
         value = None
     if value is not None:
-        mask = isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+        pieces = value.pieces if isinstance(value, PiecewiseTensor) else [(1.0, None)]
+        mask = all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in pieces)
         return [("mask", MaskTerm(term, "additive")) if mask else ("bias", (term, 1.0))]
-    if depth and is_call(term, *ADD) and not term.kwargs and all(isinstance(a, fx.Node) for a in term.args[:2]):
+    summed = is_call(term, *ADD) and not term.kwargs and all(isinstance(a, fx.Node) for a in term.args[:2])
+    if depth and summed:
         parts = [op for part in term.args[:2] for op in _added_terms(part, depth - 1)]
         if any(kind == "mask" for kind, _ in parts):
             return parts
