@@ -64,6 +64,29 @@ def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
     torch.testing.assert_close(compiled(*small, lengths), attention(*small, lengths), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fill", ["finfo", -1e4])
+def test_a_fill_added_by_two_terms_stops_on_an_empty_sequence_and_is_exact_otherwise(fill):
+    """Two padding masks added one after the other: a key both drop gets 2F (-inf for finfo.min), so eager's
+    empty sequence attends only to the keys one term drops, which no kernel computes: the run stops with
+    the reason there, and is eager's everywhere else."""
+    def attention(q, k, v, lengths, ids):
+        f = torch.finfo(q.dtype).min if fill == "finfo" else fill
+        by_length = (torch.arange(L)[None, :] < lengths[:, None]).float()[:, None, None, :]
+        by_id = (ids != 0).float()[:, None, None, :]
+        s = q @ k.transpose(-2, -1) / math.sqrt(D) + (1.0 - by_length) * f + (1.0 - by_id) * f
+        return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = _qkv()
+    ids = torch.tensor([[1, 2, 0, 3, 4, 5, 6, 7], [1, 0, 1, 0, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1, 1]])
+    lengths = torch.tensor([L, 6, 4])
+    assert explain(attention, q, k, v, lengths, ids).counts["jagged_attention"] == 1
+    compiled = gem_compile(attention)
+    tol = dict(atol=2e-3, rtol=2e-3) if fill == -1e4 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(compiled(q, k, v, lengths, ids), attention(q, k, v, lengths, ids), **tol)
+    with pytest.raises(Exception, match="adds its fill .* in several terms"):
+        compiled(q, k, v, torch.tensor([L, 0, 4]), ids)
+
+
 def test_a_finite_fill_with_a_window_is_refused_with_the_reason():
     def windowed(q, k, v, lengths):
         i = torch.arange(L)

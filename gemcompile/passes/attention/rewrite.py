@@ -169,7 +169,8 @@ class AttentionRewritePass(GemPass):
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
             if site.activation is None:
                 fill, replaces = finite_fill(evaluator, site)
-                mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces)
+                stacked = fill is not None and sum(t.kind == "additive" for t in site.masks) > 1
+                mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces, fill_stacked=stacked)
             mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
             if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):

@@ -68,6 +68,10 @@ class AttentionMask:
     fill_replaces: bool = field(default=False, compare=False)
     """Whether that fill is written over the scores (masked_fill, where: no gradient reaches a filled score)
     rather than added to them."""
+    fill_stacked: bool = field(default=False, compare=False)
+    """Whether the fill is added by several terms one after another (s + (1 - m1) * F + (1 - m2) * F): a
+    score two terms drop gets 2F (-inf where that overflows), so a row with no valid key attends, in eager,
+    only to the keys fewest terms drop."""
     checks: tuple = field(default=(), compare=False)
     """Device-side checks the rewrite emits with the op (callables of an Emitter): what the proof assumed of
     data (an integer mask read as 0/1, a registered buffer still holding its triangle)."""
