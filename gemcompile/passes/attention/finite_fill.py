@@ -11,9 +11,9 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
    - no causal/window/block/HSTU term and no query padding: such a row is a sequence with no valid key, and
      the rewrite gives that sequence every key. For F >= -1e8 that is eager's softmax(s + F) = softmax(s)
      (up to eager's own rounding of s + F). A fill added by several terms instead gets a device-side check
-     that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the
-     row is uniform, and the kernel is told so (``uniform_keys``: scores taken as 0, gradients as eager's
-     autograd gives them), with a device-side check that the scores are small enough to round away
+     that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For
+     F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row is uniform, and the kernel is told so
+     (``uniform_keys``: scores taken as 0, gradients as eager's autograd gives them), with a device-side check that the scores are small enough to round away
      (|s| < ulp(F) / 2; always true for finfo.min). Written over the scores (masked_fill, where), the fill
      passes no gradient to them: q and k of such a sequence are detached, as eager's autograd gives;
    - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
@@ -78,9 +78,9 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
     empty = _no_valid_key(emit, kv_len, kv_mask)
     if mask.fill_stacked:  # eager's row attends to the keys fewest terms drop: no kernel computes that
         none_empty = emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))
-        message = (f"gemcompile: a sequence with no valid key under a mask that adds its fill ({fill:g}) in "
-                   "several terms: eager attends to the keys the fewest terms drop, the kernel cannot (fill with "
-                   "-inf, use a bool mask or add one mask)")
+        message = (f"gemcompile: a sequence with no valid key under a mask that adds its fill ({fill:g}) "
+                   "in several terms: eager attends to the keys the fewest terms drop, the kernel cannot "
+                   "(fill with -inf, use a bool mask or add one mask)")
         emit.call(torch._assert_async, (none_empty, message))
         return q, k, kv_len, kv_mask, None
     keys = example_value(k).shape[2]
