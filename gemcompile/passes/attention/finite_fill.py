@@ -13,8 +13,8 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
      (up to eager's own rounding of s + F). A fill added by several terms instead gets a device-side check
      that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For
      F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row is uniform, and the kernel is told so
-     (``uniform_keys``: scores taken as 0, gradients as eager's autograd gives them), with a device-side check that the scores are small enough to round away
-     (|s| < ulp(F) / 2; always true for finfo.min). Written over the scores (masked_fill, where), the fill
+     (``uniform_keys``: scores taken as 0, gradients as eager's autograd gives them), with a device-side
+     check that the scores are small enough to round away (|s| < ulp(F) / 2; always true for finfo.min). Written over the scores (masked_fill, where), the fill
      passes no gradient to them: q and k of such a sequence are detached, as eager's autograd gives;
    - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
    - a window, blocks, HSTU or query padding with a finite fill: refused (rows that see no key are common
