@@ -14,8 +14,9 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
      that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For
      F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row is uniform, and the kernel is told so
      (``uniform_keys``: scores taken as 0, gradients as eager's autograd gives them), with a device-side
-     check that the scores are small enough to round away (|s| < ulp(F) / 2; always true for finfo.min). Written over the scores (masked_fill, where), the fill
-     passes no gradient to them: q and k of such a sequence are detached, as eager's autograd gives;
+     check that the scores are small enough to round away (|s| < ulp(F) / 2; always true for finfo.min).
+     Written over the scores (masked_fill, where), the fill passes no gradient to them: q and k of such a
+     sequence are detached, as eager's autograd gives;
    - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
    - a window, blocks, HSTU or query padding with a finite fill: refused (rows that see no key are common
      there), with the reason; -inf or a bool mask is rewritten.
