@@ -69,8 +69,14 @@ def permuted(emit: Emitter, node: fx.Node, perm) -> fx.Node:
 
 
 def operands(emit: Emitter, site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """q, k, v as (B, H, L, D) views; scores were q @ kT: kT.transpose(-2, -1) is k as a view, no copy."""
+    """q, k, v as (B, H, L, D) views; scores were q @ kT: kT.transpose(-2, -1) is k as a view, no copy. A
+    tensor factor of the scores (site.q_factor: constant along the keys, in the scores' (B, H, Lq, 1)
+    frame) is folded into q: (q c) . k = (q . k) c, and so is its gradient."""
     q = permuted(emit, site.q, site.q_perm)
+    if site.q_factor is not None:
+        factor, divides = site.q_factor
+        factor = emit.method("to", (factor, example_value(q).dtype))
+        q = emit.call(operator.truediv if divides else operator.mul, (q, factor))
     k = emit.call(torch.transpose, (site.k, -2, -1)) if site.k_is_transposed else permuted(emit, site.k, site.k_perm)
     return q, k, permuted(emit, site.v, site.v_perm)
 

@@ -48,6 +48,7 @@ from gemcompile.passes.attention.scores import (
     replay,
     single_user,
     values,
+    tensor_factor,
     walk_to_scores,
 )
 from gemcompile.passes.graph import Unproven, example_value, fed_by
@@ -84,6 +85,9 @@ class AttentionSite:
     """A constant the activated scores are multiplied by (pointwise attention)."""
     divisor: fx.Node | None = None
     """The per-sample normalizer the activated scores are divided by (a lengths tensor), if any."""
+    q_factor: tuple[fx.Node, bool] | None = None
+    """A tensor the scores are multiplied (False) or divided (True) by, constant along the keys and applied
+    before any bias or mask (a learned temperature): the families fold it into q."""
     q_perm: tuple[int, ...] | None = None
     k_perm: tuple[int, ...] | None = None
     k_is_transposed: bool = False
@@ -147,7 +151,8 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     ops = walk_to_scores(softmax.args[0], matched, info, _softmax_step, positive=True,
                          what="the softmax is not a scale, bias, mask or cast")
     scale, bias, masks = replay(ops)
-    return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks)
+    return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,
+                 q_factor=tensor_factor(ops))
 
 
 def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
@@ -455,7 +460,7 @@ def match_pointwise(anchor: fx.Node, identity: bool = False) -> AttentionSite:
     scale, bias, _ = replay(ops)
     return _site(anchor, forward["user"], info, matched + [forward["user"]], scale=scale, bias=bias,
                  activation=activation, out_scale=forward["out_scale"], divisor=forward["divisor"],
-                 masks=forward["masks"], kind="pointwise")
+                 masks=forward["masks"], kind="pointwise", q_factor=tensor_factor(ops))
 
 
 def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Node]) -> dict[str, Any]:

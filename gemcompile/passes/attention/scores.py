@@ -12,9 +12,10 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from gemcompile.passes.graph import Unproven, target_name
+from gemcompile.passes.graph import Unproven, example_value, target_name
 
 MATMUL = ("matmul", "__matmul__")
 CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous")
@@ -152,12 +153,38 @@ def _scale(node: fx.Node, positive: bool) -> tuple[float, fx.Node]:
     return (1.0 / c if divides else c), (a if isinstance(a, fx.Node) else b)
 
 
+def _tensor_factor(node: fx.Node) -> tuple[fx.Node, bool, fx.Node] | None:
+    """(the tensor, whether it divides, the scores' side) when ``node`` scales the scores by a tensor that
+    is constant along the keys (a learned temperature, a per-head logit scale): q times it gives the same
+    scores. None for a constant factor (``_scale`` takes it); Unproven for one that varies along the keys."""
+    a, b = node.args[:2]
+    divides = SCALE_OPS[target_name(node)] is operator.truediv
+    if isinstance(a, fx.Node) and leads_to_matmul(a):
+        scores, other = a, b
+    elif not divides and isinstance(b, fx.Node) and leads_to_matmul(b):
+        scores, other = b, a
+    else:
+        return None
+    if not isinstance(other, fx.Node) or constant_float(other) is not None:
+        return None
+    value = example_value(other)
+    if not isinstance(value, torch.Tensor) or value.dim() > 4 or not value.is_floating_point():
+        return None
+    if value.dim() and value.shape[-1] != 1:
+        raise Unproven(f"the scores are scaled by {other.name}, which varies along the keys (a mask or "
+                       "weights, not a scale)")
+    return other, divides, scores
+
+
 def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step, *, positive: bool,
                    what: str) -> list[tuple[str, Any]]:
     """Walk from ``node`` back to q @ k^T, recording q, k (and layouts) in ``info``, and return the ops met
-    on the way, in backward order: ("scale", factor), and what ``step`` records for the ops it takes
-    (it returns the next node, or None for an op it does not take: Unproven, naming ``what`` it is not)."""
+    on the way, in backward order: ("scale", factor), ("tensor_scale", (tensor, divides)) for a tensor
+    factor constant along the keys (at most one, with no bias or mask applied before it: the families fold
+    it into q), and what ``step`` records for the ops it takes (it returns the next node, or None for an op
+    it does not take: Unproven, naming ``what`` it is not)."""
     ops: list[tuple[str, Any]] = []
+    tensor_scaled = None
     while True:
         single_user(node, matched)
         if is_call(node, *MATMUL):
@@ -170,13 +197,28 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             node = node.args[0]
             continue
         if is_call(node, *SCALE_OPS):
+            tensor = _tensor_factor(node)
+            if tensor is not None:
+                if tensor_scaled is not None:
+                    raise Unproven(f"the scores are scaled by two tensors ({tensor_scaled.name}, {tensor[0].name})")
+                tensor_scaled, node = tensor[0], tensor[2]
+                ops.append(("tensor_scale", tensor[:2]))
+                continue
             factor, node = _scale(node, positive)
             ops.append(("scale", factor))
             continue
+        if tensor_scaled is not None:
+            raise Unproven(f"`{target_name(node)}` ({node.name}) is applied to the scores before they are scaled "
+                           f"by the tensor {tensor_scaled.name}")
         following = step(node, ops)
         if following is None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")
         node = following
+
+
+def tensor_factor(ops: list[tuple[str, Any]]) -> tuple[fx.Node, bool] | None:
+    """The (tensor, divides) factor of walk_to_scores' ops, if any."""
+    return next((arg for kind, arg in ops if kind == "tensor_scale"), None)
 
 
 def replay(ops: list[tuple[str, Any]]) -> tuple[float, list[tuple[fx.Node, float]], list]:
@@ -184,6 +226,8 @@ def replay(ops: list[tuple[str, Any]]) -> tuple[float, list[tuple[fx.Node, float
     a scale multiplies the bias terms added before it."""
     scale, bias, masks = 1.0, [], []
     for kind, arg in reversed(ops):
+        if kind == "tensor_scale":
+            continue  # folded into q by the families (tensor_factor): no bias or mask comes before it
         if kind == "scale":
             scale *= arg
             bias = [(term, c * arg) for term, c in bias]
