@@ -200,7 +200,8 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             tensor = _tensor_factor(node)
             if tensor is not None:
                 if tensor_scaled is not None:
-                    raise Unproven(f"the scores are scaled by two tensors ({tensor_scaled.name}, {tensor[0].name})")
+                    raise Unproven(f"the scores are scaled by two tensors ({tensor_scaled.name}, "
+                                   f"{tensor[0].name})")
                 tensor_scaled, node = tensor[0], tensor[2]
                 ops.append(("tensor_scale", tensor[:2]))
                 continue
@@ -208,8 +209,8 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             ops.append(("scale", factor))
             continue
         if tensor_scaled is not None:
-            raise Unproven(f"`{target_name(node)}` ({node.name}) is applied to the scores before they are scaled "
-                           f"by the tensor {tensor_scaled.name}")
+            raise Unproven(f"`{target_name(node)}` ({node.name}) is applied to the scores before they are "
+                           f"scaled by the tensor {tensor_scaled.name}")
         following = step(node, ops)
         if following is None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")
