@@ -53,6 +53,30 @@ def test_an_empty_sequence_under_a_finite_fill_matches_eager(fill):
         torch.testing.assert_close(g, g_ref, **tol)
 
 
+@pytest.mark.parametrize("spelling", ["masked_fill", "where"])
+@pytest.mark.parametrize("fill", ["finfo", -1e9, -1e4])
+def test_an_empty_sequence_under_a_fill_written_over_the_scores_is_uniform(spelling, fill):
+    """masked_fill / where write F itself over every score of an empty sequence: eager's row is uniform
+    whatever F is (at -1e4 too, where an added F would leave softmax(s)), and q, k get no gradient there."""
+    def attention(q, k, v, lengths):
+        keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
+        f = torch.finfo(q.dtype).min if fill == "finfo" else fill
+        s = q @ k.transpose(-2, -1) / math.sqrt(D)
+        s = s.masked_fill(~keep, f) if spelling == "masked_fill" else torch.where(keep, s, f)
+        return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = _qkv()
+    lengths = torch.tensor([L, 0, 3])
+    assert explain(attention, q, k, v, lengths).counts["jagged_attention"] == 1
+    out, ref = gem_compile(attention)(q, k, v, lengths), attention(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+
+
 def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
     attention = _fill_attention(-1e4)
     q, k, v = _qkv(scale=40.0)  # scores around +-1e4: eager lets padded keys win

@@ -9,7 +9,8 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
    Fills at or below -1e30 (finfo.min of fp32 and bf16) need no check.
 2. **rows that see no valid key**: eager gives them softmax(s + F) over the keys the fill spans.
    - no causal/window/block/HSTU term and no query padding: such a row is a sequence with no valid key, and
-     the rewrite gives that sequence every key. For F >= -1e8 that is eager's softmax(s + F) = softmax(s)
+     the rewrite gives that sequence every key. Written over the scores (masked_fill, where), F makes the
+     row uniform whatever its value. Added, for F >= -1e8 that is eager's softmax(s + F) = softmax(s)
      (up to eager's own rounding of s + F). A fill added by several terms instead gets a device-side check
      that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For
      F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row is uniform, and the kernel is told so
@@ -89,10 +90,11 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         kv_len = emit.call(torch.where, (empty, keys, kv_len))
     if kv_mask is not None:
         kv_mask = emit.call(torch.logical_or, (kv_mask, emit.call(torch.unsqueeze, (empty, 1))))
+    if mask.fill_replaces:  # every score of the sequence is F itself: uniform, whatever F is
+        q, k = (_detached_where(emit, empty, x) for x in (q, k))
+        return q, k, kv_len, kv_mask, empty
     if fill > UNIFORM_FILL:
         return q, k, kv_len, kv_mask, None
-    if mask.fill_replaces:
-        q, k = (_detached_where(emit, empty, x) for x in (q, k))
     if bound is None:
         return q, k, kv_len, kv_mask, empty
     rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
