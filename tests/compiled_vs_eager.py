@@ -23,3 +23,16 @@ def assert_compiled_matches_eager(model, *inputs, atol: float = 2e-5, rtol: floa
         torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
+
+
+def assert_same_weighted_grads(out, ref, leaves, *, seed: int = 2, atol: float = 5e-5,
+                               rtol: float = 1e-4) -> None:
+    """The gradients of a random-weighted sum of ``out`` and of ``ref`` with respect to ``leaves`` are equal
+    (a leaf that neither reaches is None on both sides)."""
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
+    grads_ref = torch.autograd.grad((ref * weights).sum(), leaves, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=atol, rtol=rtol)

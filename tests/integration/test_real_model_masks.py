@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from gemcompile import explain, gem_compile
 from gemcompile.backend import GemBackend, allow_warnings_in_graphs
 from tests import fbgemm_standin
+from tests.compiled_vs_eager import assert_same_weighted_grads
 from tests.model_styles import (
     Bert4RecAttention,
     BertStyleSelfAttention,
@@ -123,14 +124,8 @@ def _check_against_eager(name, seed: int = 1):
     assert counters["gemcompile"][family] == 1  # the compiled model runs the rewritten attention
     rows = _defined_rows(name, mask_input)
     torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
-    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-    leaves = [hidden, *model.parameters()]
-    grads = torch.autograd.grad((torch.where(rows, out, 0) * weights).sum(), leaves, allow_unused=True)
-    grads_ref = torch.autograd.grad((torch.where(rows, ref, 0) * weights).sum(), leaves, allow_unused=True)
-    for g, g_ref in zip(grads, grads_ref):
-        assert (g is None) == (g_ref is None)
-        if g is not None:
-            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+    assert_same_weighted_grads(torch.where(rows, out, 0), torch.where(rows, ref, 0),
+                               [hidden, *model.parameters()])
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -12,17 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gemcompile import explain
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.integration.test_in_place_scores import B, D, E, H, L, InPlaceScores
 from tests.rewritten import rewritten
 
-B, L, H, D = 4, 11, 2, 16
-E = H * D
-
-
-class ScaledScores(nn.Module):
+class ScaledScores(InPlaceScores):
     def __init__(self, spelling: str):
-        super().__init__()
-        self.spelling = spelling
-        self.qkv = nn.Linear(E, 3 * E)
+        super().__init__(spelling)
         self.temperature = nn.Parameter(torch.tensor(2.0))
         self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(H, 1, 1)))
 
@@ -60,14 +56,7 @@ def test_a_tensor_factor_is_folded_into_q(spelling):
     rows = (torch.arange(L)[None, :] < lengths[:, None])[..., None]
     out, ref = torch.where(rows, out, 0), torch.where(rows, ref, 0)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-    leaves = [x, *model.parameters()]
-    grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True)
-    grads_ref = torch.autograd.grad((ref * w).sum(), leaves, allow_unused=True)
-    for g, g_ref in zip(grads, grads_ref):
-        assert (g is None) == (g_ref is None)
-        if g is not None:
-            torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()], atol=1e-4)
 
 
 @pytest.mark.parametrize("spelling", list(REFUSED))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from gemcompile import explain
 from gemcompile.passes.records import PassLog, recording
+from tests.compiled_vs_eager import assert_same_weighted_grads
 from tests.model_styles import SASRecBlock
 from tests.rewritten import rewritten
 
@@ -70,13 +71,7 @@ def _assert_eager(model, compiled, inputs):
     leaves = [*model.parameters(), *floats]
     out, ref = compiled(*inputs), model(*inputs)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
-    grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
-    grads_ref = torch.autograd.grad((ref * weights).sum(), leaves, allow_unused=True)
-    for g, g_ref in zip(grads, grads_ref):
-        assert (g is None) == (g_ref is None)
-        if g is not None:
-            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, leaves, seed=7)
 
 
 def _indices(report) -> int:
