@@ -216,12 +216,13 @@ class DistilBertStyleAttention(_Attention):
 class T5StyleAttention(_Attention):
     """HF T5 (the encoder of P5/TIGER-style generative recommenders): no 1/sqrt(d); a learned bias per
     relative-position bucket and head, summed with the (1 - m) * finfo.min padding mask into one
-    position_bias, added to the scores in place; the softmax in fp32, cast back with type_as."""
+    position_bias, added to the scores in place; the softmax in fp32, cast back with type_as (or the sum
+    given to SDPA as its attn_mask)."""
 
-    def __init__(self, heads: int, head_dim: int, buckets: int = 8):
+    def __init__(self, heads: int, head_dim: int, buckets: int = 8, sdpa: bool = False):
         super().__init__(heads, head_dim)
         self.q, self.k, self.v = (nn.Linear(self.width, self.width, bias=False) for _ in range(3))
-        self.buckets = buckets
+        self.buckets, self.sdpa = buckets, sdpa
         self.relative_attention_bias = nn.Embedding(2 * buckets + 1, heads)
 
     def forward(self, hidden, attention_mask):
@@ -232,6 +233,8 @@ class T5StyleAttention(_Attention):
         extended = (1.0 - attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
         position_bias = position_bias + extended
         q, k, v = self.split(self.q(hidden)), self.split(self.k(hidden)), self.split(self.v(hidden))
+        if self.sdpa:  # the summed bias and mask as SDPA's attn_mask, no scaling
+            return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=position_bias, scale=1.0))
         scores = torch.matmul(q, k.transpose(3, 2))
         scores += position_bias
         weights = nn.functional.softmax(scores.float(), dim=-1).type_as(scores)

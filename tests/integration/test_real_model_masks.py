@@ -85,6 +85,8 @@ MODELS = {
                                  "jagged_attention"),
     "distilbert": (DistilBertStyleAttention, "attention_mask", "jagged_attention"),
     "t5_relative_bias": (T5StyleAttention, "attention_mask", "jagged_attention"),
+    "t5_relative_bias_sdpa": (functools.partial(T5StyleAttention, sdpa=True), "attention_mask",
+                              "jagged_attention"),
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),

@@ -293,9 +293,16 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
         scale = 1.0 / math.sqrt(head_dim)
     elif constant_float(scale) is None:
         raise Unproven("a non-constant scale")
-    kind = "keep" if example_value(mask).dtype == torch.bool else "additive"
-    return AttentionSite(anchor=sdpa, output=sdpa, q=q, k=k, v=v, scale=float(scale),
-                         masks=[MaskTerm(mask, kind)], causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa")
+    if example_value(mask).dtype == torch.bool:
+        masks, bias = [MaskTerm(mask, "keep")], []
+    else:  # added to the scaled scores: a mask, a bias, or both summed (T5's position_bias + padding mask)
+        terms = _added_terms(mask)
+        masks = [arg for kind, arg in terms if kind == "mask"]
+        bias = [arg for kind, arg in terms if kind == "bias"]
+        if not masks:  # no part reads as a mask: prove it as one, so the refusal says what it is instead
+            masks, bias = [MaskTerm(mask, "additive")], []
+    return AttentionSite(anchor=sdpa, output=sdpa, q=q, k=k, v=v, scale=float(scale), masks=masks, bias=bias,
+                         causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa")
 
 
 _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
