@@ -50,13 +50,14 @@ class Gdpa(AttentionFamily):
             raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
 
     @staticmethod
-    def _normalizer(site: AttentionSite, mask: AttentionMask) -> str:
-        """How explain names the tensor the activated scores are divided by ('' without one). A divisor
+    def _normalizer(site: AttentionSite, mask: AttentionMask) -> tuple[str, bool]:
+        """(how explain names the tensor the activated scores are divided by, '' without one; whether it is
+        the key lengths). A divisor
         constant along the keys (its key dim 1: per sample, head or query row) divides the output of the
         sum over keys exactly as it divides each term, so the model's own divisor is applied to the op's
         output (emit)."""
         if site.divisor is None:
-            return ""
+            return "", False
         node = site.divisor
         while node.op in ("call_function", "call_method") and (
             (node.target is operator.getitem) or target_name(node) in _LENGTH_VIEWS
@@ -67,8 +68,8 @@ class Gdpa(AttentionFamily):
             raise Unproven(f"the activated scores are divided by {site.divisor.name}, which varies along the "
                            "keys")
         if mask.kv_lengths is not None and node is mask.kv_lengths and mask.kv_offset == 0:
-            return "the key lengths"
-        return site.divisor.name
+            return "the key lengths", True
+        return site.divisor.name, False
 
     @staticmethod
     def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
@@ -89,7 +90,7 @@ class Gdpa(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         qv, kv = example_value(q), example_value(k)
         check_qkv(qv, kv, example_value(v), HEAD_DIMS)
-        normalizer = self._normalizer(site, mask)
+        normalizer, by_key_lengths = self._normalizer(site, mask)
         mask, detail = self._downstream_rows(site, mask)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths, mask.num_targets)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
@@ -111,7 +112,7 @@ class Gdpa(AttentionFamily):
                            "lengths there)")
         out = emit.call(torch.ops.gemcompile.gdpa.default, args, {} if kv_mask is None else {"kv_mask": kv_mask})
         if normalizer:
-            if normalizer != "the key lengths":  # x / 0 in eager is NaN or inf term by term, not sum / 0
+            if not by_key_lengths:  # x / 0 in eager is NaN or inf term by term, not sum / 0
                 nonzero = emit.call(torch.all, (site.divisor,))
                 emit.call(torch._assert_async,
                           (nonzero, f"gemcompile: the attention's normalizer {site.divisor.name} holds a 0"))

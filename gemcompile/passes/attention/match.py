@@ -232,11 +232,7 @@ def _is_additive_mask(term: fx.Node) -> bool:
     """An added term is a mask when it only takes 0 and large negative values, or when it is built like one
     (a large negative fill constant) even if the prover cannot read it: then the refusal names what
     blocked the proof rather than calling the mask a bias."""
-    try:
-        value = MaskEvaluator().tensor(term)
-    except Unproven:
-        return _built_like_a_mask(term)
-    return isinstance(value, PiecewiseTensor) and all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in value.pieces)
+    return _added_terms(term, depth=0)[0][0] == "mask"
 
 
 def _added_terms(term: fx.Node, depth: int = 4) -> list[tuple[str, Any]]:
