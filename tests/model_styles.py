@@ -77,11 +77,11 @@ class IndexedBoolMaskAttention(_Attention):
         self.query_floor = query_floor
 
     def forward(self, hidden, attention_mask):
-        batch_idx = torch.arange(hidden.shape[0])[:, None, None, None]
-        kv_idx = torch.arange(hidden.shape[1])[None, None, None, :]
+        batch_idx = torch.arange(hidden.shape[0], device=hidden.device)[:, None, None, None]
+        kv_idx = torch.arange(hidden.shape[1], device=hidden.device)[None, None, None, :]
         allowed = attention_mask.bool()[batch_idx, kv_idx]
         if self.query_floor is not None:
-            q_idx = torch.arange(hidden.shape[1])[None, None, :, None]
+            q_idx = torch.arange(hidden.shape[1], device=hidden.device)[None, None, :, None]
             allowed = (q_idx >= self.query_floor) & allowed
         q, k, v = (self.split(t) for t in self.qkv(hidden).chunk(3, dim=-1))
         return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
@@ -217,12 +217,13 @@ class T5StyleAttention(_Attention):
     """HF T5 (the encoder of P5/TIGER-style generative recommenders): no 1/sqrt(d); a learned bias per
     relative-position bucket and head, summed with the (1 - m) * finfo.min padding mask into one
     position_bias, added to the scores in place; the softmax in fp32, cast back with type_as (or the sum
-    given to SDPA as its attn_mask)."""
+    given to SDPA as its attn_mask). ``gated``: transformers 5's SDPA integration instead, the bias written
+    into a boolean mask, ``where(mask, position_bias, finfo.min)``, as SDPA's attn_mask."""
 
-    def __init__(self, heads: int, head_dim: int, buckets: int = 8, sdpa: bool = False):
+    def __init__(self, heads: int, head_dim: int, buckets: int = 8, sdpa: bool = False, gated: bool = False):
         super().__init__(heads, head_dim)
         self.q, self.k, self.v = (nn.Linear(self.width, self.width, bias=False) for _ in range(3))
-        self.buckets, self.sdpa = buckets, sdpa
+        self.buckets, self.sdpa, self.gated = buckets, sdpa, gated
         self.relative_attention_bias = nn.Embedding(2 * buckets + 1, heads)
 
     def forward(self, hidden, attention_mask):
@@ -230,6 +231,11 @@ class T5StyleAttention(_Attention):
         position = torch.arange(n, device=hidden.device)
         relative = (position[None, :] - position[:, None]).clamp(-self.buckets, self.buckets) + self.buckets
         position_bias = self.relative_attention_bias(relative).permute(2, 0, 1).unsqueeze(0)  # (1, H, L, L)
+        if self.gated:
+            keep = attention_mask.bool()[:, None, None, :].expand(-1, 1, n, -1)
+            gated = torch.where(keep, position_bias, torch.finfo(hidden.dtype).min).contiguous()
+            q, k, v = self.split(self.q(hidden)), self.split(self.k(hidden)), self.split(self.v(hidden))
+            return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=gated, scale=1.0))
         extended = (1.0 - attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
         position_bias = position_bias + extended
         q, k, v = self.split(self.q(hidden)), self.split(self.k(hidden)), self.split(self.v(hidden))

@@ -87,6 +87,8 @@ MODELS = {
     "t5_relative_bias": (T5StyleAttention, "attention_mask", "jagged_attention"),
     "t5_relative_bias_sdpa": (functools.partial(T5StyleAttention, sdpa=True), "attention_mask",
                               "jagged_attention"),
+    "t5_bias_gated_by_bool_mask": (functools.partial(T5StyleAttention, gated=True), "attention_mask",
+                                   "jagged_attention"),
     "sasrec": (SASRecBlock, "ids_right", "jagged_attention"),
     "sasrec_2020_timeline": (functools.partial(SASRecBlock, key_padding=False), "ids_left", "jagged_attention"),
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),
@@ -107,13 +109,15 @@ def _defined_rows(name, mask_input):
     return torch.ones(B, L, 1, dtype=torch.bool)
 
 
-def _check_against_eager(name, seed: int = 1):
+def _check_against_eager(name, seed: int = 1, device: str = "cpu"):
     """The compiled model runs the one rewritten attention; outputs and gradients equal eager's (float32) on
     the rows eager defines."""
     make, kind, family = MODELS[name]
     torch.manual_seed(0)
-    model = make(H, D).eval()
+    model = make(H, D).eval().to(device)
     hidden, mask_input = _batch(kind, torch.Generator().manual_seed(seed))
+    hidden = hidden.detach().to(device).requires_grad_()
+    mask_input = mask_input.to(device)
     allow_warnings_in_graphs()  # as gem_compile does (TransformerEncoderLayer warns while it runs)
     counters.clear()
     compiled = rewritten(model)
@@ -124,7 +128,7 @@ def _check_against_eager(name, seed: int = 1):
         ref = model(hidden, mask_input)
     out = compiled(hidden, mask_input)
     assert counters["gemcompile"][family] == 1  # the compiled model runs the rewritten attention
-    rows = _defined_rows(name, mask_input)
+    rows = _defined_rows(name, mask_input.cpu()).to(device)
     torch.testing.assert_close(torch.where(rows, out, 0), torch.where(rows, ref, 0), atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(torch.where(rows, out, 0), torch.where(rows, ref, 0),
                                [hidden, *model.parameters()])

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.attention.match import AttentionSite
+from gemcompile.passes.attention.match import AttentionSite, GatedBias
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, hoist_before
 from gemcompile.passes.masks.classify import Unclassified
@@ -168,6 +168,9 @@ def summed_bias(emit: Emitter, terms: list[tuple[fx.Node, float]]) -> fx.Node | 
     """sum(coefficient * term) as one 4-D node (leading dims of size 1 added), or None without terms."""
     total = None
     for node, coefficient in terms:
+        if isinstance(node, GatedBias):  # broadcast as the model's where broadcasts
+            sides = (node.value, 0.0) if node.kept else (0.0, node.value)
+            node = emit.call(torch.where, (node.cond, *sides))
         term = node if coefficient == 1.0 else emit.call(operator.mul, (node, coefficient))
         total = term if total is None else emit.call(operator.add, (total, term))
     if total is None:

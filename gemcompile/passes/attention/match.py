@@ -67,6 +67,22 @@ class MaskTerm:
     fill: float | None = None
     """The value a keep/drop term fills dropped scores with (masked_fill, where); None: -inf (a bool mask
     given to SDPA or nn.MultiheadAttention). Additive terms' values come from the mask evaluator."""
+    fill_added: bool = False
+    """Whether that fill is added to the scores (``s + where(keep, bias, F)``) rather than written over
+    them: a row with no valid key then gets eager's s + F, as for an additive mask."""
+
+
+@dataclass(frozen=True)
+class GatedBias:
+    """A bias that applies on one side of a condition only, the other side being a mask's fill:
+    ``where(cond, value, F)`` added to the scores is this bias (``where(cond, value, 0)``, built by
+    ``summed_bias``) plus the keep mask ``cond`` filled with F. The gate keeps eager's gradient: none
+    reaches ``value`` where the fill stands, a sequence with no valid key included."""
+
+    value: fx.Node
+    cond: fx.Node
+    kept: bool
+    """True: the bias stands where cond is True (``where(cond, value, F)``); False: where it is False."""
 
 
 @dataclass
@@ -93,7 +109,7 @@ class AttentionSite:
     k_is_transposed: bool = False
     v_perm: tuple[int, ...] | None = None
     out_perm: tuple[int, ...] | None = None
-    bias: list[tuple[fx.Node, float]] = field(default_factory=list)
+    bias: list[tuple[fx.Node | GatedBias, float]] = field(default_factory=list)
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
@@ -245,14 +261,39 @@ def _added_terms(term: fx.Node, depth: int = 4) -> list[tuple[str, Any]]:
         value = None
     if value is not None:
         pieces = value.pieces if isinstance(value, PiecewiseTensor) else [(1.0, None)]
-        mask = all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in pieces)
-        return [("mask", MaskTerm(term, "additive")) if mask else ("bias", (term, 1.0))]
+        if all(v == 0 or v <= NEG_FILL_LIMIT for v, _ in pieces):
+            return [("mask", MaskTerm(term, "additive"))]
+    gated = _gated_bias(term)
+    if gated is not None:
+        return gated
+    if value is not None:
+        return [("bias", (term, 1.0))]
     summed = is_call(term, *ADD) and not term.kwargs and all(isinstance(a, fx.Node) for a in term.args[:2])
     if depth and summed:
         parts = [op for part in term.args[:2] for op in _added_terms(part, depth - 1)]
         if any(kind == "mask" for kind, _ in parts):
             return parts
     return [("mask", MaskTerm(term, "additive")) if _built_like_a_mask(term) else ("bias", (term, 1.0))]
+
+
+def _gated_bias(term: fx.Node) -> list[tuple[str, Any]] | None:
+    """``where(cond, bias, F)`` (or ``where(cond, F, bias)``) with a fill F <= -1e4, as transformers' SDPA
+    integration folds T5's position_bias into a bool mask: the keep mask cond with F added on the keys it
+    drops, and the bias gated to the keys it keeps (GatedBias); None for any other term."""
+    while is_call(term, "contiguous", "clone"):
+        term = term.args[0]
+    if not is_call(term, "where") or len(term.args) != 3 or term.kwargs:
+        return None
+    cond, x, y = term.args
+    kept = isinstance(x, fx.Node) and not isinstance(y, fx.Node)
+    bias, fill = (x, y) if kept else (y, x)
+    value = constant_float(fill)
+    if not isinstance(cond, fx.Node) or not isinstance(bias, fx.Node) or value is None or value > NEG_FILL_LIMIT:
+        return None
+    if example_value(cond).dtype != torch.bool:
+        return None
+    mask = MaskTerm(cond, "keep" if kept else "drop", fill=float(value), fill_added=True)
+    return [("mask", mask), ("bias", (GatedBias(bias, cond, kept), 1.0))]
 
 
 def _built_like_a_mask(term: fx.Node, limit: int = 32) -> bool:

@@ -169,7 +169,7 @@ class AttentionRewritePass(GemPass):
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
             if site.activation is None:
                 fill, replaces = finite_fill(evaluator, site)
-                stacked = fill is not None and sum(t.kind == "additive" for t in site.masks) > 1
+                stacked = fill is not None and sum(t.kind == "additive" or t.fill_added for t in site.masks) > 1
                 mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces, fill_stacked=stacked)
             mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
@@ -208,9 +208,9 @@ def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> tuple[float | 
     whether it replaces the scores (masked_fill, where) rather than adding to them). Unproven when dropped
     scores get several values (eager then ranks them: rows with no valid key attend to the least negative)
     or both spellings (their gradients differ)."""
-    added = {f for f in evaluator.fills if math.isfinite(f)}
-    replaced = {t.fill for t in site.masks if t.fill is not None}
-    fills = set(evaluator.fills) | replaced
+    added = {f for f in evaluator.fills if math.isfinite(f)} | {t.fill for t in site.masks if t.fill_added}
+    replaced = {t.fill for t in site.masks if t.fill is not None and not t.fill_added}
+    fills = set(evaluator.fills) | replaced | {t.fill for t in site.masks if t.fill_added}
     finite = sorted(f for f in fills if math.isfinite(f))
     if not finite:
         return None, False
