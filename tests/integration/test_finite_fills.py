@@ -77,6 +77,32 @@ def test_an_empty_sequence_under_a_fill_written_over_the_scores_is_uniform(spell
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("side", ["kept", "dropped"])
+@pytest.mark.parametrize("fill", ["finfo", -1e9, -1e4])
+def test_a_bias_gated_by_the_mask_matches_eager_on_an_empty_sequence(side, fill):
+    """s + where(keep, bias, F) (transformers 5 folds T5's position bias into its bool mask so): split into
+    the mask and a bias on the kept keys only. An empty sequence gets eager's softmax(s + F), and its bias
+    gets no gradient, as where's autograd gives."""
+    def attention(q, k, v, lengths, bias):
+        keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
+        f = torch.finfo(q.dtype).min if fill == "finfo" else fill
+        gated = torch.where(keep, bias, f) if side == "kept" else torch.where(~keep, f, bias)
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D) + gated, dim=-1) @ v
+
+    q, k, v = _qkv()
+    bias = torch.randn(1, H, L, L, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    lengths = torch.tensor([L, 0, 3])
+    assert explain(attention, q, k, v, lengths, bias).counts["jagged_attention"] == 1
+    out, ref = gem_compile(attention)(q, k, v, lengths, bias), attention(q, k, v, lengths, bias)
+    tol = dict(atol=2e-3, rtol=2e-3) if fill == -1e4 else dict(atol=2e-5, rtol=1e-4)  # eager's rounding
+    torch.testing.assert_close(out, ref, **tol)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v, bias))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v, bias))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, **tol)
+
+
 def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
     attention = _fill_attention(-1e4)
     q, k, v = _qkv(scale=40.0)  # scores around +-1e4: eager lets padded keys win
