@@ -67,6 +67,8 @@ class MaskTerm:
     fill: float | None = None
     """The value a keep/drop term fills dropped scores with (masked_fill, where); None: -inf (a bool mask
     given to SDPA or nn.MultiheadAttention). Additive terms' values come from the mask evaluator."""
+    negated: bool = False
+    """An additive term subtracted from the scores (``s - 1e30 * mask``): its values are negated."""
     fill_added: bool = False
     """Whether that fill is added to the scores (``s + where(keep, bias, F)``) rather than written over
     them: a row with no valid key then gets eager's s + F, as for an additive mask."""
@@ -174,6 +176,9 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
 def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
     """The bias and mask ops a softmax's score chain may hold (walk_to_scores' step)."""
     if is_call(node, *ADD):
+        shift = _constant_shift(*node.args[:2])
+        if shift is not None:  # softmax(s + c) = softmax(s): XLNet's `ac + bd + ef` with ef = 0
+            return shift
         chain, term = _which_is_scores(*node.args[:2])
         ops.extend(_added_terms(term))
         return chain
@@ -181,6 +186,13 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
         a, b = node.args[:2]
         if not leads_to_matmul(a):
             raise Unproven("the scores are subtracted from something")
+        if not isinstance(b, fx.Node):
+            if constant_float(b) is None:
+                raise Unproven("the scores minus a symbolic value")
+            return a  # a constant shift
+        if _subtracted_mask(b):  # XLNet: s - 1e30 * mask
+            ops.append(("mask", MaskTerm(b, "additive", negated=True)))
+            return a
         if _is_additive_mask(b):
             raise Unproven("a mask subtracted from the scores")
         ops.append(("bias", (b, -1.0)))
@@ -226,6 +238,25 @@ def _nan_zeroing(p: fx.Node) -> fx.Node | None:
     if zeros:
         return other if fill is zeros[0] and len(zeros[0].users) == 1 else None
     return other if constant_float(fill) == 0.0 else None
+
+
+def _constant_shift(a: Any, b: Any) -> fx.Node | None:
+    """The scores' side of ``s + c`` for a constant number c (a shift the softmax does not see), else None."""
+    for x, c in ((a, b), (b, a)):
+        if isinstance(x, fx.Node) and not isinstance(c, fx.Node) and constant_float(c) is not None:
+            return x
+    return None
+
+
+def _subtracted_mask(term: fx.Node) -> bool:
+    """Whether ``s - term`` masks: term is 0 where a score is kept and >= 1e4 where it is dropped."""
+    try:
+        value = MaskEvaluator().tensor(term)
+    except Unproven:
+        return False
+    pieces = value.pieces if isinstance(value, PiecewiseTensor) else None
+    return bool(pieces) and all(v == 0 or -v <= NEG_FILL_LIMIT for v, _ in pieces) and \
+        any(v != 0 for v, _ in pieces)
 
 
 def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:

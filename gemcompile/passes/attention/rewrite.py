@@ -57,6 +57,7 @@ from gemcompile.passes.graph import Emitter, Unproven, example_value
 from gemcompile.passes.masks.classify import Unclassified, classify
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import AttentionMask
+from gemcompile.passes.masks.values import piecewise
 from gemcompile.passes.masks.terms import mentions_structure
 from gemcompile.passes.records import describe_nodes
 
@@ -188,6 +189,8 @@ def keep_formula(evaluator: MaskEvaluator, site: AttentionSite):
     keep = sympy.true
     for term in site.masks:
         value = evaluator.tensor(term.node)
+        if term.negated:
+            value = piecewise(value.ndim, [(-v, c) for v, c in value.pieces])
         if term.dims:
             value = evaluator.relabel(value, term.dims, 4)
         pieces = getattr(value, "pieces", None)

@@ -264,6 +264,11 @@ class MaskEvaluator:
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t"):
             return self._permute(node, self.tensor(args[0]))
+        if name == "einsum" and _einsum_permutation(node) is not None:  # XLNet's einsum("ijbn->bnij", mask)
+            equation, operand, order = _einsum_permutation(node)
+            src = self.tensor(operand)
+            n = src.ndim
+            return self.relabel(src, {n - 1 - order[p]: n - 1 - p for p in range(n)}, n)
         if name in _COMPARE and len(args) == 2:
             return self._compare(_COMPARE[name], args[0], args[1], ndim)
         if target in _COMPARE:
@@ -646,6 +651,22 @@ def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
 
 
 # -- a mask term of the scores as the condition that keeps a score -----------------------------------
+
+def _einsum_permutation(node: fx.Node) -> tuple[str, fx.Node, list[int]] | None:
+    """(equation, operand, order) when ``node`` is a one-operand einsum that only permutes dims
+    (``einsum("ijbn->bnij", x)``): output dim p holds input dim order[p]; else None."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 1 or not isinstance(operands[0], fx.Node):
+        return None
+    if "->" not in equation or "." in equation:
+        return None
+    src, out = equation.replace(" ", "").split("->")
+    if len(set(src)) != len(src) or sorted(src) != sorted(out):
+        return None
+    return equation, operands[0], [src.index(c) for c in out]
+
 
 def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boolean:
     """The condition under which a score is kept, for a boolean mask ("bool": True keeps) or an additive
