@@ -18,7 +18,12 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
      check that the scores are small enough to round away (|s| < ulp(F) / 2; always true for finfo.min).
      Written over the scores (masked_fill, where), the fill passes no gradient to them: q and k of such a
      sequence are detached, as eager's autograd gives;
-   - causal only: every row sees key 0 when key 0 is valid, so a device-side check requires that;
+   - causal: a row i sees no valid key when keys 0..i are all padding (left padding, leading holes of a
+     data mask, an empty sequence): those rows are a prefix of each sequence. With one fill F for every
+     dropped pair, eager's such row is softmax(s + F) over all the keys (the causal ones dropped with the
+     same F), so the rewrite computes these rows in a second, non-causal call of the kernel over every key
+     (``BlindRows``: query lengths = the prefix, uniform or exact as above) and adds it to the first, whose
+     rows there are 0. A fill added by several terms instead gets the device-side check that key 0 is valid;
    - a window, blocks, HSTU or query padding with a finite fill: refused (rows that see no key are common
      there), with the reason; -inf or a bool mask is rewritten.
 """
@@ -27,10 +32,12 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from gemcompile.passes.attention.family import size_of
 from gemcompile.passes.graph import Emitter, Unproven, example_value
 from gemcompile.passes.masks.model import AttentionMask
 
@@ -56,10 +63,25 @@ def check_fill_served(mask: AttentionMask) -> None:
                        "in eager and are 0 in the kernel (fill with -inf or use a bool mask)")
 
 
+@dataclass(frozen=True)
+class BlindRows:
+    """A causal mask's rows that see no valid key, computed in a second kernel call over every key and
+    added to the first call's output (which is 0 on them): the first ``rows[b]`` queries of sample b."""
+
+    rows: fx.Node
+    """(B,) int: how many leading queries of each sample see no valid key (the sample's queries when none)."""
+    q: fx.Node
+    k: fx.Node
+    """q and k for that call (detached where eager's fill passes them no gradient)."""
+    uniform_keys: fx.Node | None
+    """The call's uniform_keys: every sample when eager's s + F rounds to F, else None (softmax of s)."""
+
+
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,
                     kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None):
-    """(q, k, kv_len, kv_mask, uniform_keys) for the kernel such that the finite fill's rows match eager
-    (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds away."""
+    """(q, k, kv_len, kv_mask, uniform_keys, blind) for the kernel such that the finite fill's rows match
+    eager (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds
+    away; blind is None or the BlindRows of a causal mask."""
     check_fill_served(mask)
     fill = mask.fill
     bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
@@ -69,14 +91,17 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                                             "so eager does not drop the masked keys and the kernel would; fill "
                                             "with -inf or a bool mask, or scale the scores"))
     if kv_len is None and kv_mask is None:
-        return q, k, kv_len, kv_mask, None  # no key padding: every row sees a key (causal: key 0)
-    if mask.causal:
+        return q, k, kv_len, kv_mask, None, None  # no key padding: every row sees a key (causal: key 0)
+    if mask.causal and mask.fill_stacked:  # eager's blind rows attend to the keys fewest terms drop
         first = _first_key_valid(emit, kv_len, kv_mask)
         emit.call(torch._assert_async, (emit.call(torch.all, (first,)),
                                         f"gemcompile: a sequence whose first key is padding under a causal mask "
-                                        f"filled with {fill:g}: eager averages padding in its first rows, the "
-                                        "kernel gives 0 (fill with -inf or use a bool mask)"))
-        return q, k, kv_len, kv_mask, None
+                                        f"that adds its fill ({fill:g}) in several terms: eager attends to the "
+                                        "keys the fewest terms drop in its first rows, the kernel cannot (fill "
+                                        "with -inf, use a bool mask or add one mask)"))
+        return q, k, kv_len, kv_mask, None, None
+    if mask.causal:
+        return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, bound)
     empty = _no_valid_key(emit, kv_len, kv_mask)
     if mask.fill_stacked:  # eager's row attends to the keys fewest terms drop: no kernel computes that
         none_empty = emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))
@@ -84,7 +109,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                    "in several terms: eager attends to the keys the fewest terms drop, the kernel cannot "
                    "(fill with -inf, use a bool mask or add one mask)")
         emit.call(torch._assert_async, (none_empty, message))
-        return q, k, kv_len, kv_mask, None
+        return q, k, kv_len, kv_mask, None, None
     keys = example_value(k).shape[2]
     if kv_len is not None:
         kv_len = emit.call(torch.where, (empty, keys, kv_len))
@@ -92,17 +117,52 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         kv_mask = emit.call(torch.logical_or, (kv_mask, emit.call(torch.unsqueeze, (empty, 1))))
     if mask.fill_replaces:  # every score of the sequence is F itself: uniform, whatever F is
         q, k = (_detached_where(emit, empty, x) for x in (q, k))
-        return q, k, kv_len, kv_mask, empty
+        return q, k, kv_len, kv_mask, empty, None
     if fill > UNIFORM_FILL:
-        return q, k, kv_len, kv_mask, None
+        return q, k, kv_len, kv_mask, None, None
+    _check_rounded_away(emit, fill, bound, empty)
+    return q, k, kv_len, kv_mask, empty, None
+
+
+def _check_rounded_away(emit: Emitter, fill: float, bound: fx.Node | None, blind: fx.Node) -> None:
+    """A device-side check that eager's s + fill rounds to the fill wherever ``blind`` (a bool or count
+    tensor) says a row sees no valid key; no check when no score can reach (bound None)."""
     if bound is None:
-        return q, k, kv_len, kv_mask, empty
+        return
     rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
-    ok = emit.call(torch.logical_or, (rounded_away, emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))))
+    ok = emit.call(torch.logical_or, (rounded_away, emit.call(torch.logical_not, (emit.call(torch.any, (blind,)),))))
     emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
                                         "scores large enough that eager's s + fill does not round to the fill: "
                                         "its eager value depends on that rounding; fill with -inf or finfo.min"))
-    return q, k, kv_len, kv_mask, empty
+
+
+def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_len, kv_mask,
+                bound: fx.Node | None) -> BlindRows:
+    """The BlindRows of a causal mask with one finite fill (module doc)."""
+    valid = _valid_keys(emit, kv_len, kv_mask, size_of(emit, k, 2), example_value(k).device)
+    leading = emit.call(torch.sum, (emit.call(operator.eq, (emit.call(torch.cumsum, (valid, -1)), 0)), -1))
+    empty = emit.call(torch.logical_not, (emit.call(torch.any, (valid, -1)),))
+    rows = emit.call(torch.where, (empty, size_of(emit, q, 2), leading))  # every query of an empty one
+    everyone = emit.call(torch.ones_like, (rows,), {"dtype": torch.bool})
+    if mask.fill_replaces:  # every score of such a row is F itself: uniform, no gradient to q and k
+        detached = [emit.call(torch.Tensor.detach, (x,)) for x in (q, k)]
+        return BlindRows(rows, detached[0], detached[1], everyone)
+    if mask.fill > UNIFORM_FILL:
+        return BlindRows(rows, q, k, None)
+    _check_rounded_away(emit, mask.fill, bound, rows)
+    return BlindRows(rows, q, k, everyone)
+
+
+def _valid_keys(emit: Emitter, kv_len, kv_mask, keys, device) -> fx.Node:
+    """(B, Lk) int32: 1 where a key is valid (inside its length and its data mask)."""
+    positions = emit.call(torch.arange, (keys,), {"device": device})
+    valid = None
+    if kv_len is not None:
+        valid = emit.call(operator.lt, (emit.call(torch.unsqueeze, (positions, 0)),
+                                        emit.call(torch.unsqueeze, (kv_len, 1))))
+    if kv_mask is not None:
+        valid = kv_mask if valid is None else emit.call(torch.logical_and, (valid, kv_mask))
+    return emit.call(torch.Tensor.int, (valid,))
 
 
 def _detached_where(emit: Emitter, empty: fx.Node, x: fx.Node) -> fx.Node:

@@ -81,16 +81,22 @@ class JaggedAttention(AttentionFamily):
         kv_mask = key_mask_operand(emit, mask, k)
         q_len = lengths_operand(emit, rows.q_lengths, rows.q_offset, q)
         bias = summed_bias(emit, site.bias)
-        detail, uniform = "mask proven: " + mask.describe(), None
+        detail, uniform, blind = "mask proven: " + mask.describe(), None, None
         if mask.fill is not None:
-            q, k, kv_len, kv_mask, uniform = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len, kv_mask,
-                                                             bias)
+            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len,
+                                                                    kv_mask, bias)
             detail += f"; fill {mask.fill:g} kept exact"
         if rows_note:
             detail += f"; {rows_note}"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
         out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, extra)
+        if blind is not None:  # rows that see no valid key: eager's softmax(s + F) over every key
+            extra = {"uniform_keys": blind.uniform_keys} if blind.uniform_keys is not None else {}
+            rows = emit.call(torch.ops.gemcompile.jagged_attention.default,
+                             (blind.q, blind.k, v, blind.rows, None, bias, False, float(site.scale)), extra)
+            out = emit.call(operator.add, (out, rows))
+            detail += " (rows with no valid key in a second call over every key)"
         return zero_query_rows(emit, mask, out), detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
