@@ -93,12 +93,11 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
     if kv_len is None and kv_mask is None:
         return q, k, kv_len, kv_mask, None, None  # no key padding: every row sees a key (causal: key 0)
     if mask.causal and mask.fill_stacked:  # eager's blind rows attend to the keys fewest terms drop
-        first = _first_key_valid(emit, kv_len, kv_mask)
-        emit.call(torch._assert_async, (emit.call(torch.all, (first,)),
-                                        f"gemcompile: a sequence whose first key is padding under a causal mask "
-                                        f"that adds its fill ({fill:g}) in several terms: eager attends to the "
-                                        "keys the fewest terms drop in its first rows, the kernel cannot (fill "
-                                        "with -inf, use a bool mask or add one mask)"))
+        first = emit.call(torch.all, (_first_key_valid(emit, kv_len, kv_mask),))
+        message = (f"gemcompile: a sequence whose first key is padding under a causal mask that adds its "
+                   f"fill ({fill:g}) in several terms: eager attends to the keys the fewest terms drop in its"
+                   " first rows, the kernel cannot (fill with -inf, use a bool mask or add one mask)")
+        emit.call(torch._assert_async, (first, message))
         return q, k, kv_len, kv_mask, None, None
     if mask.causal:
         return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, bound)
@@ -130,7 +129,8 @@ def _check_rounded_away(emit: Emitter, fill: float, bound: fx.Node | None, blind
     if bound is None:
         return
     rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
-    ok = emit.call(torch.logical_or, (rounded_away, emit.call(torch.logical_not, (emit.call(torch.any, (blind,)),))))
+    none_blind = emit.call(torch.logical_not, (emit.call(torch.any, (blind,)),))
+    ok = emit.call(torch.logical_or, (rounded_away, none_blind))
     emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
                                         "scores large enough that eager's s + fill does not round to the fill: "
                                         "its eager value depends on that rounding; fill with -inf or finfo.min"))

@@ -83,8 +83,8 @@ class JaggedAttention(AttentionFamily):
         bias = summed_bias(emit, site.bias)
         detail, uniform, blind = "mask proven: " + mask.describe(), None, None
         if mask.fill is not None:
-            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(emit, mask, float(site.scale), q, k, kv_len,
-                                                                    kv_mask, bias)
+            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(emit, mask, float(site.scale), q, k,
+                                                                    kv_len, kv_mask, bias)
             detail += f"; fill {mask.fill:g} kept exact"
         if rows_note:
             detail += f"; {rows_note}"
