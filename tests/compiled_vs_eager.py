@@ -29,7 +29,7 @@ def assert_same_weighted_grads(out, ref, leaves, *, seed: int = 2, atol: float =
                                rtol: float = 1e-4) -> None:
     """The gradients of a random-weighted sum of ``out`` and of ``ref`` with respect to ``leaves`` are equal
     (a leaf that neither reaches is None on both sides)."""
-    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed)).to(ref.device)
     grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
     grads_ref = torch.autograd.grad((ref * weights).sum(), leaves, allow_unused=True)
     for g, g_ref in zip(grads, grads_ref, strict=True):

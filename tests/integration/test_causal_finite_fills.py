@@ -41,9 +41,9 @@ def _attention(spelling: str, fill: float):
     return attention
 
 
-def _inputs(seed: int, layout: str):
+def _inputs(seed: int, layout: str, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(device).requires_grad_() for _ in range(3))
     lengths = torch.tensor([L, 4, 0, 7])
     ids = torch.randint(1, 50, (B, L), generator=g)
     if layout == "left":
@@ -52,13 +52,13 @@ def _inputs(seed: int, layout: str):
         ids = ids * (torch.rand(B, L, generator=g) > 0.4)
         ids[0, :3] = 0
         ids[2] = 0
-    return q, k, v, ids
+    return q, k, v, ids.to(device)
 
 
-def _check(spelling, fill_name, layout, seed=1):
+def _check(spelling, fill_name, layout, seed=1, device="cpu"):
     fill = FILLS[fill_name]
     attention = _attention(spelling, fill)
-    q, k, v, ids = _inputs(seed, layout)
+    q, k, v, ids = _inputs(seed, layout, device)
     assert explain(attention, q, k, v, ids).counts["jagged_attention"] == 1
     out = rewritten(attention)(q, k, v, ids)
     # SDPA's fused CPU kernel rebuilds a blind row's P from a logsumexp that cannot hold log(L) next to
