@@ -773,9 +773,9 @@ def block_attention_grid_cudagraph() -> str:
     return "\n".join(lines)
 
 
-@block("block-closed-r-split")
-def block_closed_r_split() -> str:
-    path, payload = load("block_closed_configs-d128-20261204-202617.json")
+def _block_closed_sweep(name: str, command: str, pinned_header: str) -> str:
+    """One block_closed_configs file as a table: the listed configs, then each pinned candidate."""
+    path, payload = load(name)
     shape = payload["shape"]
     rows = []
     for r in payload["rows"]:
@@ -786,11 +786,24 @@ def block_closed_r_split() -> str:
                      f(r.get("bwd_ms"), ".3f"), error])
     lines = [f"B{shape['B']} L{shape['L']} H{shape['H']} D{shape['D']} fill {shape['fill']}, "
              f"{payload['timing']}; config (BLOCK, warps, HEADS, stages, maxnreg, constexprs). "
-             "`python benchmarks/block_closed_configs.py --head-dim 128 --rotary half --which bwd "
-             f"--only-with R_SPLIT`. Source: {source_line((path, payload))}", ""]
-    lines += table(["rotary", "pinned (the listed configs then: gather only)", "fwd ms", "fwd+bwd ms",
-                    "bwd ms (fwd+bwd minus fwd)", "error"], rows)
+             f"`{command}`. Source: {source_line((path, payload))}", ""]
+    lines += table(["rotary", pinned_header, "fwd ms", "fwd+bwd ms", "bwd ms (fwd+bwd minus fwd)", "error"],
+                   rows)
     return "\n".join(lines)
+
+
+@block("block-closed-r-split")
+def block_closed_r_split() -> str:
+    return _block_closed_sweep("block_closed_configs-d128-20261204-202617.json",
+                               "python benchmarks/block_closed_configs.py --head-dim 128 --rotary half --which "
+                               "bwd --only-with R_SPLIT", "pinned (the listed configs then: gather only)")
+
+
+@block("block-closed-tiles")
+def block_closed_tiles() -> str:
+    return _block_closed_sweep("block_closed_configs-d128-20261205-015406.json",
+                               "python benchmarks/block_closed_configs.py --head-dim 128 --rotary none "
+                               "--only-with TILES --length 2048 --fill 0.7", "pinned (the listed configs: no TILES)")
 
 
 @block("block-rotary-steps")
