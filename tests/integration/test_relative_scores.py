@@ -1,7 +1,7 @@
 """Score chains as relative-position models (XLNet, Transformer-XL) write them: tensors in (L, B, H, D)
 read by einsum, a content term plus a positional term that is itself a product of q (shifted into place by
-reshapes, so the kernel takes it as a bias), a constant added to the sum (XLNet's ``ef = 0`` without
-segments; the softmax does not see it), and the mask subtracted (``s - 1e30 * einsum("ijbn->bnij", m)``
+reshapes, so the kernel takes it as a bias), 0 added to the sum (XLNet's ``ef = 0`` without segments),
+and the mask subtracted (``s - 1e30 * einsum("ijbn->bnij", m)``
 with m = 1 on dropped keys). Each: rewritten, and compiled == eager on outputs and every gradient, an empty
 sequence included; the near-misses keep the eager graph."""
 
@@ -53,10 +53,10 @@ def _inputs(seed: int):
     return x, (torch.arange(L)[None, :] < lengths[:, None]).long()
 
 
-@pytest.mark.parametrize("subtracted, shift", [(1e30, 0.0), (65500.0, 0.0), (1e30, 3.0)])
-def test_relative_scores_with_a_subtracted_mask_are_rewritten_and_equal_eager(subtracted, shift):
+@pytest.mark.parametrize("subtracted", [1e30, 65500.0])
+def test_relative_scores_with_a_subtracted_mask_are_rewritten_and_equal_eager(subtracted):
     torch.manual_seed(0)
-    model = RelativeAttention(subtracted, shift)
+    model = RelativeAttention(subtracted)
     x, mask = _inputs(1)
     assert explain(model, x, mask).counts["jagged_attention"] == 1
     counters.clear()
@@ -67,6 +67,17 @@ def test_relative_scores_with_a_subtracted_mask_are_rewritten_and_equal_eager(su
     tol = dict(atol=2e-5, rtol=1e-4) if subtracted > 1e8 else dict(atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(out, ref, **tol)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()], **tol)
+
+
+def test_a_nonzero_constant_added_to_the_scores_is_refused():
+    """s + 3 is a shift the softmax does not see, but it moves the scores against a finite fill, which the
+    fill's checks do not bound: only + 0 is read."""
+    torch.manual_seed(0)
+    model = RelativeAttention(65500.0, shift=3.0)
+    x, mask = _inputs(3)
+    report = explain(model, x, mask)
+    assert report.counts["jagged_attention"] == 0
+    assert any("constant" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
 
 
 def test_a_subtracted_term_that_is_not_a_mask_stays_eager():

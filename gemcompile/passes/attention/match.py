@@ -177,7 +177,7 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
     """The bias and mask ops a softmax's score chain may hold (walk_to_scores' step)."""
     if is_call(node, *ADD):
         shift = _constant_shift(*node.args[:2])
-        if shift is not None:  # softmax(s + c) = softmax(s): XLNet's `ac + bd + ef` with ef = 0
+        if shift is not None:
             return shift
         chain, term = _which_is_scores(*node.args[:2])
         ops.extend(_added_terms(term))
@@ -187,9 +187,9 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
         if not leads_to_matmul(a):
             raise Unproven("the scores are subtracted from something")
         if not isinstance(b, fx.Node):
-            if constant_float(b) is None:
-                raise Unproven("the scores minus a symbolic value")
-            return a  # a constant shift
+            if constant_float(b) != 0.0:
+                raise Unproven("the scores minus a constant")
+            return a
         if _subtracted_mask(b):  # XLNet: s - 1e30 * mask
             ops.append(("mask", MaskTerm(b, "additive", negated=True)))
             return a
@@ -241,9 +241,10 @@ def _nan_zeroing(p: fx.Node) -> fx.Node | None:
 
 
 def _constant_shift(a: Any, b: Any) -> fx.Node | None:
-    """The scores' side of ``s + c`` for a constant number c (a shift the softmax does not see), else None."""
+    """The scores' side of ``s + 0`` (XLNet's ``ef = 0`` without segments), else None. Only 0: another
+    constant shifts the scores against a finite fill, which the fill's checks do not bound."""
     for x, c in ((a, b), (b, a)):
-        if isinstance(x, fx.Node) and not isinstance(c, fx.Node) and constant_float(c) is not None:
+        if isinstance(x, fx.Node) and not isinstance(c, fx.Node) and constant_float(c) == 0.0:
             return x
     return None
 
