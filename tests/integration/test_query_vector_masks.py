@@ -90,11 +90,35 @@ def test_changing_masks_do_not_recompile():
                                        rtol=1e-4)
 
 
+def filled_pairwise(q, k, v, ids):
+    valid = ids > 0
+    keep = (valid[:, :, None] & valid[:, None, :])[:, None]
+    s = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9)
+    return s.softmax(-1) @ v
+
+
+def test_a_fill_written_over_the_pairwise_mask_gives_dropped_rows_the_mean_of_v():
+    """masked_fill(~pairwise, -1e9) (DeBERTa's spelling): every score of a dropped query row is the fill, so
+    eager's row is the uniform average of every value and no gradient reaches q or k; the rewrite gives such
+    rows the mean of v: equal to eager on every row and every gradient."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    ids = _ids(g, holes=True)
+    assert explain(filled_pairwise, q, k, v, ids).counts["jagged_attention"] == 1
+    out, ref = rewritten(filled_pairwise)(q, k, v, ids), filled_pairwise(q, k, v, ids)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    w = torch.randn(ref.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
 def test_near_misses_stay_refused():
-    def finite_fill(q, k, v, ids):  # padded query rows average the padding in eager: refused
+    def finite_fill(q, k, v, ids):  # added: padded query rows' q and k get gradients in eager: refused
         valid = ids > 0
         keep = (valid[:, :, None] & valid[:, None, :])[:, None]
-        s = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9)
+        s = (q @ k.transpose(-2, -1)) + (~keep).float() * -1e9
         return s.softmax(-1) @ v
 
     def query_or_key(q, k, v, ids):  # not a conjunction of vectors

@@ -76,6 +76,8 @@ class BlockAttention(AttentionFamily):
             raise Unproven(f"the mask is not {self.masks_served}: it is {mask.formula}")
         if site.bias:
             raise Unproven("an additive bias on the scores (the block-attention kernel has none)")
+        if site.heads is not None:
+            raise Unproven("batch and heads merged (B * H, L, D) around a bmm: the jagged kernel serves those")
 
     @staticmethod
     def _query_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.attention.match import AttentionSite, GatedBias
+from gemcompile.passes.attention.match import AttentionSite, GatedBias, MergedBias
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, hoist_before
 from gemcompile.passes.masks.classify import Unclassified
@@ -52,6 +52,8 @@ class AttentionFamily(GemPass):
             q, k, v = operands(emit, site)
             out, detail = self.emit(emit, site, mask, q, k, v)
             out = permuted(emit, out, site.out_perm)
+            if site.pv_merged:  # (B, H, Lq, D) -> (B * H, Lq, D), as the model's bmm gave it
+                out = emit.call(torch.reshape, (out, (-1, size_of(emit, out, 2), size_of(emit, out, 3))))
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         return before, detail
@@ -78,7 +80,17 @@ def operands(emit: Emitter, site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.N
         factor = emit.method("to", (factor, example_value(q).dtype))
         q = emit.call(operator.truediv if divides else operator.mul, (q, factor))
     k = emit.call(torch.transpose, (site.k, -2, -1)) if site.k_is_transposed else permuted(emit, site.k, site.k_perm)
-    return q, k, permuted(emit, site.v, site.v_perm)
+    v = permuted(emit, site.v, site.v_perm)
+    if site.qk_merged:
+        q, k = split_heads(emit, q, site.heads), split_heads(emit, k, site.heads)
+    if site.pv_merged:
+        v = split_heads(emit, v, site.heads)
+    return q, k, v
+
+
+def split_heads(emit: Emitter, x: fx.Node, heads: int) -> fx.Node:
+    """(B * H, L, D) -> (B, H, L, D): dim 0 of a bmm's operand is b * H + h (the model's view of its scores)."""
+    return emit.call(torch.reshape, (x, (-1, heads, size_of(emit, x, 1), size_of(emit, x, 2))))
 
 
 def size_of(emit: Emitter, node: fx.Node, dim: int):
@@ -100,15 +112,16 @@ def lengths_operand(emit: Emitter, lengths: fx.Node | None, offset: int, x: fx.N
     return None if lengths is None else clamped_lengths(emit, lengths, offset, size_of(emit, x, 2))
 
 
-def zero_query_rows(emit: Emitter, mask: AttentionMask, out: fx.Node) -> fx.Node:
+def zero_query_rows(emit: Emitter, mask: AttentionMask, out: fx.Node, filler: fx.Node | None = None) -> fx.Node:
     """The op's output (B, H, Lq, D) with the rows a query vector drops set to 0: such a row sees no key,
     which the kernels' rule for rows without a valid key makes 0 (values and gradients); the kernel computes
-    it over the keys, and the zeroing makes it exact."""
+    it over the keys, and the zeroing makes it exact. ``filler`` (broadcast to the rows) instead of 0: what
+    eager gives such rows under a finite fill (finite_fill.uniform_dropped_rows)."""
     if mask.query_vector is None:
         return out
     rows = emit_key_mask(emit, mask.query_vector, out, size_of(emit, out, 0), size_of(emit, out, 2))
     rows = emit.call(torch.reshape, (rows, (size_of(emit, out, 0), 1, size_of(emit, out, 2), 1)))
-    return emit.call(torch.where, (rows, out, 0.0))
+    return emit.call(torch.where, (rows, out, 0.0 if filler is None else filler))
 
 
 def key_mask_operand(emit: Emitter, mask: AttentionMask, k: fx.Node) -> fx.Node | None:
@@ -121,6 +134,8 @@ def key_mask_operand(emit: Emitter, mask: AttentionMask, k: fx.Node) -> fx.Node 
 def output_row_mask(site: AttentionSite) -> RowFold:
     """The query-row mask the model applies to the site's output before any use (masks/rows.py), read in the
     output's own layout: (B, H, Lq, D) permuted by ``out_perm``; nn.MultiheadAttention's (Lq, B, E)."""
+    if site.pv_merged:
+        raise Unproven("the output holds batch and heads merged (B * H, Lq, D)")
     if site.kind == "mha":
         outs = [u for u in site.output.users if u.target is operator.getitem and u.args[1] == 0]
         if len(outs) != 1:
@@ -168,9 +183,14 @@ def summed_bias(emit: Emitter, terms: list[tuple[fx.Node, float]]) -> fx.Node | 
     """sum(coefficient * term) as one 4-D node (leading dims of size 1 added), or None without terms."""
     total = None
     for node, coefficient in terms:
+        heads = None
+        if isinstance(node, MergedBias):
+            node, heads = node.value, node.heads
         if isinstance(node, GatedBias):  # broadcast as the model's where broadcasts
             sides = (node.value, 0.0) if node.kept else (0.0, node.value)
             node = emit.call(torch.where, (node.cond, *sides))
+        if heads is not None and example_value(node).dim() == 3 and example_value(node).shape[0] != 1:
+            node = split_heads(emit, node, heads)
         term = node if coefficient == 1.0 else emit.call(operator.mul, (node, coefficient))
         total = term if total is None else emit.call(operator.add, (total, term))
     if total is None:

@@ -55,9 +55,12 @@ def check_fill_served(mask: AttentionMask) -> None:
     """Unproven when a finite fill comes with a mask whose rows often see no valid key."""
     if mask.fill is None:
         return
+    # query padding read from data with a fill written over the scores is served: such a row is uniform over
+    # every key in eager, and the jagged family gives it the mean of v (uniform_dropped_rows)
+    data_rows = mask.query_vector is not None and not mask.fill_replaces
     what = ("a sliding window" if mask.window is not None else "blocks" if mask.block is not None
             else "HSTU's target mask" if mask.hstu else "query padding" if mask.q_lengths is not None
-            else "query padding read from data" if mask.query_vector is not None else None)
+            else "query padding read from data" if data_rows else None)
     if what is not None:
         raise Unproven(f"a finite fill ({mask.fill:g}) with {what}: rows that see no valid key average the padding "
                        "in eager and are 0 in the kernel (fill with -inf or use a bool mask)")
@@ -75,6 +78,15 @@ class BlindRows:
     """q and k for that call (detached where eager's fill passes them no gradient)."""
     uniform_keys: fx.Node | None
     """The call's uniform_keys: every sample when eager's s + F rounds to F, else None (softmax of s)."""
+
+
+def uniform_dropped_rows(emit: Emitter, mask: AttentionMask, v: fx.Node) -> fx.Node | None:
+    """What the rows a query vector drops hold in eager under a fill written over the scores: every score of
+    such a row is F, so it is uniform over every key, the mean of v, and no gradient reaches q or k ((B, H,
+    1, D)); None for any other mask (those rows are 0, the kernels' rule)."""
+    if mask.query_vector is None or mask.fill is None or not mask.fill_replaces:
+        return None
+    return emit.call(torch.mean, (v, 2), {"keepdim": True})
 
 
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,

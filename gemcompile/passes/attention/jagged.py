@@ -41,7 +41,7 @@ from gemcompile.passes.attention.family import (
     summed_bias,
     zero_query_rows,
 )
-from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact
+from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact, uniform_dropped_rows
 from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite, check_mha
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
@@ -97,7 +97,7 @@ class JaggedAttention(AttentionFamily):
                              (blind.q, blind.k, v, blind.rows, None, bias, False, float(site.scale)), extra)
             out = emit.call(operator.add, (out, rows))
             detail += " (rows with no valid key in a second call over every key)"
-        return zero_query_rows(emit, mask, out), detail
+        return zero_query_rows(emit, mask, out, uniform_dropped_rows(emit, mask, v)), detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)

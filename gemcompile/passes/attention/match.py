@@ -26,6 +26,7 @@ left alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from gemcompile.passes.attention.scores import (
     SCALE_OPS,
     SUB,
     constant_float,
+    heads_view,
     is_call,
     leads_to_matmul,
     replay,
@@ -87,6 +89,15 @@ class GatedBias:
     """True: the bias stands where cond is True (``where(cond, value, F)``); False: where it is False."""
 
 
+@dataclass(frozen=True)
+class MergedBias:
+    """A bias added to scores of batch and heads merged, (B * H, Lq, Lk) (or broadcast to it): summed_bias
+    views it as (B, H, Lq, Lk)."""
+
+    value: fx.Node
+    heads: int
+
+
 @dataclass
 class AttentionSite:
     """One attention, taken apart. q/k/v are (B|1, H, L, D) views once the ``*_perm`` permutations apply."""
@@ -115,6 +126,12 @@ class AttentionSite:
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
+    heads: int | None = None
+    """H when q and k (``qk_merged``) or v and the output (``pv_merged``) hold batch and heads merged in
+    dim 0, (B * H, L, D), as bmm takes them (fairseq, DeBERTa; H = 1 for single-head (B, L, D) attention):
+    the families view them as (B, H, L, D)."""
+    qk_merged: bool = False
+    pv_merged: bool = False
     kind: str = "softmax"
     """"softmax", "sdpa", "mha" or "pointwise"."""
 
@@ -123,7 +140,8 @@ def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], 
     for key in ("q", "k", "v"):
         if not isinstance(info.get(key), fx.Node):
             raise Unproven(f"no tensor for {key}")
-    layout = {key: info[key] for key in ("q_perm", "k_perm", "k_is_transposed", "v_perm", "out_perm") if key in info}
+    layout = {key: info[key] for key in ("q_perm", "k_perm", "k_is_transposed", "v_perm", "out_perm", "heads",
+                                         "qk_merged", "pv_merged") if key in info}
     return AttentionSite(anchor=anchor, output=output, q=info["q"], k=info["k"], v=info["v"], matched=matched,
                          **layout, **fields)
 
@@ -148,7 +166,8 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     if not (isinstance(dim, int) and dim % ndim == ndim - 1):
         raise Unproven(f"softmax over dim {dim}, not over the keys (the last dim)")
     matched: list[fx.Node] = []
-    # forward: softmax -> casts / dropout that is off -> (weights @ v)
+    views: list[int] = []  # heads of the weights' views to (B * H, Lq, Lk) before a bmm
+    # forward: softmax -> casts / dropout that is off / a heads view -> (weights @ v)
     node = softmax
     while True:
         zeroed = _nan_zeroing(node)
@@ -161,16 +180,49 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
         (user,) = node.users
         if is_call(user, "dropout") and not _dropout_is_off(user):
             raise Unproven("dropout on the attention weights (the kernel has none); use dropout_p=0 or eval()")
-        if not is_call(user, *CASTS, "dropout"):
+        if not is_call(user, *CASTS, "dropout") and heads_view(user) is None:
             break
+        if heads_view(user) is not None:
+            views.append(heads_view(user))
         node = user
     info: dict[str, Any] = {}
     values(user, node, info, "the softmax output goes")
     ops = walk_to_scores(softmax.args[0], matched, info, _softmax_step, positive=True,
                          what="the softmax is not a scale, bias, mask or cast")
+    ops = _merged_heads(info, ops, views, qk=example_value(info["q"]).dim() == 3,
+                        pv=example_value(info["v"]).dim() == 3)
     scale, bias, masks = replay(ops)
     return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,
                  q_factor=tensor_factor(ops))
+
+
+def _merged_heads(info: dict, ops: list, views: list[int], qk: bool, pv: bool) -> list:
+    """The ops in the split (B, H, Lq, Lk) frame when q @ k^T or weights @ v ran on batch and heads merged
+    (B * H, ...): H from the heads views of the scores or weights (1 without any: single-head attention);
+    a term applied in the merged frame is a bias viewed per head (MergedBias) or a mask broadcast alike in
+    both frames (one read per batch and head is refused). ``ops`` unchanged when nothing ran merged."""
+    frames = info.pop("op_frames")
+    seen = {*views, *([info["heads"]] if "heads" in info else [])}
+    if len(seen) > 1:
+        raise Unproven(f"the scores are viewed with {sorted(seen)} heads")
+    if not (qk or pv or 3 in frames):
+        return ops
+    heads = seen.pop() if seen else 1
+    info.update(heads=heads, qk_merged=qk, pv_merged=pv)
+    out = []
+    for (kind, arg), frame in zip(ops, frames, strict=True):
+        if frame == 3 and kind == "bias":
+            term, c = arg
+            arg = (MergedBias(term, heads), c)
+        elif frame == 3 and kind == "mask":
+            shape = example_value(arg.node).shape
+            if len(shape) == 3 and shape[0] != 1 and heads != 1:
+                raise Unproven(f"the mask {arg.node.name} is applied per batch and head merged ({shape[0]} "
+                               "rows): view the scores as (B, H, Lq, Lk) to mask them")
+            if len(shape) == 3:  # (B, Lq, Lk) of single-head attention: b, i, j of the split frame
+                arg = dataclasses.replace(arg, dims={0: 0, 1: 1, 2: 3})
+        out.append((kind, arg))
+    return out
 
 
 def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:

@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from gemcompile.passes.graph import Unproven, example_value, target_name
 
-MATMUL = ("matmul", "__matmul__")
+MATMUL = ("matmul", "__matmul__", "bmm")
+RESHAPES = ("view", "reshape")
 CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous")
 SCALE_OPS = {"mul": operator.mul, "__mul__": operator.mul, "__rmul__": operator.mul,
              "truediv": operator.truediv, "div": operator.truediv, "__truediv__": operator.truediv}
@@ -61,12 +62,30 @@ def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
     site_nodes.append(node)
 
 
+def heads_view(node: fx.Node) -> int | None:
+    """H when ``node`` reshapes scores between the merged (B * H, Lq, Lk) and the split (B, H, Lq, Lk) frame
+    (fairseq's and DeBERTa's ``w.view(B, H, Lq, Lk)`` around a bmm, and back), else None."""
+    if not is_call(node, *RESHAPES) or not isinstance(node.args[0], fx.Node):
+        return None
+    src, out = example_value(node.args[0]), example_value(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    merged, split = (src, out) if src.dim() == 3 and out.dim() == 4 else (out, src)
+    if merged.dim() != 3 or split.dim() != 4 or not isinstance(split.shape[1], int):
+        return None
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    same = known(merged.shape[0] == split.shape[0] * split.shape[1]) and known(merged.shape[1] == split.shape[2]) \
+        and known(merged.shape[2] == split.shape[3])
+    return int(split.shape[1]) if same else None
+
+
 def leads_to_matmul(node: Any, depth: int = 12) -> bool:
     """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold."""
     while isinstance(node, fx.Node) and depth > 0:
         if is_call(node, *MATMUL, "einsum"):
             return True
-        if not is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where"):
+        if not is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where") and heads_view(node) is None:
             return False
         candidates = [a for a in node.args if isinstance(a, fx.Node)]
         if is_call(node, "where"):
@@ -184,9 +203,18 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
     it into q), and what ``step`` records for the ops it takes (it returns the next node, or None for an op
     it does not take: Unproven, naming ``what`` it is not)."""
     ops: list[tuple[str, Any]] = []
+    frames: list[int] = []  # the ndim of the scores each op was applied in: 3 = batch and heads merged
+    info["op_frames"] = frames
     tensor_scaled = None
     while True:
+        frames.extend([example_value(node).dim()] * (len(ops) - len(frames)))
         single_user(node, matched)
+        heads = heads_view(node)
+        if heads is not None:  # the scores between (B * H, Lq, Lk) and (B, H, Lq, Lk)
+            if info.setdefault("heads", heads) != heads:
+                raise Unproven(f"the scores are viewed with {info['heads']} and {heads} heads")
+            node = node.args[0]
+            continue
         if is_call(node, *MATMUL):
             info.update(q=node.args[0], k=node.args[1], k_is_transposed=True)
             return ops
@@ -214,6 +242,7 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
         following = step(node, ops)
         if following is None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")
+        frames.extend([example_value(node).dim()] * (len(ops) - len(frames)))
         node = following
 
 

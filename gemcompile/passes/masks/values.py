@@ -104,6 +104,9 @@ class Atoms:
         return self._symbol("lt", e)
 
     def eq0(self, e: sympy.Expr) -> Boolean:
+        factors = [f for f in sympy.factor_terms(e).as_ordered_factors() if not f.is_number]
+        if len(factors) > 1:  # an integer product is 0 iff a factor is: DeBERTa's m[b, i] * m[b, j]
+            return sympy.Or(*[self.eq0(f) for f in factors])
         e = sympy.expand(e)
         if e.is_number:
             return sympy.true if e == 0 else sympy.false

@@ -1,0 +1,128 @@
+"""Attention on batch and heads merged, (B * H, L, D), around torch.bmm, as fairseq's and DeBERTa's
+attention and single-head self-attention pooling write it: the scores viewed as (B, H, Lq, Lk) to be
+masked (and back), a relative bias computed in the merged frame, k scaled inside the product. Each:
+rewritten to the jagged kernel (q, k, v viewed per head), compiled == eager on outputs and every gradient;
+a mask applied per merged (b, h) row is refused with the reason."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+from gemcompile import explain
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.rewritten import rewritten
+
+B, L, H, D = 4, 10, 2, 16
+E = H * D
+LENGTHS = torch.tensor([L, 3, 7, 1])
+
+
+class FairseqStyle(nn.Module):
+    """(T, B, E) in; q scaled first; the key padding mask applied to the (B, H, T, S) view of bmm's scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(E, E) for _ in range(3))
+
+    def forward(self, x, pad):
+        t, b, _ = x.shape
+        q = (self.q(x) * D ** -0.5).contiguous().view(t, b * H, D).transpose(0, 1)
+        k = self.k(x).contiguous().view(-1, b * H, D).transpose(0, 1)
+        v = self.v(x).contiguous().view(-1, b * H, D).transpose(0, 1)
+        w = torch.bmm(q, k.transpose(1, 2)).view(b, H, t, t)
+        w = w.masked_fill(pad.unsqueeze(1).unsqueeze(2), float("-inf")).view(b * H, t, t)
+        o = torch.bmm(torch.softmax(w, dim=-1), v)
+        return o.transpose(0, 1).contiguous().view(t, b, E)
+
+
+class DebertaStyle(nn.Module):
+    """k scaled inside the product, a content-to-position bias from a second bmm in the merged frame, the
+    4-D view masked with finfo.min by the pairwise token mask, softmax per head, viewed back for bmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(E, E) for _ in range(3))
+        self.rel = nn.Parameter(torch.randn(2 * L, E) * 0.1)
+
+    def split(self, x):  # (B, L, E) -> (B * H, L, D)
+        return x.view(x.shape[0], -1, H, D).permute(0, 2, 1, 3).reshape(-1, x.shape[1], D)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        scale = math.sqrt(D * 2)
+        scores = torch.bmm(q, k.transpose(-1, -2) / scale)
+        pos = self.split(self.rel[None].expand(x.shape[0], -1, -1))  # (B * H, 2L, D)
+        c2p = torch.bmm(q, pos.transpose(-1, -2))  # (B * H, L, 2L): query i against relative distances
+        rel = torch.arange(L)[None, :] - torch.arange(L)[:, None] + L  # key j of query i at distance j - i
+        c2p = torch.gather(c2p, dim=-1, index=rel[None].expand(c2p.shape[0], -1, -1))
+        scores = scores + c2p / scale  # (B * H, L, L)
+        scores = scores.view(-1, H, scores.size(-2), scores.size(-1))
+        m = attention_mask[:, None, None, :]
+        m = (m * m.squeeze(-2).unsqueeze(-1)).bool()  # DeBERTa's pairwise mask
+        scores = scores.masked_fill(~m, torch.finfo(q.dtype).min)
+        p = torch.softmax(scores, dim=-1)
+        o = torch.bmm(p.view(-1, p.size(-2), p.size(-1)), v)
+        return o.view(-1, H, L, D).permute(0, 2, 1, 3).reshape(x.shape[0], L, E)
+
+
+class SingleHead(nn.Module):
+    """One head on (B, L, D): bmm, the (B, 1, L) key mask added, softmax, bmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(E, E) for _ in range(3))
+
+    def forward(self, x, attention_mask):
+        s = torch.bmm(self.q(x), self.k(x).transpose(1, 2)) / math.sqrt(E)
+        s = s + (1.0 - attention_mask[:, None, :].float()) * -1e9
+        return torch.bmm(torch.softmax(s, dim=-1), self.v(x))
+
+
+def _inputs(name: str, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.arange(L)[None, :] < LENGTHS[:, None]
+    if name == "fairseq":
+        return torch.randn(L, B, E, generator=g, requires_grad=True), ~keep
+    return torch.randn(B, L, E, generator=g, requires_grad=True), keep.long()
+
+
+MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_merged_heads_are_rewritten_and_equal_eager(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, mask = _inputs(name)
+    report = explain(model, x, mask)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    counters.clear()
+    out, ref = rewritten(model)(x, mask), model(x, mask)
+    assert counters["gemcompile"]["jagged_attention"] == 1
+    # DeBERTa's pairwise mask leaves padded query rows with no valid key: eager averages them (finfo.min),
+    # the rewrite too; compare every row
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def test_a_mask_per_merged_batch_and_head_is_refused():
+    """A (B * H, 1, Lk) mask added to bmm's merged scores next to a (B, H, Lq, Lk) view: its rows are (b, h)
+    pairs, which the pass does not map onto the view's frame: refused with the reason, and eager."""
+    class MergedMask(FairseqStyle):
+        def forward(self, x, pad):
+            t, b, _ = x.shape
+            q, k, v = (f(x).contiguous().view(t, b * H, D).transpose(0, 1) for f in (self.q, self.k, self.v))
+            merged = torch.zeros(b * H, 1, t) + (torch.arange(b * H) >= 99)[:, None, None] * -1e9
+            w = torch.bmm(q, k.transpose(1, 2)) + merged
+            w = w.view(b, H, t, t).masked_fill(pad.unsqueeze(1).unsqueeze(2), float("-inf")).view(b * H, t, t)
+            return torch.bmm(torch.softmax(w, dim=-1), v).transpose(0, 1).contiguous().view(t, b, E)
+
+    model = MergedMask()
+    x, pad = _inputs("fairseq")
+    report = explain(model, x, pad)
+    assert report.counts["jagged_attention"] == 0
+    assert any("merged" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+    torch.testing.assert_close(rewritten(model)(x, pad), model(x, pad))
