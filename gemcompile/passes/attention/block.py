@@ -77,7 +77,7 @@ class BlockAttention(AttentionFamily):
         if site.bias:
             raise Unproven("an additive bias on the scores (the block-attention kernel has none)")
         if site.heads is not None:
-            raise Unproven("batch and heads merged (B * H, L, D) around a bmm: the jagged kernel serves those")
+            raise Unproven("batch and heads merged (B * H, L, D) around a bmm: the jagged kernel serves it")
 
     @staticmethod
     def _query_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:

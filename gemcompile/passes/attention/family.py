@@ -89,7 +89,8 @@ def operands(emit: Emitter, site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.N
 
 
 def split_heads(emit: Emitter, x: fx.Node, heads: int) -> fx.Node:
-    """(B * H, L, D) -> (B, H, L, D): dim 0 of a bmm's operand is b * H + h (the model's view of its scores)."""
+    """(B * H, L, D) -> (B, H, L, D): dim 0 of a bmm's operand is b * H + h (the model's view of its
+    scores)."""
     return emit.call(torch.reshape, (x, (-1, heads, size_of(emit, x, 1), size_of(emit, x, 2))))
 
 
@@ -112,7 +113,8 @@ def lengths_operand(emit: Emitter, lengths: fx.Node | None, offset: int, x: fx.N
     return None if lengths is None else clamped_lengths(emit, lengths, offset, size_of(emit, x, 2))
 
 
-def zero_query_rows(emit: Emitter, mask: AttentionMask, out: fx.Node, filler: fx.Node | None = None) -> fx.Node:
+def zero_query_rows(emit: Emitter, mask: AttentionMask, out: fx.Node,
+                    filler: fx.Node | None = None) -> fx.Node:
     """The op's output (B, H, Lq, D) with the rows a query vector drops set to 0: such a row sees no key,
     which the kernels' rule for rows without a valid key makes 0 (values and gradients); the kernel computes
     it over the keys, and the zeroing makes it exact. ``filler`` (broadcast to the rows) instead of 0: what

@@ -75,8 +75,8 @@ def heads_view(node: fx.Node) -> int | None:
         return None
     from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-    same = known(merged.shape[0] == split.shape[0] * split.shape[1]) and known(merged.shape[1] == split.shape[2]) \
-        and known(merged.shape[2] == split.shape[3])
+    same = (known(merged.shape[0] == split.shape[0] * split.shape[1])
+            and known(merged.shape[1] == split.shape[2]) and known(merged.shape[2] == split.shape[3]))
     return int(split.shape[1]) if same else None
 
 
@@ -85,7 +85,8 @@ def leads_to_matmul(node: Any, depth: int = 12) -> bool:
     while isinstance(node, fx.Node) and depth > 0:
         if is_call(node, *MATMUL, "einsum"):
             return True
-        if not is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where") and heads_view(node) is None:
+        chain_op = is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where")
+        if not chain_op and heads_view(node) is None:
             return False
         candidates = [a for a in node.args if isinstance(a, fx.Node)]
         if is_call(node, "where"):
