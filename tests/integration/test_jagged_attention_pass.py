@@ -284,6 +284,11 @@ def miss_constant_over_scores(q, k, v, n, x):
     return s.softmax(-1) @ v
 
 
+def miss_additive_mask_handed_in(q, k, v, n, x):
+    # a float mask that enters the graph as an input (after a graph break, CTRL's): its values are unknown
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + x["float_mask"][:, None, None, :], dim=-1) @ v
+
+
 NEAR_MISSES = {
     miss_constant_over_scores: "divided by the scores",
     miss_mask_from_float_input: "comes from the float input",
@@ -306,6 +311,16 @@ def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
     assert report.counts["jagged_attention"] == 0
     assert len(report.refusals) == 1
     assert reason in report.refusals[0].reason, report.refusals[0].reason
+
+
+def test_a_float_mask_handed_in_is_refused_as_a_bias_not_as_no_mask():
+    """Its values are unknown, so it is added as a bias: the refusal says that, not "keeps every score"."""
+    q, k, v, lengths, extra = _inputs(miss_additive_mask_handed_in)
+    extra["float_mask"] = torch.zeros(B, L).masked_fill(torch.rand(B, L) > 0.7, -math.inf)
+    report = explain(miss_additive_mask_handed_in, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 0
+    reasons = [r.reason for r in report.refusals]
+    assert any("added as a bias" in r for r in reasons) and not any("keeps every score" in r for r in reasons)
 
 
 def test_length_le_is_rewritten_with_lengths_plus_one():

@@ -50,6 +50,13 @@ from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
 
+def _bias_name(term) -> str:
+    """A bias term's node name (through the wrappers of match.py)."""
+    while not isinstance(term, fx.Node):
+        term = term.value
+    return term.name
+
+
 class JaggedAttention(AttentionFamily):
     """Provable padded softmax attention -> gemcompile::jagged_attention."""
 
@@ -62,6 +69,11 @@ class JaggedAttention(AttentionFamily):
         return length_refusal(error)
 
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
+        if mask == AttentionMask() and site.bias:  # say what was read instead of "keeps every score"
+            names = ", ".join(_bias_name(term) for term, _ in site.bias)
+            raise Unproven(f"no mask among the scores' terms: {names} added as a bias (a float mask handed "
+                           "in from outside the graph cannot be proven; build it from lengths or ids in the "
+                           "compiled code)")
         require_padding_or_causal(mask)
 
     def _check_shapes(self, q: fx.Node, k: fx.Node, v: fx.Node) -> None:
