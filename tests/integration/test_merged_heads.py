@@ -1,6 +1,7 @@
-"""Attention on batch and heads merged, (B * H, L, D), around torch.bmm, as fairseq's and DeBERTa's
-attention and single-head self-attention pooling write it: the scores viewed as (B, H, Lq, Lk) to be
-masked (and back), a relative bias computed in the merged frame, k scaled inside the product. Each:
+"""Attention on batch and heads merged, (B * H, L, D), around torch.bmm, as fairseq's, DeBERTa's and
+Bloom's attention and single-head self-attention pooling write it: the scores viewed as (B, H, Lq, Lk) to
+be masked (and back), a relative bias computed in the merged frame, k scaled inside the product, ALiBi's
+bias added by baddbmm. Each:
 rewritten to the jagged kernel (q, k, v viewed per head), compiled == eager on outputs and every gradient;
 a mask applied per merged (b, h) row is refused with the reason."""
 
@@ -81,6 +82,29 @@ class SingleHead(nn.Module):
         return torch.bmm(torch.softmax(s, dim=-1), self.v(x))
 
 
+class AlibiStyle(nn.Module):
+    """Bloom's: per-head linear biases over key positions (B * H, 1, Lk), added by baddbmm with the scaled
+    product (k passed transposed), the (B, H, Lq, Lk) view plus a finfo.min causal and padding mask, softmax
+    in fp32 (its dtype argument), viewed back for bmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x, attention_mask):
+        b = x.shape[0]
+        q, k, v = (t.view(b, L, H, D).transpose(1, 2).reshape(b * H, L, D) for t in self.qkv(x).chunk(3, -1))
+        slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])
+        alibi = (slopes[None, :, None] * torch.arange(L)[None, None, :]).expand(b, H, L).reshape(b * H, 1, L)
+        scores = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=D ** -0.5)
+        causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        keep = causal[None, None] & attention_mask.bool()[:, None, None, :]
+        w = scores.view(b, H, L, L) + torch.where(keep, 0.0, torch.finfo(x.dtype).min)
+        p = torch.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype)
+        o = torch.bmm(p.view(b * H, L, L), v)
+        return o.view(b, H, L, D).transpose(1, 2).reshape(b, L, E)
+
+
 def _inputs(name: str, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     keep = torch.arange(L)[None, :] < LENGTHS[:, None]
@@ -89,7 +113,7 @@ def _inputs(name: str, seed: int = 1):
     return torch.randn(B, L, E, generator=g, requires_grad=True), keep.long()
 
 
-MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead}
+MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead, "alibi": AlibiStyle}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -18,6 +18,8 @@ import torch.fx as fx
 from gemcompile.passes.graph import Unproven, example_value, target_name
 
 MATMUL = ("matmul", "__matmul__", "bmm")
+PRODUCTS = (*MATMUL, "einsum", "baddbmm")
+"""What q @ k^T may be spelled with (leads_to_matmul)."""
 RESHAPES = ("view", "reshape")
 CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous")
 SCALE_OPS = {"mul": operator.mul, "__mul__": operator.mul, "__rmul__": operator.mul,
@@ -83,7 +85,7 @@ def heads_view(node: fx.Node) -> int | None:
 def leads_to_matmul(node: Any, depth: int = 12) -> bool:
     """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold."""
     while isinstance(node, fx.Node) and depth > 0:
-        if is_call(node, *MATMUL, "einsum"):
+        if is_call(node, *PRODUCTS):
             return True
         chain_op = is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where")
         if not chain_op and heads_view(node) is None:
@@ -219,6 +221,10 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
         if is_call(node, *MATMUL):
             info.update(q=node.args[0], k=node.args[1], k_is_transposed=True)
             return ops
+        if is_call(node, "baddbmm"):  # beta * input + alpha * (q @ kT): Bloom's alibi.baddbmm(q, kT)
+            _baddbmm(node, ops, info)
+            frames.extend([example_value(node).dim()] * (len(ops) - len(frames)))
+            return ops
         if is_call(node, "einsum"):
             scores_einsum(node, info)
             return ops
@@ -245,6 +251,23 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")
         frames.extend([example_value(node).dim()] * (len(ops) - len(frames)))
         node = following
+
+
+def _baddbmm(node: fx.Node, ops: list, info: dict) -> None:
+    """q, k and the ops of ``baddbmm(input, q, kT, beta=, alpha=)``: input is a bias (times beta) added after
+    the product's scale alpha."""
+    names = ("input", "batch1", "batch2", "beta", "alpha")
+    a = dict(zip(names, node.args))
+    a.update(node.kwargs)
+    beta, alpha = constant_float(a.get("beta", 1.0)), constant_float(a.get("alpha", 1.0))
+    if beta is None or alpha is None:
+        raise Unproven("baddbmm with a non-constant beta or alpha")
+    if alpha <= 0:
+        raise Unproven(f"baddbmm scales the scores by {alpha!r}, not a positive constant")
+    if beta != 0:
+        ops.append(("bias", (a["input"], beta)))
+    ops.append(("scale", alpha))
+    info.update(q=a["batch1"], k=a["batch2"], k_is_transposed=True)
 
 
 def tensor_factor(ops: list[tuple[str, Any]]) -> tuple[fx.Node, bool] | None:
