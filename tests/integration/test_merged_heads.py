@@ -118,6 +118,22 @@ MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": Singl
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_merged_heads_are_rewritten_and_equal_eager(name):
+    _check(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter on a machine without CUDA")
+@pytest.mark.parametrize("name", ["deberta", "alibi"])
+def test_merged_heads_through_the_triton_launchers(name, monkeypatch):
+    """The same through the jagged op's Triton launchers (interpreter, float32): the per-head views and the
+    mean-of-v rows reach the kernels."""
+    pytest.importorskip("triton")
+    from gemcompile.lowering.jagged_attention import op as jagged_op
+
+    monkeypatch.setattr(jagged_op, "use_triton", lambda q: q.dtype != torch.float64)
+    _check(name)
+
+
+def _check(name):
     torch.manual_seed(0)
     model = MODELS[name]()
     x, mask = _inputs(name)
