@@ -151,9 +151,10 @@ def _check_rounded_away(emit: Emitter, fill: float, bound: fx.Node | None, blind
 def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_len, kv_mask,
                 bound: fx.Node | None) -> BlindRows:
     """The BlindRows of a causal mask with one finite fill (module doc)."""
-    valid = _valid_keys(emit, kv_len, kv_mask, size_of(emit, k, 2), example_value(k).device)
+    keys = size_of(emit, k, 2)
+    valid = _valid_keys(emit, kv_len, kv_mask, keys, example_value(k).device)
     leading = emit.call(torch.sum, (emit.call(operator.eq, (emit.call(torch.cumsum, (valid, -1)), 0)), -1))
-    empty = emit.call(torch.logical_not, (emit.call(torch.any, (valid, -1)),))
+    empty = emit.call(operator.eq, (leading, keys))
     rows = emit.call(torch.where, (empty, size_of(emit, q, 2), leading))  # every query of an empty one
     everyone = emit.call(torch.ones_like, (rows,), {"dtype": torch.bool})
     if mask.fill_replaces:  # every score of such a row is F itself: uniform, no gradient to q and k
@@ -166,15 +167,14 @@ def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_l
 
 
 def _valid_keys(emit: Emitter, kv_len, kv_mask, keys, device) -> fx.Node:
-    """(B, Lk) int32: 1 where a key is valid (inside its length and its data mask)."""
-    positions = emit.call(torch.arange, (keys,), {"device": device})
-    valid = None
-    if kv_len is not None:
-        valid = emit.call(operator.lt, (emit.call(torch.unsqueeze, (positions, 0)),
-                                        emit.call(torch.unsqueeze, (kv_len, 1))))
-    if kv_mask is not None:
-        valid = kv_mask if valid is None else emit.call(torch.logical_and, (valid, kv_mask))
-    return emit.call(torch.Tensor.int, (valid,))
+    """(B, Lk) bool: the keys the kernel sees as valid (inside their length and their data mask)."""
+    valid = kv_mask
+    if kv_len is not None:  # keys past the length are padding too
+        positions = emit.call(torch.arange, (keys,), {"device": device})
+        inside = emit.call(operator.lt, (emit.call(torch.unsqueeze, (positions, 0)),
+                                         emit.call(torch.unsqueeze, (kv_len, 1))))
+        valid = inside if valid is None else emit.call(torch.logical_and, (valid, inside))
+    return valid
 
 
 def _detached_where(emit: Emitter, empty: fx.Node, x: fx.Node) -> fx.Node:
@@ -190,19 +190,11 @@ def _fp32_ulp(x: float) -> float:
 
 def _no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:
     """(B,) bool: the sequences where the kernel would see no valid key."""
-    empty = None
-    if kv_mask is not None:
-        valid = kv_mask
-        if kv_len is not None:  # keys past the length are padding too
-            positions = emit.call(torch.arange, (example_value(kv_mask).shape[1],),
-                                  {"device": example_value(kv_mask).device})
-            inside = emit.call(operator.lt, (emit.call(torch.unsqueeze, (positions, 0)),
-                                             emit.call(torch.unsqueeze, (kv_len, 1))))
-            valid = emit.call(torch.logical_and, (valid, inside))
-        empty = emit.call(torch.logical_not, (emit.call(torch.any, (valid, -1)),))
-    elif kv_len is not None:
-        empty = emit.call(operator.eq, (kv_len, 0))
-    return empty
+    if kv_mask is None:
+        return None if kv_len is None else emit.call(operator.eq, (kv_len, 0))
+    value = example_value(kv_mask)
+    valid = _valid_keys(emit, kv_len, kv_mask, value.shape[1], value.device)
+    return emit.call(torch.logical_not, (emit.call(torch.any, (valid, -1)),))
 
 
 def _first_key_valid(emit: Emitter, kv_len, kv_mask) -> fx.Node:

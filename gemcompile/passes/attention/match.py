@@ -122,7 +122,7 @@ class AttentionSite:
     k_is_transposed: bool = False
     v_perm: tuple[int, ...] | None = None
     out_perm: tuple[int, ...] | None = None
-    bias: list[tuple[fx.Node | GatedBias, float]] = field(default_factory=list)
+    bias: list[tuple[fx.Node | GatedBias | MergedBias, float]] = field(default_factory=list)
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
@@ -180,10 +180,11 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
         (user,) = node.users
         if is_call(user, "dropout") and not _dropout_is_off(user):
             raise Unproven("dropout on the attention weights (the kernel has none); use dropout_p=0 or eval()")
-        if not is_call(user, *CASTS, "dropout") and heads_view(user) is None:
+        heads = heads_view(user)
+        if not is_call(user, *CASTS, "dropout") and heads is None:
             break
-        if heads_view(user) is not None:
-            views.append(heads_view(user))
+        if heads is not None:
+            views.append(heads)
         node = user
     info: dict[str, Any] = {}
     values(user, node, info, "the softmax output goes")

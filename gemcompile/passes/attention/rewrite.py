@@ -211,9 +211,10 @@ def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> tuple[float | 
     whether it replaces the scores (masked_fill, where) rather than adding to them). Unproven when dropped
     scores get several values (eager then ranks them: rows with no valid key attend to the least negative)
     or both spellings (their gradients differ)."""
-    added = {f for f in evaluator.fills if math.isfinite(f)} | {t.fill for t in site.masks if t.fill_added}
+    gated = {t.fill for t in site.masks if t.fill_added}  # where(keep, bias, F) added: F is added
+    added = {f for f in evaluator.fills if math.isfinite(f)} | gated
     replaced = {t.fill for t in site.masks if t.fill is not None and not t.fill_added}
-    fills = set(evaluator.fills) | replaced | {t.fill for t in site.masks if t.fill_added}
+    fills = set(evaluator.fills) | replaced | gated
     finite = sorted(f for f in fills if math.isfinite(f))
     if not finite:
         return None, False

@@ -264,11 +264,10 @@ class MaskEvaluator:
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t"):
             return self._permute(node, self.tensor(args[0]))
-        if name == "einsum" and _einsum_permutation(node) is not None:  # XLNet's einsum("ijbn->bnij", mask)
-            equation, operand, order = _einsum_permutation(node)
-            src = self.tensor(operand)
-            n = src.ndim
-            return self.relabel(src, {n - 1 - order[p]: n - 1 - p for p in range(n)}, n)
+        permutation = _einsum_permutation(node) if name == "einsum" else None
+        if permutation is not None:  # XLNet's einsum("ijbn->bnij", mask)
+            operand, order = permutation
+            return self._reorder(self.tensor(operand), order)
         if name in _COMPARE and len(args) == 2:
             return self._compare(_COMPARE[name], args[0], args[1], ndim)
         if target in _COMPARE:
@@ -452,9 +451,12 @@ class MaskEvaluator:
         else:  # mT / t: swap the last two
             order = list(range(n))
             order[-1], order[-2] = order[-2], order[-1]
-        # output dim p (left) holds input dim order[p]
-        mapping = {n - 1 - order[p]: n - 1 - p for p in range(n)}
-        return self.relabel(src, mapping, n)
+        return self._reorder(src, order)
+
+    def _reorder(self, src: Abstract, order: list[int]) -> Abstract:
+        """src with its dims permuted: output dim p (left) holds input dim order[p]."""
+        n = src.ndim
+        return self.relabel(src, {n - 1 - order[p]: n - 1 - p for p in range(n)}, n)
 
     def _compare(self, op: str, a, b, ndim: int) -> BoolTensor:
         va, vb = self.evaluate(a), self.evaluate(b)
@@ -652,8 +654,8 @@ def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
 
 # -- a mask term of the scores as the condition that keeps a score -----------------------------------
 
-def _einsum_permutation(node: fx.Node) -> tuple[str, fx.Node, list[int]] | None:
-    """(equation, operand, order) when ``node`` is a one-operand einsum that only permutes dims
+def _einsum_permutation(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
+    """(operand, order) when ``node`` is a one-operand einsum that only permutes dims
     (``einsum("ijbn->bnij", x)``): output dim p holds input dim order[p]; else None."""
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -665,7 +667,7 @@ def _einsum_permutation(node: fx.Node) -> tuple[str, fx.Node, list[int]] | None:
     src, out = equation.replace(" ", "").split("->")
     if len(set(src)) != len(src) or sorted(src) != sorted(out):
         return None
-    return equation, operands[0], [src.index(c) for c in out]
+    return operands[0], [src.index(c) for c in out]
 
 
 def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boolean:
