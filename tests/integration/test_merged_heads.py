@@ -57,7 +57,8 @@ class DebertaStyle(nn.Module):
         scores = torch.bmm(q, k.transpose(-1, -2) / scale)
         pos = self.split(self.rel[None].expand(x.shape[0], -1, -1))  # (B * H, 2L, D)
         c2p = torch.bmm(q, pos.transpose(-1, -2))  # (B * H, L, 2L): query i against relative distances
-        rel = torch.arange(L)[None, :] - torch.arange(L)[:, None] + L  # key j of query i at distance j - i
+        ar = torch.arange(L, device=x.device)
+        rel = ar[None, :] - ar[:, None] + L  # key j of query i at distance j - i
         c2p = torch.gather(c2p, dim=-1, index=rel[None].expand(c2p.shape[0], -1, -1))
         scores = scores + c2p / scale  # (B * H, L, L)
         scores = scores.view(-1, H, scores.size(-2), scores.size(-1))
@@ -94,10 +95,11 @@ class AlibiStyle(nn.Module):
     def forward(self, x, attention_mask):
         b = x.shape[0]
         q, k, v = (t.view(b, L, H, D).transpose(1, 2).reshape(b * H, L, D) for t in self.qkv(x).chunk(3, -1))
-        slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])
-        alibi = (slopes[None, :, None] * torch.arange(L)[None, None, :]).expand(b, H, L).reshape(b * H, 1, L)
+        slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)], device=x.device)
+        positions = torch.arange(L, device=x.device)
+        alibi = (slopes[None, :, None] * positions[None, None, :]).expand(b, H, L).reshape(b * H, 1, L)
         scores = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=D ** -0.5)
-        causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        causal = torch.tril(torch.ones(L, L, dtype=torch.bool, device=x.device))
         keep = causal[None, None] & attention_mask.bool()[:, None, None, :]
         w = scores.view(b, H, L, L) + torch.where(keep, 0.0, torch.finfo(x.dtype).min)
         p = torch.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype)
@@ -105,12 +107,12 @@ class AlibiStyle(nn.Module):
         return o.view(b, H, L, D).transpose(1, 2).reshape(b, L, E)
 
 
-def _inputs(name: str, seed: int = 1):
+def _inputs(name: str, seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    keep = torch.arange(L)[None, :] < LENGTHS[:, None]
-    if name == "fairseq":
-        return torch.randn(L, B, E, generator=g, requires_grad=True), ~keep
-    return torch.randn(B, L, E, generator=g, requires_grad=True), keep.long()
+    keep = (torch.arange(L)[None, :] < LENGTHS[:, None]).to(device)
+    shape = (L, B, E) if name == "fairseq" else (B, L, E)
+    x = torch.randn(*shape, generator=g).to(device).requires_grad_()
+    return (x, ~keep) if name == "fairseq" else (x, keep.long())
 
 
 MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead, "alibi": AlibiStyle}
@@ -133,10 +135,10 @@ def test_merged_heads_through_the_triton_launchers(name, monkeypatch):
     _check(name)
 
 
-def _check(name):
+def _check(name, device="cpu"):
     torch.manual_seed(0)
-    model = MODELS[name]()
-    x, mask = _inputs(name)
+    model = MODELS[name]().to(device)
+    x, mask = _inputs(name, device=device)
     report = explain(model, x, mask)
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
     counters.clear()
