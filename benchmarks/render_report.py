@@ -699,8 +699,9 @@ BLOCK_ROTARY_STEPS = [
     ("a84d2bc: half-width loads (reverted)", ["block_attention-claims-cudagraph-20261204-175853.json",
                                               "block_attention-claims-cudagraph-20261204-175742.json"]),
     ("3ebb57d: 4e1fb6f's loads, three-stage configs", BLOCK_CLAIMS_CUDAGRAPH),
-    ("0dfc935: R_SPLIT listed for the rotary backward at D 128 (D 128 only)",
-     ["block_attention-claims-cudagraph-20261205-040254.json"]),
+    ("0dfc935: R_SPLIT listed for the rotary backward at D 128 (D 64 re-run at 89b70e1, kernels unchanged)",
+     ["block_attention-claims-cudagraph-20261205-051015.json",
+      "block_attention-claims-cudagraph-20261205-040254.json"]),
 ]
 """The claims runs of block attention's rotary steps (each pair: D 64, D 128), CUDA-graph replays."""
 
