@@ -264,6 +264,30 @@ class RecBoleStyleAttention(_Attention):
         return self.merge(torch.matmul(nn.functional.softmax(scores, dim=-1), v))
 
 
+class FuxiCtrStyleAttention(_Attention):
+    """FuxiCTR-style multi-head attention over a behaviour sequence: a float 0/1 mask from the item ids,
+    viewed (B, 1, 1, L) and expanded over the heads, then inside the dot-product module viewed as the scores
+    and applied in place, masked_fill_(mask.float() == 0, -1e9). ``target``: one query per sample (the
+    candidate item, the first position here) attends to the history, as target attention does."""
+
+    def __init__(self, heads: int, head_dim: int, target: bool = False):
+        super().__init__(heads, head_dim)
+        self.q, self.k, self.v = (nn.Linear(self.width, self.width, bias=False) for _ in range(3))
+        self.target = target
+
+    def forward(self, hidden, ids):
+        b = hidden.shape[0]
+        mask = (ids != 0).float().view(b, 1, 1, -1).expand(-1, self.heads, -1, -1)
+        queries = hidden[:, :1] if self.target else hidden
+        q, k, v = self.split(self.q(queries)), self.split(self.k(hidden)), self.split(self.v(hidden))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim ** 0.5
+        if self.target:
+            mask = mask.view_as(scores)  # (B, H, 1, L): the scores' own shape
+        scores = scores.masked_fill_(mask.float() == 0, -1.0e9)
+        out = self.merge(torch.matmul(scores.softmax(dim=-1), v))
+        return out.expand(-1, hidden.shape[1], -1) if self.target else out
+
+
 def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: int = 0):
     """generative-recommenders' visibility (as its PyTorch reference builds it): position ids clamped at
     the first target, causal as eye | (row - col > 0), no key-padding term."""

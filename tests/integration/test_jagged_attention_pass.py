@@ -117,14 +117,31 @@ def sdpa_keys_below_float_lengths(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
 
-IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, sdpa_key, sdpa_key_causal_tril,
+def hand_float_mask_input_expanded_over_heads(q, k, v, n, x):
+    # FuxiCTR: a float 0/1 mask handed in, viewed (B, 1, 1, L) and expanded over the heads, compared with 0
+    # (the comparison reads data the prover does not derive, at a node whose head dim is an expanded copy)
+    mask = x["float_keep"].view(q.shape[0], 1, 1, -1).expand(-1, q.shape[1], -1, -1)
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    return torch.matmul(s.masked_fill(mask == 0, -1e9).softmax(dim=-1), v)
+
+
+def hand_causal_from_ones_like_scores(q, k, v, n, x):
+    # gSASRec: the causal mask from tril(ones_like(scores[0])), which reads only the scores' shape
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    causal = torch.tril(torch.ones_like(s[0, 0]))
+    s = s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf")).masked_fill(causal == 0, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
+          hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril,
           sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf,
           hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute,
           relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
 # eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
 # those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is
 # checked against the documented semantics (_empty_sequence_is_zero; finite fills: test_finite_fills.py)
-NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_blhd_einsum, hand_blhd_permute, relative_bias}
+NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_causal_from_ones_like_scores, hand_blhd_einsum, hand_blhd_permute, relative_bias}
 
 
 def _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights, empty=3):
@@ -156,6 +173,8 @@ def _inputs(idiom):
         "seeds": torch.randn(H, 3, D, generator=g, requires_grad=True),
         "bool_mask": torch.rand(B, L, generator=g) > 0.3,
     }
+    extra["float_keep"] = extra["bool_mask"].float()
+    extra["float_keep_heads"] = (torch.rand(B, H, L, generator=g) > 0.3).float()
     return q, k, v, lengths, extra
 
 
@@ -289,7 +308,27 @@ def miss_additive_mask_handed_in(q, k, v, n, x):
     return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + x["float_mask"][:, None, None, :], dim=-1) @ v
 
 
+def miss_soft_capped_scores(q, k, v, n, x):
+    # Gemma 2's soft-capping: c * tanh(s / c) before the mask (no kernel applies it)
+    s = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 30.0) * 30.0
+    return s.masked_fill(~key_mask(n)[:, None, None, :], float("-inf")).softmax(-1) @ v
+
+
+def miss_float_mask_per_head(q, k, v, n, x):
+    # a (B, H, L) float mask handed in, compared with 0: it may differ between heads (unlike an expand)
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+    return torch.matmul(s.masked_fill(x["float_keep_heads"][:, :, None, :] == 0, -1e9).softmax(-1), v)
+
+
+def miss_clamped_scores(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).clamp(-5.0, 5.0)
+    return torch.softmax(s + (~key_mask(n)[:, None, None, :]) * -1e9, dim=-1) @ v
+
+
 NEAR_MISSES = {
+    miss_soft_capped_scores: "`tanh` (tanh) between the scores and the softmax",
+    miss_clamped_scores: "a non-linear map of the scores",
+    miss_float_mask_per_head: "differs between heads",
     miss_constant_over_scores: "divided by the scores",
     miss_mask_from_float_input: "comes from the float input",
     miss_softmax_over_queries: "not over the keys",

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
+from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
 
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
@@ -61,7 +62,7 @@ def functionalize_fresh_updates(graph: fx.Graph) -> int:
             continue
         base = node.args[0]
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if any(order[user] < order[node] for user in base.users):
+        if any(order[user] < order[node] and not reads_shape_only(user, base) for user in base.users):
             continue  # read before the update (a view of it, a saved copy): the mutation is visible there
         emit = Emitter(graph, untraceable="")
         with graph.inserting_before(node):

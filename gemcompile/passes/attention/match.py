@@ -42,6 +42,7 @@ from gemcompile.passes.attention.scores import (
     MATMUL,
     MUL,
     SCALE_OPS,
+    SCORE_MAPS,
     SUB,
     constant_float,
     heads_view,
@@ -150,7 +151,7 @@ def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], 
 
 def looks_like_attention(softmax: fx.Node) -> bool:
     """Only softmaxes that sit on a matmul are candidates: a softmax over logits is none of our business."""
-    return bool(softmax.args) and leads_to_matmul(softmax.args[0])
+    return bool(softmax.args) and leads_to_matmul(softmax.args[0], through=SCORE_MAPS)
 
 
 def _dropout_is_off(node: fx.Node) -> bool:
@@ -315,6 +316,8 @@ def _subtracted_mask(term: fx.Node) -> bool:
 
 def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
     a_scores, b_scores = leads_to_matmul(a), leads_to_matmul(b)
+    if not (a_scores or b_scores):  # a score map on one side: the walk goes on to name it
+        a_scores, b_scores = (leads_to_matmul(x, through=SCORE_MAPS) for x in (a, b))
     if a_scores == b_scores or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
         raise Unproven("an addition on the scores where the score side is ambiguous or the other side constant")
     return (a, b) if a_scores else (b, a)

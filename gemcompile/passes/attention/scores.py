@@ -28,6 +28,9 @@ MUL = ("mul", "__mul__", "__rmul__")
 DIV = ("truediv", "div", "__truediv__")
 ADD = ("add", "__add__", "__radd__")
 SUB = ("sub", "__sub__")
+SCORE_MAPS = ("tanh", "clamp", "clamp_min", "clamp_max", "clip")
+"""Non-linear maps of the scores no kernel applies (Gemma 2's soft-capping c * tanh(s / c), clamps): a softmax
+over them is still a candidate, so that explain names the map instead of saying nothing."""
 
 
 def is_call(node: Any, *names: str) -> bool:
@@ -47,18 +50,27 @@ def constant_float(x: Any) -> float | None:
     return None
 
 
-def _reads_shape_only(user: fx.Node, node: fx.Node) -> bool:
+_VIEWS = ("getitem", "view", "reshape", "select", "transpose", "permute", "unsqueeze", "squeeze")
+_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like", "new_ones", "new_zeros", "new_empty", "new_full")
+
+
+def reads_shape_only(user: fx.Node, node: fx.Node, depth: int = 4) -> bool:
     """``mask.expand_as(scores)`` (DistilBERT) reads the scores' shape, not their values;
-    ``p.type_as(scores)`` (T5's and LLaMA's softmax in fp32) reads their dtype."""
+    ``p.type_as(scores)`` (T5's and LLaMA's softmax in fp32) reads their dtype; ``torch.ones_like(s[0])``
+    (gSASRec's causal mask) reads the shape of a view of them."""
     name = target_name(user) if user.op in ("call_function", "call_method") else ""
     if name in ("expand_as", "view_as", "reshape_as", "type_as"):
         return len(user.args) > 1 and user.args[1] is node and user.args[0] is not node
+    if name in _LIKE:
+        return user.args[0] is node and node not in user.args[1:] and node not in user.kwargs.values()
+    if name in _VIEWS and user.args and user.args[0] is node and depth > 0:  # a view only measured
+        return bool(user.users) and all(reads_shape_only(u, user, depth - 1) for u in user.users)
     return name in ("size", "dim") and user.args[0] is node
 
 
 def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
     """Add ``node`` to the site's nodes; Unproven when something besides the attention uses its values."""
-    if len([u for u in node.users if not _reads_shape_only(u, node)]) != 1:
+    if len([u for u in node.users if not reads_shape_only(u, node)]) != 1:
         raise Unproven(f"{node.name} (part of the attention) is also used elsewhere: "
                        "attention weights that are returned or reused cannot be skipped")
     site_nodes.append(node)
@@ -82,12 +94,13 @@ def heads_view(node: fx.Node) -> int | None:
     return int(split.shape[1]) if same else None
 
 
-def leads_to_matmul(node: Any, depth: int = 12) -> bool:
-    """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold."""
+def leads_to_matmul(node: Any, depth: int = 12, through: tuple[str, ...] = ()) -> bool:
+    """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold (and the ops
+    named in ``through``)."""
     while isinstance(node, fx.Node) and depth > 0:
         if is_call(node, *PRODUCTS):
             return True
-        chain_op = is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where")
+        chain_op = is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where", *through)
         if not chain_op and heads_view(node) is None:
             return False
         candidates = [a for a in node.args if isinstance(a, fx.Node)]
@@ -98,7 +111,7 @@ def leads_to_matmul(node: Any, depth: int = 12) -> bool:
         if len(candidates) == 1:
             node, depth = candidates[0], depth - 1
             continue
-        return any(leads_to_matmul(c, depth - 1) for c in candidates)
+        return any(leads_to_matmul(c, depth - 1, through) for c in candidates)
     return False
 
 
@@ -246,6 +259,10 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
         if tensor_scaled is not None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) is applied to the scores before they are "
                            f"scaled by the tensor {tensor_scaled.name}")
+        if is_call(node, *SCORE_MAPS):
+            raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}: a non-linear map "
+                           "of the scores (soft-capping as c * tanh(s / c), or a clamp), which the attention "
+                           "kernels do not apply")
         following = step(node, ops)
         if following is None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")

@@ -32,6 +32,7 @@ import torch.fx as fx
 from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
+from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
@@ -166,7 +167,9 @@ class MaskEvaluator:
         fname = f"dat_{node.name}"
         ndim = value.dim()
         self.data[fname] = DataLeaf(node, why)
-        expr = sympy.Function(fname)(*[index_symbol(ndim - 1 - d) for d in range(ndim)])
+        copies = constant_dims(node)  # e.g. the heads of mask.view(B, 1, 1, L).expand(-1, H, -1, -1): index 0
+        expr = sympy.Function(fname)(*[0 if ndim - 1 - d in copies else index_symbol(ndim - 1 - d)
+                                       for d in range(ndim)])
         if value.dtype == torch.bool:
             return BoolTensor(ndim, sympy.Not(self.atoms.eq0(expr)))
         return IntTensor(ndim, expr)
