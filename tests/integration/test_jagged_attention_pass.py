@@ -141,7 +141,8 @@ IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, hand_float_ma
 # eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
 # those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is
 # checked against the documented semantics (_empty_sequence_is_zero; finite fills: test_finite_fills.py)
-NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_causal_from_ones_like_scores, hand_blhd_einsum, hand_blhd_permute, relative_bias}
+NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_causal_from_ones_like_scores, hand_blhd_einsum, hand_blhd_permute,
+                 relative_bias}
 
 
 def _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights, empty=3):

@@ -51,7 +51,8 @@ def constant_float(x: Any) -> float | None:
 
 
 _VIEWS = ("getitem", "view", "reshape", "select", "transpose", "permute", "unsqueeze", "squeeze")
-_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like", "new_ones", "new_zeros", "new_empty", "new_full")
+_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like", "new_ones", "new_zeros", "new_empty",
+         "new_full")
 
 
 def reads_shape_only(user: fx.Node, node: fx.Node, depth: int = 4) -> bool:
@@ -260,9 +261,9 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             raise Unproven(f"`{target_name(node)}` ({node.name}) is applied to the scores before they are "
                            f"scaled by the tensor {tensor_scaled.name}")
         if is_call(node, *SCORE_MAPS):
-            raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}: a non-linear map "
-                           "of the scores (soft-capping as c * tanh(s / c), or a clamp), which the attention "
-                           "kernels do not apply")
+            raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}: a non-linear "
+                           "map of the scores (soft-capping as c * tanh(s / c), or a clamp), which the "
+                           "attention kernels do not apply")
         following = step(node, ops)
         if following is None:
             raise Unproven(f"`{target_name(node)}` ({node.name}) between the scores and {what}")

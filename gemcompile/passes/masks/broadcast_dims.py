@@ -34,7 +34,7 @@ _OPERATORS = {operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.
 def constant_dims(node, depth: int = 16) -> frozenset[int]:
     """Dims of ``node``'s tensor (counted from the right: 0 is the last) along which its value is provably
     constant: size-1 dims, and dims an expand or a repeat created, through the ops of ``_ELEMENTWISE`` and the
-    shape ops that keep each dim's meaning (unsqueeze, permutes, reshapes that only add or drop size-1 dims)."""
+    shape ops that keep each dim's meaning (unsqueeze, permutes, reshapes adding or dropping size-1 dims)."""
     value = example_value(node) if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor):
         return frozenset()
@@ -51,7 +51,7 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
         src_ndim = source.dim()  # expand is right-aligned: dims past the source's are new copies
         inner = constant_dims(args[0], depth - 1)
         return unit | frozenset(r for r in range(ndim) if r >= src_ndim or r in inner)
-    if name in ("repeat", "tile"):  # copies: a dim stays constant if it was (a unit dim repeated is), or is new
+    if name in ("repeat", "tile"):  # copies: constant where the source was (a repeated unit dim) or a new dim
         source = _tensor(args[0])
         if source is None:
             return unit
