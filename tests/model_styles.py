@@ -288,6 +288,29 @@ class FuxiCtrStyleAttention(_Attention):
         return out.expand(-1, hidden.shape[1], -1) if self.target else out
 
 
+class TfSasRecStyleAttention(_Attention):
+    """SASRec as its TensorFlow original writes attention (and its PyTorch ports keep): key masking by
+    torch.where(key_masks == 0, paddings, scores) with paddings = ones_like(scores) * (-2 ** 32 + 1), the
+    causal mask the same way from tril(ones), softmax, nan_to_num, then query masking in place: weights *=
+    query_masks (the query rows of padding), before @ v."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.q, self.k, self.v = (nn.Linear(self.width, self.width) for _ in range(3))
+
+    def forward(self, hidden, ids):
+        q, k, v = self.split(self.q(hidden)), self.split(self.k(hidden)), self.split(self.v(hidden))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim ** 0.5
+        paddings = torch.ones_like(scores) * (-2 ** 32 + 1)
+        key_masks = (ids != 0).float()[:, None, None, :].expand_as(scores)
+        scores = torch.where(key_masks == 0, paddings, scores)
+        causal = torch.tril(torch.ones(ids.shape[1], ids.shape[1], device=ids.device))
+        scores = torch.where(causal == 0, paddings, scores)
+        weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
+        weights *= (ids != 0).float()[:, None, :, None]  # query masking
+        return self.merge(torch.matmul(weights, v))
+
+
 def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: int = 0):
     """generative-recommenders' visibility (as its PyTorch reference builds it): position ids clamped at
     the first target, causal as eye | (row - col > 0), no key-padding term."""

@@ -114,6 +114,28 @@ def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
     torch.testing.assert_close(compiled(*small, lengths), attention(*small, lengths), atol=2e-5, rtol=1e-4)
 
 
+def test_the_rounding_check_reads_the_empty_sequences_own_scores():
+    """-1e8: eager's s + F rounds to F only for |s| < 4 (half the fill's ulp). The check that an empty
+    sequence is uniform bounds that sequence's own scores: larger scores elsewhere in the batch (up to 12 here,
+    a whole-batch bound of 31) do not stop a run whose empty sequence holds small ones; large ones there do."""
+    attention = _fill_attention(-1e8)
+    q, k, v = _qkv(scale=2.0)
+    with torch.no_grad():
+        for t in (q, k):
+            t[1] *= 0.2  # the empty sequence: scores well under 4
+    lengths = torch.tensor([L, 0, 3])
+    compiled = gem_compile(attention)
+    out, ref = compiled(q, k, v, lengths), attention(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    for g, g_ref in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                        torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    big = [t.detach() * 4.0 for t in (q, k, v)]  # the empty sequence's scores up to 8.6: eager rounds them
+    with pytest.raises(Exception, match="does not round to the fill"):
+        compiled(*big, lengths)
+
+
 @pytest.mark.parametrize("fill", ["finfo", -1e4])
 def test_a_fill_added_by_two_terms_stops_on_an_empty_sequence_and_is_exact_otherwise(fill):
     """Two padding masks added one after the other: a key both drop gets 2F (-inf for finfo.min), so eager's

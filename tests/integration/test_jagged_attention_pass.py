@@ -133,7 +133,20 @@ def hand_causal_from_ones_like_scores(q, k, v, n, x):
     return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
-IDIOMS = [sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
+def hand_query_rows_zeroed_in_the_weights(q, k, v, n, x):
+    # the weights' padded query rows zeroed before @ v (a safe softmax's other spelling)
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(~key_mask(n)[:, None, :, None], 0.0)
+    return p @ v
+
+
+def hand_weights_times_row_weights(q, k, v, n, x):
+    # the weights' rows scaled by a float per query (TF SASRec's query masking, p * query_mask)
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~key_mask(n)[:, None, None, :], -1e9)
+    return (torch.softmax(s, dim=-1) * x["row_weights"][:, None, :, None]) @ v
+
+
+IDIOMS = [hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril,
           sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf,
           hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute,
@@ -175,6 +188,7 @@ def _inputs(idiom):
         "bool_mask": torch.rand(B, L, generator=g) > 0.3,
     }
     extra["float_keep"] = extra["bool_mask"].float()
+    extra["row_weights"] = torch.rand(B, L, generator=g)
     extra["float_keep_heads"] = (torch.rand(B, H, L, generator=g) > 0.3).float()
     return q, k, v, lengths, extra
 
@@ -321,6 +335,16 @@ def miss_float_mask_per_head(q, k, v, n, x):
     return torch.matmul(s.masked_fill(x["float_keep_heads"][:, :, None, :] == 0, -1e9).softmax(-1), v)
 
 
+def miss_weights_rows_filled_with_one(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return s.softmax(-1).masked_fill(~key_mask(n)[:, None, :, None], 1.0) @ v
+
+
+def miss_weights_scaled_along_the_keys(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return (s.softmax(-1) * x["row_weights"][:, None, None, :]) @ v
+
+
 def miss_clamped_scores(q, k, v, n, x):
     s = (q @ k.transpose(-2, -1) * 0.25).clamp(-5.0, 5.0)
     return torch.softmax(s + (~key_mask(n)[:, None, None, :]) * -1e9, dim=-1) @ v
@@ -330,6 +354,8 @@ NEAR_MISSES = {
     miss_soft_capped_scores: "`tanh` (tanh) between the scores and the softmax",
     miss_clamped_scores: "a non-linear map of the scores",
     miss_float_mask_per_head: "differs between heads",
+    miss_weights_rows_filled_with_one: "the softmax output goes to `masked_fill`",
+    miss_weights_scaled_along_the_keys: "the softmax output goes to `mul`",
     miss_constant_over_scores: "divided by the scores",
     miss_mask_from_float_input: "comes from the float input",
     miss_softmax_over_queries: "not over the keys",

@@ -80,6 +80,28 @@ def test_pairwise_token_mask_is_rewritten_and_exact(fn, holes):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 
+def left_padded_pairwise(q, k, v, lengths):
+    """Left padding from lengths (j >= L - lengths[b]) in the pairwise form, and the output rows zeroed: no
+    query-length term says which rows are kept, so they are a query vector too."""
+    valid = torch.arange(L)[None, :] >= L - lengths[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=(valid[:, :, None] & valid[:, None, :])[:, None])
+    return out * valid[:, None, :, None]
+
+
+def test_left_padding_from_lengths_in_the_pairwise_form_is_rewritten_and_exact():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 0, 5, 1])
+    report = explain(left_padded_pairwise, q, k, v, lengths)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out = rewritten(left_padded_pairwise)(q, k, v, lengths)
+    rows = (torch.arange(L)[None, :] >= L - lengths[:, None])[:, None, :, None]
+    ref = torch.where(rows, left_padded_pairwise(q, k, v, lengths), 0.0)  # eager's math: NaN * 0 elsewhere
+    assert torch.all(out.masked_select(~rows.expand_as(out)) == 0)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
+
+
 def test_changing_masks_do_not_recompile():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))

@@ -40,6 +40,7 @@ from tests.model_styles import (
     RecBoleStyleAttention,
     SASRecBlock,
     T5StyleAttention,
+    TfSasRecStyleAttention,
 )
 from tests.rewritten import rewritten
 
@@ -95,6 +96,7 @@ MODELS = {
     "bert4rec": (Bert4RecAttention, "ids_holes", "jagged_attention"),
     "recbole_sasrec": (RecBoleStyleAttention, "ids_right", "jagged_attention"),
     "fuxictr_expanded_mask": (FuxiCtrStyleAttention, "ids_holes", "jagged_attention"),
+    "tf_sasrec_query_masking": (TfSasRecStyleAttention, "ids_left", "jagged_attention"),
     "fuxictr_target_attention": (functools.partial(FuxiCtrStyleAttention, target=True), "ids_holes",
                                  "jagged_attention"),
     "hstu_offsets": (HstuStyleAttention, "offsets", "gdpa"),
@@ -308,14 +310,20 @@ def test_din_target_attention_has_no_site_for_the_kernels_and_compiles_exactly(w
 
 def test_a_query_term_that_drops_rows_is_not_taken_for_one_that_keeps_them():
     """q_idx >= 0 holds at every query (index ranges decide it); q_idx >= 1 drops query row 0: not the
-    same mask, refused with the formula named."""
+    same mask. It is a per-query vector (rows i >= 1 kept), named as such, and row 0 is 0 as eager's safe
+    softmax gives it."""
     torch.manual_seed(0)
     model = IndexedBoolMaskAttention(H, D, query_floor=1)
     hidden, mask_input = _batch("attention_mask", torch.Generator().manual_seed(1))
     report = explain(model, hidden, mask_input)
-    assert report.counts["jagged_attention"] == 0
-    assert any("(-i < 0)" in r.reason for r in report.refusals), \
-        [r.reason for r in report.refusals]
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    assert "queries where (-i < 0)" in report.rewrites[0].detail, report.rewrites[0].detail
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = model(hidden, mask_input)
+    out = rewritten(model)(hidden, mask_input)
+    assert (out[:, 0] == 0).all() and (ref[:, 0] == 0).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [hidden, *model.parameters()])
 
 
 @pytest.mark.parametrize("with_targets", [True, False])

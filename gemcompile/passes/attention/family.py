@@ -51,6 +51,7 @@ class AttentionFamily(GemPass):
         with emit.graph.inserting_before(site.output):
             q, k, v = operands(emit, site)
             out, detail = self.emit(emit, site, mask, q, k, v)
+            out = _rows_as_the_weights_were(emit, out, site.row_ops)
             out = permuted(emit, out, site.out_perm)
             if site.pv_merged:  # (B, H, Lq, D) -> (B * H, Lq, D), as the model's bmm gave it
                 out = emit.call(torch.reshape, (out, (-1, size_of(emit, out, 2), size_of(emit, out, 3))))
@@ -65,6 +66,21 @@ class AttentionFamily(GemPass):
 
 
 # -- what the families emit --------------------------------------------------------------------------
+
+def _rows_as_the_weights_were(emit: Emitter, out: fx.Node, row_ops) -> fx.Node:
+    """(p * r) @ v = r * (p @ v) for r constant along the keys: the weights' row ops, on the output rows."""
+    for kind, x in row_ops:
+        if kind == "mul":
+            dtype = example_value(out).dtype
+            if example_value(x).dtype != dtype:  # the output keeps its dtype, as eager's cast before @ v
+                x = emit.call(torch.Tensor.to, (x, dtype))
+            out = emit.call(operator.mul, (out, x))
+        elif kind == "masked_fill":
+            out = emit.call(torch.Tensor.masked_fill, (out, x, 0.0))
+        else:
+            out = emit.call(torch.where, (x, out, 0.0))
+    return out
+
 
 def permuted(emit: Emitter, node: fx.Node, perm) -> fx.Node:
     return node if perm is None else emit.call(torch.permute, (node, perm))
@@ -204,9 +220,24 @@ def summed_bias(emit: Emitter, terms: list[tuple[fx.Node, float]]) -> fx.Node | 
     return total
 
 
+def _same_size(a, b) -> bool:
+    """a == b for sizes that may be symbolic. Two inputs compiled with dynamic shapes get a symbol each even
+    where the model needs them equal (k's and v's lengths): their equality then becomes a guard of the
+    compiled graph (as Inductor's own specializations do), and a call where they differ recompiles."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(a == b):
+        return True
+    try:
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+    except ImportError:  # an older torch: only what is statically known
+        return False
+    return guard_or_false(a == b)
+
+
 def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
     """q (B|1, H, Lq, D), k and v (B, H, Lk, D) of one floating dtype and device, D within head_dims."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+    known = _same_size
 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -214,13 +245,13 @@ def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
         raise Unproven(f"q, k, v dtypes differ or are not floating ({q.dtype}, {k.dtype}, {v.dtype})")
     if not (q.device == k.device == v.device):
         raise Unproven(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
-    if not (known(q.shape[-1] == k.shape[-1]) and known(k.shape[-1] == v.shape[-1])):
+    if not (known(q.shape[-1], k.shape[-1]) and known(k.shape[-1], v.shape[-1])):
         raise Unproven("q, k and v head dims differ (the kernel needs one head dim)")
-    if not (known(k.shape[0] == v.shape[0]) and known(k.shape[2] == v.shape[2])):
+    if not (known(k.shape[0], v.shape[0]) and known(k.shape[2], v.shape[2])):
         raise Unproven("k and v disagree on batch or length")
-    if not (known(q.shape[0] == k.shape[0]) or known(q.shape[0] == 1)):
+    if not (known(q.shape[0], k.shape[0]) or known(q.shape[0], 1)):
         raise Unproven("q's batch is neither k's nor 1")
-    if not (known(q.shape[1] == k.shape[1]) and known(k.shape[1] == v.shape[1])):
+    if not (known(q.shape[1], k.shape[1]) and known(k.shape[1], v.shape[1])):
         raise Unproven("q, k and v have different head counts (grouped-query attention is not served)")
     lo, hi = head_dims
     if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:

@@ -11,11 +11,14 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
    - no causal/window/block/HSTU term and no query padding: such a row is a sequence with no valid key, and
      the rewrite gives that sequence every key. Written over the scores (masked_fill, where), F makes the
      row uniform whatever its value. Added, for F >= -1e8 that is eager's softmax(s + F) = softmax(s)
-     (up to eager's own rounding of s + F). A fill added by several terms instead gets a device-side check
-     that no sequence is empty: eager's row then attends only to the keys the fewest terms drop. For
-     F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row is uniform, and the kernel is told so
-     (``uniform_keys``: scores taken as 0, gradients as eager's autograd gives them), with a device-side
-     check that the scores are small enough to round away (|s| < ulp(F) / 2; always true for finfo.min).
+     (up to eager's own rounding of s + F, which puts s on a grid of ulp(F): 1e-3 at -1e4, but 1 at -1e7,
+     where eager's row is far from softmax(s) and the kernel's is the exact one). A fill added by several
+     terms instead gets a device-side check that no sequence is empty: eager's row then attends only to
+     the keys the fewest terms drop. For F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row
+     is uniform, and the kernel is told so (``uniform_keys``: scores taken as 0, gradients as eager's
+     autograd gives them), with a device-side
+     check that the scores are small enough to round away (|s| < ulp(F) / 2, bounded per sample from that
+     sample's own q and k; always true for finfo.min).
      Written over the scores (masked_fill, where), the fill passes no gradient to them: q and k of such a
      sequence are detached, as eager's autograd gives;
    - causal: a row i sees no valid key when keys 0..i are all padding (left padding, leading holes of a
@@ -60,7 +63,7 @@ def check_fill_served(mask: AttentionMask) -> None:
     data_rows = mask.query_vector is not None and not mask.fill_replaces
     what = ("a sliding window" if mask.window is not None else "blocks" if mask.block is not None
             else "HSTU's target mask" if mask.hstu else "query padding" if mask.q_lengths is not None
-            else "query padding read from data" if data_rows else None)
+            else "query padding read from data (or left padding)" if data_rows else None)
     if what is not None:
         raise Unproven(f"a finite fill ({mask.fill:g}) with {what}: rows that see no valid key average the padding "
                        "in eager and are 0 in the kernel (fill with -inf or use a bool mask)")
@@ -97,6 +100,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
     check_fill_served(mask)
     fill = mask.fill
     bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
+    scores = (scale, q, k, bias) if bound is not None else None
     if bound is not None:
         ok = emit.call(operator.le, (emit.call(operator.mul, (bound, 2.0)), -fill - _UNDERFLOW_MARGIN))
         emit.call(torch._assert_async, (ok, f"gemcompile: attention scores can reach the mask's fill ({fill:g}), "
@@ -112,7 +116,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         emit.call(torch._assert_async, (first, message))
         return q, k, kv_len, kv_mask, None, None
     if mask.causal:
-        return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, bound)
+        return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, scores)
     empty = _no_valid_key(emit, kv_len, kv_mask)
     if mask.fill_stacked:  # eager's row attends to the keys fewest terms drop: no kernel computes that
         none_empty = emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))
@@ -131,25 +135,27 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         return q, k, kv_len, kv_mask, empty, None
     if fill > UNIFORM_FILL:
         return q, k, kv_len, kv_mask, None, None
-    _check_rounded_away(emit, fill, bound, empty)
+    _check_rounded_away(emit, fill, scores, empty)
     return q, k, kv_len, kv_mask, empty, None
 
 
-def _check_rounded_away(emit: Emitter, fill: float, bound: fx.Node | None, blind: fx.Node) -> None:
-    """A device-side check that eager's s + fill rounds to the fill wherever ``blind`` (a bool or count
-    tensor) says a row sees no valid key; no check when no score can reach (bound None)."""
-    if bound is None:
+def _check_rounded_away(emit: Emitter, fill: float, scores, blind: fx.Node) -> None:
+    """A device-side check that eager's s + fill rounds to the fill wherever ``blind`` ((B,) bool or counts)
+    says a sample has rows that see no valid key: a bound on that sample's own scores (every position, as
+    such a row reads every key) below half the fill's ulp; no check when no score can reach (scores None)."""
+    if scores is None:
         return
+    bound = _score_bound(emit, *scores, per_sample=True)  # (B,) or (1,) for queries shared by the batch
     rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
-    none_blind = emit.call(torch.logical_not, (emit.call(torch.any, (blind,)),))
-    ok = emit.call(torch.logical_or, (rounded_away, none_blind))
+    seeing = emit.call(operator.eq, (blind, 0))  # no blind row in the sample: nothing to check there
+    ok = emit.call(torch.all, (emit.call(torch.logical_or, (rounded_away, seeing)),))
     emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
                                         "scores large enough that eager's s + fill does not round to the fill: "
                                         "its eager value depends on that rounding; fill with -inf or finfo.min"))
 
 
 def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_len, kv_mask,
-                bound: fx.Node | None) -> BlindRows:
+                scores) -> BlindRows:
     """The BlindRows of a causal mask with one finite fill (module doc)."""
     keys = size_of(emit, k, 2)
     valid = _valid_keys(emit, kv_len, kv_mask, keys, example_value(k).device)
@@ -162,7 +168,7 @@ def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_l
         return BlindRows(rows, detached[0], detached[1], everyone)
     if mask.fill > UNIFORM_FILL:
         return BlindRows(rows, q, k, None)
-    _check_rounded_away(emit, mask.fill, bound, rows)
+    _check_rounded_away(emit, mask.fill, scores, rows)
     return BlindRows(rows, q, k, everyone)
 
 
@@ -207,11 +213,13 @@ def _first_key_valid(emit: Emitter, kv_len, kv_mask) -> fx.Node:
     return ok
 
 
-def _score_bound(emit: Emitter, scale: float, q: fx.Node, k: fx.Node, bias) -> fx.Node:
-    """A 0-d fp32 bound on every |score|: scale * max|q_i| * max|k_j| (+ max|bias|), by Cauchy-Schwarz."""
+def _score_bound(emit: Emitter, scale: float, q: fx.Node, k: fx.Node, bias,
+                 per_sample: bool = False) -> fx.Node:
+    """A 0-d fp32 bound on every |score|: scale * max|q_i| * max|k_j| (+ max|bias|), by Cauchy-Schwarz;
+    ``per_sample``: one per sample, (B,) (q and k are (B|1, H, L, D))."""
     def max_norm(x: fx.Node) -> fx.Node:
         norms = emit.call(torch.linalg.vector_norm, (x,), {"dim": -1, "dtype": torch.float32})
-        return emit.call(torch.amax, (norms,))
+        return emit.call(torch.amax, (norms, (1, 2))) if per_sample else emit.call(torch.amax, (norms,))
 
     bound = emit.call(operator.mul, (emit.call(operator.mul, (max_norm(q), max_norm(k))), abs(scale)))
     if bias is not None:

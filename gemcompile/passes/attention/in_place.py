@@ -29,7 +29,8 @@ _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, 
               operator.imul: operator.mul}
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
-          "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where")
+          "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
+          "nan_to_num")
 """Ops whose result is a new tensor (no alias of an input)."""
 
 

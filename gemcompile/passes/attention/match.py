@@ -45,6 +45,7 @@ from gemcompile.passes.attention.scores import (
     SCORE_MAPS,
     SUB,
     constant_float,
+    filled_with,
     heads_view,
     is_call,
     leads_to_matmul,
@@ -54,6 +55,7 @@ from gemcompile.passes.attention.scores import (
     tensor_factor,
     walk_to_scores,
 )
+from gemcompile.passes.attention.weights import nan_zeroing, row_op
 from gemcompile.passes.graph import Unproven, example_value, fed_by
 from gemcompile.passes.masks.evaluator import NEG_FILL_LIMIT, MaskEvaluator, PiecewiseTensor
 
@@ -127,6 +129,10 @@ class AttentionSite:
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
+    row_ops: list[tuple[str, fx.Node]] = field(default_factory=list)
+    """What the weights' query rows were multiplied by before ``@ v`` (TF SASRec's query masking: ``p *=
+    query_mask``; ``p.masked_fill(~rows, 0)``; ``where(rows, p, 0)``), each constant along the keys: the same
+    op on the output rows gives the same result, ("mul", factor), ("masked_fill", cond) or ("where", cond)."""
     heads: int | None = None
     """H when q and k (``qk_merged``) or v and the output (``pv_merged``) hold batch and heads merged in
     dim 0, (B * H, L, D), as bmm takes them (fairseq, DeBERTa; H = 1 for single-head (B, L, D) attention):
@@ -168,10 +174,11 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
         raise Unproven(f"softmax over dim {dim}, not over the keys (the last dim)")
     matched: list[fx.Node] = []
     views: list[int] = []  # heads of the weights' views to (B * H, Lq, Lk) before a bmm
+    row_ops: list[tuple[str, fx.Node]] = []
     # forward: softmax -> casts / dropout that is off / a heads view -> (weights @ v)
     node = softmax
     while True:
-        zeroed = _nan_zeroing(node)
+        zeroed = nan_zeroing(node)
         if zeroed is not None:  # a safe softmax: rows with no valid key are 0, as the kernel gives them
             matched.append(node)
             matched.extend(u for u in node.users if u is not zeroed)  # isnan, zeros_like
@@ -179,6 +186,11 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
             continue
         single_user(node, matched)
         (user,) = node.users
+        scaled_rows = row_op(user, node)
+        if scaled_rows is not None:
+            row_ops.append(scaled_rows)
+            node = user
+            continue
         if is_call(user, "dropout") and not _dropout_is_off(user):
             raise Unproven("dropout on the attention weights (the kernel has none); use dropout_p=0 or eval()")
         heads = heads_view(user)
@@ -194,8 +206,10 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     ops = _merged_heads(info, ops, views, qk=example_value(info["q"]).dim() == 3,
                         pv=example_value(info["v"]).dim() == 3)
     scale, bias, masks = replay(ops)
+    if row_ops and (views or info.get("heads")):
+        raise Unproven("the attention weights' rows are scaled with batch and heads merged")
     return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,
-                 q_factor=tensor_factor(ops))
+                 q_factor=tensor_factor(ops), row_ops=row_ops)
 
 
 def _merged_heads(info: dict, ops: list, views: list[int], qk: bool, pv: bool) -> list:
@@ -257,41 +271,14 @@ def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
         return base
     if is_call(node, "where"):
         cond, x, y = node.args
-        if isinstance(x, fx.Node) and leads_to_matmul(x) and not isinstance(y, fx.Node):
-            ops.append(("mask", MaskTerm(cond, "keep", fill=_check_fill(y))))
+        if isinstance(x, fx.Node) and leads_to_matmul(x) and filled_with(y) is not None:
+            ops.append(("mask", MaskTerm(cond, "keep", fill=_check_fill(filled_with(y)))))
             return x
-        if isinstance(y, fx.Node) and leads_to_matmul(y) and not isinstance(x, fx.Node):
-            ops.append(("mask", MaskTerm(cond, "drop", fill=_check_fill(x))))
+        if isinstance(y, fx.Node) and leads_to_matmul(y) and filled_with(x) is not None:
+            ops.append(("mask", MaskTerm(cond, "drop", fill=_check_fill(filled_with(x)))))
             return y
         raise Unproven("torch.where on the scores with a tensor on both sides")
     return None
-
-
-def _nan_zeroing(p: fx.Node) -> fx.Node | None:
-    """The node that zeroes p's NaN rows when that is all p's users do (``nan_to_num(p)``,
-    ``where(isnan(p), 0, p)``, ``p.masked_fill(isnan(p), 0)``), else None."""
-    users = list(p.users)
-    if len(users) == 1 and is_call(users[0], "nan_to_num"):
-        user = users[0]
-        nan = user.kwargs.get("nan", user.args[1] if len(user.args) > 1 else 0.0)
-        return user if nan in (0, 0.0, None) else None
-    zeros = [u for u in users if is_call(u, "zeros_like")]
-    users = [u for u in users if u not in zeros]
-    if len(users) != 2 or len(zeros) > 1:
-        return None
-    isnan = next((u for u in users if is_call(u, "isnan")), None)
-    other = next((u for u in users if u is not isnan), None)
-    if isnan is None or other is None or len(isnan.users) != 1 or next(iter(isnan.users)) is not other:
-        return None
-    if is_call(other, "where") and other.args[0] is isnan and other.args[2] is p:
-        fill = other.args[1]
-    elif is_call(other, "masked_fill") and other.args[0] is p and other.args[1] is isnan:
-        fill = other.args[2] if len(other.args) > 2 else other.kwargs.get("value")
-    else:
-        return None
-    if zeros:
-        return other if fill is zeros[0] and len(zeros[0].users) == 1 else None
-    return other if constant_float(fill) == 0.0 else None
 
 
 def _constant_shift(a: Any, b: Any) -> fx.Node | None:
@@ -407,6 +394,9 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
         raise Unproven("grouped-query attention (enable_gqa) is not supported by the kernel")
     if dropout_p not in (0, 0.0):
         raise Unproven(f"dropout_p={dropout_p} (the kernel has no dropout)")
+    if mask is None and is_causal:
+        raise Unproven("is_causal=True with no attention mask: no padding to skip, and SDPA's own causal kernels "
+                       "run it")
     if mask is None:
         raise Unproven("no attention mask: nothing to skip")
     if not isinstance(mask, fx.Node):

@@ -168,6 +168,28 @@ def values(user: fx.Node, weights: fx.Node, info: dict, what: str) -> None:
         raise Unproven(f"{what} to `{target_name(user)}`, not to a matmul with the values")
 
 
+def filled_with(x: Any) -> Any:
+    """The constant ``x`` holds everywhere: a Python number, or a tensor made full of one (TF-style
+    ``ones_like(s) * (-2 ** 32 + 1)``, ``full_like(s, c)``, ``s.new_full(shape, c)``, ``zeros_like(s)``);
+    None for anything else."""
+    if not isinstance(x, fx.Node):
+        return x
+    if is_call(x, "full_like", "new_full", "full"):
+        value = x.args[1] if len(x.args) > 1 and not is_call(x, "new_full") else None
+        value = x.kwargs.get("fill_value", x.args[2] if is_call(x, "new_full") and len(x.args) > 2 else value)
+        return value if constant_float(value) is not None else None
+    if is_call(x, "zeros_like", "new_zeros"):
+        return 0.0
+    if is_call(x, "ones_like", "new_ones"):
+        return 1.0
+    if is_call(x, *MUL) and len(x.args) == 2:
+        a, b = x.args
+        one, c = (a, b) if isinstance(a, fx.Node) else (b, a)
+        if isinstance(one, fx.Node) and is_call(one, "ones_like", "new_ones") and constant_float(c) is not None:
+            return c
+    return None
+
+
 # -- the walk back to q @ k^T ----------------------------------------------------------------------
 
 Step = Callable[[fx.Node, list], "fx.Node | None"]

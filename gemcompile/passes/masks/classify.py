@@ -93,8 +93,8 @@ def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> A
     vector = [c for c in clauses if is_key_clause(evaluator, c) and c not in plain]
     # clauses over (b, i) that read data: a per-query vector (plain query lengths stay query padding)
     plain_q = {q[2] for q in queries} | {sympy.Not(q[2]) for q in queries}
-    query = [c for c in clauses if c not in vector and c not in plain_q and _reads_only(evaluator, c, 1)
-             and _reads_data(evaluator, c)]
+    # (left padding i >= L - lengths[b] is one too: no query-length term says it)
+    query = [c for c in clauses if c not in vector and c not in plain_q and _reads_only(evaluator, c, 1)]
     if not vector and not query:
         return None
     rest = sympy.And(*[c for c in clauses if c not in vector and c not in query])

@@ -52,8 +52,24 @@ class _Builder:
             return self._fold(operator.mul, e.args)
         if isinstance(e, sympy.Function):
             return self.leaf(e)
+        if isinstance(e, sympy.Symbol):  # a size compiled as dynamic: j >= L - lengths[b] with L symbolic
+            return self.size(e)
         raise Unproven(f"the key mask {e} cannot be built (only sums and products of positions, lengths and "
                        "data are)")
+
+    def size(self, symbol: sympy.Symbol) -> fx.Node:
+        """The graph value holding a symbolic size: the batch or key count given, else a graph input of
+        Dynamo's (it lifts each dynamic size as a placeholder), which comes before any node emitted."""
+        for size in (self.keys, self.batch):
+            value = example_value(size) if isinstance(size, fx.Node) else None
+            if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+                return size
+        for node in self.emit.graph.find_nodes(op="placeholder"):
+            value = node.meta.get(self.emit.value_key)
+            if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+                return node
+        raise Unproven(f"the key mask reads the dynamic size {symbol}, which no graph input holds (compile "
+                       "with static sequence lengths)")
 
     def _fold(self, op, args):
         out = None

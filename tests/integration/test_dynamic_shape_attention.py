@@ -1,0 +1,116 @@
+"""Attention recompiled with dynamic shapes keeps its rewrite.
+
+torch.compile's default (automatic dynamic shapes) compiles the first batch with static sizes and, at the
+first batch of another batch size or padded length, recompiles once with symbolic sizes for every later
+one. That second graph must be rewritten too, or every later batch runs eager attention:
+- q, k and v handed in separately get a size symbol each; the kernel needs k's and v's lengths equal, which
+  becomes a guard of the graph (attention/family.py ``_same_size``) instead of a refusal;
+- a left-padding mask ``j >= L - lengths[b]`` reads the padded length L itself: the key mask is built from
+  the graph input Dynamo lifts for that size (masks/key_vector.py ``_Builder.size``).
+Each model: three batches of different sizes, outputs and gradients equal to eager, the attention rewritten
+in both compiles, and no third compile.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from gemcompile.backend import allow_warnings_in_graphs
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.rewritten import rewritten
+
+H, D = 2, 16
+SHAPES = ((2, 6), (3, 9), (4, 11))  # (batch, padded length)
+
+
+def separate_inputs_right_padded(q, k, v, lengths):
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    keep = torch.arange(k.shape[2])[None, :] < lengths[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def separate_inputs_left_padded_causal(q, k, v, lengths):
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    n = k.shape[2]
+    keep = (torch.arange(n)[None, :] >= n - lengths[:, None])[:, None, None, :]
+    keep = keep & torch.tril(torch.ones(n, n, dtype=torch.bool))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+class Projected(nn.Module):
+    """(B, L, E) in, one qkv projection; key padding read from item ids, or left padding from lengths."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.qkv, self.source = nn.Linear(H * D, 3 * H * D), source
+
+    def forward(self, x, data):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        if self.source == "ids":
+            keep = (data != 0)[:, None, None, :]
+        else:
+            keep = (torch.arange(n)[None, :] >= n - data[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, H * D)
+
+
+def _inputs(name: str, batch: int, n: int, g: torch.Generator):
+    lengths = torch.randint(1, n + 1, (batch,), generator=g)
+    lengths[0] = n
+    if name.startswith("separate"):
+        return [torch.randn(batch, n, H, D, generator=g, requires_grad=True) for _ in range(3)] + [lengths]
+    x = torch.randn(batch, n, H * D, generator=g, requires_grad=True)
+    if name == "projected_ids":
+        ids = torch.randint(1, 9, (batch, n), generator=g) * (torch.arange(n)[None] < lengths[:, None])
+        return [x, ids]
+    return [x, lengths]
+
+
+MODELS = {
+    "separate_right_padded": lambda: separate_inputs_right_padded,
+    "separate_left_padded_causal": lambda: separate_inputs_left_padded_causal,
+    "projected_ids": lambda: Projected("ids"),
+    "projected_left_padded": lambda: Projected("left"),
+}
+
+
+def _defined_rows(name: str, inputs) -> torch.Tensor | None:
+    """Rows eager defines: a left-padded causal row before the first token sees no key (NaN in eager)."""
+    if name not in ("separate_left_padded_causal",):
+        return None
+    lengths, n = inputs[-1], inputs[0].shape[1]
+    return (torch.arange(n)[None, :] >= n - lengths[:, None])[:, None, :, None]  # out is (B, H, L, D)
+
+
+def check_dynamic_recompile(name: str, device: str = "cpu", compile_with=None) -> None:
+    """Three batches of different sizes through one compiled model: outputs and gradients equal eager's on
+    the rows eager defines, two compiles (static, then dynamic), each rewritten. ``compile_with(model,
+    compiles)`` compiles (default: the passes with aot_eager, tests/rewritten.py)."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    if isinstance(model, nn.Module):
+        model = model.to(device)
+    allow_warnings_in_graphs()
+    compiles: list = []
+    counters.clear()
+    compiled = (compile_with or rewritten)(model, compiles)
+    g = torch.Generator().manual_seed(5)
+    for batch, n in SHAPES:
+        inputs = [t.detach().to(device).requires_grad_(t.requires_grad) for t in _inputs(name, batch, n, g)]
+        out, ref = compiled(*inputs), model(*inputs)
+        rows = _defined_rows(name, [t.cpu() for t in inputs])
+        if rows is not None:
+            rows = rows.to(device)
+            out, ref = torch.where(rows, out, 0), torch.where(rows, ref, 0)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        leaves = [t for t in inputs if t.requires_grad] + list(getattr(model, "parameters", list)())
+        assert_same_weighted_grads(out, ref, leaves)
+    assert len(compiles) == 2  # static, then dynamic for every later size (the third call reuses it)
+    assert counters["gemcompile"]["jagged_attention"] == 2  # both graphs rewritten
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_dynamic_recompile_keeps_the_rewrite(name):
+    check_dynamic_recompile(name)
