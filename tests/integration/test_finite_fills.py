@@ -116,8 +116,9 @@ def test_scores_as_large_as_the_fill_stop_the_run_instead_of_dropping_keys():
 
 def test_the_rounding_check_reads_the_empty_sequences_own_scores():
     """-1e8: eager's s + F rounds to F only for |s| < 4 (half the fill's ulp). The check that an empty
-    sequence is uniform bounds that sequence's own scores: larger scores elsewhere in the batch (up to 12 here,
-    a whole-batch bound of 31) do not stop a run whose empty sequence holds small ones; large ones there do."""
+    sequence is uniform bounds that sequence's own scores: larger scores elsewhere in the batch (up to 12
+    here, a whole-batch bound of 31) do not stop a run whose empty sequence holds small ones; large ones
+    there do."""
     attention = _fill_attention(-1e8)
     q, k, v = _qkv(scale=2.0)
     with torch.no_grad():

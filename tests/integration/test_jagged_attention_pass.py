@@ -11,6 +11,8 @@ from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
 from gemcompile.backend import GemBackend
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.rewritten import rewritten
 
 B, H, L, D = 4, 2, 12, 16
 LQ = 7  # queries of cross attention
@@ -146,11 +148,12 @@ def hand_weights_times_row_weights(q, k, v, n, x):
     return (torch.softmax(s, dim=-1) * x["row_weights"][:, None, :, None]) @ v
 
 
-IDIOMS = [hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input, sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
-          hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril,
-          sdpa_key_causal_index, sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf,
-          hand_masked_fill_large_negative, hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute,
-          relative_bias, cross_attention_own_query_lengths, pma_learned_queries]
+IDIOMS = [hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
+          sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
+          hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index,
+          sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
+          hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
+          cross_attention_own_query_lengths, pma_learned_queries]
 # eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
 # those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is
 # checked against the documented semantics (_empty_sequence_is_zero; finite fills: test_finite_fills.py)
@@ -262,6 +265,46 @@ def test_multihead_attention_with_key_padding_mask():
     g_ref = torch.autograd.grad(ref.square().sum(), params)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+class PerHeadMaskMHA(nn.Module):
+    """A (B * H, L, L) bool attn_mask: key padding and causal, built per sample and repeated over the heads
+    (BST-style `.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)`, or `repeat_interleave(H, dim=0)`);
+    `.repeat(H, 1, 1)` gives sample b another sample's rows, which eager runs as written."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(H * D, H, batch_first=True)
+        self.spelling = spelling
+
+    def forward(self, x, lengths):
+        n = x.shape[1]
+        dropped = ~key_mask(lengths, n)[:, None, :] | torch.ones(n, n, dtype=torch.bool).triu(1)  # (B, L, L)
+        if self.spelling == "flatten":
+            mask = dropped.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)
+        elif self.spelling == "repeat_interleave":
+            mask = dropped.repeat_interleave(H, dim=0)
+        else:
+            mask = dropped.repeat(H, 1, 1)
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("spelling", ["flatten", "repeat_interleave", "repeat"])
+def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
+    torch.manual_seed(0)
+    model = PerHeadMaskMHA(spelling)
+    x = torch.randn(B, L, H * D, requires_grad=True)
+    lengths = torch.tensor([L, 5, 1, 9])
+    report = explain(model, x, lengths)
+    if spelling == "repeat":
+        assert report.counts["jagged_attention"] == 0
+        assert any("not a per-sample mask repeated over the heads" in r.reason for r in report.refusals), \
+            [r.reason for r in report.refusals]
+        return
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, lengths), model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])
 
 
 # -- near-misses: left alone, with a reason ---------------------------------------------------------------

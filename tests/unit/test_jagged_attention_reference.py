@@ -163,8 +163,8 @@ def test_low_precision_dtypes(dtype, tol, causal):
 
 def test_large_scores_keep_float32_precision():
     """Scores of ~1e3 (nearly saturated rows): the float32 path stays within float32 rounding of the float64
-    answer. Normalizing the forward as exp(s - lse) lost the low bits of s, and the backward's delta = dO . out
-    took that error into dq and dk (~50x the error of torch's own fused CPU attention)."""
+    answer. Normalizing the forward as exp(s - lse) lost the low bits of s, and the backward's
+    delta = dO . out took that error into dq and dk (~50x the error of torch's own fused CPU attention)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 8, 16, generator=g) * 15 for _ in range(3))
     lengths = torch.full((2,), 8)

@@ -395,8 +395,8 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
     if dropout_p not in (0, 0.0):
         raise Unproven(f"dropout_p={dropout_p} (the kernel has no dropout)")
     if mask is None and is_causal:
-        raise Unproven("is_causal=True with no attention mask: no padding to skip, and SDPA's own causal kernels "
-                       "run it")
+        raise Unproven("is_causal=True with no attention mask: no padding to skip, and SDPA's own causal "
+                       "kernels run it")
     if mask is None:
         raise Unproven("no attention mask: nothing to skip")
     if not isinstance(mask, fx.Node):
@@ -437,8 +437,10 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
     if a.get("dropout_p", 0.0) not in (0, 0.0) and a.get("training", True):
         raise Unproven("MultiheadAttention dropout in training (the kernel has no dropout)")
     mask = a.get("attn_mask")
-    if mask is not None and (not isinstance(mask, fx.Node) or example_value(mask).dim() != 2):
-        raise Unproven("MultiheadAttention with a per-head (3-D) or constant attn_mask")
+    if mask is not None and (not isinstance(mask, fx.Node) or example_value(mask).dim() not in (2, 3)):
+        raise Unproven("MultiheadAttention with a constant attn_mask")
+    if mask is not None and example_value(mask).dim() == 3:
+        a["attn_mask_split"] = split_per_head_mask(mask, a["num_heads"])
     if a.get("is_causal") and mask is None:
         raise Unproven("MultiheadAttention with is_causal and no attn_mask (torch itself rejects it)")
     if a.get("key_padding_mask") is None and mask is None:
@@ -451,6 +453,37 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
     return a
 
 
+def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, int] | None]:
+    """MultiheadAttention's 3-D attn_mask (B * H, L, S) reads row b * H + h for sample b, head h: the mask
+    it was built from, with its dims in the scores' (MaskTerm.dims; None: the 4-D mask itself), when it is a
+    (B, H, L, S) mask flattened or viewed into the heads' rows, or a (B, L, S) one repeat_interleave'd over
+    them; Unproven otherwise (a mask repeated with .repeat(H, 1, 1) gives sample b another sample's rows).
+    A bool mask reaches the functional as MultiheadAttention canonicalized it, zeros_like(m).masked_fill_(m,
+    -inf): m is split (its True drops the score, as the -inf did)."""
+    if is_call(mask, "masked_fill", "masked_fill_") and len(mask.args) > 2 and mask.args[2] == float("-inf"):
+        zeros, bool_mask = mask.args[:2]
+        if is_call(zeros, "zeros_like") and zeros.args[0] is bool_mask:
+            mask = bool_mask
+    source = mask.args[0] if mask.args and isinstance(mask.args[0], fx.Node) else None
+    value = example_value(source) if source is not None else None
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == heads:
+        start = mask.kwargs.get("start_dim", mask.args[1] if len(mask.args) > 1 else 0)
+        end = mask.kwargs.get("end_dim", mask.args[2] if len(mask.args) > 2 else -1)
+        if is_call(mask, "flatten") and start == 0 and end in (1, -3):
+            return source, None
+        if is_call(mask, "view", "reshape"):  # only the first two dims merged: the last two are kept
+            out = example_value(mask).shape
+            if out[1:] == value.shape[2:]:
+                return source, None
+    if is_call(mask, "repeat_interleave") and isinstance(value, torch.Tensor) and value.dim() == 3:
+        repeats = mask.kwargs.get("repeats", mask.args[1] if len(mask.args) > 1 else None)
+        dim = mask.kwargs.get("dim", mask.args[2] if len(mask.args) > 2 else None)
+        if repeats == heads and dim == 0:
+            return source, {0: 0, 1: 1, 2: 3}  # right-aligned dims: (B, L, S) -> b, i, j of the scores
+    raise Unproven("MultiheadAttention with a per-head (3-D) attn_mask that is not a per-sample mask "
+                   "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0))")
+
+
 def match_mha(node: fx.Node) -> AttentionSite:
     """nn.MultiheadAttention as a site: q, k, v are its (L, B, E) inputs, before the in-projection. Its
     key_padding_mask (B, S) and attn_mask (L, S) mark dropped scores True (bool) or add to them (float):
@@ -461,7 +494,10 @@ def match_mha(node: fx.Node) -> AttentionSite:
     terms = []
     padding, attn = a.get("key_padding_mask"), a.get("attn_mask")
     causal = bool(a.get("is_causal")) and padding is None and not a.get("need_weights", True)
-    for mask, dims in ((padding, {1: 3, 0: 0}), (None if causal else attn, None)):
+    attn_dims = None
+    if "attn_mask_split" in a:  # (B * H, L, S): the per-sample mask it repeats over the heads
+        attn, attn_dims = a["attn_mask_split"]
+    for mask, dims in ((padding, {1: 3, 0: 0}), (None if causal else attn, attn_dims)):
         if mask is not None:
             kind = "drop" if example_value(mask).dtype == torch.bool else "additive"
             terms.append(MaskTerm(mask, kind, dims=dims))

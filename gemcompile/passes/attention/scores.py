@@ -185,7 +185,8 @@ def filled_with(x: Any) -> Any:
     if is_call(x, *MUL) and len(x.args) == 2:
         a, b = x.args
         one, c = (a, b) if isinstance(a, fx.Node) else (b, a)
-        if isinstance(one, fx.Node) and is_call(one, "ones_like", "new_ones") and constant_float(c) is not None:
+        ones = isinstance(one, fx.Node) and is_call(one, "ones_like", "new_ones")
+        if ones and constant_float(c) is not None:
             return c
     return None
 

@@ -19,7 +19,8 @@ from gemcompile.passes.graph import example_value
 
 def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
     """("mul", r), ("masked_fill", cond) or ("where", cond) when ``user`` scales or zeroes whole query rows of
-    the (B, H, Lq, Lk) weights ``p``: a tensor whose last dim is 1 (constant along the keys), 0 as the fill."""
+    the (B, H, Lq, Lk) weights ``p``: a tensor whose last dim is 1 (constant along the keys), 0 as the
+    fill."""
     def per_row(x) -> bool:
         value = example_value(x) if isinstance(x, fx.Node) else None
         return isinstance(value, torch.Tensor) and 0 < value.dim() <= 4 and value.shape[-1] == 1
