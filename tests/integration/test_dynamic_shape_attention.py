@@ -4,7 +4,7 @@ torch.compile's default (automatic dynamic shapes) compiles the first batch with
 first batch of another batch size or padded length, recompiles once with symbolic sizes for every later
 one. That second graph must be rewritten too, or every later batch runs eager attention:
 - q, k and v handed in separately get a size symbol each; the kernel needs k's and v's lengths equal, which
-  becomes a guard of the graph (attention/family.py ``_same_size``) instead of a refusal;
+  becomes a guard of the graph (attention/family.py ``same_size``) instead of a refusal;
 - a left-padding mask ``j >= L - lengths[b]`` reads the padded length L itself: the key mask is built from
   the graph input Dynamo lifts for that size (masks/key_vector.py ``_Builder.size``).
 Each model: three batches of different sizes, outputs and gradients equal to eager, the attention rewritten

@@ -307,6 +307,26 @@ def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
 
 
+@pytest.mark.parametrize("kv_heads", [1, H])
+def test_sdpa_with_enable_gqa(kv_heads):
+    """Grouped-query attention: SDPA repeat_interleaves k and v over the query heads; so does the rewrite."""
+    if "enable_gqa" not in F.scaled_dot_product_attention.__doc__:
+        pytest.skip("this torch has no enable_gqa")
+
+    def gqa(q, k, v, n):
+        keep = key_mask(n)[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, 2 * H, L, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, L, D, generator=g, requires_grad=True) for _ in range(2))
+    lengths = torch.tensor([L, 5, 1, 9])
+    assert explain(gqa, q, k, v, lengths).counts["jagged_attention"] == 1
+    out, ref = rewritten(gqa)(q, k, v, lengths), gqa(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
+
+
 # -- near-misses: left alone, with a reason ---------------------------------------------------------------
 
 def miss_mask_from_float_input(q, k, v, n, x):

@@ -45,6 +45,7 @@ from gemcompile.passes.attention.family import (
     fold_query_rows,
     operands,
     permuted,
+    same_size,
     key_mask_operand,
     lengths_operand,
     size_of,
@@ -92,10 +93,8 @@ class BlockAttention(AttentionFamily):
 
     @staticmethod
     def _check_shapes(q, k, v, block: int, window: int) -> None:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
         check_qkv(q, k, v, (1, 1 << 30))
-        if not (known(q.shape[0] == k.shape[0]) and known(q.shape[2] == k.shape[2])):
+        if not (same_size(q.shape[0], k.shape[0]) and same_size(q.shape[2], k.shape[2])):
             raise Unproven(f"cross-attention (queries {tuple(q.shape)}, keys {tuple(k.shape)}): the block kernel "
                            "serves self-attention, one length for queries and keys")
         reason = block_kernel_supports(block, window, q.shape[-1])

@@ -97,6 +97,8 @@ def operands(emit: Emitter, site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.N
         q = emit.call(operator.truediv if divides else operator.mul, (q, factor))
     k = emit.call(torch.transpose, (site.k, -2, -1)) if site.k_is_transposed else permuted(emit, site.k, site.k_perm)
     v = permuted(emit, site.v, site.v_perm)
+    if site.kv_repeats > 1:  # SDPA's enable_gqa: k/v head h // r serves query head h
+        k, v = (emit.call(torch.repeat_interleave, (x, site.kv_repeats), {"dim": 1}) for x in (k, v))
     if site.qk_merged:
         q, k = split_heads(emit, q, site.heads), split_heads(emit, k, site.heads)
     if site.pv_merged:
@@ -220,7 +222,7 @@ def summed_bias(emit: Emitter, terms: list[tuple[fx.Node, float]]) -> fx.Node | 
     return total
 
 
-def _same_size(a, b) -> bool:
+def same_size(a, b) -> bool:
     """a == b for sizes that may be symbolic. Two inputs compiled with dynamic shapes get a symbol each even
     where the model needs them equal (k's and v's lengths): their equality then becomes a guard of the
     compiled graph (as Inductor's own specializations do), and a call where they differ recompiles."""
@@ -237,7 +239,7 @@ def _same_size(a, b) -> bool:
 
 def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
     """q (B|1, H, Lq, D), k and v (B, H, Lk, D) of one floating dtype and device, D within head_dims."""
-    known = _same_size
+    known = same_size
 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise Unproven(f"q, k, v must be 4-D (B, H, L, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")

@@ -129,6 +129,9 @@ class AttentionSite:
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
+    kv_repeats: int = 1
+    """SDPA's enable_gqa: each k and v head serves this many query heads (repeat_interleave'd, as SDPA
+    does)."""
     row_ops: list[tuple[str, fx.Node]] = field(default_factory=list)
     """What the weights' query rows were multiplied by before ``@ v`` (TF SASRec's query masking: ``p *=
     query_mask``; ``p.masked_fill(~rows, 0)``; ``where(rows, p, 0)``), each constant along the keys: the same
@@ -390,8 +393,7 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
     dropout_p = sdpa.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
     is_causal = sdpa.kwargs.get("is_causal", args[5] if args[5] is not None else False)
     scale = sdpa.kwargs.get("scale", args[6])
-    if sdpa.kwargs.get("enable_gqa", False):
-        raise Unproven("grouped-query attention (enable_gqa) is not supported by the kernel")
+    kv_repeats = _gqa_repeats(q, k) if sdpa.kwargs.get("enable_gqa", False) else 1
     if dropout_p not in (0, 0.0):
         raise Unproven(f"dropout_p={dropout_p} (the kernel has no dropout)")
     if mask is None and is_causal:
@@ -417,7 +419,15 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
         if not masks:  # no part reads as a mask: prove it as one, so the refusal says what it is instead
             masks, bias = [MaskTerm(mask, "additive")], []
     return AttentionSite(anchor=sdpa, output=sdpa, q=q, k=k, v=v, scale=float(scale), masks=masks, bias=bias,
-                         causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa")
+                         causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa", kv_repeats=kv_repeats)
+
+
+def _gqa_repeats(q: fx.Node, k: fx.Node) -> int:
+    """Query heads per k/v head under enable_gqa (1 when the counts are equal)."""
+    hq, hk = example_value(q).shape[-3], example_value(k).shape[-3]
+    if not (isinstance(hq, int) and isinstance(hk, int)) or hk == 0 or hq % hk:
+        raise Unproven(f"enable_gqa with {hq} query heads and {hk} key/value heads (not a multiple)")
+    return hq // hk
 
 
 _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
