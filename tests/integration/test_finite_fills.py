@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from gemcompile import explain, gem_compile
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.rewritten import rewritten
 
 B, H, L, D = 3, 2, 8, 16
 
@@ -187,3 +189,53 @@ def test_gdpa_divides_by_the_raw_lengths_like_eager():
     grads_ref = torch.autograd.grad(ref.sum(), (q, k, v))
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+
+
+def _masked_twice(fill, post: str, causal: bool):
+    """The scores' mask applied again to the weights after the softmax (masked_fill or where, 0)."""
+    def attention(q, k, v, ids):
+        keep = (ids != 0)[:, None, None, :]
+        if causal:
+            keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
+        s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~keep, fill)
+        p = torch.softmax(s, dim=-1)
+        p = p.masked_fill(~keep, 0.0) if post == "masked_fill" else torch.where(keep, p, 0.0)
+        return p @ v
+
+    return attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("post", ["masked_fill", "where"])
+@pytest.mark.parametrize("fill", [float("-inf"), -1e9, -1e4])
+def test_the_mask_applied_again_after_the_softmax_zeroes_rows_without_a_key(fill, post, causal):
+    """Rows with no valid key (an empty sequence, holes before a causal row's first key) are 0 in eager
+    whatever the fill: the second mask zeroes them. The rewrite gives them 0 too, without the fill's
+    blind-row work; every other row and every gradient equal eager's."""
+    attention = _masked_twice(fill, post, causal)
+    q, k, v = _qkv(seed=4)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 9, (B, L), generator=g) * (torch.rand(B, L, generator=g) > 0.3)
+    ids[1] = 0
+    report = explain(attention, q, k, v, ids)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    assert "second call" not in report.rewrites[0].detail
+    out, ref = rewritten(attention)(q, k, v, ids), attention(q, k, v, ids)
+    assert (ref[1] == 0).all() and (out[1] == 0).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
+
+
+def test_a_different_mask_after_the_softmax_is_refused():
+    def attention(q, k, v, ids):
+        keep = (ids != 0)[:, None, None, :]
+        s = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9)
+        s = s.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool)), -1e9)  # a second term
+        return torch.softmax(s, dim=-1).masked_fill(~keep, 0.0) @ v
+
+    q, k, v = _qkv()
+    ids = torch.randint(1, 9, (B, L), generator=torch.Generator().manual_seed(1))
+    report = explain(attention, q, k, v, ids)
+    assert report.counts["jagged_attention"] == 0
+    reasons = [r.reason for r in report.refusals]
+    assert any("not the scores' own" in r for r in reasons), reasons

@@ -93,11 +93,14 @@ def uniform_dropped_rows(emit: Emitter, mask: AttentionMask, v: fx.Node) -> fx.N
 
 
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,
-                    kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None):
+                    kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None,
+                    blind_rows_zero: bool = False):
     """(q, k, kv_len, kv_mask, uniform_keys, blind) for the kernel such that the finite fill's rows match
     eager (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds
-    away; blind is None or the BlindRows of a causal mask."""
-    check_fill_served(mask)
+    away; blind is None or the BlindRows of a causal mask. ``blind_rows_zero``: the model masks the weights
+    again after the softmax (AttentionSite.zero_blind_rows), so rows with no valid key are 0 in eager."""
+    if not blind_rows_zero:
+        check_fill_served(mask)
     fill = mask.fill
     bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
     scores = (scale, q, k, bias) if bound is not None else None
@@ -106,6 +109,8 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         emit.call(torch._assert_async, (ok, f"gemcompile: attention scores can reach the mask's fill ({fill:g}), "
                                             "so eager does not drop the masked keys and the kernel would; fill "
                                             "with -inf or a bool mask, or scale the scores"))
+    if blind_rows_zero:  # the model zeroes the dropped weights again after the softmax: such rows are 0
+        return q, k, kv_len, kv_mask, None, None
     if kv_len is None and kv_mask is None:
         return q, k, kv_len, kv_mask, None, None  # no key padding: every row sees a key (causal: key 0)
     if mask.causal and mask.fill_stacked:  # eager's blind rows attend to the keys fewest terms drop

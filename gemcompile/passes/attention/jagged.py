@@ -86,7 +86,8 @@ class JaggedAttention(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
-        check_fill_served(mask)
+        if not site.zero_blind_rows:
+            check_fill_served(mask)
         # query rows the model zeroes afterwards are skipped (the fill's rules are about the model's own mask)
         rows, rows_note = (mask, "") if mask.q_lengths is not None else fold_query_rows(site, mask)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
@@ -96,7 +97,8 @@ class JaggedAttention(AttentionFamily):
         detail, uniform, blind = "mask proven: " + mask.describe(), None, None
         if mask.fill is not None:
             q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(emit, mask, float(site.scale), q, k,
-                                                                    kv_len, kv_mask, bias)
+                                                                    kv_len, kv_mask, bias,
+                                                                    blind_rows_zero=site.zero_blind_rows)
             detail += f"; fill {mask.fill:g} kept exact"
         if rows_note:
             detail += f"; {rows_note}"
@@ -109,7 +111,8 @@ class JaggedAttention(AttentionFamily):
                              (blind.q, blind.k, v, blind.rows, None, bias, False, float(site.scale)), extra)
             out = emit.call(operator.add, (out, rows))
             detail += " (rows with no valid key in a second call over every key)"
-        return zero_query_rows(emit, mask, out, uniform_dropped_rows(emit, mask, v)), detail
+        filler = None if site.zero_blind_rows else uniform_dropped_rows(emit, mask, v)
+        return zero_query_rows(emit, mask, out, filler), detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)

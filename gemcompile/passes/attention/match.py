@@ -55,7 +55,7 @@ from gemcompile.passes.attention.scores import (
     tensor_factor,
     walk_to_scores,
 )
-from gemcompile.passes.attention.weights import nan_zeroing, row_op
+from gemcompile.passes.attention.weights import check_post_masks, key_mask_op, nan_zeroing, row_op
 from gemcompile.passes.graph import Unproven, example_value, fed_by
 from gemcompile.passes.masks.evaluator import NEG_FILL_LIMIT, MaskEvaluator, PiecewiseTensor
 
@@ -129,6 +129,9 @@ class AttentionSite:
     masks: list[MaskTerm] = field(default_factory=list)
     causal_flag: bool = False
     matched: list[fx.Node] = field(default_factory=list)
+    zero_blind_rows: bool = False
+    """The weights were masked again after the softmax by the scores' own mask: rows with no valid key are 0
+    in eager, whatever the fill (weights.py)."""
     kv_repeats: int = 1
     """SDPA's enable_gqa: each k and v head serves this many query heads (repeat_interleave'd, as SDPA
     does)."""
@@ -178,6 +181,7 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     matched: list[fx.Node] = []
     views: list[int] = []  # heads of the weights' views to (B * H, Lq, Lk) before a bmm
     row_ops: list[tuple[str, fx.Node]] = []
+    post_masks: list[tuple[bool, fx.Node]] = []
     # forward: softmax -> casts / dropout that is off / a heads view -> (weights @ v)
     node = softmax
     while True:
@@ -189,9 +193,9 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
             continue
         single_user(node, matched)
         (user,) = node.users
-        scaled_rows = row_op(user, node)
-        if scaled_rows is not None:
-            row_ops.append(scaled_rows)
+        scaled_rows, post_mask = row_op(user, node), key_mask_op(user, node)
+        if scaled_rows is not None or post_mask is not None:
+            (row_ops if scaled_rows is not None else post_masks).append(scaled_rows or post_mask)
             node = user
             continue
         if is_call(user, "dropout") and not _dropout_is_off(user):
@@ -211,8 +215,10 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     scale, bias, masks = replay(ops)
     if row_ops and (views or info.get("heads")):
         raise Unproven("the attention weights' rows are scaled with batch and heads merged")
+    check_post_masks(post_masks, masks)
     return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,
-                 q_factor=tensor_factor(ops), row_ops=row_ops)
+                 q_factor=tensor_factor(ops), row_ops=row_ops, zero_blind_rows=bool(post_masks))
+
 
 
 def _merged_heads(info: dict, ops: list, views: list[int], qk: bool, pv: bool) -> list:

@@ -5,7 +5,11 @@ reproduce exactly.
   rows with no valid key, which the kernels give 0 anyway;
 - ``row_op``: the weights' query rows scaled or zeroed (TF SASRec's query masking ``weights *=
   query_mask``): ``(p * r) @ v = r * (p @ v)`` for r constant along the keys, so the families apply the
-  same op to the output rows (family.py).
+  same op to the output rows (family.py);
+- ``key_mask_op`` and ``same_mask``: the scores' own mask applied again to the weights
+  (``softmax(s.masked_fill(m, F)).masked_fill(m, 0)``): a no-op on rows with a valid key (their dropped
+  weights are 0 already, exactly so under the fill's checks), and rows with none become 0, the kernels' own
+  rule, whatever the fill.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import torch
 import torch.fx as fx
 
 from gemcompile.passes.attention.scores import MUL, constant_float, is_call
-from gemcompile.passes.graph import example_value
+from gemcompile.passes.graph import Unproven, example_value
+
+_NOT = ("invert", "__invert__", "logical_not", "bitwise_not")
 
 
 def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
@@ -39,6 +45,66 @@ def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
         if per_row(user.args[0]) and constant_float(user.args[2]) == 0.0:
             return "where", user.args[0]
     return None
+
+
+def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
+    """(keeps, cond) when ``user`` zeroes the weights ``p`` by a mask that varies along the keys:
+    ``p.masked_fill(cond, 0)`` (False: cond drops) or ``torch.where(cond, p, 0)`` (True: cond keeps)."""
+    def along_keys(x) -> bool:
+        value = example_value(x) if isinstance(x, fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.shape[-1] != 1
+
+    if is_call(user, "masked_fill") and user.args[0] is p and len(user.args) > 1:
+        fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
+        if along_keys(user.args[1]) and constant_float(fill) == 0.0:
+            return False, user.args[1]
+    if is_call(user, "where") and len(user.args) == 3 and user.args[1] is p:
+        if along_keys(user.args[0]) and constant_float(user.args[2]) == 0.0:
+            return True, user.args[0]
+    return None
+
+
+def same_mask(a: tuple[bool, fx.Node], b: tuple[bool, fx.Node]) -> bool:
+    """Whether two (keeps, cond) masks are one: the same expression once the negations are peeled."""
+    def peeled(keeps: bool, node):
+        while isinstance(node, fx.Node) and is_call(node, *_NOT) and node.args:
+            keeps, node = not keeps, node.args[0]
+        return keeps, node
+
+    (ka, na), (kb, nb) = peeled(*a), peeled(*b)
+    return ka == kb and same_expression(na, nb)
+
+
+def check_post_masks(post: list[tuple[bool, fx.Node]], masks: list) -> None:
+    """Unproven unless each mask applied to the weights after the softmax is the scores' one mask (``masks``:
+    the site's MaskTerms)."""
+    if not post:
+        return
+    own = masks[0] if len(masks) == 1 and masks[0].kind in ("drop", "keep") and not masks[0].dims else None
+    if own is None or not all(same_mask(p, (own.kind == "keep", own.node)) for p in post):
+        raise Unproven("the attention weights are masked after the softmax by a mask that is not the scores' "
+                       "own (one bool mask applied before the softmax, the same one after it)")
+
+
+def same_expression(a, b, depth: int = 8) -> bool:
+    """a and b compute the same value: one node, or the same op on the same expressions (two ``~m`` or
+    ``m == 0`` written twice are two nodes of one value)."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
+    if depth == 0 or a.op not in ("call_function", "call_method") or (a.op, a.target) != (b.op, b.target):
+        return False
+    if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    pairs = [*zip(a.args, b.args), *((a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]
+    return all(_same_arg(x, y, depth - 1) for x, y in pairs)
+
+
+def _same_arg(x, y, depth: int) -> bool:
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_same_arg(i, j, depth) for i, j in zip(x, y))
+    return same_expression(x, y, depth)
 
 
 def nan_zeroing(p: fx.Node) -> fx.Node | None:
