@@ -239,3 +239,20 @@ def test_a_different_mask_after_the_softmax_is_refused():
     assert report.counts["jagged_attention"] == 0
     reasons = [r.reason for r in report.refusals]
     assert any("not the scores' own" in r for r in reasons), reasons
+
+
+def test_a_zero_bias_added_beside_the_mask_is_not_a_second_fill_term():
+    """HF T5's cross attention without a relative bias adds position_bias = torch.zeros(1, H, Lq, Lk) and then
+    its finfo.min mask: one fill term. An empty sequence is uniform over its keys in eager; the rewrite gives
+    the same rather than stopping on a 'fill in several terms' check."""
+    def attention(q, k, v, keep):
+        s = q @ k.transpose(-2, -1) / math.sqrt(D) + torch.zeros((1, H, L, L), dtype=q.dtype)
+        s = s + torch.where(keep.bool()[:, None, None, :], 0.0, torch.finfo(q.dtype).min)
+        return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = _qkv(seed=5)
+    keep = (torch.arange(L)[None, :] < torch.tensor([L, 0, 3])[:, None]).long()
+    assert explain(attention, q, k, v, keep).counts["jagged_attention"] == 1
+    out, ref = gem_compile(attention)(q, k, v, keep), attention(q, k, v, keep)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])

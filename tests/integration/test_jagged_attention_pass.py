@@ -545,3 +545,33 @@ def test_mismatched_dtypes_are_left_alone():
     report = explain(scores_in_double_values_in_float, q, k, v, lengths, extra)
     assert report.counts["jagged_attention"] == 0
     assert "dtypes differ" in report.refusals[0].reason
+
+
+def test_a_mask_updated_in_place_is_not_read_as_it_was_built():
+    """FuxiCTR TransAct: mask = ids == 0, then mask[mask.all(-1), -1] = False lets an empty sequence attend to
+    its last key. Read from `ids == 0` the mask would miss that update (a silent wrong answer on that row):
+    nn.MultiheadAttention, which takes the updated tensor itself, is refused with the update named; SDPA,
+    which takes a view of it, reads that view as data at run time, after the update."""
+    mha = nn.MultiheadAttention(H * D, H, batch_first=True)
+
+    def fixed_up(x, ids, sdpa):
+        mask = ids == 0
+        mask[mask.all(dim=-1), -1] = False
+        if not sdpa:
+            return mha(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+        q = x.view(x.shape[0], L, H, D).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=~mask[:, None, None, :])
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, L, H * D, generator=g, requires_grad=True)
+    ids = (torch.arange(L)[None, :] >= L - torch.tensor([L, 0, 3, 5])[:, None]).long()  # sample 1 empty
+    for sdpa in (False, True):
+        report = explain(lambda x, ids: fixed_up(x, ids, sdpa), x, ids.clone())
+        if not sdpa:
+            assert report.counts["jagged_attention"] == 0
+            assert any("updated in place by setitem" in r.reason for r in report.refusals), report.refusals
+        torch._dynamo.reset()
+        out = rewritten(lambda x, ids: fixed_up(x, ids, sdpa))(x, ids.clone())
+        ref = fixed_up(x, ids.clone(), sdpa)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        assert_same_weighted_grads(out, ref, [x, *mha.parameters()])

@@ -30,7 +30,8 @@ _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, 
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
           "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
-          "nan_to_num")
+          "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
+          "new_ones", "new_full")
 """Ops whose result is a new tensor (no alias of an input)."""
 
 

@@ -170,7 +170,7 @@ class AttentionRewritePass(GemPass):
             mask = classify(evaluator, keep, batch_is_one=_batch_is_one(site))
             if site.activation is None:
                 fill, replaces = finite_fill(evaluator, site)
-                stacked = fill is not None and sum(t.kind == "additive" or t.fill_added for t in site.masks) > 1
+                stacked = fill is not None and sum(_adds_a_fill(evaluator, t) for t in site.masks) > 1
                 mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces, fill_stacked=stacked)
             mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
@@ -226,6 +226,17 @@ def finite_fill(evaluator: MaskEvaluator, site: AttentionSite) -> tuple[float | 
         raise Unproven(f"the fill {finite[0]:g} is both added to the scores and written over them: the two "
                        "spellings give a row with no valid key different gradients")
     return finite[0], bool(replaced)
+
+
+def _adds_a_fill(evaluator: MaskEvaluator, term) -> bool:
+    """Whether a mask term adds a fill to some score: an additive term that is 0 everywhere (HF T5's
+    ``position_bias = torch.zeros(...)`` of a layer without a relative bias) adds none."""
+    if term.fill_added:
+        return True
+    if term.kind != "additive":
+        return False
+    pieces = getattr(evaluator.tensor(term.node), "pieces", None)
+    return pieces is None or any(value != 0 for value, _ in pieces)
 
 
 def _batch_is_one(site: AttentionSite) -> bool:
