@@ -43,7 +43,8 @@ from gemcompile.passes.attention.family import (
 )
 from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact, uniform_dropped_rows
 from gemcompile.passes.attention.kernels import HEAD_DIMS
-from gemcompile.passes.attention.match import AttentionSite, check_mha
+from gemcompile.passes.attention.match import AttentionSite
+from gemcompile.passes.attention.mha import check_mha
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
 from gemcompile.passes.masks.classify import JAGGED_MASKS, Unclassified, length_refusal, require_padding_or_causal
 from gemcompile.passes.masks.model import AttentionMask

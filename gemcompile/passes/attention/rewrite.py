@@ -45,11 +45,11 @@ from gemcompile.passes.attention.match import (
     feeds_from_scores,
     identity_scores,
     looks_like_attention,
-    match_mha,
     match_pointwise,
     match_sdpa,
     match_softmax,
 )
+from gemcompile.passes.attention.mha import match_mha
 from gemcompile.passes.attention.plans import share_derived_tensors
 from gemcompile.passes.attention.scores import is_call
 from gemcompile.passes.base import GemPass

@@ -33,7 +33,7 @@ from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.broadcast_dims import constant_dims
-from gemcompile.passes.masks.mutation import in_place_update
+from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
@@ -185,10 +185,7 @@ class MaskEvaluator:
         if not isinstance(x, fx.Node):
             return self._scalar(x)
         if x not in self._memo:
-            update = in_place_update(x)
-            if update is not None:  # not an opaque leaf either: its value depends on where it is read
-                raise Unproven(f"{x.name} (in the mask) is updated in place by {update.name} "
-                               f"(`{target_name(update)}`): the prover reads a mask only as it was built")
+            check_not_updated(x)  # not an opaque leaf either: its value depends on where it is read
             try:
                 value = self._evaluate_node(x)
             except Unproven as error:

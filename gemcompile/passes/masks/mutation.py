@@ -15,7 +15,7 @@ import operator
 
 import torch.fx as fx
 
-from gemcompile.passes.graph import target_name
+from gemcompile.passes.graph import Unproven, target_name
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
@@ -26,6 +26,14 @@ _NOT_UPDATES = {"requires_grad_", "retain_grad", "record_stream"}
 _VIEWS = {"getitem", "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "t", "mT",
           "unsqueeze", "squeeze", "select", "narrow", "expand", "expand_as", "flatten", "unflatten",
           "diagonal", "as_strided", "split", "chunk", "unbind", "contiguous", "detach", "alias"}
+
+
+def check_not_updated(node: fx.Node) -> None:
+    """Unproven, naming the update, when ``node``'s tensor is updated in place (module doc)."""
+    update = in_place_update(node)
+    if update is not None:
+        raise Unproven(f"{node.name} (in the mask) is updated in place by {update.name} "
+                       f"(`{target_name(update)}`): the prover reads a mask only as it was built")
 
 
 def in_place_update(node: fx.Node, depth: int = 6) -> fx.Node | None:

@@ -1,0 +1,103 @@
+"""nn.MultiheadAttention as an attention site: the configurations the jagged family serves (``check_mha``)
+and its masks in the scores' frame (``match_mha``), a 3-D per-head attn_mask included when it repeats a
+per-sample mask over the heads (``split_per_head_mask``)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from gemcompile.passes.attention.match import AttentionSite, MaskTerm
+from gemcompile.passes.attention.scores import is_call
+from gemcompile.passes.graph import Unproven, example_value
+
+
+_MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+             "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+             "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+
+
+def check_mha(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an nn.MultiheadAttention configuration the rewrite serves; Unproven otherwise."""
+    a = dict(zip(_MHA_ARGS, node.args))
+    a.update(node.kwargs)
+    if a.get("bias_k") is not None or a.get("bias_v") is not None or a.get("add_zero_attn"):
+        raise Unproven("MultiheadAttention with add_bias_kv or add_zero_attn")
+    if a.get("use_separate_proj_weight") or a.get("static_k") is not None or a.get("static_v") is not None:
+        raise Unproven("MultiheadAttention with kdim/vdim or static k/v")
+    if a.get("dropout_p", 0.0) not in (0, 0.0) and a.get("training", True):
+        raise Unproven("MultiheadAttention dropout in training (the kernel has no dropout)")
+    mask = a.get("attn_mask")
+    if mask is not None and (not isinstance(mask, fx.Node) or example_value(mask).dim() not in (2, 3)):
+        raise Unproven("MultiheadAttention with a constant attn_mask")
+    if mask is not None and example_value(mask).dim() == 3:
+        a["attn_mask_split"] = split_per_head_mask(mask, a["num_heads"])
+    if a.get("is_causal") and mask is None:
+        raise Unproven("MultiheadAttention with is_causal and no attn_mask (torch itself rejects it)")
+    if a.get("key_padding_mask") is None and mask is None:
+        raise Unproven("MultiheadAttention without key_padding_mask or attn_mask: nothing to skip")
+    weights_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    if any(u.users for u in weights_users):
+        raise Unproven("MultiheadAttention's attention weights are used (need_weights): they cannot be skipped")
+    if a.get("in_proj_bias") is None or a.get("in_proj_weight") is None:
+        raise Unproven("MultiheadAttention without a packed in-projection")
+    return a
+
+
+def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, int] | None]:
+    """MultiheadAttention's 3-D attn_mask (B * H, L, S) reads row b * H + h for sample b, head h: the mask
+    it was built from, with its dims in the scores' (MaskTerm.dims; None: the 4-D mask itself), when it is a
+    (B, H, L, S) mask flattened or viewed into the heads' rows, or a (B, L, S) one repeat_interleave'd over
+    them; Unproven otherwise (a mask repeated with .repeat(H, 1, 1) gives sample b another sample's rows).
+    A bool mask reaches the functional as MultiheadAttention canonicalized it, zeros_like(m).masked_fill_(m,
+    -inf): m is split (its True drops the score, as the -inf did)."""
+    if is_call(mask, "masked_fill", "masked_fill_") and len(mask.args) > 2 and mask.args[2] == float("-inf"):
+        zeros, bool_mask = mask.args[:2]
+        if is_call(zeros, "zeros_like") and zeros.args[0] is bool_mask:
+            mask = bool_mask
+    source = mask.args[0] if mask.args and isinstance(mask.args[0], fx.Node) else None
+    value = example_value(source) if source is not None else None
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == heads:
+        start = mask.kwargs.get("start_dim", mask.args[1] if len(mask.args) > 1 else 0)
+        end = mask.kwargs.get("end_dim", mask.args[2] if len(mask.args) > 2 else -1)
+        if is_call(mask, "flatten") and start == 0 and end in (1, -3):
+            return source, None
+        if is_call(mask, "view", "reshape"):  # only the first two dims merged: the last two are kept
+            out = example_value(mask).shape
+            if out[1:] == value.shape[2:]:
+                return source, None
+    if is_call(mask, "repeat_interleave") and isinstance(value, torch.Tensor) and value.dim() == 3:
+        repeats = mask.kwargs.get("repeats", mask.args[1] if len(mask.args) > 1 else None)
+        dim = mask.kwargs.get("dim", mask.args[2] if len(mask.args) > 2 else None)
+        if repeats == heads and dim == 0:
+            return source, {0: 0, 1: 1, 2: 3}  # right-aligned dims: (B, L, S) -> b, i, j of the scores
+    raise Unproven("MultiheadAttention with a per-head (3-D) attn_mask that is not a per-sample mask "
+                   "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0))")
+
+
+def match_mha(node: fx.Node) -> AttentionSite:
+    """nn.MultiheadAttention as a site: q, k, v are its (L, B, E) inputs, before the in-projection. Its
+    key_padding_mask (B, S) and attn_mask (L, S) mark dropped scores True (bool) or add to them (float):
+    dims (b, j) and (i, j) of the scores. With is_causal, torch takes attn_mask as a hint that it is the
+    causal mask and may run either one; without a key_padding_mask and weights it runs plain causal, which
+    is what the site is then (a mask that is not causal is eager's own inconsistency, not ours to pick)."""
+    a = check_mha(node)
+    terms = []
+    padding, attn = a.get("key_padding_mask"), a.get("attn_mask")
+    causal = bool(a.get("is_causal")) and padding is None and not a.get("need_weights", True)
+    attn_dims = None
+    if "attn_mask_split" in a:  # (B * H, L, S): the per-sample mask it repeats over the heads
+        attn, attn_dims = a["attn_mask_split"]
+    for mask, dims in ((padding, {1: 3, 0: 0}), (None if causal else attn, attn_dims)):
+        if mask is not None:
+            kind = "drop" if example_value(mask).dtype == torch.bool else "additive"
+            terms.append(MaskTerm(mask, kind, dims=dims))
+    head_dim = a["embed_dim_to_check"] // a["num_heads"]
+    return AttentionSite(anchor=node, output=node, q=a["query"], k=a["key"], v=a["value"],
+                         scale=1.0 / math.sqrt(head_dim), masks=terms, causal_flag=causal, matched=[node],
+                         kind="mha")
