@@ -6,7 +6,9 @@ one. That second graph must be rewritten too, or every later batch runs eager at
 - q, k and v handed in separately get a size symbol each; the kernel needs k's and v's lengths equal, which
   becomes a guard of the graph (attention/family.py ``same_size``) instead of a refusal;
 - a left-padding mask ``j >= L - lengths[b]`` reads the padded length L itself: the key mask is built from
-  the graph input Dynamo lifts for that size (masks/key_vector.py ``_Builder.size``).
+  the graph input Dynamo lifts for that size (masks/key_vector.py ``_Builder.size``);
+- HSTU divides by the padded length, a size (attention/gdpa.py); block attention with a data mask hands
+  the kernel lengths ``full((B,), L)``, which the unpad pass then reads with L symbolic (masks/evaluator.py).
 Each model: three batches of different sizes, outputs and gradients equal to eager, the attention rewritten
 in both compiles, and no third compile.
 """
@@ -19,6 +21,7 @@ from torch._dynamo.utils import counters
 
 from gemcompile.backend import allow_warnings_in_graphs
 from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.model_styles import HstuStyleAttention
 from tests.rewritten import rewritten
 
 H, D = 2, 16
@@ -56,15 +59,32 @@ class Projected(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, H * D)
 
 
+class BlockDiagonalIds(nn.Module):
+    """Blocks of 4 tokens with the key padding read from item ids, behind a qkv projection (block family)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+
+    def forward(self, x, ids):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        block = torch.arange(n) // 4
+        keep = (block[:, None] == block[None, :])[None, None] & (ids != 0)[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, H * D)
+
+
 def _inputs(name: str, batch: int, n: int, g: torch.Generator):
     lengths = torch.randint(1, n + 1, (batch,), generator=g)
     lengths[0] = n
     if name.startswith("separate"):
         return [torch.randn(batch, n, H, D, generator=g, requires_grad=True) for _ in range(3)] + [lengths]
     x = torch.randn(batch, n, H * D, generator=g, requires_grad=True)
-    if name == "projected_ids":
+    if name in ("projected_ids", "block_diagonal_ids"):
         ids = torch.randint(1, 9, (batch, n), generator=g) * (torch.arange(n)[None] < lengths[:, None])
         return [x, ids]
+    if name == "hstu_divided_by_the_padded_length":
+        return [x, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])]
     return [x, lengths]
 
 
@@ -73,7 +93,11 @@ MODELS = {
     "separate_left_padded_causal": lambda: separate_inputs_left_padded_causal,
     "projected_ids": lambda: Projected("ids"),
     "projected_left_padded": lambda: Projected("left"),
+    # HSTU divides the activated scores by the padded length n = x.shape[1]: a size, symbolic once recompiled
+    "hstu_divided_by_the_padded_length": lambda: HstuStyleAttention(H, D),
+    "block_diagonal_ids": BlockDiagonalIds,
 }
+FAMILY = {"hstu_divided_by_the_padded_length": "gdpa", "block_diagonal_ids": "block_attention"}
 
 
 def _defined_rows(name: str, inputs) -> torch.Tensor | None:
@@ -108,9 +132,35 @@ def check_dynamic_recompile(name: str, device: str = "cpu", compile_with=None) -
         leaves = [t for t in inputs if t.requires_grad] + list(getattr(model, "parameters", list)())
         assert_same_weighted_grads(out, ref, leaves)
     assert len(compiles) == 2  # static, then dynamic for every later size (the third call reuses it)
-    assert counters["gemcompile"]["jagged_attention"] == 2  # both graphs rewritten
+    assert counters["gemcompile"][FAMILY.get(name, "jagged_attention")] == 2  # both graphs rewritten
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_dynamic_recompile_keeps_the_rewrite(name):
     check_dynamic_recompile(name)
+
+
+def test_a_window_from_the_padded_length_is_refused_when_it_turns_symbolic():
+    """A band whose width comes from the padded length (tril().triu(-(L // 2))): a block-attention window
+    while L is static; once recompiled with L symbolic the width is no constant, and the site is refused with
+    that reason instead of the compile failing. Outputs equal eager's throughout."""
+    def band(q, k, v, lengths):
+        n = q.shape[2]
+        keep = torch.ones(n, n, dtype=torch.bool).tril().triu(-(n // 2))
+        keep = keep[None, None] & (torch.arange(n)[None, :] < lengths[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    from gemcompile.passes.records import PassLog, recording
+
+    compiled = rewritten(band)
+    g = torch.Generator().manual_seed(8)
+    reasons = []
+    for batch, n in SHAPES[:2]:
+        q, k, v = (torch.randn(batch, H, n, D, generator=g) for _ in range(3))
+        lengths = torch.randint(1, n + 1, (batch,), generator=g)
+        log = PassLog()
+        with recording(log):
+            out = compiled(q, k, v, lengths)
+        reasons += [r.reason for r in log.refusals]
+        torch.testing.assert_close(out, band(q, k, v, lengths), atol=2e-5, rtol=1e-4)
+    assert any("symbolic size" in r for r in reasons), reasons

@@ -347,3 +347,34 @@ def test_a_normalizer_that_is_not_the_key_lengths_must_not_hold_zero():
     extra["head_scale"][0, 1] = 0.0
     with pytest.raises(RuntimeError, match="normalizer .* holds a 0"):
         compiled(q, k, v, lengths, extra)
+
+
+def _divided_then_masked(normalizer: str):
+    """silu(q k^T) divided per sample, then the mask written over it (where): a sample whose normalizer is
+    0 has every score replaced by 0, so its output is 0 in eager, not 0 / 0."""
+    def attention(q, k, v, n, ids):
+        count = n[:, None, None, None] if normalizer == "lengths" else (ids != 0).sum(-1)[:, None, None, None]
+        a = F.silu(q @ k.transpose(-2, -1)) / count
+        keep = (ids != 0)[:, None, None, :] if normalizer == "count" else valid(n)[:, None, None, :]
+        return torch.where(keep, a, 0.0) @ v
+
+    return attention
+
+
+@pytest.mark.parametrize("normalizer", ["lengths", "count"])
+def test_an_empty_sequence_divided_then_masked_is_zero_as_in_eager(normalizer):
+    attention = _divided_then_masked(normalizer)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 0, 5, 1])
+    ids = torch.randint(1, 9, (B, L), generator=g) * valid(lengths)
+    assert explain(attention, q, k, v, lengths, ids).counts["gdpa"] == 1
+    out, ref = gem_compile(attention)(q, k, v, lengths, ids), attention(q, k, v, lengths, ids)
+    assert (ref[1] == 0).all() and (out[1] == 0).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    keep = torch.arange(B) != 1  # eager's backward is NaN through the empty sample's 0 / 0: compare the rest
+    w = torch.randn(ref.shape, generator=g) * keep[:, None, None, None]
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a[keep], b[keep], atol=5e-5, rtol=1e-4)

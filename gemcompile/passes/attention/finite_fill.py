@@ -122,7 +122,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         return q, k, kv_len, kv_mask, None, None
     if mask.causal:
         return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, scores)
-    empty = _no_valid_key(emit, kv_len, kv_mask)
+    empty = no_valid_key(emit, kv_len, kv_mask)
     if mask.fill_stacked:  # eager's row attends to the keys fewest terms drop: no kernel computes that
         none_empty = emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))
         message = (f"gemcompile: a sequence with no valid key under a mask that adds its fill ({fill:g}) "
@@ -199,7 +199,7 @@ def _fp32_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 23)
 
 
-def _no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:
+def no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:
     """(B,) bool: the sequences where the kernel would see no valid key."""
     if kv_mask is None:
         return None if kv_len is None else emit.call(operator.eq, (kv_len, 0))

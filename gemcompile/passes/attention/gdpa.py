@@ -28,6 +28,7 @@ from gemcompile.passes.attention.family import (
     lengths_operand,
     summed_bias,
 )
+from gemcompile.passes.attention.finite_fill import no_valid_key
 from gemcompile.passes.attention.kernels import GDPA_NO_WINDOW, HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.graph import Emitter, Unproven, example_value, target_name
@@ -63,13 +64,38 @@ class Gdpa(AttentionFamily):
             (node.target is operator.getitem) or target_name(node) in _LENGTH_VIEWS
         ):
             node = node.args[0]
-        shape = example_value(site.divisor).shape
+        value = example_value(site.divisor)
+        shape = value.shape if isinstance(value, torch.Tensor) else ()  # a size (the padded length, dynamic)
         if len(shape) > 4 or (len(shape) and shape[-1] != 1):
             raise Unproven(f"the activated scores are divided by {site.divisor.name}, which varies along the "
                            "keys")
         if mask.kv_lengths is not None and node is mask.kv_lengths and mask.kv_offset == 0:
             return "the key lengths", True
         return site.divisor.name, False
+
+    @staticmethod
+    def _divisor(emit: Emitter, site: AttentionSite, kv_len, kv_mask, by_key_lengths: bool):
+        """What the op's output is divided by: the model's divisor, with 1 where it is 0 and eager's mask,
+        written over the divided scores, gives 0 (``site.divided_then_replaced``: a sample with no valid
+        key). A divisor that is not the key lengths and holds a 0 where the sample has keys (eager: x / 0
+        term by term, not sum / 0) stops the run with a device-side check."""
+        divisor = site.divisor
+        if not isinstance(example_value(divisor), torch.Tensor):  # a size: the padded length, dynamic
+            return divisor
+        zero = emit.call(operator.eq, (divisor, 0))
+        if not by_key_lengths:
+            bad = zero
+            empty = no_valid_key(emit, kv_len, kv_mask)
+            if site.divided_then_replaced and empty is not None:  # a 0 is eager's 0 there
+                ndim = example_value(divisor).dim()
+                empty = emit.call(torch.reshape, (empty, (-1,) + (1,) * (ndim - 1))) if ndim else empty
+                bad = emit.call(torch.logical_and, (zero, emit.call(torch.logical_not, (empty,))))
+            ok = emit.call(torch.logical_not, (emit.call(torch.any, (bad,)),))
+            message = f"gemcompile: the attention's normalizer {divisor.name} holds a 0"
+            emit.call(torch._assert_async, (ok, message))
+        if not site.divided_then_replaced:
+            return divisor  # eager's NaN (0 / 0, or x / 0 times 0) on such a sample, kept
+        return emit.call(torch.where, (zero, emit.call(torch.ones_like, (divisor,)), divisor))
 
     @staticmethod
     def _downstream_rows(site: AttentionSite, mask: AttentionMask) -> tuple[AttentionMask, str]:
@@ -112,10 +138,7 @@ class Gdpa(AttentionFamily):
                            "lengths there)")
         out = emit.call(torch.ops.gemcompile.gdpa.default, args, {} if kv_mask is None else {"kv_mask": kv_mask})
         if normalizer:
-            if not by_key_lengths:  # x / 0 in eager is NaN or inf term by term, not sum / 0
-                nonzero = emit.call(torch.all, (site.divisor,))
-                emit.call(torch._assert_async,
-                          (nonzero, f"gemcompile: the attention's normalizer {site.divisor.name} holds a 0"))
-            out = emit.call(operator.truediv, (out, site.divisor))
+            divisor = self._divisor(emit, site, kv_len, kv_mask, by_key_lengths)
+            out = emit.call(operator.truediv, (out, divisor))
         return out, (f"{site.activation}; mask proven: {detail}"
                      + (f"; normalized by {normalizer}" if normalizer else ""))

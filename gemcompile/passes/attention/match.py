@@ -116,6 +116,9 @@ class AttentionSite:
     """A constant the activated scores are multiplied by (pointwise attention)."""
     divisor: fx.Node | None = None
     """The per-sample normalizer the activated scores are divided by (a lengths tensor), if any."""
+    divided_then_replaced: bool = False
+    """A mask written over the activated scores after the division (where / masked_fill): a sample whose
+    normalizer is 0 has every score replaced by 0 in eager, so its output is 0, not 0 / 0."""
     q_factor: tuple[fx.Node, bool] | None = None
     """A tensor the scores are multiplied (False) or divided (True) by, constant along the keys and applied
     before any bias or mask (a learned temperature): the families fold it into q."""
@@ -556,13 +559,14 @@ def match_pointwise(anchor: fx.Node, identity: bool = False) -> AttentionSite:
     scale, bias, _ = replay(ops)
     return _site(anchor, forward["user"], info, matched + [forward["user"]], scale=scale, bias=bias,
                  activation=activation, out_scale=forward["out_scale"], divisor=forward["divisor"],
+                 divided_then_replaced=forward["replaced_after"],
                  masks=forward["masks"], kind="pointwise", q_factor=tensor_factor(ops))
 
 
 def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Node]) -> dict[str, Any]:
     """Forward from the activation: masks, constant scales and the per-sample normalizer, up to the node
     that uses the activated scores against v."""
-    out_scale, divisor, masks = 1.0, None, []
+    out_scale, divisor, masks, replaced_after = 1.0, None, [], False
     node = anchor
     while True:
         single_user(node, matched)
@@ -589,6 +593,7 @@ def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Nod
         elif is_call(user, "masked_fill") and user.args[0] is node:
             _fill_is_zero(user.args[2] if len(user.args) > 2 else user.kwargs.get("value"))
             masks.append(MaskTerm(user.args[1], "drop"))
+            replaced_after |= divisor is not None
         elif is_call(user, "where"):
             cond, x, y = user.args
             if x is node and not isinstance(y, fx.Node):
@@ -599,8 +604,10 @@ def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Nod
                 masks.append(MaskTerm(cond, "drop"))
             else:
                 raise Unproven("torch.where on the activated scores with a tensor on both sides")
+            replaced_after |= divisor is not None
         else:
-            return {"node": node, "user": user, "out_scale": out_scale, "divisor": divisor, "masks": masks}
+            return {"node": node, "user": user, "out_scale": out_scale, "divisor": divisor, "masks": masks,
+                    "replaced_after": replaced_after}
         node = user
 
 

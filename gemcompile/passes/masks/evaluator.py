@@ -33,8 +33,8 @@ from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.broadcast_dims import constant_dims
-from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
+from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
     Atoms,
@@ -44,6 +44,7 @@ from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and th
     PiecewiseTensor,
     piecewise,
     simplify_pred,
+    triangle,
     index_symbol,
 )
 
@@ -342,6 +343,10 @@ class MaskEvaluator:
         return self._constant_value(value, fill)
 
     def _constant_value(self, value: torch.Tensor, fill) -> Abstract:
+        if isinstance(fill, sympy.Expr) and not fill.is_number:  # a size compiled as dynamic
+            if value.dtype in _INT_DTYPES:
+                return IntTensor(value.dim(), fill)
+            raise Unproven(f"a {value.dtype} tensor filled with the symbolic size {fill}")
         if value.dtype == torch.bool:
             return BoolTensor(value.dim(), sympy.true if fill else sympy.false)
         if value.dtype in _INT_DTYPES:
@@ -538,17 +543,9 @@ class MaskEvaluator:
         return simplify_pred(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
 
     def _tril(self, node: fx.Node, name: str) -> Abstract:
-        src = self.tensor(node.args[0])
         k = node.kwargs.get("diagonal", node.args[1] if len(node.args) > 1 else 0)
-        row, col = index_symbol(1), index_symbol(0)
-        # tril keeps col <= row + k; triu keeps col >= row + k
-        keep = self.atoms.compare("le" if name == "tril" else "ge", col, row + k)
-        if isinstance(src, BoolTensor):
-            return BoolTensor(src.ndim, simplify_pred(sympy.And(src.pred, keep)))
-        if isinstance(src, PiecewiseTensor):
-            return piecewise(src.ndim, [(v, sympy.And(c, keep)) for v, c in src.pieces]
-                              + [(0.0, sympy.Not(keep))])
-        raise Unproven(f"{name} of an integer tensor")
+        k = self.evaluate(k) if isinstance(k, fx.Node) else k  # a diagonal from a dynamic size: symbolic
+        return triangle(self.atoms, self.tensor(node.args[0]), name, k)
 
     def _as_pieces(self, v, ndim: int) -> tuple[tuple[float, Boolean], ...]:
         if isinstance(v, PiecewiseTensor):

@@ -15,6 +15,8 @@ import sympy
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
 
+from gemcompile.passes.graph import Unproven
+
 
 def index_symbol(k: int) -> sympy.Symbol:
     """The index along the k-th dim from the right."""
@@ -125,3 +127,15 @@ class Atoms:
             "eq": lambda: self.eq0(d),
             "ne": lambda: sympy.Not(self.eq0(d)),
         }[op]()
+
+
+def triangle(atoms: Atoms, src, name: str, k) -> BoolTensor | PiecewiseTensor:
+    """``src.tril(k)`` (keeps col <= row + k) or ``src.triu(k)`` (col >= row + k) of a bool or float mask."""
+    row, col = index_symbol(1), index_symbol(0)
+    keep = atoms.compare("le" if name == "tril" else "ge", col, row + k)
+    if isinstance(src, BoolTensor):
+        return BoolTensor(src.ndim, simplify_pred(sympy.And(src.pred, keep)))
+    if isinstance(src, PiecewiseTensor):
+        kept = [(v, sympy.And(c, keep)) for v, c in src.pieces]
+        return piecewise(src.ndim, kept + [(0.0, sympy.Not(keep))])
+    raise Unproven(f"{name} of an integer tensor")
