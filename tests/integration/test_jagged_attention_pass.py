@@ -575,3 +575,29 @@ def test_a_mask_updated_in_place_is_not_read_as_it_was_built():
         ref = fixed_up(x, ids.clone(), sdpa)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
         assert_same_weighted_grads(out, ref, [x, *mha.parameters()])
+
+
+def test_an_internal_error_leaves_the_attention_as_written(monkeypatch):
+    """A bug of the pass on one site (here: the jagged family's emit raising) must not fail the user's
+    compile: the site stays as written, explain names the error, a warning says it, outputs equal eager.
+    GEMCOMPILE_STRICT=1, the test suite's default, raises instead."""
+    from gemcompile.passes.attention.jagged import JaggedAttention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(JaggedAttention, "emit", broken)
+    q, k, v, lengths, extra = _inputs(sdpa_key)
+    monkeypatch.setenv("GEMCOMPILE_STRICT", "0")
+    with pytest.warns(UserWarning, match="internal error of gemcompile"):
+        report = explain(sdpa_key, q, k, v, lengths, extra)
+    assert report.counts["jagged_attention"] == 0
+    assert any("internal error of gemcompile" in r.reason and "a bug" in r.reason for r in report.refusals)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning):
+        out = rewritten(sdpa_key)(q, k, v, lengths, extra)
+    torch.testing.assert_close(out, sdpa_key(q, k, v, lengths, extra))
+    monkeypatch.setenv("GEMCOMPILE_STRICT", "1")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a bug"):
+        explain(sdpa_key, q, k, v, lengths, extra)
