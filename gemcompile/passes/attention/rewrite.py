@@ -20,8 +20,9 @@ distinct lengths or mask (attention/plans.py), instead of deriving them on each 
 What cannot be proven is left alone, with the reason in ``explain`` under the family that would have
 served it. An error of the pass itself while it takes a site apart (a bug, or a graph it never saw) leaves
 that site alone too, named as an internal error in ``explain`` and in a warning, rather than failing the
-user's compile; ``GEMCOMPILE_STRICT=1`` (the test suite's setting) raises it instead. Each family keeps its name, config section and row in explain; its rewrites and refusals are
-recorded family by family (block, jagged, gdpa), each in graph order.
+user's compile; ``GEMCOMPILE_STRICT=1`` (the test suite's setting) raises it instead. Each family keeps
+its name, config section and row in explain; its rewrites and refusals are recorded family by family
+(block, jagged, gdpa), each in graph order.
 """
 
 from __future__ import annotations
