@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain, gem_compile
+from tests.compiled_vs_eager import assert_same_weighted_grads
+from tests.model_styles import HstuTargetsStyle
+from tests.rewritten import rewritten
 
 B, H, L, D = 4, 2, 12, 16
 LQ = 5  # learned queries (PMA)
@@ -378,3 +381,21 @@ def test_an_empty_sequence_divided_then_masked_is_zero_as_in_eager(normalizer):
     grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a[keep], b[keep], atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hstu_with_targets_at_a_batch_of_one(batch):
+    """A batch of one (serving, and Dynamo's first compile of it) reads the lengths at index 0, which is the
+    batch index there: HSTU's target mask and its dropped rows are proven as at any batch size."""
+    torch.manual_seed(0)
+    model = HstuTargetsStyle(H, D)
+    g = torch.Generator().manual_seed(batch)
+    n = torch.randint(2, L + 1, (batch,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+    targets = torch.ones(batch, dtype=torch.long)
+    x = torch.randn(batch, L, H * D, generator=g, requires_grad=True)
+    report = explain(model, x, offsets, targets)
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, offsets, targets), model(x, offsets, targets)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])

@@ -48,6 +48,9 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     """The AttentionMask ``keep`` is (module docstring); with a batch of one the batch index is always 0,
     so lengths indexed by 0 are per-sample too."""
     b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
+    if batch_is_one:  # the batch index is 0 everywhere: lengths read at 0 are lengths[b] (HSTU's targets too)
+        reads_zero = {sympy.Function(name)(0): sympy.Function(name)(b) for name in evaluator.leaves}
+        keep = evaluator._subs_pred(keep, reads_zero)
     keep = decided_by_index_ranges(evaluator, keep)
     if keep is sympy.true:
         return AttentionMask(formula="True")

@@ -215,7 +215,7 @@ def zeroing_rows(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[f
         other = user.args[1] if user.args[0] is node else user.args[0]
         if not isinstance(other, fx.Node):
             return None  # a number: arithmetic, not a mask
-        return _row_mask(other, False, value.dim(), batch, rows, product=True)
+        return _row_mask(other, False, value.dim(), batch, rows, product=True, one=value.shape[batch] == 1)
     if name == "where":
         names = ("condition", "input", "other")[len(user.args):]
         args = list(user.args) + [user.kwargs.get(k) for k in names]
@@ -225,15 +225,15 @@ def zeroing_rows(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[f
             return None
         cond, kept, other = args[:3]
         if kept is node and _is_zero(other):
-            return _row_mask(cond, False, value.dim(), batch, rows)
+            return _row_mask(cond, False, value.dim(), batch, rows, one=value.shape[batch] == 1)
         if other is node and _is_zero(kept):
-            return _row_mask(cond, True, value.dim(), batch, rows)
+            return _row_mask(cond, True, value.dim(), batch, rows, one=value.shape[batch] == 1)
         return None
     if name == "masked_fill" and user.args[0] is node:
         mask = user.args[1] if len(user.args) > 1 else user.kwargs.get("mask")
         fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
         if isinstance(mask, fx.Node) and _is_zero(fill):
-            return _row_mask(mask, True, value.dim(), batch, rows)
+            return _row_mask(mask, True, value.dim(), batch, rows, one=value.shape[batch] == 1)
     return None
 
 
@@ -288,9 +288,10 @@ def _is_zero(x) -> bool:
 
 
 def _row_mask(mask: fx.Node, negated: bool, ndim: int, batch: int, rows: int,
-              product: bool = False) -> tuple[fx.Node, int]:
+              product: bool = False, one: bool = False) -> tuple[fx.Node, int]:
     """(lengths, offset) when ``mask`` (its complement if ``negated``), broadcast to ``ndim`` dims, keeps
-    exactly the positions whose index at ``rows`` is < lengths[index at ``batch``] + offset."""
+    exactly the positions whose index at ``rows`` is < lengths[index at ``batch``] + offset; ``one``: the
+    output has a batch of one, so lengths read at index 0 are read at the batch index."""
     evaluator = MaskEvaluator()
     value = evaluator.tensor(mask)
     pieces = getattr(value, "pieces", None)
@@ -308,6 +309,9 @@ def _row_mask(mask: fx.Node, negated: bool, ndim: int, batch: int, rows: int,
     if value.ndim > ndim:
         raise Unproven(f"the row mask {mask.name} has more dims than the attention output")
     b, i = index_symbol(ndim - 1 - batch), index_symbol(ndim - 1 - rows)
+    if one is True:
+        at_zero = {sympy.Function(n)(0): sympy.Function(n)(b) for n in evaluator.leaves}
+        keep = evaluator._subs_pred(keep, at_zero)
     comparisons = [evaluator.atoms.expr_of[a] for a in keep.free_symbols]
     for _, e in comparisons:
         for f in e.atoms(sympy.Function):
