@@ -98,9 +98,8 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
     """(q, k, kv_len, kv_mask, uniform_keys, blind) for the kernel such that the finite fill's rows match
     eager (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds
     away; blind is None or the BlindRows of a causal mask. ``blind_rows_zero``: the model masks the weights
-    again after the softmax (AttentionSite.zero_blind_rows), so rows with no valid key are 0 in eager."""
-    if not blind_rows_zero:
-        check_fill_served(mask)
+    again after the softmax (AttentionSite.zero_blind_rows), so rows with no valid key are 0 in eager.
+    The caller has checked that the fill is served (``check_fill_served``)."""
     fill = mask.fill
     bound = _score_bound(emit, scale, q, k, bias) if fill > SAFE_FILL else None  # no score reaches -1e30
     scores = (scale, q, k, bias) if bound is not None else None

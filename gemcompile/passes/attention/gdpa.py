@@ -82,6 +82,8 @@ class Gdpa(AttentionFamily):
         divisor = site.divisor
         if not isinstance(example_value(divisor), torch.Tensor):  # a size: the padded length, dynamic
             return divisor
+        if by_key_lengths and not site.divided_then_replaced:
+            return divisor  # eager's 0 / 0 = NaN on a sample with no key, kept
         zero = emit.call(operator.eq, (divisor, 0))
         if not by_key_lengths:
             bad = zero

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import warnings
 import hashlib
 import math
+import os
+import warnings
 from collections.abc import Callable
 from typing import ClassVar
 

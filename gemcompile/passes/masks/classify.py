@@ -49,8 +49,7 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     so lengths indexed by 0 are per-sample too."""
     b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
     if batch_is_one:  # the batch index is 0 everywhere: lengths read at 0 are lengths[b] (HSTU's targets too)
-        reads_zero = {sympy.Function(name)(0): sympy.Function(name)(b) for name in evaluator.leaves}
-        keep = evaluator._subs_pred(keep, reads_zero)
+        keep = evaluator.lengths_at(keep, b)
     keep = decided_by_index_ranges(evaluator, keep)
     if keep is sympy.true:
         return AttentionMask(formula="True")
@@ -61,7 +60,7 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
         raise Unproven("the mask differs between heads")
     for _, e in comparisons:
         for f in e.atoms(sympy.Function):
-            if f.func.__name__ in evaluator.leaves and f.args != (b,) and not (batch_is_one and f.args == (0,)):
+            if f.func.__name__ in evaluator.leaves and f.args != (b,):
                 why = evaluator.why.get(f.func.__name__)
                 raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by the "
                                "batch (the lengths are broadcast along the wrong dim)" + (f"; {why}" if why else ""))

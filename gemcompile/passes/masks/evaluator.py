@@ -136,6 +136,10 @@ class MaskEvaluator:
             return BoolTensor(value.ndim, self._subs_pred(value.pred, subs))
         return piecewise(value.ndim, [(v, self._subs_pred(c, subs)) for v, c in value.pieces])
 
+    def lengths_at(self, pred: Boolean, b: sympy.Symbol) -> Boolean:
+        """``pred`` with the lengths read at index 0 read at ``b``: the same formula for a batch of one."""
+        return self._subs_pred(pred, {sympy.Function(n)(0): sympy.Function(n)(b) for n in self.leaves})
+
     def _subs_pred(self, pred: Boolean, subs: dict) -> Boolean:
         """Substitute index symbols inside the comparisons a formula's propositions stand for."""
         replace = {}

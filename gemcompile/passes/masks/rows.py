@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gemcompile.passes.graph import Unproven, example_value, target_name
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
@@ -211,11 +212,12 @@ def zeroing_rows(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[f
     value = example_value(user)
     if not isinstance(value, torch.Tensor) or value.dim() != example_value(node).dim():
         return None
+    one = statically_known_true(value.shape[batch] == 1)  # a batch of one: lengths read at 0 are per sample
     if name in _MULTIPLY and len(user.args) == 2 and not user.kwargs:
         other = user.args[1] if user.args[0] is node else user.args[0]
         if not isinstance(other, fx.Node):
             return None  # a number: arithmetic, not a mask
-        return _row_mask(other, False, value.dim(), batch, rows, product=True, one=value.shape[batch] == 1)
+        return _row_mask(other, False, value.dim(), batch, rows, product=True, one=one)
     if name == "where":
         names = ("condition", "input", "other")[len(user.args):]
         args = list(user.args) + [user.kwargs.get(k) for k in names]
@@ -225,15 +227,15 @@ def zeroing_rows(user: fx.Node, node: fx.Node, batch: int, rows: int) -> tuple[f
             return None
         cond, kept, other = args[:3]
         if kept is node and _is_zero(other):
-            return _row_mask(cond, False, value.dim(), batch, rows, one=value.shape[batch] == 1)
+            return _row_mask(cond, False, value.dim(), batch, rows, one=one)
         if other is node and _is_zero(kept):
-            return _row_mask(cond, True, value.dim(), batch, rows, one=value.shape[batch] == 1)
+            return _row_mask(cond, True, value.dim(), batch, rows, one=one)
         return None
     if name == "masked_fill" and user.args[0] is node:
         mask = user.args[1] if len(user.args) > 1 else user.kwargs.get("mask")
         fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
         if isinstance(mask, fx.Node) and _is_zero(fill):
-            return _row_mask(mask, True, value.dim(), batch, rows, one=value.shape[batch] == 1)
+            return _row_mask(mask, True, value.dim(), batch, rows, one=one)
     return None
 
 
@@ -309,9 +311,8 @@ def _row_mask(mask: fx.Node, negated: bool, ndim: int, batch: int, rows: int,
     if value.ndim > ndim:
         raise Unproven(f"the row mask {mask.name} has more dims than the attention output")
     b, i = index_symbol(ndim - 1 - batch), index_symbol(ndim - 1 - rows)
-    if one is True:
-        at_zero = {sympy.Function(n)(0): sympy.Function(n)(b) for n in evaluator.leaves}
-        keep = evaluator._subs_pred(keep, at_zero)
+    if one:
+        keep = evaluator.lengths_at(keep, b)
     comparisons = [evaluator.atoms.expr_of[a] for a in keep.free_symbols]
     for _, e in comparisons:
         for f in e.atoms(sympy.Function):
