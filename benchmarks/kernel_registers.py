@@ -64,6 +64,7 @@ POINTERS = {
     "KVMask": "*u8",
     "KVBounds": "*i32",
     "Uniform": "*u8",
+    "Seed": "*i64",
     "QOffsets": "*i64",
     "QLengths": "*i64",
     "KVOffsets": "*i64",
@@ -94,7 +95,7 @@ def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int
         }
     )
     sig = {
-        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n else "i32")
+        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n or n == "dropout_p" else "i32")
         for n in fn.arg_names
     }
     attrs = {
@@ -191,6 +192,7 @@ def main() -> None:
         DOT_PRECISION="tf32",
         HAS_KV_MASK=False,
         HAS_UNIFORM=False,
+        DROPOUT=False,
     )
     rows = []
     for name, configs in CONFIGS.items():

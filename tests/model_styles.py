@@ -50,8 +50,7 @@ class BertStyleSelfAttention(_Attention):
 
 class BertStyleLayer(nn.Module):
     """A BERT encoder layer: self-attention, output projection, residual + LayerNorm, GELU feed-forward.
-    Attention dropout defaults to 0 here: the kernels have none, so a model training with it keeps its
-    eager attention (refused, with the reason)."""
+    Attention dropout defaults to 0 here, so that a layer in train() compares with eager numerically."""
 
     def __init__(self, heads: int, head_dim: int, attention_dropout: float = 0.0):
         super().__init__()
@@ -91,11 +90,11 @@ class SASRecBlock(nn.Module):
     """SASRec: item ids (0 = padding), a causal attn_mask and (optionally) a key_padding_mask from the ids on
     nn.MultiheadAttention, a timeline mask on the outputs, a point-wise feed-forward."""
 
-    def __init__(self, heads: int, head_dim: int, key_padding: bool = True):
+    def __init__(self, heads: int, head_dim: int, key_padding: bool = True, dropout: float = 0.0):
         super().__init__()
         e = heads * head_dim
         self.norm = nn.LayerNorm(e)
-        self.attention = nn.MultiheadAttention(e, heads, dropout=0.0, batch_first=True)
+        self.attention = nn.MultiheadAttention(e, heads, dropout=dropout, batch_first=True)
         self.ffn = nn.Sequential(nn.Linear(e, e), nn.ReLU(), nn.Linear(e, e))
         self.key_padding = key_padding
 
@@ -112,18 +111,20 @@ class SASRecBlock(nn.Module):
 
 
 class Bert4RecAttention(_Attention):
-    """BERT4Rec: mask = (x > 0).unsqueeze(1).repeat(1, L, 1).unsqueeze(1), masked_fill(mask == 0, -1e9)."""
+    """BERT4Rec: mask = (x > 0).unsqueeze(1).repeat(1, L, 1).unsqueeze(1), masked_fill(mask == 0, -1e9),
+    dropout on the attention probabilities."""
 
-    def __init__(self, heads: int, head_dim: int):
+    def __init__(self, heads: int, head_dim: int, dropout: float = 0.1):
         super().__init__(heads, head_dim)
         self.linears = nn.ModuleList([nn.Linear(self.width, self.width) for _ in range(3)])
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden, ids):
         mask = (ids > 0).unsqueeze(1).repeat(1, ids.size(1), 1).unsqueeze(1)
         q, k, v = (self.split(lin(hidden)) for lin in self.linears)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
         scores = scores.masked_fill(mask == 0, -1e9)
-        return self.merge(torch.matmul(F.softmax(scores, dim=-1), v))
+        return self.merge(torch.matmul(self.dropout(F.softmax(scores, dim=-1)), v))
 
 
 class HstuStyleAttention(_Attention):

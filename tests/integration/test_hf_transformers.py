@@ -54,3 +54,29 @@ def test_hf_encoder_is_rewritten_and_equals_eager(family, attention, padding):
             assert g is None or not g.any()
         else:
             torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_hf_encoder_training_with_its_default_dropouts_is_rewritten(family, attention):
+    """The configs' default dropouts (attention 0.1, hidden 0.1) in train(): the attention dropout is drawn in
+    the kernel, so both layers are rewritten, and a step trains (finite gradients on every parameter)."""
+    torch.manual_seed(0)
+    small = dict(vocab_size=120, max_position_embeddings=64, attn_implementation=attention)
+    if family == "distilbert":
+        model = transformers.DistilBertModel(transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4,
+                                                                           hidden_dim=128, **small))
+    else:
+        model = transformers.BertModel(transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                                               num_attention_heads=4, intermediate_size=128, **small))
+    model.train()
+    lengths = torch.tensor([L, 9, 3, 12])
+    valid = torch.arange(L)[None, :] < lengths[:, None]
+    ids, mask = torch.randint(5, 100, (B, L)) * valid, valid.long()
+    report = explain(model, ids, mask)
+    assert report.counts["jagged_attention"] == 2, [r.reason for r in report.refusals]
+    assert all("dropout p=0.1" in r.detail for r in report.rewrites if r.pass_name == "jagged_attention")
+    out = gem_compile(model)(ids, attention_mask=mask).last_hidden_state
+    (out * valid[..., None]).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad
+               and p.grad is not None)

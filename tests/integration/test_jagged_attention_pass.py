@@ -349,9 +349,9 @@ def miss_small_fill(q, k, v, n, x):
     return s.softmax(-1) @ v
 
 
-def miss_dropout_in_training(q, k, v, n, x):
+def miss_two_dropouts_in_training(q, k, v, n, x):
     s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
-    return F.dropout(s.softmax(-1), p=0.1, training=True) @ v
+    return F.dropout(F.dropout(s.softmax(-1), p=0.1, training=True), p=0.2, training=True) @ v
 
 
 def miss_weights_returned(q, k, v, n, x):
@@ -424,7 +424,7 @@ NEAR_MISSES = {
     miss_softmax_over_queries: "not over the keys",
     miss_sliding_window: "the mask is not (key index < lengths)",
     miss_small_fill: "large negative",
-    miss_dropout_in_training: "dropout",
+    miss_two_dropouts_in_training: "two dropouts",
     miss_weights_returned: "used elsewhere",
     miss_lengths_on_the_query_dim_only: "no key-padding mask",
     miss_block_diagonal: "floor",

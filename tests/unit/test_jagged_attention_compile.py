@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8",
-                "KVBounds": "i32", "Uniform": "u8"}
+                "KVBounds": "i32", "Uniform": "u8", "Seed": "i64"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
 
     def jit_fn(kernel):
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
             elif name in DATA or name in POINTERS:
                 signature[name] = "*" + POINTERS.get(name, dtype)
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "scale"):
+            elif name in ("qk_scale", "scale", "dropout_p", "dropout_scale"):
                 signature[name] = "fp32"
             elif name.startswith("stride_") and (name.endswith("d") or name in ("stride_lm", "stride_zn",
                                                                                 "stride_mn")):
@@ -74,17 +74,17 @@ SCRIPT = textwrap.dedent(
         return int(m.group(1)) if m else None
 
     results = []
-    variants = [  # dtype, D, q mode, kv mode, bias, causal, dot precision, kv_mask (and uniform_keys)
-        ("bf16", 64, 1, 1, True, True, "tf32", False),
-        ("fp16", 96, 0, 1, True, False, "tf32", False),  # head dim padded to BLOCK_D = 128
-        ("fp32", 32, 1, 1, False, True, "tf32x3", False),
-        ("bf16", 128, 2, 2, False, True, "tf32", False),  # packed layout
-        ("bf16", 128, 1, 0, True, True, "tf32", True),  # kv_mask and uniform_keys, no kv_lengths
+    variants = [  # dtype, D, q mode, kv mode, bias, causal, dot precision, kv_mask (and uniform_keys), dropout
+        ("bf16", 64, 1, 1, True, True, "tf32", False, False),
+        ("fp16", 96, 0, 1, True, False, "tf32", False, False),  # head dim padded to BLOCK_D = 128
+        ("fp32", 32, 1, 1, False, True, "tf32x3", False, False),
+        ("bf16", 128, 2, 2, False, True, "tf32", False, True),  # packed layout, dropout
+        ("bf16", 128, 1, 0, True, True, "tf32", True, False),  # kv_mask and uniform_keys, no kv_lengths
     ]
-    for dtype, D, q_mode, kv_mode, bias, causal, precision, kv_mask in variants:
+    for dtype, D, q_mode, kv_mode, bias, causal, precision, kv_mask, dropout in variants:
         flags = dict(HEAD_D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), Q_MODE=q_mode, KV_MODE=kv_mode,
                      HAS_BIAS=bias, CAUSAL=causal, DOT_PRECISION=precision, HAS_KV_MASK=kv_mask,
-                     HAS_UNIFORM=kv_mask)
+                     HAS_UNIFORM=kv_mask, DROPOUT=dropout)
         for name, kernel, extra in (("fwd", T._fwd_kernel, {}), ("dkdv", T._bwd_dkdv_kernel, {}),
                                     ("dq", T._bwd_dq_kernel, {"BIAS_GRAD": bias})):
             compile_kernel(kernel, dtype, dict(flags, BLOCK_M=64, BLOCK_N=64, **extra), 4, 3)
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent(
         results.append(["delta", dtype, D, "compiled", None])
     # the largest tile of each kernel that the autotuner offers at D = 128 must not spill registers
     flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
-                 DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False)
+                 DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False)
     for name, kernel, shapes, extra in (("fwd", T._fwd_kernel, T._FWD_SHAPES, {}),
                                         ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {}),
                                         ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False})):

@@ -251,7 +251,8 @@ def test_schemas():
     for op in (ops.jagged_attention, ops.jagged_attention_fwd, ops.jagged_attention_bwd):
         schema = str(op.default._schema)
         tail = ("Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None, Tensor? kv_order=None, "
-                "Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) ->")
+                "Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0, float dropout_p=0., "
+                "Tensor? dropout_seed=None) ->")
         assert "Tensor? kv_lengths" in schema and tail in schema, schema
 
 

@@ -120,7 +120,7 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "DO": "*bf16
          "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16", "DS": "*fp32", "Lse": "*fp32", "Delta": "*fp32",
          "Cos": "*bf16", "Sin": "*bf16", "QOffsets": "*i64", "QLengths": "*i64", "KVOffsets": "*i64",
          "KVLengths": "*i64", "Lengths": "*i64", "Offsets": "*i64", "NumTargets": "*i64", "Order": "*i64", "KVMask": "*u8",
-         "KvMask": "*u8", "KVBounds": "*i32", "KvRange": "*i32", "Uniform": "*u8"}
+         "KvMask": "*u8", "KVBounds": "*i32", "KvRange": "*i32", "Uniform": "*u8", "Seed": "*i64"}
 UNIT_STRIDES = ("stride_zn", "stride_mn", "stride_lm", "stride_cd")
 
 
@@ -132,7 +132,7 @@ def compiled(kernel, constexprs, warps, stages, types=TYPES):
     # a launch specializes an int equal to 1 into a constant (contiguous tensors: the last dims' strides)
     consts.update({n: 1 for n in fn.arg_names if n not in consts and n.startswith("stride_")
                    and (n.endswith("d") or n in UNIT_STRIDES)})
-    sig = {n: "constexpr" if n in consts else types.get(n, "fp32" if "scale" in n else "i32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "fp32" if "scale" in n or n == "dropout_p" else "i32")
            for n in fn.arg_names}
     # ... and marks 16-divisible ints and pointers
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -178,7 +178,7 @@ def sass_counts(cubin):
 
 
 JAGGED = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=True, DOT_PRECISION="tf32",
-              HAS_KV_MASK=False, HAS_UNIFORM=False, BLOCK_M=32, BLOCK_N=128)
+              HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False, BLOCK_M=32, BLOCK_N=128)
 GDPA = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=True, HAS_WINDOW=False,
             HAS_TARGETS=False, HAS_CONTEXT=False, HAS_KV_MASK=False, ACT=gdpa_triton.activation_code("silu"),
             FAST_ACT=True, DIVIDE=False, DOT_PRECISION="tf32", BLOCK_M=32, BLOCK_N=128)
@@ -188,6 +188,7 @@ TOY = {"K": "*bf16", "Q": "*bf16", "Out": "*fp32"}
 SASS = ("jagged_dkdv_d128_causal_bias", "near_miss_branch", "near_miss_selected")  # (cuobjdump: ~1 s each)
 KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types)
     "jagged_dkdv_d128_causal_bias": (jagged_triton._bwd_dkdv_kernel, JAGGED, 8, 3, TYPES),
+    "jagged_dkdv_d128_dropout": (jagged_triton._bwd_dkdv_kernel, dict(JAGGED, DROPOUT=True), 8, 3, TYPES),
     "jagged_dkdv_d64": (jagged_triton._bwd_dkdv_kernel,
                         dict(JAGGED, HEAD_D=64, BLOCK_D=64, HAS_BIAS=False, CAUSAL=False), 8, 3, TYPES),
     "gdpa_dkdv_d64_causal_bias": (gdpa_triton._gdpa_bwd_dkdv_kernel, dict(GDPA, HEAD_D=64, BLOCK_D=64), 8, 3,
@@ -208,7 +209,7 @@ print("REPORT " + json.dumps(report))
 """
 
 SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)
-KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
+KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d128_dropout", "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
            "block_dkdv_d128_window_causal", "block_dkdv_d128_window_causal_packed"]
 
 

@@ -8,7 +8,8 @@ and their prune (:func:`kernel_configs`, :func:`make_prune`, fewer pipeline stag
 the shared memory), strides and dot precision. Device side (``@triton.jit``): a sequence's start row and
 length (:func:`sequence`), the program -> (tile, batch, head) map (:func:`program_coordinates`), the
 branch-free split of a tile loop into masked and unmasked ranges (:func:`loop_split`), masked row-tile
-loads and stores (:func:`load_rows`, :func:`store_rows`), and the softmax backward's
+loads and stores (:func:`load_rows`, :func:`store_rows`), the dropout factor of a tile of probabilities
+(:func:`dropout_factor`, the stream of common/dropout.py), and the softmax backward's
 delta = rowsum(dO * O) kernel (:func:`bwd_delta_kernel`, jagged and block attention).
 
 Every sequence is addressed by (start row, length): in the padded layout (B, H, L, D) the start row is 0
@@ -43,6 +44,7 @@ __all__ = [
     "block_d",
     "bwd_delta_kernel",
     "dot_precision",
+    "dropout_factor",
     "fit_shared_memory",
     "kernel_configs",
     "mask_key_bounds",
@@ -215,6 +217,14 @@ def load_rows(base, rows, offs_d, stride_r, stride_d, mask_rows, HEAD_D: tl.cons
         else:
             x = tl.load(ptrs, mask=(offs_d < HEAD_D)[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def dropout_factor(seed, rows, cols, key_count, dropout_p, dropout_scale):
+    """keep / (1 - p) of the pairs (rows, cols) (broadcast index tiles, positions inside the sequence) under
+    the (batch, head)'s Philox key ``seed``: the draws of common/dropout.keep_mask, bit for bit."""
+    keep = tl.rand(seed, rows * key_count + cols) >= dropout_p
+    return tl.where(keep, dropout_scale, 0.0)
 
 
 @triton.jit

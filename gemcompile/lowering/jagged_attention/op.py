@@ -5,7 +5,8 @@ Public op (what the jagged_attention pass emits; the signature is fixed)::
     torch.ops.gemcompile.jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths,
         Tensor? kv_lengths, Tensor? bias, bool causal, float scale, Tensor? kv_mask=None,
         Tensor? uniform_keys=None, Tensor? q_order=None, Tensor? kv_order=None,
-        Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) -> Tensor
+        Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0, float dropout_p=0.0,
+        Tensor? dropout_seed=None) -> Tensor
 
 q (Bq, H, Lq, D) with Bq in {1, B}; k, v (B, H, Lk, D); any strides (permuted or expanded views are read
 in place); bias None or 4-D broadcastable to (B, H, Lq, Lk), additive after scaling; kv_lengths None
@@ -40,6 +41,12 @@ the valid rows (positions n = row - token_offsets[b]: kv_mask (B, N), bias and c
 strides; their gradients come back packed; rows outside every sequence come out 0. Offsets are checked on
 CPU (and under strict_length_checks) as lengths are.
 
+dropout_p, dropout_seed (optional): dropout on the attention probabilities, as eager
+``dropout(softmax(s), p) @ v`` applies it: each kept pair's probability is divided by 1 - p, the others
+are 0. The keep mask is drawn inside the kernels from dropout_seed (an int64 tensor of one element on q's
+device) with the stream of common/dropout.py, and drawn again identically in the backward; the
+references draw the same numbers, so CPU and CUDA agree for one seed. lse stays the softmax's own.
+
 Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
 (out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)
 -> (dq, dk, dv, dbias)`` are custom ops with fake impls and ``register_autograd``; the public op is
@@ -68,6 +75,7 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
+from ..common.dropout import check_dropout, new_seed
 from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
                            takes_eager_path, use_triton)
 from ..common.reference import compute_dtype
@@ -78,15 +86,15 @@ from .packed import (check_packed_values, packed_reference_backward, packed_refe
 
 __all__ = ["EagerJaggedAttention", "check_jagged_attention_args", "jagged_attention"]
 
-_INPUTS = 15  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order, kv_order,
-# kv_bounds, token_offsets, packed_len
+_INPUTS = 17  # q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order, kv_order,
+# kv_bounds, token_offsets, packed_len, dropout_p, dropout_seed
 _SAVED = 8  # q, k, v, out, lse, q_lengths, kv_lengths, bias (then kv_mask, uniform_keys, q_order, kv_order,
-# kv_bounds, token_offsets: the bwd op's last tensors; packed_len travels in ctx.args)
+# kv_bounds, token_offsets, dropout_seed: the bwd op's last tensors; packed_len and dropout_p travel in ctx.args)
 
 
 def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
                                 uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
-                                packed_len=0) -> None:
+                                packed_len=0, dropout_p=0.0, dropout_seed=None) -> None:
     """Metadata checks of ``gemcompile::jagged_attention``; TypeError/ValueError naming the argument."""
     q, k, v = padded_views(q, k, v, token_offsets, packed_len)  # packed operands: checked as (B, H, N, D)
     B, H, Lq, Lk = checks.check_attention_layout(q, k, v, q_lengths, kv_lengths, "jagged attention kernel")
@@ -96,6 +104,7 @@ def check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, sc
     checks.check_kv_mask(kv_mask, B, Lk, q.device)
     checks.check_uniform_keys(uniform_keys, B, q.device)
     check_plan(B, q.device, kv_mask, q_order, kv_order, kv_bounds)
+    check_dropout(dropout_p, dropout_seed, Lq, Lk, q.device)
 
 
 def _check_values(q, k, q_lengths, kv_lengths, kv_mask=None, q_order=None, kv_order=None,
@@ -141,23 +150,27 @@ def jagged_attention_fwd(
     kv_bounds: Optional[Tensor] = None,
     token_offsets: Optional[Tensor] = None,
     packed_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq) fp32; +inf on rows without a valid key); packed q: (T, H, D), (T, H)."""
     return _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                      q_order, kv_order, kv_bounds, token_offsets, packed_len)
+                                      q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p,
+                                      dropout_seed)
 
 
 def _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
-                               packed_len=0):
+                               packed_len=0, dropout_p=0.0, dropout_seed=None):
     """The fwd op on any device: checks, then the kernels (the reference on CPU; tests may route CPU tensors
     to the Triton interpreter)."""
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                q_order, kv_order, kv_bounds, token_offsets, packed_len)
+                                q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p, dropout_seed)
     _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds, token_offsets, packed_len)
     forward, _ = _kernels(q)
-    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, q_order=q_order,
-                   kv_order=kv_order, kv_bounds=kv_bounds, **_packed(token_offsets, packed_len))
+    return forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, dropout_p,
+                   dropout_seed, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds,
+                   **_packed(token_offsets, packed_len))
 
 
 def _packed(token_offsets, packed_len) -> dict:
@@ -171,9 +184,9 @@ cuda_kernel(jagged_attention_fwd)(_jagged_attention_fwd_cuda)
 @jagged_attention_fwd.register_fake
 def _jagged_attention_fwd_fake(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
                                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
-                               packed_len=0):
+                               packed_len=0, dropout_p=0.0, dropout_seed=None):
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                q_order, kv_order, kv_bounds, token_offsets, packed_len)
+                                q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p, dropout_seed)
     if token_offsets is not None and q.dim() == 3:  # packed self-attention
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
     B = k.shape[0] if token_offsets is None else token_offsets.shape[0] - 1
@@ -202,22 +215,24 @@ def jagged_attention_bwd(
     kv_bounds: Optional[Tensor] = None,
     token_offsets: Optional[Tensor] = None,
     packed_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
     return _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                       bias_requires_grad, kv_mask, uniform_keys, q_order, kv_order, kv_bounds,
-                                      token_offsets, packed_len)
+                                      token_offsets, packed_len, dropout_p, dropout_seed)
 
 
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-                               kv_bounds=None, token_offsets=None, packed_len=0):
+                               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None):
     """jagged_attention_bwd on any device (the Triton launcher on CUDA, the reference for float64 and on CPU).
     Named one by one: a caller may leave the trailing optional ones out."""
     _, backward = _kernels(q)
     return backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-                    kv_mask, uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds,
-                    **_packed(token_offsets, packed_len))
+                    kv_mask, uniform_keys, dropout_p, dropout_seed, q_order=q_order, kv_order=kv_order,
+                    kv_bounds=kv_bounds, **_packed(token_offsets, packed_len))
 
 
 cuda_kernel(jagged_attention_bwd)(_jagged_attention_bwd_cuda)
@@ -227,24 +242,28 @@ cuda_kernel(jagged_attention_bwd)(_jagged_attention_bwd_cuda)
 def _jagged_attention_bwd_fake(
     grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None,
     uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
+    dropout_p=0.0, dropout_seed=None,
 ):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional = inputs  # kv_mask ... packed_len
+    # kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, then packed_len, dropout_p, dropout_seed
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional = inputs
+    tensors, (packed_len, dropout_p, dropout_seed) = optional[:6], optional[6:]
     out, lse = output
-    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, *optional[:-1]),
-                      (causal, scale, optional[-1]), bias=bias, bias_index=5, lse=lse)
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, *tensors, dropout_seed),
+                      (causal, scale, packed_len, dropout_p), bias=bias, bias_index=5, lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
     saved = ctx.saved_tensors
-    causal, scale, packed_len = ctx.args
+    causal, scale, packed_len, dropout_p = ctx.args
     dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
-        grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, *saved[_SAVED:], packed_len
+        grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, *saved[_SAVED:-1], packed_len,
+        dropout_p, saved[-1]
     )
     return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
@@ -263,28 +282,30 @@ class EagerJaggedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,
-                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
+                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
+                dropout_p=0.0, dropout_seed=None):
         _check_values(q, k, q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds, token_offsets,
                       packed_len)
         forward, _ = _kernels(q)
         # derived once here (unless given) and saved: the backward reuses them
         plan = derive_plan(q_lengths, kv_lengths, kv_mask, q_order, kv_order, kv_bounds)
-        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                           **dict(zip(("q_order", "kv_order", "kv_bounds"), plan)),
+        out, lse = forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys, dropout_p,
+                           dropout_seed, **dict(zip(("q_order", "kv_order", "kv_bounds"), plan)),
                            **_packed(token_offsets, packed_len))
         save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, kv_mask, uniform_keys, *plan,
-                                token_offsets), (causal, scale, packed_len), bias=bias, bias_index=5)
+                                token_offsets, dropout_seed), (causal, scale, packed_len, dropout_p), bias=bias,
+                          bias_index=5)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         _, backward = _kernels(saved[0])
-        kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets = saved[_SAVED:]
-        causal, scale, packed_len = ctx.args
+        kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, dropout_seed = saved[_SAVED:]
+        causal, scale, packed_len, dropout_p = ctx.args
         dq, dk, dv, dbias = backward(grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, kv_mask,
-                                     uniform_keys, q_order=q_order, kv_order=kv_order, kv_bounds=kv_bounds,
-                                     **_packed(token_offsets, packed_len))
+                                     uniform_keys, dropout_p, dropout_seed, q_order=q_order, kv_order=kv_order,
+                                     kv_bounds=kv_bounds, **_packed(token_offsets, packed_len))
         return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
@@ -295,14 +316,16 @@ class EagerJaggedAttention(torch.autograd.Function):
 LIB.define(
     "jagged_attention(Tensor q, Tensor k, Tensor v, Tensor? q_lengths, Tensor? kv_lengths, Tensor? bias, "
     "bool causal, float scale, Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None, "
-    "Tensor? kv_order=None, Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0) -> Tensor"
+    "Tensor? kv_order=None, Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0, "
+    "float dropout_p=0.0, Tensor? dropout_seed=None) -> Tensor"
 )
 
 
 def _jagged_attention_composite(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None,
                                 uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None,
-                                packed_len=0):
-    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len)
+                                packed_len=0, dropout_p=0.0, dropout_seed=None):
+    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p,
+                dropout_seed)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
         return EagerJaggedAttention.apply(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
@@ -330,12 +353,18 @@ def jagged_attention(
     kv_bounds: Optional[Tensor] = None,
     token_offsets: Optional[Tensor] = None,
     packed_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.jagged_attention`` (scale defaults to D**-0.5).
-    token_offsets, packed_len: packed k, v (T, H, D) (and q: self-attention), see the module docstring."""
+    token_offsets, packed_len: packed k, v (T, H, D) (and q: self-attention), see the module docstring.
+    dropout_p > 0 without a dropout_seed draws one (common/dropout.new_seed)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = new_seed(q.device)
+    optional = (kv_mask, uniform_keys, q_order, kv_order, kv_bounds, token_offsets, packed_len, float(dropout_p),
+                dropout_seed)
     check_jagged_attention_args(q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional)
     return torch.ops.gemcompile.jagged_attention(
         q, k, v, q_lengths, kv_lengths, bias, causal, float(scale), *optional
@@ -364,14 +393,15 @@ def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None, token_offs
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None,
-               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0, *,
-               out_val=None, **kwargs) -> int:
+               uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
+               dropout_p=0.0, dropout_seed=None, *, out_val=None, **kwargs) -> int:
     return _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask, token_offsets, packed_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
                scale=1.0, bias_requires_grad=False, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-               kv_bounds=None, token_offsets=None, packed_len=0, *, out_val=None, **kwargs) -> int:
+               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None, *, out_val=None,
+               **kwargs) -> int:
     return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask, token_offsets,
                                                      packed_len))

@@ -68,16 +68,17 @@ def check_packed_values(q, k, q_lengths, kv_lengths, token_offsets, packed_len) 
 
 
 def packed_reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask=None, uniform_keys=None,
-                             *, token_offsets=None, packed_len=0):
+                             dropout_p=0.0, dropout_seed=None, *, token_offsets=None, packed_len=0):
     """reference_forward on the padded tensors; packed q gives packed out (T, H, D) and lse (T, H)."""
     if token_offsets is None:
-        return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys)
+        return reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
+                                 dropout_p, dropout_seed)
     N, counts = int(packed_len), packed_lengths(token_offsets)
     q_packed = q.dim() == 3
     if q_packed:
         q, q_lengths = pad_packed(q, token_offsets, N), counts
     out, lse = reference_forward(q, pad_packed(k, token_offsets, N), pad_packed(v, token_offsets, N), q_lengths,
-                                 counts, bias, causal, scale, kv_mask, uniform_keys)
+                                 counts, bias, causal, scale, kv_mask, uniform_keys, dropout_p, dropout_seed)
     if q_packed:
         T = k.shape[0]
         out, lse = pack_padded(out, token_offsets, T), pack_padded(lse, token_offsets, T)
@@ -85,12 +86,12 @@ def packed_reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale
 
 
 def packed_reference_backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
-                              bias_requires_grad, kv_mask=None, uniform_keys=None, *, token_offsets=None,
-                              packed_len=0):
+                              bias_requires_grad, kv_mask=None, uniform_keys=None, dropout_p=0.0,
+                              dropout_seed=None, *, token_offsets=None, packed_len=0):
     """reference_backward on the padded tensors; gradients of packed operands come back packed."""
     if token_offsets is None:
         return reference_backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
-                                  bias_requires_grad, kv_mask, uniform_keys)
+                                  bias_requires_grad, kv_mask, uniform_keys, dropout_p, dropout_seed)
     N, counts, T = int(packed_len), packed_lengths(token_offsets), k.shape[0]
     q_packed = q.dim() == 3
     if q_packed:
@@ -98,7 +99,8 @@ def packed_reference_backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths
         q_lengths = counts
     dq, dk, dv, dbias = reference_backward(grad_out, q, pad_packed(k, token_offsets, N),
                                            pad_packed(v, token_offsets, N), out, lse, q_lengths, counts, bias,
-                                           causal, scale, bias_requires_grad, kv_mask, uniform_keys)
+                                           causal, scale, bias_requires_grad, kv_mask, uniform_keys, dropout_p,
+                                           dropout_seed)
     if q_packed:
         dq = pack_padded(dq, token_offsets, T)
     return dq, pack_padded(dk, token_offsets, T), pack_padded(dv, token_offsets, T), dbias

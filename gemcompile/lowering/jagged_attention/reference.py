@@ -15,6 +15,9 @@ backward written densely: it recomputes the scores but takes the softmax normali
 Positions outside the valid region are never read (they are zeroed first), so garbage or NaN in
 padding cannot leak into outputs or gradients.
 
+With ``dropout_p`` > 0 the probabilities that multiply V are ``P * keep / (1 - p)``, keep drawn from
+``dropout_seed`` as the kernels draw it (common/dropout.py); lse and the softmax are those of P itself.
+
 Math runs in float32 for half inputs and in float64 for float64 inputs.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.dropout import keep_mask
 from ..common.reference import compute_dtype, key_mask, reduce_bias_grad, row_mask, zero_invalid_rows
 
 __all__ = ["key_mask", "reference_backward", "reference_forward", "valid_mask"]
@@ -60,8 +64,17 @@ def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mas
     return p, valid, qf, kf
 
 
+def _dropout_scale(p, dropout_p: float, dropout_seed) -> torch.Tensor | float:
+    """keep / (1 - p) as a (B, H, Lq, Lk) factor of p's dtype, or 1.0 without dropout."""
+    if not dropout_p:
+        return 1.0
+    B, H, Lq, Lk = p.shape
+    keep = keep_mask(dropout_seed, dropout_p, B, H, Lq, Lk, p.device)
+    return torch.where(keep, p.new_tensor(1.0 / (1.0 - dropout_p)), p.new_zeros(()))
+
+
 def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,
-                      uniform_keys=None):
+                      uniform_keys=None, dropout_p: float = 0.0, dropout_seed=None):
     """Padded layout: q (Bq, H, Lq, D), k/v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq))."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -77,7 +90,7 @@ def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale:
     total = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(total == 0, 1.0, total)
     vf = zero_invalid_rows(v.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, v.device))
-    out = torch.matmul(p, vf)
+    out = torch.matmul(p * _dropout_scale(p, dropout_p, dropout_seed), vf)
     return out.to(q.dtype).contiguous(), lse.to(compute_dtype(q.dtype)).contiguous()
 
 
@@ -96,6 +109,8 @@ def reference_backward(
     bias_requires_grad: bool,
     kv_mask=None,
     uniform_keys=None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
 ):
     """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
     B, H, Lk, D = k.shape
@@ -108,8 +123,9 @@ def reference_backward(
     o = zero_invalid_rows(out.to(cdt), q_ok)
     vf = zero_invalid_rows(v.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, v.device))
     delta = (do * o).sum(dim=-1, keepdim=True)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, vf.transpose(-1, -2))
+    dropped = _dropout_scale(p, dropout_p, dropout_seed)
+    dv = torch.matmul((p * dropped).transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2)) * dropped
     ds = p * (dp - delta)
     dq = torch.matmul(ds, kf) * scale
     if q.shape[0] == 1 and B != 1:

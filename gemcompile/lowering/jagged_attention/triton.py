@@ -64,6 +64,7 @@ from ..common.attention_triton import (
     block_d,
     bwd_delta_kernel,
     dot_precision,
+    dropout_factor,
     kernel_configs,
     length_bucket,
     load_rows,
@@ -110,7 +111,7 @@ _DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL",
-                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM", "DROPOUT"]
 
 
 @triton.jit
@@ -159,7 +160,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, STAGES: tl.constexpr = None):
+               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale,
+               key_count, DROPOUT: tl.constexpr, STAGES: tl.constexpr = None):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
     nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
@@ -193,6 +195,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
+            p = p * dropout_factor(seed, offs_m[:, None], cols[None, :], key_count, dropout_p, dropout_scale)
         v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -203,7 +207,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
 @per_step_jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -211,11 +215,12 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, dropout_p, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -250,6 +255,9 @@ def _fwd_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
+    seed = 0
+    if DROPOUT:  # this (batch, head)'s Philox key (common/dropout.py)
+        seed = tl.load(Seed) + b64 * H + h64
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -272,16 +280,17 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM, 1)
+            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, max_kv_len, DROPOUT, 1)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
         key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
-        HAS_UNIFORM)
+        HAS_UNIFORM, seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
-        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
+        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM,
+        seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -300,7 +309,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
-                HAS_UNIFORM: tl.constexpr):
+                HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale, key_count, DROPOUT: tl.constexpr):
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -330,8 +339,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:  # dV = dropout(P)^T dO; dP = dropout's factor times dO V^T
+            f_t = dropout_factor(seed, rows[None, :], offs_n[:, None], key_count, dropout_p, dropout_scale)
+            dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
@@ -341,7 +355,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 @per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -350,11 +364,12 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, dropout_p, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -404,6 +419,9 @@ def _bwd_dkdv_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
+    seed = 0
+    if DROPOUT:  # this (batch, head)'s Philox key (common/dropout.py)
+        seed = tl.load(Seed) + b64 * H + h64
     # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
     # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
     # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
@@ -417,15 +435,18 @@ def _bwd_dkdv_kernel(
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+        seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+        seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM)
+        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+        seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -439,7 +460,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
               qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
-              HAS_UNIFORM: tl.constexpr, STAGES: tl.constexpr = None):
+              HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale, key_count, DROPOUT: tl.constexpr,
+              STAGES: tl.constexpr = None):
     """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
@@ -469,6 +491,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = dp * dropout_factor(seed, offs_m[:, None], cols[None, :], key_count, dropout_p, dropout_scale)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:
             s_ptrs = ds_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols.to(tl.int64)[None, :]
@@ -482,7 +506,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 @per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -492,11 +516,12 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, dropout_p, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -535,6 +560,9 @@ def _bwd_dq_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
+    seed = 0
+    if DROPOUT:  # this (batch, head)'s Philox key (common/dropout.py)
+        seed = tl.load(Seed) + b64 * H + h64
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     key_lo = 0
@@ -554,17 +582,17 @@ def _bwd_dq_kernel(
             dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
             qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
-            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, 1)
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, max_kv_len, DROPOUT, 1)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
-        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
+        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
-        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM)
+        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, max_kv_len, DROPOUT)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -601,9 +629,16 @@ def _uniform_arg(uniform_keys, keys: _KeyMask):
     return keys.mask if uniform_keys is None else uniform_keys.contiguous().view(torch.uint8)
 
 
+def _dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
+    """(seed pointer, p, 1 / (1 - p)) of the kernels; without dropout a dummy pointer that is never read."""
+    if not dropout_p:
+        return dummy, 0.0, 1.0
+    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
+
+
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
              q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None,
-             uniform_keys=None, kv_order=None, kv_bounds=None):
+             uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     if bias is not None:
         z_strides = bias.expand(B, H, Lq, Lk).stride()
@@ -611,26 +646,27 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
         bias, z_strides = q, (0, 0, 0, 0)
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
+    seed, *dropout = _dropout_args(dropout_p, dropout_seed, keys.mask)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform, seed,
         *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
-        H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E,
+        H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, *dropout,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
-           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None),
+           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p)),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
-              kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None):
+              kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -648,10 +684,11 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
+    seed, *dropout = _dropout_args(dropout_p, dropout_seed, keys.mask)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
                  DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has,
-                 HAS_UNIFORM=uniform_keys is not None)
-    scalars = (H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, float(scale),
+                 HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p))
+    scalars = (H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, float(scale), *dropout,
                length_bucket(Lq), length_bucket(Lk))
     # dQ programs loop over keys: order batches by kv length (key span with a mask); dK/dV programs loop
     # over query rows: by query length (the same order when both sides share their lengths)
@@ -663,12 +700,12 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
-        *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
+        seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
         *keys.strides, *scalars), flags, scalars[-2:])
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
-        *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
+        seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
         *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
 
 
@@ -685,8 +722,8 @@ def _padded_sides(q, k, q_lengths, kv_lengths, dummy, q_order=None, kv_order=Non
 
 
 def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float,
-                                    kv_mask=None, uniform_keys=None, *, q_order=None, kv_order=None,
-                                    kv_bounds=None):
+                                    kv_mask=None, uniform_keys=None, dropout_p=0.0, dropout_seed=None, *,
+                                    q_order=None, kv_order=None, kv_bounds=None):
     """Padded: q (Bq, H, Lq, D), Bq in {1, B}; k, v (B, H, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq)).
     q_order, kv_order, kv_bounds: the derived tensors of common/length_order.py when the caller has them
     (computed here otherwise)."""
@@ -701,13 +738,14 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
     q_side, kv_side = _padded_sides(q, k, q_lengths, kv_lengths, lse, q_order, kv_order, kv_mask)
     _forward(q, k, v, bias, q_side, kv_side, B, H, D, causal, scale,
              bhld_strides(q, q.shape[0] != B), k.stride(), v.stride(), out, out.stride(), lse, lse.stride(),
-             kv_mask, uniform_keys, kv_order, kv_bounds)
+             kv_mask, uniform_keys, kv_order, kv_bounds, dropout_p, dropout_seed)
     return out, lse
 
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
-                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None, *,
-                                     q_order=None, kv_order=None, kv_bounds=None):
+                                     scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None,
+                                     dropout_p=0.0, dropout_seed=None, *, q_order=None, kv_order=None,
+                                     kv_bounds=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -723,7 +761,8 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
         _backward(grad_out, q, k, v, out, lse, bias, bias_grad, q_side, kv_side, B, H, D, causal, scale,
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
-                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys, kv_order, kv_bounds)
+                  ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys, kv_order, kv_bounds,
+                  dropout_p, dropout_seed)
     else:
         dk.zero_()
         dv.zero_()

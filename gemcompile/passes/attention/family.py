@@ -34,6 +34,8 @@ class AttentionFamily(GemPass):
     """The masks the kernel serves, as refusals spell them ("the mask is not <this>: it is ...")."""
     serves_query_vector: ClassVar[bool] = False
     """Whether the family serves query padding read from data (AttentionMask.query_vector)."""
+    serves_dropout: ClassVar[bool] = False
+    """Whether the family's kernel draws dropout on the attention weights (AttentionSite.dropout_p)."""
 
     def run(self, graph: fx.Graph) -> None:
         raise TypeError(f"{type(self).__name__} is a kernel family: AttentionRewritePass runs it")

@@ -18,6 +18,10 @@ merge_heads / out_proj too; masks/rows.py proves every use goes through the zero
 q_lengths when the mask has no query term: the kernel skips them and writes them as 0, which the zeroing
 keeps exact (values, and gradients: the rows' upstream gradient is 0); explain says "query rows: ...".
 
+Dropout on the weights in training (``dropout(softmax(s))``, SDPA's dropout_p, MultiheadAttention's
+dropout) is drawn inside the kernel from a seed the graph draws once per call from torch's generator
+(``torch.randint``): the same distribution as eager's, not eager's numbers (as with torch.compile itself).
+
 Semantics (exact up to rounding at every position the eager model defines): rows with no valid key,
 where eager SDPA returns 0 and a softmax of -inf returns NaN, come out as 0; with a finite fill
 (-1e9, finfo.min) they come out as eager computes them (attention/finite_fill.py); query rows past
@@ -51,6 +55,17 @@ from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
 
+def _dropout_arguments(emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node) -> dict:
+    """The op's dropout keywords: p and a seed drawn in the graph at every call (none without dropout)."""
+    if not site.dropout_p:
+        return {}
+    if mask.query_vector is not None and mask.fill is not None and mask.fill_replaces and not site.zero_blind_rows:
+        raise Unproven("dropout with query padding read from data under a finite fill: eager drops weights of "
+                       "the padded rows' uniform attention too, which the kernel does not compute")
+    seed = emit.call(torch.randint, (0, 2**62, ()), {"dtype": torch.int64, "device": example_value(q).device})
+    return {"dropout_p": float(site.dropout_p), "dropout_seed": seed}
+
+
 def _bias_name(term) -> str:
     """A bias term's node name (through the wrappers of match.py)."""
     while not isinstance(term, fx.Node):
@@ -65,6 +80,7 @@ class JaggedAttention(AttentionFamily):
     config_section = "jagged_attention"
     masks_served = JAGGED_MASKS
     serves_query_vector = True
+    serves_dropout = True
 
     def refusal(self, error: Unclassified) -> Unproven:
         return length_refusal(error)
@@ -87,6 +103,7 @@ class JaggedAttention(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
+        dropout = _dropout_arguments(emit, site, mask, q)
         if not site.zero_blind_rows:
             check_fill_served(mask)
         # query rows the model zeroes afterwards are skipped (the fill's rules are about the model's own mask)
@@ -105,9 +122,12 @@ class JaggedAttention(AttentionFamily):
             detail += f"; {rows_note}"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
-        out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, extra)
+        out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, {**extra, **dropout})
+        if dropout:
+            detail += f"; dropout p={site.dropout_p:g} in the kernel"
         if blind is not None:  # rows that see no valid key: eager's softmax(s + F) over every key
             extra = {"uniform_keys": blind.uniform_keys} if blind.uniform_keys is not None else {}
+            extra.update(dropout)  # the same draws: these rows are not the first call's
             rows = emit.call(torch.ops.gemcompile.jagged_attention.default,
                              (blind.q, blind.k, v, blind.rows, None, bias, False, float(site.scale)), extra)
             out = emit.call(operator.add, (out, rows))

@@ -149,6 +149,9 @@ class AttentionSite:
     pv_merged: bool = False
     kind: str = "softmax"
     """"softmax", "sdpa", "mha" or "pointwise"."""
+    dropout_p: float = 0.0
+    """Dropout on the attention weights in training (F.dropout / nn.Dropout after the softmax, SDPA's
+    dropout_p, MultiheadAttention's dropout): the families that serve it draw it inside their kernel."""
 
 
 def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], **fields) -> AttentionSite:
@@ -168,10 +171,16 @@ def looks_like_attention(softmax: fx.Node) -> bool:
     return bool(softmax.args) and leads_to_matmul(softmax.args[0], through=SCORE_MAPS)
 
 
-def _dropout_is_off(node: fx.Node) -> bool:
+def dropout_probability(node: fx.Node) -> float:
+    """p of F.dropout(x, p, training) / torch.dropout(x, p, train): 0.0 when it is off (p = 0 or not
+    training); Unproven when p or the flag is computed in the graph."""
     p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-    return p == 0 or training is False
+    training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+    if training is False or p == 0:
+        return 0.0
+    if training is not True or constant_float(p) is None:
+        raise Unproven("dropout on the attention weights with p or the training flag computed in the graph")
+    return float(p)
 
 
 def match_softmax(softmax: fx.Node) -> AttentionSite:
@@ -184,7 +193,8 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     views: list[int] = []  # heads of the weights' views to (B * H, Lq, Lk) before a bmm
     row_ops: list[tuple[str, fx.Node]] = []
     post_masks: list[tuple[bool, fx.Node]] = []
-    # forward: softmax -> casts / dropout that is off / a heads view -> (weights @ v)
+    dropout_p = 0.0  # dropout multiplies each weight: it commutes with the row ops and masks around it
+    # forward: softmax -> casts / dropout / a heads view -> (weights @ v)
     node = softmax
     while True:
         zeroed = nan_zeroing(node)
@@ -200,8 +210,11 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
             (row_ops if scaled_rows is not None else post_masks).append(scaled_rows or post_mask)
             node = user
             continue
-        if is_call(user, "dropout") and not _dropout_is_off(user):
-            raise Unproven("dropout on the attention weights (the kernel has none); use dropout_p=0 or eval()")
+        if is_call(user, "dropout"):
+            p = dropout_probability(user)
+            if p and dropout_p:
+                raise Unproven("two dropouts on the attention weights")
+            dropout_p = p or dropout_p
         heads = heads_view(user)
         if not is_call(user, *CASTS, "dropout") and heads is None:
             break
@@ -219,7 +232,8 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
         raise Unproven("the attention weights' rows are scaled with batch and heads merged")
     check_post_masks(post_masks, masks)
     return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,
-                 q_factor=tensor_factor(ops), row_ops=row_ops, zero_blind_rows=bool(post_masks))
+                 q_factor=tensor_factor(ops), row_ops=row_ops, zero_blind_rows=bool(post_masks),
+                 dropout_p=dropout_p)
 
 
 
@@ -412,8 +426,8 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
     is_causal = sdpa.kwargs.get("is_causal", args[5] if args[5] is not None else False)
     scale = sdpa.kwargs.get("scale", args[6])
     kv_repeats = _gqa_repeats(q, k) if sdpa.kwargs.get("enable_gqa", False) else 1
-    if dropout_p not in (0, 0.0):
-        raise Unproven(f"dropout_p={dropout_p} (the kernel has no dropout)")
+    if constant_float(dropout_p) is None:
+        raise Unproven("a dropout_p computed in the graph")
     if mask is None and is_causal:
         raise Unproven("is_causal=True with no attention mask: no padding to skip, and SDPA's own causal "
                        "kernels run it")
@@ -437,7 +451,8 @@ def match_sdpa(sdpa: fx.Node) -> AttentionSite:
         if not masks:  # no part reads as a mask: prove it as one, so the refusal says what it is instead
             masks, bias = [MaskTerm(mask, "additive")], []
     return AttentionSite(anchor=sdpa, output=sdpa, q=q, k=k, v=v, scale=float(scale), masks=masks, bias=bias,
-                         causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa", kv_repeats=kv_repeats)
+                         causal_flag=bool(is_causal), matched=[sdpa], kind="sdpa", kv_repeats=kv_repeats,
+                         dropout_p=float(dropout_p))
 
 
 def _gqa_repeats(q: fx.Node, k: fx.Node) -> int:

@@ -30,8 +30,10 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
         raise Unproven("MultiheadAttention with add_bias_kv or add_zero_attn")
     if a.get("use_separate_proj_weight") or a.get("static_k") is not None or a.get("static_v") is not None:
         raise Unproven("MultiheadAttention with kdim/vdim or static k/v")
-    if a.get("dropout_p", 0.0) not in (0, 0.0) and a.get("training", True):
-        raise Unproven("MultiheadAttention dropout in training (the kernel has no dropout)")
+    if a.get("training", True) is not True:
+        a["dropout_p"] = 0.0  # eval: MultiheadAttention applies no dropout
+    if not isinstance(a.get("dropout_p", 0.0), (int, float)):
+        raise Unproven("MultiheadAttention with a dropout computed in the graph")
     mask = a.get("attn_mask")
     if mask is not None and (not isinstance(mask, fx.Node) or example_value(mask).dim() not in (2, 3)):
         raise Unproven("MultiheadAttention with a constant attn_mask")
@@ -100,4 +102,4 @@ def match_mha(node: fx.Node) -> AttentionSite:
     head_dim = a["embed_dim_to_check"] // a["num_heads"]
     return AttentionSite(anchor=node, output=node, q=a["query"], k=a["key"], v=a["value"],
                          scale=1.0 / math.sqrt(head_dim), masks=terms, causal_flag=causal, matched=[node],
-                         kind="mha")
+                         kind="mha", dropout_p=float(a.get("dropout_p", 0.0)))

@@ -126,6 +126,9 @@ class AttentionRewritePass(GemPass):
                 if isinstance(mask, Unproven):
                     raise mask
                 family.accept(site, mask)
+                if site.dropout_p and not family.serves_dropout:
+                    raise Unproven(f"dropout (p={site.dropout_p:g}) on the attention weights in training: the "
+                                   f"{family.name} kernel has none (eval() or p=0 runs it)")
                 if mask.query_vector is not None and not family.serves_query_vector:
                     raise Unproven(f"query padding read from data ({mask.query_vector.text}) is served by the "
                                    "jagged kernel only")

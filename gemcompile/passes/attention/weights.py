@@ -35,7 +35,8 @@ def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
         return None
     if is_call(user, *MUL) and len(user.args) == 2:
         other = user.args[1] if user.args[0] is p else user.args[0]
-        if other is not p and per_row(other) and example_value(other).is_floating_point():
+        # a float, integer or bool factor (``p * valid[..., None]``): the weights keep their dtype
+        if other is not p and per_row(other) and not example_value(other).is_complex():
             return "mul", other
     if is_call(user, "masked_fill") and user.args[0] is p and len(user.args) > 1:
         fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
