@@ -180,6 +180,10 @@ def _op_name(target: Any) -> str:
     return getattr(target, "__name__", None) or str(target)
 
 
+def _is_gemcompile_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemcompile"
+
+
 def _is_kept_op(node: fx.Node, attention: bool) -> bool:
     target = node.target
     if node.op != "call_function":
@@ -188,14 +192,19 @@ def _is_kept_op(node: fx.Node, attention: bool) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
+    # a random draw a gemcompile op reads (attention dropout's seed): recomputed, it would draw another seed
+    # for the backward than the forward used (torch's partitioner bans only its own list of random ops when
+    # a budget relaxes the allowlist, and aten.randint is not on it)
+    if torch.Tag.nondeterministic_seeded in target.tags and any(_is_gemcompile_op(u) for u in node.users):
+        return True
     namespace, _, name = target.name().partition("::")
     return namespace == "gemcompile" and (name in DATA_DEPENDENT_OPS
                                           or (attention and name in ATTENTION_OPS))
 
 
 def keep_attention(graph: fx.Graph, attention: bool = True) -> int:
-    """Tag data-dependent sizes and (``attention``) gemcompile's attention forwards and plans MUST_SAVE:
-    never recomputed. A node that already has a recompute policy (the user's checkpoint) keeps it. Returns the
+    """Tag data-dependent sizes, random draws a gemcompile op reads (the dropout seed) and (``attention``)
+    gemcompile's attention forwards and plans MUST_SAVE: never recomputed. A node that already has a recompute policy (the user's checkpoint) keeps it. Returns the
     number of nodes tagged."""
     from torch.utils.checkpoint import CheckpointPolicy
 

@@ -128,6 +128,38 @@ def test_recompute_attention_hands_the_attention_back_to_the_partitioner():
     assert not any("valid_token_index" in op for op in recomputed)
 
 
+class DropoutBlock(Block):
+    """Block with dropout on the attention weights (SDPA's dropout_p in training): the graph draws the kernel's
+    seed with aten.randint."""
+
+    def forward(self, x, lengths):
+        h = self.norm(x)
+        q, k, v = (proj(h).view(B, L, H, D // H).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=0.3).transpose(1, 2).reshape(B, L, D)
+        x = x + self.out(a)
+        return x + self.ffn(x)
+
+
+@pytest.mark.parametrize("recompute_attention", [False, True])
+def test_a_budget_never_recomputes_the_dropout_seed(recompute_attention):
+    """Under a budget torch's partitioner may recompute any op outside its own short list of random ops, and
+    aten.randint is not on it: recomputed, the backward would draw another seed than the forward used (wrong
+    gradients, silently). The seed is kept, even where the attention itself is recomputed."""
+    model, (x, lengths) = Model(), _inputs()
+    model.blocks = nn.ModuleList([DropoutBlock(), DropoutBlock()])
+    backend = _ExplainBackend(GemConfig(memory={"budget": 0.05, "recompute_attention": recompute_attention}))
+    torch.compile(model, backend=backend)(x, lengths)
+    draws = {kind: [n for n in gm.graph.nodes if n.op == "call_function" and "randint" in str(n.target)]
+             for kind, gm in backend.aot_graphs}
+    assert len(draws["forward"]) == 2 and draws["backward"] == []
+    backward = dict(backend.aot_graphs)["backward"]
+    ops = [str(n.target) for n in backward.graph.nodes if n.op == "call_function"]
+    assert ops.count("gemcompile.jagged_attention_bwd.default") == 2
+    if recompute_attention:  # the control: the attention forward itself did move into the backward
+        assert ops.count("gemcompile.jagged_attention_fwd.default") == 2
+
+
 def _two_matmuls(x, w1, w2):
     """By default the backward reads h = x @ w1 (for w2's gradient); under a budget it recomputes h from x
     and w1. Only GEMMs: Inductor emits no C++ kernel for it, so the compile is cheap."""
