@@ -201,3 +201,28 @@ def test_near_misses_keep_their_eager_attention_with_the_reason():
                      config=GemConfig(block_attention={"enabled": True}))
     assert sum(report.counts[f] for f in ("jagged_attention", "block_attention")) == 0
     assert any("has none" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+
+
+def test_packed_by_unpad_the_draws_are_the_padded_ones(monkeypatch):
+    """Two pre-norm blocks whose token-wise layers unpad packs: the attention reads packed tokens, and its
+    dropout draws by position inside the sequence, so eager under the same draws still equals it."""
+    from tests.integration.test_activation_memory import DropoutBlock, Model, _inputs as block_inputs
+
+    torch.manual_seed(0)
+    model, (x, lengths) = Model(), block_inputs()
+    model.blocks = nn.ModuleList([DropoutBlock(), DropoutBlock()])
+    report = explain(model, x, lengths)
+    assert report.counts["jagged_attention"] == 2 and report.counts["unpad"] == 1
+    compiled = rewritten(model)
+    compiled(x, lengths)
+    torch.manual_seed(7)
+    out = compiled(x, lengths)
+    dropout, sdpa = _fixed_dropout(_seeds(7, 2))
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "dropout", dropout)
+        patch.setattr(F, "scaled_dot_product_attention", sdpa)
+        ref = model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    leaves = [x, *model.parameters()]
+    for got, want in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(ref, leaves)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
