@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kernels", default="jagged", choices=["jagged", "block-closed"])
+    parser.add_argument("--dropout", action="store_true", help="the jagged kernels with attention dropout")
     args = parser.parse_args()
     if args.kernels == "block-closed":
         print(write_json(f"kernel_registers-block-closed-d{args.head_dim}",
@@ -192,7 +193,7 @@ def main() -> None:
         DOT_PRECISION="tf32",
         HAS_KV_MASK=False,
         HAS_UNIFORM=False,
-        DROPOUT=False,
+        DROPOUT=args.dropout,
     )
     rows = []
     for name, configs in CONFIGS.items():
@@ -216,11 +217,12 @@ def main() -> None:
                 print(row, flush=True)
     print(
         write_json(
-            f"kernel_registers-d{args.head_dim}",
+            f"kernel_registers-d{args.head_dim}" + ("-dropout" if args.dropout else ""),
             {
                 "benchmark": "kernel_registers",
                 "environment": environment(),
                 "target": "sm_90a (compiled on the CPU)",
+                "dropout": args.dropout,
                 "rows": rows,
             },
             args.out,

@@ -289,6 +289,32 @@ class FuxiCtrStyleAttention(_Attention):
         return out.expand(-1, hidden.shape[1], -1) if self.target else out
 
 
+class FuxiCtrBstStyle(nn.Module):
+    """FuxiCTR's BST (behavior sequence transformer) block: the dropped scores are padding_mask & ~eye (a
+    padded query row sees the valid keys and itself), repeated over the heads into a (B * H, L, L) bool
+    attn_mask for nn.MultiheadAttention(batch_first=True), in-place residual, LayerNorm, feed-forward."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        e = heads * head_dim
+        self.heads = heads
+        self.attention = nn.MultiheadAttention(e, heads, batch_first=True)
+        self.norm = nn.LayerNorm(e)
+        self.ffn = nn.Sequential(nn.Linear(e, e), nn.LeakyReLU(), nn.Linear(e, e))
+
+    def forward(self, hidden, ids):
+        length = ids.shape[1]
+        padding = ids == 0
+        dropped = padding.unsqueeze(1).repeat(1, length, 1) & ~torch.eye(length, dtype=torch.bool,
+                                                                        device=ids.device)
+        dropped = dropped.unsqueeze(1).repeat(1, self.heads, 1, 1).flatten(end_dim=1)
+        attn, _ = self.attention(hidden, hidden, hidden, attn_mask=dropped)
+        s = attn
+        s += hidden
+        s = self.norm(s)
+        return s + self.ffn(s)
+
+
 class TfSasRecStyleAttention(_Attention):
     """SASRec as its TensorFlow original writes attention (and its PyTorch ports keep): key masking by
     torch.where(key_masks == 0, paddings, scores) with paddings = ones_like(scores) * (-2 ** 32 + 1), the

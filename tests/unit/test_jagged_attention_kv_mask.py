@@ -252,7 +252,7 @@ def test_schemas():
         schema = str(op.default._schema)
         tail = ("Tensor? kv_mask=None, Tensor? uniform_keys=None, Tensor? q_order=None, Tensor? kv_order=None, "
                 "Tensor? kv_bounds=None, Tensor? token_offsets=None, SymInt packed_len=0, float dropout_p=0., "
-                "Tensor? dropout_seed=None) ->")
+                "Tensor? dropout_seed=None")
         assert "Tensor? kv_lengths" in schema and tail in schema, schema
 
 

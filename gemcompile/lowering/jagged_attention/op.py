@@ -217,21 +217,24 @@ def jagged_attention_bwd(
     packed_len: int = 0,
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
+    grad_lse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad)."""
+    """(dq like q, dk, dv, dbias like bias; dbias is an empty tensor unless bias_requires_grad). grad_lse: the
+    gradient of lse when it was used (jagged_attention_lse), else None."""
     return _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                       bias_requires_grad, kv_mask, uniform_keys, q_order, kv_order, kv_bounds,
-                                      token_offsets, packed_len, dropout_p, dropout_seed)
+                                      token_offsets, packed_len, dropout_p, dropout_seed, grad_lse)
 
 
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                                bias_requires_grad, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-                               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None):
+                               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None,
+                               grad_lse=None):
     """jagged_attention_bwd on any device (the Triton launcher on CUDA, the reference for float64 and on CPU).
     Named one by one: a caller may leave the trailing optional ones out."""
     _, backward = _kernels(q)
     return backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad,
-                    kv_mask, uniform_keys, dropout_p, dropout_seed, q_order=q_order, kv_order=kv_order,
+                    kv_mask, uniform_keys, dropout_p, dropout_seed, grad_lse, q_order=q_order, kv_order=kv_order,
                     kv_bounds=kv_bounds, **_packed(token_offsets, packed_len))
 
 
@@ -242,7 +245,7 @@ cuda_kernel(jagged_attention_bwd)(_jagged_attention_bwd_cuda)
 def _jagged_attention_bwd_fake(
     grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale, bias_requires_grad, kv_mask=None,
     uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
-    dropout_p=0.0, dropout_seed=None,
+    dropout_p=0.0, dropout_seed=None, grad_lse=None,
 ):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
@@ -258,17 +261,66 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    # grad_lse is ignored: lse is an internal, non-differentiable output
+    # grad_lse is ignored: lse is an internal, non-differentiable output (jagged_attention_lse's is not)
     saved = ctx.saved_tensors
     causal, scale, packed_len, dropout_p = ctx.args
     dq, dk, dv, dbias = torch.ops.gemcompile.jagged_attention_bwd(
         grad_out, *saved[:_SAVED], causal, scale, ctx.bias_requires_grad, *saved[_SAVED:-1], packed_len,
-        dropout_p, saved[-1]
+        dropout_p, saved[-1], grad_lse if ctx.lse_differentiable else None
     )
     return input_grads(_INPUTS, dq, dk, dv, dbias if ctx.bias_requires_grad else None)
 
 
-jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+def _fwd_setup_context_internal_lse(ctx, inputs, output):
+    _fwd_setup_context(ctx, inputs, output)
+    ctx.lse_differentiable = False
+
+
+jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context_internal_lse)
+
+
+@torch.library.custom_op("gemcompile::jagged_attention_lse", mutates_args=())
+def jagged_attention_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lengths: Optional[Tensor],
+    kv_lengths: Optional[Tensor],
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    kv_mask: Optional[Tensor] = None,
+    uniform_keys: Optional[Tensor] = None,
+    q_order: Optional[Tensor] = None,
+    kv_order: Optional[Tensor] = None,
+    kv_bounds: Optional[Tensor] = None,
+    token_offsets: Optional[Tensor] = None,
+    packed_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """jagged_attention_fwd's (out, lse) with lse differentiable: what a caller merges more keys into (the
+    jagged family's kept diagonal, attention/jagged.py). lse is +inf on rows without a valid key; its
+    gradient enters the backward as dS = P * (dP - delta + dlse)."""
+    return _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
+                                      q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p,
+                                      dropout_seed)
+
+
+cuda_kernel(jagged_attention_lse)(_jagged_attention_fwd_cuda)
+jagged_attention_lse.register_fake(_jagged_attention_fwd_fake)
+
+
+def _lse_setup_context(ctx, inputs, output):
+    q, k, v, q_lengths, kv_lengths, bias, causal, scale, *optional = inputs
+    tensors, (packed_len, dropout_p, dropout_seed) = optional[:6], optional[6:]
+    out, lse = output
+    save_for_backward(ctx, (q, k, v, out, lse, q_lengths, kv_lengths, bias, *tensors, dropout_seed),
+                      (causal, scale, packed_len, dropout_p), bias=bias, bias_index=5)
+    ctx.lse_differentiable = True
+
+
+jagged_attention_lse.register_autograd(_fwd_backward, setup_context=_lse_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,7 +443,8 @@ def _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask=None, token_offs
     return forward_flops(H, D, pairs)
 
 
-@register_flop_formula(torch.ops.gemcompile.jagged_attention_fwd, get_raw=True)
+@register_flop_formula([torch.ops.gemcompile.jagged_attention_fwd, torch.ops.gemcompile.jagged_attention_lse],
+                       get_raw=True)
 def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False, scale=1.0, kv_mask=None,
                uniform_keys=None, q_order=None, kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0,
                dropout_p=0.0, dropout_seed=None, *, out_val=None, **kwargs) -> int:
@@ -401,7 +454,7 @@ def _fwd_flops(q, k, v, q_lengths=None, kv_lengths=None, bias=None, causal=False
 @register_flop_formula(torch.ops.gemcompile.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, q_lengths=None, kv_lengths=None, bias=None, causal=False,
                scale=1.0, bias_requires_grad=False, kv_mask=None, uniform_keys=None, q_order=None, kv_order=None,
-               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None, *, out_val=None,
-               **kwargs) -> int:
+               kv_bounds=None, token_offsets=None, packed_len=0, dropout_p=0.0, dropout_seed=None, grad_lse=None, *,
+               out_val=None, **kwargs) -> int:
     return int(BACKWARD_FLOPS_RATIO * _forward_flops(q, k, q_lengths, kv_lengths, causal, kv_mask, token_offsets,
                                                      packed_len))

@@ -87,20 +87,21 @@ def packed_reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal, scale
 
 def packed_reference_backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
                               bias_requires_grad, kv_mask=None, uniform_keys=None, dropout_p=0.0,
-                              dropout_seed=None, *, token_offsets=None, packed_len=0):
+                              dropout_seed=None, grad_lse=None, *, token_offsets=None, packed_len=0):
     """reference_backward on the padded tensors; gradients of packed operands come back packed."""
     if token_offsets is None:
         return reference_backward(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal, scale,
-                                  bias_requires_grad, kv_mask, uniform_keys, dropout_p, dropout_seed)
+                                  bias_requires_grad, kv_mask, uniform_keys, dropout_p, dropout_seed, grad_lse)
     N, counts, T = int(packed_len), packed_lengths(token_offsets), k.shape[0]
     q_packed = q.dim() == 3
     if q_packed:
         q, grad_out, out, lse = (pad_packed(t, token_offsets, N) for t in (q, grad_out, out, lse))
+        grad_lse = None if grad_lse is None else pad_packed(grad_lse, token_offsets, N)
         q_lengths = counts
     dq, dk, dv, dbias = reference_backward(grad_out, q, pad_packed(k, token_offsets, N),
                                            pad_packed(v, token_offsets, N), out, lse, q_lengths, counts, bias,
                                            causal, scale, bias_requires_grad, kv_mask, uniform_keys, dropout_p,
-                                           dropout_seed)
+                                           dropout_seed, grad_lse)
     if q_packed:
         dq = pack_padded(dq, token_offsets, T)
     return dq, pack_padded(dk, token_offsets, T), pack_padded(dv, token_offsets, T), dbias

@@ -85,14 +85,14 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
                                      scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None,
-                                     dropout_p=0.0, dropout_seed=None, *, q_order=None, kv_order=None,
-                                     kv_bounds=None, token_offsets=None, packed_len=0):
+                                     dropout_p=0.0, dropout_seed=None, grad_lse=None, *, q_order=None,
+                                     kv_order=None, kv_bounds=None, token_offsets=None, packed_len=0):
     """triton.py's backward; with token_offsets the gradients of packed operands come back packed."""
     if token_offsets is None:
         return padded.jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias,
                                                        causal, scale, bias_requires_grad, kv_mask, uniform_keys,
-                                                       dropout_p, dropout_seed, q_order=q_order, kv_order=kv_order,
-                                                       kv_bounds=kv_bounds)
+                                                       dropout_p, dropout_seed, grad_lse, q_order=q_order,
+                                                       kv_order=kv_order, kv_bounds=kv_bounds)
     B, N = token_offsets.shape[0] - 1, int(packed_len)
     T, H, D = k.shape
     q_packed = q.dim() == 3
@@ -119,7 +119,8 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
                          _lse_strides(lse, q_packed), delta, dq_buffer, dq_strides, dk, dv, _rows_strides(dk), ds,
                          None if ds is None else ds.stride()[:3], kv_mask, uniform_keys,
                          kv_order if kv_mask is not None else None,
-                         _key_mask_bounds(kv_mask, kv_lengths, token_offsets, kv_bounds), dropout_p, dropout_seed)
+                         _key_mask_bounds(kv_mask, kv_lengths, token_offsets, kv_bounds), dropout_p, dropout_seed,
+                         grad_lse)
     dq = dq_buffer.sum(dim=0, keepdim=True).to(q.dtype) if shared_q else dq_buffer
     dbias = padded.reduce_bias_grad(ds, bias) if bias_grad else q.new_empty(0)
     return dq, dk, dv, dbias

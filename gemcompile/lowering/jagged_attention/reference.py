@@ -111,8 +111,10 @@ def reference_backward(
     uniform_keys=None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    grad_lse=None,
 ):
-    """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad."""
+    """Gradients (dq, dk, dv, dbias) from the saved lse; dbias is empty unless bias_requires_grad. grad_lse
+    (B, H, Lq) or None: the gradient of lse itself, dS = P * (dP - delta + grad_lse)."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     cdt = compute_dtype(q.dtype)
@@ -123,6 +125,8 @@ def reference_backward(
     o = zero_invalid_rows(out.to(cdt), q_ok)
     vf = zero_invalid_rows(v.to(cdt), key_mask(kv_lengths, kv_mask, B, Lk, v.device))
     delta = (do * o).sum(dim=-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(cdt)[..., None]
     dropped = _dropout_scale(p, dropout_p, dropout_seed)
     dv = torch.matmul((p * dropped).transpose(-1, -2), do)
     dp = torch.matmul(do, vf.transpose(-1, -2)) * dropped

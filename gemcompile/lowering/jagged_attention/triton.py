@@ -666,7 +666,8 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
               H: int, D: int, causal: bool, scale: float, q_strides, k_strides, v_strides, g_strides,
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
-              kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None):
+              kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None,
+              grad_lse=None):
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -681,6 +682,8 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     bwd_delta_kernel[(triton.cdiv(Lq, delta_block) * B * H,)](
         out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
         H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
+    if grad_lse is not None:  # lse's own gradient: dS = P * (dP - delta + dlse)
+        delta.sub_(grad_lse)
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
@@ -744,8 +747,8 @@ def jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, bias, causal
 
 def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths, bias, causal: bool,
                                      scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None,
-                                     dropout_p=0.0, dropout_seed=None, *, q_order=None, kv_order=None,
-                                     kv_bounds=None):
+                                     dropout_p=0.0, dropout_seed=None, grad_lse=None, *, q_order=None,
+                                     kv_order=None, kv_bounds=None):
     """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
@@ -762,7 +765,7 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
                   bhld_strides(q, shared_q), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                   lse.stride(), delta, dq_buffer, dq_buffer.stride(), dk, dv, dk.stride(),
                   ds, None if ds is None else ds.stride()[:3], kv_mask, uniform_keys, kv_order, kv_bounds,
-                  dropout_p, dropout_seed)
+                  dropout_p, dropout_seed, grad_lse)
     else:
         dk.zero_()
         dv.zero_()

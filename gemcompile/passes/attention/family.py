@@ -36,6 +36,8 @@ class AttentionFamily(GemPass):
     """Whether the family serves query padding read from data (AttentionMask.query_vector)."""
     serves_dropout: ClassVar[bool] = False
     """Whether the family's kernel draws dropout on the attention weights (AttentionSite.dropout_p)."""
+    serves_kept_diagonal: ClassVar[bool] = False
+    """Whether the family serves masks that keep the diagonal besides the rest (AttentionMask.diagonal)."""
 
     def run(self, graph: fx.Graph) -> None:
         raise TypeError(f"{type(self).__name__} is a kernel family: AttentionRewritePass runs it")

@@ -46,6 +46,7 @@ from gemcompile.passes.attention.family import (
     zero_query_rows,
 )
 from gemcompile.passes.attention.finite_fill import check_fill_served, keep_fill_exact, uniform_dropped_rows
+from gemcompile.passes.attention.kept_diagonal import check_kept_diagonal, merge_diagonal
 from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.attention.mha import check_mha
@@ -81,6 +82,7 @@ class JaggedAttention(AttentionFamily):
     masks_served = JAGGED_MASKS
     serves_query_vector = True
     serves_dropout = True
+    serves_kept_diagonal = True
 
     def refusal(self, error: Unclassified) -> Unproven:
         return length_refusal(error)
@@ -104,24 +106,30 @@ class JaggedAttention(AttentionFamily):
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
         dropout = _dropout_arguments(emit, site, mask, q)
-        if not site.zero_blind_rows:
+        if mask.diagonal:  # every row keeps a key (its own): no row is blind, whatever the fill
+            check_kept_diagonal(site, mask, q, k)
+        elif not site.zero_blind_rows:
             check_fill_served(mask)
         # query rows the model zeroes afterwards are skipped (the fill's rules are about the model's own mask)
-        rows, rows_note = (mask, "") if mask.q_lengths is not None else fold_query_rows(site, mask)
+        rows, rows_note = (mask, "") if mask.q_lengths is not None or mask.diagonal else fold_query_rows(site, mask)
         kv_len = lengths_operand(emit, mask.kv_lengths, mask.kv_offset, k)
         kv_mask = key_mask_operand(emit, mask, k)
         q_len = lengths_operand(emit, rows.q_lengths, rows.q_offset, q)
         bias = summed_bias(emit, site.bias)
         detail, uniform, blind = "mask proven: " + mask.describe(), None, None
         if mask.fill is not None:
-            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(emit, mask, float(site.scale), q, k,
-                                                                    kv_len, kv_mask, bias,
-                                                                    blind_rows_zero=site.zero_blind_rows)
+            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(
+                emit, mask, float(site.scale), q, k, kv_len, kv_mask, bias,
+                blind_rows_zero=site.zero_blind_rows or mask.diagonal)
             detail += f"; fill {mask.fill:g} kept exact"
         if rows_note:
             detail += f"; {rows_note}"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
+        if mask.diagonal:
+            out_lse = emit.call(torch.ops.gemcompile.jagged_attention_lse.default, args, extra)
+            out = merge_diagonal(emit, out_lse, q, k, v, float(site.scale), bias, kv_len, kv_mask)
+            return out, detail + "; the diagonal merged into rows whose own key the mask drops"
         out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, {**extra, **dropout})
         if dropout:
             detail += f"; dropout p={site.dropout_p:g} in the kernel"

@@ -73,6 +73,8 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
         found = _classify_hstu(evaluator, keep, keys, queries)
     if found is None:
         found = _with_key_vector(evaluator, keep, keys, queries, blocks)
+    if found is None:
+        found = _with_diagonal(evaluator, keep, batch_is_one)
     if found is not None:
         return dataclasses.replace(found, formula=formula)
     for size, atom in blocks.items():  # a telling reason for the one near-miss people write by accident
@@ -119,6 +121,22 @@ def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> A
         found = dataclasses.replace(found, query_vector=KeyVector(formula, evaluator, render(evaluator, formula),
                                                                   position=1))
     return found
+
+
+def _with_diagonal(evaluator: MaskEvaluator, keep, batch_is_one: bool) -> AttentionMask | None:
+    """keep = M or i == j with M a mask of the other terms (the diagonal is kept even where M drops it: BST,
+    XLNet's content stream); None when keep does not split so."""
+    diagonal = evaluator.atoms.compare("eq", index_symbol(1), index_symbol(0))
+    if diagonal not in keep.free_symbols:
+        return None
+    rest = keep.subs(diagonal, sympy.false)
+    if not equivalent(evaluator, keep, sympy.Or(rest, diagonal)):
+        return None
+    try:
+        found = classify(evaluator, rest, batch_is_one)
+    except Unproven:
+        return None
+    return dataclasses.replace(found, diagonal=True)
 
 
 def _clauses(keep) -> tuple | None:
@@ -203,6 +221,8 @@ def require_lengths(mask: AttentionMask) -> AttentionMask:
         raise Unproven(f"the query padding is read from data ({mask.query_vector.text}), not from lengths")
     if mask == AttentionMask():
         raise Unproven("the mask keeps every score: nothing to skip")
+    if mask.diagonal:
+        raise Unproven(f"the mask keeps the diagonal i == j besides the lengths: it is {mask.formula}")
     if mask.kv_lengths is None:
         raise Unproven("no key-padding mask (index < lengths along the key dim) was found in the mask")
     if mask.structured:

@@ -10,6 +10,9 @@ A score ``scores[b, h, i, j]`` (query i, key j of sample b) is kept iff every pr
     HSTU's visibility: the last num_targets[b] tokens are targets (they see the history and themselves),
     the first contextual_len tokens are contextual (fully visible)
 
+and, with ``diagonal``, a score is also kept where i == j whatever the rest says (BST's, XLNet's content
+stream: a padded query row attends to the valid keys and to itself).
+
 Absent conditions are None (lengths, block, window, targets) or 0 (offsets, contextual_len): "no window" is
 None here, whatever sentinel a kernel takes. masks/classify.py proves which model a mask's formula is; a
 new mask source (a mask read from data rather than lengths) is one more field and one more case there.
@@ -55,6 +58,9 @@ class AttentionMask:
     rows_dropped_after: bool = False
     """The model's mask equals this one only on rows i < kv_lengths[b] (HSTU's target mask without a padding
     term): the family rewrites only when the model provably drops the other rows after the attention."""
+    diagonal: bool = False
+    """Scores i == j are kept too (``(the rest) or i == j``): self-attention whose padded rows see themselves
+    besides the valid keys; the jagged family merges that one key into each such row."""
     key_vector: KeyVector | None = None
     """Key padding read from data: key j of sample b is kept iff this (b, j) formula holds (and-ed with the
     rest); the families pass it to the kernels as a (B, Lk) bool kv_mask."""
@@ -108,4 +114,5 @@ class AttentionMask:
                          "themselves)")
         if self.contextual_len:
             parts.append(f"the first {self.contextual_len} tokens are contextual (fully visible)")
-        return " and ".join(parts) if parts else "no mask"
+        text = " and ".join(parts) if parts else "no mask"
+        return f"({text}) or i == j" if self.diagonal else text
