@@ -84,7 +84,8 @@ try:
 except ImportError:  # a torch without Inductor's custom_partitioner_fn slot
     _PartitionerBase = object  # type: ignore[assignment, misc]
 
-ATTENTION_OPS = ("jagged_attention_fwd", "gdpa_fwd", "block_attention_fwd", "length_order", "key_bounds")
+ATTENTION_OPS = ("jagged_attention_fwd", "jagged_attention_lse", "gdpa_fwd", "block_attention_fwd", "length_order",
+                 "key_bounds")
 """gemcompile ops (``gemcompile::<name>``) never recomputed unless MemoryConfig.recompute_attention: the
 attention kernels' forward (a whole kernel to recompute an output the size of q, plus its log-sum-exp) and
 the per-step batch order and key bounds every attention site shares (passes/attention/plans.py: derived

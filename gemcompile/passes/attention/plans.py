@@ -48,7 +48,8 @@ _PURE = frozenset({
 
 def _attention_ops() -> dict:
     ops = torch.ops.gemcompile
-    return {ops.jagged_attention.default: "kv", ops.gdpa.default: "kv", ops.block_attention.default: "block"}
+    return {ops.jagged_attention.default: "kv", ops.jagged_attention_lse.default: "kv", ops.gdpa.default: "kv",
+            ops.block_attention.default: "block"}
 
 
 def _mutates(node: fx.Node) -> bool:
