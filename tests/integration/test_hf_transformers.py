@@ -80,3 +80,28 @@ def test_hf_encoder_training_with_its_default_dropouts_is_rewritten(family, atte
     (out * valid[..., None]).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad
                and p.grad is not None)
+
+
+def test_hf_xlnet_whose_padded_rows_attend_to_themselves_is_rewritten_and_equals_eager():
+    """XLNet's content stream keeps the diagonal besides the key padding (a padded row attends to the valid
+    tokens and to itself): both layers are rewritten (the kept diagonal merged after the kernel), and compiled
+    == eager on every row, outputs and every gradient."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=100, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0)
+    model = transformers.XLNetModel(config).eval()
+    ids = torch.randint(5, 90, (3, 8))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:], mask[2, 2:] = 0, 0
+    report = explain(model, ids, attention_mask=mask)
+    assert report.counts["jagged_attention"] == 2, [r.reason for r in report.refusals]
+    assert all("or i == j" in r.detail for r in report.rewrites if r.pass_name == "jagged_attention")
+    out = gem_compile(model)(ids, attention_mask=mask).last_hidden_state
+    ref = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    grads = torch.autograd.grad((out * weights).sum(), params, allow_unused=True)
+    grads_ref = torch.autograd.grad((ref * weights).sum(), params, allow_unused=True)
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref is not None:
+            torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
