@@ -45,12 +45,19 @@ def test_host_draws_equal_triton_rand_bit_for_bit():
     @triton.jit
     def draw(Out, Seed, key_add, N: tl.constexpr):
         offs = tl.arange(0, N)
-        tl.store(Out + offs, tl.rand(tl.load(Seed) + key_add, offs))
+        u0, u1, u2, u3 = tl.rand4x(tl.load(Seed) + key_add, offs)
+        tl.store(Out + offs * 4, u0)
+        tl.store(Out + offs * 4 + 1, u1)
+        tl.store(Out + offs * 4 + 2, u2)
+        tl.store(Out + offs * 4 + 3, u3)
+        tl.store(Out + 4 * N + offs, tl.rand(tl.load(Seed) + key_add, offs))
 
     for seed in (0, 1, 2**33 + 5, 2**62 - 7):
-        out = torch.empty(512)
+        out = torch.empty(5 * 512)
         draw[(1,)](out, torch.tensor([seed]), 11, N=512)
-        assert torch.equal(out, philox_uniform(torch.tensor(seed + 11), torch.arange(512)))
+        host = philox_uniform(torch.tensor(seed + 11), torch.arange(512))
+        assert torch.equal(out[:2048].view(512, 4), host)
+        assert torch.equal(out[2048:], host[:, 0])  # word 0 is tl.rand's
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -129,8 +136,8 @@ def test_bad_dropout_arguments_are_refused_by_name(bad, error, text):
 
 def test_too_many_pairs_for_the_int32_counter_is_refused():
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        check_dropout(0.1, torch.tensor(1), 2**16, 2**15, "cpu")
-    check_dropout(0.1, torch.tensor(1), 2**15, 2**15, "cpu")
+        check_dropout(0.1, torch.tensor(1), 2**16, 2**17, "cpu")
+    check_dropout(0.1, torch.tensor(1), 2**16, 2**17 - 4, "cpu")
     assert new_seed("cpu").dtype == torch.int64
 
 

@@ -220,11 +220,14 @@ def load_rows(base, rows, offs_d, stride_r, stride_d, mask_rows, HEAD_D: tl.cons
 
 
 @triton.jit
-def dropout_factor(seed, rows, cols, key_count, dropout_p, dropout_scale):
-    """keep / (1 - p) of the pairs (rows, cols) (broadcast index tiles, positions inside the sequence) under
-    the (batch, head)'s Philox key ``seed``: the draws of common/dropout.keep_mask, bit for bit."""
-    keep = tl.rand(seed, rows * key_count + cols) >= dropout_p
-    return tl.where(keep, dropout_scale, 0.0)
+def dropout_factor(seed, rows, col_start, key_quads, dropout_p, dropout_scale, BLOCK_N: tl.constexpr):
+    """(rows, BLOCK_N) tile of keep / (1 - p) for the query rows ``rows`` and keys col_start + [0, BLOCK_N)
+    (positions inside the sequence; col_start a multiple of 4) under the (batch, head)'s Philox key ``seed``:
+    one tl.rand4x per four keys, the draws of common/dropout.keep_mask bit for bit."""
+    quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
+    u0, u1, u2, u3 = tl.rand4x(seed, rows[:, None] * key_quads + quads[None, :])
+    u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # keys 4c .. 4c + 3 <- words 0 .. 3
+    return tl.where(u >= dropout_p, dropout_scale, 0.0)
 
 
 @triton.jit

@@ -7,10 +7,11 @@ module draws the same numbers on the host, bit for bit, so that the references (
 the same answer for the same seed, and the tests can compare them.
 
 The stream: one Philox key per (batch, head), ``seed + b * H + h`` (b the batch index of k), and one
-counter per pair, ``i * Lk + j`` with i, j the query and key positions inside their sequence and Lk the
-padded key length (packed operands: ``packed_len``). The counter is int32 (so ``Lq * Lk < 2**31``, checked):
-Triton draws int32 counters the same way in every release we support. A pair is kept when its uniform
-draw is ``>= p``.
+counter per four consecutive keys of a query row, ``i * ceil(Lk / 4) + j // 4``, whose four Philox words
+(``tl.rand4x``) go to keys ``j = 4c, ..., 4c + 3`` in order: one Philox evaluation per four pairs. i, j are
+the query and key positions inside their sequence and Lk the padded key length (packed operands:
+``packed_len``). The counter is int32 (``Lq * ceil(Lk / 4) < 2**31``, checked): Triton draws int32 counters
+the same way in every release we support. A pair is kept when its uniform draw is ``>= p``.
 
 The seed is an int64 tensor of one element on the operands' device: the graph draws it once per call
 from torch's generator (:func:`new_seed`), so a step's randomness follows ``torch.manual_seed`` and CUDA
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_DROPOUT_PAIRS", "check_dropout", "keep_mask", "new_seed", "philox_uniform"]
+__all__ = ["MAX_DROPOUT_COUNTERS", "check_dropout", "keep_mask", "new_seed", "philox_uniform"]
 
-MAX_DROPOUT_PAIRS = 2**31
-"""Lq * Lk must stay below this: the per-pair counter is int32."""
+MAX_DROPOUT_COUNTERS = 2**31
+"""Lq * ceil(Lk / 4) must stay below this: the counter is int32."""
 
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -42,8 +43,9 @@ def _mul_parts(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox_uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(key, counter)`` for int32 counters: float32 uniforms in [0, 1), broadcasting keys (int64,
-    any values: their low and high 32 bits are Philox's two key words) against counters (int32 >= 0)."""
+    """``tl.rand4x(key, counter)`` for int32 counters: the four float32 uniforms in [0, 1), stacked in a last
+    dim of 4, broadcasting keys (int64, any values: their low and high 32 bits are Philox's two key words)
+    against counters (int32 >= 0). Word 0 is ``tl.rand(key, counter)``."""
     keys, counters = torch.broadcast_tensors(keys.to(torch.int64), counters.to(torch.int64))
     k0, k1 = keys & _U32, (keys >> 32) & _U32
     c0, c1 = counters & _U32, torch.zeros_like(counters)
@@ -53,7 +55,8 @@ def philox_uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         hi_a, lo_a = _mul_parts(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
-    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the draw read as int32
+    words = torch.stack((c0, c1, c2, c3), dim=-1)
+    signed = torch.where(words >= 2**31, words - 2**32, words)  # each draw read as int32
     signed = torch.where(signed < 0, -signed - 1, signed)
     return signed.to(torch.int32).to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
@@ -61,11 +64,13 @@ def philox_uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 def keep_mask(seed: torch.Tensor, p: float, B: int, H: int, Lq: int, Lk: int, device) -> torch.Tensor:
     """(B, H, Lq, Lk) bool: the pairs that dropout with probability p keeps under ``seed`` (see the module
     docstring for the stream)."""
+    quads = -(-Lk // 4)
     bh = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
     keys = seed.to(device=device, dtype=torch.int64).reshape(()) + bh
-    counters = (torch.arange(Lq, device=device, dtype=torch.int64)[:, None] * Lk
-                + torch.arange(Lk, device=device, dtype=torch.int64)[None, :])
-    return philox_uniform(keys, counters) >= p
+    counters = (torch.arange(Lq, device=device, dtype=torch.int64)[:, None] * quads
+                + torch.arange(quads, device=device, dtype=torch.int64)[None, :])
+    uniform = philox_uniform(keys, counters).reshape(B, H, Lq, 4 * quads)[..., :Lk]
+    return uniform >= torch.tensor(p, dtype=torch.float32)
 
 
 def new_seed(device) -> torch.Tensor:
@@ -91,6 +96,6 @@ def check_dropout(dropout_p, dropout_seed, Lq: int, Lk: int, device) -> None:
                          f"{tuple(dropout_seed.shape)}")
     if dropout_seed.device != torch.device(device):
         raise ValueError(f"dropout_seed is on {dropout_seed.device}, the operands on {device}")
-    if Lq * Lk >= MAX_DROPOUT_PAIRS:
-        raise ValueError(f"attention dropout draws one int32 counter per (query, key) pair: Lq * Lk = "
-                         f"{Lq} * {Lk} must be below 2**31")
+    if Lq * (-(-Lk // 4)) >= MAX_DROPOUT_COUNTERS:
+        raise ValueError(f"attention dropout draws one int32 counter per four (query, key) pairs: Lq * ceil(Lk "
+                         f"/ 4) = {Lq} * {-(-Lk // 4)} must be below 2**31")
