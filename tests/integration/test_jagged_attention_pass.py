@@ -135,6 +135,22 @@ def hand_causal_from_ones_like_scores(q, k, v, n, x):
     return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
+def hand_global_max_shifted(q, k, v, n, x):
+    # ReChorus: (s - s.max()).softmax(), NaN rows zeroed (a global max: the same softmax). ReChorus fills with
+    # -inf; then eager's gradient is NaN wherever the max sits once a row is empty (its NaN flows back through
+    # the max), so this test fills with -1e9
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~key_mask(n)[:, None, None, :], -1e9)
+    p = (s - s.max()).softmax(dim=-1)
+    return p.masked_fill(torch.isnan(p), 0) @ v
+
+
+def hand_row_max_shifted_before_the_mask(q, k, v, n, x):
+    # the older ReChorus order: the row max subtracted (detached) before the fill; and .values of torch.max
+    s = q @ k.transpose(-2, -1) / math.sqrt(D)
+    s = s - torch.max(s, -1, keepdim=True).values.detach()
+    return s.masked_fill(~key_mask(n)[:, None, None, :], -1e9).softmax(-1) @ v
+
+
 def hand_query_rows_zeroed_in_the_weights(q, k, v, n, x):
     # the weights' padded query rows zeroed before @ v (a safe softmax's other spelling)
     s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
@@ -148,7 +164,7 @@ def hand_weights_times_row_weights(q, k, v, n, x):
     return (torch.softmax(s, dim=-1) * x["row_weights"][:, None, :, None]) @ v
 
 
-IDIOMS = [hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
+IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
@@ -413,6 +429,11 @@ def miss_clamped_scores(q, k, v, n, x):
     return torch.softmax(s + (~key_mask(n)[:, None, None, :]) * -1e9, dim=-1) @ v
 
 
+def miss_max_over_the_queries(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    return (s - s.amax(-2, keepdim=True)).softmax(-1) @ v
+
+
 NEAR_MISSES = {
     miss_soft_capped_scores: "`tanh` (tanh) between the scores and the softmax",
     miss_clamped_scores: "a non-linear map of the scores",
@@ -425,6 +446,7 @@ NEAR_MISSES = {
     miss_sliding_window: "the mask is not (key index < lengths)",
     miss_small_fill: "large negative",
     miss_two_dropouts_in_training: "two dropouts",
+    miss_max_over_the_queries: "subtracted from the scores",
     miss_weights_returned: "used elsewhere",
     miss_lengths_on_the_query_dim_only: "no key-padding mask",
     miss_block_diagonal: "floor",

@@ -69,11 +69,41 @@ def reads_shape_only(user: fx.Node, node: fx.Node, depth: int = 4) -> bool:
     return name in ("size", "dim") and user.args[0] is node
 
 
+def max_shift(user: fx.Node, node: fx.Node) -> list[fx.Node] | None:
+    """The nodes of ``node - node.max()`` besides the subtraction, when ``user`` is that max: a maximum of the
+    scores over every element or over the keys with keepdim (``s.max()``, ``s.amax(-1, True)``,
+    ``s.max(-1, keepdim=True)[0]`` / ``.values``, maybe detached), read only by ``node - max``. It shifts every
+    row by a constant (ReChorus' numerically safe softmax): the softmax, and its gradient, do not change."""
+    name = target_name(user) if user.op in ("call_function", "call_method") else ""
+    if name not in ("max", "amax") or not user.args or user.args[0] is not node:
+        return None
+    chain, value = [user], user
+    while len(value.users) == 1:
+        (nxt,) = value.users
+        if nxt.target is operator.getitem and nxt.args[1] == 0 or target_name(nxt) in ("detach", "values"):
+            chain.append(nxt)
+            value = nxt
+            continue
+        break
+    shape = getattr(example_value(value), "shape", None)
+    (sub,) = value.users if len(value.users) == 1 else (None,)
+    if shape is None or (len(shape) and shape[-1] != 1) or sub is None:
+        return None
+    if target_name(sub) not in ("sub", "__sub__") or sub.args[:2] != (node, value):
+        return None
+    return chain
+
+
 def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
-    """Add ``node`` to the site's nodes; Unproven when something besides the attention uses its values."""
-    if len([u for u in node.users if not reads_shape_only(u, node)]) != 1:
+    """Add ``node`` to the site's nodes; Unproven when something besides the attention uses its values (a
+    max of the scores they are shifted by, ``max_shift``, goes with the site)."""
+    users = [u for u in node.users if not reads_shape_only(u, node)]
+    shifts = [chain for chain in (max_shift(u, node) for u in users) if chain is not None]
+    if len(users) - len(shifts) != 1:
         raise Unproven(f"{node.name} (part of the attention) is also used elsewhere: "
                        "attention weights that are returned or reused cannot be skipped")
+    for chain in shifts:
+        site_nodes.extend(reversed(chain))
     site_nodes.append(node)
 
 
