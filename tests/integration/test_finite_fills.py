@@ -256,3 +256,29 @@ def test_a_zero_bias_added_beside_the_mask_is_not_a_second_fill_term():
     out, ref = gem_compile(attention)(q, k, v, keep), attention(q, k, v, keep)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [q, k, v])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spelling", ["masked_fill", "where"])
+def test_a_learned_bias_gets_no_gradient_from_rows_the_fill_replaces(spelling, causal):
+    """A fill written over the scores passes nothing back to the bias where it replaces every score of a row
+    (an empty sequence; with a causal mask and left padding, a sample's leading rows): eager's bias gradient
+    comes only from the other rows, and so must the rewrite's (it computed those rows from s itself)."""
+    rel = torch.randn(H, L, L, requires_grad=True)
+    fill = torch.finfo(torch.float32).min
+
+    def attention(q, k, v, lengths, rel):
+        pos = torch.arange(L)
+        valid = pos[None, :] >= L - lengths[:, None] if causal else pos[None, :] < lengths[:, None]
+        keep = valid[:, None, None, :] & (pos[None, :] <= pos[:, None] if causal else True)
+        s = q @ k.transpose(-1, -2) / math.sqrt(D) + rel
+        s = s.masked_fill(~keep, fill) if spelling == "masked_fill" else torch.where(keep, s, fill)
+        return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 3, 0])
+    report = explain(attention, q, k, v, lengths, rel)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(attention)(q, k, v, lengths, rel), attention(q, k, v, lengths, rel)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v, rel])

@@ -78,7 +78,8 @@ class BlindRows:
     """(B,) int: how many leading queries of each sample see no valid key (the sample's queries when none)."""
     q: fx.Node
     k: fx.Node
-    """q and k for that call (detached where eager's fill passes them no gradient)."""
+    bias: fx.Node | None
+    """q, k and the bias for that call (detached where eager's fill passes them no gradient)."""
     uniform_keys: fx.Node | None
     """The call's uniform_keys: every sample when eager's s + F rounds to F, else None (softmax of s)."""
 
@@ -95,9 +96,10 @@ def uniform_dropped_rows(emit: Emitter, mask: AttentionMask, v: fx.Node) -> fx.N
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,
                     kv_len: fx.Node | None, kv_mask: fx.Node | None, bias: fx.Node | None,
                     blind_rows_zero: bool = False):
-    """(q, k, kv_len, kv_mask, uniform_keys, blind) for the kernel such that the finite fill's rows match
-    eager (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds
-    away; blind is None or the BlindRows of a causal mask. ``blind_rows_zero``: the model masks the weights
+    """(q, k, kv_len, kv_mask, uniform_keys, blind, bias) for the kernel such that the finite fill's rows
+    match eager (module doc); uniform_keys is None or the (B,) bool of sequences whose scores the fill rounds
+    away; blind is None or the BlindRows of a causal mask; bias is detached in the sequences whose every score
+    the fill replaces (eager passes it no gradient there). ``blind_rows_zero``: the model masks the weights
     again after the softmax (AttentionSite.zero_blind_rows), so rows with no valid key are 0 in eager.
     The caller has checked that the fill is served (``check_fill_served``)."""
     fill = mask.fill
@@ -109,18 +111,18 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                                             "so eager does not drop the masked keys and the kernel would; fill "
                                             "with -inf or a bool mask, or scale the scores"))
     if blind_rows_zero:  # the model zeroes the dropped weights again after the softmax: such rows are 0
-        return q, k, kv_len, kv_mask, None, None
+        return q, k, kv_len, kv_mask, None, None, bias
     if kv_len is None and kv_mask is None:
-        return q, k, kv_len, kv_mask, None, None  # no key padding: every row sees a key (causal: key 0)
+        return q, k, kv_len, kv_mask, None, None, bias  # no key padding: every row sees a key (causal: key 0)
     if mask.causal and mask.fill_stacked:  # eager's blind rows attend to the keys fewest terms drop
         first = emit.call(torch.all, (_first_key_valid(emit, kv_len, kv_mask),))
         message = (f"gemcompile: a sequence whose first key is padding under a causal mask that adds its "
                    f"fill ({fill:g}) in several terms: eager attends to the keys the fewest terms drop in its"
                    " first rows, the kernel cannot (fill with -inf, use a bool mask or add one mask)")
         emit.call(torch._assert_async, (first, message))
-        return q, k, kv_len, kv_mask, None, None
+        return q, k, kv_len, kv_mask, None, None, bias
     if mask.causal:
-        return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, scores)
+        return q, k, kv_len, kv_mask, None, _blind_rows(emit, mask, q, k, kv_len, kv_mask, scores, bias), bias
     empty = no_valid_key(emit, kv_len, kv_mask)
     if mask.fill_stacked:  # eager's row attends to the keys fewest terms drop: no kernel computes that
         none_empty = emit.call(torch.logical_not, (emit.call(torch.any, (empty,)),))
@@ -128,7 +130,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                    "in several terms: eager attends to the keys the fewest terms drop, the kernel cannot "
                    "(fill with -inf, use a bool mask or add one mask)")
         emit.call(torch._assert_async, (none_empty, message))
-        return q, k, kv_len, kv_mask, None, None
+        return q, k, kv_len, kv_mask, None, None, bias
     keys = example_value(k).shape[2]
     if kv_len is not None:
         kv_len = emit.call(torch.where, (empty, keys, kv_len))
@@ -136,11 +138,13 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         kv_mask = emit.call(torch.logical_or, (kv_mask, emit.call(torch.unsqueeze, (empty, 1))))
     if mask.fill_replaces:  # every score of the sequence is F itself: uniform, whatever F is
         q, k = (_detached_where(emit, empty, x) for x in (q, k))
-        return q, k, kv_len, kv_mask, empty, None
+        if bias is not None and example_value(bias).requires_grad:  # (expanded to the batch: B H L L)
+            bias = _detached_where(emit, empty, bias)
+        return q, k, kv_len, kv_mask, empty, None, bias
     if fill > UNIFORM_FILL:
-        return q, k, kv_len, kv_mask, None, None
+        return q, k, kv_len, kv_mask, None, None, bias
     _check_rounded_away(emit, fill, scores, empty)
-    return q, k, kv_len, kv_mask, empty, None
+    return q, k, kv_len, kv_mask, empty, None, bias
 
 
 def _check_rounded_away(emit: Emitter, fill: float, scores, blind: fx.Node) -> None:
@@ -159,7 +163,7 @@ def _check_rounded_away(emit: Emitter, fill: float, scores, blind: fx.Node) -> N
 
 
 def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_len, kv_mask,
-                scores) -> BlindRows:
+                scores, bias: fx.Node | None) -> BlindRows:
     """The BlindRows of a causal mask with one finite fill (module doc)."""
     keys = size_of(emit, k, 2)
     valid = _valid_keys(emit, kv_len, kv_mask, keys, example_value(k).device)
@@ -168,12 +172,12 @@ def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_l
     rows = emit.call(torch.where, (empty, size_of(emit, q, 2), leading))  # every query of an empty one
     everyone = emit.call(torch.ones_like, (rows,), {"dtype": torch.bool})
     if mask.fill_replaces:  # every score of such a row is F itself: uniform, no gradient to q and k
-        detached = [emit.call(torch.Tensor.detach, (x,)) for x in (q, k)]
-        return BlindRows(rows, detached[0], detached[1], everyone)
+        detached = [None if x is None else emit.call(torch.Tensor.detach, (x,)) for x in (q, k, bias)]
+        return BlindRows(rows, detached[0], detached[1], detached[2], everyone)
     if mask.fill > UNIFORM_FILL:
-        return BlindRows(rows, q, k, None)
+        return BlindRows(rows, q, k, bias, None)
     _check_rounded_away(emit, mask.fill, scores, rows)
-    return BlindRows(rows, q, k, everyone)
+    return BlindRows(rows, q, k, bias, everyone)
 
 
 def _valid_keys(emit: Emitter, kv_len, kv_mask, keys, device) -> fx.Node:

@@ -118,7 +118,7 @@ class JaggedAttention(AttentionFamily):
         bias = summed_bias(emit, site.bias)
         detail, uniform, blind = "mask proven: " + mask.describe(), None, None
         if mask.fill is not None:
-            q, k, kv_len, kv_mask, uniform, blind = keep_fill_exact(
+            q, k, kv_len, kv_mask, uniform, blind, bias = keep_fill_exact(
                 emit, mask, float(site.scale), q, k, kv_len, kv_mask, bias,
                 blind_rows_zero=site.zero_blind_rows or mask.diagonal)
             detail += f"; fill {mask.fill:g} kept exact"
@@ -137,7 +137,7 @@ class JaggedAttention(AttentionFamily):
             extra = {"uniform_keys": blind.uniform_keys} if blind.uniform_keys is not None else {}
             extra.update(dropout)  # the same draws: these rows are not the first call's
             rows = emit.call(torch.ops.gemcompile.jagged_attention.default,
-                             (blind.q, blind.k, v, blind.rows, None, bias, False, float(site.scale)), extra)
+                             (blind.q, blind.k, v, blind.rows, None, blind.bias, False, float(site.scale)), extra)
             out = emit.call(operator.add, (out, rows))
             detail += " (rows with no valid key in a second call over every key)"
         filler = None if site.zero_blind_rows else uniform_dropped_rows(emit, mask, v)
