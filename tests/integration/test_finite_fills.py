@@ -55,7 +55,7 @@ def test_an_empty_sequence_under_a_finite_fill_matches_eager(fill):
         torch.testing.assert_close(g, g_ref, **tol)
 
 
-@pytest.mark.parametrize("spelling", ["masked_fill", "where"])
+@pytest.mark.parametrize("spelling", ["masked_fill", "where", "where_tensor"])
 @pytest.mark.parametrize("fill", ["finfo", -1e9, -1e4])
 def test_an_empty_sequence_under_a_fill_written_over_the_scores_is_uniform(spelling, fill):
     """masked_fill / where write F itself over every score of an empty sequence: eager's row is uniform
@@ -64,6 +64,8 @@ def test_an_empty_sequence_under_a_fill_written_over_the_scores_is_uniform(spell
         keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
         f = torch.finfo(q.dtype).min if fill == "finfo" else fill
         s = q @ k.transpose(-2, -1) / math.sqrt(D)
+        if spelling == "where_tensor":  # the fill as a 0-d tensor built in forward
+            f = torch.tensor(f)
         s = s.masked_fill(~keep, f) if spelling == "masked_fill" else torch.where(keep, s, f)
         return torch.softmax(s, dim=-1) @ v
 

@@ -200,14 +200,17 @@ def values(user: fx.Node, weights: fx.Node, info: dict, what: str) -> None:
 
 def filled_with(x: Any) -> Any:
     """The constant ``x`` holds everywhere: a Python number, or a tensor made full of one (TF-style
-    ``ones_like(s) * (-2 ** 32 + 1)``, ``full_like(s, c)``, ``s.new_full(shape, c)``, ``zeros_like(s)``);
-    None for anything else."""
+    ``ones_like(s) * (-2 ** 32 + 1)``, ``full_like(s, c)``, ``s.new_full(shape, c)``, ``zeros_like(s)``,
+    ``torch.tensor(c)``); None for anything else."""
     if not isinstance(x, fx.Node):
         return x
     if is_call(x, "full_like", "new_full", "full"):
         value = x.args[1] if len(x.args) > 1 and not is_call(x, "new_full") else None
         value = x.kwargs.get("fill_value", x.args[2] if is_call(x, "new_full") and len(x.args) > 2 else value)
         return value if constant_float(value) is not None else None
+    if is_call(x, "tensor", "scalar_tensor", "as_tensor") and x.args and not isinstance(x.args[0], fx.Node):
+        value = example_value(x)  # ``torch.tensor(-1e9)`` built in forward: a 0-d constant
+        return x.args[0] if getattr(value, "ndim", None) == 0 and constant_float(x.args[0]) is not None else None
     if is_call(x, "zeros_like", "new_zeros"):
         return 0.0
     if is_call(x, "ones_like", "new_ones"):
