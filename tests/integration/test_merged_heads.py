@@ -107,10 +107,11 @@ class AlibiStyle(nn.Module):
         return o.view(b, H, L, D).transpose(1, 2).reshape(b, L, E)
 
 
-def _inputs(name: str, seed: int = 1, device: str = "cpu"):
+def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slice(None)):
     g = torch.Generator().manual_seed(seed)
-    keep = (torch.arange(L)[None, :] < LENGTHS[:, None]).to(device)
-    shape = (L, B, E) if name == "fairseq" else (B, L, E)
+    keep = (torch.arange(L)[None, :] < LENGTHS[samples, None]).to(device)
+    batch = keep.shape[0]
+    shape = (L, batch, E) if name == "fairseq" else (batch, L, E)
     x = torch.randn(*shape, generator=g).to(device).requires_grad_()
     return (x, ~keep) if name == "fairseq" else (x, keep.long())
 
@@ -135,10 +136,16 @@ def test_merged_heads_through_the_triton_launchers(name, monkeypatch):
     _check(name)
 
 
-def _check(name, device="cpu"):
+@pytest.mark.parametrize("name", list(MODELS))
+def test_merged_heads_at_a_batch_of_one(name):
+    """B * H merged with B = 1 (a last batch of one sample, serving): the lengths are still the batch's."""
+    _check(name, samples=slice(1, 2))
+
+
+def _check(name, device="cpu", samples=slice(None)):
     torch.manual_seed(0)
     model = MODELS[name]().to(device)
-    x, mask = _inputs(name, device=device)
+    x, mask = _inputs(name, device=device, samples=samples)
     report = explain(model, x, mask)
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
     counters.clear()

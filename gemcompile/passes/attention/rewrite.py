@@ -265,4 +265,6 @@ def _batch_is_one(site: AttentionSite) -> bool:
         return example_value(site.q).shape[1] == 1
     batch = [example_value(x).shape[perm[0] if perm else 0] for x, perm in ((site.q, site.q_perm),
                                                                            (site.k, site.k_perm))]
+    if site.qk_merged:  # (B * H, L, D): the batch is that dim over the heads
+        batch = [b // site.heads if isinstance(b, int) and site.heads else b for b in batch]
     return batch == [1, 1]
