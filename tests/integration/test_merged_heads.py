@@ -175,3 +175,34 @@ def test_a_mask_per_merged_batch_and_head_is_refused():
     assert report.counts["jagged_attention"] == 0
     assert any("merged" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
     torch.testing.assert_close(rewritten(model)(x, pad), model(x, pad))
+
+
+class LengthsMerged(nn.Module):
+    """Heads merged for bmm, the key mask built from lengths in the (B, H, L, L) view."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x, lengths):
+        b = x.shape[0]
+        q, k, v = (t.reshape(b, L, H, D).transpose(1, 2).reshape(b * H, L, D) for t in self.qkv(x).chunk(3, -1))
+        s = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(D)
+        pad = torch.arange(L, device=x.device)[None, :] >= lengths[:, None]
+        s = s.view(b, H, L, L).masked_fill(pad[:, None, None, :], float("-inf")).view(b * H, L, L)
+        return torch.bmm(torch.softmax(s, dim=-1), v).view(b, H, L, D).transpose(1, 2).reshape(b, L, E)
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+def test_merged_heads_with_lengths_at_any_batch(batch):
+    """At B = 1 the merged dim is H: lengths read at index 0 are still the batch's (they were refused as
+    indexed by a position)."""
+    torch.manual_seed(0)
+    model = LengthsMerged()
+    x = torch.randn(batch, L, E, requires_grad=True)
+    lengths = LENGTHS[1:1 + batch] if batch == 1 else LENGTHS
+    report = explain(model, x, lengths)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, lengths), model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])
