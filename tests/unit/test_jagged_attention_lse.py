@@ -75,3 +75,14 @@ def test_triton_backward_with_a_gradient_on_lse_equals_the_reference(packed):
                                      grad_lse.double(), **kw)
     for a, b in zip(got[:3], want[:3]):
         assert ((a.double() - b).norm() / b.norm()).item() < 5e-5
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_opcheck(dropout):
+    """torch.library.opcheck (schema, fake impl, autograd registration) of the lse op, and of the fwd op with
+    dropout arguments."""
+    q, k, v, lengths = _inputs(torch.float32)
+    kwargs = dict(dropout_p=0.2, dropout_seed=torch.tensor(5)) if dropout else {}
+    for op in (ops.jagged_attention_lse.default, ops.jagged_attention_fwd.default):
+        result = torch.library.opcheck(op, (q, k, v, None, lengths, None, False, 0.3), kwargs)
+        assert all(v == "SUCCESS" for v in result.values()), result
