@@ -180,12 +180,6 @@ def test_eval_runs_no_dropout_and_equals_eager():
     torch.testing.assert_close(rewritten(model)(hidden, ids), model(hidden, ids), atol=2e-5, rtol=1e-4)
 
 
-def _dropout_p_from_a_tensor(q, k, v, lengths, p):
-    s = (q @ k.transpose(-1, -2)).masked_fill((torch.arange(L)[None, :] >= lengths[:, None])[:, None, None, :],
-                                              float("-inf"))
-    return F.dropout(s.softmax(-1), p=float(p), training=True) @ v
-
-
 def _window_with_dropout(q, k, v, lengths, p):
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     keep = (j <= i) & (i - j < 4) & (j < lengths[:, None, None, None])
@@ -226,3 +220,16 @@ def test_packed_by_unpad_the_draws_are_the_padded_ones(monkeypatch):
     leaves = [x, *model.parameters()]
     for got, want in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(ref, leaves)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _dropout_of_one(q, k, v, lengths, p):
+    s = (q @ k.transpose(-1, -2)).masked_fill((torch.arange(L)[None, :] >= lengths[:, None])[:, None, None, :],
+                                              float("-inf"))
+    return F.dropout(s.softmax(-1), p=1.0, training=True) @ v
+
+
+def test_dropout_of_one_is_left_to_eager_with_the_reason():
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    report = explain(_dropout_of_one, q, k, v, _lengths(), torch.tensor(1.0))
+    assert report.counts["jagged_attention"] == 0
+    assert any("drops every weight" in r.reason for r in report.refusals), [r.reason for r in report.refusals]

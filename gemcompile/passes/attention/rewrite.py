@@ -129,6 +129,9 @@ class AttentionRewritePass(GemPass):
                 if mask.diagonal and not family.serves_kept_diagonal:
                     raise Unproven(f"the mask keeps the diagonal besides the rest ({mask.describe()}): the "
                                    f"{family.name} kernel does not serve it")
+                if site.dropout_p >= 1.0:
+                    raise Unproven(f"dropout p={site.dropout_p:g} on the attention weights drops every weight "
+                                   "(eager's output is 0): nothing for a kernel to compute")
                 if site.dropout_p and not family.serves_dropout:
                     raise Unproven(f"dropout (p={site.dropout_p:g}) on the attention weights in training: the "
                                    f"{family.name} kernel has none (eval() or p=0 runs it)")
