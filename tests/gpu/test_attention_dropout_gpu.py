@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 import gemcompile.lowering  # noqa: E402,F401
 from gemcompile import explain, gem_compile  # noqa: E402
+from gemcompile.lowering.common.packed import pack_padded  # noqa: E402
 from gemcompile.lowering.jagged_attention import packed_triton  # noqa: E402
 from gemcompile.lowering.jagged_attention.packed import (  # noqa: E402
     packed_reference_backward,
@@ -76,3 +77,49 @@ def test_training_through_gem_compile_is_rewritten_and_unbiased():
     out = compiled(hidden.detach().requires_grad_(), lengths)
     out.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["block_causal", "window", "block_window_rotary", "kv_mask", "packed",
+                                  "closed_shape"])
+def test_block_kernels_equal_the_reference_for_one_seed(name, dtype):
+    """block_attention's general kernels with dropout on CUDA against the CPU reference in float64."""
+    from gemcompile.lowering.block_attention import triton as block_kernels
+    from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
+    from tests.unit.test_block_attention_dropout import CASES, SEED
+
+    torch.set_float32_matmul_precision("highest")
+    case = dict(CASES[name])
+    B, H, L, D = 3, 2, 64 if name == "closed_shape" else 96, 64
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype).float() for _ in range(3))
+    lengths = torch.tensor([L, 0, L // 2 + 1])
+    rotary = case.pop("rotary", "none")
+    cos = sin = None
+    if rotary != "none":
+        theta = torch.rand(L, D, generator=g) * 6.3
+        cos, sin = theta.cos(), theta.sin()
+    kw = {}
+    if case.pop("kv_mask", False):
+        kw["kv_mask"] = torch.rand(B, L, generator=g) > 0.3
+    if case.pop("packed", False):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        q, k, v = (pack_padded(t, offsets, int(offsets[-1])) for t in (q, k, v))
+        kw.update(token_offsets=offsets, max_len=L)
+    args = (lengths, case["block"], case["window"], case["causal"], cos, sin, rotary, 0.3)
+    cuda_args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in args]
+    cuda_kw = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    qc, kc, vc = (t.cuda().to(dtype) for t in (q, k, v))
+    out, lse = block_kernels.block_attention_forward_triton(qc, kc, vc, *cuda_args, **cuda_kw, dropout_p=0.4,
+                                                            dropout_seed=SEED.cuda())
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), *args, **kw, dropout_p=0.4,
+                                         dropout_seed=SEED)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert _rel(out.cpu(), ref_out) < fwd_tol
+    grad = torch.randn(out.shape, generator=g)
+    got = block_kernels.block_attention_backward_triton(grad.cuda().to(dtype), qc, kc, vc, out, lse, *cuda_args,
+                                                        **cuda_kw, dropout_p=0.4, dropout_seed=SEED.cuda())
+    want = reference_backward(grad.to(dtype).double(), q.double(), k.double(), v.double(), ref_out, ref_lse,
+                              *args, **kw, dropout_p=0.4, dropout_seed=SEED)
+    for a, b in zip(got, want):
+        assert _rel(a.cpu(), b) < bwd_tol

@@ -180,21 +180,31 @@ def test_eval_runs_no_dropout_and_equals_eager():
     torch.testing.assert_close(rewritten(model)(hidden, ids), model(hidden, ids), atol=2e-5, rtol=1e-4)
 
 
-def _window_with_dropout(q, k, v, lengths, p):
+def _window_with_dropout(q, k, v, lengths):
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     keep = (j <= i) & (i - j < 4) & (j < lengths[:, None, None, None])
-    s = (q @ k.transpose(-1, -2)).masked_fill(~keep, float("-inf"))
-    return F.dropout(s.softmax(-1), p=0.1, training=True) @ v
+    s = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~keep, float("-inf"))
+    return F.dropout(s.softmax(-1), p=0.25, training=True) @ v
 
 
-def test_near_misses_keep_their_eager_attention_with_the_reason():
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-    lengths = _lengths()
-    # the block family serves windows; its kernel has no dropout
-    report = explain(_window_with_dropout, q, k, v, lengths, torch.tensor(0.1),
-                     config=GemConfig(block_attention={"enabled": True}))
-    assert sum(report.counts[f] for f in ("jagged_attention", "block_attention")) == 0
-    assert any("has none" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+def test_a_sliding_window_with_dropout_runs_the_block_kernel_under_the_same_draws(monkeypatch):
+    """The block family draws dropout as the jagged one does (its general kernels)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([L, 9, 10, 11])  # every row keeps a key in its window: eager defines it
+    report = explain(_window_with_dropout, q, k, v, lengths, config=GemConfig(block_attention={"enabled": True}))
+    assert report.counts["block_attention"] == 1, [r.reason for r in report.refusals]
+    assert "dropout p=0.25" in report.rewrites[0].detail
+    compiled = rewritten(_window_with_dropout)
+    compiled(q, k, v, lengths)
+    torch.manual_seed(11)
+    out = compiled(q, k, v, lengths)
+    dropout, sdpa = _fixed_dropout(_seeds(11, 1))
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "dropout", dropout)
+        ref = _window_with_dropout(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
 
 
 def test_packed_by_unpad_the_draws_are_the_padded_ones(monkeypatch):

@@ -183,7 +183,7 @@ GDPA = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=
             HAS_TARGETS=False, HAS_CONTEXT=False, HAS_KV_MASK=False, ACT=gdpa_triton.activation_code("silu"),
             FAST_ACT=True, DIVIDE=False, DOT_PRECISION="tf32", BLOCK_M=32, BLOCK_N=128)
 BLOCK = dict(HEAD_D=128, ATTN_BLOCK=0, HAS_WINDOW=True, CAUSAL=True, ROTARY=0, DOT_PRECISION="tf32",
-             HAS_KV_MASK=False, HAS_Q_LENGTHS=False, PACKED=False, BLOCK_M=32, BLOCK_N=128)
+             HAS_KV_MASK=False, HAS_Q_LENGTHS=False, PACKED=False, DROPOUT=False, BLOCK_M=32, BLOCK_N=128)
 TOY = {"K": "*bf16", "Q": "*bf16", "Out": "*fp32"}
 SASS = ("jagged_dkdv_d128_causal_bias", "near_miss_branch", "near_miss_selected")  # (cuobjdump: ~1 s each)
 KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types)
@@ -196,6 +196,8 @@ KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types
     "block_dkdv_d128_window_causal": (block_triton._bwd_dkdv_kernel, BLOCK, 8, 3, TYPES),
     "block_dkdv_d128_window_causal_packed": (block_triton._bwd_dkdv_kernel,
                                              dict(BLOCK, PACKED=True, HAS_Q_LENGTHS=True), 8, 3, TYPES),
+    "block_dkdv_d128_window_causal_dropout": (block_triton._bwd_dkdv_kernel, dict(BLOCK, DROPOUT=True), 8, 3,
+                                              TYPES),
     "near_miss_branch": (_toy_kernel, dict(BRANCH=True, D=64, BLOCK_M=32, BLOCK_N=128), 8, 3, TOY),
     "near_miss_selected": (_toy_kernel, dict(BRANCH=False, D=64, BLOCK_M=32, BLOCK_N=128), 8, 3, TOY),
 }
@@ -211,6 +213,8 @@ print("REPORT " + json.dumps(report))
 SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)
 KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d128_dropout", "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
            "block_dkdv_d128_window_causal", "block_dkdv_d128_window_causal_packed"]
+# block_dkdv_d128_window_causal_dropout is compiled and reported but not asserted: ptxas serializes its wgmma
+# (C7515), a known cost of block attention's dropout path (test_block_dropout_serialization_is_known)
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +257,12 @@ def test_near_miss_a_branch_around_the_loops_serializes(report):
     assert _serialized(selected) == [], selected["ptxas"]
     if selected["sass"] is not None:
         assert selected["sass"]["depbar"] < selected["sass"]["hgmma"]
+
+
+def test_block_dropout_serialization_is_known(report):
+    """The block dK/dV kernel with dropout: ptxas reports serialized wgmma today (a performance cost of training
+    block attention with dropout, not of the default path). When a change makes it async, this fails: move the
+    kernel into KERNELS above so that it stays async."""
+    entry = report["block_dkdv_d128_window_causal_dropout"]
+    assert entry["wgmma"] > 0
+    assert any("C7515" in m for m in _serialized(entry)), entry["ptxas"]

@@ -6,7 +6,7 @@ Public op (what the block_attention pass emits; the signature is fixed)::
     torch.ops.gemcompile.block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block,
         int window, bool causal, Tensor? cos, Tensor? sin, str rotary, float scale,
         Tensor? kv_mask=None, Tensor? kv_bounds=None, Tensor? q_lengths=None, Tensor? token_offsets=None,
-        int max_len=0) -> Tensor
+        int max_len=0, float dropout_p=0.0, Tensor? dropout_seed=None) -> Tensor
 
 q, k, v (B, H, L, D), any strides (permuted or expanded views are read in place); lengths (B,) int32 or
 int64, the valid tokens of each sequence. Query row i (EVERY row < L, padded rows included, exactly as
@@ -54,6 +54,10 @@ rotate_half (cat(-x[D/2:], x[:D/2])) or rotate-every-two (out[2i] = -x[2i+1], ou
 not rotated. The rotation runs in fp32 and is rounded once to q's dtype. cos and sin get no gradient
 (an error if they require one); dq and dk are w.r.t. the un-rotated q and k.
 
+dropout_p, dropout_seed: dropout on the attention probabilities in training, drawn in the kernels by
+positions in the sequence exactly as jagged_attention draws it (common/dropout.py); the closed-form
+kernels have no dropout, so a call with dropout runs the general ones.
+
 Wiring, as every attention op (common/opkit.py says why there are three ops):
 ``block_attention_fwd -> (out, lse)`` and ``block_attention_bwd -> (dq, dk, dv)`` are custom ops with
 fake impls and ``register_autograd``; the public op is ``CompositeImplicitAutograd`` over the fwd op, so
@@ -77,6 +81,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
+from ..common.dropout import check_dropout, new_seed
 from ..common.length_order import check_plan, check_plan_values, key_bounds
 from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
                            takes_eager_path, use_triton)
@@ -86,8 +91,8 @@ from .reference import ROTARY_MODES, reference_backward, reference_forward
 
 __all__ = ["EagerBlockAttention", "block_attention", "check_block_attention_args"]
 
-_INPUTS = 16  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
-# q_lengths, token_offsets, max_len
+_INPUTS = 18  # q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
+# q_lengths, token_offsets, max_len, dropout_p, dropout_seed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ def _check_packed(q, k, v, lengths, token_offsets, max_len, kv_mask, q_lengths) 
 
 def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
                                kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
-                               max_len=0) -> None:
+                               max_len=0, dropout_p=0.0, dropout_seed=None) -> None:
     """TypeError/ValueError naming the argument for anything the op does not accept."""
     if token_offsets is not None:
         B, L, D = _check_packed(q, k, v, lengths, token_offsets, max_len, kv_mask, q_lengths)
@@ -170,6 +175,7 @@ def check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin
             "plain jagged attention: use gemcompile::jagged_attention"
         )
     checks.check_flags(causal, scale)
+    check_dropout(dropout_p, dropout_seed, L, L, q.device)
     checks.check_kv_mask(kv_mask, B, L, q.device)
     check_plan(B, q.device, kv_mask, kv_bounds=kv_bounds)
     if not isinstance(rotary, str) or rotary not in ROTARY_MODES:
@@ -240,36 +246,46 @@ def block_attention_fwd(
     q_lengths: Tensor | None = None,
     token_offsets: Tensor | None = None,
     max_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D), lse (B, H, L) fp32 (fp64 for fp64); +inf on rows without an allowed key).
     Packed: (out (T, H, D), lse (T, H))."""
     return _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
-                    q_lengths, token_offsets, max_len)
+                    q_lengths, token_offsets, max_len, dropout_p, dropout_seed)
 
 
 def _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
-             q_lengths, token_offsets, max_len):
+             q_lengths, token_offsets, max_len, dropout_p=0.0, dropout_seed=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths, token_offsets, max_len)
+                               kv_bounds, q_lengths, token_offsets, max_len, dropout_p, dropout_seed)
     _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
     # the reference on CPU (tests may route CPU tensors to the interpreter)
     forward, _ = _kernels(q, block, window)
     return forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                   kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets, max_len=max_len)
+                   kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets, max_len=max_len,
+                   **_dropout(dropout_p, dropout_seed))
+
+
+def _dropout(dropout_p, dropout_seed) -> dict:
+    """The launchers' dropout keywords (none without dropout: the calls are unchanged)."""
+    return {"dropout_p": dropout_p, "dropout_seed": dropout_seed} if dropout_p else {}
 
 
 @cuda_kernel(block_attention_fwd)
 def _block_attention_fwd_cuda(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, dropout_p=0.0,
+                              dropout_seed=None):
     return _forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds,
-                    q_lengths, token_offsets, max_len)
+                    q_lengths, token_offsets, max_len, dropout_p, dropout_seed)
 
 
 @block_attention_fwd.register_fake
 def _block_attention_fwd_fake(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+                              kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, dropout_p=0.0,
+                              dropout_seed=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths, token_offsets, max_len)
+                               kv_bounds, q_lengths, token_offsets, max_len, dropout_p, dropout_seed)
     lse_dtype = compute_dtype(q.dtype)
     if token_offsets is not None:
         T, H, D = q.shape
@@ -303,48 +319,51 @@ def block_attention_bwd(
     q_lengths: Tensor | None = None,
     token_offsets: Tensor | None = None,
     max_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped and typed like q, k, v; dq, dk w.r.t. the un-rotated q, k."""
-    _, backward = _kernels(q, block, window)
-    return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                    kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
-                    max_len=max_len)
+    return _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin,
+                                     rotary, scale, kv_mask, kv_bounds, q_lengths, token_offsets, max_len,
+                                     dropout_p, dropout_seed)
 
 
 @cuda_kernel(block_attention_bwd)
 def _block_attention_bwd_cuda(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
-                              max_len=0):
+                              max_len=0, dropout_p=0.0, dropout_seed=None):
     _, backward = _kernels(q, block, window)
     return backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
                     kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
-                    max_len=max_len)
+                    max_len=max_len, **_dropout(dropout_p, dropout_seed))
 
 
 @block_attention_bwd.register_fake
 def _block_attention_bwd_fake(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
-                              max_len=0):
+                              max_len=0, dropout_p=0.0, dropout_seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths,
-     token_offsets, max_len) = inputs
+     token_offsets, max_len, dropout_p, dropout_seed) = inputs
     if ctx.needs_input_grad[7] or ctx.needs_input_grad[8]:
         _check_tables_need_no_grad(cos, sin)
     out, lse = output
     save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths,
-                            token_offsets), (block, window, causal, rotary, scale, max_len), lse=lse)
+                            token_offsets, dropout_seed), (block, window, causal, rotary, scale, max_len,
+                                                           dropout_p), lse=lse)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     # grad_lse is ignored: lse is an internal, non-differentiable output
-    q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets = ctx.saved_tensors
-    block, window, causal, rotary, scale, max_len = ctx.args
+    (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets,
+     dropout_seed) = ctx.saved_tensors
+    block, window, causal, rotary, scale, max_len, dropout_p = ctx.args
     dq, dk, dv = torch.ops.gemcompile.block_attention_bwd(
         grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-        kv_bounds, q_lengths, token_offsets, max_len
+        kv_bounds, q_lengths, token_offsets, max_len, dropout_p, dropout_seed
     )
     return input_grads(_INPUTS, dq, dk, dv)
 
@@ -362,26 +381,28 @@ class EagerBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask=None,
-                kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+                kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, dropout_p=0.0, dropout_seed=None):
         _check_values(q, lengths, kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
         forward, _ = _kernels(q, block, window)
         if kv_mask is not None and kv_bounds is None:  # derived once here and saved: the backward reuses it
             kv_bounds = key_bounds(kv_mask, lengths)
         out, lse = forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
                            kv_bounds=kv_bounds, q_lengths=q_lengths, token_offsets=token_offsets,
-                           max_len=max_len)
+                           max_len=max_len, **_dropout(dropout_p, dropout_seed))
         save_for_backward(ctx, (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths,
-                                token_offsets), (block, window, causal, rotary, scale, max_len))
+                                token_offsets, dropout_seed), (block, window, causal, rotary, scale, max_len,
+                                                               dropout_p))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets = ctx.saved_tensors
-        block, window, causal, rotary, scale, max_len = ctx.args
+        (q, k, v, out, lse, lengths, cos, sin, kv_mask, kv_bounds, q_lengths, token_offsets,
+         dropout_seed) = ctx.saved_tensors
+        block, window, causal, rotary, scale, max_len, dropout_p = ctx.args
         _, backward = _kernels(q, block, window)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary,
                               scale, kv_mask, kv_bounds=kv_bounds, q_lengths=q_lengths,
-                              token_offsets=token_offsets, max_len=max_len)
+                              token_offsets=token_offsets, max_len=max_len, **_dropout(dropout_p, dropout_seed))
         return input_grads(_INPUTS, dq, dk, dv)
 
 
@@ -392,21 +413,24 @@ class EagerBlockAttention(torch.autograd.Function):
 LIB.define(
     "block_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, int block, int window, bool causal, "
     "Tensor? cos, Tensor? sin, str rotary, float scale, Tensor? kv_mask=None, Tensor? kv_bounds=None, "
-    "Tensor? q_lengths=None, Tensor? token_offsets=None, int max_len=0) -> Tensor"
+    "Tensor? q_lengths=None, Tensor? token_offsets=None, int max_len=0, float dropout_p=0.0, "
+    "Tensor? dropout_seed=None) -> Tensor"
 )
 
 
 def _block_attention_composite(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0):
+                               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0,
+                               dropout_p=0.0, dropout_seed=None):
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths, token_offsets, max_len)
+                               kv_bounds, q_lengths, token_offsets, max_len, dropout_p, dropout_seed)
     _check_tables_need_no_grad(cos, sin)
     if takes_eager_path(q):  # plain eager CUDA call: the same kernels, less host time
         return EagerBlockAttention.apply(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                                         kv_mask, kv_bounds, q_lengths, token_offsets, max_len)
+                                         kv_mask, kv_bounds, q_lengths, token_offsets, max_len, dropout_p,
+                                         dropout_seed)
     return torch.ops.gemcompile.block_attention_fwd(
         q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask, kv_bounds, q_lengths,
-        token_offsets, max_len
+        token_offsets, max_len, dropout_p, dropout_seed
     )[0]
 
 
@@ -430,6 +454,8 @@ def block_attention(
     q_lengths: Tensor | None = None,
     token_offsets: Tensor | None = None,
     max_len: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
 ) -> Tensor:
     """Python convenience wrapper of ``torch.ops.gemcompile.block_attention`` (scale defaults to D**-0.5).
 
@@ -440,11 +466,13 @@ def block_attention(
     if scale is None and isinstance(q, torch.Tensor):
         scale = q.shape[-1] ** -0.5
     # checked here too so that a wrongly typed argument gets our message, not the dispatcher's
+    if dropout_p and dropout_seed is None:
+        dropout_seed = new_seed(q.device)
     check_block_attention_args(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, kv_mask,
-                               kv_bounds, q_lengths, token_offsets, max_len)
+                               kv_bounds, q_lengths, token_offsets, max_len, float(dropout_p), dropout_seed)
     return torch.ops.gemcompile.block_attention(
         q, k, v, lengths, block, window, causal, cos, sin, rotary, float(scale), kv_mask, kv_bounds,
-        q_lengths, token_offsets, max_len
+        q_lengths, token_offsets, max_len, float(dropout_p), dropout_seed
     )
 
 
@@ -466,14 +494,14 @@ def _forward_flops(q, lengths, block, window, causal, kv_mask=None, token_offset
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, lengths, block, window, causal, cos=None, sin=None, rotary="none", scale=1.0,
-               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, *, out_val=None,
-               **kwargs) -> int:
+               kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None, max_len=0, dropout_p=0.0,
+               dropout_seed=None, *, out_val=None, **kwargs) -> int:
     return _forward_flops(q, lengths, block, window, causal, kv_mask, token_offsets, max_len)
 
 
 @register_flop_formula(torch.ops.gemcompile.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos=None, sin=None,
                rotary="none", scale=1.0, kv_mask=None, kv_bounds=None, q_lengths=None, token_offsets=None,
-               max_len=0, *, out_val=None, **kwargs) -> int:
+               max_len=0, dropout_p=0.0, dropout_seed=None, *, out_val=None, **kwargs) -> int:
     flops = _forward_flops(q, lengths, block, window, causal, kv_mask, token_offsets, max_len)
     return int(BACKWARD_FLOPS_RATIO * flops)

@@ -122,56 +122,60 @@ def _rotated(q, k, v, cos, sin, rotary, kv_mask):
 
 
 def _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale, token_offsets,
-                    max_len):
+                    max_len, dropout_p=0.0, dropout_seed=None):
     L, T = int(max_len), q.shape[0]
     qp, kp, vp = (pad_packed(x, token_offsets, L) for x in (q, k, v))
     out, lse = reference_forward(qp, kp, vp, lengths, block, window, causal, cos, sin, rotary, scale,
-                                 q_lengths=lengths)
+                                 q_lengths=lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
     # (B, H, L) -> (T, H); a row outside every sequence has no allowed key: +inf, as in the kernels
     lse_rows = pack_padded(lse.unsqueeze(-1), token_offsets, T, fill=float("inf")).squeeze(-1)
     return pack_padded(out, token_offsets, T), lse_rows.contiguous()
 
 
 def _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin, rotary, scale,
-                     token_offsets, max_len):
+                     token_offsets, max_len, dropout_p=0.0, dropout_seed=None):
     L, T = int(max_len), q.shape[0]
     padded = [pad_packed(x, token_offsets, L) for x in (grad_out, q, k, v, out)]
     lse_p = pad_packed(lse.unsqueeze(-1), token_offsets, L).squeeze(-1)  # (T, H) -> (B, H, L)
     past = torch.arange(L, device=lse.device)[None, :] >= lengths.to(lse.device).long()[:, None]
     lse_p = lse_p.masked_fill(past[:, None, :], float("inf"))  # +inf past lengths
     grads = reference_backward(*padded, lse_p, lengths, block, window, causal, cos, sin, rotary, scale,
-                               q_lengths=lengths)
+                               q_lengths=lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
     return tuple(pack_padded(g, token_offsets, T) for g in grads)  # zeros on rows outside every sequence
 
 
 def reference_forward(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin, rotary: str,
-                      scale: float, kv_mask=None, q_lengths=None, token_offsets=None, max_len: int = 0):
+                      scale: float, kv_mask=None, q_lengths=None, token_offsets=None, max_len: int = 0,
+                      dropout_p: float = 0.0, dropout_seed=None):
     """q, k, v (B, H, L, D) -> (out (B, H, L, D) in q's dtype, lse (B, H, L); +inf on rows without keys).
-    Packed (token_offsets given): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H))."""
+    Packed (token_offsets given): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H)). Dropout on the weights
+    as jagged attention draws it (common/dropout.py), by positions in the sequence."""
     if token_offsets is not None:
         return _packed_forward(q, k, v, lengths, block, window, causal, cos, sin, rotary, scale,
-                               token_offsets, max_len)
+                               token_offsets, max_len, dropout_p, dropout_seed)
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
     bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
-    out, lse = jagged_reference_forward(qr, kr, vr, q_lengths, lengths, bias, False, scale)
+    out, lse = jagged_reference_forward(qr, kr, vr, q_lengths, lengths, bias, False, scale,
+                                        dropout_p=dropout_p, dropout_seed=dropout_seed)
     return out.to(q.dtype).contiguous(), lse
 
 
 def reference_backward(grad_out, q, k, v, out, lse, lengths, block: int, window: int, causal: bool, cos,
                        sin, rotary: str, scale: float, kv_mask=None, q_lengths=None, token_offsets=None,
-                       max_len: int = 0):
+                       max_len: int = 0, dropout_p: float = 0.0, dropout_seed=None):
     """(dq, dk, dv), contiguous, in the inputs' dtypes; dq and dk are w.r.t. the un-rotated q and k."""
     if token_offsets is not None:
         return _packed_backward(grad_out, q, k, v, out, lse, lengths, block, window, causal, cos, sin,
-                                rotary, scale, token_offsets, max_len)
+                                rotary, scale, token_offsets, max_len, dropout_p, dropout_seed)
     L = q.shape[2]
     cdt = compute_dtype(q.dtype)
     qr, kr, vr = _rotated(q, k, v, cos, sin, rotary, kv_mask)
     bias = _bias(L, block, window, causal, kv_mask, cdt, q.device)
     dq, dk, dv, _ = jagged_reference_backward(
-        grad_out.to(cdt), qr, kr, vr, out.to(cdt), lse, q_lengths, lengths, bias, False, scale, False
+        grad_out.to(cdt), qr, kr, vr, out.to(cdt), lse, q_lengths, lengths, bias, False, scale, False,
+        dropout_p=dropout_p, dropout_seed=dropout_seed
     )
     if rotary != "none":
         dq, dk = apply_rotary_transpose(dq, cos, sin, rotary), apply_rotary_transpose(dk, cos, sin, rotary)

@@ -34,6 +34,11 @@ it are not computed (the q_lengths path with q_lengths = lengths). Positions, bl
 and the grid stay those of the padded length L (``max_len``); rotary at D = 16 is applied with torch to
 the packed rows, with each token's table row.
 
+Dropout on the attention probabilities (DROPOUT constexpr, general kernels only; without it they compile
+to the code they had before): the draws of jagged attention by positions in the sequence
+(common/attention_triton.dropout_factor, common/dropout.py); a call with dropout runs the general kernels
+even where the closed-form ones serve the shape.
+
 Two families of kernels:
 - "closed" kernels, for block-diagonal attention whose block divides the tile (power-of-two blocks up
   to the tile size; block 64 with 64-row tiles is one block per program): a query tile's keys are the
@@ -76,6 +81,7 @@ from ..common.attention_triton import (
     MODE_OFFSETS,
     bwd_delta_kernel,
     dot_precision,
+    dropout_factor,
     fit_shared_memory,
     length_bucket,
     load_rows,
@@ -164,6 +170,7 @@ _DKDV_CONFIGS = _general_configs(_DKDV_SHAPES, (16, 32))
 _DQ_CONFIGS = _general_configs(_DQ_SHAPES, (32, 16))
 _AUTOTUNE_KEY = ["L_BUCKET", "WINDOW_BUCKET", "HEAD_D", "ATTN_BLOCK", "HAS_WINDOW", "CAUSAL", "ROTARY",
                  "DOT_PRECISION", "HAS_KV_MASK", "HAS_Q_LENGTHS", "PACKED"]
+_GENERAL_KEY = _AUTOTUNE_KEY + ["DROPOUT"]
 
 
 def _variant(head_dim: int, rotary: int) -> str:
@@ -830,10 +837,10 @@ def _closed_bwd_kernel(
 # General kernels: loops over the key range (forward, dQ) or the query range (dK/dV)
 
 
-@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
+@autotune(configs=_FWD_CONFIGS, key=_GENERAL_KEY, prune_configs_by=_general_prune(_FWD_SHAPES, "fwd"))
 @per_step_jit
 def _fwd_kernel(
-    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets,
+    Q, K, V, Cos, Sin, Out, Lse, Lengths, KvMask, KvRange, QLengths, Offsets, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -841,11 +848,11 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mn,
-    H, L, window, qk_scale,
+    H, L, window, qk_scale, dropout_p, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile, b, h = _coordinates(H, tl.cdiv(L, BLOCK_M))
@@ -854,6 +861,10 @@ def _fwd_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
+    seed = 0
+    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    if DROPOUT:  # this (batch, head)'s Philox key
+        seed = tl.load(Seed) + b64 * H + h64
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < _row_end(L, q_hi, PACKED)
@@ -899,6 +910,8 @@ def _fwd_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
+            p = p * dropout_factor(seed, rows, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
         v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -907,11 +920,11 @@ def _fwd_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+@autotune(configs=_DKDV_CONFIGS, key=_GENERAL_KEY,
           prune_configs_by=_general_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DK, DV, Lengths, KvMask, KvRange, QLengths, Offsets, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -920,11 +933,11 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
     stride_mb, stride_mn,
-    H, L, window, qk_scale, scale,
+    H, L, window, qk_scale, scale, dropout_p, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per key tile; loops over the query rows that may see it. dK, dV: contiguous."""
@@ -934,6 +947,10 @@ def _bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
+    seed = 0
+    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    if DROPOUT:  # this (batch, head)'s Philox key
+        seed = tl.load(Seed) + b64 * H + h64
     n0 = tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     store_ok = cols < _row_end(L, kv_hi, PACKED)
@@ -986,8 +1003,14 @@ def _bwd_dkdv_kernel(
         if HAS_KV_MASK:
             ok = ok & col_ok[:, None]
         p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * LOG2E), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:  # dV = dropout(P)^T dO; dP = dropout's factor times dO V^T (ptxas serializes this
+            # kernel's wgmma with dropout at D 128, C7515, which the jagged kernel's same code avoids)
+            f_t = tl.trans(dropout_factor(seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N))
+            dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(qa.dtype)
         dka += tl.dot(ds_t, qa, input_precision=DOT_PRECISION)
         if ROTARY != 0:
@@ -1001,10 +1024,10 @@ def _bwd_dkdv_kernel(
     store_rows(DV + x_off, cols, offs_d, stride_xm, stride_xd, dv, store_ok, HEAD_D)
 
 
-@autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
+@autotune(configs=_DQ_CONFIGS, key=_GENERAL_KEY, prune_configs_by=_general_prune(_DQ_SHAPES, "dq"))
 @per_step_jit
 def _bwd_dq_kernel(
-    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths, Offsets,
+    Q, K, V, Cos, Sin, DO, Lse, Delta, DQ, Lengths, KvMask, KvRange, QLengths, Offsets, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -1013,11 +1036,11 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
     stride_mb, stride_mn,
-    H, L, window, qk_scale, scale,
+    H, L, window, qk_scale, scale, dropout_p, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per query tile; loops over its key range. dQ: contiguous."""
@@ -1027,6 +1050,10 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
+    seed = 0
+    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    if DROPOUT:  # this (batch, head)'s Philox key
+        seed = tl.load(Seed) + b64 * H + h64
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < _row_end(L, q_hi, PACKED)
@@ -1072,6 +1099,8 @@ def _bwd_dq_kernel(
             ok = ok & col_ok[None, :]
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = dp * dropout_factor(seed, rows, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
         ds = (p * (dp - delta[:, None])).to(ka.dtype)
         dqa += tl.dot(ds, ka, input_precision=DOT_PRECISION)
         if ROTARY != 0:
@@ -1197,9 +1226,17 @@ def _kv_mask_args(kv_mask, lengths, given_bounds=None) -> tuple:
     return (kv_mask.view(torch.uint8), mask_key_bounds(kv_mask, lengths, given_bounds), *kv_mask.stride())
 
 
+def _dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
+    """(seed pointer, p, 1 / (1 - p)) of the general kernels; without dropout a dummy never read."""
+    if not dropout_p:
+        return dummy, 0.0, 1.0
+    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
+
+
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
                                    rotary: str, scale: float, kv_mask=None, *, kv_bounds=None,
-                                   q_lengths=None, token_offsets=None, max_len: int = 0):
+                                   q_lengths=None, token_offsets=None, max_len: int = 0, dropout_p: float = 0.0,
+                                   dropout_seed=None):
     """q, k, v (B, H, L, D), any strides -> (out (B, H, L, D) contiguous, lse (B, H, L) fp32). Packed
     (token_offsets, max_len = L; op.py): q, k, v (T, H, D) -> (out (T, H, D), lse (T, H))."""
     packed = token_offsets is not None
@@ -1225,10 +1262,13 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
             *rows4(v), *c_strides, *rows4(out), *rows3(lse), *m_strides, H, L, int(window),
             float(scale) * _LOG2E, *buckets)
     consts = _consts(D, block, window, causal, rotary, q.dtype, kv_mask, q_lengths, packed)
-    if closed_tile_serves(block, D, rotary):
+    if closed_tile_serves(block, D, rotary) and not dropout_p:
         launch(_closed_fwd_kernel, lambda meta: (_closed_programs(meta, B, H, L),), args, consts, buckets)
     else:
-        launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), args, consts, buckets)
+        seed, *dropout = _dropout_args(dropout_p, dropout_seed, lengths)
+        general = (*args[:12], seed, *args[12:-2], *dropout, *args[-2:])
+        launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), general,
+               dict(consts, DROPOUT=bool(dropout_p)), buckets)
     return out, lse
 
 
@@ -1248,7 +1288,8 @@ def _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3):
 
 def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block: int, window: int,
                                     causal: bool, cos, sin, rotary: str, scale: float, kv_mask=None, *,
-                                    kv_bounds=None, q_lengths=None, token_offsets=None, max_len: int = 0):
+                                    kv_bounds=None, q_lengths=None, token_offsets=None, max_len: int = 0,
+                                    dropout_p: float = 0.0, dropout_seed=None):
     """-> (dq, dk, dv), contiguous, shaped like q (B, H, L, D) or packed (T, H, D), in the inputs' dtypes;
     deterministic (no atomics)."""
     packed = token_offsets is not None
@@ -1279,15 +1320,18 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
     sequences = (lengths, mask, kv_range, q_rows, token_offsets if packed else lengths)
     strides = (*rows4(q), *rows4(k), *rows4(v), *c_strides, *rows4(grad_out), *rows3(lse))
     scalars = (*m_strides, H, L, int(window), float(scale) * _LOG2E, float(scale), *buckets)
-    if closed_tile_serves(block, D, rotary):
+    if closed_tile_serves(block, D, rotary) and not dropout_p:
         launch(_closed_bwd_kernel, lambda meta: (_closed_programs(meta, B, H, L),),
                (*inputs, lse, dq, dk, dv, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     else:
         delta = _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3)
+        seed, *dropout = _dropout_args(dropout_p, dropout_seed, lengths)
+        scalars = (*scalars[:-2], *dropout, *scalars[-2:])
+        consts = dict(consts, DROPOUT=bool(dropout_p))
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),
-               (*inputs, lse, delta, dk, dv, *sequences, *strides, *rows4(dk), *scalars), consts, buckets)
+               (*inputs, lse, delta, dk, dv, *sequences, seed, *strides, *rows4(dk), *scalars), consts, buckets)
         launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,),
-               (*inputs, lse, delta, dq, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
+               (*inputs, lse, delta, dq, *sequences, seed, *strides, *rows4(dq), *scalars), consts, buckets)
     if unfused:
         cos0, sin0, rotary0 = tables
         dq = _rotary_transpose(dq, cos0, sin0, rotary0, token_offsets).to(out.dtype)

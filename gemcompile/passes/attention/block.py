@@ -42,6 +42,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    dropout_keywords,
     fold_query_rows,
     operands,
     permuted,
@@ -67,6 +68,7 @@ class BlockAttention(AttentionFamily):
     name = "block_attention"
     config_section = "block_attention"
     masks_served = "key padding and fixed blocks and/or a sliding window [and causal]"
+    serves_dropout = True
 
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
         if mask.kv_lengths is None and mask.key_vector is None:
@@ -163,10 +165,10 @@ class BlockAttention(AttentionFamily):
             q_len = lengths if same else lengths_operand(emit, rows.q_lengths, rows.q_offset, q)
             rotary = "none" if pair is None else pair[0].style
             args = (q, k, v, lengths, block, window, bool(mask.causal), cos, sin, rotary, float(site.scale))
+            extra = {**({} if q_len is None else {"q_lengths": q_len}), **dropout_keywords(emit, site, q)}
             try:  # the op's own argument checks run on the fake tensors: what they reject is not rewritten
                 out = emit.call(torch.ops.gemcompile.block_attention.default,
-                                args + ((kv_mask,) if kv_mask is not None else ()),
-                                {} if q_len is None else {"q_lengths": q_len})
+                                args + ((kv_mask,) if kv_mask is not None else ()), extra)
             except (TypeError, ValueError) as error:
                 raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
             out = permuted(emit, out, site.out_perm)
@@ -176,8 +178,9 @@ class BlockAttention(AttentionFamily):
             rope = f"rotary {rotary} fused ({pair[0].cos.name}, {pair[0].sin.name})"
         else:
             rope = "rotary none" + (f" (not fused: {not_fused})" if not_fused else "")
+        dropout = f"; dropout p={site.dropout_p:g} in the kernel" if site.dropout_p else ""
         return before, (f"block={block} window={window} causal={mask.causal}; {rope}; "
-                        f"mask proven: {mask.describe()}" + (f"; {rows_note}" if rows_note else ""))
+                        f"mask proven: {mask.describe()}" + (f"; {rows_note}" if rows_note else "") + dropout)
 
 
 def _transposed_source(node: fx.Node) -> fx.Node | None:

@@ -86,6 +86,16 @@ def _rows_as_the_weights_were(emit: Emitter, out: fx.Node, row_ops) -> fx.Node:
     return out
 
 
+def dropout_keywords(emit: Emitter, site: AttentionSite, q: fx.Node) -> dict:
+    """The op's dropout keywords for the site's dropout on the weights: p, and a seed the graph draws from
+    torch's generator at every call (none without dropout). The kernels draw the keep mask from the seed
+    (lowering/common/dropout.py): eager's distribution, not eager's numbers (as with torch.compile)."""
+    if not site.dropout_p:
+        return {}
+    seed = emit.call(torch.randint, (0, 2**62, ()), {"dtype": torch.int64, "device": example_value(q).device})
+    return {"dropout_p": float(site.dropout_p), "dropout_seed": seed}
+
+
 def permuted(emit: Emitter, node: fx.Node, perm) -> fx.Node:
     return node if perm is None else emit.call(torch.permute, (node, perm))
 

@@ -39,6 +39,7 @@ from gemcompile.passes.attention.family import (
     AttentionFamily,
     check_lengths_device,
     check_qkv,
+    dropout_keywords,
     fold_query_rows,
     key_mask_operand,
     lengths_operand,
@@ -57,14 +58,12 @@ from gemcompile.passes.records import describe_nodes
 
 
 def _dropout_arguments(emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node) -> dict:
-    """The op's dropout keywords: p and a seed drawn in the graph at every call (none without dropout)."""
-    if not site.dropout_p:
-        return {}
-    if mask.query_vector is not None and mask.fill is not None and mask.fill_replaces and not site.zero_blind_rows:
+    """The op's dropout keywords (family.dropout_keywords), refused where the kernel cannot draw them all."""
+    if site.dropout_p and mask.query_vector is not None and mask.fill is not None and mask.fill_replaces \
+            and not site.zero_blind_rows:
         raise Unproven("dropout with query padding read from data under a finite fill: eager drops weights of "
                        "the padded rows' uniform attention too, which the kernel does not compute")
-    seed = emit.call(torch.randint, (0, 2**62, ()), {"dtype": torch.int64, "device": example_value(q).device})
-    return {"dropout_p": float(site.dropout_p), "dropout_seed": seed}
+    return dropout_keywords(emit, site, q)
 
 
 def _bias_name(term) -> str:
