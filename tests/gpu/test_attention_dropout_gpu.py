@@ -15,13 +15,16 @@ if not torch.cuda.is_available():
 
 import gemcompile.lowering  # noqa: E402,F401
 from gemcompile import explain, gem_compile  # noqa: E402
-from gemcompile.lowering.common.packed import pack_padded  # noqa: E402
 from gemcompile.lowering.jagged_attention import packed_triton  # noqa: E402
 from gemcompile.lowering.jagged_attention.packed import (  # noqa: E402
     packed_reference_backward,
     packed_reference_forward,
 )
-from tests.integration.test_attention_dropout_pass import MergedHeadsDropout, _inputs  # noqa: E402
+from tests.integration.test_attention_dropout_pass import (  # noqa: E402
+    MergedHeadsDropout,
+    _inputs,
+    check_new_draws_every_step_and_unbiased,
+)
 from tests.unit.test_attention_dropout import _layout_case, _rel  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (2e-2, 4e-2)}
@@ -66,14 +69,7 @@ def test_training_through_gem_compile_is_rewritten_and_unbiased():
     hidden, lengths = (t.cuda() for t in _inputs("lengths", torch.Generator().manual_seed(2)))
     assert explain(model, hidden, lengths).counts["jagged_attention"] == 1
     compiled = gem_compile(model)
-    with torch.no_grad():
-        first, second = compiled(hidden, lengths), compiled(hidden, lengths)
-        assert not torch.allclose(first, second)
-        mean = sum(compiled(hidden, lengths) for _ in range(400)) / 400
-        model.eval()
-        plain = model(hidden, lengths)
-    assert (mean - plain).abs().mean().item() < 0.1 * plain.abs().mean().item()
-    model.train()
+    check_new_draws_every_step_and_unbiased(compiled, model, hidden, lengths)
     out = compiled(hidden.detach().requires_grad_(), lengths)
     out.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
@@ -86,27 +82,12 @@ def test_block_kernels_equal_the_reference_for_one_seed(name, dtype):
     """block_attention's general kernels with dropout on CUDA against the CPU reference in float64."""
     from gemcompile.lowering.block_attention import triton as block_kernels
     from gemcompile.lowering.block_attention.reference import reference_backward, reference_forward
-    from tests.unit.test_block_attention_dropout import CASES, SEED
+    from tests.unit.test_block_attention_dropout import SEED, block_case
 
     torch.set_float32_matmul_precision("highest")
-    case = dict(CASES[name])
-    B, H, L, D = 3, 2, 64 if name == "closed_shape" else 96, 64
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype).float() for _ in range(3))
-    lengths = torch.tensor([L, 0, L // 2 + 1])
-    rotary = case.pop("rotary", "none")
-    cos = sin = None
-    if rotary != "none":
-        theta = torch.rand(L, D, generator=g) * 6.3
-        cos, sin = theta.cos(), theta.sin()
-    kw = {}
-    if case.pop("kv_mask", False):
-        kw["kv_mask"] = torch.rand(B, L, generator=g) > 0.3
-    if case.pop("packed", False):
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        q, k, v = (pack_padded(t, offsets, int(offsets[-1])) for t in (q, k, v))
-        kw.update(token_offsets=offsets, max_len=L)
-    args = (lengths, case["block"], case["window"], case["causal"], cos, sin, rotary, 0.3)
+    q, k, v, args, kw = block_case(name, 64 if name == "closed_shape" else 96, 64, g)
+    q, k, v = (t.to(dtype).float() for t in (q, k, v))
     cuda_args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in args]
     cuda_kw = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
     qc, kc, vc = (t.cuda().to(dtype) for t in (q, k, v))

@@ -155,13 +155,9 @@ def _rows_eager_defines(kind, mask_input):
     return torch.ones(B, L, 1, dtype=torch.bool)
 
 
-def test_a_new_seed_every_step_and_the_keep_rate_of_p():
+def check_new_draws_every_step_and_unbiased(compiled, model, hidden, lengths):
     """Two steps drop different weights; over many steps the output's mean approaches the output without
     dropout (the kernel's dropout is unbiased, as eager's)."""
-    torch.manual_seed(0)
-    model = MergedHeadsDropout(p=0.5).train()
-    hidden, lengths = _inputs("lengths", torch.Generator().manual_seed(2))
-    compiled = rewritten(model)
     with torch.no_grad():
         first, second = compiled(hidden, lengths), compiled(hidden, lengths)
         assert not torch.allclose(first, second)
@@ -169,6 +165,14 @@ def test_a_new_seed_every_step_and_the_keep_rate_of_p():
         model.eval()
         plain = model(hidden, lengths)
     assert (mean - plain).abs().mean().item() < 0.1 * plain.abs().mean().item()
+    model.train()
+
+
+def test_a_new_seed_every_step_and_the_keep_rate_of_p():
+    torch.manual_seed(0)
+    model = MergedHeadsDropout(p=0.5).train()
+    hidden, lengths = _inputs("lengths", torch.Generator().manual_seed(2))
+    check_new_draws_every_step_and_unbiased(rewritten(model), model, hidden, lengths)
 
 
 def test_eval_runs_no_dropout_and_equals_eager():

@@ -48,14 +48,10 @@ CASES = {
 }
 
 
-@pytest.mark.skipif(not INTERPRETER, reason="Triton interpreter on a machine without CUDA")
-@pytest.mark.parametrize("name", list(CASES))
-def test_general_kernels_equal_the_reference_for_one_seed(name):
-    from gemcompile.lowering.block_attention import triton as kernels
-
+def block_case(name: str, L: int, D: int, g: torch.Generator):
+    """(q, k, v, the launchers' positional arguments after v, their keywords) of CASES[name] (CPU, fp32)."""
     case = dict(CASES[name])
-    B, H, L, D = 3, 2, 64 if name == "closed_shape" else 24, 16
-    g = torch.Generator().manual_seed(1)
+    B, H = 3, 2
     q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
     lengths = torch.tensor([L, 0, L // 2 + 1])
     rotary = case.pop("rotary", "none")
@@ -72,7 +68,16 @@ def test_general_kernels_equal_the_reference_for_one_seed(name):
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         q, k, v = (pack_padded(t, offsets, int(offsets[-1])) for t in (q, k, v))
         kw.update(token_offsets=offsets, max_len=L)
-    args = (lengths, case["block"], case["window"], case["causal"], cos, sin, rotary, 0.3)
+    return q, k, v, (lengths, case["block"], case["window"], case["causal"], cos, sin, rotary, 0.3), kw
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="Triton interpreter on a machine without CUDA")
+@pytest.mark.parametrize("name", list(CASES))
+def test_general_kernels_equal_the_reference_for_one_seed(name):
+    from gemcompile.lowering.block_attention import triton as kernels
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, args, kw = block_case(name, 64 if name == "closed_shape" else 24, 16, g)
     drop = dict(dropout_p=0.4, dropout_seed=SEED)
     out, lse = kernels.block_attention_forward_triton(q, k, v, *args, **kw, **drop)
     ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), *args, **kw, **drop)

@@ -81,6 +81,7 @@ from ..common.attention_triton import (
     MODE_OFFSETS,
     bwd_delta_kernel,
     dot_precision,
+    dropout_dv_dp,
     dropout_factor,
     fit_shared_memory,
     length_bucket,
@@ -1003,11 +1004,9 @@ def _bwd_dkdv_kernel(
         if HAS_KV_MASK:
             ok = ok & col_ok[:, None]
         p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * LOG2E), 0.0)
-        if DROPOUT:  # dV = dropout(P)^T dO; dP = dropout's factor times dO V^T (ptxas serializes this
-            # kernel's wgmma with dropout at D 128, C7515, which the jagged kernel's same code avoids)
-            f_t = tl.trans(dropout_factor(seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N))
-            dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
+        if DROPOUT:  # (ptxas serializes this kernel's wgmma with it at D 128, C7515; the jagged kernel's not)
+            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale,
+                                     BLOCK_N, DOT_PRECISION)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)

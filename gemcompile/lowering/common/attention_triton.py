@@ -44,6 +44,7 @@ __all__ = [
     "block_d",
     "bwd_delta_kernel",
     "dot_precision",
+    "dropout_dv_dp",
     "dropout_factor",
     "fit_shared_memory",
     "kernel_configs",
@@ -228,6 +229,16 @@ def dropout_factor(seed, rows, col_start, key_quads, dropout_p, dropout_scale, B
     u0, u1, u2, u3 = tl.rand4x(seed, rows[:, None] * key_quads + quads[None, :])
     u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # keys 4c .. 4c + 3 <- words 0 .. 3
     return tl.where(u >= dropout_p, dropout_scale, 0.0)
+
+
+@triton.jit
+def dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """A dK/dV step with dropout on the transposed probabilities p_t (keys n0 + [0, BLOCK_N) x ``rows``):
+    (dv + dropout(P)^T dO, dP^T = the dropout factor times V dO^T)."""
+    f_t = tl.trans(dropout_factor(seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N))
+    dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
+    return dv, tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
 
 
 @triton.jit

@@ -279,34 +279,12 @@ def _fwd_setup_context_internal_lse(ctx, inputs, output):
 jagged_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context_internal_lse)
 
 
-@torch.library.custom_op("gemcompile::jagged_attention_lse", mutates_args=())
-def jagged_attention_lse(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_lengths: Optional[Tensor],
-    kv_lengths: Optional[Tensor],
-    bias: Optional[Tensor],
-    causal: bool,
-    scale: float,
-    kv_mask: Optional[Tensor] = None,
-    uniform_keys: Optional[Tensor] = None,
-    q_order: Optional[Tensor] = None,
-    kv_order: Optional[Tensor] = None,
-    kv_bounds: Optional[Tensor] = None,
-    token_offsets: Optional[Tensor] = None,
-    packed_len: int = 0,
-    dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    """jagged_attention_fwd's (out, lse) with lse differentiable: what a caller merges more keys into (the
-    jagged family's kept diagonal, attention/jagged.py). lse is +inf on rows without a valid key; its
-    gradient enters the backward as dS = P * (dP - delta + dlse)."""
-    return _jagged_attention_fwd_cuda(q, k, v, q_lengths, kv_lengths, bias, causal, scale, kv_mask, uniform_keys,
-                                      q_order, kv_order, kv_bounds, token_offsets, packed_len, dropout_p,
-                                      dropout_seed)
-
-
+# jagged_attention_fwd's (out, lse) with lse differentiable: what a caller merges more keys into (the jagged
+# family's kept diagonal, passes/attention/kept_diagonal.py). lse is +inf on rows without a valid key; its
+# gradient enters the backward as dS = P * (dP - delta + dlse). The fwd op's schema and implementation.
+jagged_attention_lse = torch.library.custom_op(
+    "gemcompile::jagged_attention_lse", _jagged_attention_fwd_cuda, mutates_args=(),
+    schema="(" + str(torch.ops.gemcompile.jagged_attention_fwd.default._schema).split("(", 1)[1])
 cuda_kernel(jagged_attention_lse)(_jagged_attention_fwd_cuda)
 jagged_attention_lse.register_fake(_jagged_attention_fwd_fake)
 

@@ -64,6 +64,7 @@ from ..common.attention_triton import (
     block_d,
     bwd_delta_kernel,
     dot_precision,
+    dropout_dv_dp,
     dropout_factor,
     kernel_configs,
     length_bucket,
@@ -341,10 +342,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
-        if DROPOUT:  # dV = dropout(P)^T dO; dP = dropout's factor times dO V^T
-            f_t = tl.trans(dropout_factor(seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N))
-            dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
+        if DROPOUT:
+            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale,
+                                     BLOCK_N, DOT_PRECISION)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
