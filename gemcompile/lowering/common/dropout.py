@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_DROPOUT_COUNTERS", "check_dropout", "keep_mask", "new_seed", "philox_uniform"]
+__all__ = ["MAX_DROPOUT_COUNTERS", "check_dropout", "diagonal_keep_factor", "keep_mask", "new_seed",
+           "philox_uniform"]
 
 MAX_DROPOUT_COUNTERS = 2**31
 """Lq * ceil(Lk / 4) must stay below this: the counter is int32."""
@@ -71,6 +72,19 @@ def keep_mask(seed: torch.Tensor, p: float, B: int, H: int, Lq: int, Lk: int, de
                 + torch.arange(quads, device=device, dtype=torch.int64)[None, :])
     uniform = philox_uniform(keys, counters).reshape(B, H, Lq, 4 * quads)[..., :Lk]
     return uniform >= torch.tensor(p, dtype=torch.float32)
+
+
+def diagonal_keep_factor(seed: torch.Tensor, p: float, B: int, H: int, L: int) -> torch.Tensor:
+    """(B, H, L) float32: keep / (1 - p) of the pairs (i, i) under ``seed`` (keep_mask's diagonal, drawn
+    without the (L, L) rest): what a key merged into row i after the kernel is dropped with."""
+    quads = (L + 3) // 4
+    device = seed.device
+    bh = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1)
+    rows = torch.arange(L, device=device, dtype=torch.int64)
+    words = philox_uniform(seed.to(torch.int64).reshape(()) + bh, rows * quads + rows // 4)  # (B, H, L, 4)
+    uniform = torch.gather(words, -1, (rows % 4).view(1, 1, L, 1).expand(B, H, L, 1)).squeeze(-1)
+    kept = uniform >= torch.tensor(p, dtype=torch.float32, device=device)
+    return torch.where(kept, torch.tensor(1.0 / (1.0 - p), device=device), torch.tensor(0.0, device=device))
 
 
 def new_seed(device) -> torch.Tensor:

@@ -10,7 +10,10 @@ bias at (i, i))``, that is
 
 (lse = -inf where the rest keeps no key: w = 1, the row is v_i). The op is ``gemcompile::jagged_attention_lse``
 (lse differentiable: its gradient enters the kernel's backward), so outputs and every gradient are exact.
-Served for self-attention (Lq == Lk) without query padding or dropout; otherwise refused with the reason.
+With dropout the kernel drops the kept keys' weights and the merged key is dropped with pair (i, i)'s draw
+(lowering/common/dropout.diagonal_keep_factor): ``out_i = (1 - w) o_i + w d_ii v_i``, eager's
+dropout(softmax) over the kept keys and key i. Served for self-attention (Lq == Lk) without query padding;
+otherwise refused with the reason.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from gemcompile.lowering.common.dropout import diagonal_keep_factor
 from gemcompile.passes.attention.family import same_size, size_of
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.graph import Emitter, Unproven, example_value
@@ -31,15 +35,15 @@ def check_kept_diagonal(site: AttentionSite, mask: AttentionMask, q: fx.Node, k:
     if mask.q_lengths is not None or mask.query_vector is not None:
         raise Unproven("a mask that keeps the diagonal with query padding: rows the padding drops would see "
                        "only themselves")
-    if site.dropout_p:
-        raise Unproven("dropout with a mask that keeps the diagonal (the merged key would need the kernel's draw)")
     if not same_size(example_value(q).shape[2], example_value(k).shape[2]):
         raise Unproven("a mask that keeps the diagonal i == j on cross attention (Lq != Lk)")
 
 
 def merge_diagonal(emit: Emitter, out_lse: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, scale: float,
-                   bias: fx.Node | None, kv_len: fx.Node | None, kv_mask: fx.Node | None) -> fx.Node:
-    """The (B, H, L, D) output with key i merged into every row i whose own key the kernel's mask drops."""
+                   bias: fx.Node | None, kv_len: fx.Node | None, kv_mask: fx.Node | None,
+                   dropout: dict) -> fx.Node:
+    """The (B, H, L, D) output with key i merged into every row i whose own key the kernel's mask drops;
+    ``dropout``: the op's dropout keywords (empty without dropout)."""
     out = emit.call(operator.getitem, (out_lse, 0))
     lse = emit.call(operator.getitem, (out_lse, 1))
     dtype = example_value(out).dtype
@@ -53,8 +57,12 @@ def merge_diagonal(emit: Emitter, out_lse: fx.Node, q: fx.Node, k: fx.Node, v: f
     lse = emit.call(torch.where, (empty, float("-inf"), lse))
     weight = emit.call(torch.sigmoid, (emit.call(operator.sub, (own, lse)),))
     weight = emit.call(torch.where, (_own_key_kept(emit, k, kv_len, kv_mask), 0.0, weight))
+    keep = emit.call(torch.unsqueeze, (emit.call(torch.rsub, (weight, 1.0)), -1))
+    if dropout:  # the merged key's weight dropped with pair (i, i)'s draw
+        sizes = [size_of(emit, v, dim) for dim in range(3)]  # B, H, L
+        factor = emit.call(diagonal_keep_factor, (dropout["dropout_seed"], dropout["dropout_p"], *sizes))
+        weight = emit.call(operator.mul, (weight, factor))
     weight = emit.call(torch.unsqueeze, (weight, -1))
-    keep = emit.call(torch.rsub, (weight, 1.0))
     merged = emit.call(operator.add, (emit.call(operator.mul, (emit.call(torch.Tensor.float, (out,)), keep)),
                                       emit.call(operator.mul, (emit.call(torch.Tensor.float, (v,)), weight))))
     return emit.call(torch.Tensor.to, (merged, dtype))
