@@ -247,3 +247,36 @@ def test_dropout_of_one_is_left_to_eager_with_the_reason():
     report = explain(_dropout_of_one, q, k, v, _lengths(), torch.tensor(1.0))
     assert report.counts["jagged_attention"] == 0
     assert any("drops every weight" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+
+
+class PairwiseMaskDropout(nn.Module):
+    """DeBERTa-v2: the pairwise mask valid[:, :, None] & valid[:, None, :] written over the scores with
+    finfo.min, then dropout: the rows it drops are uniform over every key in eager, and dropped too."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(E, 3 * E), nn.Dropout(0.3)
+
+    def forward(self, x, attention_mask):
+        q, k, v = (t.view(B, L, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        pairwise = (attention_mask[:, None, :, None] * attention_mask[:, None, None, :]).bool()
+        s = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~pairwise, torch.finfo(x.dtype).min)
+        return (self.dropout(s.softmax(-1)) @ v).transpose(1, 2).reshape(B, L, E)
+
+
+def test_rows_a_query_mask_drops_are_dropped_uniform_attention_as_in_eager(monkeypatch):
+    torch.manual_seed(0)
+    model = PairwiseMaskDropout().train()
+    hidden, mask = _inputs("attention_mask", torch.Generator().manual_seed(6))
+    report = explain(model, hidden, mask)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    compiled = rewritten(model)
+    compiled(hidden, mask)
+    torch.manual_seed(9)
+    out = compiled(hidden, mask)
+    dropout, _ = _fixed_dropout(_seeds(9, 1))
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "dropout", dropout)
+        ref = model(hidden, mask)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)  # every row, the dropped ones included
+    assert_same_weighted_grads(out, ref, [hidden, *model.parameters()])

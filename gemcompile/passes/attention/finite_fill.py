@@ -84,13 +84,22 @@ class BlindRows:
     """The call's uniform_keys: every sample when eager's s + F rounds to F, else None (softmax of s)."""
 
 
-def uniform_dropped_rows(emit: Emitter, mask: AttentionMask, v: fx.Node) -> fx.Node | None:
+def uniform_dropped_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, v: fx.Node, scale: float,
+                         dropout: dict) -> fx.Node | None:
     """What the rows a query vector drops hold in eager under a fill written over the scores: every score of
-    such a row is F, so it is uniform over every key, the mean of v, and no gradient reaches q or k ((B, H,
-    1, D)); None for any other mask (those rows are 0, the kernels' rule)."""
+    such a row is F, so it is uniform over every key, the mean of v ((B, H, 1, D)), and no gradient reaches
+    q or k; None for any other mask (those rows are 0, the kernels' rule). With dropout (the op's keywords)
+    eager drops those uniform weights too: a second kernel call over every key with every score taken as 0
+    (uniform_keys) and the same draws, q and k detached ((B, H, L, D))."""
     if mask.query_vector is None or mask.fill is None or not mask.fill_replaces:
         return None
-    return emit.call(torch.mean, (v, 2), {"keepdim": True})
+    if not dropout:
+        return emit.call(torch.mean, (v, 2), {"keepdim": True})
+    value = example_value(k)
+    every = emit.call(torch.ones, ((size_of(emit, k, 0),),), {"dtype": torch.bool, "device": value.device})
+    q, k = (emit.call(torch.Tensor.detach, (x,)) for x in (q, k))
+    return emit.call(torch.ops.gemcompile.jagged_attention.default, (q, k, v, None, None, None, False, scale),
+                     {"uniform_keys": every, **dropout})
 
 
 def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node, k: fx.Node,

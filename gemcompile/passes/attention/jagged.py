@@ -57,15 +57,6 @@ from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
 
-def _dropout_arguments(emit: Emitter, site: AttentionSite, mask: AttentionMask, q: fx.Node) -> dict:
-    """The op's dropout keywords (family.dropout_keywords), refused where the kernel cannot draw them all."""
-    if site.dropout_p and mask.query_vector is not None and mask.fill is not None and mask.fill_replaces \
-            and not site.zero_blind_rows:
-        raise Unproven("dropout with query padding read from data under a finite fill: eager drops weights of "
-                       "the padded rows' uniform attention too, which the kernel does not compute")
-    return dropout_keywords(emit, site, q)
-
-
 def _bias_name(term) -> str:
     """A bias term's node name (through the wrappers of match.py)."""
     while not isinstance(term, fx.Node):
@@ -104,7 +95,7 @@ class JaggedAttention(AttentionFamily):
              v: fx.Node) -> tuple[fx.Node, str]:
         self._check_shapes(q, k, v)
         check_lengths_device(q, mask.kv_lengths, mask.q_lengths)
-        dropout = _dropout_arguments(emit, site, mask, q)
+        dropout = dropout_keywords(emit, site, q)
         if mask.diagonal:  # every row keeps a key (its own): no row is blind, whatever the fill
             check_kept_diagonal(site, mask, q, k)
         elif not site.zero_blind_rows:
@@ -140,7 +131,8 @@ class JaggedAttention(AttentionFamily):
                              (blind.q, blind.k, v, blind.rows, None, blind.bias, False, float(site.scale)), extra)
             out = emit.call(operator.add, (out, rows))
             detail += " (rows with no valid key in a second call over every key)"
-        filler = None if site.zero_blind_rows else uniform_dropped_rows(emit, mask, v)
+        filler = None if site.zero_blind_rows else uniform_dropped_rows(emit, mask, q, k, v, float(site.scale),
+                                                                          dropout)
         return zero_query_rows(emit, mask, out, filler), detail
 
     def rewrite(self, emit: Emitter, site: AttentionSite, mask: AttentionMask) -> tuple[str, str]:
