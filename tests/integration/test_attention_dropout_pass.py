@@ -121,6 +121,22 @@ def _seeds(generator_seed: int, sites: int) -> list[torch.Tensor]:
     return [torch.randint(0, 2**62, (), dtype=torch.int64) for _ in range(sites)]
 
 
+def under_the_same_draws(fn, args, sites: int, monkeypatch, generator_seed: int = 123):
+    """(the compiled output, eager's under the kernel's draws): compiled and called once first (Dynamo's
+    tracing may draw numbers), then called after manual_seed; eager runs with F.dropout and SDPA patched to
+    drop with the seeds the graph drew (``sites`` of them)."""
+    compiled = rewritten(fn)
+    compiled(*args)
+    torch.manual_seed(generator_seed)
+    out = compiled(*args)
+    dropout, sdpa = _fixed_dropout(_seeds(generator_seed, sites))
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "dropout", dropout)
+        patch.setattr(F, "scaled_dot_product_attention", sdpa)
+        ref = fn(*args)
+    return out, ref
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_with_attention_dropout_is_rewritten_and_equals_eager_under_the_same_draws(name, monkeypatch):
     make, kind = MODELS[name]
@@ -133,16 +149,8 @@ def test_training_with_attention_dropout_is_rewritten_and_equals_eager_under_the
     assert "dropout p=" in report.rewrites[0].detail
 
     counters.clear()
-    compiled = rewritten(model)
-    compiled(hidden, mask_input)  # compile first: Dynamo's tracing may draw numbers too
-    torch.manual_seed(123)
-    out = compiled(hidden, mask_input)
+    out, ref = under_the_same_draws(model, (hidden, mask_input), 1, monkeypatch)
     assert counters["gemcompile"]["jagged_attention"] == 1
-    dropout, sdpa = _fixed_dropout(_seeds(123, 1))
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "dropout", dropout)
-        patch.setattr(F, "scaled_dot_product_attention", sdpa)
-        ref = model(hidden, mask_input)
     rows = _rows_eager_defines(kind, mask_input)
     out, ref = torch.where(rows, out, 0), torch.where(rows, ref, 0)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -199,14 +207,7 @@ def test_a_sliding_window_with_dropout_runs_the_block_kernel_under_the_same_draw
     report = explain(_window_with_dropout, q, k, v, lengths, config=GemConfig(block_attention={"enabled": True}))
     assert report.counts["block_attention"] == 1, [r.reason for r in report.refusals]
     assert "dropout p=0.25" in report.rewrites[0].detail
-    compiled = rewritten(_window_with_dropout)
-    compiled(q, k, v, lengths)
-    torch.manual_seed(11)
-    out = compiled(q, k, v, lengths)
-    dropout, sdpa = _fixed_dropout(_seeds(11, 1))
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "dropout", dropout)
-        ref = _window_with_dropout(q, k, v, lengths)
+    out, ref = under_the_same_draws(_window_with_dropout, (q, k, v, lengths), 1, monkeypatch)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [q, k, v])
 
@@ -221,15 +222,7 @@ def test_packed_by_unpad_the_draws_are_the_padded_ones(monkeypatch):
     model.blocks = nn.ModuleList([DropoutBlock(), DropoutBlock()])
     report = explain(model, x, lengths)
     assert report.counts["jagged_attention"] == 2 and report.counts["unpad"] == 1
-    compiled = rewritten(model)
-    compiled(x, lengths)
-    torch.manual_seed(7)
-    out = compiled(x, lengths)
-    dropout, sdpa = _fixed_dropout(_seeds(7, 2))
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "dropout", dropout)
-        patch.setattr(F, "scaled_dot_product_attention", sdpa)
-        ref = model(x, lengths)
+    out, ref = under_the_same_draws(model, (x, lengths), 2, monkeypatch)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
     leaves = [x, *model.parameters()]
     for got, want in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(ref, leaves)):
@@ -270,13 +263,6 @@ def test_rows_a_query_mask_drops_are_dropped_uniform_attention_as_in_eager(monke
     hidden, mask = _inputs("attention_mask", torch.Generator().manual_seed(6))
     report = explain(model, hidden, mask)
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
-    compiled = rewritten(model)
-    compiled(hidden, mask)
-    torch.manual_seed(9)
-    out = compiled(hidden, mask)
-    dropout, _ = _fixed_dropout(_seeds(9, 1))
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "dropout", dropout)
-        ref = model(hidden, mask)
+    out, ref = under_the_same_draws(model, (hidden, mask), 1, monkeypatch)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)  # every row, the dropped ones included
     assert_same_weighted_grads(out, ref, [hidden, *model.parameters()])

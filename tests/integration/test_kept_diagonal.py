@@ -82,7 +82,7 @@ def _with_dropout(q, k, v, lengths):
 def test_kept_diagonal_with_dropout_equals_eager_under_the_same_draws(monkeypatch):
     """XLNet in train(): the kernel drops the kept keys' weights, the merged key i is dropped with pair
     (i, i)'s draw; eager's dropout(softmax) over both, patched to the kernel's draws, is matched exactly."""
-    from tests.integration.test_attention_dropout_pass import _fixed_dropout, _seeds
+    from tests.integration.test_attention_dropout_pass import under_the_same_draws
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
@@ -90,14 +90,7 @@ def test_kept_diagonal_with_dropout_equals_eager_under_the_same_draws(monkeypatc
     report = explain(_with_dropout, q, k, v, lengths)
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
     assert "dropout p=0.1" in report.rewrites[0].detail and "diagonal merged" in report.rewrites[0].detail
-    compiled = rewritten(_with_dropout)
-    compiled(q, k, v, lengths)
-    torch.manual_seed(5)
-    out = compiled(q, k, v, lengths)
-    _, sdpa = _fixed_dropout(_seeds(5, 1))
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "scaled_dot_product_attention", sdpa)
-        ref = _with_dropout(q, k, v, lengths)
+    out, ref = under_the_same_draws(_with_dropout, (q, k, v, lengths), 1, monkeypatch)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [q, k, v])
 
