@@ -108,3 +108,14 @@ def test_near_misses_keep_eager_with_the_reason(fn, reason):
     report = explain(fn, q, k, v, torch.tensor([L, 0, 3]))
     assert report.counts["jagged_attention"] == 0
     assert any(reason in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+
+
+def test_float64_is_merged_in_float64():
+    """The merge runs in the kernel's compute dtype: a float64 model equals eager to float64 rounding."""
+    torch.manual_seed(0)
+    model = KeptDiagonal("finite_fill", bias=True).double()
+    x = torch.randn(B, L, E, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([L, 0, 3])
+    out, ref = rewritten(model)(x, lengths), model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()], atol=1e-11, rtol=1e-11)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from gemcompile.lowering.common.reference import compute_dtype
 from gemcompile.passes.attention.family import size_of
 from gemcompile.passes.graph import Emitter, Unproven, example_value
 from gemcompile.passes.masks.model import AttentionMask
@@ -232,10 +233,11 @@ def _first_key_valid(emit: Emitter, kv_len, kv_mask) -> fx.Node:
 
 def _score_bound(emit: Emitter, scale: float, q: fx.Node, k: fx.Node, bias,
                  per_sample: bool = False) -> fx.Node:
-    """A 0-d fp32 bound on every |score|: scale * max|q_i| * max|k_j| (+ max|bias|), by Cauchy-Schwarz;
+    """A 0-d bound (fp32; fp64 for fp64 inputs) on every |score|: scale * max|q_i| * max|k_j| (+ max|bias|), by Cauchy-Schwarz;
     ``per_sample``: one per sample, (B,) (q and k are (B|1, H, L, D))."""
     def max_norm(x: fx.Node) -> fx.Node:
-        norms = emit.call(torch.linalg.vector_norm, (x,), {"dim": -1, "dtype": torch.float32})
+        dtype = compute_dtype(example_value(x).dtype)  # float32 for half inputs; float64 stays (no narrowing)
+        norms = emit.call(torch.linalg.vector_norm, (x,), {"dim": -1, "dtype": dtype})
         return emit.call(torch.amax, (norms, (1, 2))) if per_sample else emit.call(torch.amax, (norms,))
 
     bound = emit.call(operator.mul, (emit.call(operator.mul, (max_norm(q), max_norm(k))), abs(scale)))

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.lowering.common.dropout import diagonal_keep_factor
+from gemcompile.lowering.common.reference import compute_dtype
 from gemcompile.passes.attention.family import same_size, size_of
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.graph import Emitter, Unproven, example_value
@@ -47,12 +48,17 @@ def merge_diagonal(emit: Emitter, out_lse: fx.Node, q: fx.Node, k: fx.Node, v: f
     out = emit.call(operator.getitem, (out_lse, 0))
     lse = emit.call(operator.getitem, (out_lse, 1))
     dtype = example_value(out).dtype
-    qf, kf = (emit.call(torch.Tensor.float, (x,)) for x in (q, k))
+    cdt = compute_dtype(dtype)  # the kernel's: float32 for half inputs, float64 for float64
+
+    def up(x):
+        return emit.call(torch.Tensor.to, (x, cdt))
+
+    qf, kf = up(q), up(k)
     own = emit.call(torch.sum, (emit.call(operator.mul, (qf, kf)), -1))  # (B, H, L): q_i . k_i
     own = emit.call(operator.mul, (own, float(scale)))
     if bias is not None:  # (B|1, H|1, L, L) -> its diagonal (B|1, H|1, L)
         diagonal = emit.call(torch.diagonal, (bias,), {"dim1": -2, "dim2": -1})
-        own = emit.call(operator.add, (own, emit.call(torch.Tensor.float, (diagonal,))))
+        own = emit.call(operator.add, (own, up(diagonal)))
     empty = emit.call(torch.isinf, (lse,))  # +inf: the mask keeps no key on this row
     lse = emit.call(torch.where, (empty, float("-inf"), lse))
     weight = emit.call(torch.sigmoid, (emit.call(operator.sub, (own, lse)),))
@@ -63,8 +69,8 @@ def merge_diagonal(emit: Emitter, out_lse: fx.Node, q: fx.Node, k: fx.Node, v: f
         factor = emit.call(diagonal_keep_factor, (dropout["dropout_seed"], dropout["dropout_p"], *sizes))
         weight = emit.call(operator.mul, (weight, factor))
     weight = emit.call(torch.unsqueeze, (weight, -1))
-    merged = emit.call(operator.add, (emit.call(operator.mul, (emit.call(torch.Tensor.float, (out,)), keep)),
-                                      emit.call(operator.mul, (emit.call(torch.Tensor.float, (v,)), weight))))
+    merged = emit.call(operator.add, (emit.call(operator.mul, (up(out), keep)),
+                                      emit.call(operator.mul, (up(v), up(weight)))))
     return emit.call(torch.Tensor.to, (merged, dtype))
 
 
