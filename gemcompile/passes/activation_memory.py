@@ -205,8 +205,8 @@ def _is_kept_op(node: fx.Node, attention: bool) -> bool:
 
 def keep_attention(graph: fx.Graph, attention: bool = True) -> int:
     """Tag data-dependent sizes, random draws a gemcompile op reads (the dropout seed) and (``attention``)
-    gemcompile's attention forwards and plans MUST_SAVE: never recomputed. A node that already has a recompute policy (the user's checkpoint) keeps it. Returns the
-    number of nodes tagged."""
+    gemcompile's attention forwards and plans MUST_SAVE: never recomputed. A node that already has a
+    recompute policy (the user's checkpoint) keeps it. Returns the number of nodes tagged."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     tagged = 0

@@ -81,6 +81,7 @@ from ..common.attention_triton import (
     MODE_OFFSETS,
     bwd_delta_kernel,
     dot_precision,
+    dropout_args,
     dropout_dv_dp,
     dropout_factor,
     fit_shared_memory,
@@ -1225,13 +1226,6 @@ def _kv_mask_args(kv_mask, lengths, given_bounds=None) -> tuple:
     return (kv_mask.view(torch.uint8), mask_key_bounds(kv_mask, lengths, given_bounds), *kv_mask.stride())
 
 
-def _dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
-    """(seed pointer, p, 1 / (1 - p)) of the general kernels; without dropout a dummy never read."""
-    if not dropout_p:
-        return dummy, 0.0, 1.0
-    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
-
-
 def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, causal: bool, cos, sin,
                                    rotary: str, scale: float, kv_mask=None, *, kv_bounds=None,
                                    q_lengths=None, token_offsets=None, max_len: int = 0, dropout_p: float = 0.0,
@@ -1264,7 +1258,7 @@ def block_attention_forward_triton(q, k, v, lengths, block: int, window: int, ca
     if closed_tile_serves(block, D, rotary) and not dropout_p:
         launch(_closed_fwd_kernel, lambda meta: (_closed_programs(meta, B, H, L),), args, consts, buckets)
     else:
-        seed, *dropout = _dropout_args(dropout_p, dropout_seed, lengths)
+        seed, *dropout = dropout_args(dropout_p, dropout_seed, lengths)
         general = (*args[:12], seed, *args[12:-2], *dropout, *args[-2:])
         launch(_fwd_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_M"]) * B * H,), general,
                dict(consts, DROPOUT=bool(dropout_p)), buckets)
@@ -1324,7 +1318,7 @@ def block_attention_backward_triton(grad_out, q, k, v, out, lse, lengths, block:
                (*inputs, lse, dq, dk, dv, *sequences, *strides, *rows4(dq), *scalars), consts, buckets)
     else:
         delta = _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3)
-        seed, *dropout = _dropout_args(dropout_p, dropout_seed, lengths)
+        seed, *dropout = dropout_args(dropout_p, dropout_seed, lengths)
         scalars = (*scalars[:-2], *dropout, *scalars[-2:])
         consts = dict(consts, DROPOUT=bool(dropout_p))
         launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(L, meta["BLOCK_N"]) * B * H,),

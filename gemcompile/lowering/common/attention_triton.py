@@ -44,6 +44,7 @@ __all__ = [
     "block_d",
     "bwd_delta_kernel",
     "dot_precision",
+    "dropout_args",
     "dropout_dv_dp",
     "dropout_factor",
     "fit_shared_memory",
@@ -321,6 +322,13 @@ def batch_order(primary: Side, B: int, device) -> torch.Tensor:
 
 def same_sequences(a: Side, b: Side) -> bool:
     return a.mode == b.mode and a.lengths is b.lengths and a.offsets is b.offsets
+
+
+def dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
+    """(seed pointer, p, 1 / (1 - p)) of a kernel with dropout; without dropout a dummy pointer never read."""
+    if not dropout_p:
+        return dummy, 0.0, 1.0
+    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

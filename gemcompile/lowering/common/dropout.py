@@ -2,7 +2,7 @@
 
 Eager attention drops entries of the softmax's probabilities ``P`` (``dropout(P) = P * keep / (1 - p)``)
 before ``P @ V``. Our kernels never write ``P``, so they draw the keep mask inside the tiles from a seed
-with Triton's counter-based Philox (``tl.rand``) and draw it again, identically, in the backward. This
+with Triton's counter-based Philox (``tl.rand4x``) and draw it again, identically, in the backward. This
 module draws the same numbers on the host, bit for bit, so that the references (CPU) and the kernels give
 the same answer for the same seed, and the tests can compare them.
 
@@ -94,7 +94,7 @@ def new_seed(device) -> torch.Tensor:
 
 def check_dropout(dropout_p, dropout_seed, Lq: int, Lk: int, device) -> None:
     """TypeError/ValueError naming the argument: p a number in [0, 1); with p > 0 a seed tensor of one int64
-    element on the operands' device and fewer than 2**31 pairs per (batch, head)."""
+    element on the operands' device and Lq * ceil(Lk / 4) below 2**31 (the int32 counter)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:

@@ -74,8 +74,8 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
-from ..common.length_order import check_plan, check_plan_values
 from ..common.dropout import check_dropout, new_seed
+from ..common.length_order import check_plan, check_plan_values
 from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
                            takes_eager_path, use_triton)
 from ..common.reference import compute_dtype

@@ -64,6 +64,7 @@ from ..common.attention_triton import (
     block_d,
     bwd_delta_kernel,
     dot_precision,
+    dropout_args,
     dropout_dv_dp,
     dropout_factor,
     kernel_configs,
@@ -635,13 +636,6 @@ def _uniform_arg(uniform_keys, keys: _KeyMask):
     return keys.mask if uniform_keys is None else uniform_keys.contiguous().view(torch.uint8)
 
 
-def _dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
-    """(seed pointer, p, 1 / (1 - p)) of the kernels; without dropout a dummy pointer that is never read."""
-    if not dropout_p:
-        return dummy, 0.0, 1.0
-    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
-
-
 def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int, causal: bool, scale: float,
              q_strides, k_strides, v_strides, out, out_strides, lse, lse_strides, kv_mask=None,
              uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None):
@@ -652,7 +646,7 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
         bias, z_strides = q, (0, 0, 0, 0)
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
-    seed, *dropout = _dropout_args(dropout_p, dropout_seed, keys.mask)
+    seed, *dropout = dropout_args(dropout_p, dropout_seed, keys.mask)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
@@ -693,7 +687,7 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
-    seed, *dropout = _dropout_args(dropout_p, dropout_seed, keys.mask)
+    seed, *dropout = dropout_args(dropout_p, dropout_seed, keys.mask)
     flags = dict(common, KV_MODE=kv_side.mode, HAS_BIAS=has_bias, CAUSAL=bool(causal),
                  DOT_PRECISION=dot_precision(q.dtype), HAS_KV_MASK=keys.has,
                  HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p))

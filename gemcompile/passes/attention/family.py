@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from gemcompile.passes.attention.match import AttentionSite, GatedBias, MergedBias
 from gemcompile.passes.base import GemPass
+from gemcompile.lowering.common.dropout import new_seed
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, hoist_before
 from gemcompile.passes.masks.classify import Unclassified
 from gemcompile.passes.masks.key_vector import emit_key_mask
@@ -92,7 +93,7 @@ def dropout_keywords(emit: Emitter, site: AttentionSite, q: fx.Node) -> dict:
     (lowering/common/dropout.py): eager's distribution, not eager's numbers (as with torch.compile)."""
     if not site.dropout_p:
         return {}
-    seed = emit.call(torch.randint, (0, 2**62, ()), {"dtype": torch.int64, "device": example_value(q).device})
+    seed = emit.call(new_seed, (example_value(q).device,))  # traced to aten.randint by AOTAutograd
     return {"dropout_p": float(site.dropout_p), "dropout_seed": seed}
 
 

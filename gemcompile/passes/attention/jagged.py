@@ -116,14 +116,13 @@ class JaggedAttention(AttentionFamily):
             detail += f"; {rows_note}"
         args = (q, k, v, q_len, kv_len, bias, mask.causal, float(site.scale))
         extra = {k: v for k, v in (("kv_mask", kv_mask), ("uniform_keys", uniform)) if v is not None}
+        if dropout:
+            detail += f"; dropout p={site.dropout_p:g} in the kernel"
         if mask.diagonal:
             out_lse = emit.call(torch.ops.gemcompile.jagged_attention_lse.default, args, {**extra, **dropout})
             out = merge_diagonal(emit, out_lse, q, k, v, float(site.scale), bias, kv_len, kv_mask, dropout)
-            detail += f"; dropout p={site.dropout_p:g} in the kernel" if dropout else ""
             return out, detail + "; the diagonal merged into rows whose own key the mask drops"
         out = emit.call(torch.ops.gemcompile.jagged_attention.default, args, {**extra, **dropout})
-        if dropout:
-            detail += f"; dropout p={site.dropout_p:g} in the kernel"
         if blind is not None:  # rows that see no valid key: eager's softmax(s + F) over every key
             extra = {"uniform_keys": blind.uniform_keys} if blind.uniform_keys is not None else {}
             extra.update(dropout)  # the same draws: these rows are not the first call's
