@@ -1,7 +1,7 @@
 """Attention dropout in training: what the kernel's in-tile Philox draws cost, and the peers a user would
 train with dropout instead.
 
-    python benchmarks/attention_dropout.py [--p 0.1] [--quick] [--cuda-graph] [--out DIR]
+    python benchmarks/attention_dropout.py [--p 0.1] [--quick] [--cuda-graph] [--kernels] [--out DIR]
 
 Forward+backward, bf16, non-causal, side by side in one run per shape (issue 25's shapes and the D 64
 anchor):
@@ -13,7 +13,10 @@ anchor):
 FlexAttention has no dropout, so it is no peer here. ``dropout_cost`` = gemcompile_dropout / gemcompile;
 ``speedup`` = peer time / gemcompile_dropout time. Useful TFLOP/s count valid (i, j) pairs, as in
 jagged_attention.py. A failing method records its error and the run goes on. ``--cuda-graph`` replays
-every method from a CUDA graph (NJT cannot be captured). The JSON is rewritten after every shape.
+every method but NJT from a CUDA graph: NJT reads its offsets on the host, cannot be captured, and a failed
+capture leaves the CUDA generator unusable for the rest of the process, so it runs eagerly (``eager`` lists
+it). ``--kernels`` adds the GPU time of each kernel of gemcompile with and without dropout (torch.profiler).
+The JSON is rewritten after every shape.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import bench_ms, format_table, graphed, rewrite_results, tflops, write_json  # noqa: E402
+from harness import bench_ms, format_table, graphed, kernel_times, rewrite_results, tflops, write_json  # noqa: E402
 from jagged_attention import draw_lengths  # noqa: E402
 
 import gemcompile.lowering  # noqa: E402,F401
@@ -41,6 +44,7 @@ SHAPES = [dict(B=1152, L=1024, H=4, D=128, fill=0.5), dict(B=256, L=4096, H=4, D
           dict(B=32, L=2048, H=8, D=64, fill=0.5)]
 QUICK = [dict(B=8, L=512, H=4, D=64, fill=0.5)]
 METHODS = ["gemcompile", "gemcompile_dropout", "sdpa_padded_dropout", "njt_sdpa_dropout"]
+UNCAPTURABLE = {"njt_sdpa_dropout"}
 
 
 def _methods(shape, p: float):
@@ -80,15 +84,20 @@ def _methods(shape, p: float):
 def run_shape(shape, args) -> dict:
     methods, pairs, fill = _methods(shape, args.p)
     flops = (1 + BACKWARD_FLOPS_RATIO) * 4 * shape["H"] * shape["D"] * pairs
-    row = dict(shape, realised_fill=round(fill, 3), p=args.p, ms={}, errors={})
+    row = dict(shape, realised_fill=round(fill, 3), p=args.p, ms={}, errors={}, eager=[])
     for name in METHODS:
         try:
             fn = methods[name]
             fn()
-            row["ms"][name] = bench_ms(graphed(fn) if args.cuda_graph else fn)
+            capture = args.cuda_graph and name not in UNCAPTURABLE
+            if args.cuda_graph and not capture:
+                row["eager"].append(name)
+            row["ms"][name] = bench_ms(graphed(fn) if capture else fn)
         except Exception as error:  # noqa: BLE001 - a peer that fails is recorded, the run goes on
             row["errors"][name] = f"{type(error).__name__}: {str(error)[:300]}"
         torch.cuda.synchronize()
+    if args.kernels:
+        row["kernels_us"] = {name: kernel_times(methods[name]) for name in ("gemcompile", "gemcompile_dropout")}
     ms = row["ms"]
     row["tflops"] = {n: tflops(flops, t) for n, t in ms.items()}
     if "gemcompile_dropout" in ms:
@@ -103,6 +112,7 @@ def main(argv=None) -> None:
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
     parser.add_argument("--quick", action="store_true", help="one small shape: a smoke test")
     parser.add_argument("--cuda-graph", action="store_true", help="replay every method from a CUDA graph")
+    parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of gemcompile's two methods")
     parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
     args = parser.parse_args(argv)
     payload = {"benchmark": "attention_dropout", "methods": METHODS, "cuda_graph": args.cuda_graph, "rows": []}

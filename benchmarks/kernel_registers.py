@@ -95,7 +95,7 @@ def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int
         }
     )
     sig = {
-        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n or n == "dropout_p" else "i32")
+        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n else "i32")
         for n in fn.arg_names
     }
     attrs = {

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from gemcompile import GemConfig, explain
-from gemcompile.lowering.common.dropout import keep_mask
+from gemcompile.lowering.common.dropout import keep_mask, keep_scale
 from tests.compiled_vs_eager import assert_same_weighted_grads
 from tests.model_styles import Bert4RecAttention, BertStyleSelfAttention, SASRecBlock
 from tests.rewritten import rewritten
@@ -102,7 +102,7 @@ def _fixed_dropout(seeds: list[torch.Tensor]):
     def dropout(x, p=0.5, training=True, inplace=False):
         if not training or p == 0:
             return x
-        return x * keep(x.shape, p) / (1 - p)
+        return x * keep(x.shape, p) * keep_scale(p)
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p == 0:

@@ -30,15 +30,15 @@ SHAPES = ((2, 6), (3, 9), (4, 11))  # (batch, padded length)
 
 def separate_inputs_right_padded(q, k, v, lengths):
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    keep = torch.arange(k.shape[2])[None, :] < lengths[:, None]
+    keep = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
 
 def separate_inputs_left_padded_causal(q, k, v, lengths):
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     n = k.shape[2]
-    keep = (torch.arange(n)[None, :] >= n - lengths[:, None])[:, None, None, :]
-    keep = keep & torch.tril(torch.ones(n, n, dtype=torch.bool))
+    keep = (torch.arange(n, device=k.device)[None, :] >= n - lengths[:, None])[:, None, None, :]
+    keep = keep & torch.tril(torch.ones(n, n, dtype=torch.bool, device=k.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
@@ -55,7 +55,7 @@ class Projected(nn.Module):
         if self.source == "ids":
             keep = (data != 0)[:, None, None, :]
         else:
-            keep = (torch.arange(n)[None, :] >= n - data[:, None])[:, None, None, :]
+            keep = (torch.arange(n, device=x.device)[None, :] >= n - data[:, None])[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, H * D)
 
 
@@ -69,7 +69,7 @@ class BlockDiagonalIds(nn.Module):
     def forward(self, x, ids):
         b, n, _ = x.shape
         q, k, v = (t.view(b, n, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        block = torch.arange(n) // 4
+        block = torch.arange(n, device=x.device) // 4
         keep = (block[:, None] == block[None, :])[None, None] & (ids != 0)[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, H * D)
 

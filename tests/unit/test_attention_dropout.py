@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import gemcompile.lowering  # noqa: F401  (registers the ops)
-from gemcompile.lowering.common.dropout import check_dropout, keep_mask, new_seed, philox_uniform
+from gemcompile.lowering.common.attention_triton import dropout_args, dropout_factor
+from gemcompile.lowering.common.dropout import (check_dropout, drop_threshold, keep_mask, keep_scale, new_seed,
+                                                philox_words)
 from gemcompile.lowering.common.packed import pack_padded
 from gemcompile.lowering.jagged_attention.packed import packed_reference_backward, packed_reference_forward
 
@@ -34,30 +36,64 @@ def _eager(q, k, v, lengths, causal, scale, p, seed, bias=None, kv_mask=None):
     s = q @ k.transpose(-1, -2) * scale + (0 if bias is None else bias)
     weights = torch.softmax(s.masked_fill(~m, float("-inf")), -1).nan_to_num(0.0)
     keep = keep_mask(seed, p, B, H, q.shape[2], L, q.device)
-    return ((weights * keep / (1 - p)) @ v) * valid[:, None, :, None]
+    return ((weights * keep * keep_scale(p)) @ v) * valid[:, None, :, None]
 
 
 @needs_interpreter
-def test_host_draws_equal_triton_rand_bit_for_bit():
+def test_host_draws_equal_triton_randint_bit_for_bit():
     import triton
     import triton.language as tl
 
     @triton.jit
     def draw(Out, Seed, key_add, N: tl.constexpr):
         offs = tl.arange(0, N)
-        u0, u1, u2, u3 = tl.rand4x(tl.load(Seed) + key_add, offs)
-        tl.store(Out + offs * 4, u0)
-        tl.store(Out + offs * 4 + 1, u1)
-        tl.store(Out + offs * 4 + 2, u2)
-        tl.store(Out + offs * 4 + 3, u3)
-        tl.store(Out + 4 * N + offs, tl.rand(tl.load(Seed) + key_add, offs))
+        w0, w1, w2, w3 = tl.randint4x(tl.load(Seed) + key_add, offs)
+        tl.store(Out + offs * 4, w0.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(Out + offs * 4 + 1, w1.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(Out + offs * 4 + 2, w2.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(Out + offs * 4 + 3, w3.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(Out + 4 * N + offs, tl.randint(tl.load(Seed) + key_add, offs).to(tl.int64) & 0xFFFFFFFF)
 
     for seed in (0, 1, 2**33 + 5, 2**62 - 7):
-        out = torch.empty(5 * 512)
+        out = torch.empty(5 * 512, dtype=torch.int64)
         draw[(1,)](out, torch.tensor([seed]), 11, N=512)
-        host = philox_uniform(torch.tensor(seed + 11), torch.arange(512))
+        host = philox_words(torch.tensor(seed + 11), torch.arange(512))
         assert torch.equal(out[:2048].view(512, 4), host)
-        assert torch.equal(out[2048:], host[:, 0])  # word 0 is tl.rand's
+        assert torch.equal(out[2048:], host[:, 0])  # word 0 is tl.randint's
+
+
+@needs_interpreter
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.97])
+def test_the_kernel_tile_of_draws_is_keep_mask_times_keep_scale(p):
+    """attention_triton.dropout_factor on a (rows, BLOCK_N) tile at an offset == the host's keep_mask."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile(Out, Seed, row0, col0, row_counters, drop_below, scale, M: tl.constexpr, N: tl.constexpr):
+        rows = row0 + tl.arange(0, M)
+        f = dropout_factor(tl.load(Seed) + 3, rows, col0, row_counters, drop_below, scale, N)
+        tl.store(Out + tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :], f)
+
+    seed = torch.tensor([123456789])
+    Lq, Lk = 40, 45
+    _, below, scale = dropout_args(p, seed, None)
+    keep = keep_mask(seed[0], p, 1, 4, Lq, Lk, "cpu")[0, 3]  # (batch, head) 3's Philox key: seed + 3
+    for row0, col0 in ((0, 0), (16, 16), (24, 32)):
+        out = torch.empty(16, 16)
+        tile[(1,)](out, seed, row0, col0, (Lk + 7) // 8, below, scale, M=16, N=16)
+        cols = min(16, Lk - col0)
+        want = keep[row0:row0 + 16, col0:col0 + cols] * keep_scale(p)
+        assert torch.equal(out[:, :cols], want.float())
+
+
+def test_p_is_drawn_to_16_bits_and_kept_pairs_are_scaled_by_one_over_the_rate_kept():
+    assert drop_threshold(0.1) == 6554 and drop_threshold(0.5) == 32768 and drop_threshold(1e-9) == 0
+    assert drop_threshold(0.9999999) == 2**16 - 1  # p < 1 keeps some pairs
+    for p in (1e-9, 0.1, 0.25, 0.5, 0.9, 0.9999999):
+        if p < 1 - 2**-17:
+            assert abs(drop_threshold(p) / 2**16 - p) <= 2**-17 + 1e-12
+        assert keep_scale(p) * (1 - drop_threshold(p) / 2**16) == pytest.approx(1.0, abs=1e-15)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -108,6 +144,10 @@ def test_draws_drop_a_fraction_p_independently_across_heads_and_seeds():
     assert abs((keep[0, 0] == keep[0, 1]).float().mean().item() - 0.5) < 0.035  # heads
     assert abs((keep[0, 0] == keep[1, 0]).float().mean().item() - 0.5) < 0.035  # batches
     assert abs((keep == other).float().mean().item() - 0.5) < 0.01  # seeds
+    rows = keep_mask(torch.tensor(7), 0.5, 1, 1, 256, 64, "cpu")[0, 0].float()
+    # the two halves of one Philox word (keys 2k, 2k + 1) and two words of one counter (keys 8c, 8c + 2)
+    assert abs((rows[:, 0::2] == rows[:, 1::2]).float().mean().item() - 0.5) < 0.035
+    assert abs((rows[:, 0::8] == rows[:, 2::8]).float().mean().item() - 0.5) < 0.07
 
 
 def test_expected_output_is_the_undropped_output():
@@ -136,8 +176,8 @@ def test_bad_dropout_arguments_are_refused_by_name(bad, error, text):
 
 def test_too_many_pairs_for_the_int32_counter_is_refused():
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        check_dropout(0.1, torch.tensor(1), 2**16, 2**17, "cpu")
-    check_dropout(0.1, torch.tensor(1), 2**16, 2**17 - 4, "cpu")
+        check_dropout(0.1, torch.tensor(1), 2**16, 2**18, "cpu")
+    check_dropout(0.1, torch.tensor(1), 2**16, 2**18 - 8, "cpu")
     assert new_seed("cpu").dtype == torch.int64
 
 

@@ -11,7 +11,7 @@ import torch
 import gemcompile.lowering  # noqa: F401
 from gemcompile.lowering.block_attention.op import block_attention
 from gemcompile.lowering.block_attention.reference import allowed_pattern, reference_backward, reference_forward
-from gemcompile.lowering.common.dropout import keep_mask
+from gemcompile.lowering.common.dropout import keep_mask, keep_scale
 from gemcompile.lowering.common.packed import pack_padded
 
 INTERPRETER = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,7 +30,7 @@ def test_reference_equals_eager_dropout_and_gradcheck():
     out = block_attention(q, k, v, lengths, block=4, window=2, causal=True, dropout_p=0.3, dropout_seed=SEED)
     ok = allowed_pattern(L, 4, 2, True, "cpu") & (torch.arange(L) < lengths[:, None, None, None])
     weights = torch.softmax((q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~ok, float("-inf")), -1)
-    ref = (weights.nan_to_num(0.0) * keep_mask(SEED, 0.3, B, H, L, L, "cpu") / 0.7) @ v
+    ref = (weights.nan_to_num(0.0) * keep_mask(SEED, 0.3, B, H, L, L, "cpu") * keep_scale(0.3)) @ v
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     assert torch.autograd.gradcheck(
         lambda q, k, v: block_attention(q, k, v, lengths, block=4, causal=True, dropout_p=0.3, dropout_seed=SEED),

@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
             elif name in DATA or name in POINTERS:
                 signature[name] = "*" + POINTERS.get(name, dtype)
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "scale", "dropout_p", "dropout_scale"):
+            elif name in ("qk_scale", "scale", "dropout_scale"):
                 signature[name] = "fp32"
             elif name.startswith("stride_") and (name.endswith("d") or name in ("stride_lm", "stride_zn",
                                                                                 "stride_mn")):

@@ -132,7 +132,7 @@ def compiled(kernel, constexprs, warps, stages, types=TYPES):
     # a launch specializes an int equal to 1 into a constant (contiguous tensors: the last dims' strides)
     consts.update({n: 1 for n in fn.arg_names if n not in consts and n.startswith("stride_")
                    and (n.endswith("d") or n in UNIT_STRIDES)})
-    sig = {n: "constexpr" if n in consts else types.get(n, "fp32" if "scale" in n or n == "dropout_p" else "i32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "fp32" if "scale" in n else "i32")
            for n in fn.arg_names}
     # ... and marks 16-divisible ints and pointers
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -850,7 +850,7 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mn,
-    H, L, window, qk_scale, dropout_p, dropout_scale,
+    H, L, window, qk_scale, drop_below, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
@@ -864,7 +864,7 @@ def _fwd_kernel(
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     seed = 0
-    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
     m0 = tile * BLOCK_M
@@ -913,7 +913,7 @@ def _fwd_kernel(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
-            p = p * dropout_factor(seed, rows, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
+            p = p * dropout_factor(seed, rows, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
         v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, HEAD_D, True)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -935,7 +935,7 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
     stride_mb, stride_mn,
-    H, L, window, qk_scale, scale, dropout_p, dropout_scale,
+    H, L, window, qk_scale, scale, drop_below, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
@@ -950,7 +950,7 @@ def _bwd_dkdv_kernel(
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     seed = 0
-    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
     n0 = tile * BLOCK_N
@@ -1006,7 +1006,7 @@ def _bwd_dkdv_kernel(
             ok = ok & col_ok[:, None]
         p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * LOG2E), 0.0)
         if DROPOUT:  # (ptxas serializes this kernel's wgmma with it at D 128, C7515; the jagged kernel's not)
-            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale,
+            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, row_counters, drop_below, dropout_scale,
                                      BLOCK_N, DOT_PRECISION)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -1036,7 +1036,7 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_xb, stride_xh, stride_xm, stride_xd,
     stride_mb, stride_mn,
-    H, L, window, qk_scale, scale, dropout_p, dropout_scale,
+    H, L, window, qk_scale, scale, drop_below, dropout_scale,
     L_BUCKET, WINDOW_BUCKET,
     HEAD_D: tl.constexpr, ATTN_BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_Q_LENGTHS: tl.constexpr,
@@ -1051,7 +1051,7 @@ def _bwd_dq_kernel(
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
     seed = 0
-    key_quads = (L + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
     m0 = tile * BLOCK_M
@@ -1100,7 +1100,7 @@ def _bwd_dq_kernel(
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            dp = dp * dropout_factor(seed, rows, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
+            dp = dp * dropout_factor(seed, rows, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
         ds = (p * (dp - delta[:, None])).to(ka.dtype)
         dqa += tl.dot(ds, ka, input_precision=DOT_PRECISION)
         if ROTARY != 0:

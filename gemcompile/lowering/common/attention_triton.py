@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import length_order
 from .jagged import bucket_length
+from .dropout import drop_threshold, keep_scale
 from .length_order_triton import key_bounds_and_span, longest_first_order
 from .tuned_launch import INTERPRET
 
@@ -222,22 +223,24 @@ def load_rows(base, rows, offs_d, stride_r, stride_d, mask_rows, HEAD_D: tl.cons
 
 
 @triton.jit
-def dropout_factor(seed, rows, col_start, key_quads, dropout_p, dropout_scale, BLOCK_N: tl.constexpr):
+def dropout_factor(seed, rows, col_start, row_counters, drop_below, dropout_scale, BLOCK_N: tl.constexpr):
     """(rows, BLOCK_N) tile of keep / (1 - p) for the query rows ``rows`` and keys col_start + [0, BLOCK_N)
-    (positions inside the sequence; col_start a multiple of 4) under the (batch, head)'s Philox key ``seed``:
-    one tl.rand4x per four keys, the draws of common/dropout.keep_mask bit for bit."""
-    quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
-    u0, u1, u2, u3 = tl.rand4x(seed, rows[:, None] * key_quads + quads[None, :])
-    u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # keys 4c .. 4c + 3 <- words 0 .. 3
-    return tl.where(u >= dropout_p, dropout_scale, 0.0)
+    (positions inside the sequence; col_start a multiple of 8) under the (batch, head)'s Philox key ``seed``:
+    one tl.randint4x per eight keys, each key deciding on 16 bits (kept when >= drop_below), the draws of
+    common/dropout.keep_mask bit for bit."""
+    counters = col_start // 8 + tl.arange(0, BLOCK_N // 8)
+    w0, w1, w2, w3 = tl.randint4x(seed, rows[:, None] * row_counters + counters[None, :])
+    words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word k of counter c at 4c + k
+    halves = tl.interleave(words & 0xFFFF, words >> 16)  # key 8c + 2k + h <- 16-bit half h of word k
+    return tl.where(halves.to(tl.int32) >= drop_below, dropout_scale, 0.0)
 
 
 @triton.jit
-def dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N: tl.constexpr,
+def dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, row_counters, drop_below, dropout_scale, BLOCK_N: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """A dK/dV step with dropout on the transposed probabilities p_t (keys n0 + [0, BLOCK_N) x ``rows``):
     (dv + dropout(P)^T dO, dP^T = the dropout factor times V dO^T)."""
-    f_t = tl.trans(dropout_factor(seed, rows, n0, key_quads, dropout_p, dropout_scale, BLOCK_N))
+    f_t = tl.trans(dropout_factor(seed, rows, n0, row_counters, drop_below, dropout_scale, BLOCK_N))
     dv += tl.dot((p_t * f_t).to(do.dtype), do, input_precision=DOT_PRECISION)
     return dv, tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * f_t
 
@@ -325,10 +328,11 @@ def same_sequences(a: Side, b: Side) -> bool:
 
 
 def dropout_args(dropout_p: float, dropout_seed, dummy) -> tuple:
-    """(seed pointer, p, 1 / (1 - p)) of a kernel with dropout; without dropout a dummy pointer never read."""
+    """(seed pointer, drop_below, keep scale) of a kernel with dropout (common/dropout.py's threshold and
+    scale); without dropout a dummy pointer never read."""
     if not dropout_p:
-        return dummy, 0.0, 1.0
-    return dropout_seed, float(dropout_p), 1.0 / (1.0 - float(dropout_p))
+        return dummy, 0, 1.0
+    return dropout_seed, drop_threshold(dropout_p), keep_scale(dropout_p)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

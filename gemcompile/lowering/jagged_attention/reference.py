@@ -15,7 +15,7 @@ backward written densely: it recomputes the scores but takes the softmax normali
 Positions outside the valid region are never read (they are zeroed first), so garbage or NaN in
 padding cannot leak into outputs or gradients.
 
-With ``dropout_p`` > 0 the probabilities that multiply V are ``P * keep / (1 - p)``, keep drawn from
+With ``dropout_p`` > 0 the probabilities that multiply V are ``P * keep * keep_scale(p)``, keep drawn from
 ``dropout_seed`` as the kernels draw it (common/dropout.py); lse and the softmax are those of P itself.
 
 Math runs in float32 for half inputs and in float64 for float64 inputs.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.dropout import keep_mask
+from ..common.dropout import keep_mask, keep_scale
 from ..common.reference import compute_dtype, key_mask, reduce_bias_grad, row_mask, zero_invalid_rows
 
 __all__ = ["key_mask", "reference_backward", "reference_forward", "valid_mask"]
@@ -65,12 +65,13 @@ def _probabilities(q, k, lse, q_lengths, kv_lengths, bias, causal, scale, kv_mas
 
 
 def _dropout_scale(p, dropout_p: float, dropout_seed) -> torch.Tensor | float:
-    """keep / (1 - p) as a (B, H, Lq, Lk) factor of p's dtype, or 1.0 without dropout."""
+    """keep * keep_scale(p) (1 / (1 - p) for the p drawn) as a (B, H, Lq, Lk) factor of p's dtype, or 1.0
+    without dropout."""
     if not dropout_p:
         return 1.0
     B, H, Lq, Lk = p.shape
     keep = keep_mask(dropout_seed, dropout_p, B, H, Lq, Lk, p.device)
-    return torch.where(keep, p.new_tensor(1.0 / (1.0 - dropout_p)), p.new_zeros(()))
+    return torch.where(keep, p.new_tensor(keep_scale(dropout_p)), p.new_zeros(()))
 
 
 def reference_forward(q, k, v, q_lengths, kv_lengths, bias, causal: bool, scale: float, kv_mask=None,

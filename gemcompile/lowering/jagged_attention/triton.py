@@ -162,8 +162,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                key_lo, holes,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale,
-               key_quads, DROPOUT: tl.constexpr, STAGES: tl.constexpr = None):
+               HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale,
+               row_counters, DROPOUT: tl.constexpr, STAGES: tl.constexpr = None):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
     nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
     row_ok = offs_m < q_len
@@ -198,7 +198,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
-            p = p * dropout_factor(seed, offs_m, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
+            p = p * dropout_factor(seed, offs_m, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
         v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -217,7 +217,7 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, dropout_p, dropout_scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -258,7 +258,7 @@ def _fwd_kernel(
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
     seed = 0
-    key_quads = (max_kv_len + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
@@ -283,17 +283,17 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, key_quads, DROPOUT, 1)
+            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, 1)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
         key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
-        HAS_UNIFORM, seed, dropout_p, dropout_scale, key_quads, DROPOUT)
+        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM,
-        seed, dropout_p, dropout_scale, key_quads, DROPOUT)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -312,7 +312,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, hi,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
-                HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale, key_quads, DROPOUT: tl.constexpr,
+                HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
                 n0=0, BLOCK_N: tl.constexpr = 16):
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
@@ -344,7 +344,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 valid = valid & (rows[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
         if DROPOUT:
-            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, key_quads, dropout_p, dropout_scale,
+            dv, dp_t = dropout_dv_dp(dv, p_t, v, do, seed, rows, n0, row_counters, drop_below, dropout_scale,
                                      BLOCK_N, DOT_PRECISION)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -367,7 +367,7 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, dropout_p, dropout_scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -423,7 +423,7 @@ def _bwd_dkdv_kernel(
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
     seed = 0
-    key_quads = (max_kv_len + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
     # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
@@ -440,17 +440,17 @@ def _bwd_dkdv_kernel(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, dropout_p, dropout_scale, key_quads, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, dropout_p, dropout_scale, key_quads, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, dropout_p, dropout_scale, key_quads, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -464,7 +464,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
               qk_scale, lo, hi, key_lo, holes, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
-              HAS_UNIFORM: tl.constexpr, seed, dropout_p, dropout_scale, key_quads, DROPOUT: tl.constexpr,
+              HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
               STAGES: tl.constexpr = None):
     """Tiles and masking as in _fwd_inner."""
     row_ok = offs_m < q_len
@@ -496,7 +496,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            dp = dp * dropout_factor(seed, offs_m, start_n, key_quads, dropout_p, dropout_scale, BLOCK_N)
+            dp = dp * dropout_factor(seed, offs_m, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:
             s_ptrs = ds_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols.to(tl.int64)[None, :]
@@ -520,7 +520,7 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
     stride_mb, stride_mn,
-    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, dropout_p, dropout_scale,
+    H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -565,7 +565,7 @@ def _bwd_dq_kernel(
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
     seed = 0
-    key_quads = (max_kv_len + 3) // 4  # one Philox counter per four keys of a row (common/dropout.py)
+    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
     if DROPOUT:  # this (batch, head)'s Philox key
         seed = tl.load(Seed) + b64 * H + h64
 
@@ -587,19 +587,19 @@ def _bwd_dq_kernel(
             dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
             qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
-            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, key_quads,
+            DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters,
             DROPOUT, 1)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
-        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, key_quads,
+        DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters,
         DROPOUT)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
-        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, dropout_p, dropout_scale, key_quads, DROPOUT)
+        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
