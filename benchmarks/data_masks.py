@@ -8,8 +8,10 @@ and the kernels' data-mask path costs what the length path costs on the same bat
 Models (tests/model_styles.py, written as their authors' public code writes them):
   sasrec: ``--layers`` SASRecBlocks (nn.MultiheadAttention, causal attn_mask, key_padding_mask = ids == 0,
           timeline mask), item ids from data;
-  bert:   ``--layers`` BertStyleLayers (HF-style extended mask (1 - m) * finfo.min added to the scores;
-          attention dropout 0: the kernels have none, a model training with it keeps eager attention).
+  bert:   ``--layers`` BertStyleLayers (HF-style extended mask (1 - m) * finfo.min added to the scores).
+``--attention-dropout p`` (default 0) trains both with dropout p on the attention weights, as their authors
+train them (nn.MultiheadAttention(dropout=p), BERT's attention_probs_dropout_prob): gem_compile draws it
+inside the kernels, inductor in its own graph.
 SASRec with left padding and a key_padding_mask: rows before a sequence's first item see no key, and
 nn.MultiheadAttention gives NaN there (the loss of eager and inductor is NaN); gem_compile gives 0.
 Batches: lengths uniform in [1, L] scaled to a mean fill of ``--fill`` (0.5: half the tokens are padding),
@@ -78,10 +80,13 @@ def _batch(model: str, args, side: str, g: torch.Generator, device):
 
 
 class Stack(torch.nn.Module):
-    def __init__(self, model: str, layers: int, heads: int, head_dim: int):
+    def __init__(self, model: str, layers: int, heads: int, head_dim: int, dropout: float = 0.0):
         super().__init__()
-        block = SASRecBlock if model == "sasrec" else BertStyleLayer
-        self.layers = torch.nn.ModuleList([block(heads, head_dim) for _ in range(layers)])
+        if model == "sasrec":
+            blocks = [SASRecBlock(heads, head_dim, dropout=dropout) for _ in range(layers)]
+        else:
+            blocks = [BertStyleLayer(heads, head_dim, attention_dropout=dropout) for _ in range(layers)]
+        self.layers = torch.nn.ModuleList(blocks)
 
     def forward(self, hidden, mask_input):
         for layer in self.layers:
@@ -219,11 +224,11 @@ def bench_models(args, device, model_name: str) -> list[dict]:
     sides = {side: [_batch(model_name, args, side, g, device) for _ in range(args.batches)]
              for side in ("right", "left")}
     torch.manual_seed(0)
-    model = Stack(model_name, args.layers, args.heads, args.head_dim).to(device)
+    model = Stack(model_name, args.layers, args.heads, args.head_dim, args.attention_dropout).to(device)
     report = explain(model, *sides["right"][0][:2])
     found = {side: {"model": model_name, "padding": side, "batch": args.batch, "length": args.length,
                     "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
-                    "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
+                    "attention_dropout": args.attention_dropout, "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
                     "rewrites": {k: v for k, v in report.counts.items() if v},
                     "refusals": [r.reason for r in report.refusals]}
              for side, batches in sides.items()}
@@ -293,6 +298,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--fill", type=float, default=0.5)
+    p.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on the attention weights")
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -308,7 +314,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = results_path("data_masks", args.out)
+    path = results_path("data_masks" + ("-dropout" if args.attention_dropout else ""), args.out)
     payload = {"environment": environment(), "args": vars(args), "kernel": [], "models": []}
 
     def save():  # after every part: a run cut short keeps what it measured
