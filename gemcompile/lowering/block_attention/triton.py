@@ -84,6 +84,7 @@ from ..common.attention_triton import (
     dropout_args,
     dropout_dv_dp,
     dropout_factor,
+    dropout_stream,
     fit_shared_memory,
     length_bucket,
     load_rows,
@@ -863,10 +864,7 @@ def _fwd_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
-    seed = 0
-    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, L, DROPOUT)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < _row_end(L, q_hi, PACKED)
@@ -949,10 +947,7 @@ def _bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
-    seed = 0
-    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, L, DROPOUT)
     n0 = tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     store_ok = cols < _row_end(L, kv_hi, PACKED)
@@ -1050,10 +1045,7 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     row0 = _row0(Offsets, b, PACKED)
     h64 = h.to(tl.int64)
-    seed = 0
-    row_counters = (L + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, L, DROPOUT)
     m0 = tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < _row_end(L, q_hi, PACKED)

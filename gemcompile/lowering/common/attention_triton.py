@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import length_order
-from .jagged import bucket_length
 from .dropout import drop_threshold, keep_scale
+from .jagged import bucket_length
 from .length_order_triton import key_bounds_and_span, longest_first_order
 from .tuned_launch import INTERPRET
 
@@ -48,6 +48,7 @@ __all__ = [
     "dropout_args",
     "dropout_dv_dp",
     "dropout_factor",
+    "dropout_stream",
     "fit_shared_memory",
     "kernel_configs",
     "mask_key_bounds",
@@ -220,6 +221,16 @@ def load_rows(base, rows, offs_d, stride_r, stride_d, mask_rows, HEAD_D: tl.cons
         else:
             x = tl.load(ptrs, mask=(offs_d < HEAD_D)[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def dropout_stream(Seed, b64, h64, H, key_len, DROPOUT: tl.constexpr):
+    """(Philox key of this (batch, head), Philox counters per query row) of the dropout draws over key_len
+    keys (common/dropout.py: one counter per eight keys); without dropout a key of 0 that is never read."""
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed) + b64 * H + h64
+    return seed, (key_len + 7) // 8
 
 
 @triton.jit

@@ -67,6 +67,7 @@ from ..common.attention_triton import (
     dropout_args,
     dropout_dv_dp,
     dropout_factor,
+    dropout_stream,
     kernel_configs,
     length_bucket,
     load_rows,
@@ -257,10 +258,7 @@ def _fwd_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
-    seed = 0
-    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
     q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -422,10 +420,7 @@ def _bwd_dkdv_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
-    seed = 0
-    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
     # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
     # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
     # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
@@ -564,10 +559,7 @@ def _bwd_dq_kernel(
     uniform = False
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
-    seed = 0
-    row_counters = (max_kv_len + 7) // 8  # one Philox counter per eight keys of a row (common/dropout.py)
-    if DROPOUT:  # this (batch, head)'s Philox key
-        seed = tl.load(Seed) + b64 * H + h64
+    seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     key_lo = 0
