@@ -4,7 +4,7 @@ sm_90a on the CPU (no GPU: Triton's compiler and its ptxas), and whether ptxas s
 Why: at head dim 128 the forward and dK/dV kernels run one CTA per SM (issue 25); capping registers
 (``maxnreg``) to fit two would only pay if ptxas neither spills nor serializes the wgmma under the cap.
 
-    python benchmarks/kernel_registers.py [--out DIR] [--dropout] [--atomic-dq]
+    python benchmarks/kernel_registers.py [--out DIR]
     python benchmarks/kernel_registers.py --kernels block-closed [--out DIR]
 
 ``--kernels block-closed``: block attention's closed kernels (one tile per 64-token block, packed layout,
@@ -70,7 +70,6 @@ POINTERS = {
     "KVOffsets": "*i64",
     "KVLengths": "*i64",
     "Order": "*i64",
-    "DQAcc": "*fp32",
 }
 
 
@@ -177,7 +176,6 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kernels", default="jagged", choices=["jagged", "block-closed"])
     parser.add_argument("--dropout", action="store_true", help="the jagged kernels with attention dropout")
-    parser.add_argument("--atomic-dq", action="store_true", help="dK/dV with the atomic dQ adds (atomic_dq.py)")
     args = parser.parse_args()
     if args.kernels == "block-closed":
         print(write_json(f"kernel_registers-block-closed-d{args.head_dim}",
@@ -201,8 +199,7 @@ def main() -> None:
     for name, configs in CONFIGS.items():
         for m, n, warps, stages in configs:
             for maxnreg in (None, 168, 128):
-                extra = {"dq": {"BIAS_GRAD": False}, "dkdv": {"ATOMIC_DQ": args.atomic_dq}}.get(name, {})
-                consts = dict(base, BLOCK_M=m, BLOCK_N=n, **extra)
+                consts = dict(base, BLOCK_M=m, BLOCK_N=n, **({"BIAS_GRAD": False} if name == "dq" else {}))
                 row = {
                     "kernel": name,
                     "BLOCK_M": m,
@@ -220,14 +217,12 @@ def main() -> None:
                 print(row, flush=True)
     print(
         write_json(
-            f"kernel_registers-d{args.head_dim}" + ("-dropout" if args.dropout else "")
-            + ("-atomic-dq" if args.atomic_dq else ""),
+            f"kernel_registers-d{args.head_dim}" + ("-dropout" if args.dropout else ""),
             {
                 "benchmark": "kernel_registers",
                 "environment": environment(),
                 "target": "sm_90a (compiled on the CPU)",
                 "dropout": args.dropout,
-                "atomic_dq": args.atomic_dq,
                 "rows": rows,
             },
             args.out,

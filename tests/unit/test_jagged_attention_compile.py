@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8",
-                "KVBounds": "i32", "Uniform": "u8", "Seed": "i64", "DQAcc": "fp32"}
+                "KVBounds": "i32", "Uniform": "u8", "Seed": "i64"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
 
     def jit_fn(kernel):
@@ -85,9 +85,7 @@ SCRIPT = textwrap.dedent(
         flags = dict(HEAD_D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), Q_MODE=q_mode, KV_MODE=kv_mode,
                      HAS_BIAS=bias, CAUSAL=causal, DOT_PRECISION=precision, HAS_KV_MASK=kv_mask,
                      HAS_UNIFORM=kv_mask, DROPOUT=dropout)
-        # dK/dV with the atomic dQ adds where no bias gradient is asked for (the launcher's rule)
-        for name, kernel, extra in (("fwd", T._fwd_kernel, {}),
-                                    ("dkdv", T._bwd_dkdv_kernel, {"ATOMIC_DQ": not bias}),
+        for name, kernel, extra in (("fwd", T._fwd_kernel, {}), ("dkdv", T._bwd_dkdv_kernel, {}),
                                     ("dq", T._bwd_dq_kernel, {"BIAS_GRAD": bias})):
             compile_kernel(kernel, dtype, dict(flags, BLOCK_M=64, BLOCK_N=64, **extra), 4, 3)
             results.append([name, dtype, D, "compiled", None])
@@ -98,7 +96,7 @@ SCRIPT = textwrap.dedent(
     flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
                  DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False)
     for name, kernel, shapes, extra in (("fwd", T._fwd_kernel, T._FWD_SHAPES, {}),
-                                        ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {"ATOMIC_DQ": False}),
+                                        ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {}),
                                         ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False})):
         large = [cfg for cfg, heads in shapes.items() if "large" in heads]
         m, n, w, s = max(large, key=lambda c: (c[0] * c[1], -c[2]))

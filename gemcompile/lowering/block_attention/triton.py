@@ -1265,8 +1265,8 @@ def _delta(out, grad_out, lengths, token_offsets, B, H, L, D, rows4, rows3):
     delta_block = 32 if INTERPRET else 64
     # the lengths arguments are unused in MODE_FULL
     bwd_delta_kernel[(triton.cdiv(L, delta_block) * B * H,)](
-        out, grad_out, delta, delta, token_offsets if packed else lengths, lengths, *rows4(out),
-        *rows4(grad_out), *rows3(delta), 0, 0, 0, 0, H, L, out.shape[0] if packed else L, HEAD_D=D, BLOCK_D=D,
+        out, grad_out, delta, token_offsets if packed else lengths, lengths, *rows4(out), *rows4(grad_out),
+        *rows3(delta), H, L, out.shape[0] if packed else L, HEAD_D=D, BLOCK_D=D,
         Q_MODE=MODE_OFFSETS if packed else MODE_FULL, BLOCK_M=delta_block, num_warps=4)
     return delta
 

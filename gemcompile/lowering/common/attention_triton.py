@@ -264,14 +264,12 @@ def store_rows(base, rows, offs_d, stride_r, stride_d, value, mask_rows, HEAD_D:
 
 @per_step_jit
 def _bwd_delta_kernel(
-    Out, DO, Delta, DQAcc, QOffsets, QLengths,
+    Out, DO, Delta, QOffsets, QLengths,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
-    stride_ab, stride_ah, stride_am, stride_ad,
     H, max_q_len, total_q_rows,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-    ZERO_DQ_ACC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_q_len, BLOCK_M)
@@ -294,15 +292,11 @@ def _bwd_delta_kernel(
                    stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * stride_lb + h64 * stride_lh + (start64 + offs_m) * stride_lm, delta, mask=row_ok)
-    if ZERO_DQ_ACC:  # the valid rows of the atomic dQ accumulator (the only rows its adds reach)
-        store_rows(DQAcc + b64 * stride_ab + h64 * stride_ah + start64 * stride_am, offs_m, offs_d, stride_am,
-                   stride_ad, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), row_ok, HEAD_D)
 
 
 bwd_delta_kernel = _bwd_delta_kernel
 """delta = rowsum(dO * O) per query row (the softmax backward's correction term), one program per
-(query tile, batch*head); with ZERO_DQ_ACC it also zeroes those rows of the fp32 dQ accumulator that the
-dK/dV kernel's atomic dQ adds into (DQAcc and its strides are otherwise not read). The kernel keeps its ``_..._kernel`` name: runtime/kernel_time.py tells
+(query tile, batch*head). The kernel keeps its ``_..._kernel`` name: runtime/kernel_time.py tells
 gemcompile's kernels apart by it in profiles."""
 
 

@@ -168,18 +168,6 @@ def _trailing_values(fn, n_positional: int, named: dict) -> list:
     return values
 
 
-def _launch_key(kernel, args: tuple, consts: dict, buckets: tuple[int, ...]) -> tuple:
-    return (kernel, *buckets, *consts.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
-
-
-def is_tuned(kernel, args: tuple, consts: dict, buckets: tuple[int, ...]) -> bool:
-    """Whether :func:`launch` would run this kernel once (its tuning key has a config, or it has only one
-    config): a kernel whose outputs accumulate (atomic adds) must not be tuned on the real outputs, since
-    the autotuner runs it once per config."""
-    tuned = _BEST_CONFIG.get(_launch_key(kernel, args, consts, buckets))
-    return len(kernel.configs) < 2 or (tuned is not None and tuned[0] is kernel.configs)
-
-
 def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) -> None:
     """Launch an autotuned kernel. The first launch of a tuning key goes through the autotuner; later ones
     go to the tuned kernel with the config it chose: through ``JITFunction.run`` for a specialization not
@@ -189,7 +177,7 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
     The key holds what the autotuner keys on: the values of the kernel's autotune-key arguments (the
     length ``buckets`` and the flags, passed in ``consts`` with the other constexprs) and the dtypes of the
     tensor arguments."""
-    key = _launch_key(kernel, args, consts, buckets)
+    key = (kernel, *buckets, *consts.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
     tuned = _BEST_CONFIG.get(key)
     if tuned is None or tuned[0] is not kernel.configs:  # (tests pin configs by replacing the list)
         start = time.perf_counter()

@@ -31,11 +31,9 @@ uniform_keys (constexpr HAS_UNIFORM; without it the code is unchanged): one flag
 for a flagged sequence s = where(uniform, 0, s) after the bias, in the forward and in the P recomputation
 of both backward kernels (the dS, dQ, dK formulas are unchanged and use the real q and k).
 
-Backward: ``bwd_delta_kernel`` (common/attention_triton.py) computes delta = rowsum(dO * O);
-``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
-``_bwd_dq_kernel`` runs one program per query tile and loops over key tiles accumulating dQ. That is
-deterministic. With ATOMIC_DQ (atomic_dq.py: when allowed and no bias gradient is asked for) the dK/dV
-kernel also adds each pair's dS K into an fp32 dQ accumulator and the dQ kernel does not run. When the
+Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
+delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
+``_bwd_dq_kernel`` runs one program per query tile and loops over key tiles accumulating dQ. When the
 bias needs a gradient, ``_bwd_dq_kernel`` writes dS once per element into a (B, H, Lq, Lk) fp32 buffer
 that the launcher sums over the bias's broadcast dims with torch (memory: B*H*Lq*Lk*4 bytes, only
 when the bias requires grad). P is rebuilt from the saved lse, never from a second forward pass.
@@ -85,8 +83,7 @@ from ..common.attention_triton import (
 from ..common.length_order import key_span
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
-from ..common.tuned_launch import INTERPRET, autotune, is_tuned, launch
-from .atomic_dq import atomic_dq_enabled, dq_accumulator, dq_from_accumulator
+from ..common.tuned_launch import INTERPRET, autotune, launch
 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
@@ -314,7 +311,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
                 HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
-                n0, BLOCK_N: tl.constexpr, dqa_base, stride_am, stride_ad, ATOMIC_DQ: tl.constexpr):
+                n0=0, BLOCK_N: tl.constexpr = 16):
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -350,22 +347,15 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:  # this tile's share of dQ rows (masked keys hold k = 0: they add nothing)
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
-            dq_ptrs = dqa_base + rows.to(tl.int64)[:, None] * stride_am + offs_d[None, :] * stride_ad
-            dq_ok = (offs_d < HEAD_D)[None, :]
-            if MASKED:
-                dq_ok = dq_ok & row_ok[:, None]
-            tl.atomic_add(dq_ptrs, dq, mask=dq_ok, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["ATOMIC_DQ"], prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
+@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
 @per_step_jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Bias, DO, Lse, Delta, DK, DV, DQAcc,
+    Q, K, V, Bias, DO, Lse, Delta, DK, DV,
     QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -374,14 +364,13 @@ def _bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_ab, stride_ah, stride_am, stride_ad,
     stride_mb, stride_mn,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -422,7 +411,6 @@ def _bwd_dkdv_kernel(
     l_base = Lse + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
     d_base = Delta + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
-    dqa_base = DQAcc + b64 * stride_ab + h64 * stride_ah + start64 * stride_am
     k = load_rows(K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn, offs_n, offs_d,
                   stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, True)
     v = load_rows(V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn, offs_n, offs_d,
@@ -447,20 +435,17 @@ def _bwd_dkdv_kernel(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N, dqa_base, stride_am, stride_ad,
-        ATOMIC_DQ)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N, dqa_base, stride_am, stride_ad,
-        ATOMIC_DQ)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N, dqa_base, stride_am, stride_ad,
-        ATOMIC_DQ)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -675,9 +660,6 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
               o_strides, lse_strides, delta, dq, dq_strides, dk, dv, dk_strides, ds, ds_strides,
               kv_mask=None, uniform_keys=None, kv_order=None, kv_bounds=None, dropout_p=0.0, dropout_seed=None,
               grad_lse=None):
-    """dq, dk, dv (and ds when the bias needs a gradient) written in place. dQ comes from the dK/dV kernel's
-    atomic adds into an fp32 accumulator when atomic_dq_enabled() allows it and no dS is asked for, else
-    from the deterministic dQ kernel."""
     Lq, Lk = q_side.max_len, kv_side.max_len
     has_bias = bias is not None
     if has_bias:
@@ -688,13 +670,10 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         ds, ds_strides = lse, (0, 0, 0)
     common = dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode)
 
-    atomic = atomic_dq_enabled(q.device) and not bias_grad
-    dq_acc = dq_accumulator(dq) if atomic else delta
-    acc_strides = dq_strides if atomic else (0, 0, 0, 0)  # the accumulator has dq's shape and layout
     delta_block = 64 if not INTERPRET else 32
     bwd_delta_kernel[(triton.cdiv(Lq, delta_block) * B * H,)](
-        out, grad_out, delta, dq_acc, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
-        *acc_strides, H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, ZERO_DQ_ACC=atomic, **common)
+        out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
+        H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
     if grad_lse is not None:  # lse's own gradient: dS = P * (dP - delta + dlse)
         delta.sub_(grad_lse)
 
@@ -713,21 +692,11 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         q_order = kv_order
     else:
         q_order = batch_order(q_side, B, q.device)
-    def dkdv_args(acc):
-        return (q, k, v, bias, grad_out, lse, delta, dk, dv, acc,
-                q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
-                seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
-                *acc_strides, *keys.strides, *scalars)
-
-    dkdv_grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,)  # noqa: E731
-    dkdv_flags = dict(flags, ATOMIC_DQ=atomic)
-    if atomic and not is_tuned(_bwd_dkdv_kernel, dkdv_args(dq_acc), dkdv_flags, scalars[-2:]):
-        # the autotuner runs every config: its adds go to a scratch accumulator, never to dq's
-        launch(_bwd_dkdv_kernel, dkdv_grid, dkdv_args(torch.zeros_like(dq_acc)), dkdv_flags, scalars[-2:])
-    launch(_bwd_dkdv_kernel, dkdv_grid, dkdv_args(dq_acc), dkdv_flags, scalars[-2:])
-    if atomic:
-        dq_from_accumulator(dq_acc, dq, q_side, B, H, D, scale, dq_strides)
-        return
+    launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
+        q, k, v, bias, grad_out, lse, delta, dk, dv,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
+        seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
+        *keys.strides, *scalars), flags, scalars[-2:])
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
@@ -772,8 +741,7 @@ def jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_
                                      scale: float, bias_requires_grad: bool, kv_mask=None, uniform_keys=None,
                                      dropout_p=0.0, dropout_seed=None, grad_lse=None, *, q_order=None,
                                      kv_order=None, kv_bounds=None):
-    """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic unless the atomic
-    dQ path runs (atomic_dq.py)."""
+    """Padded layout -> (dq like q, dk, dv, dbias like bias or an empty tensor). Deterministic."""
     B, H, Lk, D = k.shape
     Lq = q.shape[2]
     shared_q = q.shape[0] != B
