@@ -1610,6 +1610,42 @@ def gpu_tests() -> str:
     return "\n".join(lines).rstrip()
 
 
+# --- attention dropout -------------------------------------------------------------------------------
+
+DROPOUT_METHODS = ["gemcompile", "gemcompile_dropout", "sdpa_padded_dropout", "njt_sdpa_dropout"]
+
+
+@block("attention-dropout")
+def attention_dropout() -> str:
+    """Every attention_dropout*.json: fwd+bwd ms per method, dropout's cost, the peers' time over ours, and the
+    three largest kernels of ours with and without dropout."""
+    paths = sorted(RESULTS.glob("attention_dropout*.json"))
+    if not paths:
+        return "No attention dropout timing is committed yet."
+    lines = []
+    for path in paths:
+        payload = json.loads(path.read_text())
+        rows = []
+        for r in payload.get("rows", []):
+            ms = r.get("ms", {})
+            eager = set(r.get("eager", []))
+            rows.append([f"B{r['B']} L{r['L']} H{r['H']} D{r['D']} fill {r.get('realised_fill')} p {r.get('p')}"]
+                        + [f(ms.get(m), ".2f") + (" (eager)" if m in eager else "") for m in DROPOUT_METHODS]
+                        + [f(r.get("dropout_cost"))]
+                        + [f((r.get("speedup") or {}).get(m)) for m in DROPOUT_METHODS[2:]])
+        graph = "CUDA graph replay" if payload.get("cuda_graph") else "eager calls"
+        lines += [f"Forward+backward, bf16, {graph}; source: {source_line((path, payload))}", ""]
+        lines += table(["shape"] + [f"{m} ms" for m in DROPOUT_METHODS] + ["dropout cost"]
+                       + [f"{m} / ours" for m in DROPOUT_METHODS[2:]], rows) + [""]
+        kernel_lines = []
+        for r in payload.get("rows", []):
+            for name, kernels in (r.get("kernels_us") or {}).items():
+                top = ", ".join(f"`{k['kernel'][:40]}` {f(k['us'] / 1000, '.2f')} ms" for k in kernels[:3])
+                kernel_lines.append(f"- B{r['B']} L{r['L']} D{r['D']} {name}: {top}")
+        lines += kernel_lines + ([""] if kernel_lines else [])
+    return "\n".join(lines).rstrip()
+
+
 # --- the index of every results file ------------------------------------------------------------------
 
 @block("results-index")
