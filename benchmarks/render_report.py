@@ -1640,7 +1640,7 @@ def attention_dropout() -> str:
         kernel_lines = []
         for r in payload.get("rows", []):
             for name, kernels in (r.get("kernels_us") or {}).items():
-                top = ", ".join(f"`{k['kernel'][:40]}` {f(k['us'] / 1000, '.2f')} ms" for k in kernels[:3])
+                top = ", ".join(f"`{k['kernel'][:40]}` {f(k['us'], '.0f')} us" for k in kernels[:3])
                 kernel_lines.append(f"- B{r['B']} L{r['L']} D{r['D']} {name}: {top}")
         lines += kernel_lines + ([""] if kernel_lines else [])
     return "\n".join(lines).rstrip()
