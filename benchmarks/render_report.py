@@ -1669,7 +1669,8 @@ def results_index() -> str:
             status = f"script-written; {', '.join(fields)} added by hand" + ("" if said else " (unsaid)")
         else:
             status = "script-written"
-        rows.append([f"`{path.name}`", str(payload.get("benchmark", "-")), str(env.get("gpu") or payload.get("gpu") or "-"),
+        gpu = env.get("gpu") or payload.get("gpu")
+        rows.append([f"`{path.name}`", str(payload.get("benchmark", "-")), f"`{gpu}`" if gpu else "-",
                      "writer" if "writer" in env else ("missing: " + ", ".join(gaps) if gaps else "complete"),
                      status])
     lines = ["Every results file: what its environment block holds (the writer's fields: "
