@@ -1,7 +1,8 @@
 """Attention dropout in training: what the kernel's in-tile Philox draws cost, and the peers a user would
 train with dropout instead.
 
-    python benchmarks/attention_dropout.py [--p 0.1] [--quick] [--cuda-graph] [--kernels] [--shapes 0,1] [--out DIR]
+    python benchmarks/attention_dropout.py [--p 0.1] [--quick] [--cuda-graph] [--kernels] [--shapes 0,1]
+                                           [--out DIR]
 
 Forward+backward, bf16, non-causal, side by side in one run per shape (issue 25's shapes and the D 64
 anchor):
@@ -85,9 +86,10 @@ def run_shape(shape, args) -> dict:
     methods, pairs, fill = _methods(shape, args.p)
     flops = (1 + BACKWARD_FLOPS_RATIO) * 4 * shape["H"] * shape["D"] * pairs
     row = dict(shape, realised_fill=round(fill, 3), p=args.p, ms={}, errors={}, eager=[])
-    if args.kernels:  # profiled first, eagerly: after a CUDA graph captured a dropout draw, torch 2.11 refused
-        # an eager draw on the same generator ("Offset increment outside graph capture"); each method runs
-        # once before, so that the autotuner's runs are not in the profile
+    # profiled first, eagerly: after a CUDA graph captured a dropout draw, torch 2.11 refused an eager draw on
+    # the same generator ("Offset increment outside graph capture"); each method runs once before, so that
+    # the autotuner's runs are not in the profile
+    if args.kernels:
         row["kernels_us"] = {}
         for name in ("gemcompile", "gemcompile_dropout"):
             methods[name]()

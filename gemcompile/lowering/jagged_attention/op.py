@@ -45,8 +45,8 @@ dropout_p, dropout_seed (optional): dropout on the attention probabilities, as e
 ``dropout(softmax(s), p) @ v`` applies it: each kept pair's probability is divided by 1 - p, the others
 are 0 (p drawn to 16 bits, within 2**-17 of the argument: common/dropout.py). The keep mask is drawn
 inside the kernels from dropout_seed (an int64 tensor of one element on q's device) with the stream of
-common/dropout.py, and drawn again identically in the backward; the
-references draw the same numbers, so CPU and CUDA agree for one seed. lse stays the softmax's own.
+common/dropout.py, and drawn again identically in the backward; the references draw the same numbers, so
+CPU and CUDA agree for one seed. lse stays the softmax's own.
 
 Wiring (common/opkit.py explains why there are three ops): ``gemcompile::jagged_attention_fwd(...) ->
 (out, lse)`` and ``gemcompile::jagged_attention_bwd(grad_out, q, k, v, out, lse, ..., bias_requires_grad)

@@ -113,7 +113,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "source_digest": source_digest(),
         "machine_shared": machine_shared(),
         "machine_note": os.environ.get("GEMCOMPILE_MACHINE_NOTE") or None,
-        # the switches that change which kernels run (GEMCOMPILE_ATOMIC_DQ, ...), as the run had them
+        # the switches that change what runs (GEMCOMPILE_DIRECT_LAUNCH, ...), as the run had them
         "gemcompile_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GEMCOMPILE_")},
         "writer": f"{WRITER} v{WRITER_VERSION}",
     }
