@@ -79,8 +79,10 @@ def _jit(kernel):
     return kernel
 
 
-def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int | None):
+def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int | None, types: dict | None = None):
+    """``types``: signature types beyond POINTERS (the forward's TMA descriptors)."""
     fn = _jit(kernel)
+    types = {**POINTERS, **(types or {})}
     consts = dict(constexprs)
     # constexpr parameters left at their defaults (as a launch leaves them), not compiled as runtime args
     consts.update({p.name: p.default for p in fn.params
@@ -95,7 +97,7 @@ def compile_sm90(kernel, constexprs: dict, warps: int, stages: int, maxnreg: int
         }
     )
     sig = {
-        n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if "scale" in n else "i32")
+        n: "constexpr" if n in consts else types.get(n, "fp32" if "scale" in n else "i32")
         for n in fn.arg_names
     }
     attrs = {
@@ -196,12 +198,21 @@ def main() -> None:
         DROPOUT=args.dropout,
     )
     rows = []
-    for name, configs in CONFIGS.items():
-        for m, n, warps, stages in configs:
+    variants = [(name, tma) for name in CONFIGS for tma in ((False, True) if name == "fwd" else (None,))]
+    for name, tma in variants:
+        for m, n, warps, stages in CONFIGS[name]:
             for maxnreg in (None, 168, 128):
                 consts = dict(base, BLOCK_M=m, BLOCK_N=n, **({"BIAS_GRAD": False} if name == "dq" else {}))
+                types = None
+                if tma is not None:  # the forward with pointer loads (no descriptors) or TMA loads
+                    consts["USE_TMA"] = tma
+                    boxes = {"QDesc": m, "KDesc": n, "VDesc": n}
+                    if tma:
+                        types = {d: f"tensordesc<bf16[1,1,{rows_},{args.head_dim}]>" for d, rows_ in boxes.items()}
+                    else:
+                        consts.update(dict.fromkeys(boxes))
                 row = {
-                    "kernel": name,
+                    "kernel": name + ("-tma" if tma else ""),
                     "BLOCK_M": m,
                     "BLOCK_N": n,
                     "num_warps": warps,
@@ -209,7 +220,7 @@ def main() -> None:
                     "maxnreg": maxnreg,
                 }
                 try:
-                    compiled = compile_sm90(KERNELS[name], consts, warps, stages, maxnreg)
+                    compiled = compile_sm90(KERNELS[name], consts, warps, stages, maxnreg, types)
                     row.update(ptxas_report(compiled.asm["ptx"]), shared_bytes=compiled.metadata.shared)
                 except Exception as e:  # noqa: BLE001  a config this compiler refuses: recorded, the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -2,7 +2,8 @@
 the bundled ptxas, in a subprocess without TRITON_INTERPRET (the interpreter replaces @triton.jit).
 
 This catches what the interpreter cannot: code the compiler rejects, and register spills of the
-configs the autotuner offers for D = 128 (a performance regression).
+configs the autotuner offers for D = 128 (a performance regression); both for the pointer loads and for
+the TMA loads (USE_TMA: the ragged descriptors of common/ragged_tma.py as tensordesc arguments).
 """
 
 import json
@@ -31,6 +32,7 @@ SCRIPT = textwrap.dedent(
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8",
                 "KVBounds": "i32", "Uniform": "u8", "Seed": "i64"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")
+    DESCS = {"QDesc": "BLOCK_M", "KDesc": "BLOCK_N", "VDesc": "BLOCK_N", "DODesc": "BLOCK_M"}
 
     def jit_fn(kernel):
         while not isinstance(kernel, triton.runtime.jit.JITFunction):
@@ -41,8 +43,17 @@ SCRIPT = textwrap.dedent(
         """Specialise as a launch on contiguous tensors would: d strides 1, other strides, pointers % 16."""
         fn = jit_fn(kernel)
         signature, constants, attrs = {}, dict(constexprs), {}
+        if "USE_TMA" in fn.arg_names:
+            constants.setdefault("USE_TMA", False)
         for i, name in enumerate(fn.arg_names):
-            if name in constexprs:
+            if name in DESCS:  # a ragged descriptor with the config's box, or None (the pointer loads)
+                if constants["USE_TMA"]:
+                    box = constexprs[DESCS[name]]
+                    signature[name] = f"tensordesc<{dtype}[1,1,{box},{constexprs['BLOCK_D']}]>"
+                else:
+                    constants[name] = None
+                    signature[name] = "constexpr"
+            elif name in constants:
                 signature[name] = "constexpr"
             elif name in DATA or name in POINTERS:
                 signature[name] = "*" + POINTERS.get(name, dtype)
@@ -92,12 +103,22 @@ SCRIPT = textwrap.dedent(
         compile_kernel(attention_triton.bwd_delta_kernel, dtype,
                        dict(HEAD_D=D, BLOCK_D=flags["BLOCK_D"], Q_MODE=q_mode, BLOCK_M=64), 4, 1)
         results.append(["delta", dtype, D, "compiled", None])
+    for name, kernel, extra in (("fwd", T._fwd_kernel, {}), ("dkdv", T._bwd_dkdv_kernel, {}),
+                                ("dq", T._bwd_dq_kernel, {"BIAS_GRAD": True})):
+        flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=True,
+                     DOT_PRECISION="tf32", HAS_KV_MASK=name == "dkdv", HAS_UNIFORM=False, DROPOUT=True)
+        compile_kernel(kernel, "bf16", dict(flags, BLOCK_M=64, BLOCK_N=64, USE_TMA=True, **extra), 4, 3)
+        results.append([name + "-tma", "bf16", 128, "compiled", None])
     # the largest tile of each kernel that the autotuner offers at D = 128 must not spill registers
     flags = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=False, CAUSAL=False,
                  DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False)
     for name, kernel, shapes, extra in (("fwd", T._fwd_kernel, T._FWD_SHAPES, {}),
                                         ("dkdv", T._bwd_dkdv_kernel, T._DKDV_SHAPES, {}),
-                                        ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False})):
+                                        ("dq", T._bwd_dq_kernel, T._DQ_SHAPES, {"BIAS_GRAD": False}),
+                                        ("fwd-tma", T._fwd_kernel, T._FWD_TMA_SHAPES, {"USE_TMA": True}),
+                                        ("dkdv-tma", T._bwd_dkdv_kernel, T._DKDV_TMA_SHAPES, {"USE_TMA": True}),
+                                        ("dq-tma", T._bwd_dq_kernel, T._DQ_TMA_SHAPES,
+                                         {"BIAS_GRAD": False, "USE_TMA": True})):
         large = [cfg for cfg, heads in shapes.items() if "large" in heads]
         m, n, w, s = max(large, key=lambda c: (c[0] * c[1], -c[2]))
         compiled = compile_kernel(kernel, "bf16", dict(flags, BLOCK_M=m, BLOCK_N=n, **extra), w, s)
@@ -119,7 +140,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
-    assert sum(r[3] == "compiled" for r in results) == 20
+    assert sum(r[3] == "compiled" for r in results) == 23
+    assert {r[0] for r in results if r[3] != "compiled"} >= {"fwd-tma", "dkdv-tma", "dq-tma"}
     spills = [r for r in results if r[3] != "compiled"]
     assert spills, "no autotune config checked for spills"
     for name, dtype, D, config, stack in spills:

@@ -178,7 +178,11 @@ def sass_counts(cubin):
 
 
 JAGGED = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=True, DOT_PRECISION="tf32",
-              HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False, BLOCK_M=32, BLOCK_N=128)
+              HAS_KV_MASK=False, HAS_UNIFORM=False, DROPOUT=False, BLOCK_M=32, BLOCK_N=128, USE_TMA=False,
+              QDesc=None, DODesc=None)
+# q and dO streamed through ragged TMA descriptors (common/ragged_tma.py), boxes of BLOCK_M rows
+JAGGED_TMA = {k: v for k, v in JAGGED.items() if k not in ("QDesc", "DODesc")} | {"USE_TMA": True}
+TMA_TYPES = dict(TYPES, QDesc="tensordesc<bf16[1,1,32,128]>", DODesc="tensordesc<bf16[1,1,32,128]>")
 GDPA = dict(HEAD_D=128, BLOCK_D=128, Q_MODE=1, KV_MODE=1, HAS_BIAS=True, CAUSAL=True, HAS_WINDOW=False,
             HAS_TARGETS=False, HAS_CONTEXT=False, HAS_KV_MASK=False, ACT=gdpa_triton.activation_code("silu"),
             FAST_ACT=True, DIVIDE=False, DOT_PRECISION="tf32", BLOCK_M=32, BLOCK_N=128)
@@ -189,6 +193,7 @@ SASS = ("jagged_dkdv_d128_causal_bias", "near_miss_branch", "near_miss_selected"
 KERNELS = {  # name: (kernel, constexprs, num_warps, num_stages, signature types)
     "jagged_dkdv_d128_causal_bias": (jagged_triton._bwd_dkdv_kernel, JAGGED, 8, 3, TYPES),
     "jagged_dkdv_d128_dropout": (jagged_triton._bwd_dkdv_kernel, dict(JAGGED, DROPOUT=True), 8, 3, TYPES),
+    "jagged_dkdv_d128_causal_bias_tma": (jagged_triton._bwd_dkdv_kernel, JAGGED_TMA, 8, 3, TMA_TYPES),
     "jagged_dkdv_d64": (jagged_triton._bwd_dkdv_kernel,
                         dict(JAGGED, HEAD_D=64, BLOCK_D=64, HAS_BIAS=False, CAUSAL=False), 8, 3, TYPES),
     "gdpa_dkdv_d64_causal_bias": (gdpa_triton._gdpa_bwd_dkdv_kernel, dict(GDPA, HEAD_D=64, BLOCK_D=64), 8, 3,
@@ -211,7 +216,8 @@ print("REPORT " + json.dumps(report))
 """
 
 SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)
-KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d128_dropout", "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
+KERNELS = ["jagged_dkdv_d128_causal_bias", "jagged_dkdv_d128_dropout", "jagged_dkdv_d128_causal_bias_tma",
+           "jagged_dkdv_d64", "gdpa_dkdv_d64_causal_bias",
            "block_dkdv_d128_window_causal", "block_dkdv_d128_window_causal_packed"]
 # block_dkdv_d128_window_causal_dropout is compiled and reported but not asserted: ptxas serializes its wgmma
 # (C7515), a known cost of block attention's dropout path (test_block_dropout_serialization_is_known)

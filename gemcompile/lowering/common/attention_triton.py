@@ -96,11 +96,14 @@ def length_bucket(n: int) -> int:
     return bucket_length(max(int(n), 16))
 
 
-def kernel_configs(shapes, interpret_shape):
+def kernel_configs(shapes, interpret_shape, pre_hook=None):
+    """Configs of (BLOCK_M, BLOCK_N, warps, stages) shapes; ``pre_hook``: a variant's configs (the TMA
+    loads': their hook sets the descriptors' boxes, common/ragged_tma.py)."""
     if INTERPRET:
         m, n = interpret_shape
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1, pre_hook=pre_hook)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+            for m, n, w, s in shapes]
 
 
 SHARED_MEMORY_BUDGET = 227 * 1024
@@ -134,24 +137,32 @@ def fit_shared_memory(config, kind: str, args: dict):
         stages -= 1
     if stages == config.num_stages:
         return config
-    return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages)
+    return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages,
+                         maxnreg=config.maxnreg, pre_hook=config.pre_hook)
 
 
-def make_prune(shapes, kind):
+def make_prune(shapes, kind, tma_shapes=None):
+    """The configs' prune: ``shapes`` (``tma_shapes``: the TMA variant's) map a config's (BLOCK_M, BLOCK_N,
+    warps, stages) to the head dims it serves; a launch with USE_TMA keeps only the TMA variant's configs
+    (those with a pre_hook, kernel_configs), one without only the others."""
+
     def prune(configs, named_args, **kwargs):
-        """Keep the configs meant for this head dim whose tiles are not far larger than the lengths."""
+        """Keep the configs meant for this variant and head dim whose tiles are not far larger than the
+        lengths."""
         args = {**named_args, **kwargs}
         head = "small" if args.get("HEAD_D", 64) <= 64 else "large"
         lq, lk = args.get("LQ_BUCKET", 1 << 30), args.get("LK_BUCKET", 1 << 30)
+        variant = [c for c in configs if (c.pre_hook is not None) == bool(args.get("USE_TMA", False))]
         kept = []
-        for c in configs:
+        for c in variant:
             key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-            if head not in shapes.get(key, ("small", "large")):
+            listed = shapes if c.pre_hook is None else tma_shapes
+            if head not in listed.get(key, ("small", "large")):
                 continue
             if c.kwargs["BLOCK_M"] > max(lq, 64) or c.kwargs["BLOCK_N"] > max(lk, 64):
                 continue
             kept.append(fit_shared_memory(c, kind, args))
-        return kept or [fit_shared_memory(configs[0], kind, args)]
+        return kept or [fit_shared_memory(variant[0], kind, args)]
 
     return {"early_config_prune": prune}
 

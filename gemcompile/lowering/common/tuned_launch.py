@@ -96,11 +96,34 @@ def _compile_configs(kernel, grid, args: tuple, consts: dict) -> None:
                                        thread_name_prefix="gemcompile-tuning")
     try:
         with AsyncCompileMode(_EXECUTOR, ignore_errors=True):
-            kernel.warmup(*args, grid=grid, **consts)
+            if any(c.pre_hook is not None for c in kernel.configs):
+                _warmup_with_hooks(kernel, grid, args, consts)
+            else:
+                kernel.warmup(*args, grid=grid, **consts)
     except Exception as e:  # noqa: BLE001  a speed-up only: the autotuner then compiles (and reports) them
         warnings.warn(f"gemcompile: compiling {getattr(kernel, 'base_fn', kernel)!r}'s configs in parallel "
                       f"failed ({type(e).__name__}: {e}); the autotuner compiles them one by one",
                       stacklevel=3)
+
+
+def _warmup_with_hooks(kernel, grid, args: tuple, consts: dict) -> None:
+    """``Autotuner.warmup`` that runs each config's pre_hook first: a TMA config's hook sets the descriptors'
+    boxes, which the compiled kernel is specialized on (common/ragged_tma.py)."""
+    kernel.nargs = dict(zip(kernel.arg_names, args))
+    try:
+        configs = kernel.prune_configs(consts)
+    finally:
+        kernel.nargs = None
+    for config in configs:
+        _run_pre_hook(kernel, config, args, consts)
+        kernel.fn.warmup(*args, grid=grid, **consts, **config.all_kwargs())
+
+
+def _run_pre_hook(kernel, config, args: tuple, consts: dict) -> None:
+    """The config's pre_hook with the launch's named arguments, as the autotuner calls it (the launches that
+    bypass the autotuner must too: a TMA config's hook sets the descriptors' boxes)."""
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(kernel.arg_names, args)), **consts, **config.all_kwargs()})
 
 
 _BEST_CONFIG: dict = {}
@@ -196,6 +219,7 @@ def launch(kernel, grid, args: tuple, consts: dict, buckets: tuple[int, ...]) ->
         entry[2] += len(getattr(kernel, "configs_timings", None) or ()) or 1
         return
     config = tuned[1]
+    _run_pre_hook(kernel, config, args, consts)
     direct = DIRECT_LAUNCH and hasattr(kernel.fn, "params")  # a JITFunction (not a heuristics wrapper)
     if direct:
         # per device, as Triton's own caches: a compiled kernel's function handle belongs to one device

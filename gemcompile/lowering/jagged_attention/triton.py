@@ -81,6 +81,7 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.length_order import key_span
+from ..common.ragged_tma import TMA_ENABLED, load_tile, ragged_rows, tma_available, tma_pre_hook
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, autotune, launch
@@ -109,12 +110,29 @@ _DQ_SHAPES = {
 }
 
 
-_FWD_CONFIGS = kernel_configs(_FWD_SHAPES, (32, 16))
-_DKDV_CONFIGS = kernel_configs(_DKDV_SHAPES, (16, 32))
-_DQ_CONFIGS = kernel_configs(_DQ_SHAPES, (32, 16))
+# The forward with TMA loads (common/ragged_tma.py; sm_90a, D 128: 149 registers at 128x64x3 against 172 with
+# pointer loads). A 128-register cap (two CTAs per SM) serializes its wgmma (ptxas C7512): not listed.
+_FWD_TMA_SHAPES = {
+    (128, 64, 8, 3): ("small", "large"), (128, 128, 8, 2): ("large",), (128, 128, 8, 3): ("small",),
+    (128, 64, 4, 3): ("small",), (64, 64, 4, 3): ("small", "large"),
+}
+_FWD_TMA_BLOCKS = (("QDesc", "BLOCK_M"), ("KDesc", "BLOCK_N"), ("VDesc", "BLOCK_N"))
+# dK/dV streams q and dO through TMA, dQ streams k and v (the tiles loaded once per program keep pointers)
+_DKDV_TMA_SHAPES = {**_DKDV_SHAPES, (64, 64, 8, 3): ("large",)}  # (64x128x2 spills 48 B at D 128)
+_DQ_TMA_SHAPES = dict(_DQ_SHAPES)
+
+
+_FWD_CONFIGS = (kernel_configs(_FWD_SHAPES, (32, 16))
+                + kernel_configs(_FWD_TMA_SHAPES, (32, 16), pre_hook=tma_pre_hook(_FWD_TMA_BLOCKS)))
+_DKDV_CONFIGS = (kernel_configs(_DKDV_SHAPES, (16, 32))
+                 + kernel_configs(_DKDV_TMA_SHAPES, (16, 32), pre_hook=tma_pre_hook(
+                     (("QDesc", "BLOCK_M"), ("DODesc", "BLOCK_M")))))
+_DQ_CONFIGS = (kernel_configs(_DQ_SHAPES, (32, 16))
+               + kernel_configs(_DQ_TMA_SHAPES, (32, 16), pre_hook=tma_pre_hook(
+                   (("KDesc", "BLOCK_N"), ("VDesc", "BLOCK_N")))))
 # bucketed lengths, never the raw lengths; the autotuner adds the dtypes of the tensor arguments itself
 _AUTOTUNE_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_D", "Q_MODE", "KV_MODE", "HAS_BIAS", "CAUSAL",
-                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM", "DROPOUT"]
+                 "DOT_PRECISION", "HAS_KV_MASK", "HAS_UNIFORM", "DROPOUT", "USE_TMA"]
 
 
 @triton.jit
@@ -164,9 +182,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale,
-               row_counters, DROPOUT: tl.constexpr, STAGES: tl.constexpr = None):
+               row_counters, DROPOUT: tl.constexpr, k_desc, v_desc, kv_row0, kv_col, USE_TMA: tl.constexpr,
+               STAGES: tl.constexpr = None):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
-    nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes."""
+    nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes. USE_TMA
+    (never with a kv_mask): k and v tiles come through their ragged descriptors, zero past kv_len."""
     row_ok = offs_m < q_len
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + offs_n
@@ -175,7 +195,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
             # masked keys read as 0 (garbage in k or v there must not reach p @ v)
             col_ok = col_ok & (cols >= key_lo)
             col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if USE_TMA:
+            k = load_tile(k_desc, kv_row0, kv_len, start_n, kv_col)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -200,17 +223,21 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
             p = p * dropout_factor(seed, offs_m, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if USE_TMA:
+            v = load_tile(v_desc, kv_row0, kv_len, start_n, kv_col)
+        else:
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_FWD_SHAPES, "fwd"))
+@autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY,
+          prune_configs_by=make_prune(_FWD_SHAPES, "fwd", _FWD_TMA_SHAPES))
 @per_step_jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed, QDesc, KDesc, VDesc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -218,12 +245,13 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mn,
+    q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -259,7 +287,13 @@ def _fwd_kernel(
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
     seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
-    q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
+    # TMA: a sequence's rows start at its start row plus the (batch, head)'s row offset (common/ragged_tma.py)
+    kv_row0 = kv_start + b * kv_row_b + h * kv_row_h
+    kv_col = h * kv_col_h
+    if USE_TMA:
+        q = load_tile(QDesc, q_start + b * q_row_b + h * q_row_h, q_len, m0, h * q_col_h)
+    else:
+        q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -281,17 +315,18 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, 1)
+            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc,
+            kv_row0, kv_col, USE_TMA, 1)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
         key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
-        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT)
+        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
         HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -311,13 +346,19 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
                 HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
+                q_desc, do_desc, q_row0, q_col, do_row0, do_col, USE_TMA: tl.constexpr,
                 n0=0, BLOCK_N: tl.constexpr = 16):
+    """USE_TMA: q and dO tiles come through their ragged descriptors, zero past q_len."""
     col_ok = offs_n < kv_len
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
-        do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        if USE_TMA:
+            q = load_tile(q_desc, q_row0, q_len, start_m, q_col)
+            do = load_tile(do_desc, do_row0, q_len, start_m, do_col)
+        else:
+            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
+            do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
         if MASKED:
             lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
             delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
@@ -352,11 +393,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
     return dk, dv
 
 
-@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv"))
+@autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+          prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv", _DKDV_TMA_SHAPES))
 @per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed, QDesc, DODesc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -365,12 +407,13 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_mb, stride_mn,
+    q_row_b, q_row_h, q_col_h, do_row_b, do_row_h, do_col_h,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -421,6 +464,8 @@ def _bwd_dkdv_kernel(
     if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
         uniform = tl.load(Uniform + b) != 0
     seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
+    q_row0 = q_start + b * q_row_b + h * q_row_h  # the TMA slices of q and dO (common/ragged_tma.py)
+    do_row0 = q_start + b * do_row_b + h * do_row_h
     # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
     # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
     # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
@@ -435,17 +480,20 @@ def _bwd_dkdv_kernel(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+        h * do_col_h, USE_TMA, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+        h * do_col_h, USE_TMA, n0, BLOCK_N)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
         stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
         BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, n0, BLOCK_N)
+        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+        h * do_col_h, USE_TMA, n0, BLOCK_N)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -460,8 +508,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
               HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, uniform,
               HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
-              STAGES: tl.constexpr = None):
-    """Tiles and masking as in _fwd_inner."""
+              k_desc, v_desc, kv_row0, kv_col, USE_TMA: tl.constexpr, STAGES: tl.constexpr = None):
+    """Tiles, masking and TMA loads as in _fwd_inner."""
     row_ok = offs_m < q_len
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         cols = start_n + offs_n
@@ -470,8 +518,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
             # masked keys read as 0: garbage there must not reach dS (through dP) or dS @ K
             col_ok = col_ok & (cols >= key_lo)
             col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
-        k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-        v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        if USE_TMA:
+            k = load_tile(k_desc, kv_row0, kv_len, start_n, kv_col)
+            v = load_tile(v_desc, kv_row0, kv_len, start_n, kv_col)
+        else:
+            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -501,11 +553,11 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
 
 
 @autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["BIAS_GRAD"],
-          prune_configs_by=make_prune(_DQ_SHAPES, "dq"))
+          prune_configs_by=make_prune(_DQ_SHAPES, "dq", _DQ_TMA_SHAPES))
 @per_step_jit
 def _bwd_dq_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
-    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed,
+    QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed, KDesc, VDesc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -515,12 +567,13 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
     stride_mb, stride_mn,
+    kv_row_b, kv_row_h, kv_col_h,
     H, max_q_len, max_kv_len, total_q_rows, total_kv_rows, qk_scale, scale, drop_below, dropout_scale,
     LQ_BUCKET, LK_BUCKET,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -532,6 +585,8 @@ def _bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     start64 = q_start.to(tl.int64)
+    kv_row0 = kv_start + b * kv_row_b + h * kv_row_h  # the TMA slices of k and v (common/ragged_tma.py)
+    kv_col = h * kv_col_h
     dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqm
     if Q_MODE == 2:
         store_mask = offs_m < q_len
@@ -580,18 +635,19 @@ def _bwd_dq_kernel(
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
             qk_scale, lo, head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True,
             DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters,
-            DROPOUT, 1)
+            DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA, 1)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, first_full, full_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, False,
         DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters,
-        DROPOUT)
+        DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
         kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
         qk_scale, tail, hi, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, BIAS_GRAD, CAUSAL, True, DOT_PRECISION,
-        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT)
+        BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT,
+        KDesc, VDesc, kv_row0, kv_col, USE_TMA)
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
     store_rows(dq_base, offs_m, offs_d, stride_dqm, stride_dqd, dq, store_mask, HEAD_D)
 
@@ -640,19 +696,42 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
     uniform = _uniform_arg(uniform_keys, keys)
     seed, *dropout = dropout_args(dropout_p, dropout_seed, keys.mask)
 
+    # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
+    # where the pointer loads read 0
+    tma = None if keys.has else _tma_rows(_fwd_kernel, ((q, q_strides), (k, k_strides), (v, v_strides)), H, D)
+    if tma is not None and tma[1][3:6] != tma[1][6:]:  # k and v laid out differently: one set of integers
+        tma = None
+
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform, seed,
+        *(tma[0] if tma else (None, None, None)),
         *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
+        *(tma[1][:6] if tma else (0,) * 6),
         H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, *dropout,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
-           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p)),
+           HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p),
+           USE_TMA=tma is not None),
         (length_bucket(Lq), length_bucket(Lk)))
+
+
+def _tma_rows(kernel, sides, H: int, D: int, same: bool = False):
+    """((descriptor per side), the sides' row-offset integers) for a kernel's TMA loads of ``sides``
+    ((tensor, its (b, h, l, d) strides) pairs, common/ragged_tma.py), or None for the pointer loads: TMA off
+    or absent, a side TMA cannot read, the kernel's config list without TMA configs (tests pin their own), or
+    with ``same`` sides whose rows are laid out differently (the kernel offsets them by one set of integers)."""
+    if (not TMA_ENABLED or not tma_available(sides[0][0].device)
+            or not any(c.pre_hook is not None for c in kernel.configs)):
+        return None
+    rows = [ragged_rows(t, H, D, strides) for t, strides in sides]
+    if None in rows or (same and any(r.args() != rows[0].args() for r in rows)):
+        return None
+    return tuple(r.desc for r in rows), tuple(x for r in rows for x in r.args())
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
@@ -692,16 +771,21 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         q_order = kv_order
     else:
         q_order = batch_order(q_side, B, q.device)
+    q_do = _tma_rows(_bwd_dkdv_kernel, ((q, q_strides), (grad_out, g_strides)), H, D)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
-        seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dk_strides,
-        *keys.strides, *scalars), flags, scalars[-2:])
+        seed, *(q_do[0] if q_do else (None, None)), *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
+        *lse_strides, *dk_strides, *keys.strides, *(q_do[1] if q_do else (0,) * 6), *scalars),
+        dict(flags, USE_TMA=q_do is not None), scalars[-2:])
+    # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
+    kv = None if keys.has else _tma_rows(_bwd_dq_kernel, ((k, k_strides), (v, v_strides)), H, D, same=True)
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
-        seed, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *lse_strides, *dq_strides, *ds_strides,
-        *keys.strides, *scalars), dict(flags, BIAS_GRAD=bool(bias_grad)), scalars[-2:])
+        seed, *(kv[0] if kv else (None, None)), *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
+        *lse_strides, *dq_strides, *ds_strides, *keys.strides, *(kv[1][:3] if kv else (0,) * 3), *scalars),
+        dict(flags, BIAS_GRAD=bool(bias_grad), USE_TMA=kv is not None), scalars[-2:])
 
 
 def _padded_sides(q, k, q_lengths, kv_lengths, dummy, q_order=None, kv_order=None, kv_mask=None):

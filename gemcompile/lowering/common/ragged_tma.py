@@ -1,0 +1,101 @@
+"""TMA loads of a side's row tiles (Hopper), through Triton's ragged tensor descriptors.
+
+A padded (B, H, L, D) tensor whose rows of one (batch, head) are equally strided is read as one long list
+of rows, a 2-D (rows, columns) view: row (b, h, l) = start + b * row_b + h * row_h + l (start: the
+sequence's start row, nonzero only in a packed layout), and head h's columns from h * col_h. A (B, H, L, D)
+layout folds the head into the row (row_h = L, col_h = 0); a (B, L, H, D) one permuted to (B, H, L, D) keeps
+the heads side by side in a row (row_h = 0, col_h = the head stride). ``triton.tools.ragged_tma`` then bounds
+each load by the sequence's rows [row0, row0 + length) in hardware: rows past the length read as zero, so
+garbage or NaN in padded rows never reaches a dot (the contract of the pointer loads,
+common/attention_triton.load_rows), and no pointer tensor is built. Compiled for sm_90a (triton 3.6) the
+jagged forward at D 128 and 128x64 tiles takes 149 registers this way against 172 with pointer loads.
+
+The descriptor's box depends on the tile the autotuner picks: :func:`tma_pre_hook` is the configs'
+``pre_hook``, which sets each descriptor's box from the config's BLOCK_M / BLOCK_N before a launch
+(tuned_launch.launch calls it on its direct path too). :func:`ragged_rows` says whether a tensor can be
+read this way (else the kernel keeps its pointer loads); GEMCOMPILE_TMA=0 turns the path off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.ragged_tma import load_ragged
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .tuned_launch import INTERPRET
+
+__all__ = ["TMA_ENABLED", "RaggedRows", "load_tile", "ragged_rows", "tma_available", "tma_pre_hook"]
+
+TMA_ENABLED = os.environ.get("GEMCOMPILE_TMA", "1") != "0"
+"""Read padded row tiles through TMA where :func:`ragged_rows` allows it (GEMCOMPILE_TMA=0: pointer loads)."""
+
+_MAX_INT = 0x7FFF0000
+_ROWS = 1 << 30  # the ragged dimension's extent: row indices (and b * row_b + h * row_h + L) stay below it
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class RaggedRows:
+    """A side's descriptor and how a (batch, head) finds its tile: start row b * row_b + h * row_h (plus the
+    sequence's own start row when packed), first column h * col_h."""
+
+    def __init__(self, desc: TensorDescriptor, row_b: int, row_h: int, col_h: int):
+        self.desc, self.row_b, self.row_h, self.col_h = desc, row_b, row_h, col_h
+
+    def args(self) -> tuple:
+        return self.row_b, self.row_h, self.col_h
+
+
+def tma_available(device: torch.device) -> bool:
+    """TMA exists from sm_90 on (the interpreter emulates the loads: the CPU tests run this path too)."""
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def ragged_rows(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, int]) -> RaggedRows | None:
+    """The ragged descriptor of one side ``t`` (padded (B, H, L, D) or packed (T, H, D)) read with its (b, h,
+    l, d) ``strides`` (batch stride 0 when shared by the batch or packed), or None when TMA cannot read it:
+    not 16-bit floats, a head dim that is not a power of two (the tile would need a column mask), strides
+    or base not 16-byte aligned, a batch stride that is not a whole number of rows, or more rows than the
+    ragged dimension holds."""
+    sb, sh, sm, sd = strides
+    size = t.element_size()
+    if (t.dtype not in _TMA_DTYPES or sd != 1 or sm <= 0 or D & (D - 1) or D * size < 16 or D > 256
+            or t.data_ptr() % 16 or (sm * size) % 16 or sb % sm):
+        return None
+    if sh % sm == 0:  # heads are rows apart: one row list, the head folded into the start row
+        row_h, col_h, width = sh // sm, 0, D
+    elif (sh * size) % 16 == 0:  # heads side by side in a row: head h is the columns from h * sh
+        row_h, col_h, width = 0, sh, (H - 1) * sh + D
+    else:
+        return None
+    storage = t.untyped_storage()
+    if (storage.nbytes() - (t.data_ptr() - storage.data_ptr())) // (sm * size) >= _ROWS:
+        return None  # a start row (or start + length) could pass the ragged dimension's extent
+    # the ragged trick of triton.tools.ragged_tma (two leading dimensions whose 64-bit address wrap-around
+    # moves the bounds to the slice), built here from strides because the side is a strided view
+    desc = TensorDescriptor(t, [_MAX_INT, _MAX_INT, _ROWS, width], [2 ** 34 - sm, sm, sm, 1], [1, 1, 16, D])
+    return RaggedRows(desc, sb // sm, row_h, col_h)
+
+
+def tma_pre_hook(pairs: tuple[tuple[str, str], ...]):
+    """A config ``pre_hook`` that sets the box of each (descriptor argument, block-size name) pair to the
+    config's tile rows; an argument that is None (the pointer path) is left alone."""
+
+    def hook(nargs: dict) -> None:
+        for name, block in pairs:
+            desc = nargs.get(name)
+            if desc is not None:
+                desc.block_shape = [1, 1, int(nargs[block]), desc.block_shape[-1]]
+
+    return hook
+
+
+@triton.jit
+def load_tile(desc, start, length, row0, col0):
+    """Rows row0 + [0, BLOCK) of the slice [start, start + length), columns col0 + [0, D), as a (BLOCK, D)
+    tile (the descriptor's box); rows at or past ``length`` read as 0."""
+    return load_ragged(desc, start, length, [row0, col0])
