@@ -389,6 +389,36 @@ def jagged_hopper() -> str:
     return "\n".join(lines)
 
 
+JAGGED_TMA = [("jagged_attention-hopper-cudagraph-20261205-173626.json",
+               "jagged_attention-hopper-cudagraph-20261205-173711.json")]
+"""(TMA loads on, GEMCOMPILE_TMA=0) pairs of the issue-25 shapes run back to back on one machine."""
+
+
+@block("jagged-tma")
+def jagged_tma() -> str:
+    lines = []
+    for on_name, off_name in JAGGED_TMA:
+        (on_path, on), (off_path, off) = load(on_name), load(off_name)
+        assert (off["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_TMA") == "0", off_name
+        assert not (on["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_TMA"), on_name
+        rows = []
+        for s_on, s_off in zip(on["shapes"], off["shapes"]):
+            assert s_on["label"] == s_off["label"]
+            ms_on = _res(s_on, "gem_compile_module", "fwdbwd_ms")
+            ms_off = _res(s_off, "gem_compile_module", "fwdbwd_ms")
+            rows.append([s_on["label"], f(ms_off, ".3f"), f(ms_on, ".3f"),
+                         f(_res(s_on, "gem_compile_module", "fwdbwd_tflops"), ".0f"),
+                         f(_speed(s_on, "flex_document_mask", "fwdbwd", key="speedup_vs_module")),
+                         _jagged_check(s_on.get("correctness") or {})])
+        lines += [f"The jagged kernels with their streamed row tiles loaded through TMA (ragged descriptors, "
+                  f"lowering/common/ragged_tma.py) against pointer loads (`GEMCOMPILE_TMA=0`), the module through "
+                  f"gem_compile, forward+backward, {on.get('timing', 'eager calls')}, the two runs back to back. "
+                  f"Sources: {source_line((on_path, on), (off_path, off))}", ""]
+        lines += table(["shape", "pointer loads ms", "TMA ms", "TMA useful TFLOP/s",
+                        "TMA module x FlexAttention", "check vs SDPA (valid rows)"], rows) + [""]
+    return "\n".join(lines).rstrip()
+
+
 def _jagged_hopper_kernels(path, payload) -> list[str]:
     """Per shape and method, the GPU time of each kernel of one forward+backward (torch.profiler)."""
     rows = []
