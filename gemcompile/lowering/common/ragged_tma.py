@@ -91,6 +91,7 @@ def tma_pre_hook(pairs: tuple[tuple[str, str], ...]):
             if desc is not None:
                 desc.block_shape = [1, 1, int(nargs[block]), desc.block_shape[-1]]
 
+    hook.needs = tuple(name for pair in pairs for name in pair)  # (tuned_launch passes only these)
     return hook
 
 
