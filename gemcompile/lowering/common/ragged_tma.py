@@ -22,8 +22,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.ragged_tma import load_ragged
-from triton.tools.tensor_descriptor import TensorDescriptor
+try:  # Triton >= 3.4
+    from triton.tools.ragged_tma import load_ragged
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - no host descriptors: the kernels keep their pointer loads
+    load_ragged = TensorDescriptor = None
 
 from .tuned_launch import INTERPRET
 
@@ -48,11 +51,23 @@ class RaggedRows:
         return self.row_b, self.row_h, self.col_h
 
 
+_SM90: dict = {}
+"""CUDA device index -> whether it has TMA (sm_90 or newer), asked once per device."""
+
+
 def tma_available(device: torch.device) -> bool:
-    """TMA exists from sm_90 on (the interpreter emulates the loads: the CPU tests run this path too)."""
+    """TMA exists from sm_90 on, with a Triton that has host descriptors (the interpreter emulates the
+    loads: the CPU tests run this path too)."""
+    if TensorDescriptor is None:
+        return False
     if INTERPRET:
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _SM90[index]
 
 
 def ragged_rows(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, int]) -> RaggedRows | None:
