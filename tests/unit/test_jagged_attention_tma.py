@@ -220,6 +220,12 @@ def test_ragged_rows_reads_the_layouts():
     assert ragged_tma.ragged_rows(bhld.float(), H, D, bhld.stride()) is None
     odd = torch.zeros(B, H, L, 12, dtype=torch.float16)
     assert ragged_tma.ragged_rows(odd, H, 12, odd.stride()) is None
+    # the descriptor built without the constructor's checks has every field the constructor gives
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    built = TensorDescriptor(bhld, rows.desc.shape, rows.desc.strides, rows.desc.block_shape)
+    assert rows.desc.__dict__.keys() == built.__dict__.keys()
+    assert all(getattr(rows.desc, k) == getattr(built, k) for k in built.__dict__ if k != "base")
     hook = ragged_tma.tma_pre_hook((("QDesc", "BLOCK_M"),))
     rows = ragged_tma.ragged_rows(bhld, H, D, bhld.stride())
     hook({"QDesc": rows.desc, "BLOCK_M": 64})
