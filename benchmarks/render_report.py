@@ -390,7 +390,9 @@ def jagged_hopper() -> str:
 
 
 JAGGED_TMA = [("jagged_attention-hopper-cudagraph-20261205-173626.json",
-               "jagged_attention-hopper-cudagraph-20261205-173711.json")]
+               "jagged_attention-hopper-cudagraph-20261205-173711.json"),
+              ("jagged_attention-hopper-cudagraph-20261205-180156.json",
+               "jagged_attention-hopper-cudagraph-20261205-180257.json")]
 """(TMA loads on, GEMCOMPILE_TMA=0) pairs of the issue-25 shapes run back to back on one machine."""
 
 
@@ -416,6 +418,11 @@ def jagged_tma() -> str:
                   f"Sources: {source_line((on_path, on), (off_path, off))}", ""]
         lines += table(["shape", "pointer loads ms", "TMA ms", "TMA useful TFLOP/s",
                         "TMA module x FlexAttention", "check vs SDPA (valid rows)"], rows) + [""]
+    lines += ["Each descriptor costs host time at every launch (Triton's launcher encodes it): in the alternating "
+              "host-time runs of `benchmarks/op_host_time.py` (B32 H8 L512 D64; `op_host_time-20261205-180950`, "
+              "`-181014`, `-181029`, `-181045`) the backward with TMA took more host time per call than without. So "
+              "a launch whose padded work B x H x Lq x Lk x D is below `ragged_tma.TMA_MIN_WORK` keeps its pointer "
+              "loads; the shapes above are all above it."]
     return "\n".join(lines).rstrip()
 
 

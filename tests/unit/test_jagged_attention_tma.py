@@ -256,3 +256,13 @@ def test_kv_mask_keeps_pointer_loads_of_keys(monkeypatch, launches):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
         assert not a.isnan().any(), name
         assert torch.equal(a, b), name
+
+
+def test_small_launches_keep_pointer_loads(monkeypatch):
+    """On a GPU a launch below TMA_MIN_WORK keeps its pointer loads (the descriptors' host time would cost
+    more than TMA saves); the interpreter's small tests take TMA whatever the size."""
+    assert ragged_tma.tma_worth(1)
+    monkeypatch.setattr(ragged_tma, "INTERPRET", False)
+    assert not ragged_tma.tma_worth(32 * 8 * 512 * 512 * 64)  # B32 H8 L512 D64: host-bound when eager
+    assert ragged_tma.tma_worth(32 * 8 * 2048 * 2048 * 64)
+    assert ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK) and not ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK - 1)

@@ -31,10 +31,21 @@ except ImportError:  # pragma: no cover - no host descriptors: the kernels keep 
 
 from .tuned_launch import INTERPRET
 
-__all__ = ["TMA_ENABLED", "RaggedRows", "load_tile", "ragged_rows", "tma_available", "tma_pre_hook"]
+__all__ = ["TMA_ENABLED", "TMA_MIN_WORK", "RaggedRows", "load_tile", "ragged_rows", "tma_available", "tma_pre_hook",
+           "tma_worth"]
 
 TMA_ENABLED = os.environ.get("GEMCOMPILE_TMA", "1") != "0"
 """Read padded row tiles through TMA where :func:`ragged_rows` allows it (GEMCOMPILE_TMA=0: pointer loads)."""
+
+TMA_MIN_WORK = 1 << 33
+"""Padded work B * H * Lq * Lk * D below which a launch keeps its pointer loads (:func:`tma_worth`). Each
+descriptor costs host time at every launch (Triton's launcher encodes it). On the H100 machine at B32 H8
+L512 D64 the backward's host time per call was 401 / 303 us with TMA against 324 / 228 without, in two
+alternating rounds (benchmarks/results/op_host_time-20261205-180950, -181014, -181029, -181045: noisy),
+while the GPU time TMA saves is a few percent of a kernel: ~0.2 ms at B1152 H4 L1024 D128 (1.2e12), 0.08 ms
+at B32 H8 L2048 D64 (6.9e10), nothing worth the host time at B32 H8 L512 D64 (4.3e9), where an eager call
+is host-bound. The decision depends on static shapes only: the same for the eager warm-up and a CUDA-graph
+capture of one graph (a variant first met during a capture would be tuned inside it)."""
 
 _MAX_INT = 0x7FFF0000
 _ROWS = 1 << 30  # the ragged dimension's extent: row indices (and b * row_b + h * row_h + L) stay below it
@@ -69,6 +80,12 @@ def tma_available(device: torch.device) -> bool:
     if index not in _SM90:
         _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _SM90[index]
+
+
+def tma_worth(work: int) -> bool:
+    """Whether a launch of this padded work (B * H * Lq * Lk * D) takes the TMA loads: TMA_MIN_WORK or more
+    (always under the interpreter, whose tests are small)."""
+    return INTERPRET or work >= TMA_MIN_WORK
 
 
 def ragged_rows(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, int]) -> RaggedRows | None:

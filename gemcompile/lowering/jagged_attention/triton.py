@@ -81,7 +81,7 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.length_order import key_span
-from ..common.ragged_tma import TMA_ENABLED, load_tile, ragged_rows, tma_available, tma_pre_hook
+from ..common.ragged_tma import TMA_ENABLED, load_tile, ragged_rows, tma_available, tma_pre_hook, tma_worth
 from ..common.length_order_triton import longest_first_order
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, autotune, launch
@@ -698,7 +698,9 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
 
     # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
     # where the pointer loads read 0
-    tma = None if keys.has else _tma_rows(_fwd_kernel, ((q, q_strides), (k, k_strides), (v, v_strides)), H, D)
+    work = B * H * Lq * Lk * D
+    tma = None if keys.has else _tma_rows(_fwd_kernel, ((q, q_strides), (k, k_strides), (v, v_strides)), H, D,
+                                          work)
     if tma is not None and tma[1][3:6] != tma[1][6:]:  # k and v laid out differently: one set of integers
         tma = None
 
@@ -720,12 +722,14 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
         (length_bucket(Lq), length_bucket(Lk)))
 
 
-def _tma_rows(kernel, sides, H: int, D: int, same: bool = False):
+def _tma_rows(kernel, sides, H: int, D: int, work: int, same: bool = False):
     """((descriptor per side), the sides' row-offset integers) for a kernel's TMA loads of ``sides``
     ((tensor, its (b, h, l, d) strides) pairs, common/ragged_tma.py), or None for the pointer loads: TMA off
-    or absent, a side TMA cannot read, the kernel's config list without TMA configs (tests pin their own), or
-    with ``same`` sides whose rows are laid out differently (the kernel offsets them by one set of integers)."""
-    if (not TMA_ENABLED or not tma_available(sides[0][0].device)
+    or absent, a launch too small to pay the descriptors' host time (``work``: B * H * Lq * Lk * D,
+    ragged_tma.tma_worth), a side TMA cannot read, the kernel's config list without TMA configs (tests pin
+    their own), or with ``same`` sides whose rows are laid out differently (the kernel offsets them by one
+    set of integers)."""
+    if (not TMA_ENABLED or not tma_worth(work) or not tma_available(sides[0][0].device)
             or not any(c.pre_hook is not None for c in kernel.configs)):
         return None
     rows = [ragged_rows(t, H, D, strides) for t, strides in sides]
@@ -771,7 +775,8 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         q_order = kv_order
     else:
         q_order = batch_order(q_side, B, q.device)
-    q_do = _tma_rows(_bwd_dkdv_kernel, ((q, q_strides), (grad_out, g_strides)), H, D)
+    work = B * H * Lq * Lk * D
+    q_do = _tma_rows(_bwd_dkdv_kernel, ((q, q_strides), (grad_out, g_strides)), H, D, work)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
@@ -779,7 +784,7 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         *lse_strides, *dk_strides, *keys.strides, *(q_do[1] if q_do else (0,) * 6), *scalars),
         dict(flags, USE_TMA=q_do is not None), scalars[-2:])
     # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
-    kv = None if keys.has else _tma_rows(_bwd_dq_kernel, ((k, k_strides), (v, v_strides)), H, D, same=True)
+    kv = None if keys.has else _tma_rows(_bwd_dq_kernel, ((k, k_strides), (v, v_strides)), H, D, work, same=True)
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
