@@ -198,19 +198,21 @@ def main() -> None:
         DROPOUT=args.dropout,
     )
     rows = []
-    variants = [(name, tma) for name in CONFIGS for tma in ((False, True) if name == "fwd" else (None,))]
+    variants = [(name, tma) for name in CONFIGS for tma in (False, True)]
     for name, tma in variants:
         for m, n, warps, stages in CONFIGS[name]:
             for maxnreg in (None, 168, 128):
                 consts = dict(base, BLOCK_M=m, BLOCK_N=n, **({"BIAS_GRAD": False} if name == "dq" else {}))
+                # pointer loads (no descriptors) or the TMA loads of the streamed tiles (ragged descriptors
+                # whose boxes are the config's tile rows)
+                consts["USE_TMA"] = tma
+                boxes = {"fwd": {"QDesc": m, "KDesc": n, "VDesc": n}, "dkdv": {"QDesc": m, "DODesc": m},
+                         "dq": {"KDesc": n, "VDesc": n}}[name]
                 types = None
-                if tma is not None:  # the forward with pointer loads (no descriptors) or TMA loads
-                    consts["USE_TMA"] = tma
-                    boxes = {"QDesc": m, "KDesc": n, "VDesc": n}
-                    if tma:
-                        types = {d: f"tensordesc<bf16[1,1,{rows_},{args.head_dim}]>" for d, rows_ in boxes.items()}
-                    else:
-                        consts.update(dict.fromkeys(boxes))
+                if tma:
+                    types = {d: f"tensordesc<bf16[1,1,{rows_},{args.head_dim}]>" for d, rows_ in boxes.items()}
+                else:
+                    consts.update(dict.fromkeys(boxes))
                 row = {
                     "kernel": name + ("-tma" if tma else ""),
                     "BLOCK_M": m,

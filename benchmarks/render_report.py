@@ -457,12 +457,13 @@ def _jagged_hopper_run(path, payload) -> list[str]:
 
 @block("kernel-registers")
 def kernel_registers() -> str:
-    path, payload = load("kernel_registers-d128-20261203-122214.json")
+    path, payload = load("kernel_registers-d128-20261205-182145.json")  # (triton 3.6, the GPU machine's)
     rows = [[r["kernel"], f"{r['BLOCK_M']}x{r['BLOCK_N']}", str(r["num_warps"]), str(r["num_stages"]),
              str(r["maxnreg"] or "-"), str(r.get("registers", "-")), str(r.get("spill_store_bytes", "-")),
              str(r.get("shared_bytes", "-")), "yes" if r.get("wgmma_serialized") else "no"]
             for r in payload["rows"]]
-    lines = [f"The jagged kernels at D 128 compiled for {payload['target']}, per tile config and register cap. "
+    lines = [f"The jagged kernels at D 128 compiled for {payload['target']}, per tile config and register cap; "
+             f"`-tma`: the streamed tiles loaded through TMA (ragged descriptors, lowering/common/ragged_tma.py). "
              f"Source: {source_line((path, payload))}", ""]
     lines += table(["kernel", "tile", "warps", "stages", "maxnreg", "registers", "spill bytes", "shared bytes",
                     "wgmma serialized"], rows)

@@ -21,12 +21,11 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from gemcompile.lowering.common import ragged_tma  # noqa: E402
-from gemcompile.lowering.jagged_attention import packed_triton  # noqa: E402
-from gemcompile.lowering.jagged_attention import triton as kernels  # noqa: E402
-from gemcompile.lowering.jagged_attention.packed import packed_reference_forward  # noqa: E402
-from gemcompile.lowering.jagged_attention.reference import reference_forward  # noqa: E402
-
+from gemcompile.lowering.common import ragged_tma
+from gemcompile.lowering.jagged_attention import packed_triton
+from gemcompile.lowering.jagged_attention import triton as kernels
+from gemcompile.lowering.jagged_attention.packed import packed_reference_forward
+from gemcompile.lowering.jagged_attention.reference import reference_forward
 
 KERNELS = {"fwd": kernels._fwd_kernel, "dkdv": kernels._bwd_dkdv_kernel, "dq": kernels._bwd_dq_kernel}
 
@@ -67,8 +66,8 @@ def forward_backward(q, k, v, ql, kl, bias, causal, scale, grad_seed=0):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
     if ql is not None:
         g = dirty(g, ql, 2)
-    dq, dk, dv, _ = kernels.jagged_attention_backward_triton(g, q, k, v, out, lse, ql, kl, bias, causal, scale,
-                                                             False)
+    dq, dk, dv, _ = kernels.jagged_attention_backward_triton(g, q, k, v, out, lse, ql, kl, bias, causal,
+                                                             scale, False)
     return out, lse, dq, dk, dv
 
 
@@ -168,8 +167,8 @@ def test_tma_forward_packed_keys(monkeypatch, launches, q_packed):
     (out, lse), (out_p, lse_p), used = both_paths(monkeypatch, launches, run)
     assert used == {"fwd": True}
     assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
-    ref_out, _ = packed_reference_forward(q.double(), k.double(), v.double(), ql, None, None, q_packed, D ** -0.5,
-                                          token_offsets=offsets, packed_len=N)
+    ref_out, _ = packed_reference_forward(q.double(), k.double(), v.double(), ql, None, None, q_packed,
+                                          D ** -0.5, token_offsets=offsets, packed_len=N)
     assert rel(out, ref_out) < 3e-3
 
 
@@ -186,7 +185,7 @@ def near_misses():
     wide = rand(B, H, L, 36)  # rows of 36 halves (72 bytes): not 16-byte aligned
     k = rand(B, H, L, 32)
     return {
-        "kv_mask": (rand(B, H, L, 32), k, rand(B, H, L, 32), dict(kv_mask=mask)),
+        "kv_mask": (rand(B, H, L, 32), k, rand(B, H, L, 32), {"kv_mask": mask}),
         "head_dim_24": (rand(B, H, L, 24), rand(B, H, L, 24), rand(B, H, L, 24), {}),
         "fp32": (rand(B, H, L, 32, dtype=torch.float32), rand(B, H, L, 32, dtype=torch.float32),
                  rand(B, H, L, 32, dtype=torch.float32), {}),
@@ -248,8 +247,9 @@ def test_kv_mask_keeps_pointer_loads_of_keys(monkeypatch, launches):
     def run():
         out, lse = kernels.jagged_attention_forward_triton(q, k, v, kl, kl, None, False, 0.2, kv_mask=mask)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
-        return (out, lse, *kernels.jagged_attention_backward_triton(grad, q, k, v, out, lse, kl, kl, None, False,
-                                                                    0.2, False, kv_mask=mask)[:3])
+        grads = kernels.jagged_attention_backward_triton(grad, q, k, v, out, lse, kl, kl, None, False, 0.2, False,
+                                                         kv_mask=mask)
+        return (out, lse, *grads[:3])
 
     tma, pointer, used = both_paths(monkeypatch, launches, run)
     assert used == {"fwd": False, "dkdv": True, "dq": False}
@@ -265,4 +265,5 @@ def test_small_launches_keep_pointer_loads(monkeypatch):
     monkeypatch.setattr(ragged_tma, "INTERPRET", False)
     assert not ragged_tma.tma_worth(32 * 8 * 512 * 512 * 64)  # B32 H8 L512 D64: host-bound when eager
     assert ragged_tma.tma_worth(32 * 8 * 2048 * 2048 * 64)
-    assert ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK) and not ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK - 1)
+    assert ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK)
+    assert not ragged_tma.tma_worth(ragged_tma.TMA_MIN_WORK - 1)

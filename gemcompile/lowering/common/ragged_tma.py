@@ -8,7 +8,8 @@ the heads side by side in a row (row_h = 0, col_h = the head stride). ``triton.t
 each load by the sequence's rows [row0, row0 + length) in hardware: rows past the length read as zero, so
 garbage or NaN in padded rows never reaches a dot (the contract of the pointer loads,
 common/attention_triton.load_rows), and no pointer tensor is built. Compiled for sm_90a (triton 3.6) the
-jagged forward at D 128 and 128x64 tiles takes 149 registers this way against 172 with pointer loads.
+jagged forward at D 128 and 128x64 tiles takes 149 registers this way against 172 with pointer loads
+(benchmarks/results/kernel_registers-d128-20261205-182145.json).
 
 The descriptor's box depends on the tile the autotuner picks: :func:`tma_pre_hook` is the configs'
 ``pre_hook``, which sets each descriptor's box from the config's BLOCK_M / BLOCK_N before a launch
@@ -23,16 +24,18 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 try:  # Triton >= 3.4
     from triton.tools.ragged_tma import load_ragged
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - no host descriptors: the kernels keep their pointer loads
     load_ragged = TensorDescriptor = None
 
+from .attention_triton import load_rows
 from .tuned_launch import INTERPRET
 
-__all__ = ["TMA_ENABLED", "TMA_MIN_WORK", "RaggedRows", "load_tile", "ragged_rows", "tma_available", "tma_pre_hook",
-           "tma_worth"]
+__all__ = ["TMA_ENABLED", "TMA_MIN_WORK", "RaggedRows", "load_tile", "load_tile_or_rows", "ragged_rows",
+           "tma_available", "tma_pre_hook", "tma_worth"]
 
 TMA_ENABLED = os.environ.get("GEMCOMPILE_TMA", "1") != "0"
 """Read padded row tiles through TMA where :func:`ragged_rows` allows it (GEMCOMPILE_TMA=0: pointer loads)."""
@@ -146,3 +149,17 @@ def load_tile(desc, start, length, row0, col0):
     """Rows row0 + [0, BLOCK) of the slice [start, start + length), columns col0 + [0, D), as a (BLOCK, D)
     tile (the descriptor's box); rows at or past ``length`` read as 0."""
     return load_ragged(desc, start, length, [row0, col0])
+
+
+@triton.jit
+def load_tile_or_rows(desc, row0, col0, length, start, base, rows, offs_d, stride_r, stride_d, rows_ok,
+                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                      USE_TMA: tl.constexpr):
+    """The tile of rows ``start + [0, BLOCK)`` (``rows``) of a sequence: through its ragged descriptor with
+    USE_TMA (rows at or past ``length`` read as 0), else through pointers from ``base``
+    (attention_triton.load_rows: rows not ``rows_ok`` read as 0 when MASKED)."""
+    if USE_TMA:
+        x = load_tile(desc, row0, length, start, col0)
+    else:
+        x = load_rows(base, rows, offs_d, stride_r, stride_d, rows_ok, HEAD_D, BLOCK_D, MASKED)
+    return x

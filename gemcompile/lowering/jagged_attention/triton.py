@@ -81,8 +81,15 @@ from ..common.attention_triton import (
     store_rows,
 )
 from ..common.length_order import key_span
-from ..common.ragged_tma import TMA_ENABLED, load_tile, ragged_rows, tma_available, tma_pre_hook, tma_worth
 from ..common.length_order_triton import longest_first_order
+from ..common.ragged_tma import (
+    TMA_ENABLED,
+    load_tile_or_rows,
+    ragged_rows,
+    tma_available,
+    tma_pre_hook,
+    tma_worth,
+)
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, autotune, launch
 
@@ -195,10 +202,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
             # masked keys read as 0 (garbage in k or v there must not reach p @ v)
             col_ok = col_ok & (cols >= key_lo)
             col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
-        if USE_TMA:
-            k = load_tile(k_desc, kv_row0, kv_len, start_n, kv_col)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        k = load_tile_or_rows(k_desc, kv_row0, kv_col, kv_len, start_n, k_base, cols, offs_d, stride_kn,
+                              stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -223,10 +228,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
             p = p * dropout_factor(seed, offs_m, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
-        if USE_TMA:
-            v = load_tile(v_desc, kv_row0, kv_len, start_n, kv_col)
-        else:
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        v = load_tile_or_rows(v_desc, kv_row0, kv_col, kv_len, start_n, v_base, cols, offs_d, stride_vn,
+                              stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -290,10 +293,9 @@ def _fwd_kernel(
     # TMA: a sequence's rows start at its start row plus the (batch, head)'s row offset (common/ragged_tma.py)
     kv_row0 = kv_start + b * kv_row_b + h * kv_row_h
     kv_col = h * kv_col_h
-    if USE_TMA:
-        q = load_tile(QDesc, q_start + b * q_row_b + h * q_row_h, q_len, m0, h * q_col_h)
-    else:
-        q = load_rows(q_base, offs_m, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
+    q_row0 = q_start + b * q_row_b + h * q_row_h
+    q = load_tile_or_rows(QDesc, q_row0, h * q_col_h, q_len, m0, q_base, offs_m, offs_d, stride_qm, stride_qd,
+                          row_ok, HEAD_D, BLOCK_D, True, USE_TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -315,13 +317,14 @@ def _fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
             head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc,
-            kv_row0, kv_col, USE_TMA, 1)
+            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc,
+            VDesc, kv_row0, kv_col, USE_TMA, 1)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
         key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
-        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
+        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col,
+        USE_TMA)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
         stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
@@ -353,12 +356,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        if USE_TMA:
-            q = load_tile(q_desc, q_row0, q_len, start_m, q_col)
-            do = load_tile(do_desc, do_row0, q_len, start_m, do_col)
-        else:
-            q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED)
-            do = load_rows(do_base, rows, offs_d, stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED)
+        q = load_tile_or_rows(q_desc, q_row0, q_col, q_len, start_m, q_base, rows, offs_d, stride_qm,
+                              stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+        do = load_tile_or_rows(do_desc, do_row0, do_col, q_len, start_m, do_base, rows, offs_d, stride_gm,
+                               stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         if MASKED:
             lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
             delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
@@ -518,12 +519,10 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
             # masked keys read as 0: garbage there must not reach dS (through dP) or dS @ K
             col_ok = col_ok & (cols >= key_lo)
             col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
-        if USE_TMA:
-            k = load_tile(k_desc, kv_row0, kv_len, start_n, kv_col)
-            v = load_tile(v_desc, kv_row0, kv_len, start_n, kv_col)
-        else:
-            k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED)
-            v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED)
+        k = load_tile_or_rows(k_desc, kv_row0, kv_col, kv_len, start_n, k_base, cols, offs_d, stride_kn,
+                              stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+        v = load_tile_or_rows(v_desc, kv_row0, kv_col, kv_len, start_n, v_base, cols, offs_d, stride_vn,
+                              stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = z_base + (offs_m.to(tl.int64)[:, None] * stride_zm
