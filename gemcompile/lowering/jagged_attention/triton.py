@@ -38,6 +38,13 @@ bias needs a gradient, ``_bwd_dq_kernel`` writes dS once per element into a (B, 
 that the launcher sums over the bias's broadcast dims with torch (memory: B*H*Lq*Lk*4 bytes, only
 when the bias requires grad). P is rebuilt from the saved lse, never from a second forward pass.
 
+TMA (constexpr USE_TMA, common/ragged_tma.py): on Hopper the streamed tiles (forward: q, k, v; dK/dV: q and
+dO; dQ: k and v) come through ragged TMA descriptors that bound each load by the sequence (rows past it read
+as 0, as the pointer loads do); each kernel has TMA configs beside its pointer configs and the launch picks
+the variant. Pointer loads stay for k and v under a kv_mask (masked keys' rows would be read), for sides TMA
+cannot address, and for launches below ragged_tma.TMA_MIN_WORK (the descriptors' host time). GEMCOMPILE_TMA=0
+turns TMA off.
+
 Precision: scores, softmax statistics and accumulators are fp32; P and dS are cast to the input dtype
 for the P.V, dS.K and dS^T.Q dots, as flash attention does. fp32 inputs use 3xTF32 dots when torch's
 float32 matmul precision is "highest" (the default) and TF32 otherwise.
