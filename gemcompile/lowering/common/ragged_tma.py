@@ -45,9 +45,10 @@ TMA_MIN_WORK = 1 << 33
 descriptor costs host time at every launch (Triton's launcher encodes it). On the H100 machine at B32 H8
 L512 D64 the backward's host time per call was 401 / 303 us with TMA against 324 / 228 without, in two
 alternating rounds (benchmarks/results/op_host_time-20261205-180950, -181014, -181029, -181045: noisy),
-while the GPU time TMA saves is a few percent of a kernel: ~0.2 ms at B1152 H4 L1024 D128 (1.2e12), 0.08 ms
-at B32 H8 L2048 D64 (6.9e10), nothing worth the host time at B32 H8 L512 D64 (4.3e9), where an eager call
-is host-bound. The decision depends on static shapes only: the same for the eager warm-up and a CUDA-graph
+while the GPU time TMA saved per forward+backward (CUDA-graph replay, H100,
+jagged_attention-hopper-cudagraph-20261205-173626 / -173711 and -180156 / -180257) was ~0.4 ms at B1152 H4
+L1024 D128 (work 6.2e11) and 0.03-0.08 ms at B32 H8 L2048 D64 (6.9e10); at B32 H8 L512 D64 (4.3e9), where an
+eager call is host-bound, it was not measured and can only be smaller. The decision depends on static shapes only: the same for the eager warm-up and a CUDA-graph
 capture of one graph (a variant first met during a capture would be tuned inside it)."""
 
 _MAX_INT = 0x7FFF0000

@@ -133,7 +133,7 @@ _FWD_TMA_SHAPES = {
 _FWD_TMA_BLOCKS = (("QDesc", "BLOCK_M"), ("KDesc", "BLOCK_N"), ("VDesc", "BLOCK_N"))
 # dK/dV streams q and dO through TMA, dQ streams k and v (the tiles loaded once per program keep pointers)
 _DKDV_TMA_SHAPES = {**_DKDV_SHAPES, (64, 64, 8, 3): ("large",)}  # (64x128x2 spills 48 B at D 128)
-_DQ_TMA_SHAPES = dict(_DQ_SHAPES)
+_DQ_TMA_SHAPES = _DQ_SHAPES
 
 
 _FWD_CONFIGS = (kernel_configs(_FWD_SHAPES, (32, 16))
@@ -702,13 +702,8 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
     uniform = _uniform_arg(uniform_keys, keys)
     seed, *dropout = dropout_args(dropout_p, dropout_seed, keys.mask)
 
-    # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
-    # where the pointer loads read 0
-    work = B * H * Lq * Lk * D
-    tma = None if keys.has else _tma_rows(_fwd_kernel, ((q, q_strides), (k, k_strides), (v, v_strides)), H, D,
-                                          work)
-    if tma is not None and tma[1][3:6] != tma[1][6:]:  # k and v laid out differently: one set of integers
-        tma = None
+    tma = _tma_rows(_fwd_kernel, (((q, q_strides),), ((k, k_strides), (v, v_strides))), H, D,
+                    B * H * Lq * Lk * D, keys_read=not keys.has)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
@@ -716,32 +711,47 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
     launch(_fwd_kernel, grid, (
         q, k, v, bias, out, lse,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, keys.order, *keys.args(), uniform, seed,
-        *(tma[0] if tma else (None, None, None)),
+        *tma.descs,
         *q_strides, *k_strides, *v_strides, *z_strides, *out_strides, *lse_strides, *keys.strides,
-        *(tma[1][:6] if tma else (0,) * 6),
+        *tma.rows,
         H, Lq, Lk, q_side.total_rows, kv_side.total_rows, float(scale) * _LOG2E, *dropout,
         length_bucket(Lq), length_bucket(Lk),
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
            HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p),
-           USE_TMA=tma is not None),
+           USE_TMA=tma.used),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
-def _tma_rows(kernel, sides, H: int, D: int, work: int, same: bool = False):
-    """((descriptor per side), the sides' row-offset integers) for a kernel's TMA loads of ``sides``
-    ((tensor, its (b, h, l, d) strides) pairs, common/ragged_tma.py), or None for the pointer loads: TMA off
-    or absent, a launch too small to pay the descriptors' host time (``work``: B * H * Lq * Lk * D,
-    ragged_tma.tma_worth), a side TMA cannot read, the kernel's config list without TMA configs (tests pin
-    their own), or with ``same`` sides whose rows are laid out differently (the kernel offsets them by one
-    set of integers)."""
-    if (not TMA_ENABLED or not tma_worth(work) or not tma_available(sides[0][0].device)
+class _TmaArgs:
+    """A launch's TMA arguments: one descriptor per side (None on the pointer path), the row-offset integers
+    (row_b, row_h, col_h) per group of sides, and whether the kernel takes the TMA loads."""
+
+    def __init__(self, descs: tuple, rows: tuple, used: bool):
+        self.descs, self.rows, self.used = descs, rows, used
+
+
+def _tma_rows(kernel, groups, H: int, D: int, work: int, keys_read: bool = True) -> _TmaArgs:
+    """The TMA arguments of a kernel's loads of ``groups``: tuples of sides ((tensor, its (b, h, l, d)
+    strides) pairs, common/ragged_tma.py) whose rows the kernel offsets by one set of integers. Pointer
+    loads (descriptors None, integers 0) when TMA is off or absent, the launch is too small to pay the
+    descriptors' host time (``work``: B * H * Lq * Lk * D, ragged_tma.tma_worth), a kv_mask's keys would be
+    read (``keys_read`` False: TMA would read masked keys' rows, which may hold garbage, where the pointer
+    loads read 0), a side TMA cannot read, sides of a group are laid out differently, or the kernel's config
+    list has no TMA config (tests pin their own)."""
+    sides = [side for group in groups for side in group]
+    pointer = _TmaArgs((None,) * len(sides), (0,) * (3 * len(groups)), False)
+    if (not TMA_ENABLED or not keys_read or not tma_worth(work) or not tma_available(sides[0][0].device)
             or not any(c.pre_hook is not None for c in kernel.configs)):
-        return None
-    rows = [ragged_rows(t, H, D, strides) for t, strides in sides]
-    if None in rows or (same and any(r.args() != rows[0].args() for r in rows)):
-        return None
-    return tuple(r.desc for r in rows), tuple(x for r in rows for x in r.args())
+        return pointer
+    descs, rows = [], []
+    for group in groups:
+        found = [ragged_rows(t, H, D, strides) for t, strides in group]
+        if None in found or any(r.args() != found[0].args() for r in found):
+            return pointer
+        descs += [r.desc for r in found]
+        rows += found[0].args()
+    return _TmaArgs(tuple(descs), tuple(rows), True)
 
 
 def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, kv_side: Side, B: int,
@@ -782,21 +792,20 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     else:
         q_order = batch_order(q_side, B, q.device)
     work = B * H * Lq * Lk * D
-    q_do = _tma_rows(_bwd_dkdv_kernel, ((q, q_strides), (grad_out, g_strides)), H, D, work)
+    q_do = _tma_rows(_bwd_dkdv_kernel, (((q, q_strides),), ((grad_out, g_strides),)), H, D, work)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,
-        seed, *(q_do[0] if q_do else (None, None)), *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
-        *lse_strides, *dk_strides, *keys.strides, *(q_do[1] if q_do else (0,) * 6), *scalars),
-        dict(flags, USE_TMA=q_do is not None), scalars[-2:])
-    # k and v through TMA only without a kv_mask: TMA would read masked keys' rows, which may hold garbage
-    kv = None if keys.has else _tma_rows(_bwd_dq_kernel, ((k, k_strides), (v, v_strides)), H, D, work, same=True)
+        seed, *q_do.descs, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
+        *lse_strides, *dk_strides, *keys.strides, *q_do.rows, *scalars),
+        dict(flags, USE_TMA=q_do.used), scalars[-2:])
+    kv = _tma_rows(_bwd_dq_kernel, (((k, k_strides), (v, v_strides)),), H, D, work, keys_read=not keys.has)
     launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dq, ds,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
-        seed, *(kv[0] if kv else (None, None)), *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
-        *lse_strides, *dq_strides, *ds_strides, *keys.strides, *(kv[1][:3] if kv else (0,) * 3), *scalars),
-        dict(flags, BIAS_GRAD=bool(bias_grad), USE_TMA=kv is not None), scalars[-2:])
+        seed, *kv.descs, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
+        *lse_strides, *dq_strides, *ds_strides, *keys.strides, *kv.rows, *scalars),
+        dict(flags, BIAS_GRAD=bool(bias_grad), USE_TMA=kv.used), scalars[-2:])
 
 
 def _padded_sides(q, k, q_lengths, kv_lengths, dummy, q_order=None, kv_order=None, kv_mask=None):
