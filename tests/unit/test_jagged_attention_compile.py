@@ -45,6 +45,8 @@ SCRIPT = textwrap.dedent(
         signature, constants, attrs = {}, dict(constexprs), {}
         if "USE_TMA" in fn.arg_names:
             constants.setdefault("USE_TMA", False)
+        if "WS" in fn.arg_names:
+            constants.setdefault("WS", False)
         for i, name in enumerate(fn.arg_names):
             if name in DESCS:  # a ragged descriptor with the config's box, or None (the pointer loads)
                 if constants["USE_TMA"]:
@@ -123,6 +125,19 @@ SCRIPT = textwrap.dedent(
         m, n, w, s = max(large, key=lambda c: (c[0] * c[1], -c[2]))
         compiled = compile_kernel(kernel, "bf16", dict(flags, BLOCK_M=m, BLOCK_N=n, **extra), w, s)
         results.append([name, "bf16", 128, f"{m}x{n} w{w} s{s}", spill_bytes(compiled)])
+    # the warp-specialized forward and dK/dV (WS, common/warp_specialize.py): their loop splits into a
+    # producer and two consumer warp groups (12 warps from num_warps=4), at the head dims each config serves,
+    # causal, padded and packed
+    for name, kernel, shapes in (("fwd", T._fwd_kernel, T._FWD_WS_SHAPES),
+                                 ("dkdv", T._bwd_dkdv_kernel, T._DKDV_WS_SHAPES)):
+        for (m, n, w, s), heads in shapes.items():
+            for D in [d for d, head in ((64, "small"), (128, "large")) if head in heads]:
+                for causal, mode in ((False, 1), (True, 2)):
+                    ws_flags = dict(flags, HEAD_D=D, BLOCK_D=D, CAUSAL=causal, Q_MODE=mode, KV_MODE=mode,
+                                    USE_TMA=True, BLOCK_M=m, BLOCK_N=n, WS=True)
+                    compiled = compile_kernel(kernel, "bf16", ws_flags, w, s)
+                    results.append([f"{name}-ws-w{compiled.metadata.num_warps}", "bf16", D, f"{m}x{n} w{w} s{s}",
+                                    spill_bytes(compiled)])
     print("RESULTS " + json.dumps(results))
     '''
 )
@@ -142,6 +157,9 @@ def test_kernels_compile_for_sm90_without_spills():
     results = json.loads(line[len("RESULTS ") :])
     assert sum(r[3] == "compiled" for r in results) == 23
     assert {r[0] for r in results if r[3] != "compiled"} >= {"fwd-tma", "dkdv-tma", "dq-tma"}
+    ws = [r for r in results if "-ws-" in r[0]]
+    assert len(ws) == 2 * 2 * 2 + 3 * 2, ws  # (config, head dim) pairs, causal or not
+    assert all(r[0].endswith("-ws-w12") for r in ws), ws  # specialized: 12 warps
     spills = [r for r in results if r[3] != "compiled"]
     assert spills, "no autotune config checked for spills"
     for name, dtype, D, config, stack in spills:

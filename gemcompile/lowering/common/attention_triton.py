@@ -96,13 +96,16 @@ def length_bucket(n: int) -> int:
     return bucket_length(max(int(n), 16))
 
 
-def kernel_configs(shapes, interpret_shape, pre_hook=None):
+def kernel_configs(shapes, interpret_shape, pre_hook=None, kwargs=None):
     """Configs of (BLOCK_M, BLOCK_N, warps, stages) shapes; ``pre_hook``: a variant's configs (the TMA
-    loads': their hook sets the descriptors' boxes, common/ragged_tma.py)."""
+    loads': their hook sets the descriptors' boxes, common/ragged_tma.py); ``kwargs``: constexprs the
+    variant sets (WS=True: the warp-specialized loop, common/warp_specialize.py)."""
+    extra = dict(kwargs or {})
     if INTERPRET:
         m, n = interpret_shape
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1, pre_hook=pre_hook)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **extra}, num_warps=4, num_stages=1,
+                              pre_hook=pre_hook)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **extra}, num_warps=w, num_stages=s, pre_hook=pre_hook)
             for m, n, w, s in shapes]
 
 
@@ -141,10 +144,15 @@ def fit_shared_memory(config, kind: str, args: dict):
                          maxnreg=config.maxnreg, pre_hook=config.pre_hook)
 
 
-def make_prune(shapes, kind, tma_shapes=None):
-    """The configs' prune: ``shapes`` (``tma_shapes``: the TMA variant's) map a config's (BLOCK_M, BLOCK_N,
-    warps, stages) to the head dims it serves; a launch with USE_TMA keeps only the TMA variant's configs
-    (those with a pre_hook, kernel_configs), one without only the others."""
+_WS_REFUSES = ("HAS_BIAS", "HAS_KV_MASK", "HAS_UNIFORM", "DROPOUT")
+"""Launch flags the warp-specialized configs do not serve (their one masked loop reads only the bounds)."""
+
+
+def make_prune(shapes, kind, tma_shapes=None, ws_shapes=None):
+    """The configs' prune: ``shapes`` (``tma_shapes``: the TMA variant's, ``ws_shapes``: the warp-specialized
+    configs', WS=True, which ride on the TMA variant) map a config's (BLOCK_M, BLOCK_N, warps, stages) to the
+    head dims it serves; a launch with USE_TMA keeps only the TMA variant's configs (those with a pre_hook,
+    kernel_configs), one without only the others; a launch with any of ``_WS_REFUSES`` drops the WS ones."""
 
     def prune(configs, named_args, **kwargs):
         """Keep the configs meant for this variant and head dim whose tiles are not far larger than the
@@ -153,10 +161,15 @@ def make_prune(shapes, kind, tma_shapes=None):
         head = "small" if args.get("HEAD_D", 64) <= 64 else "large"
         lq, lk = args.get("LQ_BUCKET", 1 << 30), args.get("LK_BUCKET", 1 << 30)
         variant = [c for c in configs if (c.pre_hook is not None) == bool(args.get("USE_TMA", False))]
+        if any(args.get(flag) for flag in _WS_REFUSES):
+            variant = [c for c in variant if not c.kwargs.get("WS")]
+            if not variant:
+                raise ValueError(f"{kind} kernel: only warp-specialized configs are listed, and they do not "
+                                 f"serve a launch with {', '.join(f for f in _WS_REFUSES if args.get(f))}")
         kept = []
         for c in variant:
             key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-            listed = shapes if c.pre_hook is None else tma_shapes
+            listed = (ws_shapes if c.kwargs.get("WS") else shapes if c.pre_hook is None else tma_shapes) or {}
             if head not in listed.get(key, ("small", "large")):
                 continue
             if c.kwargs["BLOCK_M"] > max(lq, 64) or c.kwargs["BLOCK_N"] > max(lk, 64):

@@ -35,7 +35,7 @@ from .attention_triton import load_rows
 from .tuned_launch import INTERPRET
 
 __all__ = ["TMA_ENABLED", "TMA_MIN_WORK", "RaggedRows", "load_tile", "load_tile_or_rows", "ragged_rows",
-           "tma_available", "tma_pre_hook", "tma_worth"]
+           "rows_readable", "tma_available", "tma_pre_hook", "tma_worth"]
 
 TMA_ENABLED = os.environ.get("GEMCOMPILE_TMA", "1") != "0"
 """Read padded row tiles through TMA where :func:`ragged_rows` allows it (GEMCOMPILE_TMA=0: pointer loads)."""
@@ -98,6 +98,25 @@ def ragged_rows(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, i
     not 16-bit floats, a head dim that is not a power of two (the tile would need a column mask), strides
     or base not 16-byte aligned, a batch stride that is not a whole number of rows, or more rows than the
     ragged dimension holds."""
+    layout = _row_layout(t, H, D, strides)
+    if layout is None:
+        return None
+    row_h, col_h, width = layout
+    sb, _, sm, _ = strides
+    # the ragged trick of triton.tools.ragged_tma (two leading dimensions whose 64-bit address wrap-around
+    # moves the bounds to the slice), built here from strides because the side is a strided view
+    desc = _descriptor(t, [_MAX_INT, _MAX_INT, _ROWS, width], [2 ** 34 - sm, sm, sm, 1], [1, 1, 16, D])
+    return RaggedRows(desc, sb // sm, row_h, col_h)
+
+
+def rows_readable(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, int]) -> bool:
+    """Whether :func:`ragged_rows` would read ``t`` (its checks, no descriptor built): what a kernel that makes
+    its own descriptors over the same rows needs too (common/warp_specialize.py)."""
+    return _row_layout(t, H, D, strides) is not None
+
+
+def _row_layout(t: torch.Tensor, H: int, D: int, strides) -> tuple[int, int, int] | None:
+    """(row_h, col_h, row width) of ``t``'s row list, or None where TMA cannot read it (ragged_rows)."""
     sb, sh, sm, sd = strides
     size = t.element_size()
     if (t.dtype not in _TMA_DTYPES or sd != 1 or sm <= 0 or D & (D - 1) or D * size < 16 or D > 256
@@ -112,10 +131,7 @@ def ragged_rows(t: torch.Tensor, H: int, D: int, strides: tuple[int, int, int, i
     storage = t.untyped_storage()
     if (storage.nbytes() - (t.data_ptr() - storage.data_ptr())) // (sm * size) >= _ROWS:
         return None  # a start row (or start + length) could pass the ragged dimension's extent
-    # the ragged trick of triton.tools.ragged_tma (two leading dimensions whose 64-bit address wrap-around
-    # moves the bounds to the slice), built here from strides because the side is a strided view
-    desc = _descriptor(t, [_MAX_INT, _MAX_INT, _ROWS, width], [2 ** 34 - sm, sm, sm, 1], [1, 1, 16, D])
-    return RaggedRows(desc, sb // sm, row_h, col_h)
+    return row_h, col_h, width
 
 
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block_shape: list):

@@ -93,12 +93,14 @@ from ..common.ragged_tma import (
     TMA_ENABLED,
     load_tile_or_rows,
     ragged_rows,
+    rows_readable,
     tma_available,
     tma_pre_hook,
     tma_worth,
 )
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, autotune, launch
+from ..common.warp_specialize import WARP_SPECIALIZE, ensure_scratch_allocator, warp_specialize_available
 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
@@ -136,11 +138,24 @@ _DKDV_TMA_SHAPES = {**_DKDV_SHAPES, (64, 64, 8, 3): ("large",)}  # (64x128x2 spi
 _DQ_TMA_SHAPES = _DQ_SHAPES
 
 
+# The warp-specialized forward (common/warp_specialize.py; WS=True in the config): num_warps=4 compiles to 12
+# warps (a TMA producer and two consumer groups). Offered only with GEMCOMPILE_WARP_SPECIALIZE=1 (not yet
+# timed on a GPU); its configs ride on the TMA variant (the prune keeps them only where the launch takes TMA
+# loads and has no bias, key mask, uniform keys or dropout).
+_FWD_WS_SHAPES = {(128, 64, 4, 3): ("small", "large"), (128, 128, 4, 2): ("small", "large")}
+_FWD_WS_CONFIGS = kernel_configs(_FWD_WS_SHAPES, (32, 16), pre_hook=tma_pre_hook(_FWD_TMA_BLOCKS),
+                                 kwargs={"WS": True})
 _FWD_CONFIGS = (kernel_configs(_FWD_SHAPES, (32, 16))
-                + kernel_configs(_FWD_TMA_SHAPES, (32, 16), pre_hook=tma_pre_hook(_FWD_TMA_BLOCKS)))
+                + kernel_configs(_FWD_TMA_SHAPES, (32, 16), pre_hook=tma_pre_hook(_FWD_TMA_BLOCKS))
+                + (_FWD_WS_CONFIGS if WARP_SPECIALIZE and warp_specialize_available() else []))
+_DKDV_TMA_HOOK = tma_pre_hook((("QDesc", "BLOCK_M"), ("DODesc", "BLOCK_M")))
+# warp-specialized dK/dV (q, dO and the key tile through descriptors made in the kernel): 12 warps; at D 128
+# only 32-query steps compile without spilling (64x128 spills 24 B; triton 3.6, sm_90a)
+_DKDV_WS_SHAPES = {(32, 128, 4, 3): ("small", "large"), (64, 128, 4, 2): ("small",)}
+_DKDV_WS_CONFIGS = kernel_configs(_DKDV_WS_SHAPES, (16, 32), pre_hook=_DKDV_TMA_HOOK, kwargs={"WS": True})
 _DKDV_CONFIGS = (kernel_configs(_DKDV_SHAPES, (16, 32))
-                 + kernel_configs(_DKDV_TMA_SHAPES, (16, 32), pre_hook=tma_pre_hook(
-                     (("QDesc", "BLOCK_M"), ("DODesc", "BLOCK_M")))))
+                 + kernel_configs(_DKDV_TMA_SHAPES, (16, 32), pre_hook=_DKDV_TMA_HOOK)
+                 + (_DKDV_WS_CONFIGS if WARP_SPECIALIZE and warp_specialize_available() else []))
 _DQ_CONFIGS = (kernel_configs(_DQ_SHAPES, (32, 16))
                + kernel_configs(_DQ_TMA_SHAPES, (32, 16), pre_hook=tma_pre_hook(
                    (("KDesc", "BLOCK_N"), ("VDesc", "BLOCK_N")))))
@@ -197,20 +212,24 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_KV_MASK: tl.constexpr, uniform, HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale,
                row_counters, DROPOUT: tl.constexpr, k_desc, v_desc, kv_row0, kv_col, USE_TMA: tl.constexpr,
-               STAGES: tl.constexpr = None):
+               STAGES: tl.constexpr = None, WS: tl.constexpr = False):
     """kv_len: the key length (with a kv_mask: key_hi). Unmasked tiles lie inside the valid keys and load
     nothing else; masked tiles check the bounds, and the mask vector only when the sequence has holes. USE_TMA
-    (never with a kv_mask): k and v tiles come through their ragged descriptors, zero past kv_len."""
+    (never with a kv_mask): k and v tiles come through their ragged descriptors, zero past kv_len. WS: a
+    warp-specialized loop whose k_desc / v_desc are descriptors made in the kernel over the sequence's rows."""
     row_ok = offs_m < q_len
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
         cols = start_n + offs_n
         col_ok = cols < kv_len
         if MASKED and HAS_KV_MASK:
             # masked keys read as 0 (garbage in k or v there must not reach p @ v)
             col_ok = col_ok & (cols >= key_lo)
             col_ok = col_ok & _key_mask(m_base, cols, stride_mn, col_ok, holes)
-        k = load_tile_or_rows(k_desc, kv_row0, kv_col, kv_len, start_n, k_base, cols, offs_d, stride_kn,
-                              stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+        if WS:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = load_tile_or_rows(k_desc, kv_row0, kv_col, kv_len, start_n, k_base, cols, offs_d, stride_kn,
+                                  stride_kd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             z_ptrs = bias_base + (offs_m.to(tl.int64)[:, None] * stride_zm
@@ -235,15 +254,18 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, bias_base, m_base, offs_m, offs
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the softmax statistics are P's own; only P @ V sees the dropped pairs
             p = p * dropout_factor(seed, offs_m, start_n, row_counters, drop_below, dropout_scale, BLOCK_N)
-        v = load_tile_or_rows(v_desc, kv_row0, kv_col, kv_len, start_n, v_base, cols, offs_d, stride_vn,
-                              stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+        if WS:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = load_tile_or_rows(v_desc, kv_row0, kv_col, kv_len, start_n, v_base, cols, offs_d, stride_vn,
+                                  stride_vd, col_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY,
-          prune_configs_by=make_prune(_FWD_SHAPES, "fwd", _FWD_TMA_SHAPES))
+          prune_configs_by=make_prune(_FWD_SHAPES, "fwd", _FWD_TMA_SHAPES, _FWD_WS_SHAPES))
 @per_step_jit
 def _fwd_kernel(
     Q, K, V, Bias, Out, Lse,
@@ -261,7 +283,7 @@ def _fwd_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -279,64 +301,94 @@ def _fwd_kernel(
         store_mask = offs_m < q_len
     else:
         store_mask = offs_m < max_q_len
-    if m0 >= q_len:
-        if Q_MODE != 2:
-            store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
-                       tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
-            tl.store(l_base + offs_m * stride_lm, tl.full([BLOCK_M], float("inf"), tl.float32),
-                     mask=store_mask)
-        return
-
-    row_ok = offs_m < q_len
-    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start.to(tl.int64) * stride_qm
-    k_base = K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn
-    v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
-    z_base = Bias + b64 * stride_zb + h64 * stride_zh
-    m_base = KVMask + b64 * stride_mb
-    uniform = False
-    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
-        uniform = tl.load(Uniform + b) != 0
-    seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
-    # TMA: a sequence's rows start at its start row plus the (batch, head)'s row offset (common/ragged_tma.py)
-    kv_row0 = kv_start + b * kv_row_b + h * kv_row_h
-    kv_col = h * kv_col_h
-    q_row0 = q_start + b * q_row_b + h * q_row_h
-    q = load_tile_or_rows(QDesc, q_row0, h * q_col_h, q_len, m0, q_base, offs_m, offs_d, stride_qm, stride_qd,
-                          row_ok, HEAD_D, BLOCK_D, True, USE_TMA)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    key_lo = 0
-    holes = False
-    if HAS_KV_MASK:
-        key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
-    hi = kv_len
-    full_end = (hi // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
-        full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    first_full = 0
-    tail = full_end
-    if HAS_KV_MASK:
-        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+    if WS:
+        # one warp-specialized loop over every key tile, each masked; an empty query tile loops zero times
+        # (the pass refuses an early return). k and v come through descriptors made here over the sequence's
+        # rows (a shape of at least one row; rows past the length read as 0), as the TMA loads' contract.
+        tl.static_assert(not (HAS_BIAS or HAS_KV_MASK or HAS_UNIFORM or DROPOUT),
+                         "the warp-specialized forward reads no bias, key mask, uniform keys or dropout")
+        row_ok = offs_m < q_len
+        q_desc = tl.make_tensor_descriptor(
+            Q + b64 * stride_qb + h64 * stride_qh + q_start.to(tl.int64) * stride_qm,
+            shape=[tl.maximum(q_len, 1), HEAD_D], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_D])
+        k_desc = tl.make_tensor_descriptor(
+            K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn,
+            shape=[tl.maximum(kv_len, 1), HEAD_D], strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_D])
+        v_desc = tl.make_tensor_descriptor(
+            V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn,
+            shape=[tl.maximum(kv_len, 1), HEAD_D], strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_D])
+        q = q_desc.load([m0, 0])
+        hi = kv_len
+        if CAUSAL:
+            hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
+        hi = tl.where(m0 < q_len, hi, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
-            head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
-            HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc,
-            VDesc, kv_row0, kv_col, USE_TMA, 1)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
-        key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
-        HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col,
-        USE_TMA)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
-        stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
-        HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
+            acc, l_i, m_i, q, K, V, Bias, KVMask, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, 0, hi, 0, False, HEAD_D, BLOCK_D,
+            False, CAUSAL, True, DOT_PRECISION, BLOCK_N, False, False, False, 0, drop_below, dropout_scale, 0,
+            False, k_desc, v_desc, 0, 0, False, None, True)
+    else:
+        if m0 >= q_len:
+            if Q_MODE != 2:
+                store_rows(o_base, offs_m, offs_d, stride_om, stride_od,
+                           tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), store_mask, HEAD_D)
+                tl.store(l_base + offs_m * stride_lm, tl.full([BLOCK_M], float("inf"), tl.float32),
+                         mask=store_mask)
+            return
+
+        row_ok = offs_m < q_len
+        q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start.to(tl.int64) * stride_qm
+        k_base = K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn
+        v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
+        z_base = Bias + b64 * stride_zb + h64 * stride_zh
+        m_base = KVMask + b64 * stride_mb
+        uniform = False
+        if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+            uniform = tl.load(Uniform + b) != 0
+        seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
+        # TMA: a sequence's rows start at its start row plus the (batch, head)'s row offset (common/ragged_tma.py)
+        kv_row0 = kv_start + b * kv_row_b + h * kv_row_h
+        kv_col = h * kv_col_h
+        q_row0 = q_start + b * q_row_b + h * q_row_h
+        q = load_tile_or_rows(QDesc, q_row0, h * q_col_h, q_len, m0, q_base, offs_m, offs_d, stride_qm, stride_qd,
+                              row_ok, HEAD_D, BLOCK_D, True, USE_TMA)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        key_lo = 0
+        holes = False
+        if HAS_KV_MASK:
+            key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
+        hi = kv_len
+        full_end = (hi // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
+            full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+        first_full = 0
+        tail = full_end
+        if HAS_KV_MASK:
+            lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
+                head_end, key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N,
+                HAS_KV_MASK, uniform, HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc,
+                VDesc, kv_row0, kv_col, USE_TMA, 1)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
+            stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, first_full, full_end,
+            key_lo, holes, HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform,
+            HAS_UNIFORM, seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col,
+            USE_TMA)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len, stride_kn,
+            stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, tail, hi, key_lo, holes,
+            HEAD_D, BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_N, HAS_KV_MASK, uniform, HAS_UNIFORM,
+            seed, drop_below, dropout_scale, row_counters, DROPOUT, KDesc, VDesc, kv_row0, kv_col, USE_TMA)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -357,16 +409,21 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, uniform,
                 HAS_UNIFORM: tl.constexpr, seed, drop_below, dropout_scale, row_counters, DROPOUT: tl.constexpr,
                 q_desc, do_desc, q_row0, q_col, do_row0, do_col, USE_TMA: tl.constexpr,
-                n0=0, BLOCK_N: tl.constexpr = 16):
-    """USE_TMA: q and dO tiles come through their ragged descriptors, zero past q_len."""
+                n0=0, BLOCK_N: tl.constexpr = 16, WS: tl.constexpr = False):
+    """USE_TMA: q and dO tiles come through their ragged descriptors, zero past q_len. WS: a warp-specialized
+    loop whose q_desc / do_desc are descriptors made in the kernel over the sequence's rows."""
     col_ok = offs_n < kv_len
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = load_tile_or_rows(q_desc, q_row0, q_col, q_len, start_m, q_base, rows, offs_d, stride_qm,
-                              stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
-        do = load_tile_or_rows(do_desc, do_row0, do_col, q_len, start_m, do_base, rows, offs_d, stride_gm,
-                               stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+        if WS:
+            q = q_desc.load([start_m, 0])
+            do = do_desc.load([start_m, 0])
+        else:
+            q = load_tile_or_rows(q_desc, q_row0, q_col, q_len, start_m, q_base, rows, offs_d, stride_qm,
+                                  stride_qd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
+            do = load_tile_or_rows(do_desc, do_row0, do_col, q_len, start_m, do_base, rows, offs_d, stride_gm,
+                                   stride_gd, row_ok, HEAD_D, BLOCK_D, MASKED, USE_TMA)
         if MASKED:
             lse = tl.load(l_base + rows * stride_lm, mask=row_ok, other=float("inf"))
             delta = tl.load(d_base + rows * stride_lm, mask=row_ok, other=0.0)
@@ -402,7 +459,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, o
 
 
 @autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
-          prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv", _DKDV_TMA_SHAPES))
+          prune_configs_by=make_prune(_DKDV_SHAPES, "dkdv", _DKDV_TMA_SHAPES, _DKDV_WS_SHAPES))
 @per_step_jit
 def _bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV,
@@ -421,7 +478,7 @@ def _bwd_dkdv_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False,
 ):
     # dK and dV share one layout (both contiguous like k), hence one set of strides
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_kv_len, BLOCK_N), False)
@@ -438,70 +495,106 @@ def _bwd_dkdv_kernel(
         store_mask = offs_n < kv_len
     else:
         store_mask = offs_n < max_kv_len
-    skip = n0 >= kv_len
-    if HAS_KV_MASK:  # a key tile wholly outside [kv_lo, kv_hi) has no valid key
-        skip = skip | (n0 >= tl.load(KVBounds + KV_BOUNDS_WIDTH * b + 1)) | (
-            n0 + BLOCK_N <= tl.load(KVBounds + KV_BOUNDS_WIDTH * b))
-    if skip:
-        if KV_MODE != 2:
-            zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
-            store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
-        return
+    if WS:
+        # one warp-specialized loop over the query tiles, each masked; a key tile past the sequence loops zero
+        # times (no early return) and stores zeros. q and dO come through descriptors made here over the
+        # sequence's rows (at least one row; rows past the length read as 0).
+        tl.static_assert(not (HAS_BIAS or HAS_KV_MASK or HAS_UNIFORM or DROPOUT),
+                         "the warp-specialized dK/dV reads no bias, key mask, uniform keys or dropout")
+        # the key tile through descriptors too: pointer loads before the loop make the pass fail (triton 3.6,
+        # WSLowerToken.cpp:73 assertion, compiled for sm_90a)
+        start64 = q_start.to(tl.int64)
+        k_desc = tl.make_tensor_descriptor(
+            K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn,
+            shape=[tl.maximum(kv_len, 1), HEAD_D], strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_D])
+        v_desc = tl.make_tensor_descriptor(
+            V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn,
+            shape=[tl.maximum(kv_len, 1), HEAD_D], strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_D])
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+        q_desc = tl.make_tensor_descriptor(
+            Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm,
+            shape=[tl.maximum(q_len, 1), HEAD_D], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_D])
+        do_desc = tl.make_tensor_descriptor(
+            DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm,
+            shape=[tl.maximum(q_len, 1), HEAD_D], strides=[stride_gm, 1], block_shape=[BLOCK_M, HEAD_D])
+        m_lo = 0
+        if CAUSAL:
+            m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
+        hi = tl.where(n0 < kv_len, q_len, m_lo)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Q, DO, Lse + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm,
+            Delta + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm, Bias, offs_n, offs_d, q_len,
+            kv_len, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, m_lo,
+            hi, HEAD_D, BLOCK_D, False, CAUSAL, True, DOT_PRECISION, BLOCK_M, False, False, 0, drop_below,
+            dropout_scale, 0, False, q_desc, do_desc, 0, 0, 0, 0, False, n0, BLOCK_N, True)
+    else:
+        skip = n0 >= kv_len
+        if HAS_KV_MASK:  # a key tile wholly outside [kv_lo, kv_hi) has no valid key
+            skip = skip | (n0 >= tl.load(KVBounds + KV_BOUNDS_WIDTH * b + 1)) | (
+                n0 + BLOCK_N <= tl.load(KVBounds + KV_BOUNDS_WIDTH * b))
+        if skip:
+            if KV_MODE != 2:
+                zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+                store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
+                store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
+            return
 
-    col_ok = offs_n < kv_len
-    if HAS_KV_MASK:
-        # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last;
-        # without holes the bounds are exact and the mask is not read
-        key_lo, key_hi, holes = _key_bounds(KVBounds, b, kv_len)
-        col_ok = (offs_n >= key_lo) & (offs_n < key_hi)
-        col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok, holes)
-    start64 = q_start.to(tl.int64)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm
-    do_base = DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm
-    l_base = Lse + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
-    d_base = Delta + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
-    z_base = Bias + b64 * stride_zb + h64 * stride_zh
-    k = load_rows(K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn, offs_n, offs_d,
-                  stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, True)
-    v = load_rows(V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn, offs_n, offs_d,
-                  stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    uniform = False
-    if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
-        uniform = tl.load(Uniform + b) != 0
-    seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
-    q_row0 = q_start + b * q_row_b + h * q_row_h  # the TMA slices of q and dO (common/ragged_tma.py)
-    do_row0 = q_start + b * do_row_b + h * do_row_h
-    # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
-    # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
-    # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
-    m_lo = 0
-    diag_end = 0
-    if CAUSAL:
-        m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
-        diag_end = m_lo + tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - m_lo, 0), BLOCK_M) * BLOCK_M
-    lo, mid_lo, mid_hi, hi = loop_split(m_lo, diag_end, (q_len // BLOCK_M) * BLOCK_M, q_len,
-                                        n0 + BLOCK_N > kv_len)
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
-        h * do_col_h, USE_TMA, n0, BLOCK_N)
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
-        h * do_col_h, USE_TMA, n0, BLOCK_N)
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
-        stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
-        BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
-        seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
-        h * do_col_h, USE_TMA, n0, BLOCK_N)
+        col_ok = offs_n < kv_len
+        if HAS_KV_MASK:
+            # rows of dK/dV depend only on their own key: compute masked keys (read as 0) and zero them last;
+            # without holes the bounds are exact and the mask is not read
+            key_lo, key_hi, holes = _key_bounds(KVBounds, b, kv_len)
+            col_ok = (offs_n >= key_lo) & (offs_n < key_hi)
+            col_ok = col_ok & _key_mask(KVMask + b64 * stride_mb, offs_n, stride_mn, col_ok, holes)
+        start64 = q_start.to(tl.int64)
+        q_base = Q + b64 * stride_qb + h64 * stride_qh + start64 * stride_qm
+        do_base = DO + b64 * stride_gb + h64 * stride_gh + start64 * stride_gm
+        l_base = Lse + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
+        d_base = Delta + b64 * stride_lb + h64 * stride_lh + start64 * stride_lm
+        z_base = Bias + b64 * stride_zb + h64 * stride_zh
+        k = load_rows(K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn, offs_n, offs_d,
+                      stride_kn, stride_kd, col_ok, HEAD_D, BLOCK_D, True)
+        v = load_rows(V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn, offs_n, offs_d,
+                      stride_vn, stride_vd, col_ok, HEAD_D, BLOCK_D, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        uniform = False
+        if HAS_UNIFORM:  # one flag per program: this sequence's scores (bias included) are all taken as 0
+            uniform = tl.load(Uniform + b) != 0
+        seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
+        q_row0 = q_start + b * q_row_b + h * q_row_h  # the TMA slices of q and dO (common/ragged_tma.py)
+        do_row0 = q_start + b * do_row_b + h * do_row_h
+        # query tiles crossing the diagonal (causal) masked, then full tiles unmasked, then the partial last
+        # tile masked; the last key tile of the sequence (n0 + BLOCK_N > kv_len) masks every query tile. The
+        # ranges are computed (loop_split), never chosen by a branch: see loop_split (wgmma on sm_90a).
+        m_lo = 0
+        diag_end = 0
+        if CAUSAL:
+            m_lo = (n0 // BLOCK_M) * BLOCK_M  # rows i >= j >= n0
+            diag_end = m_lo + tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - m_lo, 0), BLOCK_M) * BLOCK_M
+        lo, mid_lo, mid_hi, hi = loop_split(m_lo, diag_end, (q_len // BLOCK_M) * BLOCK_M, q_len,
+                                            n0 + BLOCK_N > kv_len)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, lo, mid_lo, HEAD_D,
+            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+            seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+            h * do_col_h, USE_TMA, n0, BLOCK_N)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_lo, mid_hi, HEAD_D,
+            BLOCK_D, HAS_BIAS, CAUSAL, False, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+            seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+            h * do_col_h, USE_TMA, n0, BLOCK_N)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, z_base, offs_n, offs_d, q_len, kv_len, stride_qm,
+            stride_qd, stride_gm, stride_gd, stride_lm, stride_zm, stride_zn, qk_scale, mid_hi, hi, HEAD_D,
+            BLOCK_D, HAS_BIAS, CAUSAL, True, DOT_PRECISION, BLOCK_M, uniform, HAS_UNIFORM,
+            seed, drop_below, dropout_scale, row_counters, DROPOUT, QDesc, DODesc, q_row0, h * q_col_h, do_row0,
+            h * do_col_h, USE_TMA, n0, BLOCK_N)
     if HAS_KV_MASK:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
@@ -704,6 +797,8 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
 
     tma = _tma_rows(_fwd_kernel, (((q, q_strides),), ((k, k_strides), (v, v_strides))), H, D,
                     B * H * Lq * Lk * D, keys_read=not keys.has)
+    if tma.used and any(c.kwargs.get("WS") for c in _fwd_kernel.configs):
+        ensure_scratch_allocator()  # descriptors made in the kernel (common/warp_specialize.py)
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
@@ -731,18 +826,23 @@ class _TmaArgs:
         self.descs, self.rows, self.used = descs, rows, used
 
 
-def _tma_rows(kernel, groups, H: int, D: int, work: int, keys_read: bool = True) -> _TmaArgs:
+def _tma_rows(kernel, groups, H: int, D: int, work: int, keys_read: bool = True, ws_reads=()) -> _TmaArgs:
     """The TMA arguments of a kernel's loads of ``groups``: tuples of sides ((tensor, its (b, h, l, d)
     strides) pairs, common/ragged_tma.py) whose rows the kernel offsets by one set of integers. Pointer
     loads (descriptors None, integers 0) when TMA is off or absent, the launch is too small to pay the
     descriptors' host time (``work``: B * H * Lq * Lk * D, ragged_tma.tma_worth), a kv_mask's keys would be
     read (``keys_read`` False: TMA would read masked keys' rows, which may hold garbage, where the pointer
     loads read 0), a side TMA cannot read, sides of a group are laid out differently, or the kernel's config
-    list has no TMA config (tests pin their own)."""
+    list has no TMA config (tests pin their own). ``ws_reads``: more sides that the kernel's warp-specialized
+    configs read through descriptors of their own (they ride on the TMA variant): where one of those cannot
+    be read so and such configs are listed, the launch takes the pointer loads."""
     sides = [side for group in groups for side in group]
     pointer = _TmaArgs((None,) * len(sides), (0,) * (3 * len(groups)), False)
     if (not TMA_ENABLED or not keys_read or not tma_worth(work) or not tma_available(sides[0][0].device)
             or not any(c.pre_hook is not None for c in kernel.configs)):
+        return pointer
+    if ws_reads and any(c.kwargs.get("WS") for c in kernel.configs) and not all(
+            rows_readable(t, H, D, strides) for t, strides in ws_reads):
         return pointer
     descs, rows = [], []
     for group in groups:
@@ -792,7 +892,10 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     else:
         q_order = batch_order(q_side, B, q.device)
     work = B * H * Lq * Lk * D
-    q_do = _tma_rows(_bwd_dkdv_kernel, (((q, q_strides),), ((grad_out, g_strides),)), H, D, work)
+    q_do = _tma_rows(_bwd_dkdv_kernel, (((q, q_strides),), ((grad_out, g_strides),)), H, D, work,
+                     ws_reads=((k, k_strides), (v, v_strides)))
+    if q_do.used and any(c.kwargs.get("WS") for c in _bwd_dkdv_kernel.configs):
+        ensure_scratch_allocator()  # descriptors made in the kernel (common/warp_specialize.py)
     launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * H,), (
         q, k, v, bias, grad_out, lse, delta, dk, dv,
         q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, q_order, *keys.args(), uniform,

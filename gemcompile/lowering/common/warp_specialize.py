@@ -1,0 +1,57 @@
+"""Warp-specialized kernel variants (Hopper): what they need from Triton and from the host.
+
+Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)``, sm_90) splits a loop into a
+TMA producer warp group and consumer warp groups that run the MMAs and the softmax, so the loads of the next
+key tile overlap the math of this one. Compiled for sm_90a (triton 3.6 and 3.9, no GPU needed:
+tests/unit/test_jagged_attention_compile.py), the jagged forward's specialized loop becomes 12 warps (1 producer
++ 2 consumer groups, ``setmaxnreg``) from ``num_warps=4``, without spills at D 64 and 128. What the pass
+accepts (found by compiling variants for sm_90a with triton 3.6):
+
+* loads through descriptors made in the kernel (``tl.make_tensor_descriptor``): host (ragged) descriptors
+  crash the pass (triton PR #7658, "Hopper WS doesn't support data partitioning with on-host TMA");
+* no early ``return`` in the kernel (an assertion in the pass): an empty tile loops zero times instead;
+* ``num_warps=4`` (with 8 the loop is not specialized).
+
+A descriptor made in the kernel is written to a global scratch buffer that the launcher allocates per launch
+through ``triton.set_allocator``'s allocator (a ContextVar: per thread, and unset by default).
+:func:`ensure_scratch_allocator` installs one that takes the memory from torch's caching allocator on the
+current stream (so a CUDA-graph capture takes it from the graph's pool), unless the thread has one already.
+
+The variants are off unless GEMCOMPILE_WARP_SPECIALIZE=1: they have not been timed or run on a GPU yet; the
+autotuner then times them beside the other configs (only where the launch takes the TMA loads and has no
+bias, key mask, uniform keys or dropout).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["WARP_SPECIALIZE", "ensure_scratch_allocator", "warp_specialize_available"]
+
+WARP_SPECIALIZE = os.environ.get("GEMCOMPILE_WARP_SPECIALIZE", "0") == "1"
+"""Offer the warp-specialized configs to the autotuner (GEMCOMPILE_WARP_SPECIALIZE=1; off by default)."""
+
+
+def warp_specialize_available() -> bool:
+    """This Triton has descriptors made in the kernel and loops that take ``warp_specialize``."""
+    return hasattr(tl, "make_tensor_descriptor") and "warp_specialize" in tl.range.__init__.__code__.co_varnames
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Scratch for descriptors made in a kernel: torch's caching allocator, current device and stream
+    (torch's allocations are 512-byte aligned, more than the 128 bytes a descriptor needs)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_scratch_allocator() -> None:
+    """Install :func:`_scratch` as this thread's Triton allocator unless one is set (the autograd engine
+    runs backward passes, and so recomputed forwards, on threads of its own, where the ContextVar is unset)."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
