@@ -2,15 +2,19 @@
 
 Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)``, sm_90) splits a loop into a
 TMA producer warp group and consumer warp groups that run the MMAs and the softmax, so the loads of the next
-key tile overlap the math of this one. Compiled for sm_90a (triton 3.6 and 3.9, no GPU needed:
-tests/unit/test_jagged_attention_compile.py), the jagged forward's specialized loop becomes 12 warps (1 producer
-+ 2 consumer groups, ``setmaxnreg``) from ``num_warps=4``, without spills at D 64 and 128. What the pass
-accepts (found by compiling variants for sm_90a with triton 3.6):
+tile overlap the math of this one. Compiled for sm_90a (triton 3.6 and 3.9, no GPU needed:
+tests/unit/test_jagged_attention_compile.py), the jagged forward's and dK/dV kernel's specialized loops become
+12 warps (1 producer + 2 consumer groups, ``setmaxnreg``) from ``num_warps=4``, without spills at the listed
+tiles (D 64 and 128). What the pass accepts (found by compiling variants for sm_90a with triton 3.6):
 
 * loads through descriptors made in the kernel (``tl.make_tensor_descriptor``): host (ragged) descriptors
   crash the pass (triton PR #7658, "Hopper WS doesn't support data partitioning with on-host TMA");
 * no early ``return`` in the kernel (an assertion in the pass): an empty tile loops zero times instead;
-* ``num_warps=4`` (with 8 the loop is not specialized).
+* ``num_warps=4`` (with 8 the loop is not specialized);
+* in the dK/dV kernel, the key tile loaded through descriptors as well: with pointer loads before the loop the
+  pass fails (``WSLowerToken.cpp:73`` assertion). The dQ kernel written the same way (q, dO, k, v through
+  descriptors, lse and delta by pointers before or inside the loop) fails with that assertion at every tile
+  tried, so dQ has no specialized variant.
 
 A descriptor made in the kernel is written to a global scratch buffer that the launcher allocates per launch
 through ``triton.set_allocator``'s allocator (a ContextVar: per thread, and unset by default).
