@@ -200,6 +200,30 @@ def _key_split(key_lo, hi, full_end, holes, BLOCK_N: tl.constexpr):
     return lo, head_end, first_full, tail
 
 
+@triton.jit
+def _key_ranges(KVBounds, b, kv_len, m0, q_len, CAUSAL: tl.constexpr, HAS_KV_MASK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A query tile's key loops (forward, dQ) -> (kv_len: key_hi with a kv_mask, key_lo, holes, and the ranges
+    [lo, head_end) masked (a kv_mask's first tile; empty without one), [first_full, full_end) unmasked,
+    [tail, hi) masked), causal keys clipped to the tile's last row."""
+    key_lo = 0
+    holes = False
+    if HAS_KV_MASK:
+        key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
+    hi = kv_len
+    full_end = (hi // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
+        full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    head_end = 0
+    first_full = 0
+    tail = full_end
+    if HAS_KV_MASK:
+        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
+    return kv_len, key_lo, holes, lo, head_end, first_full, full_end, tail, hi
+
+
 # ---------------------------------------------------------------------------------------------------
 # Forward
 
@@ -359,19 +383,9 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        key_lo = 0
-        holes = False
+        kv_len, key_lo, holes, lo, head_end, first_full, full_end, tail, hi = _key_ranges(
+            KVBounds, b, kv_len, m0, q_len, CAUSAL, HAS_KV_MASK, BLOCK_M, BLOCK_N)
         if HAS_KV_MASK:
-            key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
-        hi = kv_len
-        full_end = (hi // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
-            full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-        first_full = 0
-        tail = full_end
-        if HAS_KV_MASK:
-            lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, k_base, v_base, z_base, m_base, offs_m, offs_n, offs_d, q_len, kv_len,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_mn, qk_scale, lo,
@@ -716,19 +730,9 @@ def _bwd_dq_kernel(
     seed, row_counters = dropout_stream(Seed, b64, h64, H, max_kv_len, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    key_lo = 0
-    holes = False
+    kv_len, key_lo, holes, lo, head_end, first_full, full_end, tail, hi = _key_ranges(
+        KVBounds, b, kv_len, m0, q_len, CAUSAL, HAS_KV_MASK, BLOCK_M, BLOCK_N)
     if HAS_KV_MASK:
-        key_lo, kv_len, holes = _key_bounds(KVBounds, b, kv_len)
-    hi = kv_len
-    full_end = (hi // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, q_len))
-        full_end = tl.minimum(full_end, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    first_full = 0
-    tail = full_end
-    if HAS_KV_MASK:
-        lo, head_end, first_full, tail = _key_split(key_lo, hi, full_end, holes, BLOCK_N)
         dq = _dq_inner(
             dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, offs_m, offs_n, offs_d, q_len,
             kv_len, stride_kn, stride_kd, stride_vn, stride_vd, stride_zm, stride_zn, stride_sm, stride_mn,
