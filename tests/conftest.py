@@ -18,6 +18,15 @@ import pytest  # noqa: E402
 # compared bit for bit use the same reduction order).
 torch.set_num_threads(1)
 
+# Inductor's C++ kernels without SIMD in this process: the tests check what gemcompile's passes and ops
+# compute against eager, not Inductor's vectorizer, and on tiny tensors the vector code only costs compile
+# time (GEM-ref tiny's compiled test: 181 s with it, 139 s without, on this 2-core machine). Subprocesses
+# (torchrun workers, the CLI) keep the default; GEMCOMPILE_TEST_CPP_SIMD=1 keeps it here too.
+if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.simdlen = 0
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
