@@ -45,6 +45,13 @@ the variant. Pointer loads stay for k and v under a kv_mask (masked keys' rows w
 cannot address, and for launches below ragged_tma.TMA_MIN_WORK (the descriptors' host time). GEMCOMPILE_TMA=0
 turns TMA off.
 
+Warp specialization (constexpr WS, set by a config; common/warp_specialize.py): the forward and dK/dV have
+configs whose loop Triton splits into a TMA producer and two consumer warp groups. Such a program reads its
+tiles through descriptors it makes over its sequence's rows (shape = the length: rows past it read as 0),
+runs one loop with every tile masked and never returns early (what the pass accepts). The configs ride on
+the TMA variant and serve only launches without a bias, key mask, uniform keys or dropout; they are offered
+only with GEMCOMPILE_WARP_SPECIALIZE=1 until a GPU has timed them. dQ has none (the pass fails on it).
+
 Precision: scores, softmax statistics and accumulators are fp32; P and dS are cast to the input dtype
 for the P.V, dS.K and dS^T.Q dots, as flash attention does. fp32 inputs use 3xTF32 dots when torch's
 float32 matmul precision is "highest" (the default) and TF32 otherwise.
