@@ -129,6 +129,8 @@ def compiled(kernel, constexprs, warps, stages, types=TYPES):
     while not isinstance(fn, triton.runtime.jit.JITFunction):  # through the autotuner
         fn = fn.fn
     consts = dict(constexprs)
+    # constexpr parameters left at their defaults (WS: the warp-specialized variant), as a launch leaves them
+    consts.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts})
     # a launch specializes an int equal to 1 into a constant (contiguous tensors: the last dims' strides)
     consts.update({n: 1 for n in fn.arg_names if n not in consts and n.startswith("stride_")
                    and (n.endswith("d") or n in UNIT_STRIDES)})
