@@ -6,6 +6,12 @@ Why: at head dim 128 the forward and dK/dV kernels run one CTA per SM (issue 25)
 
     python benchmarks/kernel_registers.py [--out DIR]
     python benchmarks/kernel_registers.py --kernels block-closed [--out DIR]
+    python benchmarks/kernel_registers.py --kernels jagged-ws [--head-dim 64|128] [--out DIR]
+
+``--kernels jagged-ws``: the jagged forward's and dK/dV's warp-specialized configs (WS=True,
+common/warp_specialize.py), each at the head dim, causal or not: the warps the compiled kernel runs (12 when
+Triton split the loop into a producer and two consumer groups), registers, spills, shared memory, and
+whether the PTX sets per-group register counts (setmaxnreg).
 
 ``--kernels block-closed``: block attention's closed kernels (one tile per 64-token block, packed layout,
 q_lengths), every closed config of the head dim's class, with and without the fused rotate-half rotary
@@ -172,13 +178,49 @@ def block_closed_rows(head_dim: int) -> list[dict]:
     return rows
 
 
+def jagged_ws_rows(head_dim: int) -> list[dict]:
+    """One row per (kernel, WS config, causal) of the jagged kernels' warp-specialized configs."""
+    head = "small" if head_dim <= 64 else "large"
+    rows = []
+    for name, shapes, boxes in (("fwd", jagged._FWD_WS_SHAPES, ("QDesc", "KDesc", "VDesc")),
+                                ("dkdv", jagged._DKDV_WS_SHAPES, ("QDesc", "DODesc"))):
+        for (m, n, warps, stages), heads in shapes.items():
+            if head not in heads:
+                continue
+            for causal in (False, True):
+                consts = dict(HEAD_D=head_dim, BLOCK_D=head_dim, Q_MODE=1, KV_MODE=1, HAS_BIAS=False,
+                              CAUSAL=causal, DOT_PRECISION="tf32", HAS_KV_MASK=False, HAS_UNIFORM=False,
+                              DROPOUT=False, USE_TMA=True, WS=True, BLOCK_M=m, BLOCK_N=n)
+                # the host descriptors a TMA launch passes (unused by the WS loop, which makes its own)
+                box = {"QDesc": m, "KDesc": n, "VDesc": n, "DODesc": m}
+                types = {d: f"tensordesc<bf16[1,1,{box[d]},{head_dim}]>" for d in boxes}
+                row = {"kernel": name + "-ws", "causal": causal, "BLOCK_M": m, "BLOCK_N": n,
+                       "num_warps": warps, "num_stages": stages}
+                try:
+                    compiled = compile_sm90(KERNELS[name], consts, warps, stages, None, types)
+                    ptx = compiled.asm["ptx"]
+                    row.update(ptxas_report(ptx), shared_bytes=compiled.metadata.shared,
+                               compiled_warps=compiled.metadata.num_warps, setmaxnreg="setmaxnreg" in ptx)
+                except Exception as e:  # noqa: BLE001  a config this compiler refuses: recorded
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kernels", default="jagged", choices=["jagged", "block-closed"])
+    parser.add_argument("--kernels", default="jagged", choices=["jagged", "jagged-ws", "block-closed"])
     parser.add_argument("--dropout", action="store_true", help="the jagged kernels with attention dropout")
     args = parser.parse_args()
+    if args.kernels == "jagged-ws":
+        print(write_json(f"kernel_registers-jagged-ws-d{args.head_dim}",
+                         {"benchmark": "kernel_registers", "environment": environment(),
+                          "target": "sm_90a (compiled on the CPU)", "kernels": "jagged-ws",
+                          "rows": jagged_ws_rows(args.head_dim)}, args.out))
+        return
     if args.kernels == "block-closed":
         print(write_json(f"kernel_registers-block-closed-d{args.head_dim}",
                          {"benchmark": "kernel_registers", "environment": environment(),
