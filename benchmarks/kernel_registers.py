@@ -215,17 +215,12 @@ def main() -> None:
     parser.add_argument("--kernels", default="jagged", choices=["jagged", "jagged-ws", "block-closed"])
     parser.add_argument("--dropout", action="store_true", help="the jagged kernels with attention dropout")
     args = parser.parse_args()
-    if args.kernels == "jagged-ws":
-        print(write_json(f"kernel_registers-jagged-ws-d{args.head_dim}",
+    rows_of = {"jagged-ws": jagged_ws_rows, "block-closed": block_closed_rows}
+    if args.kernels in rows_of:  # one file of rows per kernel family and head dim
+        print(write_json(f"kernel_registers-{args.kernels}-d{args.head_dim}",
                          {"benchmark": "kernel_registers", "environment": environment(),
-                          "target": "sm_90a (compiled on the CPU)", "kernels": "jagged-ws",
-                          "rows": jagged_ws_rows(args.head_dim)}, args.out))
-        return
-    if args.kernels == "block-closed":
-        print(write_json(f"kernel_registers-block-closed-d{args.head_dim}",
-                         {"benchmark": "kernel_registers", "environment": environment(),
-                          "target": "sm_90a (compiled on the CPU)", "kernels": "block-closed",
-                          "rows": block_closed_rows(args.head_dim)}, args.out))
+                          "target": "sm_90a (compiled on the CPU)", "kernels": args.kernels,
+                          "rows": rows_of[args.kernels](args.head_dim)}, args.out))
         return
     base = dict(
         HEAD_D=args.head_dim,
