@@ -32,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 __all__ = ["WARP_SPECIALIZE", "ensure_scratch_allocator", "warp_specialize_available"]
 
@@ -54,8 +55,6 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def ensure_scratch_allocator() -> None:
     """Install :func:`_scratch` as this thread's Triton allocator unless one is set (the autograd engine
     runs backward passes, and so recomputed forwards, on threads of its own, where the ContextVar is unset)."""
-    from triton.runtime import _allocation
-
     current = getattr(_allocation, "_allocator", None)
     if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
