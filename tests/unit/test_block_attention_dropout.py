@@ -32,9 +32,11 @@ def test_reference_equals_eager_dropout_and_gradcheck():
     weights = torch.softmax((q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~ok, float("-inf")), -1)
     ref = (weights.nan_to_num(0.0) * keep_mask(SEED, 0.3, B, H, L, L, "cpu") * keep_scale(0.3)) @ v
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    # fast_mode: the Jacobian checked along random directions (2 evaluations, not 2 per input element: the
+    # full check took ~50 s of CI's CPU for 1152 inputs); a wrong gradient still fails it
     assert torch.autograd.gradcheck(
         lambda q, k, v: block_attention(q, k, v, lengths, block=4, causal=True, dropout_p=0.3, dropout_seed=SEED),
-        (q, k, v))
+        (q, k, v), fast_mode=True)
 
 
 CASES = {
