@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gemcompile.config import ParallelConfig
-from gemcompile.passes.records import PassLog, recording
 from gemcompile.runtime.distributed.apply import init_distributed
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
@@ -151,12 +150,19 @@ def _train(spec: dict) -> dict:
                       compile=spec.get("compile", "eager"), sparse_tables=spec.get("sparse_tables"),
                       memory_budget=spec.get("memory_budget"), fp8_saved=spec.get("fp8_saved", False),
                       parallel=parallel)
-    log = PassLog()
-    with recording(log):  # every unit's GemBackend reports into it (compile="gem")
+    # the passes' records only where a run compiles: importing them loads the compiler stack (~3 s a rank)
+    compiled = spec.get("compile", "eager") != "eager"
+    if compiled:
+        from gemcompile.passes.records import PassLog, recording
+
+        log = PassLog()
+        with recording(log):  # every unit's GemBackend reports into it (compile="gem")
+            result = train(cfg)
+    else:
         result = train(cfg)
     payload = {"losses": result.losses, "start_step": result.start_step, "checkpoints": result.checkpoints,
                "sparse_tables": cfg.trains_tables_sparsely}
-    if spec.get("compile", "eager") != "eager":
+    if compiled:
         from torch._dynamo.utils import counters
 
         payload["pass_counts"] = dict(counters["gemcompile"])

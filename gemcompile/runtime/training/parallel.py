@@ -15,11 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gemcompile.backend import GemBackend
 from gemcompile.config import GemConfig
 from gemcompile.models.gem import GemRef, gem_ref_config
-from gemcompile.passes import PIPELINE
-from gemcompile.passes.sharding import ShardingPass
 from gemcompile.runtime.distributed.apply import ParallelRuntime, init_distributed
 from gemcompile.runtime.distributed.plan import ParallelPlan, plan_for_model
 from gemcompile.runtime.training.flops import PaddedFlopCounter
@@ -44,7 +41,11 @@ def compile_units(runtime: ParallelRuntime, mode: str, gem_config=None, parallel
             continue
         if mode == "inductor":
             backend = "inductor"
-        else:
+        else:  # the compiler stack imported here: an eager run does not load it
+            from gemcompile.backend import GemBackend
+            from gemcompile.passes import PIPELINE
+            from gemcompile.passes.sharding import ShardingPass
+
             config = gem_config if gem_config is not None else GemConfig()
             if parallel is not None:
                 config = dataclasses.replace(config, parallel=parallel)

@@ -30,8 +30,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gemcompile.api import gem_compile
-from gemcompile.explain import explain
 from gemcompile.models.data import GemBatch, SyntheticData
 from gemcompile.models.gem import GemRef, GemRefConfig, gem_ref_config, masked_bce_loss
 from gemcompile.runtime.training import checkpoint_owner
@@ -60,6 +58,20 @@ from gemcompile.runtime.training.report import (
 from gemcompile.runtime.training.validate import validate_batch
 
 __all__ = ["train"]
+
+
+def gem_compile(model: nn.Module, **kwargs: Any) -> Any:
+    """gemcompile.gem_compile, imported when a run compiles (a module attribute, so tests can replace it)."""
+    from gemcompile.api import gem_compile as compile_with_passes
+
+    return compile_with_passes(model, **kwargs)
+
+
+def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """gemcompile.explain, imported when a run asks for the report."""
+    from gemcompile.explain import explain as explain_passes
+
+    return explain_passes(model, *args, **kwargs)
 
 
 def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
