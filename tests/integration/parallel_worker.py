@@ -15,6 +15,7 @@ each again resumed from the other's checkpoint of step 1: payload "compare", one
 result per plan (no "steps": the compare only).
 """
 
+import contextlib
 import json
 import sys
 
@@ -152,13 +153,13 @@ def _train(spec: dict) -> dict:
                       parallel=parallel)
     # the passes' records only where a run compiles: importing them loads the compiler stack (~3 s a rank)
     compiled = spec.get("compile", "eager") != "eager"
+    reporting = contextlib.nullcontext()
     if compiled:
         from gemcompile.passes.records import PassLog, recording
 
         log = PassLog()
-        with recording(log):  # every unit's GemBackend reports into it (compile="gem")
-            result = train(cfg)
-    else:
+        reporting = recording(log)  # every unit's GemBackend reports into it (compile="gem")
+    with reporting:
         result = train(cfg)
     payload = {"losses": result.losses, "start_step": result.start_step, "checkpoints": result.checkpoints,
                "sparse_tables": cfg.trains_tables_sparsely}

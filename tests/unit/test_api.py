@@ -144,3 +144,27 @@ def test_a_backend_error_leads_with_the_reason_not_the_config(monkeypatch):
         gem_compile(TinyNet())(torch.randn(2, 8))
     head = str(info.value)[:120]
     assert "the pass found something wrong" in head and "GemConfig" not in str(info.value)
+
+
+def test_eager_training_imports_no_compiler_stack_and_the_public_names_stay_functions():
+    """``import gemcompile`` and the training loop leave Dynamo's tracer, Inductor's pattern matcher and the
+    passes unloaded (imported on first use of gem_compile / explain); importing the submodule
+    gemcompile.explain first does not turn the public ``gemcompile.explain`` into a module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import gemcompile\n"
+        "from gemcompile.runtime.training.train import train\n"
+        "heavy = [m for m in ('gemcompile.passes', 'gemcompile.api', 'torch._inductor.pattern_matcher') "
+        "if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "import gemcompile.explain\n"
+        "from gemcompile import explain, gem_compile, ExplainReport\n"
+        "assert callable(explain) and explain.__name__ == 'explain' and gemcompile.explain is explain\n"
+        "assert gem_compile.__name__ == 'gem_compile' and isinstance(ExplainReport, type)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
