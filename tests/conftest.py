@@ -9,6 +9,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter_speedup import skip_repatching_inside_a_launch
+
+    skip_repatching_inside_a_launch()
 os.environ.setdefault("GEMCOMPILE_STRICT", "1")  # an internal error of a pass fails the test, not a refusal
 
 import pytest  # noqa: E402
@@ -21,7 +25,8 @@ torch.set_num_threads(1)
 # Inductor's C++ kernels without SIMD in this process: the tests check what gemcompile's passes and ops
 # compute against eager, not Inductor's vectorizer, and on tiny tensors the vector code only costs compile
 # time (GEM-ref tiny's compiled test: 181 s with it, 139 s without, on this 2-core machine). Subprocesses
-# (torchrun workers, the CLI) keep the default; GEMCOMPILE_TEST_CPP_SIMD=1 keeps it here too.
+# (the CLI) keep the default; the torchrun test worker follows this one; GEMCOMPILE_TEST_CPP_SIMD=1 keeps it
+# in both.
 if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":
     import torch._inductor.config as inductor_config
 

@@ -17,6 +17,7 @@ result per plan (no "steps": the compare only).
 
 import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -156,6 +157,11 @@ def _train(spec: dict) -> dict:
     reporting = contextlib.nullcontext()
     if compiled:
         from gemcompile.passes.records import PassLog, recording
+
+        if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":  # as tests/conftest.py, for the same reason
+            import torch._inductor.config as inductor_config
+
+            inductor_config.cpp.simdlen = 0
 
         log = PassLog()
         reporting = recording(log)  # every unit's GemBackend reports into it (compile="gem")

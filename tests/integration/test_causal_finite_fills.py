@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gemcompile import explain
+from tests.grids import pairwise
 from tests.compiled_vs_eager import assert_same_weighted_grads
 from tests.rewritten import rewritten
 
@@ -72,9 +73,7 @@ def _check(spelling, fill_name, layout, seed=1, device="cpu"):
     assert_same_weighted_grads(out, ref, [q, k, v], **tol)
 
 
-@pytest.mark.parametrize("layout", ["left", "holes"])
-@pytest.mark.parametrize("fill_name", list(FILLS))
-@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("spelling,fill_name,layout", pairwise(SPELLINGS, list(FILLS), ["left", "holes"]))
 def test_rows_that_see_no_valid_key_equal_eager(spelling, fill_name, layout):
     _check(spelling, fill_name, layout)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from gemcompile import GemConfig, explain
 from tests.compiled_vs_eager import assert_compiled_matches_eager
+from tests.grids import pairwise
 
 B, N, D = 5, 12, 16
 LENGTHS = torch.tensor([0, 3, 12, 1, 7])
@@ -89,10 +90,12 @@ def _config(buckets):
     return GemConfig(unpad={"token_buckets": buckets, "min_gemms": 1})
 
 
-@pytest.mark.parametrize("buckets", [0, 3])
-@pytest.mark.parametrize("model_type,form", [(Recent, "gather"), (Last, "per_batch"), (First, "position")])
-@pytest.mark.parametrize("lengths", [LENGTHS, torch.zeros(B, dtype=torch.int64), torch.full((B,), N)])
-def test_row_reads_come_from_packed_rows(model_type, form, buckets, lengths):
+@pytest.mark.parametrize("lengths,model_form,buckets", pairwise(
+    {"partial": LENGTHS, "empty": torch.zeros(B, dtype=torch.int64), "full": torch.full((B,), N)},
+    {"Recent": (Recent, "gather"), "Last": (Last, "per_batch"), "First": (First, "position")},
+    {"no_buckets": 0, "buckets3": 3}))
+def test_row_reads_come_from_packed_rows(lengths, model_form, buckets):
+    model_type, form = model_form
     torch.manual_seed(0)
     model = model_type()
     x = torch.randn(B, N, D, requires_grad=True)

@@ -1,6 +1,7 @@
 """GDPA's in-kernel bias gradient (lowering/gdpa/bias_grad_triton.py) under the Triton interpreter, against
 the float64 reference: every way a full (Lq, Lk) bias can be shared (batch, heads, both, neither), the
-pair loop split into parts, every mask family, zero-length and full-length sequences; and which path a
+pair loop split into parts, every mask family (each pair of the three: tests/grids.py), zero-length and
+full-length sequences; and which path a
 bias takes (full dims: the kernel; broadcast rows or columns: the dQ kernel's buffer)."""
 
 import os
@@ -17,6 +18,7 @@ from gemcompile.lowering.gdpa import triton as gdpa_triton
 from gemcompile.lowering.gdpa.reference import reference_gdpa_backward
 from gemcompile.lowering.gdpa.triton import gdpa_backward_triton
 from gemcompile.lowering.gdpa.spec import GdpaSpec
+from tests.grids import pairwise
 
 B, H, L, D = 3, 2, 37, 16
 KV_LENGTHS = torch.tensor([L, 0, 20])  # full, empty, partial
@@ -57,9 +59,7 @@ MASKS = {"causal_silu_divide": ("silu", 0.3, 1.0, True, True, 0),
          "none_sigmoid": ("sigmoid", 0.25, 1.0, False, False, 0)}
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5], ids=lambda s: f"splits{s}")
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape,mask,splits", pairwise(list(SHAPES), list(MASKS), [1, 2, 5]))
 def test_matches_the_reference(shape, mask, splits):
     q, k, v, bias, grad_out = inputs(SHAPES[shape], seed=len(shape) + len(mask))
     args = MASKS[mask]

@@ -25,6 +25,7 @@ from gemcompile.lowering.gdpa.reference import (  # noqa: E402
 )
 from gemcompile.lowering.gdpa.triton import gdpa_backward_triton, gdpa_forward_triton  # noqa: E402
 from gemcompile.lowering.gdpa.spec import GdpaSpec  # noqa: E402
+from tests.grids import pairwise  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
 
@@ -116,9 +117,8 @@ def test_every_activation(activation, dtype):
 MASKS = {"causal": (True, 0), "window": (False, 5), "causal_window": (True, 7), "window_1": (False, 1)}
 
 
-@pytest.mark.parametrize("shared_q", [False, True], ids=["q_per_batch", "q_shared"])
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype,mask,shared_q", pairwise(
+    {"fp32": torch.float32, "fp16": torch.float16}, {m: m for m in MASKS}, {"q_per_batch": False, "q_shared": True}))
 def test_causal_and_window(dtype, mask, shared_q):
     causal, window = MASKS[mask]
     B, H, L, D = 3, 2, 40, 16

@@ -20,6 +20,7 @@ from gemcompile.lowering.jagged_attention.packed_triton import (  # noqa: E402
     jagged_attention_forward_triton,
 )
 from gemcompile.lowering.jagged_attention.reference import reference_backward, reference_forward  # noqa: E402
+from tests.grids import pairwise  # noqa: E402
 
 B, H, N, D, Q = 4, 2, 37, 16, 5  # N spans several tiles and a partial one
 LENGTHS = [N, 0, 17, 1]
@@ -54,9 +55,9 @@ def check(got, want64, dtype, what):
     assert rel(got, want64) < TOL[dtype], (what, rel(got, want64))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("extra", ["plain", "kv_mask", "bias_grad", "shared_q"])
+@pytest.mark.parametrize("dtype,causal,extra", pairwise(
+    {"fp32": torch.float32, "fp16": torch.float16}, {"full": False, "causal": True},
+    {x: x for x in ("plain", "kv_mask", "bias_grad", "shared_q")}))
 def test_packed_keys(dtype, causal, extra):
     lengths, offsets, k, v, T, g = case(dtype, seed=len(extra) + 2 * causal)
     q = torch.randn(1 if extra == "shared_q" else B, H, Q, D, generator=g).to(dtype)

@@ -26,6 +26,7 @@ from gemcompile.lowering.jagged_attention import packed_triton
 from gemcompile.lowering.jagged_attention import triton as kernels
 from gemcompile.lowering.jagged_attention.packed import packed_reference_forward
 from gemcompile.lowering.jagged_attention.reference import reference_forward
+from tests.grids import pairwise
 
 KERNELS = {"fwd": kernels._fwd_kernel, "dkdv": kernels._bwd_dkdv_kernel, "dq": kernels._bwd_dq_kernel}
 
@@ -104,9 +105,9 @@ def bhld_inputs(layout, B, H, L, D, g):
     return q, k, v
 
 
-@pytest.mark.parametrize("layout", ["bhld", "blhd", "expanded_heads"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("layout,causal,with_bias", pairwise(
+    {x: x for x in ("bhld", "blhd", "expanded_heads")}, {"full": False, "causal": True},
+    {"no_bias": False, "bias": True}))
 def test_tma_forward_matches_pointer_loads_and_reference(monkeypatch, launches, layout, causal, with_bias):
     B, H, L, D = 4, 2, 45, 32
     g = torch.Generator().manual_seed(7 + causal + 2 * with_bias)

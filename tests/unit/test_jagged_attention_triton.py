@@ -27,6 +27,7 @@ from gemcompile.lowering.jagged_attention.triton import (  # noqa: E402
     jagged_attention_backward_triton,
     jagged_attention_forward_triton,
 )
+from tests.grids import pairwise  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
 
@@ -94,10 +95,9 @@ def check_against_reference(q, k, v, ql, kl, bias, causal, scale, bias_grad=True
 BIAS = {"none": None, "full": "full", "heads_keys": "heads_keys"}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("bias_kind", list(BIAS))
-@pytest.mark.parametrize("shared_q", [False, True], ids=["q_per_batch", "q_shared"])
+@pytest.mark.parametrize("dtype,causal,bias_kind,shared_q", pairwise(
+    {"fp32": torch.float32, "fp16": torch.float16}, {"full": False, "causal": True}, {b: b for b in BIAS},
+    {"q_per_batch": False, "q_shared": True}))
 def test_kernels_match_reference(dtype, causal, bias_kind, shared_q):
     B, H, L, D = 3, 2, 40, 32
     bias_shape = {"none": None, "full": (B, H, L, L), "heads_keys": (1, H, 1, L)}[bias_kind]

@@ -16,13 +16,14 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 
 from test_jagged_attention_kv_mask_triton import check_against_reference, make_inputs  # noqa: E402
+from tests.grids import pairwise  # noqa: E402
 
 UNIFORM = torch.tensor([True, False, True, False])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("kind", [None, "holes", "left_pad"])
+@pytest.mark.parametrize("dtype,causal,kind", pairwise(
+    {"fp32": torch.float32, "fp16": torch.float16}, {"full": False, "causal": True},
+    {"no_mask": None, "holes": "holes", "left_pad": "left_pad"}))
 def test_kernels_match_reference(kind, causal, dtype):
     B, H, L, D = 4, 2, 40, 32
     q, k, v, ql, kl, mask, bias = make_inputs(B, H, L, L, D, dtype, kind or "all_true", bias_shape=(B, H, L, L),
