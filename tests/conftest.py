@@ -34,6 +34,9 @@ if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.slow_tier import select
+
+    select(items, pytest)  # the fast tier unless GEMCOMPILE_SLOW_TESTS asks for more (tests/slow_tier.py)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -270,6 +270,7 @@ def test_the_command_line_itself_exits_2_with_one_line(tmp_path):
                                         f"'{afile / 'ckpt'}' is unusable: {afile} is a file"]
 
 
+@pytest.mark.core  # kept in CI's fast tier (tests/slow_tier.py)
 def test_world_2_killed_in_a_save_resumes_past_a_corrupted_checkpoint(reference, tmp_path):
     """gloo, 2 ranks, 3 steps, a checkpoint every step: rank 1 is killed as the step-3 save begins; the
     step-2 checkpoint is then bit-flipped. Rank 0 verifies, both ranks resume from step 1, and the losses

@@ -5,6 +5,7 @@ packed tokens (unpad), and no recompiles across 20 batches of different lengths.
 
 import contextlib
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -22,6 +23,7 @@ from gemcompile.models.gem import (
 from gemcompile.passes.records import PassLog, recording
 
 
+@pytest.mark.core  # kept in CI's fast tier (tests/slow_tier.py)
 def test_gem_ref_tiny_compiled_matches_eager(monkeypatch):
     compiles = []
     original = GemBackend.__call__

@@ -89,6 +89,7 @@ def test_world_2_clipping_matches_and_sparse_tables_equal_dense(tmp_path, refere
     assert replicated["replicas_identical"]
 
 
+@pytest.mark.core  # kept in CI's fast tier (tests/slow_tier.py)
 def test_world_4_grid_matches_and_resumes_at_world_2(tmp_path, reference):
     saved = tmp_path / "saved"
     spec = {"steps": STEPS, "batch_size": BATCH, "checkpoint_dir": str(saved), "save_every": 3, "count": True,
@@ -140,7 +141,7 @@ def test_world_4_replicated_groups_and_expert_fsdp(tmp_path, reference):
     assert run["observed"]["all_gather@efsdp"] == 4  # the local experts' FSDP unit, per layer
 
 
-@pytest.mark.slow  # ~2 minutes on 2 CPU cores: GEM-ref tiny's units compiled in two processes
+@pytest.mark.core  # kept in CI's fast tier (tests/slow_tier.py): GEM-ref tiny's units compiled in two processes
 def test_world_2_gem_compile_matches_eager(tmp_path, reference):
     run = _run(tmp_path, 2, {"steps": 3, "batch_size": BATCH, "compile": "gem"}, "w2-gem", timeout=900)
     _assert_close(run["losses"], reference["plain"][:3], tol=COMPILED_LOSS_TOL)

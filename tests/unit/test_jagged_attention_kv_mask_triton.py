@@ -26,6 +26,7 @@ from gemcompile.lowering.jagged_attention.triton import (  # noqa: E402
     jagged_attention_backward_triton,
     jagged_attention_forward_triton,
 )
+from tests.grids import pairwise  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (3e-3, 8e-3)}  # (forward, backward) relative-norm error
 
@@ -153,10 +154,13 @@ def _runs(L, tile):
     return runs, holed
 
 
-@pytest.mark.parametrize("tile", [16])  # the smaller tile puts more runs across tile edges
-def test_contiguous_runs_and_single_holes(monkeypatch, tile):
+@pytest.mark.parametrize("holes,causal,cut", pairwise({"runs": False, "holed": True}, {"full": False, "causal": True},
+                                                     {"no_kv_lengths": False, "kv_lengths": True}))
+def test_contiguous_runs_and_single_holes(monkeypatch, holes, causal, cut):
     """No holes: the bounds mask the first and last tiles and inner tiles are unmasked; one hole (the
-    mask vector in every tile) must stay exact; kv_lengths that cut a run turn it into a shorter run."""
+    mask vector in every tile) must stay exact; kv_lengths that cut a run turn it into a shorter run.
+    Tiles of 16 keys: the smaller tile puts more runs across tile edges."""
+    tile = 16
     from gemcompile.lowering.jagged_attention import triton as kernels
 
     other = 48 - tile
@@ -172,11 +176,9 @@ def test_contiguous_runs_and_single_holes(monkeypatch, tile):
     bias = torch.randn(1, H, L, L, generator=g)
     ql = torch.tensor([L, L, 40, L, 17, L, L, 50])
     kl = torch.tensor([L, 60, L, 2 * tile - 3, L, L, L, 30])
-    for mask, flags in ((runs, [0] * B), (holed, [1, 1, 0, 1, 0, 0, 0, 1])):
-        assert kv_mask_bounds(mask, None, L)[2].tolist() == flags
-        for causal in (False, True):
-            for lengths in (None, kl):
-                check_against_reference(q, k, v, ql, lengths, mask, bias, causal, 0.25)
+    mask, flags = (holed, [1, 1, 0, 1, 0, 0, 0, 1]) if holes else (runs, [0] * B)
+    assert kv_mask_bounds(mask, None, L)[2].tolist() == flags
+    check_against_reference(q, k, v, ql, kl if cut else None, mask, bias, causal, 0.25)
 
 
 def test_mask_garbage_never_leaks():
