@@ -8,9 +8,10 @@ they cost, and the list keeps every test file's cheapest test in the fast tier.
 
     GEMCOMPILE_SLOW_TESTS unset or 0: the fast tier; 1: every test; only: the slow tier alone
 
-Regenerate the list from a CI log run with ``--durations=0``:
+Regenerate the list from CI logs run with ``--durations=0`` (a test's longest time among them counts: a
+test that paid for a compile a listed test used to pay shows up in the next run):
 
-    python tests/slow_tier.py CI_LOG [--threshold-s 5]
+    python tests/slow_tier.py CI_LOG [CI_LOG ...] [--threshold-s 5]
 """
 from __future__ import annotations
 
@@ -75,14 +76,17 @@ def slow_list(times: dict[str, float], threshold_s: float) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", help="a CI log with pytest's --durations=0 report")
+    parser.add_argument("logs", nargs="+", help="CI logs with pytest's --durations=0 report")
     parser.add_argument("--threshold-s", type=float, default=5.0)
     args = parser.parse_args()
-    times = durations(Path(args.log).read_text())
-    if not times:
-        raise SystemExit(f"{args.log}: no --durations=0 lines")
+    times: dict[str, float] = {}
+    for log in args.logs:
+        measured = durations(Path(log).read_text())
+        if not measured:
+            raise SystemExit(f"{log}: no --durations=0 lines")
+        times.update({t: max(s, times.get(t, 0.0)) for t, s in measured.items()})
     slow = slow_list(times, args.threshold_s)
-    LIST.write_text(json.dumps({"threshold_s": args.threshold_s, "measured": "cold CI run, 2-core CPU, -n 2",
+    LIST.write_text(json.dumps({"threshold_s": args.threshold_s, "measured": f"cold CI runs ({len(args.logs)}), 2-core CPU, -n 2",
                                 "tests": slow}, indent=1) + "\n")
     print(f"{len(slow)} of {len(times)} timed tests, {sum(slow.values()):.0f} of {sum(times.values()):.0f} "
           f"worker-seconds -> {LIST} (those marked core among them stay in the fast tier)")
