@@ -193,3 +193,19 @@ def test_prune_keeps_ws_configs_only_for_plain_tma_launches(kernel, flag):
     assert kept and all(c.pre_hook is not None for c in kept)
     # a launch on pointer loads (no TMA) never takes them
     assert not any(c.kwargs.get("WS") for c in prune(configs, dict(args, USE_TMA=False)))
+
+
+def test_the_switch_is_refused_on_a_gpu_machine():
+    """On an H200 the WS configs gave wrong outputs (gpu-tests-20261206-044823): with a GPU visible,
+    GEMCOMPILE_WARP_SPECIALIZE=1 stops at import with a message naming the variable; without one it still
+    offers the configs to the interpreter."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; torch.cuda.is_available = lambda: {gpu}\n"
+             "import gemcompile.lowering.common.warp_specialize as w; print(w.WARP_SPECIALIZE)")
+    env = {**os.environ, "GEMCOMPILE_WARP_SPECIALIZE": "1"}
+    with_gpu = subprocess.run([sys.executable, "-c", probe.format(gpu=True)], capture_output=True, text=True, env=env)
+    assert with_gpu.returncode != 0 and "unset GEMCOMPILE_WARP_SPECIALIZE" in with_gpu.stderr
+    without = subprocess.run([sys.executable, "-c", probe.format(gpu=False)], capture_output=True, text=True, env=env)
+    assert without.returncode == 0 and without.stdout.strip() == "True", without.stderr[-2000:]

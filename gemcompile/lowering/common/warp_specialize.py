@@ -21,9 +21,13 @@ through ``triton.set_allocator``'s allocator (a ContextVar: per thread, and unse
 :func:`ensure_scratch_allocator` installs one that takes the memory from torch's caching allocator on the
 current stream (so a CUDA-graph capture takes it from the graph's pool), unless the thread has one already.
 
-The variants are off unless GEMCOMPILE_WARP_SPECIALIZE=1: they have not been timed or run on a GPU yet; the
-autotuner then times them beside the other configs (only where the launch takes the TMA loads and has no
-bias, key mask, uniform keys or dropout).
+The variants are off. On an H200 (triton 3.6) they gave wrong outputs (NaN or errors of 0.5-0.75 against
+float64: all 22 GPU tests of tests/gpu/test_jagged_attention_warp_specialize_gpu.py failed,
+benchmarks/results/gpu-tests/gpu-tests-20261206-044823.json) and, in the config sweep of the same lease, were
+1.4-1.7x slower than the default tiles at D 128; the CPU interpreter does not see the fault. So
+GEMCOMPILE_WARP_SPECIALIZE=1 is refused on a machine with a GPU until they are fixed; on the CPU it still
+offers them to the autotuner (only where the launch takes the TMA loads and has no bias, key mask, uniform
+keys or dropout), for the interpreter tests.
 """
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ __all__ = ["WARP_SPECIALIZE", "ensure_scratch_allocator", "warp_specialize_avail
 
 WARP_SPECIALIZE = os.environ.get("GEMCOMPILE_WARP_SPECIALIZE", "0") == "1"
 """Offer the warp-specialized configs to the autotuner (GEMCOMPILE_WARP_SPECIALIZE=1; off by default)."""
+if WARP_SPECIALIZE and torch.cuda.is_available():
+    raise RuntimeError(
+        "GEMCOMPILE_WARP_SPECIALIZE=1: the warp-specialized jagged attention configs gave wrong results on an "
+        "H200 with triton 3.6 (benchmarks/results/gpu-tests/gpu-tests-20261206-044823.json) and were slower "
+        "than the default configs; unset GEMCOMPILE_WARP_SPECIALIZE")
 
 
 def warp_specialize_available() -> bool:

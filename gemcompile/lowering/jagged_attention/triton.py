@@ -49,8 +49,9 @@ Warp specialization (constexpr WS, set by a config; common/warp_specialize.py): 
 configs whose loop Triton splits into a TMA producer and two consumer warp groups. Such a program reads its
 tiles through descriptors it makes over its sequence's rows (shape = the length: rows past it read as 0),
 runs one loop with every tile masked and never returns early (what the pass accepts). The configs ride on
-the TMA variant and serve only launches without a bias, key mask, uniform keys or dropout; they are offered
-only with GEMCOMPILE_WARP_SPECIALIZE=1 until a GPU has timed them. dQ has none (the pass fails on it).
+the TMA variant and serve only launches without a bias, key mask, uniform keys or dropout. They are off: on
+an H200 they gave wrong outputs and were slower (common/warp_specialize.py says where); GEMCOMPILE_WARP_SPECIALIZE=1
+offers them on the CPU (interpreter tests) only. dQ has none (the pass fails on it).
 
 Precision: scores, softmax statistics and accumulators are fp32; P and dS are cast to the input dtype
 for the P.V, dS.K and dS^T.Q dots, as flash attention does. fp32 inputs use 3xTF32 dots when torch's
@@ -146,8 +147,8 @@ _DQ_TMA_SHAPES = _DQ_SHAPES
 
 
 # The warp-specialized forward (common/warp_specialize.py; WS=True in the config): num_warps=4 compiles to 12
-# warps (a TMA producer and two consumer groups). Offered only with GEMCOMPILE_WARP_SPECIALIZE=1 (not yet
-# timed on a GPU); its configs ride on the TMA variant (the prune keeps them only where the launch takes TMA
+# warps (a TMA producer and two consumer groups). Off (wrong outputs and slower on an H200, see
+# common/warp_specialize.py); its configs ride on the TMA variant (the prune keeps them only where the launch takes TMA
 # loads and has no bias, key mask, uniform keys or dropout).
 _FWD_WS_SHAPES = {(128, 64, 4, 3): ("small", "large"), (128, 128, 4, 2): ("small", "large")}
 _FWD_WS_CONFIGS = kernel_configs(_FWD_WS_SHAPES, (32, 16), pre_hook=tma_pre_hook(_FWD_TMA_BLOCKS),
