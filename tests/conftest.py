@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter_speedup import skip_repatching_inside_a_launch
+    from tests.triton_interpreter_speedup import skip_repatching_inside_a_launch
 
     skip_repatching_inside_a_launch()
 os.environ.setdefault("GEMCOMPILE_STRICT", "1")  # an internal error of a pass fails the test, not a refusal
@@ -22,15 +22,9 @@ import pytest  # noqa: E402
 # compared bit for bit use the same reduction order).
 torch.set_num_threads(1)
 
-# Inductor's C++ kernels without SIMD in this process: the tests check what gemcompile's passes and ops
-# compute against eager, not Inductor's vectorizer, and on tiny tensors the vector code only costs compile
-# time (GEM-ref tiny's compiled test: 181 s with it, 139 s without, on this 2-core machine). Subprocesses
-# (the CLI) keep the default; the torchrun test worker follows this one; GEMCOMPILE_TEST_CPP_SIMD=1 keeps it
-# in both.
-if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":
-    import torch._inductor.config as inductor_config
+from tests.inductor_cpp import compile_cpp_without_simd  # noqa: E402
 
-    inductor_config.cpp.simdlen = 0
+compile_cpp_without_simd()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,7 +17,6 @@ result per plan (no "steps": the compare only).
 
 import contextlib
 import json
-import os
 import sys
 
 import torch
@@ -158,10 +157,9 @@ def _train(spec: dict) -> dict:
     if compiled:
         from gemcompile.passes.records import PassLog, recording
 
-        if os.environ.get("GEMCOMPILE_TEST_CPP_SIMD", "0") != "1":  # as tests/conftest.py, for the same reason
-            import torch._inductor.config as inductor_config
+        from tests.inductor_cpp import compile_cpp_without_simd
 
-            inductor_config.cpp.simdlen = 0
+        compile_cpp_without_simd()  # as in the pytest process
 
         log = PassLog()
         reporting = recording(log)  # every unit's GemBackend reports into it (compile="gem")

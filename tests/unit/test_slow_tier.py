@@ -32,8 +32,7 @@ def _item(nodeid, *markers):
                                  get_closest_marker=lambda name: name if name in markers else None)
 
 
-@pytest.mark.parametrize("env,skipped", [(None, {"listed", "marked"}), ("1", set()),
-                                         ("only", {"fast", "core"})])
+@pytest.mark.parametrize("env,skipped", [(None, {"listed"}), ("1", set()), ("only", {"fast", "core"})])
 def test_the_tier_each_setting_runs(monkeypatch, env, skipped):
     monkeypatch.setattr(slow_tier, "slow_tests", lambda: {"t::listed": 9.0, "t::core": 60.0})
     if env is None:

@@ -24,7 +24,7 @@ current stream (so a CUDA-graph capture takes it from the graph's pool), unless 
 The variants are off. On an H200 (triton 3.6) they gave wrong outputs (NaN or errors of 0.5-0.75 against
 float64: all 22 GPU tests of tests/gpu/test_jagged_attention_warp_specialize_gpu.py failed,
 benchmarks/results/gpu-tests/gpu-tests-20261206-044823.json) and, in the config sweep of the same lease, were
-1.4-1.7x slower than the default tiles at D 128; the CPU interpreter does not see the fault. So
+1.3-1.7x slower than the default tiles at D 128; the CPU interpreter does not see the fault. So
 GEMCOMPILE_WARP_SPECIALIZE=1 is refused on a machine with a GPU until they are fixed; on the CPU it still
 offers them to the autotuner (only where the launch takes the TMA loads and has no bias, key mask, uniform
 keys or dropout), for the interpreter tests.
