@@ -67,6 +67,7 @@ POINTERS = {
     "DS": "*fp32",
     "Lse": "*fp32",
     "Delta": "*fp32",
+    "GradLse": "*fp32",
     "KVMask": "*u8",
     "KVBounds": "*i32",
     "Uniform": "*u8",

@@ -428,6 +428,43 @@ def jagged_tma() -> str:
     return "\n".join(lines).rstrip()
 
 
+JAGGED_DELTA = ("jagged_attention-hopper-cudagraph-20261206-060427.json",
+                "jagged_attention-hopper-cudagraph-20261206-060525.json")
+"""(delta computed in the dQ kernel, the default; GEMCOMPILE_DELTA_IN_DQ=0: its own kernel), back to back."""
+
+
+def _fwdbwd_kernel_us(shape: dict, method: str) -> dict:
+    return {k["kernel"]: k["us"] for k in (shape["results"].get(method) or {}).get("fwdbwd_kernels") or []}
+
+
+@block("jagged-delta-in-dq")
+def jagged_delta_in_dq() -> str:
+    (new_path, new), (old_path, old) = load(JAGGED_DELTA[0]), load(JAGGED_DELTA[1])
+    assert (old["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_DELTA_IN_DQ") == "0", JAGGED_DELTA[1]
+    assert not (new["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_DELTA_IN_DQ"), JAGGED_DELTA[0]
+    rows = []
+    for s_new, s_old in zip(new["shapes"], old["shapes"]):
+        assert s_new["label"] == s_old["label"]
+        k_new, k_old = _fwdbwd_kernel_us(s_new, "gemcompile"), _fwdbwd_kernel_us(s_old, "gemcompile")
+        for method in ("gemcompile", "gem_compile_module"):
+            ms_old, ms_new = _res(s_old, method, "fwdbwd_ms"), _res(s_new, method, "fwdbwd_ms")
+            kernels = "-"
+            if method == "gemcompile":
+                kernels = (f"delta {f(k_old.get('_bwd_delta_kernel'), '.0f')} -> -, "
+                           f"dQ {f(k_old.get('_bwd_dq_kernel'), '.0f')} -> {f(k_new.get('_bwd_dq_kernel'), '.0f')}, "
+                           f"dK/dV {f(k_old.get('_bwd_dkdv_kernel'), '.0f')} -> "
+                           f"{f(k_new.get('_bwd_dkdv_kernel'), '.0f')}")
+            rows.append([s_new["label"], method, f(ms_old, ".3f"), f(ms_new, ".3f"), kernels,
+                         _jagged_check(s_new.get("correctness") or {})])
+    lines = [f"delta = rowsum(dO * O) computed by the dQ kernel for its own rows (launched before dK/dV) against "
+             f"its own kernel (`GEMCOMPILE_DELTA_IN_DQ=0`), forward+backward, {new.get('timing', 'eager calls')}, "
+             f"the two runs back to back on one machine. Sources: {source_line((new_path, new), (old_path, old))}",
+             ""]
+    lines += table(["shape", "method", "delta kernel ms", "delta in dQ ms",
+                    "per kernel us, one fwd+bwd of the op (torch.profiler): before -> after", "check vs SDPA"], rows)
+    return "\n".join(lines)
+
+
 def _jagged_hopper_kernels(path, payload) -> list[str]:
     """Per shape and method, the GPU time of each kernel of one forward+backward (torch.profiler)."""
     rows = []

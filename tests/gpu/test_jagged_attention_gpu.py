@@ -479,3 +479,44 @@ def test_uniform_keys_eager_matches_ops_without_host_sync(single_config):
     via_ops = (*via_ops, *torch.autograd.grad(via_ops[0], leaves, g))
     for a, b in zip(fast, via_ops):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_delta_in_the_dq_kernel_with_an_lse_gradient(monkeypatch, dtype, packed):
+    """The backward with delta computed in the dQ kernel (the default) against float64 and against the
+    separate delta kernel (GEMCOMPILE_DELTA_IN_DQ=0), with a gradient on lse (it enters delta), causal,
+    every autotuned config of the launch (the tuning runs rewrite delta: each must write the same)."""
+    from gemcompile.lowering.common.packed import pack_padded
+    from gemcompile.lowering.jagged_attention import packed_triton
+    from gemcompile.lowering.jagged_attention.packed import packed_reference_backward, packed_reference_forward
+
+    B, H, L, D = 6, 3, 300, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(DEV, dtype) for _ in range(3))
+    lengths = jagged_lengths(B, L, g).to(DEV)
+    kw, q_lengths, kv_lengths = {}, lengths, lengths
+    if packed:
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        q, k, v = (pack_padded(t, offsets, int(offsets[-1])) for t in (q, k, v))
+        kw, q_lengths, kv_lengths = dict(token_offsets=offsets, packed_len=L), None, None
+    out, lse = packed_triton.jagged_attention_forward_triton(q, k, v, q_lengths, kv_lengths, None, True, 0.1, **kw)
+    grad_out = torch.randn(out.shape, generator=g).to(DEV, dtype)
+    grad_lse = torch.randn(lse.shape, generator=g).to(DEV)
+
+    def backward():
+        return packed_triton.jagged_attention_backward_triton(grad_out, q, k, v, out, lse, q_lengths, kv_lengths,
+                                                              None, True, 0.1, False, None, None, 0.0, None,
+                                                              grad_lse, **kw)
+
+    got = backward()
+    monkeypatch.setattr(kernels, "DELTA_IN_DQ", False)
+    separate = backward()
+    d64 = [t.double() for t in (q, k, v)]
+    ref_out, ref_lse = packed_reference_forward(*d64, q_lengths, kv_lengths, None, True, 0.1, **kw)
+    want = packed_reference_backward(grad_out.double(), *d64, ref_out, ref_lse, q_lengths, kv_lengths, None, True,
+                                     0.1, False, None, None, 0.0, None, grad_lse.double(), **kw)
+    for name, a, s, w in zip(("dq", "dk", "dv"), got, separate, want):
+        assert not a.isnan().any(), name
+        assert rel(a, w) < TOL[dtype][1], (name, rel(a, w))
+        assert rel(a, s) < TOL[dtype][1], (name, rel(a, s))

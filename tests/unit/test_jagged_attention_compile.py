@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     from gemcompile.lowering.jagged_attention import triton as T
     from gemcompile.lowering.common import attention_triton
 
-    POINTERS = {"Lse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
+    POINTERS = {"Lse": "fp32", "GradLse": "fp32", "Delta": "fp32", "DS": "fp32", "QOffsets": "i64", "QLengths": "i64",
                 "KVOffsets": "i64", "KVLengths": "i64", "Order": "i64", "KVMask": "u8",
                 "KVBounds": "i32", "Uniform": "u8", "Seed": "i64"}
     DATA = ("Q", "K", "V", "Bias", "Out", "DO", "DK", "DV", "DQ")

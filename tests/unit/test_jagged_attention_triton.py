@@ -254,6 +254,39 @@ def test_expanded_grad_out():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grad_lse", ["none", "given", "expanded"])
+def test_delta_in_the_dq_kernel_equals_the_delta_kernel(monkeypatch, grad_lse):
+    """The dQ kernel computes delta (rowsum(dO * O) - dlse) for the dK/dV kernel launched after it; the
+    same gradients as with the separate delta kernel (GEMCOMPILE_DELTA_IN_DQ=0), which it then never
+    launches. Causal, a shared q and a bias gradient: every kernel variant that reads delta."""
+    from gemcompile.lowering.common import attention_triton
+    from gemcompile.lowering.jagged_attention import triton as kernels
+
+    B, H, L, D = 4, 2, 40, 16
+    q, k, v, ql, kl, bias = make_inputs(B, H, L, L, D, torch.float32, shared_q=True,
+                                        bias_shape=(1, H, L, L), seed=11)
+    out, lse = jagged_attention_forward_triton(q, k, v, ql, kl, bias, True, 0.3)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(12))
+    dlse = {"none": None, "given": torch.randn(lse.shape, generator=torch.Generator().manual_seed(13)),
+            "expanded": torch.full((), 0.7).expand(lse.shape)}[grad_lse]
+
+    def backward():
+        return jagged_attention_backward_triton(g, q, k, v, out, lse, ql, kl, bias, True, 0.3, True,
+                                                grad_lse=dlse)
+
+    monkeypatch.setattr(kernels, "DELTA_IN_DQ", False)
+    want = backward()
+    monkeypatch.setattr(kernels, "DELTA_IN_DQ", True)
+    monkeypatch.setattr(kernels, "bwd_delta_kernel", None)  # launching it would fail
+    got = backward()
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    if dlse is not None:  # dlse reaches dK (and dQ) only through delta: a path that dropped it would differ
+        plain = jagged_attention_backward_triton(g, q, k, v, out, lse, ql, kl, bias, True, 0.3, True)
+        assert not torch.allclose(plain[1], got[1], rtol=1e-3, atol=1e-3)
+    assert attention_triton.bwd_delta_kernel is not None  # the shared kernel itself is untouched
+
+
 def test_length_bucket():
     assert [length_bucket(n) for n in (0, 1, 16, 17, 1000, 1024, 1025)] == [16, 16, 16, 32, 1024, 1024, 2048]
 

@@ -31,12 +31,12 @@ uniform_keys (constexpr HAS_UNIFORM; without it the code is unchanged): one flag
 for a flagged sequence s = where(uniform, 0, s) after the bias, in the forward and in the P recomputation
 of both backward kernels (the dS, dQ, dK formulas are unchanged and use the real q and k).
 
-Backward, deterministic, no atomics: ``bwd_delta_kernel`` (common/attention_triton.py) computes
-delta = rowsum(dO * O); ``_bwd_dkdv_kernel`` runs one program per key tile and loops over query tiles accumulating dK and dV;
-``_bwd_dq_kernel`` runs one program per query tile and loops over key tiles accumulating dQ. When the
-bias needs a gradient, ``_bwd_dq_kernel`` writes dS once per element into a (B, H, Lq, Lk) fp32 buffer
-that the launcher sums over the bias's broadcast dims with torch (memory: B*H*Lq*Lk*4 bytes, only
-when the bias requires grad). P is rebuilt from the saved lse, never from a second forward pass.
+Backward, deterministic, no atomics: ``_bwd_dq_kernel`` runs first, one program per query tile: it computes
+delta = rowsum(dO * O) of its rows (stored for the next kernel; ``DELTA_IN_DQ``) and loops over key tiles
+accumulating dQ; ``_bwd_dkdv_kernel`` then runs one program per key tile and loops over query tiles
+accumulating dK and dV. When the bias needs a gradient, ``_bwd_dq_kernel`` writes dS once per element
+into a (B, H, Lq, Lk) fp32 buffer that the launcher sums over the bias's broadcast dims with torch (memory:
+B*H*Lq*Lk*4 bytes, only when the bias requires grad). P is rebuilt from the saved lse, never from a second forward pass.
 
 TMA (constexpr USE_TMA, common/ragged_tma.py): on Hopper the streamed tiles (forward: q, k, v; dK/dV: q and
 dO; dQ: k and v) come through ragged TMA descriptors that bound each load by the sequence (rows past it read
@@ -62,6 +62,8 @@ lengths), the head dim and the layout/mask flags. Under TRITON_INTERPRET=1 each 
 config so that CPU tests stay fast. Only APIs present in triton 3.6 are used.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -113,6 +115,10 @@ from ..common.warp_specialize import WARP_SPECIALIZE, ensure_scratch_allocator, 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
 _LOG2E = 1.4426950408889634
+
+DELTA_IN_DQ = os.environ.get("GEMCOMPILE_DELTA_IN_DQ", "1") != "0"
+"""The dQ kernel computes delta = rowsum(dO * O) for its rows and runs before dK/dV (one launch and one read
+of dO fewer than a delta kernel of its own); GEMCOMPILE_DELTA_IN_DQ=0 restores that kernel (A/B timings)."""
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) -> head dims served ("small": D <= 64, "large": D > 64).
@@ -677,13 +683,14 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, z_base, ds_base, m_base, o
           prune_configs_by=make_prune(_DQ_SHAPES, "dq", _DQ_TMA_SHAPES))
 @per_step_jit
 def _bwd_dq_kernel(
-    Q, K, V, Bias, DO, Lse, Delta, DQ, DS,
+    Q, K, V, Bias, DO, Out, Lse, GradLse, Delta, DQ, DS,
     QOffsets, QLengths, KVOffsets, KVLengths, Order, KVMask, KVBounds, Uniform, Seed, KDesc, VDesc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_zb, stride_zh, stride_zm, stride_zn,
     stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_sb, stride_sh, stride_sm,
@@ -694,7 +701,8 @@ def _bwd_dq_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DELTA_HERE: tl.constexpr = False,
+    HAS_GRAD_LSE: tl.constexpr = False,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -726,7 +734,17 @@ def _bwd_dq_kernel(
                    stride_gm, stride_gd, row_ok, HEAD_D, BLOCK_D, True)
     l_rows = b64 * stride_lb + h64 * stride_lh + (start64 + offs_m) * stride_lm
     lse2 = tl.load(Lse + l_rows, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
+    if DELTA_HERE:
+        # delta = rowsum(dO * O) (- dlse) of this program's rows, stored for the dK/dV kernel launched after
+        # this one: dO is loaded anyway, so a separate delta kernel's second read of dO and its launch go
+        o = load_rows(Out + b64 * stride_ob + h64 * stride_oh + start64 * stride_om, offs_m, offs_d,
+                      stride_om, stride_od, row_ok, HEAD_D, BLOCK_D, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if HAS_GRAD_LSE:
+            delta -= tl.load(GradLse + l_rows, mask=row_ok, other=0.0)
+        tl.store(Delta + l_rows, delta, mask=row_ok)
+    else:
+        delta = tl.load(Delta + l_rows, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + h64 * stride_kh + kv_start.to(tl.int64) * stride_kn
     v_base = V + b64 * stride_vb + h64 * stride_vh + kv_start.to(tl.int64) * stride_vn
     z_base = Bias + b64 * stride_zb + h64 * stride_zh
@@ -881,12 +899,18 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         ds, ds_strides = lse, (0, 0, 0)
     common = dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode)
 
-    delta_block = 64 if not INTERPRET else 32
-    bwd_delta_kernel[(triton.cdiv(Lq, delta_block) * B * H,)](
-        out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
-        H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
-    if grad_lse is not None:  # lse's own gradient: dS = P * (dP - delta + dlse)
-        delta.sub_(grad_lse)
+    # delta = rowsum(dO * O) - dlse (lse's own gradient: dS = P * (dP - delta + dlse)): computed by the dQ
+    # kernel, launched first, or (DELTA_IN_DQ off) by a kernel of its own
+    grad_lse_arg = delta  # never read without HAS_GRAD_LSE
+    if not DELTA_IN_DQ:
+        delta_block = 64 if not INTERPRET else 32
+        bwd_delta_kernel[(triton.cdiv(Lq, delta_block) * B * H,)](
+            out, grad_out, delta, q_side.offsets, q_side.lengths, *o_strides, *g_strides, *lse_strides,
+            H, Lq, q_side.total_rows, BLOCK_M=delta_block, num_warps=4, **common)
+        if grad_lse is not None:
+            delta.sub_(grad_lse)
+    elif grad_lse is not None:
+        grad_lse_arg = torch.empty_like(delta).copy_(grad_lse)  # laid out like delta (lse's strides)
 
     keys = _KeyMask(kv_mask, kv_side, B, q.device, kv_bounds, kv_order)
     uniform = _uniform_arg(uniform_keys, keys)
@@ -904,6 +928,14 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
     else:
         q_order = batch_order(q_side, B, q.device)
     work = B * H * Lq * Lk * D
+    kv = _tma_rows(_bwd_dq_kernel, (((k, k_strides), (v, v_strides)),), H, D, work, keys_read=not keys.has)
+    launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
+        q, k, v, bias, grad_out, out, lse, grad_lse_arg, delta, dq, ds,
+        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
+        seed, *kv.descs, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides, *o_strides,
+        *lse_strides, *dq_strides, *ds_strides, *keys.strides, *kv.rows, *scalars),
+        dict(flags, BIAS_GRAD=bool(bias_grad), USE_TMA=kv.used, DELTA_HERE=DELTA_IN_DQ,
+             HAS_GRAD_LSE=DELTA_IN_DQ and grad_lse is not None), scalars[-2:])
     q_do = _tma_rows(_bwd_dkdv_kernel, (((q, q_strides),), ((grad_out, g_strides),)), H, D, work,
                      ws_reads=((k, k_strides), (v, v_strides)))
     if q_do.used and any(c.kwargs.get("WS") for c in _bwd_dkdv_kernel.configs):
@@ -914,13 +946,6 @@ def _backward(grad_out, q, k, v, out, lse, bias, bias_grad: bool, q_side: Side, 
         seed, *q_do.descs, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
         *lse_strides, *dk_strides, *keys.strides, *q_do.rows, *scalars),
         dict(flags, USE_TMA=q_do.used), scalars[-2:])
-    kv = _tma_rows(_bwd_dq_kernel, (((k, k_strides), (v, v_strides)),), H, D, work, keys_read=not keys.has)
-    launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,), (
-        q, k, v, bias, grad_out, lse, delta, dq, ds,
-        q_side.offsets, q_side.lengths, kv_side.offsets, kv_side.lengths, kv_order, *keys.args(), uniform,
-        seed, *kv.descs, *q_strides, *k_strides, *v_strides, *z_strides, *g_strides,
-        *lse_strides, *dq_strides, *ds_strides, *keys.strides, *kv.rows, *scalars),
-        dict(flags, BIAS_GRAD=bool(bias_grad), USE_TMA=kv.used), scalars[-2:])
 
 
 def _padded_sides(q, k, q_lengths, kv_lengths, dummy, q_order=None, kv_order=None, kv_mask=None):
