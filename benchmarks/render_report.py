@@ -465,6 +465,46 @@ def jagged_delta_in_dq() -> str:
     return "\n".join(lines)
 
 
+JAGGED_DKDV_64 = (("jagged_attention-hopper-cudagraph-20261206-061612.json",
+                   "jagged_attention-hopper-cudagraph-20261206-061714.json"),
+                  ("jagged_attention-hopper-cudagraph-20261206-061748.json",
+                   "jagged_attention-hopper-cudagraph-20261206-061815.json"))
+"""(with the dK/dV config 64x64 w4 s2 listed at D 128, without it) pairs, alternating in one lease."""
+
+
+def _dkdv_choice(shape: dict) -> str:
+    """The dK/dV config the autotuner chose for this shape's length bucket."""
+    bucket = f"({shape['L']}, {shape['L']}, {shape['D']},"
+    chosen = [v for k, v in shape.get("autotune_choices", {}).get("_bwd_dkdv_kernel", {}).items()
+              if k.startswith(bucket)]
+    return chosen[0].split(", num_ctas")[0] if chosen else "-"
+
+
+@block("jagged-dkdv-64x64")
+def jagged_dkdv_64x64() -> str:
+    lines, cited = [], []
+    for with_name, without_name in JAGGED_DKDV_64:
+        (w_path, w), (o_path, o) = load(with_name), load(without_name)
+        assert "GEMCOMPILE_BENCH_VARIANT" in (o["environment"].get("gemcompile_env") or {}), without_name
+        assert "GEMCOMPILE_BENCH_VARIANT" not in (w["environment"].get("gemcompile_env") or {}), with_name
+        cited += [(w_path, w), (o_path, o)]
+        for s_w, s_o in zip(w["shapes"], o["shapes"]):
+            assert s_w["label"] == s_o["label"]
+            k_w, k_o = _fwdbwd_kernel_us(s_w, "gemcompile"), _fwdbwd_kernel_us(s_o, "gemcompile")
+            lines.append([s_w["label"], cite(o_path), f(_res(s_o, "gem_compile_module", "fwdbwd_ms"), ".3f"),
+                          f(_res(s_w, "gem_compile_module", "fwdbwd_ms"), ".3f"),
+                          f"{f(k_o.get('_bwd_dkdv_kernel'), '.0f')} -> {f(k_w.get('_bwd_dkdv_kernel'), '.0f')}",
+                          f"`{_dkdv_choice(s_w)}`", f(_speed(s_w, "flex_document_mask", "fwdbwd",
+                                                              key="speedup_vs_module"))])
+    head = [f"The dK/dV autotune list with 64x64 w4 s2 at D 128 against the same code without it "
+            f"(scratch/dev/bench_without_dkdv64.py drops it; its files say so in `gemcompile_env`), forward+backward "
+            f"through gem_compile, {w.get('timing', 'eager calls')}, two alternating pairs in one lease. Sources: "
+            f"{source_line(*cited)}", ""]
+    return "\n".join(head + table(["shape", "the 'without' file", "module ms without", "module ms with",
+                                    "dK/dV kernel us (op, profiler) without -> with", "dK/dV config chosen (with)",
+                                    "module x FlexAttention (with, first pair only)"], lines))
+
+
 def _jagged_hopper_kernels(path, payload) -> list[str]:
     """Per shape and method, the GPU time of each kernel of one forward+backward (torch.profiler)."""
     rows = []

@@ -164,6 +164,29 @@ def test_every_autotune_config(monkeypatch, D):
         check_case(q, k, v, ql, kl, None, False)
 
 
+def _tma_configs(configs, shapes, head):
+    """The TMA variant's configs (those with the descriptors' pre_hook) listed for the head dim class."""
+    return [c for c in configs if c.pre_hook is not None and not c.kwargs.get("WS") and head in shapes.get(
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), ())]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_tma_config(monkeypatch, D):
+    """Each TMA config the autotuner may pick (the launch takes the TMA loads whatever its size here), one
+    per kernel at a time, against float64: causal and not, the TMA loads' row bounds at partial tiles."""
+    monkeypatch.setattr(kernels, "tma_worth", lambda work: True)
+    head = "small" if D <= 64 else "large"
+    lists = [_tma_configs(kernels._FWD_CONFIGS, kernels._FWD_TMA_SHAPES, head),
+             _tma_configs(kernels._DKDV_CONFIGS, kernels._DKDV_TMA_SHAPES, head),
+             _tma_configs(kernels._DQ_CONFIGS, kernels._DQ_TMA_SHAPES, head)]
+    assert all(lists), lists
+    q, k, v, ql, kl, _ = make_case(5, 2, 384, 384, D, torch.bfloat16, seed=D + 1)
+    for i in range(max(map(len, lists))):
+        for kernel, configs in zip((kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel), lists):
+            monkeypatch.setattr(kernel, "configs", [configs[i % len(configs)]])
+        check_case(q, k, v, kl, kl, None, i % 2 == 1)
+
+
 def test_backward_is_deterministic(single_config):
     q, k, v, ql, kl, bias = make_case(
         5, 2, 400, 400, 64, torch.bfloat16, shared_q=True, bias_shape=(1, 2, 400, 400)

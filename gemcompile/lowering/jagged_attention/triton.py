@@ -132,6 +132,10 @@ _FWD_SHAPES = {
 _DKDV_SHAPES = {
     (32, 128, 8, 3): ("small", "large"), (32, 64, 4, 3): ("small", "large"), (64, 64, 4, 3): ("small",),
     (64, 128, 8, 3): ("small",), (64, 64, 8, 2): ("large",),
+    # D 128: two stages of 64 query rows (97 KB of shared memory: two CTAs per SM; 255 registers and a 24 B
+    # spill with triton 3.9); found by a sweep on the H100, picked at B256 L4096 H4 in the A/B runs of
+    # 2026-12-06 (benchmarks/README.md, "dK/dV in two stages of 64 query rows")
+    (64, 64, 4, 2): ("large",),
 }
 # dQ: BLOCK_M query rows per program, BLOCK_N keys per inner step.
 _DQ_SHAPES = {
