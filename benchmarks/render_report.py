@@ -428,81 +428,92 @@ def jagged_tma() -> str:
     return "\n".join(lines).rstrip()
 
 
-JAGGED_DELTA = ("jagged_attention-hopper-cudagraph-20261206-060427.json",
-                "jagged_attention-hopper-cudagraph-20261206-060525.json")
-"""(delta computed in the dQ kernel, the default; GEMCOMPILE_DELTA_IN_DQ=0: its own kernel), back to back."""
-
-
 def _fwdbwd_kernel_us(shape: dict, method: str) -> dict:
     return {k["kernel"]: k["us"] for k in (shape["results"].get(method) or {}).get("fwdbwd_kernels") or []}
 
 
+def _chosen(shape: dict, kernel: str) -> str:
+    """The config the autotuner chose for a kernel at this shape's length bucket."""
+    bucket = f"({shape['L']}, {shape['L']}, {shape['D']},"
+    chosen = [v for k, v in shape.get("autotune_choices", {}).get(kernel, {}).items() if k.startswith(bucket)]
+    return chosen[0].split(", num_ctas")[0] if chosen else "-"
+
+
+def _jagged_ab(pairs, before_env: tuple[str, str | None], what: str, kernels: tuple[str, ...],
+               chosen: str | None = None) -> str:
+    """(after, before) runs of issue 25's shapes, each pair back to back in one lease; the 'before' file is
+    told apart by ``before_env`` = (GEMCOMPILE_ variable, its value; None: only that it is set)."""
+    var, value = before_env
+    rows, cited, timing = [], [], "eager calls"
+    for after_name, before_name in pairs:
+        (a_path, a), (b_path, b) = load(after_name), load(before_name)
+        b_env, a_env = b["environment"].get("gemcompile_env") or {}, a["environment"].get("gemcompile_env") or {}
+        assert var in b_env and (value is None or b_env[var] == value), before_name
+        assert var not in a_env, after_name
+        cited += [(a_path, a), (b_path, b)]
+        timing = a.get("timing", timing)
+        for s_a, s_b in zip(a["shapes"], b["shapes"]):
+            assert s_a["label"] == s_b["label"]
+            k_a, k_b = _fwdbwd_kernel_us(s_a, "gemcompile"), _fwdbwd_kernel_us(s_b, "gemcompile")
+            row = [s_a["label"], cite(b_path)]
+            for method, mode in (("gemcompile", "fwd"), ("gemcompile", "fwdbwd"), ("gem_compile_module", "fwdbwd")):
+                row.append(f"{f(_res(s_b, method, mode + '_ms'), '.3f')} -> {f(_res(s_a, method, mode + '_ms'), '.3f')}")
+            row.append(", ".join(f"{name.strip('_').removesuffix('_kernel')} {f(k_b.get(name), '.0f')} -> "
+                                 f"{f(k_a.get(name), '.0f')}" for name in kernels))
+            if chosen:
+                row.append(f"`{_chosen(s_a, chosen)}`")
+            rows.append(row)
+    head = [f"{what}, forward and forward+backward, {timing}, before -> after, each pair back to back on one "
+            f"machine. Sources: {source_line(*cited)}", ""]
+    header = ["shape", "the 'before' file", "op fwd ms", "op fwd+bwd ms", "module fwd+bwd ms",
+              "per kernel us, one fwd+bwd of the op (torch.profiler)"] + (
+        [f"{chosen.strip('_')} config chosen (after)"] if chosen else [])
+    return "\n".join(head + table(header, rows))
+
+
 @block("jagged-delta-in-dq")
 def jagged_delta_in_dq() -> str:
-    (new_path, new), (old_path, old) = load(JAGGED_DELTA[0]), load(JAGGED_DELTA[1])
-    assert (old["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_DELTA_IN_DQ") == "0", JAGGED_DELTA[1]
-    assert not (new["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_DELTA_IN_DQ"), JAGGED_DELTA[0]
-    rows = []
-    for s_new, s_old in zip(new["shapes"], old["shapes"]):
-        assert s_new["label"] == s_old["label"]
-        k_new, k_old = _fwdbwd_kernel_us(s_new, "gemcompile"), _fwdbwd_kernel_us(s_old, "gemcompile")
-        for method in ("gemcompile", "gem_compile_module"):
-            ms_old, ms_new = _res(s_old, method, "fwdbwd_ms"), _res(s_new, method, "fwdbwd_ms")
-            kernels = "-"
-            if method == "gemcompile":
-                kernels = (f"delta {f(k_old.get('_bwd_delta_kernel'), '.0f')} -> -, "
-                           f"dQ {f(k_old.get('_bwd_dq_kernel'), '.0f')} -> {f(k_new.get('_bwd_dq_kernel'), '.0f')}, "
-                           f"dK/dV {f(k_old.get('_bwd_dkdv_kernel'), '.0f')} -> "
-                           f"{f(k_new.get('_bwd_dkdv_kernel'), '.0f')}")
-            rows.append([s_new["label"], method, f(ms_old, ".3f"), f(ms_new, ".3f"), kernels,
-                         _jagged_check(s_new.get("correctness") or {})])
-    lines = [f"delta = rowsum(dO * O) computed by the dQ kernel for its own rows (launched before dK/dV) against "
-             f"its own kernel (`GEMCOMPILE_DELTA_IN_DQ=0`), forward+backward, {new.get('timing', 'eager calls')}, "
-             f"the two runs back to back on one machine. Sources: {source_line((new_path, new), (old_path, old))}",
-             ""]
-    lines += table(["shape", "method", "delta kernel ms", "delta in dQ ms",
-                    "per kernel us, one fwd+bwd of the op (torch.profiler): before -> after", "check vs SDPA"], rows)
-    return "\n".join(lines)
-
-
-JAGGED_DKDV_64 = (("jagged_attention-hopper-cudagraph-20261206-061612.json",
-                   "jagged_attention-hopper-cudagraph-20261206-061714.json"),
-                  ("jagged_attention-hopper-cudagraph-20261206-061748.json",
-                   "jagged_attention-hopper-cudagraph-20261206-061815.json"))
-"""(with the dK/dV config 64x64 w4 s2 listed at D 128, without it) pairs, alternating in one lease."""
-
-
-def _dkdv_choice(shape: dict) -> str:
-    """The dK/dV config the autotuner chose for this shape's length bucket."""
-    bucket = f"({shape['L']}, {shape['L']}, {shape['D']},"
-    chosen = [v for k, v in shape.get("autotune_choices", {}).get("_bwd_dkdv_kernel", {}).items()
-              if k.startswith(bucket)]
-    return chosen[0].split(", num_ctas")[0] if chosen else "-"
+    return _jagged_ab([("jagged_attention-hopper-cudagraph-20261206-060427.json",
+                        "jagged_attention-hopper-cudagraph-20261206-060525.json")],
+                      ("GEMCOMPILE_DELTA_IN_DQ", "0"),
+                      "delta = rowsum(dO * O) computed by the dQ kernel for its own rows (launched before dK/dV, "
+                      "after) against its own kernel (`GEMCOMPILE_DELTA_IN_DQ=0`, before)",
+                      ("_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"))
 
 
 @block("jagged-dkdv-64x64")
 def jagged_dkdv_64x64() -> str:
-    lines, cited = [], []
-    for with_name, without_name in JAGGED_DKDV_64:
-        (w_path, w), (o_path, o) = load(with_name), load(without_name)
-        assert "GEMCOMPILE_BENCH_VARIANT" in (o["environment"].get("gemcompile_env") or {}), without_name
-        assert "GEMCOMPILE_BENCH_VARIANT" not in (w["environment"].get("gemcompile_env") or {}), with_name
-        cited += [(w_path, w), (o_path, o)]
-        for s_w, s_o in zip(w["shapes"], o["shapes"]):
-            assert s_w["label"] == s_o["label"]
-            k_w, k_o = _fwdbwd_kernel_us(s_w, "gemcompile"), _fwdbwd_kernel_us(s_o, "gemcompile")
-            lines.append([s_w["label"], cite(o_path), f(_res(s_o, "gem_compile_module", "fwdbwd_ms"), ".3f"),
-                          f(_res(s_w, "gem_compile_module", "fwdbwd_ms"), ".3f"),
-                          f"{f(k_o.get('_bwd_dkdv_kernel'), '.0f')} -> {f(k_w.get('_bwd_dkdv_kernel'), '.0f')}",
-                          f"`{_dkdv_choice(s_w)}`", f(_speed(s_w, "flex_document_mask", "fwdbwd",
-                                                              key="speedup_vs_module"))])
-    head = [f"The dK/dV autotune list with 64x64 w4 s2 at D 128 against the same code without it "
-            f"(scratch/dev/bench_without_dkdv64.py drops it; its files say so in `gemcompile_env`), forward+backward "
-            f"through gem_compile, {w.get('timing', 'eager calls')}, two alternating pairs in one lease. Sources: "
-            f"{source_line(*cited)}", ""]
-    return "\n".join(head + table(["shape", "the 'without' file", "module ms without", "module ms with",
-                                    "dK/dV kernel us (op, profiler) without -> with", "dK/dV config chosen (with)",
-                                    "module x FlexAttention (with, first pair only)"], lines))
+    return _jagged_ab([("jagged_attention-hopper-cudagraph-20261206-061612.json",
+                        "jagged_attention-hopper-cudagraph-20261206-061714.json"),
+                       ("jagged_attention-hopper-cudagraph-20261206-061748.json",
+                        "jagged_attention-hopper-cudagraph-20261206-061815.json")],
+                      ("GEMCOMPILE_BENCH_VARIANT", None),
+                      "The dK/dV autotune list with 64x64 w4 s2 at D 128 (after) against the same code without it "
+                      "(before: run as scratch/dev/bench_without_dkdv64.py, now benchmarks/jagged_without_config.py; "
+                      "its files say so in `gemcompile_env`), two alternating pairs",
+                      ("_bwd_dkdv_kernel",), chosen="_bwd_dkdv_kernel")
+
+
+@block("jagged-a-registers")
+def jagged_a_registers() -> str:
+    every = _jagged_ab([("jagged_attention-hopper-cudagraph-20261206-063111.json",
+                         "jagged_attention-hopper-cudagraph-20261206-063207.json"),
+                        ("jagged_attention-hopper-cudagraph-20261206-063237.json",
+                         "jagged_attention-hopper-cudagraph-20261206-063308.json")],
+                       ("GEMCOMPILE_WGMMA_A_REGISTERS", "0"),
+                       "First try, every kernel's loop-invariant first dot operands in registers (forward q, dK/dV k "
+                       "and v, dQ q and dO; after) against shared memory (`GEMCOMPILE_WGMMA_A_REGISTERS=0`, before), "
+                       "two alternating pairs",
+                       ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"), chosen="_bwd_dkdv_kernel")
+    kept = _jagged_ab([("jagged_attention-hopper-cudagraph-20261206-063814.json",
+                        "jagged_attention-hopper-cudagraph-20261206-063859.json"),
+                       ("jagged_attention-hopper-cudagraph-20261206-063921.json",
+                        "jagged_attention-hopper-cudagraph-20261206-063942.json")],
+                      ("GEMCOMPILE_WGMMA_A_REGISTERS", "0"),
+                      "What was kept, the forward's q in registers at head dims up to 64 only (after) against shared "
+                      "memory (`GEMCOMPILE_WGMMA_A_REGISTERS=0`, before), two alternating pairs",
+                      ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"))
+    return every + "\n\n" + kept
 
 
 def _jagged_hopper_kernels(path, payload) -> list[str]:

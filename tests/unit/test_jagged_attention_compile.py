@@ -139,6 +139,15 @@ SCRIPT = textwrap.dedent(
                     results.append([f"{name}-ws-w{compiled.metadata.num_warps}", "bf16", D, f"{m}x{n} w{w} s{s}",
                                     spill_bytes(compiled)])
     print("RESULTS " + json.dumps(results))
+    # the forward's q as the wgmma's A operand: from registers with A_REGS (common/attention_triton.in_registers),
+    # else from shared memory; counted in the PTX (a register A operand is a {...} list after the accumulators)
+    operands = {}
+    for a_regs in (False, True):
+        fwd_flags = dict(flags, HEAD_D=64, BLOCK_D=64, USE_TMA=True, BLOCK_M=64, BLOCK_N=64, A_REGS=a_regs)
+        ptx = compile_kernel(T._fwd_kernel, "bf16", fwd_flags, 4, 3).asm["ptx"]
+        wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+        operands[str(a_regs)] = [sum("}, {" in line for line in wgmma), len(wgmma)]
+    print("OPERANDS " + json.dumps(operands))
     '''
 )
 
@@ -160,6 +169,10 @@ def test_kernels_compile_for_sm90_without_spills():
     ws = [r for r in results if "-ws-" in r[0]]
     assert len(ws) == 2 * 2 * 2 + 3 * 2, ws  # (config, head dim) pairs, causal or not
     assert all(r[0].endswith("-ws-w12") for r in ws), ws  # specialized: 12 warps
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("OPERANDS "))
+    operands = json.loads(line[len("OPERANDS ") :])
+    (regs_off, total_off), (regs_on, total_on) = operands["False"], operands["True"]
+    assert total_on == total_off and regs_on == total_on and regs_off < total_off, operands
     spills = [r for r in results if r[3] != "compiled"]
     assert spills, "no autotune config checked for spills"
     for name, dtype, D, config, stack in spills:

@@ -44,6 +44,7 @@ __all__ = [
     "bhld_strides",
     "block_d",
     "bwd_delta_kernel",
+    "in_registers",
     "dot_precision",
     "dropout_args",
     "dropout_dv_dp",
@@ -227,6 +228,17 @@ def loop_split(lo, mid_lo, mid_hi, hi, all_masked):
     mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
     mid_hi = tl.where(all_masked, mid_lo, tl.minimum(tl.maximum(mid_hi, mid_lo), hi))
     return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def in_registers(x, rows_ok, ON: tl.constexpr):
+    """``x`` as loaded (rows outside ``rows_ok`` are 0 already), but as a computed value: a loop-invariant
+    tile that is the first operand of a loop's dots then stays in registers for the wgmma (A from registers)
+    instead of being read from shared memory again by every wgmma of the loop, which Triton does for a tile
+    that comes straight from a load. Costs the tile's registers (16 a thread at 64 rows x 64 columns)."""
+    if ON:
+        x = tl.where(rows_ok[:, None], x, 0.0)
+    return x
 
 
 @triton.jit

@@ -85,6 +85,7 @@ from ..common.attention_triton import (
     dropout_dv_dp,
     dropout_factor,
     dropout_stream,
+    in_registers,
     kernel_configs,
     length_bucket,
     load_rows,
@@ -115,6 +116,14 @@ from ..common.warp_specialize import WARP_SPECIALIZE, ensure_scratch_allocator, 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
 _LOG2E = 1.4426950408889634
+
+Q_IN_REGISTERS = os.environ.get("GEMCOMPILE_WGMMA_A_REGISTERS", "1") != "0"
+"""At head dims up to 64 the forward's q tile feeds the S = q k^T wgmma from registers instead of shared memory
+(common/attention_triton.in_registers); GEMCOMPILE_WGMMA_A_REGISTERS=0 reads it from shared memory (A/B
+timings). Measured on an H100 (CUDA graphs, two alternating pairs, benchmarks/README.md "wgmma operands in
+registers"): the D 64 forward 204-207 us against 225-226; the D 128 forward within 1% either way, and the same
+for the loop-invariant operands of dK/dV (k, v) and dQ (q, dO) slower at both head dims (more registers: up to
+255 at D 128), so those stay in shared memory."""
 
 DELTA_IN_DQ = os.environ.get("GEMCOMPILE_DELTA_IN_DQ", "1") != "0"
 """The dQ kernel computes delta = rowsum(dO * O) for its rows and runs before dK/dV (one launch and one read
@@ -325,7 +334,7 @@ def _fwd_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MODE: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_MASK: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False, A_REGS: tl.constexpr = False,
 ):
     tile, b, h = program_coordinates(Order, H, tl.cdiv(max_q_len, BLOCK_M), CAUSAL)
     q_start, q_len = sequence(QOffsets, QLengths, b, max_q_len, total_q_rows, Q_MODE)
@@ -397,6 +406,7 @@ def _fwd_kernel(
         q_row0 = q_start + b * q_row_b + h * q_row_h
         q = load_tile_or_rows(QDesc, q_row0, h * q_col_h, q_len, m0, q_base, offs_m, offs_d, stride_qm, stride_qd,
                               row_ok, HEAD_D, BLOCK_D, True, USE_TMA)
+        q = in_registers(q, row_ok, A_REGS)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -848,7 +858,7 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
            HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p),
-           USE_TMA=tma.used),
+           USE_TMA=tma.used, A_REGS=Q_IN_REGISTERS and D <= 64),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
