@@ -516,6 +516,27 @@ def jagged_a_registers() -> str:
     return every + "\n\n" + kept
 
 
+@block("jagged-grid-session-ab")
+def jagged_grid_session_ab() -> str:
+    (a_path, a), (b_path, b) = (load("jagged_attention-grid-cudagraph-20261206-064519.json"),
+                                load("jagged_attention-grid-cudagraph-20261206-064549.json"))
+    env = b["environment"].get("gemcompile_env") or {}
+    assert env.get("GEMCOMPILE_DELTA_IN_DQ") == "0" and env.get("GEMCOMPILE_WGMMA_A_REGISTERS") == "0"
+    assert "GEMCOMPILE_BENCH_VARIANT" in env and not a["environment"].get("gemcompile_env")
+    rows = []
+    for s_a, s_b in zip(a["shapes"], b["shapes"]):
+        assert s_a["label"] == s_b["label"]
+        rows.append([s_a["label"], _fwd_and_train_ms(s_b, "gemcompile"), _fwd_and_train_ms(s_a, "gemcompile"),
+                     f(_res(s_b, "gemcompile", "fwdbwd_tflops"), ".0f"), f(_res(s_a, "gemcompile", "fwdbwd_tflops"), ".0f")])
+    head = [f"The jagged grid (the op, D 128), this session's kernels (after) against the same code set back to the "
+            f"session's start (before: `GEMCOMPILE_DELTA_IN_DQ=0 GEMCOMPILE_WGMMA_A_REGISTERS=0 python "
+            f"benchmarks/jagged_without_config.py dkdv:64,64,4,2 -- --only grid --cuda-graph --methods gemcompile`), "
+            f"{a.get('timing', 'eager calls')}, back to back on one machine. Sources: "
+            f"{source_line((a_path, a), (b_path, b))}", ""]
+    return "\n".join(head + table(["shape", "before ms fwd / fwd+bwd", "after ms fwd / fwd+bwd",
+                                    "before useful TFLOP/s fwd+bwd", "after useful TFLOP/s fwd+bwd"], rows))
+
+
 def _jagged_hopper_kernels(path, payload) -> list[str]:
     """Per shape and method, the GPU time of each kernel of one forward+backward (torch.profiler)."""
     rows = []
