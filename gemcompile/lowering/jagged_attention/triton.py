@@ -121,9 +121,9 @@ Q_IN_REGISTERS = os.environ.get("GEMCOMPILE_WGMMA_A_REGISTERS", "1") != "0"
 """At head dims up to 64 the forward's q tile feeds the S = q k^T wgmma from registers instead of shared memory
 (common/attention_triton.in_registers); GEMCOMPILE_WGMMA_A_REGISTERS=0 reads it from shared memory (A/B
 timings). Measured on an H100 (CUDA graphs, two alternating pairs, benchmarks/README.md "wgmma operands in
-registers"): the D 64 forward 204-207 us against 225-226; the D 128 forward within 1% either way, and the same
-for the loop-invariant operands of dK/dV (k, v) and dQ (q, dO) slower at both head dims (more registers: up to
-255 at D 128), so those stay in shared memory."""
+registers"): the D 64 forward 203-207 us against 223-226; the D 128 forward within 1% either way. The dK/dV
+kernel's k and v and the dQ kernel's q and dO in registers made those kernels slower at both head dims (more
+registers: up to 255 at D 128), so they stay in shared memory."""
 
 DELTA_IN_DQ = os.environ.get("GEMCOMPILE_DELTA_IN_DQ", "1") != "0"
 """The dQ kernel computes delta = rowsum(dO * O) for its rows and runs before dK/dV (one launch and one read
