@@ -368,10 +368,12 @@ def jagged_rerun() -> str:
 
 JAGGED_HOPPER = ["jagged_attention-hopper-20261203-111746.json", "jagged_attention-hopper-20261203-131724.json",
                  "jagged_attention-hopper-cudagraph-20261203-135057.json",
-                 "jagged_attention-hopper-cudagraph-20261206-045015.json"]
+                 "jagged_attention-hopper-cudagraph-20261206-045015.json",
+                 "jagged_attention-hopper-cudagraph-20261206-063814.json"]
 """Issue 25's shapes through gem_compile of a plain padded module, against FlexAttention on packed tokens:
 eager calls twice (the second with the per-kernel profile), then under CUDA-graph replay (2026-12-03, pointer
-loads; 2026-12-06, TMA loads and the tile configs of 2026-12-05)."""
+loads; 2026-12-06, TMA loads and the tile configs of 2026-12-05; the last, an H100, with the 24th session's
+delta in dQ, dK/dV config and forward q in registers)."""
 
 
 @block("jagged-hopper")
