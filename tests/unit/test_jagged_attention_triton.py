@@ -291,12 +291,12 @@ def test_delta_in_the_dq_kernel_equals_the_delta_kernel(monkeypatch, grad_lse):
 def test_q_in_registers_changes_no_value(monkeypatch, causal):
     """The forward's q fed to the dots as a computed tile (common/attention_triton.in_registers: rows past the
     sequence set to 0 again) gives bitwise the outputs of q as loaded, padded rows and empty sequences included."""
-    from gemcompile.lowering.jagged_attention import triton as kernels
+    from gemcompile.lowering.common import attention_triton
 
     q, k, v, ql, kl, _ = make_inputs(4, 2, 37, 29, 32, torch.float32, seed=21)
-    monkeypatch.setattr(kernels, "Q_IN_REGISTERS", False)
+    monkeypatch.setattr(attention_triton, "WGMMA_A_REGISTERS", False)
     want = jagged_attention_forward_triton(q, k, v, ql, kl, None, causal, 0.3)
-    monkeypatch.setattr(kernels, "Q_IN_REGISTERS", True)
+    monkeypatch.setattr(attention_triton, "WGMMA_A_REGISTERS", True)
     got = jagged_attention_forward_triton(q, k, v, ql, kl, None, causal, 0.3)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

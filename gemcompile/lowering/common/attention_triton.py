@@ -20,6 +20,7 @@ and the jagged attention launchers of packed keys/values (jagged_attention/packe
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import triton
@@ -51,6 +52,7 @@ __all__ = [
     "dropout_stream",
     "fit_shared_memory",
     "in_registers",
+    "q_in_registers",
     "kernel_configs",
     "mask_key_bounds",
     "kv_mask_bounds",
@@ -228,6 +230,22 @@ def loop_split(lo, mid_lo, mid_hi, hi, all_masked):
     mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
     mid_hi = tl.where(all_masked, mid_lo, tl.minimum(tl.maximum(mid_hi, mid_lo), hi))
     return lo, mid_lo, mid_hi, hi
+
+
+WGMMA_A_REGISTERS = os.environ.get("GEMCOMPILE_WGMMA_A_REGISTERS", "1") != "0"
+"""Whether forward kernels may feed their q tile to the wgmma from registers (:func:`q_in_registers`);
+GEMCOMPILE_WGMMA_A_REGISTERS=0 keeps it in shared memory (A/B timings)."""
+
+
+def q_in_registers(head_dim: int) -> bool:
+    """Whether a forward kernel's loop-invariant q tile goes to its S = q k^T wgmma from registers
+    (:func:`in_registers`): at head dims up to 64. Measured on an H100 with the jagged forward (CUDA graphs, two
+    alternating pairs, benchmarks/README.md "wgmma operands in registers"): at D 64 its kernel took 203-207 us
+    against 223-226; at D 128 within 1% either way. The backward kernels' loop-invariant operands (dK/dV's k and
+    v, dQ's q and dO) in registers made them slower at both head dims (more registers: up to 255 at D 128), so
+    no backward kernel uses it; nor does GDPA's forward, slower with it at the HSTU shape (D 64) on an H100
+    (0.055-0.057 against 0.049-0.050 ms, a scratch A/B not kept as a results file)."""
+    return WGMMA_A_REGISTERS and head_dim <= 64
 
 
 @triton.jit

@@ -94,6 +94,7 @@ from ..common.attention_triton import (
     mask_key_bounds,
     per_step_jit,
     program_coordinates,
+    q_in_registers,
     same_sequences,
     sequence,
     store_rows,
@@ -116,14 +117,6 @@ from ..common.warp_specialize import WARP_SPECIALIZE, ensure_scratch_allocator, 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
 _LOG2E = 1.4426950408889634
-
-Q_IN_REGISTERS = os.environ.get("GEMCOMPILE_WGMMA_A_REGISTERS", "1") != "0"
-"""At head dims up to 64 the forward's q tile feeds the S = q k^T wgmma from registers instead of shared memory
-(common/attention_triton.in_registers); GEMCOMPILE_WGMMA_A_REGISTERS=0 reads it from shared memory (A/B
-timings). Measured on an H100 (CUDA graphs, two alternating pairs, benchmarks/README.md "wgmma operands in
-registers"): the D 64 forward 203-207 us against 223-226; the D 128 forward within 1% either way. The dK/dV
-kernel's k and v and the dQ kernel's q and dO in registers made those kernels slower at both head dims (more
-registers: up to 255 at D 128), so they stay in shared memory."""
 
 DELTA_IN_DQ = os.environ.get("GEMCOMPILE_DELTA_IN_DQ", "1") != "0"
 """The dQ kernel computes delta = rowsum(dO * O) for its rows and runs before dK/dV (one launch and one read
@@ -858,7 +851,7 @@ def _forward(q, k, v, bias, q_side: Side, kv_side: Side, B: int, H: int, D: int,
     ), dict(HEAD_D=D, BLOCK_D=block_d(D), Q_MODE=q_side.mode, KV_MODE=kv_side.mode,
            HAS_BIAS=bias is not q, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
            HAS_KV_MASK=keys.has, HAS_UNIFORM=uniform_keys is not None, DROPOUT=bool(dropout_p),
-           USE_TMA=tma.used, A_REGS=Q_IN_REGISTERS and D <= 64),
+           USE_TMA=tma.used, A_REGS=q_in_registers(D)),
         (length_bucket(Lq), length_bucket(Lk)))
 
 
