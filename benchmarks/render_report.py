@@ -478,8 +478,8 @@ def jagged_delta_in_dq() -> str:
     return _jagged_ab([("jagged_attention-hopper-cudagraph-20261206-060427.json",
                         "jagged_attention-hopper-cudagraph-20261206-060525.json")],
                       ("GEMCOMPILE_DELTA_IN_DQ", "0"),
-                      "delta = rowsum(dO * O) computed by the dQ kernel for its own rows (launched before dK/dV, "
-                      "after) against its own kernel (`GEMCOMPILE_DELTA_IN_DQ=0`, before)",
+                      "After: delta = rowsum(dO * O) computed by the dQ kernel for its own rows, the dQ kernel "
+                      "launched before dK/dV; before: delta by a kernel of its own (`GEMCOMPILE_DELTA_IN_DQ=0`)",
                       ("_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"))
 
 
