@@ -478,7 +478,9 @@ class _MethodRun:
             for m in model.modules():
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
                     m.sparse = True
-        optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=tables == "sparse-rows")
+        # gemcompile's trainer pieces (sparse tables, TritonAdam) for gem methods; torch's own for the peers
+        optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=tables == "sparse-rows",
+                                      triton_adam=tables == "sparse-rows")
         formula = GemFlopFormula.from_model(model)
         run = cls(cfg, method, device, batch_size, data, model, optimizers, formula, window)
         run.runner = compile_method(model, method)
