@@ -282,6 +282,28 @@ def _fwd_and_train_ms(shape: dict, method: str) -> str:
     return f"{f(_res(shape, method, 'fwd_ms'), '.3f')} / {f(_res(shape, method, 'fwdbwd_ms'), '.3f')}"
 
 
+# --- the dense weights' Adam (issue 24) ---------------------------------------------------------------
+
+ADAM_STEP_FILES: list[str] = []
+"""adam_step runs, oldest first (benchmarks/adam_step.py)."""
+
+
+@block("adam-step")
+def adam_step() -> str:
+    items = [load(name) for name in ADAM_STEP_FILES]
+    rows = []
+    for path, payload in items:
+        cfg = payload["config"]
+        for r in payload["results"]:
+            rows.append([cite(path), f"{cfg['size']}: {cfg['tensors']} tensors, {cfg['parameters'] / 1e9:.2f}B",
+                         r["method"], f(r["ms"], ".2f"), f(r["gb_per_s"], ".0f"), f(r["speedup_vs_torch_fused"])])
+    return "\n".join([
+        "One Adam step over GEM-ref's dense weights (fp32, random gradients), median of CUDA-event timings "
+        "(triton.testing.do_bench); GB/s: 28 bytes a parameter for Adam, 8 for the copy of the same parameters. "
+        "`python benchmarks/adam_step.py --size medium`. Sources: " + source_line(*items), "",
+        *table(["file", "parameters", "method", "ms", "GB/s", "x torch fused"], rows)])
+
+
 # --- jagged attention --------------------------------------------------------------------------------
 
 JAGGED_PEERS = [("sdpa_padded_mask", "x padded SDPA+mask"), ("flex_document_mask", "x FlexAttention doc mask"),
