@@ -284,8 +284,9 @@ def _fwd_and_train_ms(shape: dict, method: str) -> str:
 
 # --- the dense weights' Adam (issue 24) ---------------------------------------------------------------
 
-ADAM_STEP_FILES: list[str] = []
-"""adam_step runs, oldest first (benchmarks/adam_step.py)."""
+ADAM_STEP_FILES = ["adam_step-20261206-091318.json", "adam_step-20261206-091450.json"]
+"""adam_step runs, oldest first (benchmarks/adam_step.py): approximate then IEEE sqrt and division."""
+ADAM_E2E_FILE = "e2e-medium-fill0.5-20261206-091456.json"
 
 
 @block("adam-step")
@@ -295,13 +296,21 @@ def adam_step() -> str:
     for path, payload in items:
         cfg = payload["config"]
         for r in payload["results"]:
+            speed = f(r["speedup_vs_torch_fused"]) if r["method"] != "copy" else "-"
             rows.append([cite(path), f"{cfg['size']}: {cfg['tensors']} tensors, {cfg['parameters'] / 1e9:.2f}B",
-                         r["method"], f(r["ms"], ".2f"), f(r["gb_per_s"], ".0f"), f(r["speedup_vs_torch_fused"])])
+                         r["method"], f(r["ms"], ".2f"), f(r["gb_per_s"], ".0f"), speed])
+    e2e_path, e2e = load(ADAM_E2E_FILE)
+    run = e2e["results"][0]
+    adam_ms = sum(t["ms_per_step"] for t in run["kernel_profile"]["top"] if t["name"] == "_adam_kernel")
     return "\n".join([
         "One Adam step over GEM-ref's dense weights (fp32, random gradients), median of CUDA-event timings "
         "(triton.testing.do_bench); GB/s: 28 bytes a parameter for Adam, 8 for the copy of the same parameters. "
         "`python benchmarks/adam_step.py --size medium`. Sources: " + source_line(*items), "",
-        *table(["file", "parameters", "method", "ms", "GB/s", "x torch fused"], rows)])
+        *table(["file", "parameters", "method", "ms", "GB/s", "x torch fused"], rows), "",
+        f"In the whole step ({cite(e2e_path)}, {env_line(e2e_path, e2e)}; `{run['method']}` alone, no peer and no "
+        f"same-lease run with torch's fused Adam): optimizers {', '.join(run['optimizers'])}; `_adam_kernel` "
+        f"{f(adam_ms, '.2f')} ms a step in the kernel profile, step {f(run['step_ms_median'], '.1f')} ms (median), "
+        f"{f(run['samples_per_s'], '.0f')} samples/s, MFU {f(100 * run['mfu'], '.1f')}%."])
 
 
 # --- jagged attention --------------------------------------------------------------------------------

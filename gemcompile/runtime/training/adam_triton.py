@@ -58,7 +58,8 @@ def _adam_kernel(BlockTensor, FirstBlock, Numel, PAddr, GAddr, MAddr, VAddr, lr_
         g = g + weight_decay * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - lr_over_bc1 * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
+    # IEEE sqrt and division, as torch's CUDA Adam computes them (Triton's defaults are the approximate ones)
+    p = p - tl.div_rn(lr_over_bc1 * m, tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
     tl.store(p_ptr + idx, p, mask=ok)
     tl.store(m_ptr + idx, m, mask=ok)
     tl.store(v_ptr + idx, v, mask=ok)
