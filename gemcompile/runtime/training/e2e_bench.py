@@ -478,9 +478,9 @@ class _MethodRun:
             for m in model.modules():
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
                     m.sparse = True
-        # gemcompile's trainer pieces (sparse tables, TritonAdam) for gem methods; torch's own for the peers
+        # gem methods train their dense weights with gemcompile's TritonAdam; the peers with torch's fused Adam
         optimizers = build_optimizers(model, 1e-3, 0.01, sparse_embeddings=tables == "sparse-rows",
-                                      triton_adam=tables == "sparse-rows")
+                                      triton_adam=split_method(method)[0].startswith("gem"))
         formula = GemFlopFormula.from_model(model)
         run = cls(cfg, method, device, batch_size, data, model, optimizers, formula, window)
         run.runner = compile_method(model, method)
