@@ -6,9 +6,9 @@ The update is torch.optim.Adam's (L2 weight decay, no amsgrad), per element in f
     m = beta1 m + (1 - beta1) g;      v = beta2 v + (1 - beta2) g^2
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-Why not torch's fused Adam: it is memory-bound (7 fp32 accesses a parameter) and on GEM-ref medium's 380
-dense tensors (1.05B parameters) it moved 2.66 TB/s on an H100 where a copy of the same bytes moves 3.05;
-one program per 512-element block moved 2.95 (scratch measurement; benchmarks/adam_step.py times it).
+Why not torch's fused Adam: the update is memory-bound (7 fp32 accesses a parameter), and on GEM-ref medium's
+380 dense tensors (1.05B parameters) torch's fused kernel moved 2608-2655 GB/s on an H100 where a copy of the
+same bytes moved 3026-3046 and this kernel 2905-2932 (benchmarks/results/adam_step-20261206-0913*.json).
 
 Layout: the tensors stay where they are. A plan per tensor list holds, on the device, each tensor's address
 (parameter, exp_avg, exp_avg_sq), its element count and first block, and for every block the tensor it
