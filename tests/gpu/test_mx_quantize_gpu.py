@@ -364,3 +364,32 @@ def test_padded_outputs_equal_quantizing_the_padded_input_on_cuda(tile):
             assert a.shape == b.shape, name
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32),
                                b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_codes_path_against_the_reference(dtype, rule, warps, monkeypatch):
+    """GEMCOMPILE_FP8_TRANSPOSE_CODES=1's path (int32 codes transposed before the byte cast), at CHUNK 32 and
+    the listed 4 warps plus 8, dual and column-only, inputs with tails, padding and a row stride that is not
+    a multiple of 16, against the CPU reference (not against the other kernel). A scratch copy of this path
+    was exact at 4 and 8 warps on an H100 and wrong at 16 (2026-12-06): this is what turns it on."""
+    import triton
+
+    monkeypatch.setattr(k, "TRANSPOSE_CODES", True)
+    monkeypatch.setattr(k._block_kernel, "configs", [triton.Config({"CHUNK": 32}, num_warps=warps)])
+    for name, x in inputs(dtype, seed=29, block=128, rows=1024, cols=2048).items():
+        for shape, pad_to in (((1000, 1960), None), ((600, 600), (608, 608)), ((4096 // 4, 600), None)):
+            src = x[: shape[0], : shape[1]]  # row stride 2048: every case reads a strided view
+            R_out, C_out = pad_to or shape
+            pad = torch.nn.functional.pad(src, (0, C_out - shape[1], 0, R_out - shape[0]))
+            pad = torch.nn.functional.pad(pad, (0, -C_out % 128, 0, -R_out % 128))
+            want_t, want_ts = block_quantize(pad.t().contiguous(), (1, 128), rule)
+            want_r, want_rs = block_quantize(pad, (1, 128), rule)
+            for row in (True, False):
+                x8, s, xt8, st = k.quantize_1x128(src.to(DEV), rule, row=row, col=True, pad_to=pad_to)
+                assert_bytes_equal(xt8, want_t[:C_out, :R_out], f"{name} {shape} transposed copy, row={row}")
+                assert_scales_equal(st, want_ts[:C_out], f"{name} {shape} transposed scales, row={row}")
+                if row:
+                    assert_bytes_equal(x8, want_r[:R_out, :C_out], f"{name} {shape} row copy")
+                    assert_scales_equal(s, want_rs[:R_out], f"{name} {shape} row scales")

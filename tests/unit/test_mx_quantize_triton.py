@@ -272,3 +272,38 @@ def test_padded_outputs_equal_quantizing_the_zero_padded_input(shape, pad_to, ti
 def test_pad_to_smaller_than_the_input_is_refused():
     with pytest.raises(ValueError, match="smaller than the input"):
         quantize_1x128(torch.zeros(32, 128), pad_to=(16, 128))
+
+
+@pytest.mark.parametrize("dtype,rule", [(torch.bfloat16, "floor"), (torch.float32, "rceil"), (torch.float16, "rceil")])
+def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, monkeypatch):
+    """GEMCOMPILE_FP8_TRANSPOSE_CODES=1 (int32 codes transposed before the byte cast): the same bytes and
+    scales as the reference for the dual and the column-only copies, tails, padding and a strided input."""
+    monkeypatch.setattr(mqt, "TRANSPOSE_CODES", True)
+    lo, hi = RANGES[dtype]
+    x = structured(160, 256, dtype, seed=21, lo=lo, hi=hi, block=128)
+    x[3, :8] = torch.tensor([float("nan"), 1, 2, 3, 4, 5, 6, 7], dtype=dtype)
+    x[150, 130] = float("inf")
+    source = x[:, :200]  # a row stride that is not the width; a tail in the column dim
+    for row in (True, False):
+        x8, s, xt8, st = quantize_1x128(source, rule, row=row, col=True)
+        assert_blockwise(xt8, st, source.t(), (1, 128), rule)
+        if row:
+            assert_blockwise(x8, s, source, (1, 128), rule)
+    got = quantize_1x128(x[:150, :200], rule, pad_to=(160, 256))  # tails in both dims, padded outputs
+    want = quantize_1x128(torch.nn.functional.pad(x[:150, :200], (0, 56, 0, 10)), rule)
+    for a, b in zip(got, want):
+        assert torch.equal(bits(a) if a.dtype == torch.float32 else u8(a),
+                           bits(b) if b.dtype == torch.float32 else u8(b))
+
+
+def test_transposed_codes_path_has_its_own_configs():
+    """The opt-in path is tuned over its own list (the one config seen exact and fast on the GPU), today's
+    path over its list; a 128x128 tile never takes it."""
+    configs = [type("C", (), {"kwargs": {"CHUNK": c}, "num_warps": w})() for c, w in ((16, 4), (16, 8), (32, 8),
+                                                                                    (32, 4))]
+    shapes = lambda kept: [(c.kwargs["CHUNK"], c.num_warps) for c in kept]
+    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=True, TILE=False)) == [(32, 4)]
+    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=False, WRITE_COL=True, TILE=False)) == [
+        (16, 4), (16, 8), (32, 8)]
+    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=True, TILE=True)) == [
+        (16, 4), (16, 8), (32, 8)]
