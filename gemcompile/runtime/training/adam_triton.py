@@ -79,6 +79,7 @@ class AdamPlan:
     def __init__(self, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> None:
         device = params[0].device
         self.key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs))
+        self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs))
         sizes = [p.numel() for p in params]
         blocks = [triton.cdiv(n, BLOCK) for n in sizes]
         first = [0]
@@ -97,7 +98,12 @@ class AdamPlan:
         self._turn = 0
 
     def matches(self, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> bool:
-        return self.key == (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs))
+        """The same tensor objects (identity: cheap) and the same parameter storage (a replaced ``.data``);
+        the moments are the optimizer's own, replaced only through its state (a load clears the plans)."""
+        lists = (params, exp_avgs, exp_avg_sqs)
+        if any(len(a) != len(b) or any(x is not y for x, y in zip(a, b)) for a, b in zip(lists, self.tensors)):
+            return False
+        return self.key[0] == _addresses(params)
 
     def grad_addresses(self, grads: list[Tensor]) -> Tensor:
         """The gradients' addresses on the device, through the next pinned buffer of the ring."""
