@@ -205,3 +205,20 @@ def test_dcp_checkpoint_resumes_across_torch_and_triton_adam(saved_by, loaded_by
             assert torch.equal(a, b)
         else:  # the two implementations round a few operations differently
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_closure_runs_with_gradients_and_its_loss_is_returned():
+    model = _Mlp()
+    opt = TritonAdam(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()  # would fail under the step's no_grad
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = opt.step(closure)
+    assert loss is not None and loss.requires_grad
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

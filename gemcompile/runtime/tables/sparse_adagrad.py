@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
 from gemcompile.runtime.tables.sparse_tables import is_sparse_grad_table
+from gemcompile.runtime.training.closure import run_closure
 
 __all__ = ["SparseAdagrad"]
 
@@ -79,10 +80,7 @@ class SparseAdagrad(torch.optim.Adagrad):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         dense_pending = False
         atomic_ok = not torch.are_deterministic_algorithms_enabled()  # the batched launch adds atomically
         for g, group in enumerate(self.param_groups):

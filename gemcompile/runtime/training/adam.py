@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gemcompile.runtime.training.adam_triton import AdamPlan, adam_update_, runs_here
+from gemcompile.runtime.training.closure import run_closure
 
 __all__ = ["TritonAdam", "triton_adam_enabled", "triton_adam_serves"]
 
@@ -81,10 +82,7 @@ class TritonAdam(torch.optim.Adam):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("TritonAdam.step() cannot be captured in a CUDA graph (its gradient addresses "
                                "are copied from the host at each step); use torch.optim.Adam(capturable=True)")
