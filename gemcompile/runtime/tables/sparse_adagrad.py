@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from gemcompile.lowering.sparse_embedding.adagrad import adagrad_rows_
 from gemcompile.lowering.sparse_embedding.pending import clear, take_rows
+from gemcompile.runtime.tables.optimizer_closure import run_closure
 from gemcompile.runtime.tables.sparse_tables import is_sparse_grad_table
-from gemcompile.runtime.training.closure import run_closure
 
 __all__ = ["SparseAdagrad"]
 

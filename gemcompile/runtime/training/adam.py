@@ -19,8 +19,8 @@ import os
 import torch
 from torch import Tensor
 
+from gemcompile.runtime.tables.optimizer_closure import run_closure
 from gemcompile.runtime.training.adam_triton import AdamPlan, adam_update_, runs_here
-from gemcompile.runtime.training.closure import run_closure
 
 __all__ = ["TritonAdam", "triton_adam_enabled", "triton_adam_serves"]
 

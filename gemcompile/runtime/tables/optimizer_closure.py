@@ -1,4 +1,5 @@
-"""The closure protocol of ``torch.optim.Optimizer.step(closure)``, shared by gemcompile's optimizers."""
+"""The closure protocol of ``torch.optim.Optimizer.step(closure)``, shared by gemcompile's optimizers
+(SparseAdagrad here, TritonAdam in runtime/training/adam.py): on the lowest floor that holds an optimizer."""
 
 from __future__ import annotations
 
