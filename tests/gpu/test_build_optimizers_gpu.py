@@ -35,10 +35,13 @@ def test_cuda_parameters_get_triton_adam_and_both_step():
 def test_torch_fused_adam_when_asked(how, monkeypatch):
     if how == "env":
         monkeypatch.setenv("GEMCOMPILE_TRITON_ADAM", "0")
-    adam, _ = build_optimizers(_model(), lr=1e-3, embedding_lr=0.1, triton_adam=how != "argument")
+    model = _model()
+    adam, _ = build_optimizers(model, lr=1e-3, embedding_lr=0.1, triton_adam=how != "argument")
     assert type(adam) is torch.optim.Adam and adam.defaults["fused"] is True
-    _model()["mlp"](torch.ones(1, 4, device="cuda")).sum().backward()
+    before = model["mlp"].weight.detach().clone()
+    model["mlp"](torch.ones(1, 4, device="cuda")).sum().backward()
     adam.step()  # a fused flag torch refuses on CUDA fails here, at the first step, not at construction
+    assert not torch.equal(before, model["mlp"].weight)
 
 
 def test_triton_adam_is_as_accurate_as_torch_fused_adam_on_the_gpu():

@@ -78,7 +78,7 @@ class AdamPlan:
 
     def __init__(self, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> None:
         device = params[0].device
-        self.key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs))
+        self.param_addresses = _addresses(params)
         self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs))
         sizes = [p.numel() for p in params]
         blocks = [triton.cdiv(n, BLOCK) for n in sizes]
@@ -90,7 +90,8 @@ class AdamPlan:
             torch.arange(len(params), dtype=torch.int32), torch.tensor(blocks)).to(device)
         self.first_block = torch.tensor(first, dtype=torch.int32, device=device)
         self.numel = torch.tensor(sizes, dtype=torch.int64, device=device)
-        self.p_addr, self.m_addr, self.v_addr = (torch.tensor(a, dtype=torch.int64, device=device) for a in self.key)
+        self.p_addr, self.m_addr, self.v_addr = (torch.tensor(_addresses(t), dtype=torch.int64, device=device)
+                                                 for t in self.tensors)
         pinned = device.type == "cuda"
         self._host = [torch.empty(len(params), dtype=torch.int64, pin_memory=pinned) for _ in range(self.RING)]
         self._dev = [torch.empty(len(params), dtype=torch.int64, device=device) for _ in range(self.RING)]
@@ -103,7 +104,7 @@ class AdamPlan:
         lists = (params, exp_avgs, exp_avg_sqs)
         if any(len(a) != len(b) or any(x is not y for x, y in zip(a, b)) for a, b in zip(lists, self.tensors)):
             return False
-        return self.key[0] == _addresses(params)
+        return self.param_addresses == _addresses(params)
 
     def grad_addresses(self, grads: list[Tensor]) -> Tensor:
         """The gradients' addresses on the device, through the next pinned buffer of the ring."""
