@@ -1064,6 +1064,36 @@ def mxfp8_linear() -> str:
     return "\n".join(lines)
 
 
+MX_TRANSPOSE_CODES_AB = ("mxfp8_linear-shapes-20261206-113010.json", "mxfp8_linear-shapes-20261206-113033.json")
+
+
+@block("mx-transpose-codes-ab")
+def mx_transpose_codes_ab() -> str:
+    """The dual quantize's transposed copy, bytes transposed against int32 codes transposed (the default since
+    2026-12-06): the same shapes, one lease, each file's GEMCOMPILE_FP8_TRANSPOSE_CODES from its environment."""
+    rows, items = [], []
+    for name in MX_TRANSPOSE_CODES_AB:
+        path, payload = load(name)
+        items.append((path, payload))
+        flag = (payload["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_FP8_TRANSPOSE_CODES")
+        how = "int32 codes transposed" if flag == "1" else "bytes transposed"
+        for s in payload["shapes"]:
+            if s.get("skipped"):
+                continue
+            sp, q = s.get("speedup", {}), s.get("quantize", {})
+            dual = q.get("dY 1x128 dual", {})
+            rows.append([f"{s['M']} x {s['K']} x {s['N']}", how, f"{f(sp.get('fp8_fwd'))} / {f(sp.get('fp8_bwd'))}",
+                         f"{f(sp.get('fp8_gemm_fwd'))} / {f(sp.get('fp8_gemm_bwd'))}",
+                         f"{f(dual.get('ms'), '.3f')} ({f(dual.get('GB/s'), '.0f')} GB/s)"])
+    lines = [f"{items[0][1].get('timing')}; ratios bf16 time / FP8 time; `python benchmarks/mxfp8_linear.py --shapes "
+             f"32768x4096x4096,65536x4096x4096,32768x8192x8192,65536x4096x8192` with "
+             f"`GEMCOMPILE_FP8_TRANSPOSE_CODES=0` (then the byte transpose was the default) and `=1`, one lease. "
+             f"Sources: {source_line(*items)}", ""]
+    lines += table(["M x K x N", "transposed copy", "fused pipeline x fwd / x bwd", "GEMM alone x fwd / x bwd",
+                    "dY 1x128 dual quantize ms"], rows)
+    return "\n".join(lines)
+
+
 @block("mxfp8-gem-medium")
 def mxfp8_gem_medium() -> str:
     path, payload = load("mxfp8_linear-gem-medium-20261204-181808.json")

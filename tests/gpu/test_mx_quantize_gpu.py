@@ -370,10 +370,11 @@ def test_padded_outputs_equal_quantizing_the_padded_input_on_cuda(tile):
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_transposed_codes_path_against_the_reference(dtype, rule, warps, monkeypatch):
-    """GEMCOMPILE_FP8_TRANSPOSE_CODES=1's path (int32 codes transposed before the byte cast), at CHUNK 32 and
+    """The default transposed copy (int32 codes transposed before the byte cast), at CHUNK 32 and
     the listed 4 warps plus 8, dual and column-only, inputs with tails, padding and a row stride that is not
     a multiple of 16, against the CPU reference (not against the other kernel). A scratch copy of this path
-    was exact at 4 and 8 warps on an H100 and wrong at 16 (2026-12-06): this is what turns it on."""
+    was exact at 4 and 8 warps on an H100 and wrong at 16 (2026-12-06); this test passing on an H100 (2026-12-06)
+    is what turned it on."""
     import triton
 
     monkeypatch.setattr(k, "TRANSPOSE_CODES", True)

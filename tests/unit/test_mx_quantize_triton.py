@@ -274,11 +274,13 @@ def test_pad_to_smaller_than_the_input_is_refused():
         quantize_1x128(torch.zeros(32, 128), pad_to=(16, 128))
 
 
+@pytest.mark.parametrize("transpose_codes", [True, False], ids=["codes", "bytes"])
 @pytest.mark.parametrize("dtype,rule", [(torch.bfloat16, "floor"), (torch.float32, "rceil"), (torch.float16, "rceil")])
-def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, monkeypatch):
-    """GEMCOMPILE_FP8_TRANSPOSE_CODES=1 (int32 codes transposed before the byte cast): the same bytes and
-    scales as the reference for the dual and the column-only copies, tails, padding and a strided input."""
-    monkeypatch.setattr(mqt, "TRANSPOSE_CODES", True)
+def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, transpose_codes, monkeypatch):
+    """Both transposed copies, the default (int32 codes transposed before the byte cast) and
+    GEMCOMPILE_FP8_TRANSPOSE_CODES=0's (bytes transposed): the same bytes and scales as the reference for the
+    dual and the column-only copies, tails, padding and a strided input."""
+    monkeypatch.setattr(mqt, "TRANSPOSE_CODES", transpose_codes)
     lo, hi = RANGES[dtype]
     x = structured(160, 256, dtype, seed=21, lo=lo, hi=hi, block=128)
     x[3, :8] = torch.tensor([float("nan"), 1, 2, 3, 4, 5, 6, 7], dtype=dtype)
@@ -297,7 +299,7 @@ def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, monkeypat
 
 
 def test_transposed_codes_path_has_its_own_configs():
-    """The opt-in path is tuned over its own list (the one config seen exact and fast on the GPU), today's
+    """The codes path is tuned over its own list (the one config seen exact and fast on the GPU), today's
     path over its list; a 128x128 tile never takes it."""
     configs = [type("C", (), {"kwargs": {"CHUNK": c}, "num_warps": w})() for c, w in ((16, 4), (16, 8), (32, 8),
                                                                                     (32, 4))]

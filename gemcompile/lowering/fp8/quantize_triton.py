@@ -199,11 +199,11 @@ _BLOCK_CONFIGS = (
     if INTERPRET
     else [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _BLOCK_SHAPES + _TRANSPOSED_CODES_SHAPES]
 )
-TRANSPOSE_CODES = os.environ.get("GEMCOMPILE_FP8_TRANSPOSE_CODES") == "1"
-"""Opt-in: the transposed 1x128 copy transposes the int32 E4M3 codes through shared memory before the cast to
-bytes (a byte-wise transpose is what holds today's dual copy at ~680 GB/s). A scratch variant of it was
-byte-equal to today's kernel and 1.39x faster on an H100 (2026-12-06 note); off until the kernel itself has
-passed tests/gpu/test_mx_quantize_gpu.py with it on."""
+TRANSPOSE_CODES = os.environ.get("GEMCOMPILE_FP8_TRANSPOSE_CODES", "1") != "0"
+"""The transposed 1x128 copy transposes the int32 E4M3 codes through shared memory before the cast to bytes (a
+byte-wise transpose held the dual copy at ~680 GB/s). On an H100 (2026-12-06) it wrote the CPU reference's bytes
+(tests/gpu/test_mx_quantize_gpu.py) and took the dual copy from ~610-680 to ~900-930 GB/s
+(benchmarks/README.md, `mx-transpose-codes-ab`). `GEMCOMPILE_FP8_TRANSPOSE_CODES=0` keeps the byte transpose."""
 
 
 def _block_prune(configs, named_args, **kwargs):
