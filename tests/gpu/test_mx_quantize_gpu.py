@@ -394,3 +394,8 @@ def test_transposed_codes_path_against_the_reference(dtype, rule, warps, monkeyp
                 if row:
                     assert_bytes_equal(x8, want_r[:R_out, :C_out], f"{name} {shape} row copy")
                     assert_scales_equal(s, want_rs[:R_out], f"{name} {shape} row scales")
+                # the 128x128 weight copy's transposed bytes take the same path
+                w8, ws, wt8, wst = k.quantize_128x128(src.to(DEV), rule, row=row, col=True, pad_to=pad_to)
+                want_w, want_ws = block_quantize(pad.t().contiguous(), (128, 128), rule)
+                assert_bytes_equal(wt8, want_w[:C_out, :R_out], f"{name} {shape} 128x128 transposed, row={row}")
+                assert_scales_equal(wst, want_ws, f"{name} {shape} 128x128 transposed scales, row={row}")

@@ -291,6 +291,11 @@ def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, transpose
         assert_blockwise(xt8, st, source.t(), (1, 128), rule)
         if row:
             assert_blockwise(x8, s, source, (1, 128), rule)
+        w8, ws, wt8, wst = quantize_128x128(source, rule, row=row, col=True)  # the weight copy takes it too
+        want8, wants = block_quantize(padded(source.t(), 128, 128), (128, 128), rule)
+        assert torch.equal(u8(wt8), u8(want8[:200, :160])) and torch.equal(bits(wst), bits(codes_to_descale(wants)))
+        if row:
+            assert torch.equal(u8(w8).t(), u8(wt8)) and torch.equal(bits(ws).t(), bits(wst))
     got = quantize_1x128(x[:150, :200], rule, pad_to=(160, 256))  # tails in both dims, padded outputs
     want = quantize_1x128(torch.nn.functional.pad(x[:150, :200], (0, 56, 0, 10)), rule)
     for a, b in zip(got, want):
@@ -299,13 +304,14 @@ def test_transposed_codes_path_writes_the_reference_bytes(dtype, rule, transpose
 
 
 def test_transposed_codes_path_has_its_own_configs():
-    """The codes path is tuned over its own list (the one config seen exact and fast on the GPU), today's
-    path over its list; a 128x128 tile never takes it."""
+    """The codes path (1x128 and 128x128 transposed copies) is tuned over its own list (the one config seen
+    exact and fast on the GPU), the byte path and launches without a transposed copy over theirs."""
     configs = [type("C", (), {"kwargs": {"CHUNK": c}, "num_warps": w})() for c, w in ((16, 4), (16, 8), (32, 8),
                                                                                     (32, 4))]
     shapes = lambda kept: [(c.kwargs["CHUNK"], c.num_warps) for c in kept]
     assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=True, TILE=False)) == [(32, 4)]
     assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=False, WRITE_COL=True, TILE=False)) == [
         (16, 4), (16, 8), (32, 8)]
-    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=True, TILE=True)) == [
+    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=True, TILE=True)) == [(32, 4)]
+    assert shapes(mqt._block_prune(configs, {}, TRANSPOSE_CODES=True, WRITE_COL=False, TILE=True)) == [
         (16, 4), (16, 8), (32, 8)]

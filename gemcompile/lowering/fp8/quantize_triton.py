@@ -207,9 +207,10 @@ byte-wise transpose held the dual copy at ~680 GB/s). On an H100 (2026-12-06) it
 
 
 def _block_prune(configs, named_args, **kwargs):
-    """The configs of a launch's code path: TRANSPOSE_CODES with a transposed copy takes its own list."""
+    """The configs of a launch's code path: TRANSPOSE_CODES with a transposed copy (1x128 or 128x128) takes its
+    own list."""
     args = {**named_args, **kwargs}
-    own = bool(args.get("TRANSPOSE_CODES")) and bool(args.get("WRITE_COL")) and not args.get("TILE")
+    own = bool(args.get("TRANSPOSE_CODES")) and bool(args.get("WRITE_COL"))
     shapes = _TRANSPOSED_CODES_SHAPES if own else _BLOCK_SHAPES
     kept = [c for c in configs if (c.kwargs["CHUNK"], c.num_warps) in shapes]
     return kept or configs
@@ -455,7 +456,7 @@ def _launch_block(x, rule, tile, row, col, use_hw, out, pad_to=None):
     ), {"IN_KIND": _IN_KIND[x.dtype], "RCEIL": rule == "rceil", "USE_HW": _hw(x, use_hw), "TILE": tile,
         "WRITE_ROW": row, "WRITE_COL": col, "BLOCK_R": block_r, "BLOCK_C": 128,
         "EVEN": (R, C) == (R_out, C_out) and R % block_r == 0 and C % 128 == 0,
-        "TRANSPOSE_CODES": TRANSPOSE_CODES and col and not tile}, (_bucket(C_out),))
+        "TRANSPOSE_CODES": TRANSPOSE_CODES and col}, (_bucket(C_out),))
 
 
 def _padded_shape(x: Tensor, pad_to, name: str) -> tuple[int, int]:
