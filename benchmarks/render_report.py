@@ -1115,8 +1115,8 @@ def mx_transpose_codes_ab() -> str:
                          f"{f(sp.get('fp8_gemm_fwd'))} / {f(sp.get('fp8_gemm_bwd'))}",
                          f"{f(dual.get('ms'), '.3f')} ({f(dual.get('GB/s'), '.0f')} GB/s)"])
     lines = [f"{items[0][1].get('timing')}; ratios bf16 time / FP8 time; `python benchmarks/mxfp8_linear.py --shapes "
-             f"32768x4096x4096,65536x4096x4096,32768x8192x8192,65536x4096x8192` with "
-             f"`GEMCOMPILE_FP8_TRANSPOSE_CODES=0` (then the byte transpose was the default) and `=1`, one lease. "
+             f"32768x4096x4096,65536x4096x4096,32768x8192x8192,65536x4096x8192` at 04a05f6, where the byte "
+             f"transpose was the default, then with `GEMCOMPILE_FP8_TRANSPOSE_CODES=1`, one lease. "
              f"Sources: {source_line(*items)}", ""]
     lines += table(["M x K x N", "transposed copy", "fused pipeline x fwd / x bwd", "GEMM alone x fwd / x bwd",
                     "dY 1x128 dual quantize ms"], rows)
