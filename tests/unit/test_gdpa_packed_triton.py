@@ -103,3 +103,20 @@ def test_no_valid_query(nan_empty):
     dq, dk, dv, _ = gdpa_backward_triton(torch.ones_like(out), q, k, k, None, None, None, spec,
                                          token_offsets=offsets, packed_len=N)
     assert (out == 0).all() and (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+
+def test_rows_before_the_first_sequence_are_zero(nan_empty):
+    """Offsets may start past row 0 (packed.py): those rows belong to no sequence, so their output and dq are 0
+    (the launchers fill only the rows outside [token_offsets[0], token_offsets[B]), the kernels the rest)."""
+    fields, extras = CASES["gem_cross"]
+    lengths, offsets, T, q, k, v, _, _, _, g = _inputs(torch.float32, extras, seed=5)
+    shifted = offsets + 2  # two rows ahead of the first sequence, one left after the last
+    spec = GdpaSpec(**fields)
+    out = gdpa_forward_triton(q, k, v, None, None, None, spec, token_offsets=shifted, packed_len=N)
+    assert (out[:2] == 0).all() and (out[-1:] == 0).all()
+    ref = reference_gdpa_forward(pad(q[2:], lengths, offsets).double(), k.double(), v.double(), lengths, None,
+                                 None, spec)
+    assert rel(pad(out[2:], lengths, offsets), ref) < TOL[torch.float32]
+    dq, dk, dv, _ = gdpa_backward_triton(torch.randn(out.shape, generator=g), q, k, v, None, None, None, spec,
+                                         token_offsets=shifted, packed_len=N)
+    assert (dq[:2] == 0).all() and (dq[-1:] == 0).all() and not dq.isnan().any()

@@ -1,6 +1,6 @@
-"""fill_slack_rows: rows from token_offsets[B] on take the value, every other row keeps its bytes; under
-the Triton interpreter against the plain-PyTorch reference, on shapes where the slack is empty, the
-whole tensor, or a part that ends off the kernel's block."""
+"""fill_slack_rows: rows before token_offsets[0] and from token_offsets[B] on take the value, every other row
+keeps its bytes; under the Triton interpreter against the plain-PyTorch reference, on shapes where the slack
+is empty, the whole tensor, or a part that ends off the kernel's block, with offsets from 0 and past 0."""
 
 import os
 
@@ -17,13 +17,17 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRI
 @pytest.mark.parametrize("T, last, row", [(10, 7, (3, 4)), (10, 10, (3, 4)), (10, 0, (2,)), (1, 0, ()),
                                           (3000, 5, (2,)), (777, 700, (5, 3))])
 @pytest.mark.parametrize("value", [0.0, float("inf")])
-def test_fill_slack_rows(dtype, T, last, row, value):
+@pytest.mark.parametrize("first", ["zero", "past zero"])
+def test_fill_slack_rows(dtype, T, last, row, value, first):
     g = torch.Generator().manual_seed(T + last)
     x = torch.randn(T, *row, generator=g).to(dtype)
-    offsets = torch.tensor([0, last // 3, last])
+    start = 0 if first == "zero" else last // 4 + (last > 0)
+    offsets = torch.tensor([start, max(last // 3, start), last])
     want = fill_slack_rows_reference(offsets, x, value)
     fill_slack_rows(offsets, (x, value))
     assert torch.equal(x, want)
+    if start:  # the head rows were filled, the first sequence's first row kept
+        assert torch.equal(x[:start], torch.full_like(x[:start], value)) and torch.equal(x[start], want[start])
 
 
 def test_several_tensors_and_empty_ones():
@@ -32,6 +36,9 @@ def test_several_tensors_and_empty_ones():
     fill_slack_rows(offsets, (a, 0.0), (b, float("inf")), (empty, 0.0))
     assert (a[:4] == 1).all() and (a[4:] == 0).all()
     assert (b[:4] == 1).all() and torch.isposinf(b[4:]).all()
+    c = torch.ones(6, 2)
+    fill_slack_rows(torch.tensor([1, 3, 5]), (c, 0.0))
+    assert (c[0] == 0).all() and (c[1:5] == 1).all() and (c[5] == 0).all()
 
 
 def test_offsets_outside_the_rows_write_nothing_outside_x():
