@@ -91,3 +91,47 @@ def test_gdpa_packed_queries(dtype, D):
     assert rel(_pad(out, lengths, offsets, N), want) < fwd_tol
     assert rel(_pad(args[0].grad, lengths, offsets, N), ref[0].grad) < bwd_tol
     assert rel(args[1].grad, ref[1].grad) < bwd_tol and rel(args[2].grad, ref[2].grad) < bwd_tol
+
+
+@pytest.mark.parametrize("kv_mask", [False, True], ids=["lengths", "kv_mask"])
+def test_jagged_attention_packed_rows_outside_every_sequence(kv_mask, nan_empty):
+    """Outputs and gradients allocated empty (NaN here): rows before token_offsets[0] and after
+    token_offsets[B] are 0 (lse +inf), key tiles a kv_mask skips get zero dK, dV, and the sequences' rows
+    equal a run with offsets from 0 (packed self-attention, causal)."""
+    from gemcompile.lowering.jagged_attention.packed_triton import (jagged_attention_backward_triton,
+                                                                    jagged_attention_forward_triton)
+    B, H, N, D, lead, slack = 6, 4, 700, 64, 5, 37
+    lengths, offsets = _layout(B, N, seed=7)
+    end = int(offsets[-1])
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(end, H, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    mask = None
+    if kv_mask:
+        mask = torch.rand(B, N, device=DEV, generator=g) > 0.3
+        mask[2] = False  # every key dropped: its tiles are skipped
+
+    def shifted(t):
+        return torch.cat([t.new_full((lead, *t.shape[1:]), 3.0), t, t.new_full((slack, *t.shape[1:]), 3.0)])
+    qs, ks, vs = shifted(q), shifted(k), shifted(v)
+    off_s = offsets + lead
+    out, lse = jagged_attention_forward_triton(qs, ks, vs, None, None, None, True, D ** -0.5, mask,
+                                               token_offsets=off_s, packed_len=N)
+    want_out, want_lse = jagged_attention_forward_triton(q, k, v, None, None, None, True, D ** -0.5, mask,
+                                                         token_offsets=offsets, packed_len=N)
+    outside = torch.ones(out.shape[0], dtype=torch.bool, device=DEV)
+    outside[lead:lead + end] = False
+    assert (out[outside] == 0).all() and torch.isinf(lse[outside]).all()
+    torch.testing.assert_close(out[lead:lead + end], want_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse[lead:lead + end], want_lse, rtol=1e-3, atol=1e-3)
+    grad = torch.randn(out.shape, device=DEV, dtype=torch.bfloat16, generator=g)
+    got = jagged_attention_backward_triton(grad, qs, ks, vs, out, lse, None, None, None, True, D ** -0.5, False,
+                                           mask, token_offsets=off_s, packed_len=N)
+    want = jagged_attention_backward_triton(grad[lead:lead + end].contiguous(), q, k, v, want_out, want_lse, None,
+                                            None, None, True, D ** -0.5, False, mask, token_offsets=offsets,
+                                            packed_len=N)
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert (a[outside] == 0).all(), name
+        torch.testing.assert_close(a[lead:lead + end], b, rtol=1e-2, atol=1e-2, msg=name)
+    if kv_mask:
+        rows = slice(lead + int(offsets[2]), lead + int(offsets[3]))
+        assert (got[1][rows] == 0).all() and (got[2][rows] == 0).all()

@@ -58,7 +58,7 @@ def check(got, want64, dtype, what):
 @pytest.mark.parametrize("dtype,causal,extra", pairwise(
     {"fp32": torch.float32, "fp16": torch.float16}, {"full": False, "causal": True},
     {x: x for x in ("plain", "kv_mask", "bias_grad", "shared_q")}))
-def test_packed_keys(dtype, causal, extra):
+def test_packed_keys(dtype, causal, extra, nan_empty):  # empty allocations hold NaN: every row must be written
     lengths, offsets, k, v, T, g = case(dtype, seed=len(extra) + 2 * causal)
     q = torch.randn(1 if extra == "shared_q" else B, H, Q, D, generator=g).to(dtype)
     kv_mask = None
@@ -98,7 +98,7 @@ def test_packed_keys(dtype, causal, extra):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_packed_self_attention(dtype, causal):
+def test_packed_self_attention(dtype, causal, nan_empty):
     lengths, offsets, k, v, T, g = case(dtype, seed=11 + causal)
     q = torch.randn(T, 2 * H * D, generator=g).to(dtype)[:, H * D:].view(T, H, D)  # strided rows
     out, lse = jagged_attention_forward_triton(q, k, v, None, None, None, causal, SCALE, token_offsets=offsets,
@@ -115,6 +115,40 @@ def test_packed_self_attention(dtype, causal):
     for name, got, want in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
         assert got.shape == (T, H, D) and (got[-3:] == 0).all(), name
         check(pad(got, lengths, offsets), want, dtype, name)
+
+
+@pytest.mark.parametrize("kv_mask", [False, True], ids=["lengths", "kv_mask"])
+def test_rows_outside_every_sequence_are_zero(kv_mask, nan_empty):
+    """Offsets that start past row 0 and end before the last row: those rows belong to no sequence, so the
+    output, dq, dk and dv are 0 there (lse +inf), and the rows of every sequence equal the offsets-from-0 run."""
+    lengths, offsets, k, v, T, g = case(torch.float32, seed=3)
+    q = torch.randn(T, H, D, generator=g)
+    mask = None
+    if kv_mask:  # a sequence whose keys are all dropped: its key tiles are skipped
+        mask = torch.rand(B, N, generator=g) > 0.3
+        mask[3] = False
+    lead = 2
+    shifted = offsets + lead  # rows 0, 1 before the first sequence; one slack row left at the end
+    qs, ks, vs = (torch.cat([t.new_full((lead, H, D), 7.0), t[:-lead]]) for t in (q, k, v))
+    out, lse = jagged_attention_forward_triton(qs, ks, vs, None, None, None, False, SCALE, mask,
+                                               token_offsets=shifted, packed_len=N)
+    want_out, want_lse = jagged_attention_forward_triton(q, k, v, None, None, None, False, SCALE, mask,
+                                                         token_offsets=offsets, packed_len=N)
+    end = int(offsets[-1])
+    assert (out[:lead] == 0).all() and (out[lead + end:] == 0).all() and torch.isinf(lse[:lead]).all()
+    torch.testing.assert_close(out[lead:lead + end], want_out[:end])
+    grad = torch.randn(out.shape, generator=g)
+    got = jagged_attention_backward_triton(grad, qs, ks, vs, out, lse, None, None, None, False, SCALE, False, mask,
+                                           token_offsets=shifted, packed_len=N)
+    want = jagged_attention_backward_triton(torch.cat([grad[lead:], grad[:lead]]), q, k, v, want_out, want_lse,
+                                            None, None, None, False, SCALE, False, mask, token_offsets=offsets,
+                                            packed_len=N)
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert (a[:lead] == 0).all() and (a[lead + end:] == 0).all(), name
+        torch.testing.assert_close(a[lead:lead + end], b[:end], msg=name)
+    if kv_mask:  # the all-dropped sequence's keys: exactly zero gradients (a skipped tile stores zeros)
+        rows = slice(lead + int(offsets[3]), lead + int(offsets[4]))
+        assert (got[1][rows] == 0).all() and (got[2][rows] == 0).all()
 
 
 def test_empty_batch_and_zero_packed_len():

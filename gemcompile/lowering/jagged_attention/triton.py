@@ -570,11 +570,10 @@ def _bwd_dkdv_kernel(
         if HAS_KV_MASK:  # a key tile wholly outside [kv_lo, kv_hi) has no valid key
             skip = skip | (n0 >= tl.load(KVBounds + KV_BOUNDS_WIDTH * b + 1)) | (
                 n0 + BLOCK_N <= tl.load(KVBounds + KV_BOUNDS_WIDTH * b))
-        if skip:
-            if KV_MODE != 2:
-                zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-                store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
-                store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
+        if skip:  # packed keys: no row past the length is stored, but a tile the kv_mask skips is zeroed
+            zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            store_rows(dk_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
+            store_rows(dv_base, offs_n, offs_d, stride_dkn, stride_dkd, zeros, store_mask, HEAD_D)
             return
 
         col_ok = offs_n < kv_len
