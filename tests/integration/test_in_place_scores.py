@@ -1,4 +1,5 @@
-"""Score chains written with in-place updates (``s /= c``, ``s += mask``, ``s.masked_fill_(pad, -inf)``) are
+"""Score chains written with in-place updates (``s /= c``, ``s += mask``, ``s.masked_fill_(pad, -inf)``,
+``s[~valid] = -1e6`` with a full-shape boolean index, as d2l's masked_softmax writes it) are
 read as their out-of-place forms (passes/attention/in_place.py) and rewritten like them; updates that
 another reader could see (a value read before the update, a view, a promoting dtype) stay as written, and
 every model gives eager's outputs and gradients. Also T5's and LLaMA's ``softmax(s.float()).type_as(s)``, whose
@@ -48,6 +49,17 @@ class InPlaceScores(nn.Module):
             s = torch.matmul(q.bfloat16(), k.bfloat16().transpose(-1, -2))
             s += torch.zeros(B, 1, 1, L).masked_fill(pad, float("-inf"))
             s = s.float()
+        elif self.spelling == "bool_index_fill":  # d2l: a full-shape boolean index of a copy of the scores
+            s = (s / math.sqrt(D)).clone()
+            s[pad.expand(B, H, L, L)] = -1e6
+        elif self.spelling == "bool_index_rows":  # a boolean index over the leading dims: whole query rows
+            s = (s / math.sqrt(D)).masked_fill(pad, -1e6)  # (not a masked_fill of s: kept as written)
+            s[(ids == 0)[:, None, :].expand(B, H, L)] = -1e6
+        elif self.spelling == "rows_flattened":  # d2l's masked_softmax: the scores as (B*H*L, L) rows and back
+            shape = s.shape
+            flat = (s / math.sqrt(D)).reshape(-1, shape[-1])
+            valid = (ids != 0)[:, None, None, :].expand(B, H, L, L).reshape(-1, shape[-1])
+            s = flat.masked_fill(~valid, -1e6).reshape(shape)
         if self.spelling == "float_softmax_type_as":
             s = s * D**-0.5 + torch.zeros(B, 1, 1, L).masked_fill(pad, torch.finfo(s.dtype).min)
             p = torch.softmax(s.float(), dim=-1).type_as(s)
@@ -57,8 +69,10 @@ class InPlaceScores(nn.Module):
         return out if extra is None else (out, extra)
 
 
-REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as"]
-KEPT = ["read_before", "view", "promoting"]
+REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as", "bool_index_fill"]
+KEPT = ["read_before", "view", "promoting", "bool_index_rows", "rows_flattened"]
+REFUSED_WITH = {"rows_flattened": "`reshape`"}
+"""Kept spellings explain names: a reshape of the scores that is not a heads view says so (it said nothing)."""
 
 
 def _inputs():
@@ -76,6 +90,8 @@ def test_in_place_score_updates_match_eager(spelling):
     x, ids = _inputs()
     report = explain(model, x, ids)
     assert report.counts["jagged_attention"] == (1 if spelling in REWRITTEN else 0), report.refusals
+    if spelling in REFUSED_WITH:
+        assert any(REFUSED_WITH[spelling] in str(r) for r in report.refusals), report.refusals
     counters.clear()
     out, ref = rewritten(model)(x, ids), model(x, ids)
     out, ref = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))

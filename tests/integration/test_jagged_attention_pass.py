@@ -623,3 +623,29 @@ def test_an_internal_error_leaves_the_attention_as_written(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="a bug"):
         explain(sdpa_key, q, k, v, lengths, extra)
+
+
+def _padded_pool(q, k, v, lengths):
+    valid = torch.arange(k.shape[2])[None, :] < lengths[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+
+
+def _padded_pool_plus_one(q, k, v, lengths):
+    valid = torch.arange(k.shape[2])[None, :] < lengths[:, None] + 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8])
+def test_narrow_integer_lengths_are_widened(dtype):
+    """int8 / int16 / uint8 lengths (the op takes int32 or int64): rewritten with lengths widened to int32, eager's
+    outputs; the same lengths plus an offset the model adds in that dtype (it may wrap) are refused, saying so."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, 2, n, 16, generator=g) for n in (5, 12, 12))
+    lengths = torch.tensor([12, 0, 3, 7], dtype=dtype)
+    report = explain(_padded_pool, q, k, v, lengths)
+    assert report.counts["jagged_attention"] == 1, report.refusals
+    torch.testing.assert_close(gem_compile(_padded_pool)(q, k, v, lengths), _padded_pool(q, k, v, lengths),
+                               atol=2e-5, rtol=1e-4)
+    report = explain(_padded_pool_plus_one, q, k, v, lengths)
+    assert report.counts["jagged_attention"] == 0
+    assert any("may wrap" in r.reason for r in report.refusals), report.refusals

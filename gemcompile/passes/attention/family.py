@@ -135,7 +135,15 @@ def size_of(emit: Emitter, node: fx.Node, dim: int):
 
 def clamped_lengths(emit: Emitter, node: fx.Node, offset: int, padded) -> fx.Node:
     """lengths + offset, clamped to [0, padded]: exactly what `arange(padded) < lengths + offset` keeps
-    (a length past the padded size keeps every position, a negative one none)."""
+    (a length past the padded size keeps every position, a negative one none). Narrower integer lengths
+    (int8, int16, uint8) are widened to int32 (exact), the kernels' smallest index dtype; with an offset
+    they are refused: the model adds it in the narrow dtype, where it may wrap."""
+    value = example_value(node)
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.int8, torch.int16, torch.uint8):
+        if offset != 0:
+            raise Unproven(f"the lengths ({node.name}) are {value.dtype} and the mask adds {offset} to them: "
+                           "the sum may wrap in that dtype (int32 or int64 lengths are rewritten)")
+        node = emit.method("to", (node, torch.int32))
     if offset != 0:
         node = emit.call(operator.add, (node, offset))
     return emit.call(torch.clamp, (node, 0, padded))

@@ -1,7 +1,7 @@
 """In-place updates of fresh tensors, rewritten as the out-of-place ops they equal.
 
 Models write the score chain in place too: ``s /= math.sqrt(d)``, ``s += mask``, ``s.masked_fill_(pad,
--inf)``. Dynamo records the operator forms as ``operator.itruediv(s, c)`` whose result later code reads, and
+-inf)``, ``s[~mask] = -1e6`` (d2l's masked_softmax: a boolean index of s's own shape is a masked_fill). Dynamo records the operator forms as ``operator.itruediv(s, c)`` whose result later code reads, and
 the method forms as a call whose result nobody reads while the softmax reads ``s`` itself, mutated. The
 matchers walk values back from the softmax (attention/scores.py), so they missed such a chain without a
 word in explain.
@@ -28,7 +28,7 @@ from gemcompile.passes.graph import Emitter, example_value, target_name
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
               operator.imul: operator.mul}
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
-_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
+_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
           "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
           "new_ones", "new_full")
@@ -41,7 +41,22 @@ def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
         return "call_function", _OPERATORS[node.target]
     if node.op == "call_method" and node.target in _METHODS:
         return "call_method", _METHODS[node.target]
+    if node.op == "call_function" and node.target is operator.setitem and _bool_mask_fill(node):
+        return "call_method", "masked_fill"  # x[mask] = value is x.masked_fill_(mask, value): the same args
     return None
+
+
+def _bool_mask_fill(node: fx.Node) -> bool:
+    """``x[mask] = value`` with mask a bool tensor of x's shape and value a scalar (a number or a 0-d tensor):
+    boolean indexing by a full-shape mask selects exactly the elements masked_fill sets."""
+    if len(node.args) != 3 or node.kwargs:
+        return False
+    x, mask, value = (example_value(a) if isinstance(a, fx.Node) else a for a in node.args)
+    if not (isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+        return False
+    if mask.dim() != x.dim() or not all(known(a == b) for a, b in zip(mask.shape, x.shape)):
+        return False
+    return isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
 def _fresh(node) -> bool:

@@ -40,6 +40,7 @@ from gemcompile.passes.attention.scores import (
     DIV,
     MATMUL,
     MUL,
+    RESHAPES,
     SCALE_OPS,
     SCORE_MAPS,
     SUB,
@@ -168,7 +169,7 @@ def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], 
 
 def looks_like_attention(softmax: fx.Node) -> bool:
     """Only softmaxes that sit on a matmul are candidates: a softmax over logits is none of our business."""
-    return bool(softmax.args) and leads_to_matmul(softmax.args[0], through=SCORE_MAPS)
+    return bool(softmax.args) and leads_to_matmul(softmax.args[0], through=(*SCORE_MAPS, *RESHAPES))
 
 
 def dropout_probability(node: fx.Node) -> float:

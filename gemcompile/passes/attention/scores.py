@@ -21,7 +21,7 @@ MATMUL = ("matmul", "__matmul__", "bmm")
 PRODUCTS = (*MATMUL, "einsum", "baddbmm")
 """What q @ k^T may be spelled with (leads_to_matmul)."""
 RESHAPES = ("view", "reshape")
-CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous")
+CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous", "clone")
 SCALE_OPS = {"mul": operator.mul, "__mul__": operator.mul, "__rmul__": operator.mul,
              "truediv": operator.truediv, "div": operator.truediv, "__truediv__": operator.truediv}
 MUL = ("mul", "__mul__", "__rmul__")
