@@ -67,6 +67,13 @@ def hand_where(q, k, v, n, x):
     return F.softmax(s, dim=-1) @ v
 
 
+def hand_where_ones_times_fill(q, k, v, n, x):
+    # TiSASRec: paddings = torch.ones(w.shape) * (-2 ** 32 + 1), then torch.where(mask, paddings, w)
+    s = q @ k.transpose(-2, -1) * 0.25
+    paddings = torch.ones(s.shape) * (-2 ** 32 + 1)
+    return F.softmax(torch.where(~key_mask(n)[:, None, None, :], paddings, s), dim=-1) @ v
+
+
 def hand_additive(q, k, v, n, x):
     s = q @ k.transpose(-2, -1) * 0.25
     s = s + (1 - key_mask(n)[:, None, None, :].float()) * -1e9
@@ -168,7 +175,7 @@ IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_qu
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
-          hand_where, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
+          hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
           cross_attention_own_query_lengths, pma_learned_queries]
 # eager returns NaN (a softmax over all -inf) on a row with no valid key, whose NaN reaches its gradients:
 # those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is

@@ -200,8 +200,8 @@ def values(user: fx.Node, weights: fx.Node, info: dict, what: str) -> None:
 
 def filled_with(x: Any) -> Any:
     """The constant ``x`` holds everywhere: a Python number, or a tensor made full of one (TF-style
-    ``ones_like(s) * (-2 ** 32 + 1)``, ``full_like(s, c)``, ``s.new_full(shape, c)``, ``zeros_like(s)``,
-    ``torch.tensor(c)``); None for anything else."""
+    ``ones_like(s) * (-2 ** 32 + 1)``, ``torch.ones(shape) * c``, ``full_like(s, c)``, ``s.new_full(shape, c)``,
+    ``zeros_like(s)``, ``torch.tensor(c)``); None for anything else."""
     if not isinstance(x, fx.Node):
         return x
     if is_call(x, "full_like", "new_full", "full"):
@@ -211,14 +211,14 @@ def filled_with(x: Any) -> Any:
     if is_call(x, "tensor", "scalar_tensor", "as_tensor") and x.args and not isinstance(x.args[0], fx.Node):
         value = example_value(x)  # ``torch.tensor(-1e9)`` built in forward: a 0-d constant
         return x.args[0] if getattr(value, "ndim", None) == 0 and constant_float(x.args[0]) is not None else None
-    if is_call(x, "zeros_like", "new_zeros"):
+    if is_call(x, "zeros_like", "new_zeros", "zeros"):
         return 0.0
-    if is_call(x, "ones_like", "new_ones"):
+    if is_call(x, "ones_like", "new_ones", "ones"):
         return 1.0
-    if is_call(x, *MUL) and len(x.args) == 2:
+    if is_call(x, *MUL) and len(x.args) == 2:  # also TiSASRec's ``torch.ones(w.shape) * (-2 ** 32 + 1)``
         a, b = x.args
         one, c = (a, b) if isinstance(a, fx.Node) else (b, a)
-        ones = isinstance(one, fx.Node) and is_call(one, "ones_like", "new_ones")
+        ones = isinstance(one, fx.Node) and is_call(one, "ones_like", "new_ones", "ones")
         if ones and constant_float(c) is not None:
             return c
     return None
