@@ -96,6 +96,10 @@ class Region:
     nodes: list[fx.Node]
     rules: dict[fx.Node, TokenWise]
     stays_padded: dict[fx.Node, str] = field(default_factory=dict)
+    """Each node dropped from the region because an exit of it would read its padded rows: why (its root's)."""
+    cascade: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    """Per such root, the nodes dropped after it only because a dropped node reads them (explain names the root
+    once, with a count, instead of a line per tensor up the chain)."""
 
 
 def _attention_name(node: fx.Node) -> str | None:
@@ -321,11 +325,16 @@ class UnpadPass(GemPass):
             if unsafe is None:
                 return
             node, user = unsafe
-            region.stays_padded[node] = (
-                f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
-                f"({target_name(user) if user.op != 'output' else 'the graph output'}) reads them"
-                f"{analysis.other_mask(user, node)}"
-            )
+            note = analysis.other_mask(user, node)
+            root = next((r for r, followers in region.cascade.items() if user is r or user in followers), None)
+            if root is not None and not note:  # read by a node dropped before: part of that one's chain
+                region.cascade[root].append(node)
+            else:
+                region.stays_padded[node] = (
+                    f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
+                    f"({target_name(user) if user.op != 'output' else 'the graph output'}) reads them{note}"
+                )
+                region.cascade[node] = []
             region.nodes = [n for n in region.nodes if n is not node]
 
     @staticmethod
@@ -351,7 +360,11 @@ class UnpadPass(GemPass):
         self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
-            for reason in region.stays_padded.values():
+            for root, reason in region.stays_padded.items():
+                followers = region.cascade.get(root, [])
+                if followers:
+                    names = ", ".join(n.name for n in followers[:4]) + (", ..." if len(followers) > 4 else "")
+                    reason += f"; so do {len(followers)} value(s) it is computed from ({names})"
                 self.refused(region.mask.node, reason)
             if not gemms:
                 continue  # a product with a mask and nothing else: nothing for packing to skip

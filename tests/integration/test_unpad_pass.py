@@ -386,3 +386,22 @@ def test_token_buckets_default_to_bucketed_only_under_cuda_graphs(compile_kwargs
         out = compiled(x, lengths)
     torch.testing.assert_close(out, model(x, lengths), atol=1e-5, rtol=1e-4)
     assert [b for _, _, b in calls] == [buckets]
+
+
+def test_a_chain_that_stays_padded_is_one_refusal():
+    """A reader of every row (a std over the sequence) keeps its input padded, and with it every token-wise
+    value that input is computed from: explain says so once, with the count, not once per tensor."""
+
+    class StdOverRows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x, lengths):
+            keep = (torch.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+            return self.down(F.gelu(self.up(x * keep))).std(dim=1)
+
+    report = explain(StdOverRows(), torch.randn(4, 10, 16), torch.tensor([10, 3, 0, 7]))
+    reasons = [r.reason for r in report.refusals if r.pass_name == "unpad"]
+    assert len(reasons) == 1, reasons
+    assert "std" in reasons[0] and "so do 2 value(s) it is computed from (gelu, " in reasons[0], reasons
