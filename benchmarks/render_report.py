@@ -342,6 +342,38 @@ def adam_step() -> str:
         f"TritonAdam over torch's fused Adam in the whole step: {f(new / base, '.3f')}x samples/s."])
 
 
+PACKED_EMPTY_FILES = ("e2e-medium-fill0.5-20261206-113811.json", "e2e-medium-fill0.5-20261206-120924.json")
+"""The whole step before (TritonAdam, 79607bc's run) and after jagged attention's packed outputs were allocated
+empty (71e3343): two leases of an H100."""
+
+
+@block("packed-empty-outputs")
+def packed_empty_outputs() -> str:
+    rows, items = [], []
+    for name in PACKED_EMPTY_FILES:
+        path, payload = load(name)
+        items.append((path, payload))
+        r = payload["results"][0]
+        kp = r["kernel_profile"]
+        cutoff = min(t["ms_per_step"] for t in kp["top"])
+        fills = []
+        for label, match in (("bf16 fill (FillFunctor)", "FillFunctor<c10::BFloat16>"),
+                             ("_fill_slack_rows_kernel", "_fill_slack_rows_kernel")):
+            hit = [t for t in kp["top"] if match in t["name"]]
+            fills.append(f"{f(hit[0]['ms_per_step'], '.2f')} ms, {f(hit[0]['calls_per_step'], '.0f')} calls" if hit
+                         else f"below the top {len(kp['top'])} (< {f(cutoff, '.2f')} ms)")
+        rows.append([cite(path), *fills, f(kp["kernels_per_step"], ".0f"), f(kp["ms_per_step"], ".1f"),
+                     f(r["step_ms_median"], ".1f"), f(r["samples_per_s"], ".0f")])
+    return "\n".join([
+        "GEM-ref medium, batch 256, fill 0.5, `gem@reduce-overhead` alone, kernel profile of 3 steps "
+        "(`gemcompile bench e2e --size medium --batch-size 256 --warmup 20 --steps 50 --kernel-steps 3 --methods "
+        "gem@reduce-overhead`), before and after jagged attention's packed outputs and gradients were allocated "
+        "empty with only the rows outside every sequence filled; two leases of the same GPU model, so the step "
+        "times are not a same-lease A/B. Sources: " + source_line(*items), "",
+        *table(["file", "bf16 fills a step", "slack-row fills a step", "kernels a step", "kernel ms a step",
+                "step ms (median)", "samples/s"], rows)])
+
+
 # --- jagged attention --------------------------------------------------------------------------------
 
 JAGGED_PEERS = [("sdpa_padded_mask", "x padded SDPA+mask"), ("flex_document_mask", "x FlexAttention doc mask"),
@@ -1093,33 +1125,39 @@ def mxfp8_linear() -> str:
     return "\n".join(lines)
 
 
-MX_TRANSPOSE_CODES_AB = ("mxfp8_linear-shapes-20261206-113010.json", "mxfp8_linear-shapes-20261206-113033.json")
+MX_TRANSPOSE_CODES_AB = {
+    "mxfp8_linear-shapes-20261206-113010.json": "bytes transposed",
+    "mxfp8_linear-shapes-20261206-113033.json": "int32 codes, 1x128 copies",
+    "mxfp8_linear-shapes-20261206-120904.json": "int32 codes, 1x128 and 128x128 copies",
+}
+"""The dual quantize's transposed copies: at 04a05f6 (bytes), with GEMCOMPILE_FP8_TRANSPOSE_CODES=1 (one lease),
+and at 71e3343 with the 128x128 weight copy on the codes path too (a later lease)."""
 
 
 @block("mx-transpose-codes-ab")
 def mx_transpose_codes_ab() -> str:
     """The dual quantize's transposed copy, bytes transposed against int32 codes transposed (the default since
-    2026-12-06): the same shapes, one lease, each file's GEMCOMPILE_FP8_TRANSPOSE_CODES from its environment."""
+    2026-12-06)."""
     rows, items = [], []
-    for name in MX_TRANSPOSE_CODES_AB:
+    for name, how in MX_TRANSPOSE_CODES_AB.items():
         path, payload = load(name)
         items.append((path, payload))
-        flag = (payload["environment"].get("gemcompile_env") or {}).get("GEMCOMPILE_FP8_TRANSPOSE_CODES")
-        how = "int32 codes transposed" if flag == "1" else "bytes transposed"
         for s in payload["shapes"]:
             if s.get("skipped"):
                 continue
             sp, q = s.get("speedup", {}), s.get("quantize", {})
-            dual = q.get("dY 1x128 dual", {})
+            dual, w = q.get("dY 1x128 dual", {}), q.get("W 128x128 dual (W8 + W8^T)", {})
             rows.append([f"{s['M']} x {s['K']} x {s['N']}", how, f"{f(sp.get('fp8_fwd'))} / {f(sp.get('fp8_bwd'))}",
                          f"{f(sp.get('fp8_gemm_fwd'))} / {f(sp.get('fp8_gemm_bwd'))}",
-                         f"{f(dual.get('ms'), '.3f')} ({f(dual.get('GB/s'), '.0f')} GB/s)"])
+                         f"{f(dual.get('ms'), '.3f')} ({f(dual.get('GB/s'), '.0f')} GB/s)",
+                         f"{f(w.get('ms'), '.3f')} ({f(w.get('GB/s'), '.0f')} GB/s)"])
     lines = [f"{items[0][1].get('timing')}; ratios bf16 time / FP8 time; `python benchmarks/mxfp8_linear.py --shapes "
              f"32768x4096x4096,65536x4096x4096,32768x8192x8192,65536x4096x8192` at 04a05f6, where the byte "
-             f"transpose was the default, then with `GEMCOMPILE_FP8_TRANSPOSE_CODES=1`, one lease. "
+             f"transpose was the default, then with `GEMCOMPILE_FP8_TRANSPOSE_CODES=1` in the same lease; the last "
+             f"file is a later lease (two of the shapes) after the 128x128 weight copy took the codes path too. "
              f"Sources: {source_line(*items)}", ""]
-    lines += table(["M x K x N", "transposed copy", "fused pipeline x fwd / x bwd", "GEMM alone x fwd / x bwd",
-                    "dY 1x128 dual quantize ms"], rows)
+    lines += table(["M x K x N", "transposed copies", "fused pipeline x fwd / x bwd", "GEMM alone x fwd / x bwd",
+                    "dY 1x128 dual quantize ms", "W 128x128 dual quantize ms"], rows)
     return "\n".join(lines)
 
 

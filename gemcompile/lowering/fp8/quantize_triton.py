@@ -200,9 +200,9 @@ _BLOCK_CONFIGS = (
     else [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _BLOCK_SHAPES + _TRANSPOSED_CODES_SHAPES]
 )
 TRANSPOSE_CODES = os.environ.get("GEMCOMPILE_FP8_TRANSPOSE_CODES", "1") != "0"
-"""The transposed 1x128 copy transposes the int32 E4M3 codes through shared memory before the cast to bytes (a
-byte-wise transpose held the dual copy at ~680 GB/s). On an H100 (2026-12-06) it wrote the CPU reference's bytes
-(tests/gpu/test_mx_quantize_gpu.py) and took the dual copy from ~610-680 to ~900-930 GB/s
+"""The transposed copies (1x128 and 128x128) transpose the int32 E4M3 codes through shared memory before the cast
+to bytes (a byte-wise transpose held the dual copies at ~620-680 GB/s). On an H100 (2026-12-06) they wrote the CPU
+reference's bytes (tests/gpu/test_mx_quantize_gpu.py) and ran the dual copies at ~900-1130 GB/s
 (benchmarks/README.md, `mx-transpose-codes-ab`). `GEMCOMPILE_FP8_TRANSPOSE_CODES=0` keeps the byte transpose."""
 
 
