@@ -60,8 +60,15 @@ def _bool_mask_fill(node: fx.Node) -> bool:
 
 
 def _fresh(node) -> bool:
-    return (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
-            and target_name(node) in _FRESH and isinstance(example_value(node), torch.Tensor))
+    """A new tensor no one else can see: an op that returns one, or a reshape or view whose base is such a
+    tensor read by nothing else (d2l writes ``x = s.reshape(-1, L); x[~mask] = v``: s is seen only through x)."""
+    if not (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
+            and isinstance(example_value(node), torch.Tensor)):
+        return False
+    if target_name(node) in ("reshape", "view") and node.args and isinstance(node.args[0], fx.Node):
+        base = node.args[0]
+        return len(base.users) == 1 and _fresh(base)
+    return target_name(node) in _FRESH
 
 
 def _same_layout(before: torch.Tensor, after) -> bool:
