@@ -55,23 +55,31 @@ class InPlaceScores(nn.Module):
         elif self.spelling == "bool_index_rows":  # a boolean index over the leading dims: whole query rows
             s = (s / math.sqrt(D)).masked_fill(pad, -1e6)  # (not a masked_fill of s: kept as written)
             s[(ids == 0)[:, None, :].expand(B, H, L)] = -1e6
-        elif self.spelling == "rows_flattened":  # d2l's masked_softmax: the scores as (B*H*L, L) rows and back
+        elif self.spelling == "rows_flattened":  # the scores as (B*H*L, L) rows and back (passes/attention/
+            # row_flattened.py), the mask built in the scores' shape and flattened with them
             shape = s.shape
             flat = (s / math.sqrt(D)).reshape(-1, shape[-1])
             valid = (ids != 0)[:, None, None, :].expand(B, H, L, L).reshape(-1, shape[-1])
             s = flat.masked_fill(~valid, -1e6).reshape(shape)
+        elif self.spelling == "rows_to_merged_heads":  # rows shaped back to (B*H, L, L): not the scores' shape
+            flat = (s / math.sqrt(D)).reshape(-1, L)
+            valid = (ids != 0)[:, None, None, :].expand(B, H, L, L).reshape(-1, L)
+            s = flat.masked_fill(~valid, -1e6).reshape(B * H, L, L)
         if self.spelling == "float_softmax_type_as":
             s = s * D**-0.5 + torch.zeros(B, 1, 1, L).masked_fill(pad, torch.finfo(s.dtype).min)
             p = torch.softmax(s.float(), dim=-1).type_as(s)
         else:
             p = torch.softmax(s, dim=-1)
+        if self.spelling == "rows_to_merged_heads":
+            p = p.view(B, H, L, L)
         out = (p @ v).transpose(1, 2).reshape(B, L, E)
         return out if extra is None else (out, extra)
 
 
-REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as", "bool_index_fill"]
-KEPT = ["read_before", "view", "promoting", "bool_index_rows", "rows_flattened"]
-REFUSED_WITH = {"rows_flattened": "`reshape`"}
+REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as", "bool_index_fill",
+             "rows_flattened"]
+KEPT = ["read_before", "view", "promoting", "bool_index_rows", "rows_to_merged_heads"]
+REFUSED_WITH = {"rows_to_merged_heads": "`reshape`"}
 """Kept spellings explain names: a reshape of the scores that is not a heads view says so (it said nothing)."""
 
 

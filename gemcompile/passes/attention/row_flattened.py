@@ -32,6 +32,17 @@ def _same_shape(a, b) -> bool:
             and all(known(x == y) for x, y in zip(a.shape, b.shape)))
 
 
+def _unflattened(emit: Emitter, mask: fx.Node, s) -> fx.Node | None:
+    """The mask in the scores' shape when it was built there and flattened with them (``m.reshape(-1, Lk)``,
+    or its negation): that tensor itself, which the mask prover reads without undoing a merge of dims."""
+    negated = target_name(mask) in ("invert", "__invert__", "logical_not", "bitwise_not") and mask.args
+    inner = mask.args[0] if negated else mask
+    source = _reshape_of(inner)
+    if source is None or not _same_shape(example_value(source), s):
+        return None
+    return emit.call(torch.logical_not, (source,)) if negated else source
+
+
 def fold_row_flattened_masks(graph: fx.Graph) -> int:
     """Rewrite each ``reshape(masked_fill(reshape(s, (M, Lk)), m, v), s.shape)`` as ``masked_fill(s,
     m.reshape(s.shape), v)``; returns how many. Each intermediate must have that one reader, and the mask the
@@ -55,7 +66,9 @@ def fold_row_flattened_masks(graph: fx.Graph) -> int:
         emit = Emitter(graph)
         with graph.inserting_before(back):
             try:
-                shaped = emit.method("reshape_as", (mask, scores))
+                shaped = _unflattened(emit, mask, s)
+                if shaped is None:
+                    shaped = emit.method("reshape_as", (mask, scores))
                 new = emit.method("masked_fill", (scores, shaped, value))
             except Exception:  # noqa: BLE001 (the fake mode cannot run it: keep the graph as written)
                 emit.rollback()
