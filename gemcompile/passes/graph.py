@@ -206,8 +206,8 @@ recognize a triangle, which the rewrite then checks on the device at every call.
 
 
 def mark_buffer_values(graph: fx.Graph, example_inputs) -> None:
-    """Attach the compile-time value of each small 2-D registered buffer, and of each square float input (an
-    additive causal mask passed in), to its placeholder. Integer and bool inputs stay data: their values
+    """Attach the compile-time value of each small 2-D registered buffer (or 2-D behind size-1 dims), and of each
+    square float input (an additive causal mask passed in), to its placeholder. Integer and bool inputs stay data: their values
     change from batch to batch, and the data path is exact for any of them."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
@@ -215,9 +215,9 @@ def mark_buffer_values(graph: fx.Graph, example_inputs) -> None:
     for node, value in zip(placeholders, example_inputs):
         if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.requires_grad:
             continue
-        if value.dim() != 2 or value.numel() > 1 << 24:
-            continue
+        if value.dim() < 2 or any(n != 1 for n in value.shape[:-2]) or value.numel() > 1 << 24:
+            continue  # 2-D, or 2-D behind size-1 dims (GPT-2's and nanoGPT's (1, 1, n, n) causal buffer)
         source = getattr(node.meta.get("grapharg"), "source", None)
         buffer = source is not None and "._buffers[" in source.name
-        if buffer or (value.is_floating_point() and value.shape[0] == value.shape[1]):
+        if buffer or (value.is_floating_point() and value.shape[-2] == value.shape[-1]):
             node.meta[BUFFER_VALUE] = value

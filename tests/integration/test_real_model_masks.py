@@ -378,3 +378,39 @@ def test_hstu_upstream_form_compiles_once_over_twenty_batches():
         torch.testing.assert_close(compiled(x, offsets, targets), model(x, offsets, targets), atol=2e-5, rtol=1e-4)
     assert len(compiles) == 1
     assert counters["gemcompile"]["gdpa"] == 1
+
+
+class NanoGptAttention(torch.nn.Module):
+    """nanoGPT's / GPT-2's causal self-attention: the triangle registered as tril(ones(n, n)).view(1, 1, n, n) and
+    sliced [:, :, :T, :T], filled where it is 0; a key padding mask from the ids besides."""
+
+    def __init__(self, n_max: int = 16):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(E, 3 * E)
+        self.register_buffer("bias", torch.tril(torch.ones(n_max, n_max)).view(1, 1, n_max, n_max))
+
+    def forward(self, x, ids):
+        b, t, c = x.size()
+        q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = att.masked_fill((ids == 0)[:, None, None, :], float("-inf"))
+        return (torch.softmax(att, dim=-1) @ v).transpose(1, 2).contiguous().view(b, t, c)
+
+
+def test_a_causal_buffer_registered_four_dimensional_is_read_as_the_triangle():
+    """The (1, 1, n, n) buffer is the triangle (it was read as data and refused), checked at every call."""
+    torch.manual_seed(0)
+    model = NanoGptAttention()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, L, E, generator=g)
+    ids = torch.randint(1, 9, (B, L), generator=g) * (torch.arange(L)[None, :] < torch.tensor([L, 1, 5, 9])[:, None])
+    report = explain(model, x, ids)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    assert "causal" in report.rewrites[0].detail
+    compiled = gem_compile(model)
+    valid = (ids != 0)[..., None]  # rows with a valid key (right padding: every valid query row)
+    torch.testing.assert_close(compiled(x, ids) * valid, model(x, ids) * valid, atol=2e-5, rtol=1e-4)
+    model.bias.fill_(1.0)  # no longer the triangle the proof read
+    with pytest.raises(Exception, match="no longer holds the triangle"):
+        compiled(x, ids)

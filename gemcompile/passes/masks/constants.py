@@ -33,7 +33,10 @@ class Triangle:
 
 
 def find_triangle(value: torch.Tensor) -> Triangle | None:
-    """The Triangle ``value`` (2-D) is, if it is one (two distinct values; one value: no mask to read)."""
+    """The Triangle ``value`` (2-D, or with leading size-1 dims: GPT-2's and nanoGPT's ``tril(ones(n, n)).view(1,
+    1, n, n)``) is, if it is one (two distinct values; one value: no mask to read)."""
+    while value.dim() > 2 and value.shape[0] == 1:
+        value = value[0]
     if value.dim() != 2 or value.numel() == 0 or value.is_complex():
         return None
     x = value.detach().cpu()
@@ -57,8 +60,9 @@ def find_triangle(value: torch.Tensor) -> Triangle | None:
 
 
 def emit_triangle_check(emit: Emitter, node: fx.Node, triangle: Triangle, value: torch.Tensor) -> None:
-    """A device-side assert that the buffer still holds ``triangle`` (no host sync)."""
-    n, m = value.shape
+    """A device-side assert that the buffer still holds ``triangle`` (no host sync); leading size-1 dims
+    broadcast."""
+    n, m = value.shape[-2:]
     device = node.meta.get("example_value", value).device
     rows = emit.call(torch.reshape, (emit.call(torch.arange, (n,), {"device": device}), (-1, 1)))
     cols = emit.call(torch.reshape, (emit.call(torch.arange, (m,), {"device": device}), (1, -1)))

@@ -234,9 +234,11 @@ class MaskEvaluator:
                 self.checks.append(functools.partial(emit_triangle_check, node=node, triangle=triangle, value=buffer))
                 inside = self.atoms.compare("le" if triangle.lower else "ge", index_symbol(0) - index_symbol(1),
                                             triangle.k)
+                ndim = buffer.dim()  # right-aligned indices: leading size-1 dims are read at index 0
                 if value.dtype == torch.bool:
-                    return BoolTensor(2, inside if triangle.inside else sympy.Not(inside))
-                return piecewise(2, [(float(triangle.inside), inside), (float(triangle.outside), sympy.Not(inside))])
+                    return BoolTensor(ndim, inside if triangle.inside else sympy.Not(inside))
+                return piecewise(ndim, [(float(triangle.inside), inside),
+                                        (float(triangle.outside), sympy.Not(inside))])
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
