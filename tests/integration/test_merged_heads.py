@@ -1,5 +1,6 @@
 """Attention on batch and heads merged, (B * H, L, D), around torch.bmm, as fairseq's, DeBERTa's and
-Bloom's attention and single-head self-attention pooling write it: the scores viewed as (B, H, Lq, Lk) to
+Bloom's attention, single-head self-attention pooling and SASRec's TensorFlow original (heads concatenated
+into the batch, query rows masked on the weights) write it: the scores viewed as (B, H, Lq, Lk) to
 be masked (and back), a relative bias computed in the merged frame, k scaled inside the product, ALiBi's
 bias added by baddbmm. Each:
 rewritten to the jagged kernel (q, k, v viewed per head), compiled == eager on outputs and every gradient;
@@ -107,6 +108,25 @@ class AlibiStyle(nn.Module):
         return o.view(b, H, L, D).transpose(1, 2).reshape(b, L, E)
 
 
+class SasrecTfStyle(nn.Module):
+    """SASRec's TensorFlow original and its PyTorch ports (gSASRec): heads concatenated into the batch
+    (cat(chunk(H, dim=2), dim=0), head-major), the key mask tiled over them, the NaN of empty rows zeroed,
+    then the query rows masked on the weights (w * query_mask), before the bmm with v."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(E, E) for _ in range(3))
+
+    def forward(self, x, attention_mask):
+        keep = attention_mask.float()  # (B, L)
+        q, k, v = (torch.cat(f(x).chunk(H, dim=2), dim=0) for f in (self.q, self.k, self.v))  # (H * B, L, D)
+        s = torch.bmm(q, k.transpose(1, 2)) / D ** 0.5
+        s = s.masked_fill(keep.repeat(H, 1).unsqueeze(1) == 0, float("-inf"))
+        w = torch.nan_to_num(torch.softmax(s, dim=-1))
+        w = w * keep.repeat(H, 1).unsqueeze(-1)  # query masking
+        return torch.cat(torch.bmm(w, v).chunk(H, dim=0), dim=2)
+
+
 def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slice(None)):
     g = torch.Generator().manual_seed(seed)
     keep = (torch.arange(L)[None, :] < LENGTHS[samples, None]).to(device)
@@ -116,7 +136,8 @@ def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slic
     return (x, ~keep) if name == "fairseq" else (x, keep.long())
 
 
-MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead, "alibi": AlibiStyle}
+MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead, "alibi": AlibiStyle,
+          "sasrec_tf": SasrecTfStyle}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

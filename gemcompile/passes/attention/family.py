@@ -56,10 +56,13 @@ class AttentionFamily(GemPass):
         with emit.graph.inserting_before(site.output):
             q, k, v = operands(emit, site)
             out, detail = self.emit(emit, site, mask, q, k, v)
-            out = _rows_as_the_weights_were(emit, out, site.row_ops)
+            if not site.pv_merged:
+                out = _rows_as_the_weights_were(emit, out, site.row_ops)
             out = permuted(emit, out, site.out_perm)
             if site.pv_merged:  # (B, H, Lq, D) -> (B * H, Lq, D), as the model's bmm gave it
                 out = emit.call(torch.reshape, (out, (-1, size_of(emit, out, 2), size_of(emit, out, 3))))
+                # the weights were (N, Lq, Lk) (one head a batch row: match.py), so are their row factors
+                out = _rows_as_the_weights_were(emit, out, site.row_ops)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         return before, detail

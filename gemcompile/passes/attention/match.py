@@ -229,7 +229,7 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     ops = _merged_heads(info, ops, views, qk=example_value(info["q"]).dim() == 3,
                         pv=example_value(info["v"]).dim() == 3)
     scale, bias, masks = replay(ops)
-    if row_ops and (views or info.get("heads")):
+    if row_ops and (views or info.get("heads", 1) != 1):
         raise Unproven("the attention weights' rows are scaled with batch and heads merged")
     check_post_masks(post_masks, masks)
     return _site(softmax, user, info, matched + [user], scale=scale, bias=bias, masks=masks,

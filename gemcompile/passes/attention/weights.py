@@ -25,13 +25,15 @@ _NOT = ("invert", "__invert__", "logical_not", "bitwise_not")
 
 def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
     """("mul", r), ("masked_fill", cond) or ("where", cond) when ``user`` scales or zeroes whole query rows of
-    the (B, H, Lq, Lk) weights ``p``: a tensor whose last dim is 1 (constant along the keys), 0 as the
+    the (B, H, Lq, Lk) weights ``p`` (or (N, Lq, Lk): batch and heads merged, as SASRec's TensorFlow original
+    and its ports write ``w * query_mask``): a tensor whose last dim is 1 (constant along the keys), 0 as the
     fill."""
     def per_row(x) -> bool:
         value = example_value(x) if isinstance(x, fx.Node) else None
-        return isinstance(value, torch.Tensor) and 0 < value.dim() <= 4 and value.shape[-1] == 1
+        return isinstance(value, torch.Tensor) and 0 < value.dim() <= weights.dim() and value.shape[-1] == 1
 
-    if example_value(p).dim() != 4 or not user.args:
+    weights = example_value(p)
+    if weights.dim() not in (3, 4) or not user.args:
         return None
     if is_call(user, *MUL) and len(user.args) == 2:
         other = user.args[1] if user.args[0] is p else user.args[0]
