@@ -93,3 +93,21 @@ def test_a_sequence_with_no_valid_key_matches_eager():
     x = torch.randn(B, L, H * D)
     lengths = torch.tensor([L, 0, 4, 6])
     torch.testing.assert_close(rewritten(model)(x, lengths), model(x, lengths), atol=2e-5, rtol=1e-4)
+
+
+def test_dynamic_shapes_fold_and_prove_the_same():
+    """Under dynamic shapes the scores' shape is read (``shape = X.shape``) and the repeats are a size node:
+    still rewritten, once for every padded length, with eager's outputs."""
+    from torch._dynamo.utils import counters
+
+    from gemcompile import gem_compile
+
+    torch.manual_seed(0)
+    model = D2lAttention("d2l")
+    compiled = gem_compile(model, dynamic=True)
+    counters.clear()
+    for n in (9, 12, 7):
+        x = torch.randn(B, n, H * D)
+        lengths = torch.tensor([n, 1, 4, 6])
+        torch.testing.assert_close(compiled(x, lengths), model(x, lengths), atol=2e-5, rtol=1e-4)
+    assert counters["gemcompile"]["jagged_attention"] == 1 and not counters["gemcompile"]["jagged_attention_refused"]

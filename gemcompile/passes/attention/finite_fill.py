@@ -141,7 +141,7 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
                    "(fill with -inf, use a bool mask or add one mask)")
         emit.call(torch._assert_async, (none_empty, message))
         return q, k, kv_len, kv_mask, None, None, bias
-    keys = example_value(k).shape[2]
+    keys = size_of(emit, k, 2)  # a size node under dynamic shapes (a raw SymInt argument warns in FX)
     if kv_len is not None:
         kv_len = emit.call(torch.where, (empty, keys, kv_len))
     if kv_mask is not None:

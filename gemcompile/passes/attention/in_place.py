@@ -66,8 +66,8 @@ def _fresh(node) -> bool:
             and isinstance(example_value(node), torch.Tensor)):
         return False
     if target_name(node) in ("reshape", "view") and node.args and isinstance(node.args[0], fx.Node):
-        base = node.args[0]
-        return len(base.users) == 1 and _fresh(base)
+        base = node.args[0]  # (reads of its shape alone, ``shape = s.shape`` under dynamic shapes, see nothing)
+        return [u for u in base.users if not reads_shape_only(u, base)] == [node] and _fresh(base)
     return target_name(node) in _FRESH
 
 

@@ -50,13 +50,13 @@ def fold_row_flattened_masks(graph: fx.Graph) -> int:
     count = 0
     for back in list(graph.nodes):
         filled = _reshape_of(back)
-        if filled is None or target_name(filled) != "masked_fill" or len(filled.users) != 1 or filled.kwargs:
+        if filled is None or target_name(filled) != "masked_fill" or list(filled.users) != [back] or filled.kwargs:
             continue
         if len(filled.args) != 3 or not isinstance(filled.args[1], fx.Node):
             continue
         flat, mask, value = filled.args
         scores = _reshape_of(flat)
-        if scores is None or len(flat.users) != 1:
+        if scores is None or list(flat.users) != [filled]:
             continue
         s, f, m, out = (example_value(n) for n in (scores, flat, mask, back))
         if not (isinstance(s, torch.Tensor) and isinstance(f, torch.Tensor) and s.dim() >= 3 and f.dim() == 2):

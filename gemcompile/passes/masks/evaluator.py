@@ -471,11 +471,11 @@ class MaskEvaluator:
         value = self._subs(src, tmp)
         back, repeated = {}, {}
         for a, group in groups:
-            old, stride, expr = tmp[index_symbol(n_in - 1 - a)], 1, 0
-            for b in reversed(group):
+            old, stride, expr = tmp[index_symbol(n_in - 1 - a)], sympy.Integer(1), sympy.Integer(0)
+            for b in reversed(group):  # sizes as sympy expressions: symbolic under dynamic shapes
                 expr = expr + index_symbol(n_out - 1 - b) * stride
-                stride = stride * out_shape[b]
-            back[old] = sympy.sympify(expr) if not isinstance(expr, int) else sympy.Integer(expr)
+                stride = stride * self._scalar(out_shape[b])
+            back[old] = expr
             if len(group) == 2:
                 repeated.update(self._repeated_lengths(old, out_shape[group[1]], index_symbol(n_out - 1 - group[0])))
         value = self._subs(value, repeated)
@@ -491,7 +491,7 @@ class MaskEvaluator:
         for fname, node in list(self.leaves.items()):
             if target_name(node) != "repeat_interleave" or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
                 continue
-            x, repeats = node.args[0], node.args[1]
+            x, repeats = node.args[0], example_value(node.args[1])  # a size node under dynamic shapes
             dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
             x_value = example_value(x)
             if dim not in (None, 0) or not isinstance(x_value, torch.Tensor) or x_value.dim() != 1:
