@@ -13,10 +13,12 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
 from gemcompile.passes.graph import Emitter
+from gemcompile.passes.masks.values import Abstract, Atoms, BoolTensor, index_symbol, piecewise
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,15 @@ def find_triangle(value: torch.Tensor) -> Triangle | None:
         if torch.equal(hit, d >= upper_k):
             return Triangle(False, upper_k, inside, outside)
     return None
+
+
+def triangle_value(atoms: Atoms, triangle: Triangle, ndim: int, dtype: torch.dtype) -> Abstract:
+    """The triangle as an abstract tensor of ``ndim`` dims (right-aligned indices: leading size-1 dims of a
+    (1, 1, n, n) buffer are read at index 0)."""
+    inside = atoms.compare("le" if triangle.lower else "ge", index_symbol(0) - index_symbol(1), triangle.k)
+    if dtype == torch.bool:
+        return BoolTensor(ndim, inside if triangle.inside else sympy.Not(inside))
+    return piecewise(ndim, [(float(triangle.inside), inside), (float(triangle.outside), sympy.Not(inside))])
 
 
 def emit_triangle_check(emit: Emitter, node: fx.Node, triangle: Triangle, value: torch.Tensor) -> None:

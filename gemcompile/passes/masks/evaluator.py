@@ -33,8 +33,9 @@ from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.broadcast_dims import constant_dims
-from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
+from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
 from gemcompile.passes.masks.mutation import check_not_updated
+from gemcompile.passes.masks.split_reshape import split_reshape
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
     Atoms,
@@ -232,13 +233,7 @@ class MaskEvaluator:
             triangle = find_triangle(buffer) if buffer is not None else None
             if triangle is not None:  # a registered causal buffer: its formula, checked at every call
                 self.checks.append(functools.partial(emit_triangle_check, node=node, triangle=triangle, value=buffer))
-                inside = self.atoms.compare("le" if triangle.lower else "ge", index_symbol(0) - index_symbol(1),
-                                            triangle.k)
-                ndim = buffer.dim()  # right-aligned indices: leading size-1 dims are read at index 0
-                if value.dtype == torch.bool:
-                    return BoolTensor(ndim, inside if triangle.inside else sympy.Not(inside))
-                return piecewise(ndim, [(float(triangle.inside), inside),
-                                        (float(triangle.outside), sympy.Not(inside))])
+                return triangle_value(self.atoms, triangle, buffer.dim(), value.dtype)
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
@@ -433,12 +428,11 @@ class MaskEvaluator:
             # expand keeps dims right-aligned; new size>1 dims come from size-1 dims whose index is 0
             return type(src)(len(out_shape), *[getattr(src, f) for f in ("expr", "pred", "pieces")
                                                if hasattr(src, f)])
-        if len(in_dims) < len(out_dims):
-            split = self._split(src, in_shape, out_shape, in_dims, out_dims)
-            if split is not None:
-                return split
-        if len(in_dims) != len(out_dims):
-            raise Unproven(f"{name} merges or splits mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
+        if len(in_dims) != len(out_dims):  # a split of dims (d2l's rows shaped back) is modeled, a merge not
+            split = split_reshape(self, src, in_shape, out_shape, in_dims, out_dims)
+            if split is None:
+                raise Unproven(f"{name} merges or splits mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
+            return split
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
         for a, b in zip(in_dims, out_dims):
@@ -446,62 +440,6 @@ class MaskEvaluator:
                 raise Unproven(f"{name} reshapes mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
         mapping = {len(in_shape) - 1 - a: len(out_shape) - 1 - b for a, b in zip(in_dims, out_dims)}
         return self.relabel(src, mapping, len(out_shape))
-
-    def _split(self, src: Abstract, in_shape, out_shape, in_dims, out_dims) -> Abstract | None:
-        """A reshape that splits mask dims into consecutive ones (d2l's (B * H * Lq, Lk) rows shaped back to
-        (B * H, Lq, Lk)): the old index is sum(new index * stride) over its group. A per-row length read
-        through ``repeat_interleave(x, R)`` along a split dim whose inner part has R rows is x read at the
-        outer index (each run of R rows holds one value of x). None when the dims do not group that way."""
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
-        groups, j = [], 0
-        for a in in_dims:
-            group, size = [], 1
-            while j < len(out_dims) and not known(size == in_shape[a]):
-                group.append(out_dims[j])
-                size = size * out_shape[out_dims[j]]
-                j += 1
-            if not group or not known(size == in_shape[a]):
-                return None
-            groups.append((a, group))
-        if j != len(out_dims):
-            return None
-        n_in, n_out = len(in_shape), len(out_shape)
-        tmp = {index_symbol(n_in - 1 - a): sympy.Symbol(f"_t{n_in - 1 - a}", integer=True) for a, _ in groups}
-        value = self._subs(src, tmp)
-        back, repeated = {}, {}
-        for a, group in groups:
-            old, stride, expr = tmp[index_symbol(n_in - 1 - a)], sympy.Integer(1), sympy.Integer(0)
-            for b in reversed(group):  # sizes as sympy expressions: symbolic under dynamic shapes
-                expr = expr + index_symbol(n_out - 1 - b) * stride
-                stride = stride * self._scalar(out_shape[b])
-            back[old] = expr
-            if len(group) == 2:
-                repeated.update(self._repeated_lengths(old, out_shape[group[1]], index_symbol(n_out - 1 - group[0])))
-        value = self._subs(value, repeated)
-        value = self._subs(value, back)
-        return type(value)(n_out, *[getattr(value, f) for f in ("expr", "pred", "pieces") if hasattr(value, f)])
-
-    def _repeated_lengths(self, old: sympy.Symbol, inner, outer: sympy.Symbol) -> dict:
-        """{len_r(old): x's value at ``outer``} for each lengths leaf r = repeat_interleave(x, R) along dim 0
-        of a 1-D x with R equal to the split's inner size: rows outer * R .. outer * R + R - 1 all read x[outer]."""
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
-        found = {}
-        for fname, node in list(self.leaves.items()):
-            if target_name(node) != "repeat_interleave" or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
-                continue
-            x, repeats = node.args[0], example_value(node.args[1])  # a size node under dynamic shapes
-            dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
-            x_value = example_value(x)
-            if dim not in (None, 0) or not isinstance(x_value, torch.Tensor) or x_value.dim() != 1:
-                continue
-            if not isinstance(repeats, (int, torch.SymInt)) or not known(repeats == inner):
-                continue
-            source = self.tensor(x)
-            if isinstance(source, IntTensor):
-                found[sympy.Function(fname)(old)] = source.expr.subs(index_symbol(0), outer)
-        return found
 
     def _repeat(self, node: fx.Node, src: Abstract) -> Abstract:
         """repeat/tile that only copies size-1 dims (and adds leading dims) is an expand: value[..] = src[0..]."""
