@@ -207,8 +207,8 @@ recognize a triangle, which the rewrite then checks on the device at every call.
 
 def mark_buffer_values(graph: fx.Graph, example_inputs) -> None:
     """Attach the compile-time value of each small 2-D registered buffer (or 2-D behind size-1 dims), and of each
-    square float input (an additive causal mask passed in), to its placeholder. Integer and bool inputs stay data: their values
-    change from batch to batch, and the data path is exact for any of them."""
+    square float input (an additive causal mask passed in), to its placeholder. Integer and bool inputs stay
+    data: their values change from batch to batch, and the data path is exact for any of them."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return

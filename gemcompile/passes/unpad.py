@@ -97,9 +97,9 @@ class Region:
     rules: dict[fx.Node, TokenWise]
     stays_padded: dict[fx.Node, str] = field(default_factory=dict)
     """Each node dropped from the region because an exit of it would read its padded rows: why (its root's)."""
-    cascade: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
-    """Per such root, the nodes dropped after it only because a dropped node reads them (explain names the root
-    once, with a count, instead of a line per tensor up the chain)."""
+    root_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    """Each dropped node's root: itself when something outside reads its padded rows, else the root of the
+    dropped node that reads it (explain names each root once, with a count, not a line per tensor up a chain)."""
 
 
 def _attention_name(node: fx.Node) -> str | None:
@@ -326,15 +326,14 @@ class UnpadPass(GemPass):
                 return
             node, user = unsafe
             note = analysis.other_mask(user, node)
-            root = next((r for r, followers in region.cascade.items() if user is r or user in followers), None)
-            if root is not None and not note:  # read by a node dropped before: part of that one's chain
-                region.cascade[root].append(node)
+            if user in region.root_of and not note:  # read by a node dropped before: part of its chain
+                region.root_of[node] = region.root_of[user]
             else:
                 region.stays_padded[node] = (
                     f"{node.name} stays padded: its padded rows are not provably zero and {user.name} "
                     f"({target_name(user) if user.op != 'output' else 'the graph output'}) reads them{note}"
                 )
-                region.cascade[node] = []
+                region.root_of[node] = node
             region.nodes = [n for n in region.nodes if n is not node]
 
     @staticmethod
@@ -361,7 +360,7 @@ class UnpadPass(GemPass):
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for root, reason in region.stays_padded.items():
-                followers = region.cascade.get(root, [])
+                followers = [n for n, r in region.root_of.items() if r is root and n is not root]
                 if followers:
                     names = ", ".join(n.name for n in followers[:4]) + (", ..." if len(followers) > 4 else "")
                     reason += f"; so do {len(followers)} value(s) it is computed from ({names})"

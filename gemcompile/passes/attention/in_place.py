@@ -1,8 +1,9 @@
 """In-place updates of fresh tensors, rewritten as the out-of-place ops they equal.
 
 Models write the score chain in place too: ``s /= math.sqrt(d)``, ``s += mask``, ``s.masked_fill_(pad,
--inf)``, ``s[~mask] = -1e6`` (d2l's masked_softmax: a boolean index of s's own shape is a masked_fill). Dynamo records the operator forms as ``operator.itruediv(s, c)`` whose result later code reads, and
-the method forms as a call whose result nobody reads while the softmax reads ``s`` itself, mutated. The
+-inf)``, ``s[~mask] = -1e6`` (d2l's masked_softmax: a boolean index of s's own shape is a masked_fill).
+Dynamo records the operator forms as ``operator.itruediv(s, c)`` whose result later code reads, and the
+method forms as a call whose result nobody reads while the softmax reads ``s`` itself, mutated. The
 matchers walk values back from the softmax (attention/scores.py), so they missed such a chain without a
 word in explain.
 
@@ -28,8 +29,8 @@ from gemcompile.passes.graph import Emitter, example_value, target_name
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
               operator.imul: operator.mul}
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
-_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__",
-          "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
+_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
+          "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
           "new_ones", "new_full")
 """Ops whose result is a new tensor (no alias of an input)."""

@@ -14,14 +14,13 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
+from gemcompile.passes.attention.scores import NEGATIONS, RESHAPES
 from gemcompile.passes.graph import Emitter, example_value, target_name
-
-_RESHAPES = ("reshape", "view")
 
 
 def _reshape_of(node) -> fx.Node | None:
     """The input of ``node`` when it is a reshape / view call, else None."""
-    if isinstance(node, fx.Node) and target_name(node) in _RESHAPES and node.args and isinstance(node.args[0],
+    if isinstance(node, fx.Node) and target_name(node) in RESHAPES and node.args and isinstance(node.args[0],
                                                                                                  fx.Node):
         return node.args[0]
     return None
@@ -35,7 +34,7 @@ def _same_shape(a, b) -> bool:
 def _unflattened(emit: Emitter, mask: fx.Node, s) -> fx.Node | None:
     """The mask in the scores' shape when it was built there and flattened with them (``m.reshape(-1, Lk)``,
     or its negation): that tensor itself, which the mask prover reads without undoing a merge of dims."""
-    negated = target_name(mask) in ("invert", "__invert__", "logical_not", "bitwise_not") and mask.args
+    negated = target_name(mask) in NEGATIONS and mask.args
     inner = mask.args[0] if negated else mask
     source = _reshape_of(inner)
     if source is None or not _same_shape(example_value(source), s):

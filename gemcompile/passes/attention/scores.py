@@ -21,6 +21,7 @@ MATMUL = ("matmul", "__matmul__", "bmm")
 PRODUCTS = (*MATMUL, "einsum", "baddbmm")
 """What q @ k^T may be spelled with (leads_to_matmul)."""
 RESHAPES = ("view", "reshape")
+NEGATIONS = ("invert", "__invert__", "logical_not", "bitwise_not")
 CASTS = ("to", "float", "half", "bfloat16", "double", "type_as", "type", "contiguous", "clone")
 SCALE_OPS = {"mul": operator.mul, "__mul__": operator.mul, "__rmul__": operator.mul,
              "truediv": operator.truediv, "div": operator.truediv, "__truediv__": operator.truediv}

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.attention.scores import MUL, constant_float, is_call
+from gemcompile.passes.attention.scores import MUL, NEGATIONS, constant_float, is_call
 from gemcompile.passes.graph import Unproven, example_value
 
-_NOT = ("invert", "__invert__", "logical_not", "bitwise_not")
 
 
 def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
@@ -70,7 +69,7 @@ def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
 def same_mask(a: tuple[bool, fx.Node], b: tuple[bool, fx.Node]) -> bool:
     """Whether two (keeps, cond) masks are one: the same expression once the negations are peeled."""
     def peeled(keeps: bool, node):
-        while isinstance(node, fx.Node) and is_call(node, *_NOT) and node.args:
+        while isinstance(node, fx.Node) and is_call(node, *NEGATIONS) and node.args:
             keeps, node = not keeps, node.args[0]
         return keeps, node
 
