@@ -85,6 +85,9 @@ class ExplainReport:
         if not self.passes:
             summary.add_row("(no passes in the pipeline)", "", "", "", "")
         yield summary
+        if not self.graphs:
+            yield Text("Dynamo captured no graph, so no pass ran: the call ran no tensor operation Dynamo traces "
+                       "(or Dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
         plan = self.parallel_plan  # the sharding pass's plan: a table, not one panel per parameter
         if plan is not None:
             from gemcompile.passes.sharding import plan_tables
@@ -196,6 +199,26 @@ def _eager_backward_compile():
     return contextlib.nullcontext()
 
 
+def _first_capture():
+    """explain reports what a first compile of the model does. Dynamo keeps its cache and its record of seen
+    values per code object, across torch.compile calls: the ninth explain of one class hit the recompile
+    limit and fell back to eager (an empty report), and an attribute whose value differed from an earlier
+    call's became a graph input (automatic dynamic) that no first compile would have. So explain captures
+    with static recompiles and room past the limit."""
+    import torch._dynamo.config as dynamo_config
+
+    settings = {"automatic_dynamic_shapes": False}
+    for name in ("recompile_limit", "cache_size_limit"):  # the limit's name in torch >= 2.6, and before
+        if hasattr(dynamo_config, name):
+            settings[name] = max(getattr(dynamo_config, name), 1 << 16)
+            break
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            settings[name] = max(getattr(dynamo_config, name), 1 << 16)
+            break
+    return dynamo_config.patch(**settings)
+
+
 def explain(model_or_fn: Any, *example_inputs: Any, config: GemConfig | None = None, **example_kwargs: Any
             ) -> ExplainReport:
     """Capture ``model_or_fn`` on the example inputs and report what gemcompile's passes do to it."""
@@ -213,7 +236,7 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
     log = PassLog()
     allow_warnings_in_graphs()
     compiled = torch.compile(model_or_fn, backend=backend)
-    with recording(log), _eager_backward_compile():
+    with recording(log), _eager_backward_compile(), _first_capture():
         compiled(*example_inputs, **example_kwargs)
     passes = [part for p in backend.gem.make_passes() for part in p.parts]
     counts = {p.name: 0 for p in passes}

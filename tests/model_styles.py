@@ -436,3 +436,32 @@ class HstuUpstreamStyle(nn.Module):
         attn = attn * mask.unsqueeze(1)
         dense = torch.einsum("bhxd,bhdv->bhxv", attn, v)
         return torch.ops.fbgemm.dense_to_jagged(dense.transpose(1, 2).flatten(2, 3), [seq_offsets], total)[0]
+
+
+class StosaStyleAttention(_Attention):
+    """STOSA (stochastic self-attention): each item a Gaussian (mean, ELU + 1 covariance); the scores are the
+    negated 2-Wasserstein distance between query and key Gaussians (|mq|^2 - 2 mq.mk + |mk|^2 plus the same
+    over square-rooted covariances) over sqrt(d), plus (1 - m) * (-2^32 + 1) from ids > 0 and the causal
+    triangle; the weights meet the means and, squared, the covariances (``cov_values``). Not a scaled q k^T."""
+
+    def __init__(self, heads: int, head_dim: int, cov_values: bool = True):
+        super().__init__(heads, head_dim)
+        self.cov_values = cov_values
+        self.proj = nn.ModuleList(nn.Linear(self.width, self.width) for _ in range(6))
+
+    @staticmethod
+    def _distance(a, b):
+        cross = torch.matmul(a, b.transpose(-1, -2))
+        return -2 * cross + (a**2).sum(-1, keepdim=True) + (b**2).sum(-1, keepdim=True).transpose(-1, -2)
+
+    def forward(self, x, ids):
+        n = x.shape[1]
+        keep = (ids > 0).long()[:, None, None, :] * (torch.triu(torch.ones(1, n, n), diagonal=1) == 0)[:, None].long()
+        mask = (1.0 - keep.to(x.dtype)) * (-2**32 + 1)
+        mq, mk, mv = (self.split(p(x)) for p in self.proj[:3])
+        cq, ck, cv = (self.split(F.elu(p(x)) + 1) for p in self.proj[3:])
+        root = lambda c: torch.sqrt(torch.clamp(c, min=1e-24))  # noqa: E731
+        scores = -(self._distance(mq, mk) + self._distance(root(cq), root(ck))) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + mask, dim=-1)
+        out = torch.matmul(probs, mv)
+        return self.merge(out + torch.matmul(probs**2, cv) if self.cov_values else out)

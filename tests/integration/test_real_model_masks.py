@@ -40,6 +40,7 @@ from tests.model_styles import (
     LeftPaddedCausal,
     RecBoleStyleAttention,
     SASRecBlock,
+    StosaStyleAttention,
     T5StyleAttention,
     TfSasRecStyleAttention,
 )
@@ -414,3 +415,21 @@ def test_a_causal_buffer_registered_four_dimensional_is_read_as_the_triangle():
     model.bias.fill_(1.0)  # no longer the triangle the proof read
     with pytest.raises(Exception, match="no longer holds the triangle"):
         compiled(x, ids)
+
+
+@pytest.mark.parametrize("cov_values", [True, False])
+def test_a_distance_between_query_and_key_is_refused_with_the_op_named(cov_values):
+    """STOSA's scores are a negated Wasserstein distance, not a scaled q k^T: the softmax is a candidate (its
+    weights meet values) and the refusal names why (it said nothing before): the weights reused squared,
+    or, without that, the op the kernels do not compute; compiled == eager."""
+    torch.manual_seed(0)
+    model = StosaStyleAttention(H, D, cov_values=cov_values)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(B, L, E, generator=g)
+    ids = torch.randint(1, 9, (B, L), generator=g) * (torch.arange(L)[None, :] >= L - torch.tensor([L, 1, 5, 9])[:, None])
+    report = explain(model, x, ids)
+    assert not any(report.counts[p] for p in ("jagged_attention", "block_attention", "gdpa")), report.counts
+    (refusal,) = [r for r in report.refusals if r.pass_name == "jagged_attention"]
+    expected = ("reused",) if cov_values else ("`neg`", "not a scale, bias, mask or cast")
+    assert all(part in refusal.reason for part in expected), refusal.reason
+    torch.testing.assert_close(gem_compile(model)(x, ids), model(x, ids), atol=2e-5, rtol=1e-4)

@@ -79,3 +79,33 @@ def test_inference_graphs_run_the_joint_and_post_grad_stages():
         report = explain_with_passes(TOY_PIPELINE, model, torch.randn(4, 6), torch.randn(6, 3),
                                      config=GemConfig())
     assert [kind for kind, _ in report.aot_graphs] == ["inference"]
+
+
+class _ScaledBy(torch.nn.Module):
+    """(x @ w) * 2 * c with c a float attribute: each explain of a new instance is a first compile."""
+
+    def __init__(self, c: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 3))
+        self.c = c
+
+    def forward(self, x):
+        return ((x @ self.w) * 2 * self.c).sum()
+
+
+def test_an_attribute_that_changed_since_an_earlier_explain_stays_a_constant():
+    explain_with_passes(TOY_PIPELINE, _ScaledBy(3.0), torch.randn(4, 6))
+    report = explain_with_passes(TOY_PIPELINE, _ScaledBy(2.0), torch.randn(4, 6))
+    assert report.counts["mul_by_two_to_add"] == 2  # both factors are the constant 2, not a graph input
+
+
+def test_explain_of_many_instances_of_one_class_captures_every_time():
+    instances = [_ScaledBy(float(i)) for i in range(12)]  # kept alive: twelve entries in Dynamo's cache
+    for net in instances:
+        report = explain_with_passes(TOY_PIPELINE, net, torch.randn(4, 6))
+        assert len(report.graphs) == 1 and report.counts["mul_by_two_to_add"] >= 1
+
+
+def test_a_call_dynamo_does_not_capture_says_so():
+    report = explain_with_passes(TOY_PIPELINE, lambda x: x, torch.randn(4, 6))  # no tensor op: no graph
+    assert report.graphs == [] and "Dynamo captured no graph" in str(report)

@@ -56,7 +56,7 @@ from gemcompile.passes.attention.scores import (
     walk_to_scores,
 )
 from gemcompile.passes.attention.weights import check_post_masks, key_mask_op, nan_zeroing, row_op
-from gemcompile.passes.graph import Unproven, example_value, fed_by
+from gemcompile.passes.graph import Unproven, example_value, fed_by, target_name
 from gemcompile.passes.masks.evaluator import NEG_FILL_LIMIT, MaskEvaluator, PiecewiseTensor
 
 
@@ -168,8 +168,26 @@ def _site(anchor: fx.Node, output: fx.Node, info: dict, matched: list[fx.Node], 
 # -- softmax ---------------------------------------------------------------------------------------
 
 def looks_like_attention(softmax: fx.Node) -> bool:
-    """Only softmaxes that sit on a matmul are candidates: a softmax over logits is none of our business."""
-    return bool(softmax.args) and leads_to_matmul(softmax.args[0], through=(*SCORE_MAPS, *RESHAPES))
+    """Only softmaxes that sit on a matmul are candidates: a softmax over logits is none of our business.
+    So is a softmax whose weights multiply values (weights @ v) over scores computed from a product through
+    ops no score chain holds (STOSA's negated Wasserstein distance): matching it fails, and explain names
+    the op the kernels do not compute instead of saying nothing."""
+    if not softmax.args or not isinstance(softmax.args[0], fx.Node):
+        return False
+    if leads_to_matmul(softmax.args[0], through=(*SCORE_MAPS, *RESHAPES)):
+        return True
+    return _weights_meet_values(softmax) and fed_by(softmax.args[0], _is_product, limit=128)
+
+
+def _weights_meet_values(weights: fx.Node, depth: int = 4) -> bool:
+    """Whether the weights, through casts, dropout and views, are the left operand of a product."""
+    for user in weights.users:
+        if is_call(user, *MATMUL, "einsum") and user.args and user.args[0] is weights:
+            return True
+        if depth and (is_call(user, *CASTS, *RESHAPES, "dropout") or heads_view(user) is not None):
+            if _weights_meet_values(user, depth - 1):
+                return True
+    return False
 
 
 def dropout_probability(node: fx.Node) -> float:
@@ -341,9 +359,34 @@ def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
     a_scores, b_scores = leads_to_matmul(a), leads_to_matmul(b)
     if not (a_scores or b_scores):  # a score map on one side: the walk goes on to name it
         a_scores, b_scores = (leads_to_matmul(x, through=SCORE_MAPS) for x in (a, b))
+    if not (a_scores or b_scores):
+        stop = next((op for x in (a, b) if (op := _off_chain_op(x)) is not None), None)
+        if stop is not None:
+            raise Unproven(f"`{target_name(stop)}` ({stop.name}) between the product and the softmax is not a "
+                           "scale, bias, mask or cast of q @ k^T: the kernels compute a scaled q @ k^T plus a "
+                           "bias or mask, not a distance or another function of products")
     if a_scores == b_scores or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
-        raise Unproven("an addition on the scores where the score side is ambiguous or the other side constant")
+        names = [x.name if isinstance(x, fx.Node) else repr(x) for x in (a, b)]
+        raise Unproven(f"an addition on the scores ({names[0]} + {names[1]}) where the score side is ambiguous "
+                       "or the other side constant")
     return (a, b) if a_scores else (b, a)
+
+
+def _is_product(node: fx.Node) -> bool:
+    return is_call(node, *MATMUL, "einsum")
+
+
+def _off_chain_op(node: Any, depth: int = 12) -> fx.Node | None:
+    """The first op on the way from ``node`` up to a product that no score chain holds (what stops
+    leads_to_matmul), or None when no product is upstream."""
+    while isinstance(node, fx.Node) and depth > 0 and fed_by(node, _is_product, limit=128):
+        if _is_product(node):
+            return None
+        if not is_call(node, *CASTS, *SCALE_OPS, *ADD, *SUB, "masked_fill", "where") and heads_view(node) is None:
+            return node
+        node = next((a for a in node.all_input_nodes if fed_by(a, _is_product, limit=128)), None)
+        depth -= 1
+    return None
 
 
 def _check_fill(fill: Any) -> float:
