@@ -1,5 +1,6 @@
-"""Hugging Face BERT, RoBERTa and DistilBERT themselves (eager and SDPA attention, right and left padding):
-every attention rewritten and compiled == eager, outputs and gradients on the valid tokens. Needs the
+"""Hugging Face BERT, RoBERTa, DistilBERT and ALBERT themselves (eager and SDPA attention, right and left
+padding), and the causal decoders GPT-2, Llama, Qwen2 and Mistral (whose masks transformers builds under
+torch.vmap): every attention rewritten and compiled == eager, outputs and gradients on the valid tokens. Needs the
 ``transformers`` package, which gemcompile does not depend on: skipped without it (CI does not install it;
 tests/integration/test_real_model_masks.py covers the same mask spellings with modules written here).
 Checked with transformers 4.57.6: ``pip install --target /tmp/hf transformers==4.57.6`` then
@@ -15,8 +16,28 @@ from gemcompile import explain, gem_compile  # noqa: E402
 B, L = 4, 16
 
 
+DECODERS = {"gpt2": ("GPT2Config", "GPT2Model", dict(n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                                     embd_pdrop=0.0, attn_pdrop=0.0, n_positions=64)),
+            "llama": ("LlamaConfig", "LlamaModel", {}), "qwen2": ("Qwen2Config", "Qwen2Model", {}),
+            "mistral": ("MistralConfig", "MistralModel", dict(sliding_window=None))}
+
+
 def _model(family: str, attention: str):
     small = dict(vocab_size=120, max_position_embeddings=64, attn_implementation=attention)
+    if family in DECODERS:
+        config_name, model_name, sizes = DECODERS[family]
+        if family != "gpt2":
+            sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, **sizes)
+        if family == "gpt2":
+            small.pop("max_position_embeddings")
+        config = getattr(transformers, config_name)(**sizes, **small)
+        return getattr(transformers, model_name)(config)
+    if family == "albert":
+        config = transformers.AlbertConfig(hidden_size=64, embedding_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                                           attention_probs_dropout_prob=0.0, **small)
+        return transformers.AlbertModel(config)
     if family == "distilbert":
         config = transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0,
                                                attention_dropout=0.0, **small)
@@ -28,10 +49,15 @@ def _model(family: str, attention: str):
     return model_cls(config)
 
 
+FAMILIES = [(f, a) for f in ("bert", "roberta", "distilbert", "albert", "gpt2", "llama", "qwen2", "mistral")
+            for a in ("eager", "sdpa") if (f, a) != ("gpt2", "eager")]
+"""GPT-2's eager attention both writes the causal fill over its scores and adds the 4-D mask: refused, with
+its reason (a row with no valid key gets other gradients in the two spellings)."""
+
+
 @pytest.mark.parametrize("padding", ["right", "left"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
-def test_hf_encoder_is_rewritten_and_equals_eager(family, attention, padding):
+@pytest.mark.parametrize("family, attention", FAMILIES)
+def test_hf_model_is_rewritten_and_equals_eager(family, attention, padding):
     torch.manual_seed(0)
     model = _model(family, attention).train()
     lengths = torch.tensor([L, 9, 3, 12])
@@ -39,11 +65,11 @@ def test_hf_encoder_is_rewritten_and_equals_eager(family, attention, padding):
     valid = pos < lengths[:, None] if padding == "right" else pos >= L - lengths[:, None]
     ids = torch.randint(5, 100, (B, L)) * valid + ~valid  # id 1 on padding (RoBERTa's pad id)
     mask = valid.long()
-    report = explain(model, ids, mask)
+    report = explain(model, ids, attention_mask=mask)
     assert report.counts["jagged_attention"] == 2, [r.reason for r in report.refusals]
     ref = model(ids, attention_mask=mask).last_hidden_state
     out = gem_compile(model)(ids, attention_mask=mask).last_hidden_state
-    keep = valid[..., None]
+    keep = valid[..., None]  # a decoder's left-padded rows see no valid key: eager averages padding there
     torch.testing.assert_close(torch.where(keep, out, 0), torch.where(keep, ref, 0), atol=2e-5, rtol=1e-4)
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     params = [p for p in model.parameters() if p.requires_grad]

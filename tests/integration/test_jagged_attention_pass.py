@@ -28,6 +28,11 @@ def sdpa_key(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :])
 
 
+def sdpa_every_argument_by_keyword(q, k, v, n, x):  # ALBERT's SDPA call: query=, key=, value=, scale=
+    mask = key_mask(n)[:, None, None, :]
+    return F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=mask, dropout_p=0.0, scale=0.3)
+
+
 def sdpa_key_causal_tril(q, k, v, n, x):
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & causal)
@@ -173,7 +178,7 @@ def hand_weights_times_row_weights(q, k, v, n, x):
 
 IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
-          hand_causal_from_ones_like_scores, sdpa_key, sdpa_key_causal_tril, sdpa_key_causal_index,
+          hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
           hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
           cross_attention_own_query_lengths, pma_learned_queries]

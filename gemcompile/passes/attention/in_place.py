@@ -9,7 +9,8 @@ word in explain.
 
 Where ``s`` is a fresh tensor that nothing else can see, an in-place update is exactly the out-of-place op
 whose result every later reader of ``s`` takes instead: ``s`` must be the result of an op that returns a new
-tensor (a matmul, an einsum, arithmetic, masked_fill, where; never a view, a cast that may return its input,
+tensor (a matmul, an einsum, arithmetic, masked_fill, where, arange: transformers' ``kv_arange +=
+offset``; never a view, a cast that may return its input,
 or a graph input), read by nothing before the update, and the out-of-place op must give ``s``'s dtype and
 shape (``s += mask`` with a wider mask dtype would promote out of place, so it stays as written). Graph-wide:
 this is what functionalization does later anyway, here early enough for the matchers.
@@ -32,7 +33,7 @@ _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_":
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
           "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
-          "new_ones", "new_full")
+          "new_ones", "new_full", "arange")
 """Ops whose result is a new tensor (no alias of an input)."""
 
 

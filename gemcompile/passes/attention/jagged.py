@@ -82,7 +82,9 @@ class JaggedAttention(AttentionFamily):
             names = ", ".join(_bias_name(term) for term, _ in site.bias)
             raise Unproven(f"no mask among the scores' terms: {names} added as a bias (a float mask handed "
                            "in from outside the graph cannot be proven; build it from lengths or ids in the "
-                           "compiled code)")
+                           "compiled code, and with no graph break between it and the attention: a mask "
+                           "built before a break reaches the next graph as an input; TORCH_LOGS=graph_breaks "
+                           "shows the breaks)")
         require_padding_or_causal(mask)
 
     def _check_shapes(self, q: fx.Node, k: fx.Node, v: fx.Node) -> None:

@@ -462,14 +462,19 @@ def _built_like_a_mask(term: fx.Node, limit: int = 32) -> bool:
 
 # -- SDPA and nn.MultiheadAttention ----------------------------------------------------------------
 
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 def match_sdpa(sdpa: fx.Node) -> AttentionSite:
-    args = list(sdpa.args) + [None] * (7 - len(sdpa.args))
-    q, k, v = args[:3]
-    mask = sdpa.kwargs.get("attn_mask", args[3])
-    dropout_p = sdpa.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
-    is_causal = sdpa.kwargs.get("is_causal", args[5] if args[5] is not None else False)
-    scale = sdpa.kwargs.get("scale", args[6])
-    kv_repeats = _gqa_repeats(q, k) if sdpa.kwargs.get("enable_gqa", False) else 1
+    bound = dict(zip(SDPA_PARAMETERS, sdpa.args)) | dict(sdpa.kwargs)  # ALBERT passes query=, key=, value=
+    q, k, v = (bound.get(name) for name in SDPA_PARAMETERS[:3])
+    if not all(isinstance(x, fx.Node) for x in (q, k, v)):
+        raise Unproven("scaled_dot_product_attention without query, key and value tensors in the graph")
+    mask = bound.get("attn_mask")
+    dropout_p = bound.get("dropout_p", 0.0)
+    is_causal = bound.get("is_causal", False)
+    scale = bound.get("scale")
+    kv_repeats = _gqa_repeats(q, k) if bound.get("enable_gqa", False) else 1
     if constant_float(dropout_p) is None:
         raise Unproven("a dropout_p computed in the graph")
     if mask is None and is_causal:

@@ -60,6 +60,7 @@ from gemcompile.passes.attention.plans import share_derived_tensors
 from gemcompile.passes.attention.scores import is_call
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import Emitter, Unproven, example_value
+from gemcompile.passes.masks.vmap import lower_vmapped_masks
 from gemcompile.passes.masks.classify import Unclassified, classify
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import AttentionMask
@@ -108,6 +109,7 @@ class AttentionRewritePass(GemPass):
         return h.hexdigest()
 
     def run(self, graph: fx.Graph) -> None:
+        lower_vmapped_masks(graph)  # transformers' masks built under torch.vmap, as broadcast ops
         functionalize_fresh_updates(graph)  # `s /= c`, `s.masked_fill_(pad, -inf)`: chains the matchers read
         fold_row_flattened_masks(graph)  # d2l: the scores masked as (M, Lk) rows, then shaped back
         emit = Emitter(graph)

@@ -269,8 +269,8 @@ class MaskEvaluator:
             return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs["dim"], ndim)
         if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as"):
             return self._reshape(node, self.tensor(args[0]))
-        if name in ("transpose", "swapaxes", "permute", "mT", "t"):
-            return self._permute(node, self.tensor(args[0]))
+        if name in ("transpose", "swapaxes", "permute", "mT", "t") or (target is getattr and args[1] in ("T", "mT")):
+            return self._permute(node, self.tensor(args[0]))  # getattr: ModernBERT's rows.T
         permutation = _einsum_permutation(node) if name == "einsum" else None
         if permutation is not None:  # XLNet's einsum("ijbn->bnij", mask)
             operand, order = permutation
@@ -462,9 +462,10 @@ class MaskEvaluator:
         elif name == "permute":
             dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
             order = [d % n for d in dims]
+        elif node.args[1:] == ("T",):  # x.T reverses every dim
+            order = list(range(n))[::-1]
         else:  # mT / t: swap the last two
-            order = list(range(n))
-            order[-1], order[-2] = order[-2], order[-1]
+            order = [*range(n - 2), n - 1, n - 2]
         return self._reorder(src, order)
 
     def _reorder(self, src: Abstract, order: list[int]) -> Abstract:

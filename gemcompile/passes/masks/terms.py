@@ -54,6 +54,8 @@ def window_atoms(evaluator: MaskEvaluator, comparisons) -> tuple[dict[int, objec
     for kind, e in comparisons:
         if kind != "lt" or e.free_symbols != {i, j}:
             continue
+        if not e.is_polynomial(i, j):  # a data function of a position, say: not a window
+            continue
         for candidate in (e, sympy.expand(-e - 1)):  # the comparison and its complement
             poly = sympy.Poly(candidate, i, j)
             if poly.total_degree() != 1:
