@@ -136,6 +136,12 @@ def sdpa_window_abs_less_than(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=near & key_mask(n)[:, None, None, :])
 
 
+def sdpa_window_rows_transposed(q, k, v, n, x):  # ModernBERT's local layers: abs(rows - rows.T) <= w
+    rows = torch.arange(L).unsqueeze(0)
+    near = torch.abs(rows - rows.T) <= 4
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=near[None, None] & key_mask(n)[:, None, None, :])
+
+
 def sdpa_window_two_comparisons(q, k, v, n, x):
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     keep = (j >= i - 4) & (j <= i + 4) & key_mask(n)[:, None, None, :]
@@ -281,6 +287,7 @@ IDIOMS = {
     hand_block16_where_causal_inf: (16, -1, True, "none"),
     sdpa_window_abs: (0, 3, False, "none"),
     sdpa_window_abs_less_than: (0, 5, False, "none"),
+    sdpa_window_rows_transposed: (0, 4, False, "none"),
     sdpa_window_two_comparisons: (0, 4, False, "none"),
     sdpa_window_causal: (0, 6, True, "none"),
     sdpa_window_tril_triu: (0, 5, True, "none"),
@@ -461,6 +468,12 @@ def miss_window_per_sample(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=near[:, None] & key_mask(n)[:, None, None, :])
 
 
+def miss_window_through_an_op_not_modeled(q, k, v, n, x):  # flip: the column index becomes data
+    rows = torch.arange(L).unsqueeze(0)
+    near = torch.abs(rows - rows.T.flip(0).flip(0)) <= 4
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=near[None, None] & key_mask(n)[:, None, None, :])
+
+
 def miss_block_without_padding(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16))
 
@@ -490,6 +503,7 @@ NEAR_MISSES = {
     miss_not_equal_blocks: "different blocks",
     miss_window_from_tensor: r"integer tensor of shape \(\)",
     miss_window_per_sample: "window .* depends on the tensor",
+    miss_window_through_an_op_not_modeled: "flip",
     sdpa_block32_additive: "finite fill .* blocks",
     hand_block16_where_causal: "finite fill .* blocks",
     hand_window_band_additive: "finite fill .* sliding window",
