@@ -1335,7 +1335,9 @@ E2E_MEDIUM_BEFORE_AFTER = [("before (2026-11-30)", "e2e-medium-fill0.5-20261130-
                            ("+ block attention four heads a program, one table load for R^T (4e1fb6f)",
                             "e2e-medium-fill0.5-20261204-162825.json"),
                            ("+ block attention three-stage configs (3ebb57d)",
-                            "e2e-medium-fill0.5-20261204-181910.json")]
+                            "e2e-medium-fill0.5-20261204-181910.json"),
+                           ("+ TritonAdam, packed attention outputs allocated empty (d83876d), on an H100",
+                            "e2e-medium-fill0.5-20261206-144853.json")]
 """GEM-ref medium, B 256, fill 0.5: before issue 24, and after each of its steps (each row a file of its own
 run; the peer re-run in every file)."""
 KERNEL_CLASSES = ("gemm", "inductor", "gemcompile", "other", "copy")
@@ -1383,7 +1385,9 @@ def e2e_medium_before_after() -> str:
              "same graphs. The run after it (4e1fb6f) has block attention's four heads a program (e401e50) and "
              "its backward's R^T of dQ and dK from one load of the tables, and a third method with the "
              "token_column_sums pass on (`gem+token_column_sums`; off by default): it moved the bias-gradient "
-             "sums from Inductor to torch's reduction kernels (`other`) and the step did not change.", ""]
+             "sums from Inductor to torch's reduction kernels (`other`) and the step did not change. The last run is an "
+             "H100 (no H200 came): its MFU counts against the same dense bf16 peak, and the peer's time is the "
+             "H100's too, so its ratio compares the methods on that card, not with the H200 rows.", ""]
     lines += table(["run", "file", "method", "samples/s", "x torch.compile", "MFU", "kernel ms / step", "GEMM",
                     "Inductor Triton", "gemcompile Triton", "other", "copies", "kernels / step", "peak GiB"], rows)
     return "\n".join(lines)
@@ -1493,7 +1497,7 @@ def render_kernel_class_plot(plt, path: Path = REPO / "docs" / "e2e_kernel_class
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("GPU ms per step (torch.profiler)")
-    ax.set_title("GEM-ref medium, B 256, fill 0.5, H200: GPU time by kernel class", fontsize=9)
+    ax.set_title("GEM-ref medium, B 256, fill 0.5, H200 (the last pair: H100): GPU time by kernel class", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
