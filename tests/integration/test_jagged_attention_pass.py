@@ -308,6 +308,12 @@ class PerHeadMaskMHA(nn.Module):
     def forward(self, x, lengths):
         n = x.shape[1]
         dropped = ~key_mask(lengths, n)[:, None, :] | torch.ones(n, n, dtype=torch.bool).triu(1)  # (B, L, L)
+        if self.spelling in ("shared_expand", "shared_window"):  # one causal (or band) mask for every row
+            i = torch.arange(n)
+            shared = (i[None, :] > i[:, None]) | ((i[:, None] - i[None, :]) > 3 if self.spelling == "shared_window"
+                                                  else torch.zeros(n, n, dtype=torch.bool))
+            mask = shared[None].expand(x.shape[0] * H, n, n)
+            return self.mha(x, x, x, attn_mask=mask, key_padding_mask=~key_mask(lengths, n), need_weights=False)[0]
         if self.spelling == "flatten":
             mask = dropped.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)
         elif self.spelling == "repeat_interleave":
@@ -317,22 +323,48 @@ class PerHeadMaskMHA(nn.Module):
         return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
 
 
-@pytest.mark.parametrize("spelling", ["flatten", "repeat_interleave", "repeat"])
+@pytest.mark.parametrize("spelling", ["flatten", "repeat_interleave", "repeat", "shared_expand", "shared_window"])
 def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
     torch.manual_seed(0)
     model = PerHeadMaskMHA(spelling)
     x = torch.randn(B, L, H * D, requires_grad=True)
     lengths = torch.tensor([L, 5, 1, 9])
     report = explain(model, x, lengths)
-    if spelling == "repeat":
-        assert report.counts["jagged_attention"] == 0
-        assert any("not a per-sample mask repeated over the heads" in r.reason for r in report.refusals), \
-            [r.reason for r in report.refusals]
+    if spelling in ("repeat", "shared_window"):
+        assert report.counts["jagged_attention"] == report.counts["block_attention"] == 0
+        expected = "not a per-sample mask repeated" if spelling == "repeat" else "not MultiheadAttention"
+        assert any(expected in r.reason for r in report.refusals), [r.reason for r in report.refusals]
         return
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
     out, ref = rewritten(model)(x, lengths), model(x, lengths)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_transformer_encoder_layer_in_inference_names_torch_fast_path(fastpath):
+    """Eval mode with autograd off: nn.TransformerEncoderLayer runs torch's fused fast path, one op with the
+    attention inside: refused with the switch that keeps the layer's ops (then rewritten, == eager)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(H * D, H, 2 * H * D, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(B, L, H * D)
+    lengths = torch.tensor([L, 5, 1, 9])
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fastpath)
+    try:
+        with torch.no_grad():
+            report = explain(layer, x, src_key_padding_mask=~key_mask(lengths))
+            if fastpath:
+                assert report.counts["jagged_attention"] == 0
+                assert any("set_fastpath_enabled(False)" in r.reason for r in report.refusals), report.refusals
+                return
+            assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+            out = gem_compile(layer)(x, src_key_padding_mask=~key_mask(lengths))
+            ref = layer(x, src_key_padding_mask=~key_mask(lengths))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    valid = key_mask(lengths)[..., None]
+    torch.testing.assert_close(out * valid, ref * valid, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kv_heads", [1, H])

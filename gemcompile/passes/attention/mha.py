@@ -54,8 +54,8 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
 def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, int] | None]:
     """MultiheadAttention's 3-D attn_mask (B * H, L, S) reads row b * H + h for sample b, head h: the mask
     it was built from, with its dims in the scores' (MaskTerm.dims; None: the 4-D mask itself), when it is a
-    (B, H, L, S) mask flattened or viewed into the heads' rows, or a (B, L, S) one repeat_interleave'd over
-    them; Unproven otherwise (a mask repeated with .repeat(H, 1, 1) gives sample b another sample's rows).
+    (B, H, L, S) mask flattened or viewed into the heads' rows, a (B, L, S) one repeat_interleave'd over
+    them, or one (1, L, S) or (L, S) mask expanded or repeated over every row; Unproven otherwise (a mask repeated with .repeat(H, 1, 1) gives sample b another sample's rows).
     A bool mask reaches the functional as MultiheadAttention canonicalized it, zeros_like(m).masked_fill_(m,
     -inf): m is split (its True drops the score, as the -inf did)."""
     if is_call(mask, "masked_fill", "masked_fill_") and len(mask.args) > 2 and mask.args[2] == float("-inf"):
@@ -73,13 +73,17 @@ def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, i
             out = example_value(mask).shape
             if out[1:] == value.shape[2:]:
                 return source, None
+    if is_call(mask, "expand", "repeat") and isinstance(value, torch.Tensor) and value.dim() in (2, 3) and (
+            value.dim() == 2 or value.shape[0] == 1):  # one (L, S) mask for every sample and head
+        return source, {0: 0, 1: 1, 2: 3} if value.dim() == 3 else {0: 0, 1: 1}
     if is_call(mask, "repeat_interleave") and isinstance(value, torch.Tensor) and value.dim() == 3:
         repeats = mask.kwargs.get("repeats", mask.args[1] if len(mask.args) > 1 else None)
         dim = mask.kwargs.get("dim", mask.args[2] if len(mask.args) > 2 else None)
         if repeats == heads and dim == 0:
             return source, {0: 0, 1: 1, 2: 3}  # right-aligned dims: (B, L, S) -> b, i, j of the scores
     raise Unproven("MultiheadAttention with a per-head (3-D) attn_mask that is not a per-sample mask "
-                   "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0))")
+                   "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0)) or one "
+                   "mask for all (expand or repeat of a (1, L, S) or (L, S) mask)")
 
 
 def match_mha(node: fx.Node) -> AttentionSite:

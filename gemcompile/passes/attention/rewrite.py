@@ -178,6 +178,8 @@ class AttentionRewritePass(GemPass):
             return (self.jagged, functools.partial(match_softmax, node)) if found else None
         if is_call(node, "multi_head_attention_forward"):
             return (self.jagged, functools.partial(match_mha, node)) if self.jagged.enabled else None
+        if is_call(node, "_transformer_encoder_layer_fwd") and self.jagged.enabled:
+            return self.jagged, functools.partial(_fused_encoder_layer, node)
         if not self.gdpa.enabled:
             return None
         if activation_of(node) is not None and feeds_from_scores(node):
@@ -207,7 +209,17 @@ class AttentionRewritePass(GemPass):
             return (family if family.enabled else None), refusal
         if site.activation is None and (mask.block is not None or mask.window is not None) and self.block.enabled:
             family = self.block
+            if site.kind == "mha":
+                return family, Unproven(f"nn.MultiheadAttention with a {'block' if mask.block else 'sliding-window'}"
+                                        " attn_mask: the block kernel serves F.scaled_dot_product_attention or a "
+                                        "hand-written softmax over (B, H, L, D) tensors, not MultiheadAttention")
         return (family if family.enabled else None), mask
+
+
+def _fused_encoder_layer(node: fx.Node) -> None:
+    raise Unproven("nn.TransformerEncoderLayer's fast path (torch._transformer_encoder_layer_fwd, taken in eval "
+                   "mode with autograd off) runs the whole layer as one op, attention inside; "
+                   "torch.backends.mha.set_fastpath_enabled(False) keeps the layer's ops in the graph")
 
 
 def keep_formula(evaluator: MaskEvaluator, site: AttentionSite):
