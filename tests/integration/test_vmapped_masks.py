@@ -22,27 +22,27 @@ def vmap_over_bhqk(fn):
     return fn
 
 
-def padding_and_causal(pm, causal=True, window=0):
+def padding_and_causal(pm, causal=True, window=0, getitem=False):
     def keep(b, h, q, kv):
         ok = q.new_ones((), dtype=torch.bool)
         if causal:
             ok = ok & (kv <= q)
         if window:
             ok = ok & (kv > q - window)
-        return ok & torch.ops.aten.index(pm, [b, kv])
+        return ok & (pm[b, kv] if getitem else torch.ops.aten.index(pm, [b, kv]))
 
     return keep
 
 
 class HfStyleAttention(torch.nn.Module):
-    def __init__(self, causal=True, fill=None, window=0):
+    def __init__(self, causal=True, fill=None, window=0, getitem=False):
         super().__init__()
-        self.causal, self.fill, self.window = causal, fill, window
+        self.causal, self.fill, self.window, self.getitem = causal, fill, window, getitem
 
     def forward(self, q, k, v, attention_mask):
         kv_arange = torch.arange(L)
         kv_arange += 0  # transformers adds the cache offset in place
-        fn = vmap_over_bhqk(padding_and_causal(attention_mask.bool(), self.causal, self.window))
+        fn = vmap_over_bhqk(padding_and_causal(attention_mask.bool(), self.causal, self.window, self.getitem))
         mask = fn(torch.arange(q.shape[0]), torch.arange(1), torch.arange(L), kv_arange)
         if self.fill is not None:  # the eager path: a float mask of 0 and finfo.min
             mask = torch.where(mask, torch.tensor(0.0), self.fill)
@@ -58,10 +58,11 @@ def _inputs(seed=0, left=False):
     return q, k, v, mask.long()
 
 
-@pytest.mark.parametrize("causal, fill, window", [(True, None, 0), (False, None, 0),
-                                                  (True, torch.finfo(torch.float32).min, 0), (True, None, 4)])
-def test_hf_style_vmapped_mask_is_rewritten_and_equals_eager(causal, fill, window):
-    model = HfStyleAttention(causal, fill, window)
+@pytest.mark.parametrize("causal, fill, window, getitem", [
+    (True, None, 0, False), (False, None, 0, False), (True, torch.finfo(torch.float32).min, 0, False),
+    (True, None, 4, False), (True, None, 0, True)])
+def test_hf_style_vmapped_mask_is_rewritten_and_equals_eager(causal, fill, window, getitem):
+    model = HfStyleAttention(causal, fill, window, getitem)
     q, k, v, mask = _inputs()
     report = explain(model, q, k, v, mask)
     served = report.counts["jagged_attention"] + report.counts["block_attention"]

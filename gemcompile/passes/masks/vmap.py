@@ -44,6 +44,12 @@ def _is(node: fx.Node, *names: str) -> bool:
     return node.op in ("call_function", "call_method") and target_name(node) in names
 
 
+def _tensor_indexing(node: fx.Node) -> bool:
+    """``pm[b, kv]`` with a tensor for every index (without transformers' getitem-to-index rewrite)."""
+    index = node.args[1] if node.target is operator.getitem and len(node.args) == 2 else None
+    return isinstance(index, tuple) and bool(index) and all(isinstance(i, fx.Node) for i in index)
+
+
 class _Unsupported(Exception):
     """A batched value meets an op this rewrite does not model: leave the region as written."""
 
@@ -149,7 +155,7 @@ class _Lowering:
                     out = self.emit.node(node.op, node.target, (self.phys[node.args[0]][0], *node.args[1:]),
                                          dict(node.kwargs))
                     self.phys[node] = (self._physical(out, 0), example_value(out).dim(), frozenset())
-                elif node.target is torch.ops.aten.index.Tensor or _is(node, "index") and node.op == "call_function":
+                elif _is(node, "index") and node.op == "call_function" or _tensor_indexing(node):
                     self._index(node)
                 elif _is(node, *_ELEMENTWISE) or node.target in (operator.and_, operator.or_, operator.invert):
                     self._elementwise(node)
