@@ -40,12 +40,14 @@ class HfStyleAttention(torch.nn.Module):
         self.causal, self.fill, self.window, self.getitem = causal, fill, window, getitem
 
     def forward(self, q, k, v, attention_mask):
-        kv_arange = torch.arange(L)
+        device = q.device
+        kv_arange = torch.arange(L, device=device)
         kv_arange += 0  # transformers adds the cache offset in place
         fn = vmap_over_bhqk(padding_and_causal(attention_mask.bool(), self.causal, self.window, self.getitem))
-        mask = fn(torch.arange(q.shape[0]), torch.arange(1), torch.arange(L), kv_arange)
+        mask = fn(torch.arange(q.shape[0], device=device), torch.arange(1, device=device),
+                  torch.arange(L, device=device), kv_arange)
         if self.fill is not None:  # the eager path: a float mask of 0 and finfo.min
-            mask = torch.where(mask, torch.tensor(0.0), self.fill)
+            mask = torch.where(mask, torch.tensor(0.0, device=device), self.fill)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
