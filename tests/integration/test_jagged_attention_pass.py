@@ -33,6 +33,18 @@ def sdpa_every_argument_by_keyword(q, k, v, n, x):  # ALBERT's SDPA call: query=
     return F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=mask, dropout_p=0.0, scale=0.3)
 
 
+def hand_causal_plus_int_mask(q, k, v, n, x):
+    """transformers before 4.53 (and StableLM, Falcon after): a finfo.min triangle from torch.full(...,
+    fill_value=...), the integer attention_mask added to it, `== 0` refilled with min, added to the scores of
+    the eager attention (SDPA's CPU kernel differs from float64 math on a row with no valid key)."""
+    lo = torch.finfo(q.dtype).min
+    causal = torch.triu(torch.full((L, L), fill_value=lo, dtype=q.dtype), diagonal=1)
+    causal = causal[None, None].expand(q.shape[0], 1, L, L).clone()
+    padding = causal + key_mask(n).long()[:, None, None, :]
+    s = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(D)) + causal.masked_fill(padding == 0, lo)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def sdpa_key_causal_tril(q, k, v, n, x):
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & causal)
@@ -178,7 +190,8 @@ def hand_weights_times_row_weights(q, k, v, n, x):
 
 IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
-          hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, sdpa_key_causal_tril, sdpa_key_causal_index,
+          hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, hand_causal_plus_int_mask,
+          sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
           hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
           cross_attention_own_query_lengths, pma_learned_queries]
@@ -339,6 +352,26 @@ def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
     out, ref = rewritten(model)(x, lengths), model(x, lengths)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def test_an_integer_mask_added_to_a_float_one_is_checked_to_hold_zeros_and_ones():
+    """The integer attention_mask of hand_causal_plus_int_mask is read as 0/1: a 2 in it stops the run with the
+    device check's message instead of a mask the model did not mean."""
+    q, k, v, lengths, extra = _inputs(hand_causal_plus_int_mask)
+
+    def with_mask(q, k, v, m):
+        lo = torch.finfo(q.dtype).min
+        causal = torch.triu(torch.full((L, L), fill_value=lo, dtype=q.dtype), diagonal=1)
+        padding = causal[None, None].expand(q.shape[0], 1, L, L).clone() + m[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal.masked_fill(padding == 0, lo))
+
+    mask = key_mask(lengths).long()
+    compiled = gem_compile(with_mask)
+    torch.testing.assert_close(compiled(q, k, v, mask)[:, :, :1], with_mask(q, k, v, mask)[:, :, :1], atol=2e-5,
+                               rtol=1e-4)
+    assert counters["gemcompile"]["jagged_attention"] >= 1
+    with pytest.raises(Exception, match="holds values other than 0 and 1"):
+        compiled(q, k, v, mask * 2)
 
 
 @pytest.mark.parametrize("fastpath", [True, False])

@@ -36,6 +36,7 @@ from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
 from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import split_reshape
+from gemcompile.passes.masks.zero_one import zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
     Atoms,
@@ -339,8 +340,10 @@ class MaskEvaluator:
         elif name in ("zeros", "zeros_like", "new_zeros"):
             fill = 0
         else:
-            fill_arg = node.kwargs.get("fill_value", node.args[1] if name in ("full", "full_like") else node.args[-1])
-            fill = self.evaluate(fill_arg)
+            positional = node.args[1:] if name in ("full", "full_like") else node.args[-1:]  # new_full: last
+            if "fill_value" not in node.kwargs and not positional:
+                raise Unproven(f"`{name}` ({node.name}) without a fill value")
+            fill = self.evaluate(node.kwargs.get("fill_value", positional[0] if positional else None))
         return self._constant_value(value, fill)
 
     def _constant_value(self, value: torch.Tensor, fill) -> Abstract:
@@ -552,6 +555,10 @@ class MaskEvaluator:
         k = self.evaluate(k) if isinstance(k, fx.Node) else k  # a diagonal from a dynamic size: symbolic
         return triangle(self.atoms, self.tensor(node.args[0]), name, k)
 
+    def _zero_one_or_same(self, v):
+        read = zero_one_pieces(self, v) if isinstance(v, IntTensor) else None
+        return v if read is None else read
+
     def _as_pieces(self, v, ndim: int) -> tuple[tuple[float, Boolean], ...]:
         if isinstance(v, PiecewiseTensor):
             return v.pieces
@@ -595,16 +602,9 @@ class MaskEvaluator:
                 return BoolTensor(src.ndim, src.as_bool())
             return BoolTensor(src.ndim, sympy.Not(self.atoms.eq0(src.expr)))
         if dtype in _FLOAT_DTYPES:
-            leaf = self.data_function(src.expr) if isinstance(src, IntTensor) else None
-            if leaf is not None:
-                # An integer mask read from data and used as a float (HF's (1 - mask) * min): read as 0/1,
-                # which the rewrite checks on the device (masks/assumptions: a value outside {0, 1} stops
-                # the run with a message instead of a silent wrong answer).
-                if src.expr.func.__name__ not in self.zero_one:
-                    self.checks.append(functools.partial(emit_zero_one_check, node=leaf.node))
-                self.zero_one[src.expr.func.__name__] = leaf.node
-                nonzero = sympy.Not(self.atoms.eq0(src.expr))
-                return piecewise(src.ndim, [(1.0, nonzero), (0.0, sympy.Not(nonzero))])
+            zero_one = zero_one_pieces(self, src) if isinstance(src, IntTensor) else None
+            if zero_one is not None:  # an integer mask read from data used as a float: 0/1 (masks/zero_one.py)
+                return zero_one
             if isinstance(src, IntTensor):
                 raise Unproven("an integer index converted to float")
             return piecewise(src.ndim, self._as_pieces(src, src.ndim))
@@ -629,6 +629,8 @@ class MaskEvaluator:
             if op is operator.truediv:
                 raise Unproven("true division of integer indices")
             return IntTensor(ndim, op(ea, eb))
+        # an integer mask from data added to a float one (StableLM's causal + attention_mask == 0): 0/1
+        va, vb = (self._zero_one_or_same(v) for v in (va, vb))
         pa, pb = self._as_pieces(va, ndim), self._as_pieces(vb, ndim)
         pieces = []
         for x, cx in pa:
@@ -647,16 +649,6 @@ def _shifted_reads(expr) -> bool:
         if seen.setdefault(f.func.__name__, f.args) != f.args:
             return True
     return False
-
-
-def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
-    """A device-side assert (no host sync) that an integer mask read as 0/1 holds only 0 and 1: the run stops
-    with this message instead of computing a mask the model did not mean."""
-    ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
-    emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
-                                    f"gemcompile: the mask {node.name} holds values other than 0 and 1; the "
-                                    "attention rewrite read it as a 0/1 mask (compile without gemcompile's "
-                                    "attention passes for this model)"))
 
 
 # -- a mask term of the scores as the condition that keeps a score -----------------------------------

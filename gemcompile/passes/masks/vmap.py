@@ -29,7 +29,8 @@ from gemcompile.passes.graph import Emitter, example_value, target_name
 _ADD, _REMOVE = "_add_batch_dim", "_remove_batch_dim"
 _NESTING = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
 _ELEMENTWISE = {
-    "le", "lt", "ge", "gt", "eq", "ne", "__and__", "__or__", "__xor__", "__invert__", "and_", "or_", "xor",
+    "le", "lt", "ge", "gt", "eq", "ne", "__le__", "__lt__", "__ge__", "__gt__", "__eq__", "__ne__", "__and__",
+    "__or__", "__xor__", "__rand__", "__ror__", "__invert__", "and_", "or_", "xor",
     "invert", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_not", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__",
     "floordiv", "__floordiv__", "remainder", "__mod__", "mod", "abs", "neg", "where", "to", "bool", "int",
