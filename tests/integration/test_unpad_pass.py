@@ -405,3 +405,30 @@ def test_a_chain_that_stays_padded_is_one_refusal():
     reasons = [r.reason for r in report.refusals if r.pass_name == "unpad"]
     assert len(reasons) == 1, reasons
     assert "std" in reasons[0] and "so do 2 value(s) it is computed from (gelu, " in reasons[0], reasons
+
+
+def test_an_internal_error_in_the_row_mask_analysis_leaves_the_graph_padded(monkeypatch):
+    """A bug of ours while finding the row masks (StableLM's torch.full(..., fill_value=) once raised there)
+    must not fail the user's compile: nothing is unpadded, explain names the error, a warning says it, outputs
+    equal eager; GEMCOMPILE_STRICT=1 (the suite's default) raises."""
+    import gemcompile.passes.unpad as unpad
+
+    def broken(graph):
+        raise IndexError("a bug")
+
+    monkeypatch.setattr(unpad, "find_row_masks", broken)
+    model = MaskedResidualFfn()
+    x, lengths = x_only(torch.tensor(LENGTH_SETS[0]))
+    monkeypatch.setenv("GEMCOMPILE_STRICT", "0")
+    with pytest.warns(UserWarning, match="internal error of gemcompile"):
+        report = explain(model, x, lengths)
+    assert report.counts["unpad"] == 0
+    assert any("internal error" in r.reason and "a bug" in r.reason for r in report.refusals if r.pass_name == "unpad")
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning):
+        out = gem_compile(model)(x, lengths)
+    torch.testing.assert_close(out, model(x, lengths), atol=1e-5, rtol=1e-4)
+    monkeypatch.setenv("GEMCOMPILE_STRICT", "1")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a bug"):
+        explain(model, x, lengths)
