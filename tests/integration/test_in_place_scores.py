@@ -112,3 +112,19 @@ def test_in_place_score_updates_match_eager(spelling):
         torch.testing.assert_close(o, r, **tol)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, **tol)
+
+
+def test_a_slice_of_the_mask_read_after_its_assignment_sees_the_assigned_values():
+    """x[..., :n] = v is functionalized only when every reader of an earlier slice of x reads it before the
+    assignment: here a slice taken before is read after, and must see the assigned values, as eager does."""
+    from gemcompile import gem_compile
+
+    def f(s, valid):
+        m = torch.zeros(s.shape[0], 1, 1, s.shape[-1]).clone()
+        before = m[:, :, :, : s.shape[-1]]
+        m[:, :, :, : s.shape[-1]] = before.masked_fill(~valid[:, None, None, :], -1e9)
+        return torch.softmax(s + m, dim=-1) + before  # `before` is a view: it holds the fill now
+
+    s = torch.randn(3, 2, 5, 5)
+    valid = torch.arange(5)[None, :] < torch.tensor([5, 2, 1])[:, None]
+    torch.testing.assert_close(gem_compile(f)(s, valid), f(s, valid))

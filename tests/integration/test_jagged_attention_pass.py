@@ -45,6 +45,23 @@ def hand_causal_plus_int_mask(q, k, v, n, x):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def _hf_4d_mask_written_in_place(q, n, upto):
+    """transformers 4.4x's _prepare_4d_causal_attention_mask_with_cache_position: the triangle scaled in place,
+    expanded and cloned, then its first `upto` keys refilled through a slice assignment."""
+    lo = torch.finfo(q.dtype).min
+    causal = torch.triu(torch.full((L, L), fill_value=lo, dtype=q.dtype), diagonal=1)
+    causal *= torch.arange(L) > torch.arange(L).reshape(-1, 1)
+    causal = causal[None, None, :, :].expand(q.shape[0], 1, -1, -1).clone()
+    padding = causal[:, :, :, :upto] + key_mask(n).long()[:, None, None, :upto]
+    causal[:, :, :, :upto] = causal[:, :, :, :upto].masked_fill(padding == 0, lo)
+    return causal
+
+
+def hand_hf_mask_slice_assigned(q, k, v, n, x):
+    s = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(D)) + _hf_4d_mask_written_in_place(q, n, L)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def sdpa_key_causal_tril(q, k, v, n, x):
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(n)[:, None, None, :] & causal)
@@ -191,7 +208,7 @@ def hand_weights_times_row_weights(q, k, v, n, x):
 IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, hand_causal_plus_int_mask,
-          sdpa_key_causal_tril, sdpa_key_causal_index,
+          hand_hf_mask_slice_assigned, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
           hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
           cross_attention_own_query_lengths, pma_learned_queries]
@@ -352,6 +369,21 @@ def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
     out, ref = rewritten(model)(x, lengths), model(x, lengths)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def test_a_slice_assignment_that_covers_part_of_the_mask_is_refused_and_runs_as_written():
+    """Only an assignment to every element reads as the value assigned: keys [: L - 1] leave the last key as
+    the triangle made it, so the mask is refused (updated in place), and compiled == eager."""
+    def part(q, k, v, n):
+        s = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(D)) + _hf_4d_mask_written_in_place(q, n, L - 1)
+        return torch.softmax(s, dim=-1) @ v
+
+    q, k, v, lengths, _ = _inputs(hand_hf_mask_slice_assigned)
+    lengths = torch.tensor([L, 5, 1, 8])
+    report = explain(part, q, k, v, lengths)
+    assert report.counts["jagged_attention"] == 0
+    assert any("in place" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+    torch.testing.assert_close(gem_compile(part)(q, k, v, lengths), part(q, k, v, lengths))
 
 
 def test_an_integer_mask_added_to_a_float_one_is_checked_to_hold_zeros_and_ones():

@@ -33,7 +33,7 @@ _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_":
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
           "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
-          "new_ones", "new_full", "arange")
+          "new_ones", "new_full", "arange", "triu", "tril")
 """Ops whose result is a new tensor (no alias of an input)."""
 
 
@@ -45,7 +45,36 @@ def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
         return "call_method", _METHODS[node.target]
     if node.op == "call_function" and node.target is operator.setitem and _bool_mask_fill(node):
         return "call_method", "masked_fill"  # x[mask] = value is x.masked_fill_(mask, value): the same args
+    if node.op == "call_function" and node.target is operator.setitem and _whole_slice(node):
+        return "assign", None  # x[:, :, :, :n] = value with n the last dim's size: x holds a copy of value
     return None
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """``x[:, :, :, :n] = value`` (transformers' pre-4.53 mask: n the padding mask's length, the last dim's
+    size) where every slice covers its whole dim and value is a tensor of x's dtype."""
+    if len(node.args) != 3 or node.kwargs or not isinstance(node.args[2], fx.Node):
+        return False
+    x, index, value = example_value(node.args[0]), node.args[1], example_value(node.args[2])
+    index = index if isinstance(index, tuple) else (index,)
+    if not (isinstance(x, torch.Tensor) and isinstance(value, torch.Tensor) and value.dtype == x.dtype) or \
+            len(index) > x.dim():
+        return False
+    for size, i in zip(x.shape, index):
+        if not isinstance(i, slice) or i.step not in (None, 1) or i.start not in (None, 0):
+            return False
+        stop = example_value(i.stop) if isinstance(i.stop, fx.Node) else i.stop
+        if stop is not None and not (isinstance(stop, (int, torch.SymInt)) and known(stop >= size)):
+            return False
+    return True
+
+
+def _seen_only_before(user: fx.Node, update: fx.Node, order: dict) -> bool:
+    """A slice of the base read before the update whose every reader makes a new tensor before it (the value
+    ``x[..., :n].masked_fill(pad, min)`` assigned back): no reader can see the mutation."""
+    if not (user.target is operator.getitem and order[user] < order[update]):
+        return False
+    return all(order.get(u, len(order)) < order[update] and target_name(u) in _FRESH for u in user.users)
 
 
 def _bool_mask_fill(node: fx.Node) -> bool:
@@ -88,12 +117,16 @@ def functionalize_fresh_updates(graph: fx.Graph) -> int:
             continue
         base = node.args[0]
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if any(order[user] < order[node] and not reads_shape_only(user, base) for user in base.users):
+        if any(order[user] < order[node] and not reads_shape_only(user, base) and not _seen_only_before(
+                user, node, order) for user in base.users):
             continue  # read before the update (a view of it, a saved copy): the mutation is visible there
         emit = Emitter(graph, untraceable="")
         with graph.inserting_before(node):
             try:
-                new = emit.node(*form, node.args, dict(node.kwargs))
+                if form[0] == "assign":
+                    new = emit.method("clone", (emit.method("expand_as", (node.args[2], base)),))
+                else:
+                    new = emit.node(*form, node.args, dict(node.kwargs))
             except Exception:  # noqa: BLE001 (an op the fake mode cannot run out of place: keep it as written)
                 emit.rollback()
                 continue
