@@ -11,7 +11,9 @@ Where ``s`` is a fresh tensor that nothing else can see, an in-place update is e
 whose result every later reader of ``s`` takes instead: ``s`` must be the result of an op that returns a new
 tensor (a matmul, an einsum, arithmetic, masked_fill, where, arange: transformers' ``kv_arange +=
 offset``; never a view, a cast that may return its input,
-or a graph input), read by nothing before the update, and the out-of-place op must give ``s``'s dtype and
+or a graph input), read by nothing before the update (but slices of it that ops making new tensors read
+before the update: transformers' ``m[..., :n] = m[..., :n].masked_fill(pad, min)``, an assignment to every
+element, which is the value assigned), and the out-of-place op must give ``s``'s dtype and
 shape (``s += mask`` with a wider mask dtype would promote out of place, so it stays as written). Graph-wide:
 this is what functionalization does later anyway, here early enough for the matchers.
 """
