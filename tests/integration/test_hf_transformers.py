@@ -1,6 +1,6 @@
 """Hugging Face BERT, RoBERTa, DistilBERT and ALBERT themselves (eager and SDPA attention, right and left
-padding), and the causal decoders GPT-2, Llama, Qwen2 and Mistral (whose masks transformers builds under
-torch.vmap): every attention rewritten and compiled == eager, outputs and gradients on the valid tokens. Needs the
+padding), and the causal decoders GPT-2, Llama, Qwen2, Mistral (whose masks transformers builds under
+torch.vmap), StableLM and Falcon (the pre-4.53 mask): every attention rewritten and compiled == eager, outputs and gradients on the valid tokens. Needs the
 ``transformers`` package, which gemcompile does not depend on: skipped without it (CI does not install it;
 tests/integration/test_real_model_masks.py covers the same mask spellings with modules written here).
 Checked with transformers 4.57.6: ``pip install --target /tmp/hf transformers==4.57.6`` then
@@ -19,14 +19,20 @@ B, L = 4, 16
 DECODERS = {"gpt2": ("GPT2Config", "GPT2Model", dict(n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
                                                      embd_pdrop=0.0, attn_pdrop=0.0, n_positions=64)),
             "llama": ("LlamaConfig", "LlamaModel", {}), "qwen2": ("Qwen2Config", "Qwen2Model", {}),
-            "mistral": ("MistralConfig", "MistralModel", dict(sliding_window=None))}
+            "mistral": ("MistralConfig", "MistralModel", dict(sliding_window=None)),
+            "stablelm": ("StableLmConfig", "StableLmModel", dict(hidden_dropout=0.0)),
+            "falcon": ("FalconConfig", "FalconModel", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                          num_kv_heads=2, new_decoder_architecture=True,
+                                                          attention_dropout=0.0, hidden_dropout=0.0))}
+"""StableLM and Falcon build the mask the way transformers did before 4.53 (an integer attention_mask added to
+a finfo.min triangle, refilled through a slice assignment), the others under torch.vmap."""
 
 
 def _model(family: str, attention: str):
     small = dict(vocab_size=120, max_position_embeddings=64, attn_implementation=attention)
     if family in DECODERS:
         config_name, model_name, sizes = DECODERS[family]
-        if family != "gpt2":
+        if family not in ("gpt2", "falcon"):
             sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, **sizes)
         if family == "gpt2":
@@ -49,7 +55,8 @@ def _model(family: str, attention: str):
     return model_cls(config)
 
 
-FAMILIES = [(f, a) for f in ("bert", "roberta", "distilbert", "albert", "gpt2", "llama", "qwen2", "mistral")
+FAMILIES = [(f, a) for f in ("bert", "roberta", "distilbert", "albert", "gpt2", "llama", "qwen2", "mistral",
+                             "stablelm", "falcon")
             for a in ("eager", "sdpa") if (f, a) != ("gpt2", "eager")]
 """GPT-2's eager attention both writes the causal fill over its scores and adds the 4-D mask: refused, with
 its reason (a row with no valid key gets other gradients in the two spellings)."""
