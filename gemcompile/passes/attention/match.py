@@ -40,6 +40,7 @@ from gemcompile.passes.attention.scores import (
     DIV,
     MATMUL,
     MUL,
+    PRODUCTS,
     RESHAPES,
     SCALE_OPS,
     SCORE_MAPS,
@@ -182,7 +183,8 @@ def looks_like_attention(softmax: fx.Node) -> bool:
 def _weights_meet_values(weights: fx.Node, depth: int = 4) -> bool:
     """Whether the weights, through casts, dropout and views, are the left operand of a product."""
     for user in weights.users:
-        if is_call(user, *MATMUL, "einsum") and user.args and user.args[0] is weights:
+        operands = user.args[1:] if is_call(user, "einsum") else user.args  # einsum's first is its equation
+        if _is_product(user) and operands and operands[0] is weights:
             return True
         if depth and (is_call(user, *CASTS, *RESHAPES, "dropout") or heads_view(user) is not None):
             if _weights_meet_values(user, depth - 1):
@@ -373,7 +375,7 @@ def _which_is_scores(a: Any, b: Any) -> tuple[fx.Node, fx.Node]:
 
 
 def _is_product(node: fx.Node) -> bool:
-    return is_call(node, *MATMUL, "einsum")
+    return is_call(node, *PRODUCTS)
 
 
 def _off_chain_op(node: Any, depth: int = 12) -> fx.Node | None:

@@ -555,9 +555,6 @@ class MaskEvaluator:
         k = self.evaluate(k) if isinstance(k, fx.Node) else k  # a diagonal from a dynamic size: symbolic
         return triangle(self.atoms, self.tensor(node.args[0]), name, k)
 
-    def _zero_one_or_same(self, v):
-        read = zero_one_pieces(self, v) if isinstance(v, IntTensor) else None
-        return v if read is None else read
 
     def _as_pieces(self, v, ndim: int) -> tuple[tuple[float, Boolean], ...]:
         if isinstance(v, PiecewiseTensor):
@@ -602,7 +599,7 @@ class MaskEvaluator:
                 return BoolTensor(src.ndim, src.as_bool())
             return BoolTensor(src.ndim, sympy.Not(self.atoms.eq0(src.expr)))
         if dtype in _FLOAT_DTYPES:
-            zero_one = zero_one_pieces(self, src) if isinstance(src, IntTensor) else None
+            zero_one = zero_one_pieces(self, src)
             if zero_one is not None:  # an integer mask read from data used as a float: 0/1 (masks/zero_one.py)
                 return zero_one
             if isinstance(src, IntTensor):
@@ -630,7 +627,7 @@ class MaskEvaluator:
                 raise Unproven("true division of integer indices")
             return IntTensor(ndim, op(ea, eb))
         # an integer mask from data added to a float one (StableLM's causal + attention_mask == 0): 0/1
-        va, vb = (self._zero_one_or_same(v) for v in (va, vb))
+        va, vb = (v if (read := zero_one_pieces(self, v)) is None else read for v in (va, vb))
         pa, pb = self._as_pieces(va, ndim), self._as_pieces(vb, ndim)
         pieces = []
         for x, cx in pa:

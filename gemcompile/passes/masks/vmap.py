@@ -158,7 +158,7 @@ class _Lowering:
                     self.phys[node] = (self._physical(out, 0), example_value(out).dim(), frozenset())
                 elif _is(node, "index") and node.op == "call_function" or _tensor_indexing(node):
                     self._index(node)
-                elif _is(node, *_ELEMENTWISE) or node.target in (operator.and_, operator.or_, operator.invert):
+                elif _is(node, *_ELEMENTWISE):  # operator.and_ etc. too: their names are listed
                     self._elementwise(node)
                 else:
                     raise _Unsupported(f"`{target_name(node)}` ({node.name}) on a batched value")

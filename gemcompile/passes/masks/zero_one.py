@@ -16,10 +16,10 @@ from gemcompile.passes.graph import Emitter
 from gemcompile.passes.masks.values import IntTensor, piecewise
 
 
-def zero_one_pieces(evaluator, src: IntTensor):
+def zero_one_pieces(evaluator, src):
     """``src`` (an integer data leaf) as the float pieces 1 / 0, the check registered once per leaf; None when
-    src is not read from data (an index expression)."""
-    leaf = evaluator.data_function(src.expr)
+    src is anything else (an index expression, a bool or float mask, a number)."""
+    leaf = evaluator.data_function(src.expr) if isinstance(src, IntTensor) else None
     if leaf is None:
         return None
     name = src.expr.func.__name__
