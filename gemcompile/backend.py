@@ -37,8 +37,44 @@ SLOTS: dict[str, str] = {"joint_custom_pre_pass": "joint", "post_grad_custom_pre
 def allow_warnings_in_graphs() -> None:
     """Let Dynamo replay ``warnings.warn`` after a graph instead of breaking it. torch's own modules warn
     while they run (TransformerEncoderLayer: "mismatched src_key_padding_mask and src_mask"); a graph break
-    there splits the attention from its masks, and nothing is rewritten. Idempotent."""
+    there splits the attention from its masks, and nothing is rewritten. Also lets Dynamo trace torch's
+    causal-mask detection (``_trace_causal_mask_detection``). Idempotent."""
     torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
+    _trace_causal_mask_detection()
+
+
+_MASK_DETECTION_SUBSTITUTED = False
+
+
+def _trace_causal_mask_detection() -> None:
+    """nn.TransformerEncoder / nn.TransformerDecoder given a mask and no is_causal hint (the way most models
+    call them: ``encoder(x, mask=causal, src_key_padding_mask=pad)``) ask
+    ``torch.nn.modules.transformer._detect_is_causal_mask`` whether the mask is causal, which reads the
+    mask's values (``bool((mask == causal).all())``): a graph break inside torch.nn, after which Dynamo
+    runs the whole encoder eagerly, so no pass sees its attention. Traced by Dynamo (never in eager), the
+    detection answers with the hint as given, False for None. That is exact: the answer only chooses
+    between applying the mask as given and SDPA's is_causal when the mask is the causal one (torch's own
+    docstring: a False hint for a causal mask "may lead to reduced performance"), and gemcompile's pass
+    proves a causal mask causal from how it was built. Registered once per process, where Dynamo has
+    ``substitute_in_graph`` and torch has the function."""
+    global _MASK_DETECTION_SUBSTITUTED
+    if _MASK_DETECTION_SUBSTITUTED:
+        return
+    _MASK_DETECTION_SUBSTITUTED = True
+    import torch.nn.modules.transformer as transformer
+
+    original = getattr(transformer, "_detect_is_causal_mask", None)
+    substitute = getattr(torch._dynamo, "substitute_in_graph", None)
+    if original is None or substitute is None:
+        return
+
+    def _detect_is_causal_mask(mask, is_causal=None, size=None):
+        return is_causal is True
+
+    try:
+        substitute(original, skip_signature_check=True)(_detect_is_causal_mask)
+    except (TypeError, ValueError) as error:  # registered by someone else first, or a torch that refuses it
+        log.debug("gemcompile: torch's causal-mask detection stays as it is: %s", error)
 
 
 def check_mode_and_options(mode: Any, options: Any) -> None:

@@ -67,6 +67,8 @@ def run_explain(args: argparse.Namespace) -> int:
 
     from gemcompile import GemConfig
 
+    if args.width is not None and not 40 <= args.width <= 1000:
+        raise ValueError(f"--width {args.width}: the report needs 40 to 1000 columns")
     sections: dict = {}
     defaults = GemConfig()
     valid = [name for name in GemConfig.__dataclass_fields__ if hasattr(getattr(defaults, name), "enabled")]

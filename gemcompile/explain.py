@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.syntax import Syntax
@@ -65,6 +66,9 @@ class ExplainReport:
     """What each joint graph's forward saves for its backward under GemConfig.memory (shape, dtype, bytes,
     producer; with a budget, also what the budget recomputes and the bytes saved with no budget), and the
     peak live bytes of each partitioned forward and backward graph (GraphMemory.backward_peak)."""
+    graph_breaks: list[tuple[str, int]] = field(default_factory=list)
+    """(Dynamo's reason, first line, how many times) for each graph break of the capture: code after a
+    break runs in another graph, or eagerly when Dynamo skips the frame, and no pass sees across it."""
 
     def __rich_console__(self, console, options):
         n_graphs = len(self.graphs)
@@ -85,6 +89,13 @@ class ExplainReport:
         if not self.passes:
             summary.add_row("(no passes in the pipeline)", "", "", "", "")
         yield summary
+        if self.graph_breaks:
+            breaks = Table(title="graph breaks (TORCH_LOGS=graph_breaks shows where)", title_justify="left")
+            breaks.add_column("Dynamo's reason")
+            breaks.add_column("times", justify="right")
+            for reason, n in self.graph_breaks:
+                breaks.add_row(escape(reason), str(n))
+            yield breaks
         if not self.graphs:
             yield Text("Dynamo captured no graph, so no pass ran: the call ran no tensor operation Dynamo traces "
                        "(or Dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
@@ -236,8 +247,14 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
     log = PassLog()
     allow_warnings_in_graphs()
     compiled = torch.compile(model_or_fn, backend=backend)
+    breaks_before = dict(counters["graph_break"])
     with recording(log), _eager_backward_compile(), _first_capture():
         compiled(*example_inputs, **example_kwargs)
+    graph_breaks: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():  # Dynamo counts each break under its message
+        if n > breaks_before.get(reason, 0):
+            first_line = str(reason).strip().splitlines()[0] if str(reason).strip() else "(no reason given)"
+            graph_breaks[first_line] = graph_breaks.get(first_line, 0) + n - breaks_before.get(reason, 0)
     passes = [part for p in backend.gem.make_passes() for part in p.parts]
     counts = {p.name: 0 for p in passes}
     counts.update(log.counts())
@@ -252,4 +269,5 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
         aot_graphs=backend.aot_graphs,
         passes=[(p.name, p.stage, p.enabled) for p in passes],
         memory=log.memory,
+        graph_breaks=list(graph_breaks.items()),
     )

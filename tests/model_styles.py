@@ -179,6 +179,49 @@ class EncoderLayerCausal(nn.Module):
         return self.layer(hidden, src_mask=causal, src_key_padding_mask=ids == 0)
 
 
+class EncoderStackCausal(nn.Module):
+    """nn.TransformerEncoder (a stack, here of one layer) called the way SASRec-style models call it: a causal
+    mask (float from generate_square_subsequent_mask, or a bool triu) and a key padding mask, no is_causal
+    hint, so torch checks whether the mask is causal (a read of its values Dynamo cannot trace)."""
+
+    def __init__(self, heads: int, head_dim: int, bool_mask: bool = False):
+        super().__init__()
+        e = heads * head_dim
+        self.bool_mask = bool_mask
+        layer = nn.TransformerEncoderLayer(e, heads, 2 * e, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, hidden, ids):
+        n = hidden.shape[1]
+        if self.bool_mask:
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=hidden.device), diagonal=1)
+        else:
+            causal = nn.Transformer.generate_square_subsequent_mask(n, device=hidden.device)
+        return self.encoder(hidden, mask=causal, src_key_padding_mask=ids == 0)
+
+
+class TransActStyle(nn.Module):
+    """Pinterest's TransAct (transformer_user_action): the key padding mask comes from an action-type lookup
+    (a buffer indexed by the ids: id 0 looks up 0, padding), every sequence keeps its first action
+    (``mask[:, 0] = zeros(B)``, in place) and the mask goes to nn.TransformerEncoder as a float -inf mask."""
+
+    def __init__(self, heads: int, head_dim: int, vocab: int = 64):
+        super().__init__()
+        e = heads * head_dim
+        lookup = torch.zeros(vocab + 1, dtype=torch.long)
+        lookup[2:] = torch.arange(1, vocab)  # lookup[id + 1] = id for ids >= 1, lookup[1] = 0 for padding
+        self.register_buffer("action_type_lookup", lookup)
+        layer = nn.TransformerEncoderLayer(e, heads, 2 * e, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, hidden, ids):
+        mask = self.action_type_lookup[ids + 1] <= 0
+        mask[:, 0] = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)
+        padding = torch.zeros_like(mask, dtype=torch.float)
+        padding.masked_fill_(mask, float("-inf"))
+        return self.encoder(hidden, src_key_padding_mask=padding)
+
+
 class HstuResearchStyle(_Attention):
     """The research HSTU encoder's attention: a registered triu(ones, diagonal=1) buffer, used as
     1 - mask (float) times silu(q k^T) / n; padded positions are zeros and are dropped afterwards."""

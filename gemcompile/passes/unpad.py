@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -77,6 +76,7 @@ from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, 
 from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
+from gemcompile.env import env_flag
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
 # Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
@@ -352,7 +352,7 @@ class UnpadPass(GemPass):
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
             masks, near_misses = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
-            if os.environ.get("GEMCOMPILE_STRICT") == "1":
+            if env_flag("GEMCOMPILE_STRICT", False):
                 raise
             reason = f"internal error of gemcompile, nothing unpadded: {type(error).__name__}: {error}"
             warnings.warn(f"gemcompile: unpad: {reason}", stacklevel=2)

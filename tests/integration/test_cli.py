@@ -45,3 +45,11 @@ def test_explain_refuses_a_bad_memory_budget_and_memory_is_not_a_pass(capsys):
     assert "MemoryConfig.budget = 1.5" in err and "(0, 1]" in err and "Traceback" not in err
     assert main(["explain", "--size", "tiny", "--disable", "memory"]) == 2
     assert "unknown pass" in capsys.readouterr().err
+
+
+def test_explain_refuses_a_width_the_report_cannot_use(capsys):
+    """--width 0 printed nothing and exited 0; --width 1000000 wrote every line a million columns wide."""
+    for width in ("0", "-5", "1000000"):
+        assert main(["explain", "--size", "tiny", "--width", width]) == 2
+        err = capsys.readouterr().err
+        assert f"--width {width}" in err and "40 to 1000" in err and "Traceback" not in err

@@ -52,8 +52,8 @@ class InPlaceScores(nn.Module):
         elif self.spelling == "bool_index_fill":  # d2l: a full-shape boolean index of a copy of the scores
             s = (s / math.sqrt(D)).clone()
             s[pad.expand(B, H, L, L)] = -1e6
-        elif self.spelling == "bool_index_rows":  # a boolean index over the leading dims: whole query rows
-            s = (s / math.sqrt(D)).masked_fill(pad, -1e6)  # (not a masked_fill of s: kept as written)
+        elif self.spelling == "bool_index_rows":  # a boolean index over the leading dims: whole query rows,
+            s = (s / math.sqrt(D)).masked_fill(pad, -1e6)  # a where() over them (index_assign.py)
             s[(ids == 0)[:, None, :].expand(B, H, L)] = -1e6
         elif self.spelling == "rows_flattened":  # the scores as (B*H*L, L) rows and back (passes/attention/
             # row_flattened.py), the mask built in the scores' shape and flattened with them
@@ -77,8 +77,8 @@ class InPlaceScores(nn.Module):
 
 
 REWRITTEN = ["itruediv_masked_fill_", "div__iadd", "mul__masked_fill_", "float_softmax_type_as", "bool_index_fill",
-             "rows_flattened"]
-KEPT = ["read_before", "view", "promoting", "bool_index_rows", "rows_to_merged_heads"]
+             "rows_flattened", "bool_index_rows"]
+KEPT = ["read_before", "view", "promoting", "rows_to_merged_heads"]
 REFUSED_WITH = {"rows_to_merged_heads": "`reshape`"}
 """Kept spellings explain names: a reshape of the scores that is not a heads view says so (it said nothing)."""
 

@@ -297,20 +297,42 @@ def test_idiom_is_rewritten_with_eager_outputs_and_gradients(idiom):
 # -- nn.MultiheadAttention ------------------------------------------------------------------------------
 
 class MHAModel(nn.Module):
-    def __init__(self, need_weights_used=False):
+    """nn.MultiheadAttention over x with a key padding mask; ``projections``: "packed" (one in_proj_weight),
+    "kdim_vdim" (keys and values of other widths: separate q/k/v weights), "no_bias" (bias=False), or
+    "fairseq" (fairseq's MultiheadAttention: F.multi_head_attention_forward with use_separate_proj_weight,
+    an empty in_proj_weight and its three Linear biases concatenated, sequence-first)."""
+
+    def __init__(self, need_weights_used=False, projections="packed"):
         super().__init__()
-        self.mha = nn.MultiheadAttention(H * D, H, batch_first=True)
+        self.projections = projections
+        kv = {"kdim": 24, "vdim": 40} if projections == "kdim_vdim" else {}
+        if projections != "fairseq":
+            self.mha = nn.MultiheadAttention(H * D, H, batch_first=True, bias=projections != "no_bias", **kv)
+        if projections == "kdim_vdim":
+            self.to_k, self.to_v = nn.Linear(H * D, 24), nn.Linear(H * D, 40)
+        if projections == "fairseq":
+            self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(H * D, H * D) for _ in range(4))
         self.need_weights_used = need_weights_used
 
     def forward(self, x, lengths):
         padding = ~key_mask(lengths)
-        out, weights = self.mha(x, x, x, key_padding_mask=padding)
+        if self.projections == "fairseq":
+            t = x.transpose(0, 1)
+            out = F.multi_head_attention_forward(
+                t, t, t, H * D, H, torch.empty([0]), torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)),
+                None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias, self.training, padding, False,
+                None, use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight,
+                k_proj_weight=self.k_proj.weight, v_proj_weight=self.v_proj.weight)[0]
+            return out.transpose(0, 1)
+        k, v = (self.to_k(x), self.to_v(x)) if self.projections == "kdim_vdim" else (x, x)
+        out, weights = self.mha(x, k, v, key_padding_mask=padding)
         return out + weights.sum() if self.need_weights_used else out
 
 
-def test_multihead_attention_with_key_padding_mask():
+@pytest.mark.parametrize("projections", ["packed", "kdim_vdim", "no_bias", "fairseq"])
+def test_multihead_attention_with_key_padding_mask(projections):
     torch.manual_seed(0)
-    model = MHAModel()
+    model = MHAModel(projections=projections)
     x = torch.randn(B, L, H * D, requires_grad=True)
     lengths = torch.tensor([L, 5, 1, 9])
     report = explain(model, x, lengths)
@@ -679,16 +701,24 @@ def test_mismatched_dtypes_are_left_alone():
     assert "dtypes differ" in report.refusals[0].reason
 
 
-def test_a_mask_updated_in_place_is_not_read_as_it_was_built():
-    """FuxiCTR TransAct: mask = ids == 0, then mask[mask.all(-1), -1] = False lets an empty sequence attend to
-    its last key. Read from `ids == 0` the mask would miss that update (a silent wrong answer on that row):
-    nn.MultiheadAttention, which takes the updated tensor itself, is refused with the update named; SDPA,
-    which takes a view of it, reads that view as data at run time, after the update."""
+@pytest.mark.parametrize("update", ["fuxictr_last_key", "transact_first_key", "int_tensor_index"])
+def test_a_mask_updated_in_place_is_read_with_its_update(update):
+    """Masks fixed up in place after they are built: FuxiCTR TransAct's mask[mask.all(-1), -1] = False lets an
+    empty sequence attend to its last key; Pinterest TransAct's mask[:, 0] = zeros(B) keeps every sequence's
+    first key. Read from `ids == 0` alone the mask would miss the update (a silent wrong answer on those rows):
+    both are read as the where() they equal, for nn.MultiheadAttention (which takes the updated tensor) and
+    SDPA (a view of it), and compiled == eager with sample 1 empty. An update by an integer index tensor (a
+    scatter, not a region) is the near miss: MultiheadAttention is refused with the update named."""
     mha = nn.MultiheadAttention(H * D, H, batch_first=True)
 
     def fixed_up(x, ids, sdpa):
         mask = ids == 0
-        mask[mask.all(dim=-1), -1] = False
+        if update == "fuxictr_last_key":
+            mask[mask.all(dim=-1), -1] = False
+        elif update == "transact_first_key":
+            mask[:, 0] = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)
+        else:
+            mask[torch.arange(mask.shape[0]), (L - 1) - ids.sum(-1).clamp(max=L - 1)] = False
         if not sdpa:
             return mha(x, x, x, key_padding_mask=mask, need_weights=False)[0]
         q = x.view(x.shape[0], L, H, D).transpose(1, 2)
@@ -696,10 +726,13 @@ def test_a_mask_updated_in_place_is_not_read_as_it_was_built():
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(B, L, H * D, generator=g, requires_grad=True)
-    ids = (torch.arange(L)[None, :] >= L - torch.tensor([L, 0, 3, 5])[:, None]).long()  # sample 1 empty
+    ids = (torch.arange(L)[None, :] >= L - torch.tensor([L, 0, 3, 5])[:, None]).long()  # left padded, 1 empty
     for sdpa in (False, True):
         report = explain(lambda x, ids: fixed_up(x, ids, sdpa), x, ids.clone())
-        if not sdpa:
+        if update != "int_tensor_index":
+            assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+            assert "j" in report.rewrites[0].detail and "l_ids_" in report.rewrites[0].detail
+        elif not sdpa:
             assert report.counts["jagged_attention"] == 0
             assert any("updated in place by setitem" in r.reason for r in report.refusals), report.refusals
         torch._dynamo.reset()

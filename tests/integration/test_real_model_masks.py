@@ -30,6 +30,8 @@ from tests.model_styles import (
     DinStyleAttention,
     DistilBertStyleAttention,
     EncoderLayerCausal,
+    EncoderStackCausal,
+    TransActStyle,
     FuxiCtrBstStyle,
     FuxiCtrStyleAttention,
     HstuResearchStyle,
@@ -106,6 +108,10 @@ MODELS = {
     "hstu_research_buffer": (functools.partial(HstuResearchStyle, max_len=L), "lengths", "gdpa"),
     "left_padded_causal": (LeftPaddedCausal, "lengths", "jagged_attention"),
     "encoder_layer_causal": (EncoderLayerCausal, "ids_right", "jagged_attention"),
+    "encoder_stack_causal_float": (EncoderStackCausal, "ids_right", "jagged_attention"),
+    "encoder_stack_causal_bool": (functools.partial(EncoderStackCausal, bool_mask=True), "ids_right",
+                                  "jagged_attention"),
+    "transact_first_action_kept": (TransActStyle, "ids_left", "jagged_attention"),
 }
 
 
@@ -433,3 +439,47 @@ def test_a_distance_between_query_and_key_is_refused_with_the_op_named(cov_value
     expected = ("reused",) if cov_values else ("`neg`", "not a scale, bias, mask or cast")
     assert all(part in refusal.reason for part in expected), refusal.reason
     torch.testing.assert_close(gem_compile(model)(x, ids), model(x, ids), atol=2e-5, rtol=1e-4)
+
+
+class TutorialSeq2Seq(torch.nn.Module):
+    """pytorch/tutorials' translation_transformer.py: nn.Transformer (sequence-first) given a bool src_mask of
+    zeros, a float causal tgt_mask from its own generate_square_subsequent_mask (masked_fill twice over a
+    float copy of a bool triangle) and padding masks from the tokens; no is_causal hints, so torch asks
+    whether each mask is causal (a read of its values that broke the graph: the whole model ran eagerly)."""
+
+    def __init__(self, pad: int = 1):
+        super().__init__()
+        self.pad = pad
+        self.emb = torch.nn.Embedding(50, E)
+        self.transformer = torch.nn.Transformer(d_model=E, nhead=H, num_encoder_layers=1, num_decoder_layers=1,
+                                                dim_feedforward=2 * E, dropout=0.0)
+
+    @staticmethod
+    def square_subsequent_mask(size: int) -> torch.Tensor:
+        mask = (torch.triu(torch.ones((size, size))) == 1).transpose(0, 1)
+        return mask.float().masked_fill(mask == 0, float("-inf")).masked_fill(mask == 1, float(0.0))
+
+    def forward(self, src, tgt):
+        src_mask = torch.zeros((src.shape[0], src.shape[0])).type(torch.bool)
+        tgt_mask = self.square_subsequent_mask(tgt.shape[0])
+        src_pad, tgt_pad = (src == self.pad).transpose(0, 1), (tgt == self.pad).transpose(0, 1)
+        return self.transformer(self.emb(src), self.emb(tgt), src_mask, tgt_mask, None, src_pad, tgt_pad, src_pad)
+
+
+def test_pytorch_translation_tutorial_transformer_is_rewritten_whole():
+    """All three attentions (encoder self, decoder causal self, decoder cross) are rewritten in one graph,
+    and compiled == eager for outputs and gradients."""
+    allow_warnings_in_graphs()
+    torch.manual_seed(0)
+    model = TutorialSeq2Seq().train()  # dropout 0; train() keeps the layers' ops in the graph
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([L, 3, 7, 1])
+    valid = torch.arange(L)[None, :] < lengths[:, None]
+    src = torch.where(valid, torch.randint(2, 50, (B, L), generator=g), 1).t().contiguous()
+    tgt = torch.where(valid.flip(0), torch.randint(2, 50, (B, L), generator=g), 1).t().contiguous()
+    report = explain(model, src, tgt)
+    assert len(report.graphs) == 1 and report.counts["jagged_attention"] == 3, [r.reason for r in report.refusals]
+    assert any("causal" in r.detail for r in report.rewrites)
+    out, ref = rewritten(model)(src, tgt), model(src, tgt)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, list(model.parameters()))

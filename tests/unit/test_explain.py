@@ -109,3 +109,19 @@ def test_explain_of_many_instances_of_one_class_captures_every_time():
 def test_a_call_dynamo_does_not_capture_says_so():
     report = explain_with_passes(TOY_PIPELINE, lambda x: x, torch.randn(4, 6))  # no tensor op: no graph
     assert report.graphs == [] and "Dynamo captured no graph" in str(report)
+
+
+def test_graph_breaks_are_listed_with_dynamos_reason():
+    """A data-dependent branch splits the capture: the report lists Dynamo's reason once, counted; a model
+    without a break lists none."""
+    def branchy(x, w):
+        y = x @ w
+        if bool((y > 0).all()):  # reads a value: Dynamo breaks the graph here
+            return y * 2
+        return y * 3
+
+    report = explain_with_passes(TOY_PIPELINE, branchy, torch.randn(4, 6), torch.randn(6, 3))
+    assert len(report.graphs) == 2
+    assert len(report.graph_breaks) == 1 and report.graph_breaks[0][1] == 1, report.graph_breaks
+    assert "item()" in report.graph_breaks[0][0] and "graph breaks" in str(report)
+    assert _report().graph_breaks == []

@@ -1,8 +1,8 @@
 """The package's floors, read from the code: no import cycle, and no module imports a floor above it.
 
 Floors, lowest first (a module may import its own floor and those below):
-  config, version                     plain values
-  lowering/                            the custom ops and their kernels: imports only lowering/
+  config, version, env                plain values (env: the GEMCOMPILE_* switches)
+  lowering/                            the custom ops and their kernels: imports only lowering/ (and env)
   models/                              GEM-ref and its synthetic data
   runtime/distributed/plan.py          the pure parallel plan (no torch.distributed calls)
   passes/                              graph rewrites: may add lowering/ and the pure plan
@@ -28,11 +28,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gemcompile"
 ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("gemcompile.config", ()),
     ("gemcompile.version", ()),
-    ("gemcompile.lowering", ()),
+    ("gemcompile.env", ()),
+    ("gemcompile.lowering", ("gemcompile.env",)),
     ("gemcompile.models", ()),
     ("gemcompile.runtime.distributed.plan", ("gemcompile.config", "gemcompile.version")),
     ("gemcompile.passes", ("gemcompile.lowering", "gemcompile.runtime.distributed.plan", "gemcompile.config",
-                           "gemcompile.version")),
+                           "gemcompile.version", "gemcompile.env")),
     ("gemcompile.backend", ("gemcompile.passes", "gemcompile.config", "gemcompile.version")),
     ("gemcompile.explain", ("gemcompile.backend", "gemcompile.passes", "gemcompile.runtime.distributed.plan",
                             "gemcompile.config", "gemcompile.version")),

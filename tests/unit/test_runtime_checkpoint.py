@@ -231,3 +231,23 @@ def test_checkpoint_dir_problems_are_found_before_anything_runs(tmp_path):
     assert check_checkpoint_dir(afile / "sub" / "ckpt") == f"{afile} is a file"
     assert check_checkpoint_dir(tmp_path / "new" / "ckpt") is None and (tmp_path / "new" / "ckpt").is_dir()
     assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the write probe is removed
+
+
+def test_a_full_disk_names_the_step_and_the_directory_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a save: one error that says which step and where, the checkpoint before it
+    still the latest, nothing half-written chosen."""
+    import errno
+
+    import gemcompile.runtime.training.checkpoint as checkpoint
+
+    model, optimizers = _fresh()
+    save_checkpoint(tmp_path, 1, model, optimizers)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(OSError, match=r"checkpoint of step 2 into .* failed: No space left on device") as info:
+        save_checkpoint(tmp_path, 2, model, optimizers)
+    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)

@@ -20,7 +20,6 @@ and the jagged attention launchers of packed keys/values (jagged_attention/packe
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import triton
@@ -31,6 +30,7 @@ from .dropout import drop_threshold, keep_scale
 from .jagged import bucket_length
 from .length_order_triton import key_bounds_and_span, longest_first_order
 from .tuned_launch import INTERPRET
+from gemcompile.env import env_flag
 
 __all__ = [
     "KV_BOUNDS_WIDTH",
@@ -232,7 +232,7 @@ def loop_split(lo, mid_lo, mid_hi, hi, all_masked):
     return lo, mid_lo, mid_hi, hi
 
 
-WGMMA_A_REGISTERS = os.environ.get("GEMCOMPILE_WGMMA_A_REGISTERS", "1") != "0"
+WGMMA_A_REGISTERS = env_flag("GEMCOMPILE_WGMMA_A_REGISTERS", True)
 """Whether forward kernels may feed their q tile to the wgmma from registers (:func:`q_in_registers`);
 GEMCOMPILE_WGMMA_A_REGISTERS=0 keeps it in shared memory (A/B timings)."""
 

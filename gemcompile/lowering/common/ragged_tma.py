@@ -19,7 +19,6 @@ read this way (else the kernel keeps its pointer loads); GEMCOMPILE_TMA=0 turns 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -33,11 +32,12 @@ except ImportError:  # pragma: no cover - no host descriptors: the kernels keep 
 
 from .attention_triton import load_rows
 from .tuned_launch import INTERPRET
+from gemcompile.env import env_flag
 
 __all__ = ["TMA_ENABLED", "TMA_MIN_WORK", "RaggedRows", "load_tile", "load_tile_or_rows", "ragged_rows",
            "rows_readable", "tma_available", "tma_pre_hook", "tma_worth"]
 
-TMA_ENABLED = os.environ.get("GEMCOMPILE_TMA", "1") != "0"
+TMA_ENABLED = env_flag("GEMCOMPILE_TMA", True)
 """Read padded row tiles through TMA where :func:`ragged_rows` allows it (GEMCOMPILE_TMA=0: pointer loads)."""
 
 TMA_MIN_WORK = 1 << 33

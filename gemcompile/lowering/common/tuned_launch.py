@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from gemcompile.env import env_flag
 
 try:  # Triton >= 3.4
     from triton.runtime._async_compile import AsyncCompileMode
@@ -41,11 +42,11 @@ __all__ = ["DIRECT_LAUNCH", "INTERPRET", "PARALLEL_TUNING", "TUNING", "autotune"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-DIRECT_LAUNCH = not INTERPRET and os.environ.get("GEMCOMPILE_DIRECT_LAUNCH", "1") != "0"
+DIRECT_LAUNCH = not INTERPRET and env_flag("GEMCOMPILE_DIRECT_LAUNCH", True)
 """Launch a seen specialization through its CompiledKernel (see the module docstring)."""
 
 PARALLEL_TUNING = (not INTERPRET and AsyncCompileMode is not None
-                   and os.environ.get("GEMCOMPILE_PARALLEL_TUNING", "1") != "0")
+                   and env_flag("GEMCOMPILE_PARALLEL_TUNING", True))
 """Compile a new tuning key's configs in a thread pool before the autotuner times them."""
 
 

@@ -31,16 +31,16 @@ keys or dropout), for the interpreter tests.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import _allocation
+from gemcompile.env import env_flag
 
 __all__ = ["WARP_SPECIALIZE", "ensure_scratch_allocator", "warp_specialize_available"]
 
-WARP_SPECIALIZE = os.environ.get("GEMCOMPILE_WARP_SPECIALIZE", "0") == "1"
+WARP_SPECIALIZE = env_flag("GEMCOMPILE_WARP_SPECIALIZE", False)
 """Offer the warp-specialized configs to the autotuner (GEMCOMPILE_WARP_SPECIALIZE=1; off by default)."""
 if WARP_SPECIALIZE and torch.cuda.is_available():
     raise RuntimeError(

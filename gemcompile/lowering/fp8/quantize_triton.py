@@ -62,7 +62,6 @@ code 0, which is what the spec's clamp gives.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -70,6 +69,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.tuned_launch import INTERPRET, autotune, launch  # once per key, then the tuned kernel
+from gemcompile.env import env_flag
 
 __all__ = [
     "alloc_outputs",
@@ -199,7 +199,7 @@ _BLOCK_CONFIGS = (
     if INTERPRET
     else [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _BLOCK_SHAPES + _TRANSPOSED_CODES_SHAPES]
 )
-TRANSPOSE_CODES = os.environ.get("GEMCOMPILE_FP8_TRANSPOSE_CODES", "1") != "0"
+TRANSPOSE_CODES = env_flag("GEMCOMPILE_FP8_TRANSPOSE_CODES", True)
 """The transposed copies (1x128 and 128x128) transpose the int32 E4M3 codes through shared memory before the cast
 to bytes (a byte-wise transpose held the dual copies at ~620-680 GB/s). On an H100 (2026-12-06) they wrote the CPU
 reference's bytes (tests/gpu/test_mx_quantize_gpu.py) and ran the dual copies at ~900-1130 GB/s
@@ -334,7 +334,7 @@ def _block_kernel(
 def use_hw_convert(device: torch.device) -> bool:
     """The hardware FP8 conversion path: CUDA sm_89+, not the interpreter, and not switched off with
     GEMCOMPILE_FP8_INT_CONVERT=1 (the integer path: bit-exact everywhere, slower)."""
-    if device.type != "cuda" or INTERPRET or os.environ.get("GEMCOMPILE_FP8_INT_CONVERT") == "1":
+    if device.type != "cuda" or INTERPRET or env_flag("GEMCOMPILE_FP8_INT_CONVERT", False):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 

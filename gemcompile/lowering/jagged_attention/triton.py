@@ -63,7 +63,6 @@ config so that CPU tests stay fast. Only APIs present in triton 3.6 are used.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -113,12 +112,13 @@ from ..common.ragged_tma import (
 from ..common.reference import reduce_bias_grad
 from ..common.tuned_launch import INTERPRET, autotune, launch
 from ..common.warp_specialize import WARP_SPECIALIZE, ensure_scratch_allocator, warp_specialize_available
+from gemcompile.env import env_flag
 
 __all__ = ["jagged_attention_backward_triton", "jagged_attention_forward_triton"]
 
 _LOG2E = 1.4426950408889634
 
-DELTA_IN_DQ = os.environ.get("GEMCOMPILE_DELTA_IN_DQ", "1") != "0"
+DELTA_IN_DQ = env_flag("GEMCOMPILE_DELTA_IN_DQ", True)
 """The dQ kernel computes delta = rowsum(dO * O) for its rows and runs before dK/dV (one launch and one read
 of dO fewer than a delta kernel of its own); GEMCOMPILE_DELTA_IN_DQ=0 restores that kernel (A/B timings)."""
 

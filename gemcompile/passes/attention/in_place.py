@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
+from gemcompile.passes.attention.index_assign import emit_index_assign, index_assign_parts
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
 
@@ -35,8 +36,15 @@ _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_":
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
           "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
-          "new_ones", "new_full", "arange", "triu", "tril")
+          "new_ones", "new_full", "arange", "triu", "tril",
+          # comparisons and logic: masks built from data (``ids == 0``, TransAct's ``bitwise_or(pad, late)``)
+          "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+          "logical_and", "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or",
+          "bitwise_xor", "bitwise_not", "__and__", "__or__", "__xor__", "__invert__", "and_", "or_", "xor",
+          "invert")
 """Ops whose result is a new tensor (no alias of an input)."""
+_READS = ("all", "any", "sum", "amax", "amin", "count_nonzero")
+"""Reductions: like _FRESH, a reader of this kind before an update holds the value from before it."""
 
 
 def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
@@ -49,6 +57,8 @@ def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
         return "call_method", "masked_fill"  # x[mask] = value is x.masked_fill_(mask, value): the same args
     if node.op == "call_function" and node.target is operator.setitem and _whole_slice(node):
         return "assign", None  # x[:, :, :, :n] = value with n the last dim's size: x holds a copy of value
+    if node.op == "call_function" and node.target is operator.setitem and index_assign_parts(node) is not None:
+        return "index_assign", None  # x[:, 0] = v: where(the indexed elements, v, x)
     return None
 
 
@@ -73,7 +83,10 @@ def _whole_slice(node: fx.Node) -> bool:
 
 def _seen_only_before(user: fx.Node, update: fx.Node, order: dict) -> bool:
     """A slice of the base read before the update whose every reader makes a new tensor before it (the value
-    ``x[..., :n].masked_fill(pad, min)`` assigned back): no reader can see the mutation."""
+    ``x[..., :n].masked_fill(pad, min)`` assigned back), or a new tensor made from the base before it
+    (FuxiCTR's ``mask.all(-1)`` in ``mask[mask.all(-1), -1] = 0``): no reader can see the mutation."""
+    if order[user] < order[update] and target_name(user) in (*_FRESH, *_READS):
+        return True
     if not (user.target is operator.getitem and order[user] < order[update]):
         return False
     return all(order.get(u, len(order)) < order[update] and target_name(u) in _FRESH for u in user.users)
@@ -127,6 +140,8 @@ def functionalize_fresh_updates(graph: fx.Graph) -> int:
             try:
                 if form[0] == "assign":
                     new = emit.method("clone", (emit.method("expand_as", (node.args[2], base)),))
+                elif form[0] == "index_assign":
+                    new = emit_index_assign(emit, base, *index_assign_parts(node))
                 else:
                     new = emit.node(*form, node.args, dict(node.kwargs))
             except Exception:  # noqa: BLE001 (an op the fake mode cannot run out of place: keep it as written)

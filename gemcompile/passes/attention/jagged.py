@@ -140,17 +140,23 @@ class JaggedAttention(AttentionFamily):
         return self._rewrite_mha(emit, site, mask) if site.kind == "mha" else super().rewrite(emit, site, mask)
 
     @staticmethod
-    def _in_projections(emit: Emitter, sources: tuple, w: fx.Node, b: fx.Node, embed: int, batch_first: bool):
+    def _in_projections(emit: Emitter, sources: tuple, a: dict, embed: int, batch_first: bool):
         """(source, projection) for q, k, v in MHA's (L, B, E) layout (or (B, L, E) when ``batch_first``);
         inputs that are one tensor share one GEMM over their rows of the packed weight, as
-        nn.MultiheadAttention does (self-attention: one)."""
+        nn.MultiheadAttention does (self-attention: one). With use_separate_proj_weight (kdim/vdim, fairseq's
+        q/k/v_proj) each input has its own weight and its third of in_proj_bias, as the functional does."""
+        b = a.get("in_proj_bias")
+        separate = a.get("use_separate_proj_weight")
+        w = None if separate else a["in_proj_weight"]
         out, i = [], 0
         while i < 3:
             n = 1
-            while i + n < 3 and sources[i + n] is sources[i]:
+            while not separate and i + n < 3 and sources[i + n] is sources[i]:
                 n += 1
-            wi = emit.call(operator.getitem, (w, slice(i * embed, (i + n) * embed)))
-            bi = emit.call(operator.getitem, (b, slice(i * embed, (i + n) * embed)))
+            rows = slice(i * embed, (i + n) * embed)
+            wi = a[("q_proj_weight", "k_proj_weight", "v_proj_weight")[i]] if separate else \
+                emit.call(operator.getitem, (w, rows))
+            bi = None if b is None else emit.call(operator.getitem, (b, rows))
             proj = emit.call(torch.nn.functional.linear, (sources[i], wi, bi))
             if n == 1:
                 out.append((sources[i], proj))
@@ -175,8 +181,7 @@ class JaggedAttention(AttentionFamily):
         with emit.graph.inserting_before(node):
             heads_view = []
             sources = batch_first or (site.q, site.k, site.v)
-            projections = self._in_projections(emit, sources, a["in_proj_weight"], a["in_proj_bias"], embed,
-                                               batch_first is not None)
+            projections = self._in_projections(emit, sources, a, embed, batch_first is not None)
             for src, proj in projections:
                 if batch_first is not None:  # (B, L, E) -> (B, H, L, Dh)
                     split = emit.call(torch.unflatten, (proj, -1, (heads, embed // heads)))

@@ -28,8 +28,8 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
     a.update(node.kwargs)
     if a.get("bias_k") is not None or a.get("bias_v") is not None or a.get("add_zero_attn"):
         raise Unproven("MultiheadAttention with add_bias_kv or add_zero_attn")
-    if a.get("use_separate_proj_weight") or a.get("static_k") is not None or a.get("static_v") is not None:
-        raise Unproven("MultiheadAttention with kdim/vdim or static k/v")
+    if a.get("static_k") is not None or a.get("static_v") is not None:
+        raise Unproven("MultiheadAttention with static k/v")
     if a.get("training", True) is not True:
         a["dropout_p"] = 0.0  # eval: MultiheadAttention applies no dropout
     if not isinstance(a.get("dropout_p", 0.0), (int, float)):
@@ -46,8 +46,11 @@ def check_mha(node: fx.Node) -> dict[str, Any]:
     weights_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
     if any(u.users for u in weights_users):
         raise Unproven("MultiheadAttention's attention weights are used (need_weights): they cannot be skipped")
-    if a.get("in_proj_bias") is None or a.get("in_proj_weight") is None:
-        raise Unproven("MultiheadAttention without a packed in-projection")
+    separate = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+    if a.get("use_separate_proj_weight") and any(not isinstance(a.get(w), fx.Node) for w in separate):
+        raise Unproven("MultiheadAttention with use_separate_proj_weight but without q/k/v projection weights")
+    if not a.get("use_separate_proj_weight") and not isinstance(a.get("in_proj_weight"), fx.Node):
+        raise Unproven("MultiheadAttention without an in-projection weight")
     return a
 
 

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import hashlib
 import math
-import os
 import warnings
 from collections.abc import Callable
 from typing import ClassVar
@@ -67,6 +66,7 @@ from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.masks.values import piecewise
 from gemcompile.passes.masks.terms import mentions_structure
 from gemcompile.passes.records import describe_nodes
+from gemcompile.env import env_flag
 
 Matcher = Callable[[], AttentionSite]
 
@@ -152,7 +152,7 @@ class AttentionRewritePass(GemPass):
                     records[family.name].append(functools.partial(family.refused, node, str(reason)))
                 continue
             except Exception as error:  # noqa: BLE001 (module doc: a bug of ours must not fail the compile)
-                if os.environ.get("GEMCOMPILE_STRICT") == "1":
+                if env_flag("GEMCOMPILE_STRICT", False):
                     raise
                 emit.rollback(mark)
                 reason = ("internal error of gemcompile, the attention is left as written: "

@@ -405,6 +405,9 @@ class MaskEvaluator:
             value = self.tensor(i)
             if not isinstance(value, IntTensor) or example_value(i).dtype == torch.bool:
                 raise Unproven(f"the mask is indexed by {i.name}, which is not an integer index tensor")
+            if any(self.data_function(f) is not None for f in value.expr.atoms(sympy.Function)):
+                # a table looked up by data (TransAct's action_type_lookup[ids + 1]): data at these positions
+                raise Unproven(f"a tensor looked up by {i.name}, read from data")
             subs[index_symbol(src.ndim - 1 - d)] = value.expr
         out_ndim = example_value(node).dim()
         tmp = {k: sympy.Symbol(f"_g{k}", integer=True) for k in subs}

@@ -75,7 +75,8 @@ def piecewise(ndim: int, pieces) -> PiecewiseTensor:
             continue
         key = float(v)
         merged[key] = sympy.Or(merged[key], c) if key in merged else c
-    return PiecewiseTensor(ndim, tuple((v, simplify_pred(c)) for v, c in merged.items()))
+    simplified = ((v, simplify_pred(c)) for v, c in merged.items())  # (x & ~x: a fill that covers a piece)
+    return PiecewiseTensor(ndim, tuple((v, c) for v, c in simplified if c is not sympy.false))
 
 
 # -- canonical comparisons --------------------------------------------------------------------------

@@ -14,20 +14,20 @@ interpreter) with dense, contiguous fp32 gradients; amsgrad, capturable, differe
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
 from gemcompile.runtime.tables.optimizer_closure import run_closure
 from gemcompile.runtime.training.adam_triton import AdamPlan, adam_update_, runs_here
+from gemcompile.env import env_flag
 
 __all__ = ["TritonAdam", "triton_adam_enabled", "triton_adam_serves"]
 
 
 def triton_adam_enabled() -> bool:
     """False when GEMCOMPILE_TRITON_ADAM=0 (torch's fused Adam then, for an A/B)."""
-    return os.environ.get("GEMCOMPILE_TRITON_ADAM", "1") != "0"
+    return env_flag("GEMCOMPILE_TRITON_ADAM", True)
 
 
 def triton_adam_serves(params: list[Tensor]) -> bool:

@@ -293,15 +293,21 @@ def save_checkpoint(
         kill_point(f"save:{step}:rename")
         commit_folder(partial, path, step)
 
-    on_rank0(prepare)
-    kill_point(f"save:{step}:begin")
-    with _single_process_quiet():
-        dcp.save(
-            {"model": model_state, "optim": optim_state, "meta": _to_bytes(meta)},
-            storage_writer=_KillPointWriter(partial, step),
-            no_dist=_no_dist(),
-        )
-    on_rank0(seal)  # every rank waits until the checkpoint is in place
+    try:
+        on_rank0(prepare)
+        kill_point(f"save:{step}:begin")
+        with _single_process_quiet():
+            dcp.save(
+                {"model": model_state, "optim": optim_state, "meta": _to_bytes(meta)},
+                storage_writer=_KillPointWriter(partial, step),
+                no_dist=_no_dist(),
+            )
+        on_rank0(seal)  # every rank waits until the checkpoint is in place
+    except OSError as e:  # a full disk said only "[Errno 28] No space left on device": say what and where
+        if type(e) is not OSError and not isinstance(e, (PermissionError, FileNotFoundError)):
+            raise
+        raise OSError(e.errno, f"writing the checkpoint of step {step} into {path.parent} failed: "
+                               f"{e.strerror or e} (the checkpoints before it are intact)") from e
     kill_point(f"save:{step}:done")
     return path
 

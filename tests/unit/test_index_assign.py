@@ -1,0 +1,90 @@
+"""``x[index] = value`` on part of a fresh tensor, read as ``where(selected, value, x)``
+(passes/attention/index_assign.py through in_place.functionalize_fresh_updates): every served spelling leaves
+no setitem in the graph and gives eager's values, at static and dynamic sizes; the near misses (a value
+spanning a partial slice, an integer index tensor, a step, a tensor read after the update through a view)
+keep their setitem and still give eager's values."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from gemcompile.passes.attention.in_place import functionalize_fresh_updates
+
+B, L = 3, 7
+
+
+def _ids(lengths=(7, 0, 4)):
+    return (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).long() * torch.arange(1, L + 1)
+
+
+SERVED = {
+    "int_column_tensor_value": lambda m, ids: m.__setitem__((slice(None), 0), torch.zeros(m.shape[0], dtype=m.dtype)),
+    "negative_int_scalar": lambda m, ids: m.__setitem__((slice(None), -1), False),
+    "partial_slice_scalar": lambda m, ids: m.__setitem__((slice(None), slice(2, 5)), True),
+    "ellipsis_slice_column_value": lambda m, ids: m.__setitem__((Ellipsis, slice(None, 3)), (ids[:, 0] > 3)[:, None]),
+    "bool_rows_and_last_key": lambda m, ids: m.__setitem__((m.all(-1), -1), False),
+    "int_row": lambda m, ids: m.__setitem__(1, True),
+    "slice_to_minus_one": lambda m, ids: m.__setitem__((slice(None), slice(1, -1)), False),
+}
+KEPT = {
+    "value_spans_partial_slice": lambda m, ids: m.__setitem__((slice(None), slice(1, 4)), (ids > 2)[:, 1:4]),
+    "integer_index_tensor": lambda m, ids: m.__setitem__((torch.arange(m.shape[0]), ids.argmax(-1)), True),
+    "step": lambda m, ids: m.__setitem__((slice(None), slice(None, None, 2)), True),
+}
+
+
+def _program(update, float_result=False):
+    def f(ids):
+        m = ids == 0
+        update(m, ids)
+        out = torch.zeros(m.shape, dtype=torch.float32).masked_fill(m, float("-inf")) if float_result else m
+        return out, ids.sum()
+    return f
+
+
+def _compiled(f, dynamic):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["rewritten"] = functionalize_fresh_updates(gm.graph)
+        gm.recompile()
+        seen["setitems"] = sum(n.target is operator.setitem for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(f, backend=backend, dynamic=dynamic, fullgraph=True), seen
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("spelling", list(SERVED) + list(KEPT))
+def test_an_assignment_to_part_of_a_fresh_mask_equals_eager(spelling, dynamic):
+    update = {**SERVED, **KEPT}[spelling]
+    f = _program(update, float_result=spelling.startswith("int_column"))
+    compiled, seen = _compiled(f, dynamic)
+    for lengths in ((7, 0, 4), (0, 0, 0), (7, 7, 7)):
+        ids = _ids(lengths)
+        out, ref = compiled(ids.clone()), f(ids.clone())
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r)
+    if spelling in SERVED:
+        assert seen["rewritten"] == 1 and seen["setitems"] == 0, seen
+    else:
+        assert seen["setitems"] == 1, seen
+
+
+def test_a_view_taken_before_the_assignment_and_read_after_keeps_it_in_place():
+    """A view of the mask taken before the update sees the update in eager: the setitem stays."""
+    def f(ids):
+        m = ids == 0
+        first_rows = m[:2]
+        m[:, 0] = True
+        return first_rows.clone(), m
+
+    compiled, seen = _compiled(f, dynamic=False)
+    ids = _ids()
+    for o, r in zip(compiled(ids), f(ids)):
+        torch.testing.assert_close(o, r)
+    assert seen["setitems"] == 1, seen
