@@ -40,6 +40,22 @@ class FairseqStyle(nn.Module):
         return o.transpose(0, 1).contiguous().view(t, b, E)
 
 
+class FairseqFiveDimStyle(FairseqStyle):
+    """fairseq's current MultiheadAttention: the (B, H, T, S) view viewed again as (kv_bsz, -1, H, T, S) to
+    take the key padding mask unsqueezed thrice, then back to (B * H, T, S); softmax in float32, type_as."""
+
+    def forward(self, x, pad):
+        t, b, _ = x.shape
+        q = (self.q(x) * D ** -0.5).contiguous().view(t, b * H, D).transpose(0, 1)
+        k = self.k(x).contiguous().view(-1, b * H, D).transpose(0, 1)
+        v = self.v(x).contiguous().view(-1, b * H, D).transpose(0, 1)
+        w = torch.bmm(q, k.transpose(1, 2)).view(b, H, t, t).view(b, -1, H, t, t)
+        w = w.masked_fill(pad.unsqueeze(1).unsqueeze(2).unsqueeze(3).to(torch.bool), float("-inf"))
+        w = w.view(b * H, t, t)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
+        return torch.bmm(w, v).transpose(0, 1).contiguous().view(t, b, E)
+
+
 class DebertaStyle(nn.Module):
     """k scaled inside the product, a content-to-position bias from a second bmm in the merged frame, the
     4-D view masked with finfo.min by the pairwise token mask, softmax per head, viewed back for bmm."""
@@ -131,13 +147,13 @@ def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slic
     g = torch.Generator().manual_seed(seed)
     keep = (torch.arange(L)[None, :] < LENGTHS[samples, None]).to(device)
     batch = keep.shape[0]
-    shape = (L, batch, E) if name == "fairseq" else (batch, L, E)
+    shape = (L, batch, E) if name.startswith("fairseq") else (batch, L, E)
     x = torch.randn(*shape, generator=g).to(device).requires_grad_()
-    return (x, ~keep) if name == "fairseq" else (x, keep.long())
+    return (x, ~keep) if name.startswith("fairseq") else (x, keep.long())
 
 
-MODELS = {"fairseq": FairseqStyle, "deberta": DebertaStyle, "single_head": SingleHead, "alibi": AlibiStyle,
-          "sasrec_tf": SasrecTfStyle}
+MODELS = {"fairseq": FairseqStyle, "fairseq_5d": FairseqFiveDimStyle, "deberta": DebertaStyle,
+          "single_head": SingleHead, "alibi": AlibiStyle, "sasrec_tf": SasrecTfStyle}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -42,6 +42,7 @@ from gemcompile.passes.attention.block import BlockAttention
 from gemcompile.passes.attention.family import AttentionFamily
 from gemcompile.passes.attention.gdpa import Gdpa
 from gemcompile.passes.attention.in_place import functionalize_fresh_updates
+from gemcompile.passes.attention.unit_dims import drop_unit_dim_views
 from gemcompile.passes.attention.row_flattened import fold_row_flattened_masks
 from gemcompile.passes.attention.jagged import JaggedAttention
 from gemcompile.passes.attention.match import (
@@ -111,6 +112,7 @@ class AttentionRewritePass(GemPass):
     def run(self, graph: fx.Graph) -> None:
         lower_vmapped_masks(graph)  # transformers' masks built under torch.vmap, as broadcast ops
         functionalize_fresh_updates(graph)  # `s /= c`, `s.masked_fill_(pad, -inf)`: chains the matchers read
+        drop_unit_dim_views(graph)  # fairseq's 5-D view of the scores around its masked_fill
         fold_row_flattened_masks(graph)  # d2l: the scores masked as (M, Lk) rows, then shaped back
         emit = Emitter(graph)
         records: dict[str, list[Callable[[], None]]] = {family.name: [] for family in self.families}
