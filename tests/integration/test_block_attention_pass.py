@@ -495,7 +495,23 @@ def miss_query_rows_not_masked_after(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16) & m[:, None, None, :] & m[:, None, :, None])
 
 
+def miss_chunk_causal(q, k, v, n, x):  # WeNet's chunk mask: key chunks up to the query's (block-causal)
+    pos = torch.arange(L)
+    ends = (torch.div(pos, 16, rounding_mode="trunc") + 1) * 16
+    keep = pos.unsqueeze(0) < ends.unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep & key_mask(n)[:, None, None, :])
+
+
+def miss_chunks_rounded_toward_zero(q, k, v, n, x):  # i - 8 may be negative: trunc is not floor there
+    pos = torch.arange(L)
+    keep = torch.div(pos[:, None] - 8, 16, rounding_mode="trunc") == torch.div(pos[None, :] - 8, 16,
+                                                                                rounding_mode="trunc")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep & key_mask(n)[:, None, None, :])
+
+
 NEAR_MISSES = {
+    miss_chunk_causal: "not query blocks against key blocks",
+    miss_chunks_rounded_toward_zero: "rounding toward zero",
     miss_block_size_from_tensor: r"integer tensor of shape \(\)",
     miss_block_size_per_sample: "block size .* not a constant",
     miss_blocks_offset: "blocks are offset",

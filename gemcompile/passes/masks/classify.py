@@ -184,7 +184,7 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
         where = set().union(*[a.free_symbols for f, _ in reads for a in f.args])
         leaf = reads[0][1]
         names = ", ".join(sorted({r.node.name for _, r in reads}))
-        why = f" ({leaf.why})" if leaf.why and len(reads) == 1 else ""
+        why = f" ({leaf.why})" if leaf.why else ""  # the first one's: why the prover reads it as data
         if {i, j} <= where:
             raise Unproven(f"the mask reads {names}{why} as data at both the query and the key position: only a "
                            "per-key vector (b, j) read from data is served")

@@ -297,7 +297,9 @@ class MaskEvaluator:
             return self._masked_fill(node, ndim)
         if name in _IDENTITY_METHODS or name in _TO_FLOAT or name in _TO_INT or name == "bool":
             return self._cast(node, value)
-        if name in ("div", "divide") and kwargs.get("rounding_mode") == "floor" and value.dtype in _INT_DTYPES:
+        if name in ("div", "divide") and value.dtype in _INT_DTYPES and kwargs.get("rounding_mode"):  # floor, trunc
+            if kwargs["rounding_mode"] == "trunc" and not _trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
+                raise Unproven("integer division rounding toward zero of a value that may be negative")
             return self._arith(operator.floordiv, args[0], args[1], ndim, value)  # i // b spelled torch.div
         if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
             op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]
@@ -640,6 +642,12 @@ class MaskEvaluator:
         if any(math.isnan(v) for v, _ in pieces):
             raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")
         return piecewise(ndim, pieces)
+
+
+def _trunc_is_floor(a, b) -> bool:
+    """Whether a / b rounds the same toward zero and down: a >= 0 and b > 0 (WeNet's chunk index i // c)."""
+    ea, eb = (v.expr if isinstance(v, IntTensor) else v for v in (a, b))
+    return getattr(ea, "is_nonnegative", False) is True and getattr(eb, "is_positive", False) is True
 
 
 def _shifted_reads(expr) -> bool:
