@@ -222,6 +222,23 @@ class TransActStyle(nn.Module):
         return self.encoder(hidden, src_key_padding_mask=padding)
 
 
+class MeantimeStyle(_Attention):
+    """MEANTIME's SASRec: the key mask repeated over the query rows and made causal in place,
+    ``m = (ids > 0).unsqueeze(1).repeat(1, L, 1).unsqueeze(1); m.tril_()``, then ``masked_fill(m == 0, -1e9)``."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__(heads, head_dim)
+        self.qkv = nn.Linear(self.width, 3 * self.width)
+
+    def forward(self, hidden, ids):
+        m = (ids > 0).unsqueeze(1).repeat(1, ids.shape[1], 1).unsqueeze(1)
+        m.tril_()
+        q, k, v = (self.split(t) for t in self.qkv(hidden).chunk(3, dim=-1))
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(m == 0, -1e9)
+        return self.merge(torch.matmul(F.softmax(s, dim=-1), v))
+
+
 class HstuResearchStyle(_Attention):
     """The research HSTU encoder's attention: a registered triu(ones, diagonal=1) buffer, used as
     1 - mask (float) times silu(q k^T) / n; padded positions are zeros and are dropped afterwards."""

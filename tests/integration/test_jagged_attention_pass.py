@@ -45,6 +45,20 @@ def hand_causal_plus_int_mask(q, k, v, n, x):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def hand_causal_integer_tril_and_numpy(q, k, v, n, x):
+    """ReChorus' SASRec: an integer causal triangle (np.tril(np.ones(..., dtype=int)) through torch.from_numpy,
+    here beside torch's own integer tril and numpy's triu with k=1) and the key padding from the lengths,
+    filled with -1e9."""
+    import numpy as np
+
+    ints = torch.tril(torch.ones((1, 1, L, L), dtype=torch.int64))
+    numpy_tril = torch.from_numpy(np.tril(np.ones((1, 1, L, L), dtype=np.int64)))
+    numpy_above = torch.from_numpy(np.triu(np.ones((L, L), dtype=np.int64), k=1))  # 1 above the diagonal
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
+    drop = (ints == 0) | (numpy_tril == 0) | (numpy_above == 1) | ~key_mask(n)[:, None, None, :]
+    return torch.softmax(s.masked_fill(drop, -1e9), dim=-1) @ v
+
+
 def _hf_4d_mask_written_in_place(q, n, upto):
     """transformers 4.4x's _prepare_4d_causal_attention_mask_with_cache_position: the triangle scaled in place,
     expanded and cloned, then its first `upto` keys refilled through a slice assignment."""
@@ -208,6 +222,7 @@ def hand_weights_times_row_weights(q, k, v, n, x):
 IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, hand_causal_plus_int_mask,
+          hand_causal_integer_tril_and_numpy,
           hand_hf_mask_slice_assigned, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
           hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
@@ -740,6 +755,48 @@ def test_a_mask_updated_in_place_is_read_with_its_update(update):
         ref = fixed_up(x, ids.clone(), sdpa)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
         assert_same_weighted_grads(out, ref, [x, *mha.parameters()])
+
+
+@pytest.mark.parametrize("update", ["tril_", "mul_", "iand", "copy_"])
+def test_a_repeated_key_mask_made_causal_in_place(update):
+    """MEANTIME's SASRec: the key mask repeated over the query rows, then made causal in place
+    (``m = (ids > 0).unsqueeze(1).repeat(1, L, 1).unsqueeze(1); m.tril_()``). tril_, mul_ and &= are read as
+    their out-of-place ops (causal, rewritten); copy_ stays in place, and the repeat's rows are then no longer
+    copies of one row: refused as data at both positions (the rows were read at row 0 before: the causal
+    part silently dropped, outputs 1.35 off). compiled == eager on the rows eager defines, every gradient."""
+    qkv = nn.Linear(H * D, 3 * H * D)
+
+    def meantime(x, ids):
+        m = (ids > 0).unsqueeze(1).repeat(1, ids.shape[1], 1).unsqueeze(1)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        if update == "tril_":
+            m.tril_()
+        elif update == "mul_":
+            m.mul_(causal)
+        elif update == "iand":
+            m &= causal
+        else:
+            m.copy_(m & causal)
+        q, k, v = (t.view(x.shape[0], L, H, D).transpose(1, 2) for t in qkv(x).chunk(3, -1))
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
+        s = s.masked_fill(m == 0, -1e9)
+        return (torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(x.shape[0], L, H * D)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, L, H * D, generator=g, requires_grad=True)
+    valid = torch.arange(L)[None, :] >= L - torch.tensor([L, 1, 7, 0])[:, None]  # left padded, one empty
+    ids = torch.randint(1, 50, (B, L), generator=g) * valid
+    report = explain(meantime, x, ids)
+    if update == "copy_":
+        assert report.counts["jagged_attention"] == 0
+        assert any("both the query and the key" in r.reason for r in report.refusals), report.refusals
+    else:
+        assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+        assert "causal" in report.rewrites[0].detail, report.rewrites[0].detail
+    out, ref = rewritten(meantime)(x, ids), meantime(x, ids)
+    rows = valid[..., None]  # a left-padded row before the first token sees no valid key (eager: uniform)
+    torch.testing.assert_close(out * rows, ref * rows, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out * rows, ref * rows, [x, *qkv.parameters()])
 
 
 def test_an_internal_error_leaves_the_attention_as_written(monkeypatch):

@@ -32,6 +32,7 @@ from tests.model_styles import (
     EncoderLayerCausal,
     EncoderStackCausal,
     TransActStyle,
+    MeantimeStyle,
     FuxiCtrBstStyle,
     FuxiCtrStyleAttention,
     HstuResearchStyle,
@@ -112,6 +113,7 @@ MODELS = {
     "encoder_stack_causal_bool": (functools.partial(EncoderStackCausal, bool_mask=True), "ids_right",
                                   "jagged_attention"),
     "transact_first_action_kept": (TransActStyle, "ids_left", "jagged_attention"),
+    "meantime_tril_in_place": (MeantimeStyle, "ids_left", "jagged_attention"),
 }
 
 

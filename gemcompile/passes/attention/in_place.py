@@ -31,8 +31,9 @@ from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
 
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
-              operator.imul: operator.mul}
-_METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+              operator.imul: operator.mul, operator.iand: operator.and_, operator.ior: operator.or_}
+_METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div",
+            "tril_": "tril", "triu_": "triu"}  # MEANTIME's attn_mask.tril_()
 _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
           "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
           "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
@@ -41,8 +42,10 @@ _FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "_
           "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
           "logical_and", "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or",
           "bitwise_xor", "bitwise_not", "__and__", "__or__", "__xor__", "__invert__", "and_", "or_", "xor",
-          "invert")
+          "invert", "repeat", "tile", "repeat_interleave")
 """Ops whose result is a new tensor (no alias of an input)."""
+_VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
+"""Views through which an update of a fresh tensor seen by nothing else is still an update of a fresh one."""
 _READS = ("all", "any", "sum", "amax", "amin", "count_nonzero")
 """Reductions: like _FRESH, a reader of this kind before an update holds the value from before it."""
 
@@ -106,12 +109,13 @@ def _bool_mask_fill(node: fx.Node) -> bool:
 
 
 def _fresh(node) -> bool:
-    """A new tensor no one else can see: an op that returns one, or a reshape or view whose base is such a
-    tensor read by nothing else (d2l writes ``x = s.reshape(-1, L); x[~mask] = v``: s is seen only through x)."""
+    """A new tensor no one else can see: an op that returns one, or a view (reshape, unsqueeze, ...) whose
+    base is such a tensor read by nothing else (d2l writes ``x = s.reshape(-1, L); x[~mask] = v``: s is seen
+    only through x; MEANTIME ``m = pad.repeat(1, L, 1).unsqueeze(1); m.tril_()``)."""
     if not (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
             and isinstance(example_value(node), torch.Tensor)):
         return False
-    if target_name(node) in ("reshape", "view") and node.args and isinstance(node.args[0], fx.Node):
+    if target_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
         base = node.args[0]  # (reads of its shape alone, ``shape = s.shape`` under dynamic shapes, see nothing)
         return [u for u in base.users if not reads_shape_only(u, base)] == [node] and _fresh(base)
     return target_name(node) in _FRESH

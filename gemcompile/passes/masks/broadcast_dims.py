@@ -4,7 +4,8 @@ A mask read from data becomes an opaque leaf of the evaluator, a function of eve
 is read at (masks/evaluator.py ``_leaf``). When that node sits after ``mask.view(B, 1, 1, L).expand(-1, H,
 -1, -1)`` (FuxiCTR's target attention), its head dim has size H, and a leaf indexed by h would read as "a
 mask that differs between heads", though every head holds the same copy. ``constant_dims`` finds such dims
-by walking back through the shape and elementwise ops: the leaf reads index 0 there instead.
+by walking back through the shape and elementwise ops: the leaf reads index 0 there instead. A tensor on
+that walk that anything updates in place (through a view too) holds no such copies any more.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.passes.graph import example_value, target_name
+from gemcompile.passes.masks.mutation import in_place_update
 
 _EXPANDS = ("expand", "expand_as", "broadcast_to")
 _PERMUTES = ("transpose", "swapaxes", "permute")
@@ -41,6 +43,8 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
     ndim = value.dim()
     unit = frozenset(ndim - 1 - d for d, s in enumerate(value.shape) if _is_one(s))
     if depth <= 0 or node.op not in ("call_function", "call_method"):
+        return unit
+    if in_place_update(node) is not None:  # MEANTIME's repeated key mask made causal by .tril_(): no copies
         return unit
     name = _OPERATORS.get(node.target) or target_name(node.target)
     args = node.args

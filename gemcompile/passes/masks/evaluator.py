@@ -75,9 +75,10 @@ _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: 
 _REVERSED_ARITH = {"__radd__": operator.add, "__rsub__": operator.sub, "__rmul__": operator.mul,
                    "__rtruediv__": operator.truediv, "__rfloordiv__": operator.floordiv, "rsub": operator.sub}
 _IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "type_as", "cuda", "cpu", "requires_grad_",
-                     "alias", "_to_copy", "convert_element_type"}
+                     "alias", "_to_copy", "convert_element_type", "as_tensor", "from_numpy", "asarray"}
 _CONSTANT_MAKERS = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",
                     "new_full"}
+_NUMPY = {"wrapped_ones": "ones", "wrapped_zeros": "zeros", "wrapped_tril": "tril", "wrapped_triu": "triu"}  # np.*
 _TO_FLOAT = {"float", "half", "bfloat16", "double"}
 _TO_INT = {"long", "int", "short"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -242,7 +243,7 @@ class MaskEvaluator:
         if node.op not in ("call_function", "call_method"):
             raise Unproven(f"{node.op} {node.target} in the mask")
         target = node.target
-        name = target_name(target)
+        name = _NUMPY.get(target_name(target), target_name(target))  # ReChorus' torch.from_numpy(np.tril(...))
         args, kwargs = node.args, node.kwargs
         ndim = value.dim()
 
@@ -336,7 +337,7 @@ class MaskEvaluator:
         return IntTensor(1, start + step * index_symbol(0))
 
     def _constant(self, node: fx.Node, value: torch.Tensor) -> Abstract:
-        name = target_name(node.target)
+        name = _NUMPY.get(target_name(node.target), target_name(node.target))
         if name in ("ones", "ones_like", "new_ones"):
             fill = 1
         elif name in ("zeros", "zeros_like", "new_zeros"):
@@ -556,10 +557,9 @@ class MaskEvaluator:
         return simplify_pred(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
 
     def _tril(self, node: fx.Node, name: str) -> Abstract:
-        k = node.kwargs.get("diagonal", node.args[1] if len(node.args) > 1 else 0)
+        k = node.kwargs.get("diagonal", node.kwargs.get("k", node.args[1] if len(node.args) > 1 else 0))  # np: k
         k = self.evaluate(k) if isinstance(k, fx.Node) else k  # a diagonal from a dynamic size: symbolic
         return triangle(self.atoms, self.tensor(node.args[0]), name, k)
-
 
     def _as_pieces(self, v, ndim: int) -> tuple[tuple[float, Boolean], ...]:
         if isinstance(v, PiecewiseTensor):
