@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from gemcompile.passes.attention.index_assign import emit_index_assign, index_assign_parts
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
+from gemcompile.passes.masks.mutation import forget_mutations
 
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
               operator.imul: operator.mul, operator.iand: operator.and_, operator.ior: operator.or_}
@@ -160,4 +161,6 @@ def functionalize_fresh_updates(graph: fx.Graph) -> int:
             user.replace_input_with(base, new)
         graph.erase_node(node)
         count += 1
+    if count:
+        forget_mutations(graph)  # the alias index (masks/mutation.py) still lists the updates just removed
     return count
