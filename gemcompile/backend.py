@@ -224,7 +224,21 @@ def _registered_backend(gm: fx.GraphModule, example_inputs, **kwargs):
     return GemBackend()(gm, example_inputs, **kwargs)
 
 
-try:
-    torch._dynamo.register_backend(_registered_backend, name="gemcompile")
-except Exception as e:  # already registered (module reloaded) or a torch without the registry
-    log.debug("backend 'gemcompile' not registered: %s", e)
+def _register_by_name() -> None:
+    """The name "gemcompile" for torch.compile. An installed package also declares it as a
+    ``torch_dynamo_backends`` entry point, which torch loads by name in a process that never imported
+    gemcompile; torch then registers the function itself (a second registration would be a duplicate)."""
+    from torch._dynamo.backends import registry
+
+    if getattr(registry, "_BACKENDS", {}).get("gemcompile") is not None:
+        return  # this import is torch loading the entry point
+    try:
+        torch._dynamo.register_backend(_registered_backend, name="gemcompile")
+    except Exception as e:  # already registered (module reloaded) or a torch without the registry
+        log.debug("backend 'gemcompile' not registered: %s", e)
+
+
+_register_by_name()
+# torch.compile(model, backend="gemcompile") traces before any gemcompile code runs: what gem_compile and
+# explain set up for Dynamo (both exact, see allow_warnings_in_graphs) is set up once the backend exists
+allow_warnings_in_graphs()

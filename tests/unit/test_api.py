@@ -168,3 +168,15 @@ def test_eager_training_imports_no_compiler_stack_and_the_public_names_stay_func
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("imports", ["import torch", "import torch, gemcompile"])
+def test_the_backend_name_works_without_importing_the_compiler(imports):
+    """torch.compile(..., backend="gemcompile") in a process that imported only torch (the package's
+    torch_dynamo_backends entry point) or only the lazy top-level package: it was an InvalidBackend there."""
+    import subprocess
+    import sys
+
+    code = f"{imports}\nf = torch.compile(lambda x: x * 3, backend='gemcompile')\nprint(f(torch.ones(2)).tolist())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "[3.0, 3.0]" in done.stdout, done.stderr[-2000:]

@@ -47,7 +47,7 @@ from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and th
     piecewise,
     simplify_pred,
     triangle,
-    index_symbol,
+    index_symbol, check_no_wrap, trunc_is_floor,
 )
 
 NEG_FILL_LIMIT = -1.0e4
@@ -299,7 +299,7 @@ class MaskEvaluator:
         if name in _IDENTITY_METHODS or name in _TO_FLOAT or name in _TO_INT or name == "bool":
             return self._cast(node, value)
         if name in ("div", "divide") and value.dtype in _INT_DTYPES and kwargs.get("rounding_mode"):  # floor, trunc
-            if kwargs["rounding_mode"] == "trunc" and not _trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
+            if kwargs["rounding_mode"] == "trunc" and not trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
                 raise Unproven("integer division rounding toward zero of a value that may be negative")
             return self._arith(operator.floordiv, args[0], args[1], ndim, value)  # i // b spelled torch.div
         if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
@@ -612,7 +612,7 @@ class MaskEvaluator:
             return piecewise(src.ndim, self._as_pieces(src, src.ndim))
         if dtype in _INT_DTYPES:
             if isinstance(src, IntTensor):
-                return src
+                return check_no_wrap(dtype, getattr(example_value(node.args[0]), "dtype", None)) or src
             pieces = self._as_pieces(src, src.ndim)
             if all(float(v).is_integer() for v, _ in pieces):
                 return piecewise(src.ndim, pieces)
@@ -621,6 +621,7 @@ class MaskEvaluator:
     def _arith(self, op, a, b, ndim: int, value: torch.Tensor) -> Abstract:
         va, vb = self.evaluate(a), self.evaluate(b)
         if value.dtype in _INT_DTYPES and all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)):
+            check_no_wrap(value.dtype)  # int8 16 + 120 is -120: the prover's integers do not wrap
             ea = va.expr if isinstance(va, IntTensor) else va
             eb = vb.expr if isinstance(vb, IntTensor) else vb
             if ndim == 1 and (self._from_fallback(ea) or self._from_fallback(eb) or _shifted_reads(ea - eb)):
@@ -642,12 +643,6 @@ class MaskEvaluator:
         if any(math.isnan(v) for v, _ in pieces):
             raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")
         return piecewise(ndim, pieces)
-
-
-def _trunc_is_floor(a, b) -> bool:
-    """Whether a / b rounds the same toward zero and down: a >= 0 and b > 0 (WeNet's chunk index i // c)."""
-    ea, eb = (v.expr if isinstance(v, IntTensor) else v for v in (a, b))
-    return getattr(ea, "is_nonnegative", False) is True and getattr(eb, "is_positive", False) is True
 
 
 def _shifted_reads(expr) -> bool:

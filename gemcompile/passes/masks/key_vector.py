@@ -102,6 +102,9 @@ class _Builder:
             x = self.emit.call(torch.unsqueeze, (x, 1 if dims[0] == self.b else 0))
         elif not dims:
             x = self.emit.call(torch.reshape, (x, (1, 1)))
+        dtype = example_value(node).dtype
+        if dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):  # the formula's integers do not wrap:
+            x = self.emit.method("to", (x, torch.int64))  # its sums and differences, rebuilt here, must not
         return x
 
     def proposition(self, atom) -> fx.Node:

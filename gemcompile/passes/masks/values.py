@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
 
@@ -142,3 +143,29 @@ def triangle(atoms: Atoms, src, name: str, k) -> BoolTensor | PiecewiseTensor:
     if isinstance(src, IntTensor) and src.expr.is_number:  # ReChorus' tril(ones(..., dtype=int)): two values
         return piecewise(src.ndim, [(float(src.expr), keep), (0.0, sympy.Not(keep))])
     raise Unproven(f"{name} of an integer tensor that is not a constant")
+
+
+def trunc_is_floor(a, b) -> bool:
+    """Whether a / b rounds the same toward zero and down: a >= 0 and b > 0 (WeNet's chunk index i // c)."""
+    ea, eb = (v.expr if isinstance(v, IntTensor) else v for v in (a, b))
+    return getattr(ea, "is_nonnegative", False) is True and getattr(eb, "is_positive", False) is True
+
+
+_NARROW_INTS = (torch.int8, torch.uint8, torch.int16)
+
+
+def check_no_wrap(dtype: torch.dtype, source: torch.dtype | None = None) -> None:
+    """Unproven where integers may wrap around, which the prover's unbounded integers do not model:
+    arithmetic computed in int8, uint8 or int16 (``source`` None), or a cast into one of them from a type with
+    values outside it (``lengths.to(torch.int8)`` of 200 is -56). int32 and int64 are taken not to wrap
+    (the kernels read lengths as int32)."""
+    if dtype not in _NARROW_INTS:
+        return None
+    if source is None:
+        raise Unproven(f"integer arithmetic in {dtype} may wrap around")
+    if source.is_floating_point or source == torch.bool:
+        return None
+    wide, narrow = torch.iinfo(source), torch.iinfo(dtype)
+    if wide.min < narrow.min or wide.max > narrow.max:
+        raise Unproven(f"a cast from {source} to {dtype} may wrap around")
+    return None
