@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gemcompile.backend import GemBackend, allow_warnings_in_graphs, check_mode_and_options
+from gemcompile.backend import GemBackend, check_mode_and_options
 from gemcompile.config import GemConfig
 
 
@@ -53,7 +53,6 @@ def gem_compile(model_or_fn: Any = None, *, config: GemConfig | None = None, **t
         return functools.partial(gem_compile, config=config, **torch_compile_kwargs)
 
     backend = GemBackend(config)
-    allow_warnings_in_graphs()
     if isinstance(model_or_fn, type):
         if issubclass(model_or_fn, nn.Module):
             return _compile_module_class(model_or_fn, backend, torch_compile_kwargs)

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.markup import escape
 from rich.text import Text
 
-from gemcompile.backend import GemBackend, allow_warnings_in_graphs
+from gemcompile.backend import GemBackend
 from gemcompile.config import GemConfig
 from gemcompile.passes import PassManager
 from gemcompile.passes.activation_memory import ActivationMemoryPartitioner, memory_tables
@@ -67,7 +67,7 @@ class ExplainReport:
     producer; with a budget, also what the budget recomputes and the bytes saved with no budget), and the
     peak live bytes of each partitioned forward and backward graph (GraphMemory.backward_peak)."""
     graph_breaks: list[tuple[str, int]] = field(default_factory=list)
-    """(Dynamo's reason, first line, how many times) for each graph break of the capture: code after a
+    """(the first line of Dynamo's reason, how many times) for each graph break of the capture: code after a
     break runs in another graph, or eagerly when Dynamo skips the frame, and no pass sees across it."""
 
     def __rich_console__(self, console, options):
@@ -245,7 +245,6 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
         raise TypeError(f"explain: config must be a gemcompile.GemConfig, got {type(config).__name__}")
     backend = _ExplainBackend(config if config is not None else GemConfig(), pass_types)
     log = PassLog()
-    allow_warnings_in_graphs()
     compiled = torch.compile(model_or_fn, backend=backend)
     breaks_before = dict(counters["graph_break"])
     with recording(log), _eager_backward_compile(), _first_capture():

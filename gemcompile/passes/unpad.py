@@ -73,10 +73,11 @@ from gemcompile.passes.token_wise import (
 )
 from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
                                                pack_attentions)
-from gemcompile.passes.unpad_masks import RowMask, changed_in_place, find_row_masks, keys_within, vector_leaves
+from gemcompile.passes.unpad_masks import RowMask, find_row_masks, keys_within, vector_leaves
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 from gemcompile.env import env_flag
+from gemcompile.passes.masks.mutation import in_place_update
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
 # Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
@@ -404,7 +405,7 @@ class UnpadPass(GemPass):
             if order[source] > order[first]:  # (the vector is rebuilt before the region from what it reads)
                 raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, computed after "
                                "the region starts")
-            if changed_in_place(source):
+            if in_place_update(source) is not None:  # through any alias (masks/mutation.py)
                 raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, which the model "
                                "changes in place")
         seq = mask.seq

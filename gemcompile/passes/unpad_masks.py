@@ -35,7 +35,6 @@ from gemcompile.passes.graph import Unproven, example_value, schema_arguments, t
 from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import KeyVector
-from gemcompile.passes.masks.mutation import in_place_update
 from gemcompile.passes.masks.prover import equivalent, render
 from gemcompile.passes.masks.values import PiecewiseTensor
 from gemcompile.passes.token_wise import same_size, shape_of
@@ -199,13 +198,6 @@ def vector_leaves(vector: KeyVector) -> list[fx.Node]:
              for f in evaluator.atoms.expr_of[a][1].atoms(sympy.Function)}
     nodes = [evaluator.data[n].node if n in evaluator.data else evaluator.leaves.get(n) for n in names]
     return sorted({n for n in nodes if n is not None}, key=lambda n: n.name)
-
-
-def changed_in_place(node: fx.Node) -> bool:
-    """Whether the graph writes into ``node`` or a tensor it may alias (``x.clamp_()``, ``x[i] = v``,
-    ``x.data[i] = v``, ``x.long().add_(1)``: masks/mutation.py): a vector rebuilt from it at another place in
-    the graph could then read other values than the model's mask did."""
-    return in_place_update(node) is not None
 
 
 def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool:

@@ -29,26 +29,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from gemcompile.passes.attention.index_assign import emit_index_assign, index_assign_parts
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
-from gemcompile.passes.masks.mutation import forget_mutations
+from gemcompile.passes.masks.mutation import forget_mutations, returns_new_tensor
 
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
               operator.imul: operator.mul, operator.iand: operator.and_, operator.ior: operator.or_}
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div",
             "tril_": "tril", "triu_": "triu"}  # MEANTIME's attn_mask.tril_()
-_FRESH = ("matmul", "__matmul__", "bmm", "einsum", "clone", "add", "__add__", "__radd__", "sub", "__sub__",
-          "__rsub__", "mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "masked_fill", "where", "softmax",
-          "nan_to_num", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "new_zeros",
-          "new_ones", "new_full", "arange", "triu", "tril",
-          # comparisons and logic: masks built from data (``ids == 0``, TransAct's ``bitwise_or(pad, late)``)
-          "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
-          "logical_and", "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or",
-          "bitwise_xor", "bitwise_not", "__and__", "__or__", "__xor__", "__invert__", "and_", "or_", "xor",
-          "invert", "repeat", "tile", "repeat_interleave")
-"""Ops whose result is a new tensor (no alias of an input)."""
 _VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
 """Views through which an update of a fresh tensor seen by nothing else is still an update of a fresh one."""
-_READS = ("all", "any", "sum", "amax", "amin", "count_nonzero")
-"""Reductions: like _FRESH, a reader of this kind before an update holds the value from before it."""
 
 
 def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
@@ -89,11 +77,11 @@ def _seen_only_before(user: fx.Node, update: fx.Node, order: dict) -> bool:
     """A slice of the base read before the update whose every reader makes a new tensor before it (the value
     ``x[..., :n].masked_fill(pad, min)`` assigned back), or a new tensor made from the base before it
     (FuxiCTR's ``mask.all(-1)`` in ``mask[mask.all(-1), -1] = 0``): no reader can see the mutation."""
-    if order[user] < order[update] and target_name(user) in (*_FRESH, *_READS):
+    if order[user] < order[update] and returns_new_tensor(user):
         return True
     if not (user.target is operator.getitem and order[user] < order[update]):
         return False
-    return all(order.get(u, len(order)) < order[update] and target_name(u) in _FRESH for u in user.users)
+    return all(order.get(u, len(order)) < order[update] and returns_new_tensor(u) for u in user.users)
 
 
 def _bool_mask_fill(node: fx.Node) -> bool:
@@ -119,7 +107,7 @@ def _fresh(node) -> bool:
     if target_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
         base = node.args[0]  # (reads of its shape alone, ``shape = s.shape`` under dynamic shapes, see nothing)
         return [u for u in base.users if not reads_shape_only(u, base)] == [node] and _fresh(base)
-    return target_name(node) in _FRESH
+    return returns_new_tensor(node)
 
 
 def _same_layout(before: torch.Tensor, after) -> bool:

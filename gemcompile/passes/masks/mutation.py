@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from gemcompile.passes.graph import Unproven, target_name
 
-__all__ = ["check_not_updated", "forget_mutations", "in_place_update"]
+__all__ = ["check_not_updated", "forget_mutations", "in_place_update", "returns_new_tensor"]
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
@@ -61,7 +61,10 @@ _FRESH = {
 """Ops whose result is a new tensor, never an alias of an input."""
 
 
-def _fresh(node: fx.Node) -> bool:
+def returns_new_tensor(node: fx.Node) -> bool:
+    """Whether ``node``'s op is known to return a new tensor, never an alias of an input (``_FRESH``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
     if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemcompile":
         return True  # gemcompile's own ops return new tensors
     return target_name(node) in _FRESH
@@ -75,7 +78,7 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def _aliased_inputs(node: fx.Node) -> list[fx.Node]:
     """The inputs ``node``'s result may share storage with (every one, for an op not known to be fresh)."""
-    if node.op not in ("call_function", "call_method") or _fresh(node):
+    if node.op not in ("call_function", "call_method") or returns_new_tensor(node):
         return []
     return _tensor_inputs(node)
 

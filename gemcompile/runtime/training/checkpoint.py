@@ -304,7 +304,7 @@ def save_checkpoint(
             )
         on_rank0(seal)  # every rank waits until the checkpoint is in place
     except OSError as e:  # a full disk said only "[Errno 28] No space left on device": say what and where
-        if type(e) is not OSError and not isinstance(e, (PermissionError, FileNotFoundError)):
+        if type(e) not in (OSError, PermissionError, FileNotFoundError):  # others say what they are
             raise
         raise OSError(e.errno, f"writing the checkpoint of step {step} into {path.parent} failed: "
                                f"{e.strerror or e} (the checkpoints before it are intact)") from e
