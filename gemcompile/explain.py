@@ -246,14 +246,20 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
     backend = _ExplainBackend(config if config is not None else GemConfig(), pass_types)
     log = PassLog()
     compiled = torch.compile(model_or_fn, backend=backend)
-    breaks_before = dict(counters["graph_break"])
+    # Dynamo counts each break under its message; a frame it gave up on ("Skipping the function and falling
+    # back to eager") goes to "unimplemented" instead
+    kinds = ("graph_break", "unimplemented")
+    before = {kind: dict(counters[kind]) for kind in kinds}
     with recording(log), _eager_backward_compile(), _first_capture():
         compiled(*example_inputs, **example_kwargs)
     graph_breaks: dict[str, int] = {}
-    for reason, n in counters["graph_break"].items():  # Dynamo counts each break under its message
-        if n > breaks_before.get(reason, 0):
-            first_line = str(reason).strip().splitlines()[0] if str(reason).strip() else "(no reason given)"
-            graph_breaks[first_line] = graph_breaks.get(first_line, 0) + n - breaks_before.get(reason, 0)
+    for kind in kinds:  # (a break both count is counted once)
+        seen: dict[str, int] = {}
+        for reason, n in counters[kind].items():
+            if n > before[kind].get(reason, 0):
+                first_line = str(reason).strip().splitlines()[0] if str(reason).strip() else "(no reason given)"
+                seen[first_line] = seen.get(first_line, 0) + n - before[kind].get(reason, 0)
+        graph_breaks.update({line: max(n, graph_breaks.get(line, 0)) for line, n in seen.items()})
     passes = [part for p in backend.gem.make_passes() for part in p.parts]
     counts = {p.name: 0 for p in passes}
     counts.update(log.counts())

@@ -413,6 +413,8 @@ class UnpadPass(GemPass):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
+        if any(0 in shape_of(n) for n in region.nodes):
+            raise Unproven("the region is empty (a batch or length of 0): no padding to skip")
         buckets = self._buckets
         index_key = (*mask.index_key(), seq)
         shared = self._indices.get(index_key)

@@ -193,28 +193,41 @@ def test_gdpa_divides_by_the_raw_lengths_like_eager():
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
 
 
-def _masked_twice(fill, post: str, causal: bool):
-    """The scores' mask applied again to the weights after the softmax (masked_fill or where, 0)."""
+def _masked_twice(fill, post: str, causal: bool, added: bool = False):
+    """The scores' mask applied again to the weights after the softmax (masked_fill or where, 0; or the weights
+    multiplied by it, as CARCA writes ``w * attn_mask``); ``added``: the scores' mask added as
+    ``where(keep, 0, fill)``."""
     def attention(q, k, v, ids):
         keep = (ids != 0)[:, None, None, :]
         if causal:
             keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
-        s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~keep, fill)
+        s = q @ k.transpose(-2, -1) / math.sqrt(D)
+        s = s + torch.where(keep, 0.0, fill) if added else s.masked_fill(~keep, fill)
         p = torch.softmax(s, dim=-1)
-        p = p.masked_fill(~keep, 0.0) if post == "masked_fill" else torch.where(keep, p, 0.0)
+        if post == "masked_fill":
+            p = p.masked_fill(~keep, 0.0)
+        elif post == "where":
+            p = torch.where(keep, p, 0.0)
+        else:
+            p = p * keep if post == "mul" else keep.float() * p
         return p @ v
 
     return attention
 
 
+# weights * mask keeps eager's NaN on a row with no key under -inf: those rows are not compared
+_TWICE = [(fill, post, added) for fill in (float("-inf"), -1e9, -1e4) for post in ("masked_fill", "where", "mul",
+          "mul_float") for added in (False, True) if not (post.startswith("mul") and math.isinf(fill))
+          and not (added and (post == "where" or math.isinf(fill)))]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("post", ["masked_fill", "where"])
-@pytest.mark.parametrize("fill", [float("-inf"), -1e9, -1e4])
-def test_the_mask_applied_again_after_the_softmax_zeroes_rows_without_a_key(fill, post, causal):
+@pytest.mark.parametrize("fill, post, added", _TWICE)
+def test_the_mask_applied_again_after_the_softmax_zeroes_rows_without_a_key(fill, post, added, causal):
     """Rows with no valid key (an empty sequence, holes before a causal row's first key) are 0 in eager
     whatever the fill: the second mask zeroes them. The rewrite gives them 0 too, without the fill's
     blind-row work; every other row and every gradient equal eager's."""
-    attention = _masked_twice(fill, post, causal)
+    attention = _masked_twice(fill, post, causal, added)
     q, k, v = _qkv(seed=4)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 9, (B, L), generator=g) * (torch.rand(B, L, generator=g) > 0.3)
@@ -228,12 +241,14 @@ def test_the_mask_applied_again_after_the_softmax_zeroes_rows_without_a_key(fill
     assert_same_weighted_grads(out, ref, [q, k, v])
 
 
-def test_a_different_mask_after_the_softmax_is_refused():
+@pytest.mark.parametrize("post", ["masked_fill", "mul"])
+def test_a_different_mask_after_the_softmax_is_refused(post):
     def attention(q, k, v, ids):
         keep = (ids != 0)[:, None, None, :]
         s = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9)
         s = s.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool)), -1e9)  # a second term
-        return torch.softmax(s, dim=-1).masked_fill(~keep, 0.0) @ v
+        p = torch.softmax(s, dim=-1)
+        return (p.masked_fill(~keep, 0.0) if post == "masked_fill" else p * keep) @ v
 
     q, k, v = _qkv()
     ids = torch.randint(1, 9, (B, L), generator=torch.Generator().manual_seed(1))
@@ -241,6 +256,24 @@ def test_a_different_mask_after_the_softmax_is_refused():
     assert report.counts["jagged_attention"] == 0
     reasons = [r.reason for r in report.refusals]
     assert any("not the scores' own" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("factor", ["doubled", "long", "learned"])
+def test_weights_multiplied_by_what_is_not_the_masks_zero_one_are_refused(factor):
+    """``w * (2 * keep)``, ``w * keep.long()`` and a learned per-key weight are not the mask's 0/1 applied again
+    (the kernels would drop the factor): refused, and eager."""
+    scale = torch.rand(L) + 0.5
+
+    def attention(q, k, v, ids):
+        keep = (ids != 0)[:, None, None, :]
+        p = torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9), dim=-1)
+        other = {"doubled": 2.0 * keep, "long": keep.long(), "learned": scale}[factor]
+        return (p * other) @ v
+
+    q, k, v = _qkv()
+    ids = torch.randint(0, 9, (B, L), generator=torch.Generator().manual_seed(1))
+    assert explain(attention, q, k, v, ids).counts["jagged_attention"] == 0
+    torch.testing.assert_close(rewritten(attention)(q, k, v, ids), attention(q, k, v, ids))
 
 
 def test_a_zero_bias_added_beside_the_mask_is_not_a_second_fill_term():

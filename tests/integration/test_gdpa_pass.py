@@ -286,7 +286,7 @@ def miss_mask_on_heads(q, k, v, n, x):
 
 NEAR_MISSES = {
     miss_mask_inside_the_activation: "not to a matmul with the values|between the scores and the activation",
-    miss_mask_from_input: "mask comes from the float input",
+    miss_mask_from_input: "mask reads the float input",
     miss_weighted_not_masked: "values other than 0 and 1",
     miss_block_diagonal: "not a combination of key padding",
     miss_scores_used_elsewhere: "also used elsewhere",
@@ -394,6 +394,40 @@ def test_hstu_with_targets_at_a_batch_of_one(batch):
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
     targets = torch.ones(batch, dtype=torch.long)
     x = torch.randn(batch, L, H * D, generator=g, requires_grad=True)
+    report = explain(model, x, offsets, targets)
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, offsets, targets), model(x, offsets, targets)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+TARGET_COUNTS = {  # num_targets as models hand them over, for lengths (B = 3) from offsets
+    "column_of_metadata": lambda: torch.tensor([[1, 9], [2, 9], [0, 9]])[:, 0],  # stride 2
+    "expanded_one": lambda: torch.tensor([2]).expand(3),  # stride 0
+    "int16": lambda: torch.tensor([1, 2, 0], dtype=torch.int16),
+    "uint8": lambda: torch.tensor([1, 2, 0], dtype=torch.uint8),
+    "more_than_the_length": lambda: torch.tensor([1, 50, 2]),
+    "negative": lambda: torch.tensor([-3, 1, 2]),
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter on a machine without CUDA")
+@pytest.mark.parametrize("spelling", list(TARGET_COUNTS))
+def test_hstu_target_counts_of_any_layout_dtype_or_range_equal_eager(spelling, monkeypatch):
+    """num_targets through the Triton launchers (interpreter, float32): a strided or expanded vector was read as
+    contiguous (14-29% off), int16/uint8 ones stopped the rewrite with an internal error, and counts outside
+    [0, length] raised on the CPU while eager computes its mask from them. The op now takes them widened,
+    contiguous and clamped to [0, length], which keeps the mask's keys for any value."""
+    pytest.importorskip("triton")
+    from gemcompile.lowering.gdpa import op as gdpa_op
+
+    monkeypatch.setattr(gdpa_op, "use_triton", lambda q: q.dtype != torch.float64)
+    torch.manual_seed(0)
+    model = HstuTargetsStyle(H, D)
+    g = torch.Generator().manual_seed(4)
+    offsets = torch.tensor([0, L, L + 5, L + 14])  # lengths L, 5, 9
+    targets = TARGET_COUNTS[spelling]()
+    x = torch.randn(3, L, H * D, generator=g, requires_grad=True)
     report = explain(model, x, offsets, targets)
     assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
     out, ref = rewritten(model)(x, offsets, targets), model(x, offsets, targets)

@@ -588,7 +588,7 @@ NEAR_MISSES = {
     miss_weights_rows_filled_with_one: "the softmax output goes to `masked_fill`",
     miss_weights_scaled_along_the_keys: "the softmax output goes to `mul`",
     miss_constant_over_scores: "divided by the scores",
-    miss_mask_from_float_input: "comes from the float input",
+    miss_mask_from_float_input: "reads the float input",
     miss_softmax_over_queries: "not over the keys",
     miss_sliding_window: "the mask is not (key index < lengths)",
     miss_small_fill: "large negative",
@@ -609,6 +609,50 @@ def test_near_miss_is_left_alone_with_a_reason(idiom, reason):
     assert report.counts["jagged_attention"] == 0
     assert len(report.refusals) == 1
     assert reason in report.refusals[0].reason, report.refusals[0].reason
+
+
+def _uint8_ids(n):
+    return ((torch.arange(L)[None, :] < n[:, None]) * (torch.arange(L) * 23 % 60 + 1)).to(torch.uint8)  # 1..60
+
+
+def _previous_key(n):  # pad[b, kv - 1]: at kv = 0 eager reads the last key
+    pad = key_mask(n)
+    return pad[torch.arange(n.shape[0])[:, None], torch.arange(L)[None, :] - 1]
+
+
+def _previous_key_vmapped(n):
+    pad = key_mask(n)
+    per_key = torch.vmap(lambda b, j: pad[b, j - 1], in_dims=(None, 0))
+    return torch.vmap(per_key, in_dims=(0, None))(torch.arange(n.shape[0]), torch.arange(L))
+
+
+READ_AS_TORCH_DOES = {  # keep (B, L) masks whose integers torch does not compute as unbounded integers
+    "uint8_ne_wrapped_constant": lambda n: _uint8_ids(n) != -256,  # -256 is 0 in uint8: ids != 0
+    "uint8_lt_wrapped_constant": lambda n: (_uint8_ids(n) < 300) & (_uint8_ids(n) != 0),  # 300 is 44
+    "int8_abs_of_min": lambda n: torch.zeros(n.shape[0], L, dtype=torch.int8).masked_fill(key_mask(n), -128).abs() < 0,
+    "ids_viewed_as_float64": lambda n: _uint8_ids(n).long().view(torch.float64) != 1.0,  # bits of 1: not 1.0
+    "index_tensor_minus_one": _previous_key,
+    "vmapped_index_minus_one": _previous_key_vmapped,
+}
+
+
+@pytest.mark.parametrize("spelling", list(READ_AS_TORCH_DOES))
+def test_a_mask_is_read_as_torch_computes_it(spelling):
+    """Comparisons of uint8 with constants outside its range (torch casts the constant, wrapping it),
+    ``abs`` of int8 -128 (-128), a view as another dtype (the bits read as other values) and an index that
+    may be -1 (the last key) were each read as the unbounded integer formula (2-2.6 off); now each is eager's
+    answer, the mask read as data where the formula does not hold."""
+    make = READ_AS_TORCH_DOES[spelling]
+
+    def attention(q, k, v, n):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=make(n)[:, None, None, :])
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    n = torch.tensor([L, 5, 1, 8])
+    out, ref = rewritten(attention)(q, k, v, n), attention(q, k, v, n)
+    defined = torch.isfinite(ref)  # a row with no valid key: NaN in eager, 0 in the kernel
+    torch.testing.assert_close(torch.where(defined, out, 0), torch.where(defined, ref, 0), atol=2e-5, rtol=1e-4)
 
 
 def test_a_float_mask_handed_in_is_refused_as_a_bias_not_as_no_mask():
@@ -877,3 +921,35 @@ def test_lengths_wrapped_in_a_narrow_integer_type_keep_eagers_mask(spelling):
     out, ref = rewritten(wrapped)(q, k, v, n), wrapped(q, k, v, n)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [q, k, v])
+
+
+def test_a_detached_copy_of_the_scores_nothing_reads_is_not_a_second_use():
+    """openai/whisper's ``qkv_attention`` returns ``qk.detach()`` beside the output and every caller drops it:
+    a node with no users in Dynamo's graph, which made the attention "also used elsewhere" (4 refusals)."""
+    def attention(q, k, v, n):
+        qk = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+        out = torch.softmax(qk, dim=-1) @ v
+        return out, qk.detach()
+
+    def model(q, k, v, n):
+        return attention(q, k, v, n)[0]
+
+    q, k, v, lengths, _ = _inputs(sdpa_key)
+    lengths = torch.tensor([L, 5, 1, 8])
+    report = explain(model, q, k, v, lengths)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(q, k, v, lengths), model(q, k, v, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
+
+
+def test_a_pairwise_mask_handed_in_names_graph_breaks_as_a_likely_source():
+    """transformers' 4-D bool mask reaches a layer as a graph input after a break (LayerDrop): the refusal
+    says where such an input comes from, as the float-bias one does."""
+    def attention(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v, lengths, _ = _inputs(sdpa_key)
+    pairwise = (key_mask(lengths)[:, :, None] & key_mask(lengths)[:, None, :])[:, None]
+    reasons = [r.reason for r in explain(attention, q, k, v, pairwise).refusals]
+    assert any("both the query and the key" in r and "graph break" in r for r in reasons), reasons

@@ -43,7 +43,11 @@ CASES = {
     "lengths_out_kw": lambda q, k, n, ids: (v := _keys(n), torch.clamp(n, max=3, out=n), _sdpa(q, k, v))[-1],
     "ids_long_alias_fill": lambda q, k, n, ids: (m := ids != 0, ids.long().masked_fill_(ids > 40, 0),
                                                  _sdpa(q, k, m))[-1],
+    "lengths_einsum_view_clamp": lambda q, k, n, ids: (v := _keys(n), torch.einsum("b->b", n).clamp_(max=3),
+                                                       _sdpa(q, k, v))[-1],  # one operand: a view
     # the mask itself changed through an alias (the change was dropped)
+    "mask_einsum_view_setitem": lambda q, k, n, ids: (m := _keys(n), torch.einsum("bl->lb", m).__setitem__(-1, True),
+                                                      _sdpa(q, k, m))[-1],
     "mask_bool_alias_setitem": lambda q, k, n, ids: (m := _keys(n), m.bool().__setitem__((slice(None), -1), True),
                                                      _sdpa(q, k, m))[-1],
     "mask_data_setitem": lambda q, k, n, ids: (m := _keys(n), m.data.__setitem__((slice(None), -1), True),
@@ -87,6 +91,23 @@ def test_a_tensor_changed_in_place_never_gives_another_answer(name):
     grads_ref = torch.autograd.grad((torch.where(defined, ref, 0) * weights).sum(), (q, k))
     for got, want in zip(grads, grads_ref):
         torch.testing.assert_close(torch.nan_to_num(got), torch.nan_to_num(want), atol=5e-5, rtol=1e-4)
+
+
+def test_two_inputs_viewing_one_tensor_are_one_tensor():
+    """``fn(q, k, n, n.view(-1))``: Dynamo gives the two views two graph inputs over one storage; a write
+    through the second after the mask was built from the first must be seen (the kernel read the lengths
+    clamped at run time: 2.07 off)."""
+    def fn(q, k, n, n_view):
+        valid = _keys(n)
+        n_view.clamp_(max=3)
+        return _sdpa(q, k, valid)
+
+    q, k, _ = _inputs()
+    n_out, n_ref = LENGTHS.clone(), LENGTHS.clone()
+    out, ref = rewritten(fn)(q, k, n_out, n_out.view(-1)), fn(q, k, n_ref, n_ref.view(-1))
+    defined = torch.isfinite(ref)
+    torch.testing.assert_close(torch.where(defined, out, 0), torch.where(defined, ref, 0), atol=2e-5, rtol=1e-4)
+    assert torch.equal(n_out, n_ref)
 
 
 class _FfnZeroedTwice(torch.nn.Module):

@@ -243,3 +243,73 @@ def test_merged_heads_with_lengths_at_any_batch(batch):
     out, ref = rewritten(model)(x, lengths), model(x, lengths)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+class CarcaStyle(nn.Module):
+    """CARCA (its PyTorch port): heads concatenated into the batch (split on the features, cat on dim 0), the
+    pairwise mask an outer product of the float token mask by ``torch.bmm``, tiled over the heads, added by
+    ``baddbmm`` as ``where(mask, 0, -2 ** 32 + 1)``, and the weights multiplied by the same mask."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(E, E, bias=False) for _ in range(3))
+
+    def forward(self, x, ids):
+        token = (ids > 0).float()
+        q, k, v = (torch.cat(torch.split(f(x), E // self.heads, dim=2), dim=0) for f in (self.q, self.k, self.v))
+        pair = torch.bmm(token.unsqueeze(1).transpose(1, 2), token.unsqueeze(1)).bool()
+        pair = torch.tile(pair, (self.heads, 1, 1))
+        s = torch.baddbmm(torch.where(pair, 0.0, -(2 ** 32) + 1.0), q, k.transpose(1, 2))
+        w = torch.softmax(s / (E // self.heads) ** 0.5, dim=-1) * pair
+        return torch.cat(torch.split(torch.bmm(w, v), x.shape[0], dim=0), dim=2)
+
+
+def test_carca_single_head_is_rewritten_and_its_tiled_heads_refused_with_the_tile_named():
+    """One head: the bmm outer product is the (query, key) mask read from the ids, the baddbmm input the
+    scores' mask, the weights' product by it that mask again: rewritten, == eager on every row (padded query
+    rows are 0 in both). Two heads: the mask tiled over (H * B) rows is refused naming `tile` (it was called
+    "a float mask handed in from outside the graph")."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 9, (4, L), generator=g) * (torch.arange(L)[None, :] < LENGTHS[:, None])
+    x = torch.randn(4, L, E, generator=g, requires_grad=True)
+    torch.manual_seed(0)
+    model = CarcaStyle(heads=1)
+    report = explain(model, x, ids)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, ids), model(x, ids)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+    report = explain(CarcaStyle(heads=2), x, ids)
+    assert report.counts["jagged_attention"] == 0
+    reasons = [r.reason for r in report.refusals if r.pass_name == "jagged_attention"]
+    assert reasons and all("`tile`" in r and "outside the graph" not in r for r in reasons), reasons
+
+
+class NovaStyle(nn.Module):
+    """NOVA-BERT's attention: heads concatenated into the batch, the key mask copied per head by
+    ``torch.cat([m] * H, 0)`` (``m.repeat(H, 1, 1)`` was already read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(E, E, bias=False) for _ in range(3))
+
+    def forward(self, x, lengths):
+        valid = torch.arange(L)[None, :] < lengths[:, None]
+        m = torch.cat([valid[:, None, :].expand(-1, L, -1) for _ in range(H)], 0)
+        q, k, v = (torch.cat(f(x).split(D, 2), 0) for f in (self.q, self.k, self.v))
+        s = (q.bmm(k.transpose(1, 2)) / math.sqrt(D)).masked_fill(m == 0, -1e8)
+        return torch.cat(torch.softmax(s, -1).bmm(v).split(x.shape[0], 0), 2)
+
+
+def test_a_key_mask_concatenated_over_the_heads_is_read_as_a_key_mask():
+    """Refused before as "read as data at both the query and the key position"."""
+    torch.manual_seed(0)
+    model = NovaStyle()
+    x = torch.randn(4, L, E, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    report = explain(model, x, LENGTHS)
+    assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, LENGTHS), model(x, LENGTHS)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])

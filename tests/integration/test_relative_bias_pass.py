@@ -137,3 +137,20 @@ def test_disabled_pass_rewrites_nothing():
     table, x = _inputs(hstu_rab)
     report = explain(hstu_rab, table, x, config=GemConfig(relative_bias={"enabled": False}))
     assert not [r for r in report.rewrites if r.pass_name == "relative_bias"]
+
+
+def test_an_absolute_position_embedding_lookup_is_not_a_candidate():
+    """``weight[position_ids]`` with position_ids an arange over the batch (Whisper's and CodeGen's position
+    embeddings) reads one position: no relative bias, and no refusal in explain's report."""
+    class Positions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Embedding(64, 16)
+
+        def forward(self, x):
+            position_ids = torch.arange(x.shape[1]).unsqueeze(0).repeat(x.shape[0], 1)
+            return x + self.pos.weight[position_ids]
+
+    report = explain(Positions(), torch.randn(4, 8, 16))
+    assert report.counts["relative_bias"] == 0
+    assert not [r for r in report.refusals if r.pass_name == "relative_bias"]

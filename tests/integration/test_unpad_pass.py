@@ -432,3 +432,17 @@ def test_an_internal_error_in_the_row_mask_analysis_leaves_the_graph_padded(monk
     torch._dynamo.reset()
     with pytest.raises(Exception, match="a bug"):
         explain(model, x, lengths)
+
+
+def test_an_empty_batch_is_not_packed():
+    """B = 0 (Dynamo specializes it): unpad's gather over no tokens failed in Inductor's lowering
+    ("index is out of bounds for dimension with size 0"); the region is refused, eager's empty output."""
+    torch.manual_seed(0)
+    model = MaskedResidualFfn()
+    x, lengths = torch.randn(0, N, D_IN), torch.zeros(0, dtype=torch.long)
+    report = explain(model, x, lengths)
+    assert report.counts["unpad"] == 0
+    assert any("empty" in r.reason for r in report.refusals if r.pass_name == "unpad")
+    torch._dynamo.reset()
+    out, ref = gem_compile(model)(x, lengths), model(x, lengths)
+    assert out.shape == ref.shape

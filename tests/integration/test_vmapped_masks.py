@@ -31,6 +31,8 @@ def padding_and_causal(pm, causal=True, window=0, getitem=False):
             ok = ok & (kv > q - window)
         if getitem == "eq":  # a comparison spelled as its method (transformers' function mode records that)
             return ok & pm.long()[b, kv].__eq__(1)
+        if getitem == "lengths":  # the lengths read by one index tensor, n[b] (a tuple before)
+            return ok & (kv < pm.sum(-1)[b])
         return ok & (pm[b, kv] if getitem else torch.ops.aten.index(pm, [b, kv]))
 
     return keep
@@ -64,7 +66,7 @@ def _inputs(seed=0, left=False):
 
 @pytest.mark.parametrize("causal, fill, window, getitem", [
     (True, None, 0, False), (False, None, 0, False), (True, torch.finfo(torch.float32).min, 0, False),
-    (True, None, 4, False), (True, None, 0, True), (True, None, 0, "eq")])
+    (True, None, 4, False), (True, None, 0, True), (True, None, 0, "eq"), (True, None, 0, "lengths")])
 def test_hf_style_vmapped_mask_is_rewritten_and_equals_eager(causal, fill, window, getitem):
     model = HfStyleAttention(causal, fill, window, getitem)
     q, k, v, mask = _inputs()

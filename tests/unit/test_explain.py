@@ -125,3 +125,24 @@ def test_graph_breaks_are_listed_with_dynamos_reason():
     assert len(report.graph_breaks) == 1 and report.graph_breaks[0][1] == 1, report.graph_breaks
     assert "item()" in report.graph_breaks[0][0] and "graph breaks" in str(report)
     assert _report().graph_breaks == []
+
+
+def test_a_frame_dynamo_gave_up_on_is_listed_with_its_reason():
+    """A data-dependent ``if`` in a loop over layers (Hugging Face's LayerDrop) makes Dynamo skip the whole
+    frame ("falling back to eager"), which it counts apart from graph breaks: explain said "2 graphs captured
+    (1 graph break)" and listed no reason."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if torch.rand([]) < 0.0:  # LayerDrop
+                    continue
+                x = x + layer(x)
+            return x
+
+    report = explain(Model(), torch.randn(2, 8))
+    assert report.graph_breaks, str(report).splitlines()[0]
+    assert any("branch" in reason.lower() for reason, _ in report.graph_breaks), report.graph_breaks

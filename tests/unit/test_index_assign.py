@@ -88,3 +88,33 @@ def test_a_view_taken_before_the_assignment_and_read_after_keeps_it_in_place():
     for o, r in zip(compiled(ids), f(ids)):
         torch.testing.assert_close(o, r)
     assert seen["setitems"] == 1, seen
+
+
+DYNAMIC_BOUNDS = {  # bounds from a size Dynamo makes dynamic
+    "last_c_columns": lambda m, c: m.__setitem__((slice(None), slice(-c, None)), True),
+    "all_but_last_c": lambda m, c: m.__setitem__((slice(None), slice(None, -c)), True),
+    "column_c_from_the_end": lambda m, c: m.__setitem__((slice(None), -c), True),
+    "column_c": lambda m, c: m.__setitem__((slice(None), c), True),
+    # c - 3 is negative at c = 2 and not at 4: Dynamo guards on its sign, each graph holds one meaning
+    "from_c_minus_3": lambda m, c: m.__setitem__((slice(None), slice(c - 3, None)), True),
+}
+
+
+@pytest.mark.parametrize("spelling", list(DYNAMIC_BOUNDS))
+def test_a_bound_from_a_dynamic_size_counts_from_the_end_when_negative(spelling):
+    """``m[:, -c:] = v`` with c a dynamic size: -c is negative, so the region is the last c columns (it was
+    compared as ``arange >= -c``: every column). (A bound whose sign neither the shapes nor Dynamo's guards
+    fix would stay a setitem.)"""
+    update = DYNAMIC_BOUNDS[spelling]
+
+    def f(ids, cand):
+        m = ids == 0
+        update(m, cand.shape[1])
+        return m, ids.sum()
+
+    compiled, seen = _compiled(f, dynamic=True)
+    for c in (3, 4, 2, 5):
+        ids, cand = _ids(), torch.ones(B, c)
+        for o, r in zip(compiled(ids.clone(), cand), f(ids.clone(), cand)):
+            torch.testing.assert_close(o, r)
+    assert seen["rewritten"] == 1 and seen["setitems"] == 0, seen

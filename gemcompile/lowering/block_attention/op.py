@@ -83,8 +83,8 @@ from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.dropout import check_dropout, new_seed
 from ..common.length_order import check_plan, check_plan_values, key_bounds
-from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
-                           takes_eager_path, use_triton)
+from ..common.opkit import (LIB, contiguous_vectors, cuda_kernel, ignoring_plan, input_grads, is_fake,
+                           save_for_backward, takes_eager_path, use_triton)
 from ..common.reference import compute_dtype
 from .flops import block_attention_pairs, padded_block_attention_pairs
 from .reference import ROTARY_MODES, reference_backward, reference_forward
@@ -220,7 +220,8 @@ def _kernels(q: Tensor, block: int, window: int):
     if use_triton(q) and checks.kernel_supports(block, window, q.shape[-1]) is None:
         from . import triton as kernels
 
-        return kernels.block_attention_forward_triton, kernels.block_attention_backward_triton
+        return (contiguous_vectors(kernels.block_attention_forward_triton),
+                contiguous_vectors(kernels.block_attention_backward_triton))
     return ignoring_plan(reference_forward), ignoring_plan(reference_backward)
 
 

@@ -97,7 +97,7 @@ def key_bounds_and_span(kv_mask: torch.Tensor, kv_lengths: torch.Tensor | None) 
     if B == 0:
         return bounds, span
     block = 16 if INTERPRET else min(1024, max(16, triton.next_power_of_2(L)))
-    lengths = kv_lengths if kv_lengths is not None else span  # a dummy pointer, never read
+    lengths = kv_lengths.contiguous() if kv_lengths is not None else span  # (span: a dummy pointer, never read)
     _key_bounds_kernel[(B,)](kv_mask.view(torch.uint8), lengths, bounds, span, L, kv_mask.stride(0),
                              kv_mask.stride(1), HAS_LENGTHS=kv_lengths is not None, BLOCK=block, num_warps=4)
     return bounds, span

@@ -117,6 +117,21 @@ def input_grads(count: int, dq, dk, dv, dbias=None, bias_index: int = 5) -> tupl
     return tuple(grads)
 
 
+def contiguous_vectors(launcher):
+    """``launcher`` with each 1-D integer tensor argument (lengths, num_targets, token offsets, orders) made
+    contiguous: the Triton kernels read them with unit stride, so a column ``meta[:, 0]`` or an expanded
+    ``(1,)`` would be read past what it holds. (q, k, v and masks carry their strides to the kernels.)"""
+    def vector(x):
+        if isinstance(x, Tensor) and x.dim() == 1 and not x.is_floating_point() and x.dtype != torch.bool:
+            return x.contiguous()
+        return x
+
+    def launch(*args, **kwargs):
+        return launcher(*(vector(a) for a in args), **{k: vector(v) for k, v in kwargs.items()})
+
+    return launch
+
+
 def ignoring_plan(reference):
     """``reference`` callable like the Triton launchers, which take the derived tensors (q_order, kv_order,
     kv_bounds: common/length_order.py) as keywords; a reference derives nothing, so it drops them."""

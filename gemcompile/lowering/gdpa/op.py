@@ -132,8 +132,8 @@ from torch.utils.flop_counter import register_flop_formula
 from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.length_order import check_plan, check_plan_values
-from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
-                           takes_eager_path, use_triton)
+from ..common.opkit import (LIB, contiguous_vectors, cuda_kernel, ignoring_plan, input_grads, is_fake,
+                           save_for_backward, takes_eager_path, use_triton)
 from ..common.packed import packed_lengths
 from ..length_order import derive_plan
 from .flops import gdpa_pairs, padded_gdpa_pairs
@@ -252,7 +252,7 @@ def _kernels(q: Tensor):
     if use_triton(q):
         from . import triton as kernels
 
-        return kernels.gdpa_forward_triton, kernels.gdpa_backward_triton
+        return contiguous_vectors(kernels.gdpa_forward_triton), contiguous_vectors(kernels.gdpa_backward_triton)
     return ignoring_plan(packed_reference_forward), ignoring_plan(packed_reference_backward)
 
 

@@ -77,8 +77,8 @@ from ..common import checks
 from ..common.flops import BACKWARD_FLOPS_RATIO, forward_flops
 from ..common.dropout import check_dropout, new_seed
 from ..common.length_order import check_plan, check_plan_values
-from ..common.opkit import (LIB, cuda_kernel, ignoring_plan, input_grads, is_fake, save_for_backward,
-                           takes_eager_path, use_triton)
+from ..common.opkit import (LIB, contiguous_vectors, cuda_kernel, ignoring_plan, input_grads, is_fake,
+                           save_for_backward, takes_eager_path, use_triton)
 from ..common.reference import compute_dtype
 from ..length_order import derive_plan
 from .flops import attention_pairs, padded_pairs
@@ -126,7 +126,8 @@ def _kernels(q: Tensor):
     if use_triton(q):
         from . import packed_triton as kernels
 
-        return kernels.jagged_attention_forward_triton, kernels.jagged_attention_backward_triton
+        return (contiguous_vectors(kernels.jagged_attention_forward_triton),
+                contiguous_vectors(kernels.jagged_attention_backward_triton))
     return ignoring_plan(packed_reference_forward), ignoring_plan(packed_reference_backward)
 
 

@@ -26,6 +26,7 @@ from gemcompile.passes.attention.family import (
     fold_query_rows,
     key_mask_operand,
     lengths_operand,
+    size_of,
     summed_bias,
 )
 from gemcompile.passes.attention.finite_fill import no_valid_key
@@ -133,7 +134,7 @@ class Gdpa(AttentionFamily):
         if mask.hstu:
             if qv.shape[0] != kv.shape[0] or qv.shape[2] != kv.shape[2]:
                 raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
-            args += (mask.num_targets, int(mask.contextual_len))
+            args += (_targets_operand(emit, mask.num_targets, kv_len, k), int(mask.contextual_len))
         kv_mask = key_mask_operand(emit, mask, k)
         if kv_mask is not None and mask.hstu:
             raise Unproven("HSTU's target/contextual mask with key padding read from data (the kernel takes "
@@ -144,3 +145,15 @@ class Gdpa(AttentionFamily):
             out = emit.call(operator.truediv, (out, divisor))
         return out, (f"{site.activation}; mask proven: {detail}"
                      + (f"; normalized by {normalizer}" if normalizer else ""))
+
+
+def _targets_operand(emit: Emitter, num_targets: fx.Node, kv_len: fx.Node | None, k: fx.Node) -> fx.Node:
+    """num_targets as the op takes them: int8/int16/uint8 widened to int32 (exact), clamped to [0, the key
+    length]. The mask keeps the same keys for any value: more targets than a sequence holds make each of its
+    rows a target seeing no history, as num_targets = length does; fewer than 0 make none, as 0 does."""
+    if example_value(num_targets).dtype in (torch.int8, torch.int16, torch.uint8):
+        num_targets = emit.method("to", (num_targets, torch.int32))
+    if kv_len is None:
+        return emit.call(torch.clamp, (num_targets, 0, size_of(emit, k, 2)))
+    return emit.call(torch.minimum, (emit.call(torch.clamp, (num_targets, 0)), kv_len))
+

@@ -85,12 +85,14 @@ def index_assign_parts(node: fx.Node) -> tuple[tuple, object] | None:
             dim += span
             continue
         if isinstance(part_value, (int, torch.SymInt)) and not isinstance(part_value, bool):
+            if not _sign_known(part_value):
+                return None
             partial.append(dim)
         elif isinstance(part, slice):
             if part.step not in (None, 1):
                 return None
             bounds = [_value_of(b) for b in (part.start, part.stop)]
-            if any(b is not None and not isinstance(b, (int, torch.SymInt)) for b in bounds):
+            if any(b is not None and not (isinstance(b, (int, torch.SymInt)) and _sign_known(b)) for b in bounds):
                 return None
             if not _full(part, x.shape[dim]):
                 partial.append(dim)
@@ -102,6 +104,12 @@ def index_assign_parts(node: fx.Node) -> tuple[tuple, object] | None:
     if not _value_fits(value, x, index, masks):
         return None
     return index, value
+
+
+def _sign_known(v) -> bool:
+    """Whether an index or bound is known negative (counted from the end) or known non-negative: a dynamic
+    size's sign decides what ``x[:, -c:]`` reaches, and the graph holds one meaning."""
+    return isinstance(v, int) or known(v < 0) or known(v >= 0)
 
 
 def _value_fits(value, x: torch.Tensor, index: tuple, masks: int) -> bool:
@@ -136,10 +144,11 @@ def _positions(emit: Emitter, x: fx.Node, d: int, part) -> fx.Node:
     device = example_value(x).device
     at = emit.call(torch.arange, (size,), {"device": device})
 
-    def bound(b):  # a negative int counts from the end (a dynamic size: size + b in the graph)
-        if not (isinstance(b, int) and b < 0):
+    def bound(b):  # a negative bound counts from the end: size + b (in the graph when either is dynamic)
+        value = _value_of(b)
+        if not (known(value < 0) if isinstance(value, torch.SymInt) else isinstance(b, int) and b < 0):
             return b
-        return b + size if isinstance(size, int) else emit.call(operator.add, (size, b))
+        return b + size if isinstance(size, int) and isinstance(b, int) else emit.call(operator.add, (size, b))
 
     if not isinstance(part, slice):
         return emit.call(operator.eq, (at, bound(part)))

@@ -245,7 +245,7 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
     info: dict[str, Any] = {}
     values(user, node, info, "the softmax output goes")
     ops = walk_to_scores(softmax.args[0], matched, info, _softmax_step, positive=True,
-                         what="the softmax is not a scale, bias, mask or cast")
+                         what="the softmax is not a scale, bias, mask or cast", added=_added_terms)
     ops = _merged_heads(info, ops, views, qk=example_value(info["q"]).dim() == 3,
                         pv=example_value(info["v"]).dim() == 3)
     scale, bias, masks = replay(ops)

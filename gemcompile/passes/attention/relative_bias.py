@@ -61,6 +61,16 @@ def _built_from_arange(idx: fx.Node) -> bool:
     return fed_by(idx, lambda n: n.op == "call_function" and "arange" in str(n.target))
 
 
+def _absolute_positions(idx: fx.Node) -> bool:
+    """Whether the index reads one position only (Whisper's and CodeGen's ``weight[position_ids]``): an
+    absolute position embedding, no pairwise bias to look for."""
+    try:
+        value = MaskEvaluator().tensor(idx)
+    except Unproven:
+        return False
+    return isinstance(value, IntTensor) and not {index_symbol(1), index_symbol(0)} <= value.expr.free_symbols
+
+
 def toeplitz_offset(idx: fx.Node) -> int:
     """The constant c of an index proven to be ``idx[i, j] = j - i + c``; Unproven otherwise."""
     value = MaskEvaluator().tensor(idx)
@@ -86,7 +96,7 @@ class RelativeBiasPass(GemPass):
         rewrote = False
         for node in list(graph.nodes):
             operands = _gather_operands(node)
-            if operands is None or not _built_from_arange(operands[1]):
+            if operands is None or not _built_from_arange(operands[1]) or _absolute_positions(operands[1]):
                 continue
             table, idx = operands
             rows, cols = example_value(idx).shape

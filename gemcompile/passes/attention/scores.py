@@ -95,10 +95,16 @@ def max_shift(user: fx.Node, node: fx.Node) -> list[fx.Node] | None:
     return chain
 
 
+_DEAD_READS = {"detach", "clone", "contiguous", "to", "float", "view", "reshape", "transpose", "permute"}
+"""Pure reads whose result nothing uses (Whisper's ``qkv_attention`` returns ``qk.detach()``, which every caller
+drops): not a use of the attention's values."""
+
+
 def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
     """Add ``node`` to the site's nodes; Unproven when something besides the attention uses its values (a
     max of the scores they are shifted by, ``max_shift``, goes with the site)."""
-    users = [u for u in node.users if not reads_shape_only(u, node)]
+    dead = [u for u in node.users if not u.users and target_name(u) in _DEAD_READS]
+    users = [u for u in node.users if not reads_shape_only(u, node) and u not in dead]
     shifts = [chain for chain in (max_shift(u, node) for u in users) if chain is not None]
     if len(users) - len(shifts) != 1:
         raise Unproven(f"{node.name} (part of the attention) is also used elsewhere: "
@@ -106,6 +112,7 @@ def single_user(node: fx.Node, site_nodes: list[fx.Node]) -> None:
     for chain in shifts:
         site_nodes.extend(reversed(chain))
     site_nodes.append(node)
+    site_nodes.extend(dead)  # erased before node
 
 
 def heads_view(node: fx.Node) -> int | None:
@@ -270,12 +277,13 @@ def _tensor_factor(node: fx.Node) -> tuple[fx.Node, bool, fx.Node] | None:
 
 
 def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step, *, positive: bool,
-                   what: str) -> list[tuple[str, Any]]:
+                   what: str, added: Callable | None = None) -> list[tuple[str, Any]]:
     """Walk from ``node`` back to q @ k^T, recording q, k (and layouts) in ``info``, and return the ops met
     on the way, in backward order: ("scale", factor), ("tensor_scale", (tensor, divides)) for a tensor
     factor constant along the keys (at most one, with no bias or mask applied before it: the families fold
     it into q), and what ``step`` records for the ops it takes (it returns the next node, or None for an op
-    it does not take: Unproven, naming ``what`` it is not)."""
+    it does not take: Unproven, naming ``what`` it is not); ``added`` classifies baddbmm's input (a bias
+    when None)."""
     ops: list[tuple[str, Any]] = []
     frames: list[int] = []  # the ndim of the scores each op was applied in: 3 = batch and heads merged
     info["op_frames"] = frames
@@ -293,7 +301,7 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             info.update(q=node.args[0], k=node.args[1], k_is_transposed=True)
             return ops
         if is_call(node, "baddbmm"):  # beta * input + alpha * (q @ kT): Bloom's alibi.baddbmm(q, kT)
-            _baddbmm(node, ops, info)
+            _baddbmm(node, ops, info, added)
             frames.extend([example_value(node).dim()] * (len(ops) - len(frames)))
             return ops
         if is_call(node, "einsum"):
@@ -328,9 +336,9 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
         node = following
 
 
-def _baddbmm(node: fx.Node, ops: list, info: dict) -> None:
+def _baddbmm(node: fx.Node, ops: list, info: dict, added: Callable | None) -> None:
     """q, k and the ops of ``baddbmm(input, q, kT, beta=, alpha=)``: input is a bias (times beta) added after
-    the product's scale alpha."""
+    the product's scale alpha, or, with beta 1, what ``added`` reads it as (a mask, a bias or both)."""
     names = ("input", "batch1", "batch2", "beta", "alpha")
     a = dict(zip(names, node.args))
     a.update(node.kwargs)
@@ -339,7 +347,9 @@ def _baddbmm(node: fx.Node, ops: list, info: dict) -> None:
         raise Unproven("baddbmm with a non-constant beta or alpha")
     if alpha <= 0:
         raise Unproven(f"baddbmm scales the scores by {alpha!r}, not a positive constant")
-    if beta != 0:
+    if beta == 1 and added is not None:  # CARCA's where(mask, 0, -2 ** 32 + 1) as baddbmm's input
+        ops.extend(added(a["input"]))
+    elif beta != 0:
         ops.append(("bias", (a["input"], beta)))
     ops.append(("scale", alpha))
     info.update(q=a["batch1"], k=a["batch2"], k_is_transposed=True)

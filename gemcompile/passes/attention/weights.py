@@ -7,9 +7,9 @@ reproduce exactly.
   query_mask``): ``(p * r) @ v = r * (p @ v)`` for r constant along the keys, so the families apply the
   same op to the output rows (family.py);
 - ``key_mask_op`` and ``same_mask``: the scores' own mask applied again to the weights
-  (``softmax(s.masked_fill(m, F)).masked_fill(m, 0)``): a no-op on rows with a valid key (their dropped
-  weights are 0 already, exactly so under the fill's checks), and rows with none become 0, the kernels' own
-  rule, whatever the fill.
+  (``softmax(s.masked_fill(m, F)).masked_fill(m, 0)``, or the weights times the keep mask, CARCA's ``w *
+  attn_mask``): a no-op on rows with a valid key (their dropped weights are 0 already, exactly so under the
+  fill's checks), and rows with none become 0, the kernels' own rule, whatever the fill.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.attention.scores import MUL, NEGATIONS, constant_float, is_call
+from gemcompile.passes.attention.scores import CASTS, MUL, NEGATIONS, constant_float, is_call
 from gemcompile.passes.graph import Unproven, example_value
 
 
@@ -63,6 +63,12 @@ def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
     if is_call(user, "where") and len(user.args) == 3 and user.args[1] is p:
         if along_keys(user.args[0]) and constant_float(user.args[2]) == 0.0:
             return True, user.args[0]
+    if is_call(user, *MUL) and len(user.args) == 2 and p in user.args[:2]:  # CARCA's ``w * attn_mask``
+        other = user.args[1] if user.args[0] is p else user.args[0]
+        while isinstance(other, fx.Node) and is_call(other, *CASTS) and not along_keys(other) and other.args:
+            other = other.args[0]  # ``w * m.float()``: m's 0/1 as a float
+        if other is not p and along_keys(other):
+            return True, other
     return None
 
 
@@ -82,10 +88,26 @@ def check_post_masks(post: list[tuple[bool, fx.Node]], masks: list) -> None:
     the site's MaskTerms)."""
     if not post:
         return
-    own = masks[0] if len(masks) == 1 and masks[0].kind in ("drop", "keep") and not masks[0].dims else None
-    if own is None or not all(same_mask(p, (own.kind == "keep", own.node)) for p in post):
+    # dims: only single-head scores of batch and heads merged, (B, Lq, Lk) masked as the weights are
+    own = masks[0] if len(masks) == 1 and masks[0].dims in (None, {0: 0, 1: 1, 2: 3}) else None
+    own = own and ((own.kind == "keep", own.node) if own.kind in ("drop", "keep") else _added_where(own.node))
+    if own is None or not all(same_mask(p, own) for p in post):
         raise Unproven("the attention weights are masked after the softmax by a mask that is not the scores' "
                        "own (one bool mask applied before the softmax, the same one after it)")
+
+
+def _added_where(term: fx.Node) -> tuple[bool, fx.Node] | None:
+    """(keeps, cond) of an additive mask written ``where(cond, 0, F)`` (True) or ``where(cond, F, 0)``
+    (False), CARCA's ``baddbmm(where(m, 0.0, -2 ** 32 + 1), q, kT)``; None for any other term (the fill was
+    checked with the scores' mask)."""
+    if not is_call(term, "where") or len(term.args) != 3 or not isinstance(term.args[0], fx.Node):
+        return None
+    cond, x, y = term.args
+    if constant_float(x) == 0.0 and not isinstance(y, fx.Node):
+        return True, cond
+    if constant_float(y) == 0.0 and not isinstance(x, fx.Node):
+        return False, cond
+    return None
 
 
 def same_expression(a, b, depth: int = 8) -> bool:

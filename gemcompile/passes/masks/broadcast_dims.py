@@ -61,6 +61,8 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
             return unit
         inner = constant_dims(args[0], depth - 1)
         return unit | frozenset(r for r in range(ndim) if r >= source.dim() or r in inner)
+    if name in ("cat", "concat", "concatenate"):  # NOVA's torch.cat([m] * H, 0): constant off the joined dim
+        return unit | _through_cat(node, ndim, depth)
     if name in _ELEMENTWISE:
         tensors = [a for a in (*args, *node.kwargs.values()) if _tensor(a) is not None]
         if name == "where" and tensors:
@@ -87,6 +89,20 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
     if name in ("view", "reshape", "view_as", "reshape_as"):
         return unit | _through_reshape(node, depth)
     return unit
+
+
+def _through_cat(node: fx.Node, ndim: int, depth: int) -> frozenset[int]:
+    """Dims other than the one a cat joins along which every part is constant."""
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or not parts:
+        return frozenset()
+    if any(_tensor(p) is None or _tensor(p).dim() != ndim for p in parts):
+        return frozenset()
+    found = frozenset(r for r in range(ndim) if r != ndim - 1 - dim % ndim)
+    for part in parts:
+        found &= constant_dims(part, depth - 1)
+    return found
 
 
 def _through_reshape(node: fx.Node, depth: int) -> frozenset[int]:

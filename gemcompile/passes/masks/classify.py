@@ -187,9 +187,17 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
         why = f" ({leaf.why})" if leaf.why else ""  # the first one's: why the prover reads it as data
         if {i, j} <= where:
             raise Unproven(f"the mask reads {names}{why} as data at both the query and the key position: only a "
-                           "per-key vector (b, j) read from data is served")
+                           "per-key vector (b, j) read from data is served" + _input_hint(reads))
         if not (where <= {b, j} or where <= {b, i}):
             raise Unproven(f"the mask reads {names}{why} as data at positions other than (b, j)")
+
+
+def _input_hint(reads) -> str:
+    """For a mask that is a graph input: where such an input often comes from."""
+    if not any(leaf.node.op == "placeholder" for _, leaf in reads):
+        return ""
+    return ("; a mask the model builds before a graph break reaches the next graph as an input "
+            "(TORCH_LOGS=graph_breaks shows the breaks)")
 
 
 def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) -> AttentionMask | None:

@@ -34,6 +34,7 @@ from sympy.logic.boolalg import Boolean
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
 from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
+from gemcompile.passes.masks.einsum_permutation import einsum_permutation
 from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import split_reshape
 from gemcompile.passes.masks.zero_one import zero_one_pieces
@@ -47,7 +48,7 @@ from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and th
     piecewise,
     simplify_pred,
     triangle,
-    index_symbol, check_no_wrap, trunc_is_floor,
+    index_symbol, check_constant_fits, check_no_wrap, trunc_is_floor,
 )
 
 NEG_FILL_LIMIT = -1.0e4
@@ -238,8 +239,9 @@ class MaskEvaluator:
                 return triangle_value(self.atoms, triangle, buffer.dim(), value.dtype)
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
-            raise Unproven(f"the mask comes from the float input {node.name!r} ({value.dtype}): a float mask "
-                           "read from data is not proven (pass it as a bool or integer mask)")
+            raise Unproven(f"the mask reads the float input {node.name!r} ({value.dtype}): float data in a mask "
+                           "is not proven (masks from lengths, ids, or a bool or integer mask input are; one "
+                           "built before a graph break arrives as an input)")
         if node.op not in ("call_function", "call_method"):
             raise Unproven(f"{node.op} {node.target} in the mask")
         target = node.target
@@ -273,7 +275,7 @@ class MaskEvaluator:
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t") or (target is getattr and args[1] in ("T", "mT")):
             return self._permute(node, self.tensor(args[0]))  # getattr: ModernBERT's rows.T
-        permutation = _einsum_permutation(node) if name == "einsum" else None
+        permutation = einsum_permutation(node) if name == "einsum" else None
         if permutation is not None:  # XLNet's einsum("ijbn->bnij", mask)
             operand, order = permutation
             return self._reorder(self.tensor(operand), order)
@@ -302,6 +304,8 @@ class MaskEvaluator:
             if kwargs["rounding_mode"] == "trunc" and not trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
                 raise Unproven("integer division rounding toward zero of a value that may be negative")
             return self._arith(operator.floordiv, args[0], args[1], ndim, value)  # i // b spelled torch.div
+        if name in ("bmm", "matmul", "__matmul__") and _shape(args[0])[-1:] == (1,) and len(_shape(args[1])) > 1:
+            return self._arith(operator.mul, args[0], args[1], ndim, value)  # CARCA's outer product of masks
         if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
             op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]
             a, b = (args[1], args[0]) if name in _REVERSED_ARITH else (args[0], args[1])
@@ -309,7 +313,7 @@ class MaskEvaluator:
         if name in ("clamp", "clip", "clamp_min", "clamp_max", "minimum", "maximum") and value.dtype in _INT_DTYPES:
             return self._clamp(node, name, ndim)  # clamped position ids: HSTU's target and context masks
         if target in (abs, torch.abs) or name in ("abs", "__abs__"):  # |i - j|: sliding windows
-            src = self.tensor(args[0])
+            src, _ = self.tensor(args[0]), check_no_wrap(value.dtype)  # abs(int8 -128) is -128
             if not isinstance(src, IntTensor):
                 raise Unproven("abs of a mask (only abs of integer index expressions is modeled)")
             return IntTensor(ndim, sympy.Abs(src.expr))
@@ -411,6 +415,8 @@ class MaskEvaluator:
             if any(self.data_function(f) is not None for f in value.expr.atoms(sympy.Function)):
                 # a table looked up by data (TransAct's action_type_lookup[ids + 1]): data at these positions
                 raise Unproven(f"a tensor looked up by {i.name}, read from data")
+            if value.expr.is_nonnegative is not True:  # pad[b, kv - 1] at kv = 0 reads the last key
+                raise Unproven(f"the mask is indexed by {i.name}, which may be negative (counted from the end)")
             subs[index_symbol(src.ndim - 1 - d)] = value.expr
         out_ndim = example_value(node).dim()
         tmp = {k: sympy.Symbol(f"_g{k}", integer=True) for k in subs}
@@ -428,6 +434,8 @@ class MaskEvaluator:
 
     def _reshape(self, node: fx.Node, src: Abstract) -> Abstract:
         """Only reshapes that add, drop or expand size-1 dims: the non-unit dims keep their order."""
+        if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+            raise Unproven(f"`view` ({node.name}) as another dtype reads the mask's bits as other values")
         in_shape = _shape(node.args[0])
         out_shape = _shape(node)
         in_dims = [d for d, s in enumerate(in_shape) if not _is_one(s)]
@@ -483,6 +491,7 @@ class MaskEvaluator:
         return self.relabel(src, {n - 1 - order[p]: n - 1 - p for p in range(n)}, n)
 
     def _compare(self, op: str, a, b, ndim: int) -> BoolTensor:
+        check_constant_fits(a, b)  # uint8 != -256 compares with -256 cast to uint8: 0
         va, vb = self.evaluate(a), self.evaluate(b)
         if isinstance(va, (BoolTensor, PiecewiseTensor)) or isinstance(vb, (BoolTensor, PiecewiseTensor)):
             return BoolTensor(ndim, self._compare_values(op, va, vb))
@@ -655,22 +664,6 @@ def _shifted_reads(expr) -> bool:
 
 
 # -- a mask term of the scores as the condition that keeps a score -----------------------------------
-
-def _einsum_permutation(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
-    """(operand, order) when ``node`` is a one-operand einsum that only permutes dims
-    (``einsum("ijbn->bnij", x)``): output dim p holds input dim order[p]; else None."""
-    equation, *operands = node.args
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or len(operands) != 1 or not isinstance(operands[0], fx.Node):
-        return None
-    if "->" not in equation or "." in equation:
-        return None
-    src, out = equation.replace(" ", "").split("->")
-    if len(set(src)) != len(src) or sorted(src) != sorted(out):
-        return None
-    return operands[0], [src.index(c) for c in out]
-
 
 def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boolean:
     """The condition under which a score is kept, for a boolean mask ("bool": True keeps) or an additive

@@ -83,8 +83,9 @@ class _Builder:
         name = f.func.__name__
         data = self.evaluator.data.get(name)
         node = data.node if data is not None else self.evaluator.leaves.get(name)
-        if node is None:
-            raise Unproven(f"the key mask reads {name}, which the graph does not hold")
+        if node is None:  # torch's FloorDiv, Mod, ... of dynamic sizes (``m[:, L - L // 4:] = True``)
+            raise Unproven(f"the key mask computes {f} from the dynamic sizes, which it is not rebuilt from "
+                           "(compile with static sequence lengths)")
         x, picked = node, []
         for dim, arg in enumerate(f.args):  # f's args are the node's dims, left to right
             if arg == 0:

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gemcompile.passes.graph import Unproven, target_name
 
@@ -67,6 +68,10 @@ def returns_new_tensor(node: fx.Node) -> bool:
         return False
     if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemcompile":
         return True  # gemcompile's own ops return new tensors
+    if node.kwargs.get("inplace") is True:
+        return False  # F.relu(x, inplace=True) returns x itself
+    if target_name(node) == "einsum":  # einsum("bl->lb", x) of one operand is a view of it
+        return len(_tensor_inputs(node)) > 1
     return target_name(node) in _FRESH
 
 
@@ -107,15 +112,31 @@ def _writes_first(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("__") and name not in _NOT_UPDATES
 
 
+def _input_storage(node: fx.Node):
+    """A key for the storage of a graph input's example value (Dynamo's fake inputs share one fake storage
+    where the real ones do), else None."""
+    value = node.meta.get("example_value") if node.op == "placeholder" else None
+    if not isinstance(value, torch.Tensor) or value.is_sparse:
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _MutationIndex:
     """The alias classes of one graph and, for each updated class, the first op that writes it."""
 
     def __init__(self, graph: fx.Graph):
         self.parent: dict[fx.Node, fx.Node] = {}
+        storages: dict = {}  # inputs passed as views of one tensor (model(n, n.view(-1))): one class
         for node in graph.nodes:
             self.parent[node] = node
             for source in _aliased_inputs(node):
                 self._union(node, source)
+            storage = _input_storage(node)
+            if storage is not None:
+                self._union(node, storages.setdefault(storage, node))
         self.updates: dict[fx.Node, fx.Node] = {}
         for node in graph.nodes:
             for written in _updated_by(node):

@@ -169,3 +169,20 @@ def check_no_wrap(dtype: torch.dtype, source: torch.dtype | None = None) -> None
     if wide.min < narrow.min or wide.max > narrow.max:
         raise Unproven(f"a cast from {source} to {dtype} may wrap around")
     return None
+
+
+def check_constant_fits(a, b) -> None:
+    """Unproven when an integer tensor is compared with a Python int outside its dtype's range: torch casts
+    the number to the tensor's dtype first (uint8 ``!= -256`` is ``!= 0``, ``< 300`` is ``< 44``), which the
+    prover's unbounded comparison does not model."""
+    for tensor, number in ((a, b), (b, a)):
+        value = tensor.meta.get("example_value") if isinstance(tensor, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or isinstance(number, (fx.Node, bool)):
+            continue
+        if isinstance(number, int) and not value.is_floating_point() and value.dtype != torch.bool:  # a float
+            # number promotes the comparison to float instead
+            info = torch.iinfo(value.dtype)
+            if not info.min <= number <= info.max:
+                raise Unproven(f"{tensor.name} ({value.dtype}) is compared with {number!r}, outside its range: "
+                               "torch casts the number to that dtype first, wrapping it")
+

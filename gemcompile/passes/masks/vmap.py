@@ -48,6 +48,9 @@ def _is(node: fx.Node, *names: str) -> bool:
 def _tensor_indexing(node: fx.Node) -> bool:
     """``pm[b, kv]`` with a tensor for every index (without transformers' getitem-to-index rewrite)."""
     index = node.args[1] if node.target is operator.getitem and len(node.args) == 2 else None
+    if isinstance(index, fx.Node):  # n[b]: one integer index tensor (a bool one would select, not index)
+        value = example_value(index)
+        return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
     return isinstance(index, tuple) and bool(index) and all(isinstance(i, fx.Node) for i in index)
 
 
@@ -107,6 +110,7 @@ class _Lowering:
     def _index(self, node: fx.Node) -> None:
         """aten.index(t, [i, j, ...]) on an unbatched t: advanced indexing over the indices broadcast."""
         source, indices = node.args[0], node.args[1]
+        indices = (indices,) if isinstance(indices, fx.Node) else indices
         if self._batched(source) or any(i is None for i in indices) or len(node.args) != 2:
             raise _Unsupported(f"{node.name}: index of a batched tensor or with a None index")
         rank = max(self.phys[i][1] if i in self.phys else example_value(i).dim() for i in indices)
