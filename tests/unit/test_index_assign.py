@@ -118,3 +118,18 @@ def test_a_bound_from_a_dynamic_size_counts_from_the_end_when_negative(spelling)
         for o, r in zip(compiled(ids.clone(), cand), f(ids.clone(), cand)):
             torch.testing.assert_close(o, r)
     assert seen["rewritten"] == 1 and seen["setitems"] == 0, seen
+
+
+def test_a_number_outside_the_dtype_is_cast_as_eager_casts_it():
+    """``s[..., 0] = -1e9`` on float16 scores: eager's setitem casts the number (-inf); the out-of-place form
+    casts it the same way rather than handing it to masked_fill, which refuses a number that overflows."""
+    def f(x):
+        s = x.half() * 2
+        s[:, 0] = -1e9
+        return s
+
+    compiled, seen = _compiled(f, dynamic=False)
+    x = torch.randn(B, L)
+    out, ref = compiled(x), f(x)
+    assert torch.equal(out, ref) and torch.isinf(ref[:, 0]).all()
+    assert seen["rewritten"] == 1 and seen["setitems"] == 0, seen

@@ -179,6 +179,10 @@ def emit_index_assign(emit: Emitter, x: fx.Node, index: tuple, value) -> fx.Node
         dim += span
     v = _value_of(value)
     if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        if isinstance(v, float) and x_value.is_floating_point() and abs(v) > torch.finfo(x_value.dtype).max:
+            # eager's setitem casts it (-1e9 into float16 is -inf), masked_fill would refuse the number
+            value = emit.call(torch.scalar_tensor, (v,), {"dtype": torch.float64, "device": x_value.device})
+            value = emit.method("to", (value, x_value.dtype))
         return emit.method("masked_fill", (x, selected, value))
     if v.dtype != x_value.dtype:
         value = emit.method("to", (value, x_value.dtype))
