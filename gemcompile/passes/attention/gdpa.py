@@ -147,10 +147,14 @@ class Gdpa(AttentionFamily):
                      + (f"; normalized by {normalizer}" if normalizer else ""))
 
 
-def _targets_operand(emit: Emitter, num_targets: fx.Node, kv_len: fx.Node | None, k: fx.Node) -> fx.Node:
+def _targets_operand(emit: Emitter, num_targets: fx.Node | None, kv_len: fx.Node | None,
+                     k: fx.Node) -> fx.Node | None:
     """num_targets as the op takes them: int8/int16/uint8 widened to int32 (exact), clamped to [0, the key
     length]. The mask keeps the same keys for any value: more targets than a sequence holds make each of its
-    rows a target seeing no history, as num_targets = length does; fewer than 0 make none, as 0 does."""
+    rows a target seeing no history, as num_targets = length does; fewer than 0 make none, as 0 does. None (a
+    contextual prefix without targets) stays None."""
+    if num_targets is None:
+        return None
     if example_value(num_targets).dtype in (torch.int8, torch.int16, torch.uint8):
         num_targets = emit.method("to", (num_targets, torch.int32))
     if kv_len is None:
