@@ -26,7 +26,6 @@ from gemcompile.passes import PIPELINE, GemPass, PassManager, packed_reduction_b
 from gemcompile.passes.activation_memory import (ActivationMemoryPartitioner, budget_patch,
                                                   has_partitioner_slot)
 from gemcompile.passes.base import instantiate, run_pre_grad
-from gemcompile.passes.softmax_dim_guard import guard_softmax_dims
 from gemcompile.passes.records import PassLog, active_log, recording
 
 log = logging.getLogger(__name__)
@@ -210,7 +209,6 @@ class GemBackend:
         self.last_log = target
         with recording(target):
             run_pre_grad(gm, passes, example_inputs)
-            guard_softmax_dims(gm)  # Inductor's attention patterns ignore the softmax's dim (pytorch#196468)
             patches.update(self.slot_managers(passes, patches))
             patches.update(self.partitioner(patches))
             # around the whole compile, so that AOTAutograd's cache key (it hashes functorch's config) sees it

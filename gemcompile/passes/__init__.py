@@ -11,6 +11,7 @@ from gemcompile.passes.attention.rewrite import AttentionRewritePass
 from gemcompile.passes.base import STAGES, GemPass, PassManager, Stage
 from gemcompile.passes.fp32_gemm_out import Fp32GemmOutPass
 from gemcompile.passes.gdpa_relative_table import GdpaRelativeTablePass
+from gemcompile.passes.inductor_sdpa_fence import InductorSdpaFencePass
 from gemcompile.passes.mxfp8 import Mxfp8Pass
 from gemcompile.passes.sharding import ShardingPass
 from gemcompile.passes.table_batching import TableBatchingPass
@@ -26,6 +27,7 @@ PIPELINE: tuple[type[GemPass], ...] = (
     GdpaRelativeTablePass,  # pre_grad: gdpa over a relative_bias gather -> gdpa reading the table in place
     UnpadPass,  # pre_grad: token-wise regions of padded sequences -> packed (T, ...) tokens
     TableBatchingPass,  # pre_grad: sparse embedding-bag lookups of many tables -> one sparse_embedding_bags
+    InductorSdpaFencePass,  # joint: Inductor's attention patterns decline in gemcompile's compiles (no rewrite)
     JaggedAttentionJointPass,  # joint: hand-written padded attention that reached the joint graph
     TokenColumnSumPass,  # post_grad: sums over packed tokens of tensors in memory (bias grads) -> torch.sum
     UnpadReductionsPass,  # post_grad: sums over packed tokens padded to a static size (Inductor < 2.13)

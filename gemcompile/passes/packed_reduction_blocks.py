@@ -32,7 +32,10 @@ def _next_power_of_2(n: int) -> int:
 
 def static_outer_config(x: int, rnumel: int, loads: int) -> dict[str, int]:
     """The block config Inductor's outer-reduction heuristic picks for static sizes (x outputs, rnumel rows
-    each, ``loads`` inputs read per row), with its number of warps made explicit."""
+    each, ``loads`` inputs read per row), with its number of warps made explicit. The heuristic sees the
+    sizes rounded up to powers of two (its size hints), and so do the blocks here: Triton takes only powers
+    of two (a model 768 wide gave XBLOCK 6, which failed to compile)."""
+    x, rnumel = _next_power_of_2(x), _next_power_of_2(rnumel)
     if x <= 1024:  # few outputs: spread the rows over every SM
         x_block, r_block = max(min(x // 128, 8), 2), min(rnumel, 64)
     elif x // 4096 <= 8:

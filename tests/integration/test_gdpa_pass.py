@@ -433,3 +433,21 @@ def test_hstu_target_counts_of_any_layout_dtype_or_range_equal_eager(spelling, m
     out, ref = rewritten(model)(x, offsets, targets), model(x, offsets, targets)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+@pytest.mark.parametrize("targets", [[L, 2, 0], [3, 2, 0], [L + 5, 0, 9]])
+def test_hstu_targets_of_a_history_longer_than_the_padded_length_equal_eager(targets):
+    """A sequence longer than L (a history truncated to L, its length kept raw): eager's target rows start at
+    n - num_targets with the raw n; the op counts from its clamped length, so the count is shifted by what
+    the length exceeds L (the rewrite gave every row of that sample as a target: 0.53 off)."""
+    torch.manual_seed(0)
+    model = HstuTargetsStyle(H, D)
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.tensor([0, L + 3, L + 8, L + 17])  # lengths L + 3, 5, 9
+    x = torch.randn(3, L, H * D, generator=g, requires_grad=True)
+    num_targets = torch.tensor(targets)
+    report = explain(model, x, offsets, num_targets)
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    out, ref = rewritten(model)(x, offsets, num_targets), model(x, offsets, num_targets)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])

@@ -58,3 +58,18 @@ def test_left_alone_outside_gemcompiles_graphs():
 
 def test_fixed_config_kept_when_inductor_set_one():
     assert packed_reduction_blocks.packed_outer_config(types.SimpleNamespace(), [], {"fixed_config": object()}) is None
+
+
+@pytest.mark.parametrize("x", [300, 384, 768, 1000, 5000, 100_000])
+@pytest.mark.parametrize("rnumel", [65, 100, 777, 3000])
+def test_sizes_that_are_not_powers_of_two_get_the_config_of_their_size_hints(x, rnumel):
+    """Triton takes only power-of-two blocks and warps: GEM-ref tiny (and any model 384 or 768 wide) failed to
+    compile its norm-gradient sums on the GPU ("num_warps must be a power of 2"). The config is the one
+    Inductor's heuristic picks for the sizes rounded up to powers of two, its size hints."""
+    def power_of_two(n):
+        return n > 0 and n & (n - 1) == 0
+
+    config = static_outer_config(x, rnumel, 4)
+    assert all(power_of_two(config[k]) for k in ("XBLOCK", "R0_BLOCK", "num_warps")), config
+    hints = (1 << (x - 1).bit_length(), 1 << (rnumel - 1).bit_length())
+    assert config == static_outer_config(*hints, 4)

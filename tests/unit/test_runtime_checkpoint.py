@@ -194,6 +194,26 @@ def test_a_checkpoint_without_manifest_is_checked_structurally(tmp_path):
     assert choose_checkpoint(tmp_path).path is None and len(choose_checkpoint(tmp_path).skipped) == 2
 
 
+def test_flipped_bits_in_a_checkpoint_without_manifest_fail_the_items_crc(tmp_path):
+    """Bits flipped inside a tensor of a folder without a manifest (the byte ranges intact) were resumed as
+    good; each tensor item is a torch.save archive whose CRC32 names the damage."""
+    older, newer = _saved(tmp_path, 2, 4)
+    for path in (older, newer):
+        (path / MANIFEST).unlink()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(newer)).read_metadata().storage_data.values()
+    largest = max(storage, key=lambda info: info.length)  # the middle of its bytes is tensor data
+    data = newer / largest.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[largest.offset + largest.length // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    problem = verify_checkpoint(newer)
+    assert problem is not None and "fails its CRC32 check" in problem and "\n" not in problem, problem
+    assert verify_checkpoint(older) is None
+    assert choose_checkpoint(tmp_path).path == older
+
+
 def test_a_manifest_less_checkpoint_whose_data_cannot_be_unpickled_is_skipped(tmp_path):
     """DCP reports the failed read as CheckpointException, a BaseException: it is still one verdict, and the
     checkpoint before it is chosen."""
@@ -233,21 +253,34 @@ def test_checkpoint_dir_problems_are_found_before_anything_runs(tmp_path):
     assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the write probe is removed
 
 
-def test_a_full_disk_names_the_step_and_the_directory_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["dcp_save", "file_system", "zip_writer"])
+def test_a_full_disk_names_the_step_and_the_directory_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch,
+                                                                                       where):
     """ENOSPC in the middle of a save: one error that says which step and where, the checkpoint before it
-    still the latest, nothing half-written chosen."""
+    still the latest, nothing half-written chosen. Raised by the file system under DCP, the error arrives
+    wrapped in DCP's CheckpointException (a BaseException), or as torch.save's zip writer's RuntimeError."""
     import errno
+
+    from torch.distributed.checkpoint import filesystem
 
     import gemcompile.runtime.training.checkpoint as checkpoint
 
     model, optimizers = _fresh()
     save_checkpoint(tmp_path, 1, model, optimizers)
+    error = (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+             if where == "zip_writer" else OSError(errno.ENOSPC, "No space left on device"))
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
-    monkeypatch.setattr(checkpoint.dcp, "save", full)
-    with pytest.raises(OSError, match=r"checkpoint of step 2 into .* failed: No space left on device") as info:
+    if where == "dcp_save":
+        monkeypatch.setattr(checkpoint.dcp, "save", full)
+    else:
+        monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+    reason = "a file was not written whole" if where == "zip_writer" else "No space left on device"
+    with pytest.raises(OSError, match=rf"checkpoint of step 2 into .* failed: {reason}") as info:
         save_checkpoint(tmp_path, 2, model, optimizers)
-    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    assert info.value.errno == (errno.EIO if where == "zip_writer" else errno.ENOSPC)
+    assert str(tmp_path) in str(info.value)
+    monkeypatch.undo()  # the disk has room again: reading works
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)

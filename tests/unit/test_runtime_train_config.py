@@ -29,9 +29,10 @@ def test_defaults():
         ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
         ("steps", 2.5, r"TrainConfig.steps = 2.5"),
         ("batch_size", -4, r"TrainConfig.batch_size = -4"),
-        ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a float > 0 that float32 holds"),
+        ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a float > 0, at most 1e\+30"),
         ("lr", float("nan"), r"TrainConfig.lr = nan"),
         ("lr", 1e39, r"TrainConfig.lr = 1e\+39 is invalid"),  # finite in Python, inf in the fp32 optimizer
+        ("lr", 1e38, r"TrainConfig.lr = 1e\+38 is invalid"),  # float32 holds it, Adam's first step (x 10) not
         ("embedding_lr", float("inf"), r"TrainConfig.embedding_lr = inf"),
         (
             "compile",

@@ -134,7 +134,7 @@ class Gdpa(AttentionFamily):
         if mask.hstu:
             if qv.shape[0] != kv.shape[0] or qv.shape[2] != kv.shape[2]:
                 raise Unproven("HSTU's target/contextual mask needs self-attention (q and k of one shape)")
-            args += (_targets_operand(emit, mask.num_targets, kv_len, k), int(mask.contextual_len))
+            args += (_targets_operand(emit, mask, kv_len, k), int(mask.contextual_len))
         kv_mask = key_mask_operand(emit, mask, k)
         if kv_mask is not None and mask.hstu:
             raise Unproven("HSTU's target/contextual mask with key padding read from data (the kernel takes "
@@ -147,17 +147,18 @@ class Gdpa(AttentionFamily):
                      + (f"; normalized by {normalizer}" if normalizer else ""))
 
 
-def _targets_operand(emit: Emitter, num_targets: fx.Node | None, kv_len: fx.Node | None,
-                     k: fx.Node) -> fx.Node | None:
-    """num_targets as the op takes them: int8/int16/uint8 widened to int32 (exact), clamped to [0, the key
-    length]. The mask keeps the same keys for any value: more targets than a sequence holds make each of its
-    rows a target seeing no history, as num_targets = length does; fewer than 0 make none, as 0 does. None (a
-    contextual prefix without targets) stays None."""
-    if num_targets is None:
+def _targets_operand(emit: Emitter, mask: AttentionMask, kv_len: fx.Node | None, k: fx.Node) -> fx.Node | None:
+    """num_targets as the op takes them (None without targets: a contextual prefix alone). The mask's
+    target rows start at n - num_targets with n the lengths as given; the op counts from its lengths clamped
+    to the padded L, so a history longer than L (lengths kept raw) shifts the count by n - min(n, L). Then
+    clamped to [0, the op's length]: the mask keeps the same keys for any value (more targets than a
+    sequence holds make each of its rows a target, as num_targets = length does; fewer than 0 none, as 0
+    does). Computed in int64 (int8/int16/uint8 counts widened exactly)."""
+    if mask.num_targets is None:
         return None
-    if example_value(num_targets).dtype in (torch.int8, torch.int16, torch.uint8):
-        num_targets = emit.method("to", (num_targets, torch.int32))
+    targets = emit.method("to", (mask.num_targets, torch.int64))
     if kv_len is None:
-        return emit.call(torch.clamp, (num_targets, 0, size_of(emit, k, 2)))
-    return emit.call(torch.minimum, (emit.call(torch.clamp, (num_targets, 0)), kv_len))
-
+        return emit.call(torch.clamp, (targets, 0, size_of(emit, k, 2)))
+    beyond = emit.call(operator.sub, (emit.method("to", (mask.kv_lengths, torch.int64)), kv_len))
+    targets = emit.call(operator.sub, (targets, beyond))
+    return emit.call(torch.minimum, (emit.call(torch.clamp, (targets, 0)), kv_len))

@@ -206,7 +206,7 @@ def dropout_probability(node: fx.Node) -> float:
 
 def match_softmax(softmax: fx.Node) -> AttentionSite:
     """softmax(scores) @ v with scores = q @ k^T scaled, biased and masked."""
-    dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
+    dim = softmax.kwargs.get("dim", softmax.kwargs.get("axis", softmax.args[1] if len(softmax.args) > 1 else None))
     ndim = example_value(softmax).dim()
     if not (isinstance(dim, int) and dim % ndim == ndim - 1):
         raise Unproven(f"softmax over dim {dim}, not over the keys (the last dim)")
@@ -225,7 +225,7 @@ def match_softmax(softmax: fx.Node) -> AttentionSite:
             node = zeroed
             continue
         single_user(node, matched)
-        (user,) = node.users
+        (user,) = (u for u in node.users if u not in matched)  # (a dead read went into matched)
         scaled_rows, post_mask = row_op(user, node), key_mask_op(user, node)
         if scaled_rows is not None or post_mask is not None:
             (row_ops if scaled_rows is not None else post_masks).append(scaled_rows or post_mask)
@@ -636,7 +636,7 @@ def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Nod
     node = anchor
     while True:
         single_user(node, matched)
-        (user,) = node.users
+        (user,) = (u for u in node.users if u not in matched)  # (a dead read went into matched)
         if (user is act_out and act_out is not anchor) or is_call(user, *CASTS):
             node = user
             continue

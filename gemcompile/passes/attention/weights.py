@@ -51,7 +51,15 @@ def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
 
 def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
     """(keeps, cond) when ``user`` zeroes the weights ``p`` by a mask that varies along the keys:
-    ``p.masked_fill(cond, 0)`` (False: cond drops) or ``torch.where(cond, p, 0)`` (True: cond keeps)."""
+    ``p.masked_fill(cond, 0)`` (False: cond drops), ``torch.where(cond, p, 0)`` or ``p * cond`` (True: cond
+    keeps), the weights' shape kept (a mask that broadcasts them to more dims is something else)."""
+    out, weights = example_value(user), example_value(p)
+    if not (isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor) and out.shape == weights.shape):
+        return None
+    return _zeroing_mask(user, p)
+
+
+def _zeroing_mask(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
     def along_keys(x) -> bool:
         value = example_value(x) if isinstance(x, fx.Node) else None
         return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.shape[-1] != 1

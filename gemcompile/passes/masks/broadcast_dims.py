@@ -75,7 +75,7 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
             found &= frozenset(r for r in range(ndim) if r >= t_ndim or r in constant_dims(t, depth - 1))
         return unit | found
     if name == "unsqueeze":
-        dim = args[1] if len(args) > 1 else node.kwargs["dim"]
+        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", node.kwargs.get("axis"))
         dim = dim if dim >= 0 else dim + ndim
         inner = constant_dims(args[0], depth - 1)
         mapped = {(r if r < ndim - 1 - dim else r + 1) for r in inner}
@@ -94,7 +94,7 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
 def _through_cat(node: fx.Node, ndim: int, depth: int) -> frozenset[int]:
     """Dims other than the one a cat joins along which every part is constant."""
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("axis", 0))
     if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or not parts:
         return frozenset()
     if any(_tensor(p) is None or _tensor(p).dim() != ndim for p in parts):

@@ -270,7 +270,7 @@ class MaskEvaluator:
         if target is operator.getitem:
             return self._getitem(node)
         if name in ("unsqueeze",):
-            return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs["dim"], ndim)
+            return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis")), ndim)
         if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as"):
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t") or (target is getattr and args[1] in ("T", "mT")):
@@ -304,7 +304,8 @@ class MaskEvaluator:
             if kwargs["rounding_mode"] == "trunc" and not trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
                 raise Unproven("integer division rounding toward zero of a value that may be negative")
             return self._arith(operator.floordiv, args[0], args[1], ndim, value)  # i // b spelled torch.div
-        if name in ("bmm", "matmul", "__matmul__") and _shape(args[0])[-1:] == (1,) and len(_shape(args[1])) > 1:
+        if name in ("bmm", "matmul", "__matmul__") and len(_shape(args[0])) > 1 and _shape(args[0])[-1] == 1 \
+                and len(_shape(args[1])) > 1:
             return self._arith(operator.mul, args[0], args[1], ndim, value)  # CARCA's outer product of masks
         if target in _ARITH or name in _ARITH or name in _REVERSED_ARITH:
             op = _ARITH.get(target) or _ARITH.get(name) or _REVERSED_ARITH[name]

@@ -23,6 +23,7 @@ step (the synthetic data is a pure function of (seed, step), so nothing about th
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import warnings
 from collections.abc import Iterable, Mapping
@@ -303,11 +304,18 @@ def save_checkpoint(
                 no_dist=_no_dist(),
             )
         on_rank0(seal)  # every rank waits until the checkpoint is in place
-    except OSError as e:  # a full disk said only "[Errno 28] No space left on device": say what and where
-        if type(e) not in (OSError, PermissionError, FileNotFoundError):  # others say what they are
+    except (OSError, RuntimeError, CheckpointException) as e:  # a full disk said only "[Errno 28] No space
+        # left on device" (DCP wraps it in CheckpointException) or torch.save's "unexpected pos": say what and where
+        cause = failure_cause(e)
+        if type(cause) in (OSError, PermissionError, FileNotFoundError):
+            reason, code = cause.strerror or str(cause), cause.errno
+        elif isinstance(cause, RuntimeError) and "inline_container" in str(cause):
+            first = (str(cause).strip().splitlines() or [""])[0]
+            reason, code = f"a file was not written whole, a full disk? ({first})", errno.EIO
+        else:  # others say what they are
             raise
-        raise OSError(e.errno, f"writing the checkpoint of step {step} into {path.parent} failed: "
-                               f"{e.strerror or e} (the checkpoints before it are intact)") from e
+        raise OSError(code, f"writing the checkpoint of step {step} into {path.parent} failed: {reason} "
+                            "(the checkpoints before it are intact)") from e
     kill_point(f"save:{step}:done")
     return path
 

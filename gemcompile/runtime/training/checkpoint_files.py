@@ -11,7 +11,8 @@ moment therefore leaves every `step_*` folder either complete or untouched; what
 verify_checkpoint() checks a folder against its manifest (missing, truncated, resized or corrupted
 files) and reads its DCP metadata; it answers in one line what is wrong. Folders written before
 manifests existed (`.metadata` but no `manifest.json`) are checked structurally: the DCP metadata
-must unpickle and every data file must be long enough for the byte ranges it lists.
+must unpickle, every data file must be long enough for the byte ranges it lists, and every tensor item
+(a torch.save archive) must pass its CRC32s.
 
 kill_point() is a test hook: with GEMCOMPILE_TEST_KILL_AT=POINT[@RANK][,...] the process SIGKILLs
 itself on reaching POINT (e.g. `save:4:rename`, `step:3`), so the fault tests kill at a named moment
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,6 +33,7 @@ import signal
 import sys
 import time
 import tempfile
+import zipfile
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -212,8 +215,8 @@ def _check_against_manifest(folder: Path, files: dict) -> str | None:
 
 
 def _check_structure(folder: Path) -> str | None:
-    """A checkpoint without a manifest: its DCP metadata must load and every data file must hold the
-    byte ranges the metadata lists. (Catches missing and truncated files, not flipped bits.)"""
+    """A checkpoint without a manifest: its DCP metadata must load, every data file must hold the byte ranges
+    the metadata lists, and every tensor item must pass the CRC32s of its archive (flipped bits)."""
     if not (folder / ".metadata").is_file():
         return f"no {MANIFEST} and no .metadata: an interrupted save"
     try:
@@ -231,6 +234,24 @@ def _check_structure(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size < end:
             return f"{name} is truncated ({path.stat().st_size} bytes, .metadata needs {end})"
+    return _check_item_crcs(folder, storage.values())
+
+
+def _check_item_crcs(folder: Path, items) -> str | None:
+    """Each tensor item DCP wrote is a torch.save zip archive whose entries carry a CRC32: flipped bits in a
+    checkpoint without a manifest fail it. (Items that are not archives, raw bytes, are not checked.)"""
+    for info in sorted(items, key=lambda i: (i.relative_path, int(i.offset))):
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(int(info.offset))
+            data = f.read(int(info.length))
+        if data[:4] != b"PK\x03\x04":
+            continue
+        try:
+            damaged = zipfile.ZipFile(io.BytesIO(data)).testzip()
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            return f"{info.relative_path}: the item at byte {info.offset} is not a readable archive ({e})"
+        if damaged is not None:
+            return f"{info.relative_path}: {damaged} (the item at byte {info.offset}) fails its CRC32 check"
     return None
 
 

@@ -41,11 +41,13 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_rate(value: Any) -> bool:
-    """A learning rate: > 0 and finite in float32, where the optimizers keep it (1e39 is not)."""
-    return _is_number(value) and 0 < value <= _FLOAT32_MAX
+    """A learning rate: > 0 and at most _MAX_RATE."""
+    return _is_number(value) and 0 < value <= _MAX_RATE
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+_MAX_RATE = 1e30
+"""The optimizers keep their rates in float32 and scale them (Adam's first step by 1 / (1 - beta1) = 10):
+1e38 passed a float32-range check and then overflowed in the first step."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class TrainConfig:
         if self.batch_size is None:
             object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE[self.size])
         check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an int >= 1 (or None)")
-        rate = "a float > 0 that float32 holds (at most 3.4e38)"  # the optimizers keep their rates in fp32
+        rate = f"a float > 0, at most {_MAX_RATE:g}"  # the optimizers keep (and scale) their rates in fp32
         check(_is_rate(self.lr), "lr", rate)
         check(_is_rate(self.embedding_lr), "embedding_lr", rate)
         check(self.compile in COMPILE_MODES, "compile", f"one of {', '.join(COMPILE_MODES)}")
