@@ -953,3 +953,75 @@ def test_a_pairwise_mask_handed_in_names_graph_breaks_as_a_likely_source():
     pairwise = (key_mask(lengths)[:, :, None] & key_mask(lengths)[:, None, :])[:, None]
     reasons = [r.reason for r in explain(attention, q, k, v, pairwise).refusals]
     assert any("both the query and the key" in r and "graph break" in r for r in reasons), reasons
+
+
+def _ids_of(n):
+    return (torch.arange(L)[None, :] < n[:, None]) * (torch.arange(L) % 3 + 1)
+
+
+def _cat_along_queries(q, k, v, n):  # cat(axis=1): rows of one half keep keys id > 0, of the other id > 1
+    ids = _ids_of(n)
+    halves = [(ids > c)[:, None, None, :].expand(-1, 1, L // 2, -1) for c in (0, 1)]
+    keep = torch.cat(halves, axis=2) | (torch.arange(L) == 0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def _matmul_of_a_vector(q, k, v, n):  # ones(1) @ (B, 1, L): a (B, L) key mask, not an outer product
+    keep = (torch.ones(1) @ (_ids_of(n) > 0).float()[:, None, :]).bool()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def _weights_read_and_dropped(q, k, v, n):  # p.detach() whose result nothing uses
+    s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~key_mask(n)[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, -1)
+    p.detach()
+    return p @ v
+
+
+def _axis_keywords(q, k, v, n):  # unsqueeze(axis=) and softmax(axis=), numpy's spelling
+    s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~key_mask(n).unsqueeze(axis=1).unsqueeze(axis=1), -1e9)
+    return torch.softmax(s, axis=-1) @ v
+
+
+SPELLINGS_READ_RIGHT = {  # (attention, rewritten)
+    "cat_along_queries_with_axis": (_cat_along_queries, False),  # data at both positions: refused
+    "matmul_of_a_vector": (_matmul_of_a_vector, True),
+    "weights_read_and_dropped": (_weights_read_and_dropped, True),
+    "axis_keywords": (_axis_keywords, True),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS_READ_RIGHT))
+def test_spellings_found_by_the_second_probe_equal_eager(spelling):
+    """``torch.cat(..., axis=1)`` was read as joined along dim 0 (every query row read row 0: 2.5 off), a 1-D
+    matmul operand as an outer product (3.0 off); a dropped ``p.detach()`` and ``axis=`` keywords stopped
+    the rewrite with internal errors."""
+    attention, served = SPELLINGS_READ_RIGHT[spelling]
+    q, k, v, _, _ = _inputs(sdpa_key)
+    n = torch.tensor([L, 5, 1, 8])
+    report = explain(attention, q, k, v, n)
+    assert report.counts["jagged_attention"] == int(served), [r.reason for r in report.refusals]
+    assert not any("internal error" in r.reason for r in report.refusals)
+    out, ref = rewritten(attention)(q, k, v, n), attention(q, k, v, n)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [q, k, v])
+
+
+@pytest.mark.parametrize("post", ["mul", "masked_fill", "where"])
+def test_a_post_softmax_mask_that_broadcasts_the_weights_up_is_not_the_scores_mask_again(post):
+    """Merged (B * H, L, L) weights times a (B, 1, 1, L) mask broadcast to (B, B * H, L, L) in eager (matmul
+    keeps it): not the scores' own mask applied again; the rewrite returned (B * H, L, D)."""
+    def attention(q, k, v, lengths):
+        keep = key_mask(lengths)[:, None, None, :]
+        s = torch.bmm(q, k.transpose(1, 2)).view(B, H, L, L).masked_fill(~keep, -1e9).view(B * H, L, L)
+        p = torch.softmax(s, -1)
+        p = p * keep if post == "mul" else p.masked_fill(~keep, 0.0) if post == "masked_fill" else \
+            torch.where(keep, p, 0.0)
+        return torch.matmul(p, v)
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B * H, L, D, generator=g) for _ in range(3))
+    lengths = torch.tensor([L, 3, 5, 1])
+    out, ref = rewritten(attention)(q, k, v, lengths), attention(q, k, v, lengths)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
