@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from gemcompile.config import ParallelConfig
 from gemcompile.runtime.training.config import DEFAULT_BATCH_SIZE, TrainConfig
 from gemcompile.runtime.training.flags import add_train_arguments, config_from_args
 
@@ -163,3 +164,20 @@ def test_memory_flags_reach_the_gem_config():
 def test_memory_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_errors_every_rank_finds_alike_are_said_once_under_torchrun(rank, printed, monkeypatch, capsys):
+    """A bad flag and a plan that does not fit the world are found by every rank alike: rank 0 alone prints
+    them (each rank printed its copy). The exit status is every rank's."""
+    from gemcompile.runtime.distributed.plan import ParallelPlanError, resolve_axes
+    from gemcompile.runtime.training.flags import report_error
+
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(ValueError) as config_error:
+        TrainConfig(steps=0)
+    with pytest.raises(ParallelPlanError) as plan_error:
+        resolve_axes(ParallelConfig(dp_shard=3), 8, gpus_per_node=2)
+    for error in (config_error.value, plan_error.value):
+        assert report_error("train", error, debug=False) == 2
+        assert bool(capsys.readouterr().err) == printed

@@ -75,6 +75,9 @@ MESH_AXES: dict[str, tuple[str, ...]] = {
 class ParallelPlanError(ValueError):
     """The world size, the axes and the model do not fit together (raised before any collective)."""
 
+    same_on_every_rank = True
+    """Every rank derives the plan from the same flags and world: under torchrun rank 0 alone says it."""
+
 
 # ---------------------------------------------------------------------------------------------------
 # Axes

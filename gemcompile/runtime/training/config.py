@@ -166,9 +166,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
             if not ok:
-                raise ValueError(
-                    f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: expected {expected}"
-                )
+                error = ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: expected {expected}")
+                error.same_on_every_rank = True  # the flags are every rank's: said once under torchrun
+                raise error
 
         check(self.size in SIZES, "size", f"one of {', '.join(SIZES)}")
         check(_is_int(self.steps) and self.steps >= 1, "steps", "an int >= 1")
