@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gemcompile.passes.graph import Unproven, target_name
+from gemcompile.passes.graph import Unproven, example_value, target_name
 
 __all__ = ["check_not_updated", "forget_mutations", "in_place_update", "returns_new_tensor"]
 
@@ -115,7 +115,7 @@ def _writes_first(node: fx.Node) -> bool:
 def _input_storage(node: fx.Node):
     """A key for the storage of a graph input's example value (Dynamo's fake inputs share one fake storage
     where the real ones do), else None."""
-    value = node.meta.get("example_value") if node.op == "placeholder" else None
+    value = example_value(node) if node.op == "placeholder" else None
     if not isinstance(value, torch.Tensor) or value.is_sparse:
         return None
     try:

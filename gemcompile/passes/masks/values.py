@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean, BooleanFalse, BooleanTrue
 
-from gemcompile.passes.graph import Unproven
+from gemcompile.passes.graph import Unproven, example_value
 
 
 def index_symbol(k: int) -> sympy.Symbol:
@@ -176,7 +176,7 @@ def check_constant_fits(a, b) -> None:
     the number to the tensor's dtype first (uint8 ``!= -256`` is ``!= 0``, ``< 300`` is ``< 44``), which the
     prover's unbounded comparison does not model."""
     for tensor, number in ((a, b), (b, a)):
-        value = tensor.meta.get("example_value") if isinstance(tensor, fx.Node) else None
+        value = example_value(tensor) if isinstance(tensor, fx.Node) else None
         if not isinstance(value, torch.Tensor) or isinstance(number, (fx.Node, bool)):
             continue
         if isinstance(number, int) and not value.is_floating_point() and value.dtype != torch.bool:  # a float
