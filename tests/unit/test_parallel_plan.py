@@ -87,6 +87,17 @@ def test_bad_factorization_is_a_clear_error(config, world, message):
         resolve_axes(config, world, gpus_per_node=2)
 
 
+@pytest.mark.parametrize("per_node, world", [(3, 4), (4, 6)])
+def test_nodes_that_do_not_tile_the_world_are_a_clear_error(per_node, world):
+    # 4 ranks on "nodes of 3": the intra-node axes would have spanned nodes without a word.
+    with pytest.raises(ParallelPlanError, match=r"gpus_per_node"):
+        resolve_axes(ParallelConfig(gpus_per_node=per_node), world)
+
+
+def test_one_node_partly_used_is_allowed():
+    assert resolve_axes(ParallelConfig(gpus_per_node=8), 4).gpus_per_node == 4
+
+
 def test_expert_count_not_divisible_by_ep():
     with pytest.raises(ParallelPlanError, match=r"expert count 3 is not divisible by ep=2"):
         resolve_axes(ParallelConfig(ep=2), 4, gpus_per_node=4, expert_counts=[3])

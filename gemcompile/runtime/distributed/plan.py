@@ -151,7 +151,11 @@ def resolve_axes(config: ParallelConfig, world_size: int, *, gpus_per_node: int 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ParallelPlanError(f"world size must be an int >= 1, got {world_size!r}")
     per_node = _default_gpus_per_node(config, world_size, gpus_per_node)
-    per_node = min(per_node, world_size)
+    if per_node < world_size and world_size % per_node:
+        # Nodes of unequal size: the intra-node axes would silently span nodes.
+        raise ParallelPlanError(f"world size {world_size} is not a whole number of nodes of gpus_per_node="
+                                f"{per_node} ranks")
+    per_node = min(per_node, world_size)  # one node, partly used
     dp_replicate, dp_shard = _pair(world_size, config.dp_replicate, config.dp_shard, per_node,
                                    ("dp_replicate", "dp_shard"))
     emb_outer, emb_inner = _pair(world_size, config.emb_outer, config.emb_inner, per_node,
