@@ -638,8 +638,9 @@ class Heads(nn.Module):
     def forward(self, x: Tensor, s_sum: Tensor, domain: Tensor) -> Tensor:
         h = self.top(torch.cat([x.flatten(1), s_sum.flatten(1)], dim=1))  # (B, top_mlp[-1])
         all_logits = torch.stack([tower(h) for tower in self.towers], dim=1)  # (B, n_domains, n_tasks)
-        index = domain[:, None, None].expand(-1, 1, all_logits.shape[-1])  # (B, 1, n_tasks)
-        return torch.gather(all_logits, 1, index).squeeze(1)  # (B, n_tasks)
+        rows = torch.arange(all_logits.shape[0], device=all_logits.device)
+        # Advanced indexing returns a fresh tensor: FSDP2 warns about modules that return views.
+        return all_logits[rows, domain]  # (B, n_tasks)
 
 
 class GemRef(nn.Module):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gemcompile.runtime.distributed.collectives import CollectiveCounter
+from gemcompile.runtime.distributed.collectives import CollectiveCounter, all_gather_single
 from gemcompile.runtime.distributed.embedding import (
     EmbeddingGroups,
     ShardedCollection,
@@ -298,7 +298,7 @@ class ParallelRuntime:
         out = []
         for t in tensors:
             buffer = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
-            dist.all_gather_into_tensor(buffer, t.contiguous(), group=self.meshes.world_group)
+            all_gather_single(buffer, t.contiguous(), group=self.meshes.world_group)
             out.append(buffer)
         return out
 

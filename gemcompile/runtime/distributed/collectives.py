@@ -40,6 +40,11 @@ def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, factor)
 
 
+# torch 2.13 names the single-tensor collectives *_single and warns on the old names; 2.11 has only those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _world(group) -> int:
     return dist.get_world_size(group)
 
@@ -50,7 +55,7 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_zeros((_world(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
@@ -61,7 +66,7 @@ class _AllGather(torch.autograd.Function):
 def _reduce_scatter_raw(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_zeros((x.shape[0] // _world(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -75,7 +80,7 @@ class _ReduceScatter(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         out = grad.new_zeros((_world(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_into_tensor(out, grad, group=ctx.group)
+        all_gather_single(out, grad, group=ctx.group)
         return out, None
 
 
