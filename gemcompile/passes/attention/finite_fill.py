@@ -10,15 +10,15 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
 2. **rows that see no valid key**: eager gives them softmax(s + F) over the keys the fill spans.
    - no causal/window/block/HSTU term and no query padding: such a row is a sequence with no valid key, and
      the rewrite gives that sequence every key. Written over the scores (masked_fill, where), F makes the
-     row uniform whatever its value. Added, for F >= -1e8 that is eager's softmax(s + F) = softmax(s)
-     (up to eager's own rounding of s + F, which puts s on a grid of ulp(F): 1e-3 at -1e4, but 1 at -1e7,
-     where eager's row is far from softmax(s) and the kernel's is the exact one). A fill added by several
-     terms instead gets a device-side check that no sequence is empty: eager's row then attends only to
-     the keys the fewest terms drop. For F < -1e8 (finfo.min, -1e9) eager's s + F rounds to F: the row
-     is uniform, and the kernel is told so (``uniform_keys``: scores taken as 0, gradients as eager's
-     autograd gives them), with a device-side
-     check that the scores are small enough to round away (|s| < ulp(F) / 2, bounded per sample from that
-     sample's own q and k; always true for finfo.min).
+     row uniform whatever its value. Added, eager computes s + F in the dtype of its addition (a hand-written
+     softmax's; SDPA adds in fp32), which puts s on a grid of F's spacing there (finite_fill.spacing: 2**-10
+     at fp32 -1e4, 8 at fp16 -1e4, 64 at bf16 -1e4). Up to EXACT_SPACING the row is softmax(s), the exact one.
+     Coarser, the row is uniform where the grid rounds s away, and the kernel is told so (``uniform_keys``:
+     scores taken as 0, gradients as eager's autograd gives them), with a device-side check that the scores
+     are small enough to round away (|s| < spacing / 2, bounded per sample from that sample's own q and k;
+     always true for finfo.min); where they are not, eager's row depends on the rounding and the run stops
+     with a message. A fill added by several terms instead gets a device-side check that no sequence is
+     empty: eager's row then attends only to the keys the fewest terms drop.
      Written over the scores (masked_fill, where), the fill passes no gradient to them: q and k of such a
      sequence are detached, as eager's autograd gives;
    - causal: a row i sees no valid key when keys 0..i are all padding (left padding, leading holes of a
@@ -42,14 +42,19 @@ import torch.fx as fx
 
 from gemcompile.lowering.common.reference import compute_dtype
 from gemcompile.passes.attention.family import size_of
+from gemcompile.passes.attention.mha import _MHA_ARGS
+from gemcompile.passes.attention.scores import ADD, SUB, is_call
 from gemcompile.passes.graph import Emitter, Unproven, example_value
 from gemcompile.passes.masks.model import AttentionMask
 
 SAFE_FILL = -1.0e30
 """A fill this negative cannot reach the scores' range: no magnitude check (finfo.min of fp32 and bf16)."""
 
-UNIFORM_FILL = -1.0e8
-"""Below this fill, eager's s + F rounds to F for ordinary scores: a row with no valid key is uniform."""
+EXACT_SPACING = 2.0 ** -9
+"""Up to this spacing of an added fill F (fp32: |F| < 2**14), eager's rounding of s + F moves s by at most
+2**-10: a row with no valid key is softmax(s), the exact row. Above it (fp32 -1e5, fp16 or bf16 -1e4) the row is
+softmax of s on a coarse grid; the rewrite serves it as uniform where that grid rounds s away (checked on the
+device per sample) and stops with a message where it does not."""
 
 _UNDERFLOW_MARGIN = 120.0
 """exp(x) is exactly 0 in fp32 for x < -104; 120 leaves room for the rounding of the scores."""
@@ -151,20 +156,20 @@ def keep_fill_exact(emit: Emitter, mask: AttentionMask, scale: float, q: fx.Node
         if bias is not None and example_value(bias).requires_grad:  # (expanded to the batch: B H L L)
             bias = _detached_where(emit, empty, bias)
         return q, k, kv_len, kv_mask, empty, None, bias
-    if fill > UNIFORM_FILL:
+    if spacing(fill, mask.fill_dtype) <= EXACT_SPACING:
         return q, k, kv_len, kv_mask, None, None, bias
-    _check_rounded_away(emit, fill, scores, empty)
+    _check_rounded_away(emit, fill, mask.fill_dtype, scores, empty)
     return q, k, kv_len, kv_mask, empty, None, bias
 
 
-def _check_rounded_away(emit: Emitter, fill: float, scores, blind: fx.Node) -> None:
+def _check_rounded_away(emit: Emitter, fill: float, dtype: torch.dtype, scores, blind: fx.Node) -> None:
     """A device-side check that eager's s + fill rounds to the fill wherever ``blind`` ((B,) bool or counts)
     says a sample has rows that see no valid key: a bound on that sample's own scores (every position, as
     such a row reads every key) below half the fill's ulp; no check when no score can reach (scores None)."""
     if scores is None:
         return
     bound = _score_bound(emit, *scores, per_sample=True)  # (B,) or (1,) for queries shared by the batch
-    rounded_away = emit.call(operator.lt, (bound, _fp32_ulp(fill) / 2))
+    rounded_away = emit.call(operator.lt, (bound, spacing(fill, dtype) / 2))
     seeing = emit.call(operator.eq, (blind, 0))  # no blind row in the sample: nothing to check there
     ok = emit.call(torch.all, (emit.call(torch.logical_or, (rounded_away, seeing)),))
     emit.call(torch._assert_async, (ok, f"gemcompile: a sequence with no valid key under a fill of {fill:g}, with "
@@ -184,9 +189,9 @@ def _blind_rows(emit: Emitter, mask: AttentionMask, q: fx.Node, k: fx.Node, kv_l
     if mask.fill_replaces:  # every score of such a row is F itself: uniform, no gradient to q and k
         detached = [None if x is None else emit.call(torch.Tensor.detach, (x,)) for x in (q, k, bias)]
         return BlindRows(rows, detached[0], detached[1], detached[2], everyone)
-    if mask.fill > UNIFORM_FILL:
+    if spacing(mask.fill, mask.fill_dtype) <= EXACT_SPACING:
         return BlindRows(rows, q, k, bias, None)
-    _check_rounded_away(emit, mask.fill, scores, rows)
+    _check_rounded_away(emit, mask.fill, mask.fill_dtype, scores, rows)
     return BlindRows(rows, q, k, bias, everyone)
 
 
@@ -207,9 +212,9 @@ def _detached_where(emit: Emitter, empty: fx.Node, x: fx.Node) -> fx.Node:
     return emit.call(torch.where, (flags, emit.call(torch.Tensor.detach, (x,)), x))
 
 
-def _fp32_ulp(x: float) -> float:
-    """The spacing of float32 numbers at x: s + x rounds to x in fp32 when |s| < ulp / 2."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 23)
+def spacing(x: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s numbers at x: s + x rounds to x in that dtype when |s| < spacing / 2."""
+    return 2.0 ** math.floor(math.log2(abs(x))) * torch.finfo(dtype).eps
 
 
 def no_valid_key(emit: Emitter, kv_len, kv_mask) -> fx.Node:
@@ -245,3 +250,20 @@ def _score_bound(emit: Emitter, scale: float, q: fx.Node, k: fx.Node, bias,
         biggest = emit.call(torch.amax, (emit.call(torch.abs, (bias,)),))
         bound = emit.call(operator.add, (bound, emit.call(torch.Tensor.float, (biggest,))))
     return bound
+
+
+def fill_dtype(site) -> torch.dtype:
+    """The dtype eager adds an additive fill to the scores in: the coarsest of a hand-written softmax's score
+    additions; SDPA's (and nn.MultiheadAttention's without weights) internal fp32; the query's dtype where
+    nn.MultiheadAttention computes the weights (need_weights, its default: baddbmm(mask, q, k^T))."""
+    if site.kind == "softmax":
+        adds = [example_value(n).dtype for n in site.matched
+                if is_call(n, *ADD, *SUB, "baddbmm")
+                and isinstance(example_value(n), torch.Tensor) and example_value(n).is_floating_point()]
+        dtypes = adds or [example_value(site.anchor.args[0]).dtype]
+        return max(dtypes, key=lambda d: torch.finfo(d).eps)
+    if site.kind == "mha":
+        a = dict(zip(_MHA_ARGS, site.anchor.args), **site.anchor.kwargs)
+        if a.get("need_weights", True):
+            return example_value(site.q).dtype
+    return torch.float32

@@ -395,7 +395,7 @@ def _check_fill(fill: Any) -> float:
     value = constant_float(fill)
     if value is None:
         raise Unproven("the masked positions are filled with a tensor, not a constant")
-    if value > NEG_FILL_LIMIT:
+    if not value <= NEG_FILL_LIMIT:  # NaN too: eager's filled rows are NaN, no kernel skips them
         raise Unproven(f"masked scores are filled with {value!r}, not -inf or a large negative number (<= -1e4)")
     return float(value)
 

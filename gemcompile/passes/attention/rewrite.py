@@ -41,6 +41,7 @@ import torch.fx as fx
 from gemcompile.passes.attention.block import BlockAttention
 from gemcompile.passes.attention.family import AttentionFamily
 from gemcompile.passes.attention.gdpa import Gdpa
+from gemcompile.passes.attention.finite_fill import fill_dtype
 from gemcompile.passes.attention.in_place import functionalize_fresh_updates
 from gemcompile.passes.attention.unit_dims import drop_unit_dim_views
 from gemcompile.passes.attention.row_flattened import fold_row_flattened_masks
@@ -202,7 +203,8 @@ class AttentionRewritePass(GemPass):
             if site.activation is None:
                 fill, replaces = finite_fill(evaluator, site)
                 stacked = fill is not None and sum(_adds_a_fill(evaluator, t) for t in site.masks) > 1
-                mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces, fill_stacked=stacked)
+                mask = dataclasses.replace(mask, fill=fill, fill_replaces=replaces, fill_stacked=stacked,
+                                           fill_dtype=fill_dtype(site))
             mask = dataclasses.replace(mask, checks=tuple(evaluator.checks))
         except Unproven as error:
             if site.activation is None and self.block.enabled and mentions_structure([t.node for t in site.masks]):

@@ -32,6 +32,7 @@ import torch.fx as fx
 from sympy.logic.boolalg import Boolean
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
+from gemcompile.passes.masks.bitwise import bitwise
 from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
 from gemcompile.passes.masks.einsum_permutation import einsum_permutation
@@ -48,7 +49,7 @@ from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and th
     piecewise,
     simplify_pred,
     triangle,
-    index_symbol, check_constant_fits, check_no_wrap, trunc_is_floor,
+    index_symbol, check_constant_fits, check_fits_int, check_no_wrap, stored_as, trunc_is_floor,
 )
 
 NEG_FILL_LIMIT = -1.0e4
@@ -64,7 +65,7 @@ _COMPARE = {operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge
             "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne"}
 _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "bitwise_and", "__and__"}
 _OR = {operator.or_, torch.logical_or, torch.bitwise_or, "logical_or", "bitwise_or", "__or__"}
-_XOR = {operator.xor, torch.logical_xor, "logical_xor", "__xor__"}
+_XOR = {operator.xor, torch.logical_xor, torch.bitwise_xor, "logical_xor", "bitwise_xor", "__xor__"}
 _NOT = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__"}
 _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
           operator.truediv: operator.truediv, operator.floordiv: operator.floordiv,
@@ -196,7 +197,7 @@ class MaskEvaluator:
         if x not in self._memo:
             check_not_updated(x)  # not an opaque leaf either: its value depends on where it is read
             try:
-                value = self._evaluate_node(x)
+                value = stored_as(self._evaluate_node(x), getattr(example_value(x), "dtype", torch.float64))
             except Unproven as error:
                 value = self._opaque(x, error)
             if isinstance(value, (IntTensor, BoolTensor, PiecewiseTensor)):
@@ -283,6 +284,10 @@ class MaskEvaluator:
             return self._compare(_COMPARE[name], args[0], args[1], ndim)
         if target in _COMPARE:
             return self._compare(_COMPARE[target], args[0], args[1], ndim)
+        kind = next((k for k, ops in (("and", _AND), ("or", _OR), ("xor", _XOR), ("not", _NOT))
+                     if target in ops or name in ops), None)
+        if kind is not None and (integer := bitwise(self, node, kind)) is not None:  # ~ of uint8 is 255 - x
+            return integer
         if target in _AND or name in _AND:
             a, b = self._pred(args[0]), self._pred(args[1])
             return BoolTensor(ndim, simplify_pred(sympy.And(a, b)))
@@ -624,6 +629,8 @@ class MaskEvaluator:
             if isinstance(src, IntTensor):
                 return check_no_wrap(dtype, getattr(example_value(node.args[0]), "dtype", None)) or src
             pieces = self._as_pieces(src, src.ndim)
+            if example_value(node.args[0]).is_floating_point():
+                check_fits_int(src, dtype)
             if all(float(v).is_integer() for v, _ in pieces):
                 return piecewise(src.ndim, pieces)
         raise Unproven(f"a cast to {dtype} in the mask")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 
@@ -78,6 +79,9 @@ class AttentionMask:
     """Whether the fill is added by several terms one after another (s + (1 - m1) * F + (1 - m2) * F): a
     score two terms drop gets 2F (-inf where that overflows), so a row with no valid key attends, in eager,
     only to the keys fewest terms drop."""
+    fill_dtype: torch.dtype = field(default=torch.float32, compare=False)
+    """The dtype eager adds an added fill to the scores in (a hand-written softmax's s + F; SDPA adds in fp32):
+    its spacing at F decides whether a row with no valid key is softmax(s) or uniform (finite_fill.py)."""
     checks: tuple = field(default=(), compare=False)
     """Device-side checks the rewrite emits with the op (callables of an Emitter): what the proof assumed of
     data (an integer mask read as 0/1, a registered buffer still holding its triangle)."""

@@ -186,3 +186,29 @@ def check_constant_fits(a, b) -> None:
                 raise Unproven(f"{tensor.name} ({value.dtype}) is compared with {number!r}, outside its range: "
                                "torch casts the number to that dtype first, wrapping it")
 
+
+
+def stored_as(value, dtype: torch.dtype):
+    """``value`` with a piecewise tensor's values as torch stores them in ``dtype``: the prover computes in exact
+    arithmetic, torch rounds every op's result to its dtype (fp32 ``1 + 1e8`` is 1e8, fp16 ``-1e9`` is -inf,
+    int32 ``2**32`` and uint8 ``256`` wrap to 0)."""
+    if not isinstance(value, PiecewiseTensor) or dtype == torch.bool:
+        return value
+    if dtype.is_floating_point:
+        stored = [(torch.tensor(v, dtype=torch.float64).to(dtype).item(), c) for v, c in value.pieces]
+    else:
+        info = torch.iinfo(dtype)
+        span = info.max - info.min + 1
+        if any(not float(v).is_integer() for v, _ in value.pieces):
+            raise Unproven(f"a {dtype} mask holding non-integer values")
+        stored = [(float((int(v) - info.min) % span + info.min), c) for v, c in value.pieces]  # two's complement
+    return piecewise(value.ndim, stored) if stored != list(value.pieces) else value
+
+
+def check_fits_int(value, dtype: torch.dtype) -> None:
+    """Unproven when a float mask cast to an integer dtype holds a value outside it (C++ leaves that undefined)."""
+    if isinstance(value, PiecewiseTensor) and not dtype.is_floating_point and dtype != torch.bool:
+        info = torch.iinfo(dtype)
+        for v, _ in value.pieces:
+            if not info.min <= v <= info.max:
+                raise Unproven(f"a float mask value {v!r} cast to {dtype}, outside its range")
