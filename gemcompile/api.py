@@ -17,6 +17,19 @@ from gemcompile.backend import GemBackend, check_mode_and_options
 from gemcompile.config import GemConfig
 
 
+def _whole_graph_under_ddp(fn: Any) -> Any:
+    """fn compiling with Dynamo's DDP graph split off: under DistributedDataParallel Dynamo cuts the graph at
+    every gradient bucket (torch._dynamo.config.optimize_ddp) and compiles each piece alone, so a mask built
+    in one piece reaches the attention in another as an input, which no pass can prove. The whole graph keeps
+    them provable; DDP's reducer still all-reduces the gradients, after the compiled backward rather than
+    overlapped with it."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return fn(*args, **kwargs)
+    return run
+
+
 def _compile_module_class(cls: type[nn.Module], backend: GemBackend, kwargs: dict[str, Any]) -> type[nn.Module]:
     """A subclass whose instances compile themselves in place (state_dict keys stay unchanged)."""
 
@@ -24,6 +37,7 @@ def _compile_module_class(cls: type[nn.Module], backend: GemBackend, kwargs: dic
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             self.compile(backend=backend, **kwargs)
+            self._compiled_call_impl = _whole_graph_under_ddp(self._compiled_call_impl)
 
     Compiled.__name__ = cls.__name__
     Compiled.__qualname__ = cls.__qualname__
@@ -62,4 +76,8 @@ def gem_compile(model_or_fn: Any = None, *, config: GemConfig | None = None, **t
             "gem_compile expects an nn.Module, an nn.Module subclass or a callable, "
             f"got {type(model_or_fn).__name__}"
         )
-    return torch.compile(model_or_fn, backend=backend, **torch_compile_kwargs)
+    compiled = torch.compile(model_or_fn, backend=backend, **torch_compile_kwargs)
+    if isinstance(compiled, nn.Module):  # an OptimizedModule: its forward runs the compiled frame
+        compiled.forward = _whole_graph_under_ddp(compiled.forward)
+        return compiled
+    return _whole_graph_under_ddp(compiled)
