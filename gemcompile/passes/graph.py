@@ -101,7 +101,8 @@ class Emitter:
         if mode is None:
             return node
         try:
-            with mode:
+            # identity hooks: a checkpoint(...) whose forward compiles us must not see our fake ops' saved tensors
+            with mode, torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 if op == "call_method":
                     value = getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
                 else:
@@ -116,6 +117,10 @@ class Emitter:
                 node.meta["unbacked_bindings"] = bindings
         node.meta[self.value_key] = value
         return node
+
+
+def _same(x):
+    return x
 
 
 SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "custom", "from_node")

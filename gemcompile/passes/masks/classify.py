@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import sympy
 
@@ -143,8 +144,23 @@ def _clauses(keep) -> tuple | None:
     """keep's clauses in conjunctive normal form (None when that form is too large to be useful)."""
     if len(keep.free_symbols) > 12:
         return None
+    if len(keep.free_symbols) > 8 and _cnf_clause_bound(sympy.to_nnf(keep, simplify=False)) > _MAX_CLAUSES:
+        return None  # distributing would take minutes (generative-recommenders' contextual HSTU mask)
     cnf = sympy.to_cnf(keep, simplify=len(keep.free_symbols) <= 8, force=True)
     return cnf.args if isinstance(cnf, sympy.And) else (cnf,)
+
+
+_MAX_CLAUSES = 256
+"""Largest conjunctive normal form _clauses builds without simplification."""
+
+
+def _cnf_clause_bound(nnf) -> int:
+    """An upper bound on the clauses of nnf's CNF by distribution: an And adds its parts', an Or multiplies."""
+    if isinstance(nnf, sympy.And):
+        return sum(_cnf_clause_bound(a) for a in nnf.args)
+    if isinstance(nnf, sympy.Or):
+        return math.prod(_cnf_clause_bound(a) for a in nnf.args)
+    return 1
 
 
 def is_key_clause(evaluator: MaskEvaluator, clause) -> bool:
