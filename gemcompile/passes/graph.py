@@ -119,6 +119,21 @@ class Emitter:
         return node
 
 
+CHECKPOINT_REGION_INPUT = "gemcompile_checkpoint_region_input"
+"""Meta flag of a placeholder of an activation-checkpointed region's subgraph (base.run_pre_grad): refusals of
+masks read from it say where such an input comes from."""
+
+INPUT_HINT = ("a mask the model builds before a graph break reaches the next graph as an input "
+              "(TORCH_LOGS=graph_breaks shows the breaks)")
+REGION_INPUT_HINT = ("a mask built outside a torch.utils.checkpoint region reaches the region as an input: build "
+                     "it inside the checkpointed function (from the lengths) to have it proven there")
+
+
+def input_hint(node: fx.Node) -> str:
+    """Where a graph input that a mask reads often comes from."""
+    return REGION_INPUT_HINT if node.meta.get(CHECKPOINT_REGION_INPUT) else INPUT_HINT
+
+
 def _same(x):
     return x
 

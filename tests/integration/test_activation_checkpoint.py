@@ -40,3 +40,60 @@ def test_a_compiled_block_inside_a_checkpoint_trains_as_eager(reentrant):
     (out * rows).square().sum().backward()
     for got, want in zip((p.grad for p in block.parameters()), expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+class Model(nn.Module):
+    """Blocks under torch.utils.checkpoint inside the compiled model (HF's gradient_checkpointing layout)."""
+
+    def __init__(self, mask_outside: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.mask_outside = mask_outside
+
+    def forward(self, x, lengths):
+        for block in self.blocks:
+            if self.mask_outside:  # the mask reaches the checkpointed region as an input
+                x = torch.utils.checkpoint.checkpoint(_block_with_mask, block, x, _mask(lengths), use_reentrant=False)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, lengths, use_reentrant=False)
+        return x
+
+
+def _mask(lengths):
+    pos = torch.arange(L)
+    return (pos[None, :] < lengths[:, None])[:, None, None, :] & (pos[None, :] <= pos[:, None])
+
+
+def _block_with_mask(block, x, mask):
+    q, k, v = block.qkv(x).view(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4)
+    return x + block.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, L, D))
+
+
+@pytest.mark.parametrize("mask_outside", [False, True])
+def test_attention_inside_checkpointed_regions_of_the_compiled_model(mask_outside):
+    from torch._dynamo.utils import counters
+
+    from gemcompile import explain
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    model = Model(mask_outside)
+    x = torch.randn(B, L, D, requires_grad=True)
+    lengths = torch.tensor([16, 1, 7, 0])
+    rows = (torch.arange(L)[None, :] < lengths[:, None])[..., None]
+    (model(x, lengths) * rows).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = gem_compile(model)(x, lengths)
+    (out * rows).square().sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    compiled_rewrites = counters["gemcompile"]["jagged_attention"]
+    report = explain(model, x, lengths)
+    if mask_outside:  # an input of the region: not provable there, and said so
+        assert report.counts.get("jagged_attention", 0) == 0
+        assert report.refusals and all("torch.utils.checkpoint region" in r.reason for r in report.refusals)
+    else:
+        assert report.counts.get("jagged_attention", 0) == 2
+        assert compiled_rewrites == 2

@@ -21,7 +21,7 @@ import math
 
 import sympy
 
-from gemcompile.passes.graph import Unproven
+from gemcompile.passes.graph import Unproven, input_hint
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
 from gemcompile.passes.masks.model import AttentionMask, KeyVector
 from gemcompile.passes.masks.prover import decided_by_index_ranges, equivalent, render
@@ -210,10 +210,8 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
 
 def _input_hint(reads) -> str:
     """For a mask that is a graph input: where such an input often comes from."""
-    if not any(leaf.node.op == "placeholder" for _, leaf in reads):
-        return ""
-    return ("; a mask the model builds before a graph break reaches the next graph as an input "
-            "(TORCH_LOGS=graph_breaks shows the breaks)")
+    inputs = [leaf.node for _, leaf in reads if leaf.node.op == "placeholder"]
+    return "; " + input_hint(inputs[0]) if inputs else ""
 
 
 def _search(evaluator: MaskEvaluator, keep, comparisons, keys, queries, blocks) -> AttentionMask | None:

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean
 
-from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, target_name
+from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, input_hint, target_name
 from gemcompile.passes.masks.bitwise import bitwise
 from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
@@ -241,8 +241,8 @@ class MaskEvaluator:
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             raise Unproven(f"the mask reads the float input {node.name!r} ({value.dtype}): float data in a mask "
-                           "is not proven (masks from lengths, ids, or a bool or integer mask input are; one "
-                           "built before a graph break arrives as an input)")
+                           "is not proven (masks from lengths, ids, or a bool or integer mask input are); "
+                           + input_hint(node))
         if node.op not in ("call_function", "call_method"):
             raise Unproven(f"{node.op} {node.target} in the mask")
         target = node.target
