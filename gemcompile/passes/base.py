@@ -34,7 +34,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemcompile.config import GemConfig
-from gemcompile.passes.graph import CHECKPOINT_REGION_INPUT, mark_buffer_values
+from gemcompile.passes.graph import CHECKPOINT_REGION_INPUT, mark_buffer_values, positional_arguments
 from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
 from gemcompile.version import versions
 
@@ -213,6 +213,7 @@ def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass], example_in
     manager = PassManager("pre_grad", passes)
     if manager:
         mark_buffer_values(gm.graph, example_inputs)
+        positional_arguments(gm.graph)
         manager(gm.graph)
         gm.recompile()
         _run_in_checkpointed_bodies(gm, [p for p in passes if p.name in _BODY_PASSES])
@@ -241,6 +242,7 @@ def _run_in_checkpointed_bodies(gm: torch.fx.GraphModule, passes: Sequence[GemPa
             body.meta[_BODY_DONE] = True
             for placeholder in body.graph.find_nodes(op="placeholder"):
                 placeholder.meta[CHECKPOINT_REGION_INPUT] = True
+            positional_arguments(body.graph)
             manager(body.graph)
             body.recompile()
             _run_in_checkpointed_bodies(body, passes)

@@ -134,6 +134,24 @@ def input_hint(node: fx.Node) -> str:
     return REGION_INPUT_HINT if node.meta.get(CHECKPOINT_REGION_INPUT) else INPUT_HINT
 
 
+_POSITIONAL = {"masked_fill": ("self", "mask", "value"), "masked_fill_": ("self", "mask", "value")}
+"""Ops whose keyword arguments the passes read by position (RecBole writes ``masked_fill(mask=m, value=v)``)."""
+
+
+def positional_arguments(graph: fx.Graph) -> None:
+    """Move the keyword arguments of the ops in _POSITIONAL into their positional places: the same call."""
+    for node in graph.nodes:
+        names = _POSITIONAL.get(target_name(node)) if node.op in ("call_function", "call_method") else None
+        if not names or not node.kwargs:
+            continue
+        args, kwargs = list(node.args), dict(node.kwargs)
+        for name in names[len(args):]:
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        node.args, node.kwargs = tuple(args), kwargs
+
+
 def _same(x):
     return x
 

@@ -1025,3 +1025,23 @@ def test_a_post_softmax_mask_that_broadcasts_the_weights_up_is_not_the_scores_ma
     out, ref = rewritten(attention)(q, k, v, lengths), attention(q, k, v, lengths)
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keywords", [("mask",), ("mask", "value")])
+def test_masked_fill_with_keyword_arguments(keywords):
+    # RecBole's SequenceAttLayer: scores.masked_fill(mask=mask, value=...) (the passes read them by position)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    B, H, L, D = 3, 2, 10, 16
+
+    def f(q, k, v, n):
+        drop = (torch.arange(L)[None, :] >= n[:, None])[:, None, None, :]
+        s = q @ k.transpose(-1, -2)
+        kwargs = {"mask": drop, "value": -1e9} if "value" in keywords else {"mask": drop}
+        s = s.masked_fill(**kwargs) if "value" in keywords else s.masked_fill(value=-1e9, **kwargs)
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    n = torch.tensor([10, 3, 1])
+    assert explain(f, q, k, v, n).counts.get("jagged_attention", 0) == 1
+    torch.testing.assert_close(gem_compile(f)(q, k, v, n), f(q, k, v, n))
