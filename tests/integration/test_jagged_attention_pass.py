@@ -1045,3 +1045,21 @@ def test_masked_fill_with_keyword_arguments(keywords):
     n = torch.tensor([10, 3, 1])
     assert explain(f, q, k, v, n).counts.get("jagged_attention", 0) == 1
     torch.testing.assert_close(gem_compile(f)(q, k, v, n), f(q, k, v, n))
+
+
+def test_einsum_with_an_ellipsis():
+    # Grok / Phoenix write their attention einsums over '...' batch dims
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    B, H, L, D = 3, 2, 10, 16
+
+    def f(q, k, v, n):
+        s = torch.einsum("...qhd,...khd->...hqk", q, k)
+        keep = (torch.arange(L)[None, :] < n[:, None])[:, None, None, :]
+        p = torch.softmax(torch.where(keep, s, -1e30), -1)
+        return torch.einsum("...hqk,...khd->...qhd", p, v)
+
+    q, k, v = (torch.randn(B, L, H, D, requires_grad=True) for _ in range(3))
+    n = torch.tensor([10, 3, 1])
+    assert explain(f, q, k, v, n).counts.get("jagged_attention", 0) == 1
+    torch.testing.assert_close(gem_compile(f)(q, k, v, n), f(q, k, v, n))

@@ -9,6 +9,7 @@ names, the einsum layouts, and ``walk_to_scores``, the one walk from an anchor b
 from __future__ import annotations
 
 import operator
+import string
 from collections.abc import Callable
 from typing import Any
 
@@ -160,10 +161,24 @@ def _parse_einsum(node: fx.Node) -> tuple[list[str], str, list[fx.Node]]:
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
-    if not isinstance(equation, str) or "->" not in equation or "." in equation:
+    if not isinstance(equation, str) or "->" not in equation:
         raise Unproven("an einsum without an explicit output")
     lhs, out = equation.replace(" ", "").split("->")
-    return lhs.split(","), out, operands
+    terms = lhs.split(",")
+    if "..." in equation:  # Grok / Phoenix: '...qhd,...khd->...hqk'
+        terms, out = _without_ellipsis(terms, out, operands)
+    return terms, out, operands
+
+
+def _without_ellipsis(terms: list[str], out: str, operands: list) -> tuple[list[str], str]:
+    """The equation with '...' spelled as letters of its own: the dims it stands for in every operand."""
+    counts = {len(example_value(x).shape) - len(t) + 3 for t, x in zip(terms, operands) if "..." in t}
+    if len(counts) != 1 or any("." in t.replace("...", "") for t in (*terms, out)):
+        raise Unproven("an einsum whose '...' stands for different dims in its operands")
+    (count,) = counts
+    free = [c for c in string.ascii_letters if c not in "".join(terms) + out][:count]
+    spelled = "".join(free)
+    return [t.replace("...", spelled) for t in terms], out.replace("...", spelled)
 
 
 def _perm(src: str, dst: str) -> tuple[int, ...] | None:
