@@ -137,3 +137,37 @@ def test_a_row_vector_changed_through_data_is_not_packed_by():
     for got, want in zip(torch.autograd.grad((out * weights).sum(), leaves),
                          torch.autograd.grad((ref * weights).sum(), leaves)):
         torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+
+
+class _DropoutThenZeroed(torch.nn.Module):
+    """pmixer / RecTools SASRec: ``seqs = dropout(seqs); seqs *= timeline_mask``: the in-place product writes
+    seqs only; the mask it reads is not updated (unpad refused it as updated in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(H * D, 4 * H * D), torch.nn.Linear(4 * H * D, H * D)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x, ids):
+        timeline = (ids != 0).unsqueeze(-1)
+        x = self.drop(x * 2.0)
+        x *= timeline
+        x = self.down(F.gelu(self.up(x)))
+        x *= timeline
+        return x
+
+
+def test_the_multiplier_of_an_in_place_product_is_not_updated():
+    from gemcompile import explain
+
+    torch.manual_seed(0)
+    model = _DropoutThenZeroed()
+    _, _, ids = _inputs()
+    x = torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    assert explain(model, x, ids).counts.get("unpad", 0) == 1
+    out, ref = rewritten(model)(x, ids.clone()), model(x, ids.clone())
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    leaves = [x, *model.parameters()]
+    for got, want in zip(torch.autograd.grad(out.square().sum(), leaves),
+                         torch.autograd.grad(ref.square().sum(), leaves)):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)

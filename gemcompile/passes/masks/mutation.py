@@ -83,7 +83,12 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def _aliased_inputs(node: fx.Node) -> list[fx.Node]:
     """The inputs ``node``'s result may share storage with (every one, for an op not known to be fresh)."""
-    if node.op not in ("call_function", "call_method") or returns_new_tensor(node):
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written = _updated_by(node)
+    if written:  # x *= m, x.masked_fill_(m, v), add(a, b, out=c): the result is the written tensor, m is read
+        return written
+    if returns_new_tensor(node):
         return []
     return _tensor_inputs(node)
 
