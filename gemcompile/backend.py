@@ -197,6 +197,7 @@ class GemBackend:
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
+        _warn_if_split_by_ddp()
         patches = _inductor_patches(mode, options, dynamic=None)
         cudagraphs = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
         # (unpad's token counts bucketed when CUDA-graph trees would otherwise record a graph per batch)
@@ -217,6 +218,19 @@ class GemBackend:
 
     def __repr__(self) -> str:
         return f"GemBackend({self.config!r})"
+
+
+def _warn_if_split_by_ddp() -> None:
+    """torch.compile(ddp_model, backend="gemcompile") keeps Dynamo's DDP optimizer, which hands this backend one
+    gradient bucket's piece at a time (gem_compile turns it off): masks built in another piece are unprovable."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    split = torch._dynamo.config.optimize_ddp in (True, "ddp_optimizer")
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
+    if split and active is not None:
+        warnings.warn("gemcompile: Dynamo splits this DistributedDataParallel model at its gradient buckets, so a "
+                      "mask built in one piece reaches the attention in another as an unprovable input; compile "
+                      "with gem_compile(model) or set torch._dynamo.config.optimize_ddp = False", stacklevel=2)
 
 
 def _registered_backend(gm: fx.GraphModule, example_inputs, **kwargs):

@@ -97,3 +97,23 @@ def test_attention_inside_checkpointed_regions_of_the_compiled_model(mask_outsid
     else:
         assert report.counts.get("jagged_attention", 0) == 2
         assert compiled_rewrites == 2
+
+
+def test_torch_func_grad_inside_the_compiled_function():
+    # functorch transforms traced into the graph: the kernels' autograd does not run under them, so refused
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    block = Block()
+    params = {name: p.detach() for name, p in block.named_parameters()}
+    x, lengths = torch.randn(B, L, D), torch.tensor([16, 1, 7, 11])
+    rows = (torch.arange(L)[None] < lengths[:, None])[..., None]
+
+    def grads(p, x, lengths):
+        return grad(lambda p: (functional_call(block, p, (x, lengths)) * rows).square().sum())(p)
+
+    want = grads(params, x, lengths)
+    got = gem_compile(grads)(params, x, lengths)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)

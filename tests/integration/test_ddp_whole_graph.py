@@ -68,3 +68,12 @@ def test_attention_is_rewritten_under_ddp_with_small_buckets(one_rank_group, wra
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert counters["gemcompile"]["jagged_attention"] == 2
+
+
+def test_the_string_backend_under_ddp_says_the_graph_is_split(one_rank_group, monkeypatch):
+    monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2000)  # DDP's optimizer wants it <= the others
+    torch._dynamo.reset()
+    model = DDP(Model(), bucket_cap_mb=0.004)
+    ids, lengths = torch.randint(1, 50, (B, L)), torch.tensor([L, 4, 0])
+    with pytest.warns(UserWarning, match="splits this DistributedDataParallel model"):
+        torch.compile(model, backend="gemcompile")(ids, lengths)

@@ -1063,3 +1063,20 @@ def test_einsum_with_an_ellipsis():
     n = torch.tensor([10, 3, 1])
     assert explain(f, q, k, v, n).counts.get("jagged_attention", 0) == 1
     torch.testing.assert_close(gem_compile(f)(q, k, v, n), f(q, k, v, n))
+
+
+def test_a_mask_scaled_by_a_learned_value_is_refused_naming_it():
+    # s - (~valid) * self.mask_scale: built in the graph, no break; the reason is the learned scale
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mask_scale = torch.nn.Parameter(torch.tensor(1e4))
+
+        def forward(self, q, k, v, n):
+            valid = torch.arange(q.shape[1])[None, :] < n[:, None]
+            s = q @ k.transpose(-1, -2) - (~valid)[:, None, :].float() * self.mask_scale
+            return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(3, 10, 16) for _ in range(3))
+    reasons = [r.reason for r in explain(Scaled(), q, k, v, torch.tensor([10, 3, 1])).refusals]
+    assert any("mask_scale" in r and "requires grad" in r for r in reasons), reasons

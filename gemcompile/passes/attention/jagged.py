@@ -57,11 +57,15 @@ from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
 
 
-def _bias_name(term) -> str:
-    """A bias term's node name (through the wrappers of match.py)."""
+def _bias_node(term) -> fx.Node:
+    """A bias term's node (through the wrappers of match.py)."""
     while not isinstance(term, fx.Node):
         term = term.value
-    return term.name
+    return term
+
+
+def _bias_name(term) -> str:
+    return _bias_node(term).name
 
 
 class JaggedAttention(AttentionFamily):
@@ -80,6 +84,11 @@ class JaggedAttention(AttentionFamily):
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
         if mask == AttentionMask() and site.bias:  # say what was read instead of "keeps every score"
             names = ", ".join(_bias_name(term) for term, _ in site.bias)
+            learned = _learned_inputs([_bias_node(term) for term, _ in site.bias])
+            if learned:  # s - (~valid) * self.mask_scale
+                raise Unproven(f"no mask among the scores' terms: {names} added as a bias; it is scaled by "
+                               f"{learned[0]}, which requires grad (a learned value), so it is no fixed fill "
+                               "the kernels could drop keys for")
             raise Unproven(f"no mask among the scores' terms: {names} added as a bias (a float mask handed "
                            "in from outside the graph cannot be proven; build it from lengths or ids in the "
                            "compiled code, and with no graph break between it and the attention: a mask "
@@ -235,3 +244,17 @@ def _skip_transposes_back(result: fx.Node, rows: fx.Node) -> None:
             user.replace_all_uses_with(rows)
             erase_dead([user])
     erase_dead([result])
+
+
+def _learned_inputs(terms, depth: int = 6) -> list[str]:
+    """Names of the graph inputs requiring grad (parameters) that the bias terms read within ``depth`` ops."""
+    found, frontier = [], list(terms)
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            value = example_value(node)
+            if node.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and value.requires_grad:
+                found.append(node.name)
+            nxt.extend(node.all_input_nodes)
+        frontier = nxt
+    return found

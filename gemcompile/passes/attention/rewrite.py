@@ -116,6 +116,7 @@ class AttentionRewritePass(GemPass):
         drop_unit_dim_views(graph)  # fairseq's 5-D view of the scores around its masked_fill
         fold_row_flattened_masks(graph)  # d2l: the scores masked as (M, Lk) rows, then shaped back
         emit = Emitter(graph)
+        transformed = _functorch_transform(graph)
         records: dict[str, list[Callable[[], None]]] = {family.name: [] for family in self.families}
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
@@ -127,6 +128,9 @@ class AttentionRewritePass(GemPass):
             mark = emit.mark()
             try:
                 site = match()
+                if transformed:
+                    raise Unproven(f"the graph runs torch.func.{transformed} (functorch): the kernels' autograd "
+                                   "does not run under functorch transforms")
                 family, mask = self._prove(site, family)
                 if family is None:
                     continue
@@ -218,6 +222,16 @@ class AttentionRewritePass(GemPass):
                                         " attn_mask: the block kernel serves F.scaled_dot_product_attention or a "
                                         "hand-written softmax over (B, H, L, D) tensors, not MultiheadAttention")
         return (family if family.enabled else None), mask
+
+
+def _functorch_transform(graph: fx.Graph) -> str | None:
+    """"grad" / "jvp" when Dynamo traced a functorch transform into the graph (torch.func.grad inside the
+    compiled function), else None. vmap is no transform here: its masks are lowered to broadcast ops."""
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        if node.op == "call_function" and name in ("_grad_increment_nesting", "_jvp_increment_nesting"):
+            return name[1:].split("_")[0]
+    return None
 
 
 def _fused_encoder_layer(node: fx.Node) -> None:
