@@ -12,7 +12,8 @@ Eager adds the fill F to each dropped score; the kernels skip dropped keys. The 
      the rewrite gives that sequence every key. Written over the scores (masked_fill, where), F makes the
      row uniform whatever its value. Added, eager computes s + F in the dtype of its addition (a hand-written
      softmax's; SDPA adds in fp32), which puts s on a grid of F's spacing there (finite_fill.spacing: 2**-10
-     at fp32 -1e4, 8 at fp16 -1e4, 64 at bf16 -1e4). Up to EXACT_SPACING the row is softmax(s), the exact one.
+     at fp32 -1e4, 8 at fp16 -1e4, 64 at bf16 -1e4). Up to EXACT_SPACING the row is softmax(s), the exact one
+     (eager's differs by its own rounding).
      Coarser, the row is uniform where the grid rounds s away, and the kernel is told so (``uniform_keys``:
      scores taken as 0, gradients as eager's autograd gives them), with a device-side check that the scores
      are small enough to round away (|s| < spacing / 2, bounded per sample from that sample's own q and k;
@@ -50,11 +51,12 @@ from gemcompile.passes.masks.model import AttentionMask
 SAFE_FILL = -1.0e30
 """A fill this negative cannot reach the scores' range: no magnitude check (finfo.min of fp32 and bf16)."""
 
-EXACT_SPACING = 2.0 ** -9
-"""Up to this spacing of an added fill F (fp32: |F| < 2**14), eager's rounding of s + F moves s by at most
-2**-10: a row with no valid key is softmax(s), the exact row. Above it (fp32 -1e5, fp16 or bf16 -1e4) the row is
-softmax of s on a coarse grid; the rewrite serves it as uniform where that grid rounds s away (checked on the
-device per sample) and stops with a message where it does not."""
+EXACT_SPACING = 2.0 ** -4
+"""Up to this spacing of an added fill F in the dtype of the addition (fp32: |F| < 2**20, HF Funnel's 1e6
+included), a row with no valid key is served as softmax(s), the exact row: eager's own rounding of s + F
+moves each of its scores by at most spacing / 2 (3% in exp at the limit; such rows are rarely used). Above it
+(fp32 -1e7, fp16 or bf16 -1e4) eager's row is softmax of s on a coarse grid; the rewrite serves it as uniform
+where that grid rounds s away (checked on the device per sample) and stops with a message where it does not."""
 
 _UNDERFLOW_MARGIN = 120.0
 """exp(x) is exactly 0 in fp32 for x < -104; 120 leaves room for the rounding of the scores."""
