@@ -81,7 +81,7 @@ def test_an_empty_sequence_under_a_fill_written_over_the_scores_is_uniform(spell
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("side", ["kept", "dropped"])
+@pytest.mark.parametrize("side", ["kept", "dropped", "masked_fill"])
 @pytest.mark.parametrize("fill", ["finfo", -1e9, -1e4])
 def test_a_bias_gated_by_the_mask_matches_eager_on_an_empty_sequence(side, fill):
     """s + where(keep, bias, F) (transformers 5 folds T5's position bias into its bool mask so): split into
@@ -90,7 +90,8 @@ def test_a_bias_gated_by_the_mask_matches_eager_on_an_empty_sequence(side, fill)
     def attention(q, k, v, lengths, bias):
         keep = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
         f = torch.finfo(q.dtype).min if fill == "finfo" else fill
-        gated = torch.where(keep, bias, f) if side == "kept" else torch.where(~keep, f, bias)
+        gated = {"kept": lambda: torch.where(keep, bias, f), "dropped": lambda: torch.where(~keep, f, bias),
+                 "masked_fill": lambda: bias.masked_fill(~keep, f)}[side]()  # Falcon folds its ALiBi so
         return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D) + gated, dim=-1) @ v
 
     q, k, v = _qkv()

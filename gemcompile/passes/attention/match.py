@@ -433,16 +433,20 @@ def _added_terms(term: fx.Node, depth: int = 4) -> list[tuple[str, Any]]:
 
 
 def _gated_bias(term: fx.Node) -> list[tuple[str, Any]] | None:
-    """``where(cond, bias, F)`` (or ``where(cond, F, bias)``) with a fill F <= -1e4, as transformers' SDPA
-    integration folds T5's position_bias into a bool mask: the keep mask cond with F added on the keys it
+    """``where(cond, bias, F)`` (or ``where(cond, F, bias)``, ``masked_fill(bias, cond, F)``) with a fill
+    F <= -1e4, as transformers' SDPA integration folds T5's position_bias (Falcon its ALiBi) into a bool
+    mask: the keep mask cond with F added on the keys it
     drops, and the bias gated to the keys it keeps (GatedBias); None for any other term."""
     while is_call(term, "contiguous", "clone"):
         term = term.args[0]
-    if not is_call(term, "where") or len(term.args) != 3 or term.kwargs:
+    if is_call(term, "masked_fill") and len(term.args) == 3 and not term.kwargs:  # Falcon's ALiBi mask
+        (bias, cond, fill), kept = term.args, False  # = where(cond, F, bias)
+    elif is_call(term, "where") and len(term.args) == 3 and not term.kwargs:
+        cond, x, y = term.args
+        kept = isinstance(x, fx.Node) and not isinstance(y, fx.Node)
+        bias, fill = (x, y) if kept else (y, x)
+    else:
         return None
-    cond, x, y = term.args
-    kept = isinstance(x, fx.Node) and not isinstance(y, fx.Node)
-    bias, fill = (x, y) if kept else (y, x)
     value = constant_float(fill)
     if not isinstance(cond, fx.Node) or not isinstance(bias, fx.Node) or value is None or value > NEG_FILL_LIMIT:
         return None
