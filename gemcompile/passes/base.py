@@ -34,7 +34,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemcompile.config import GemConfig
-from gemcompile.passes.graph import CHECKPOINT_REGION_INPUT, mark_buffer_values, positional_arguments
+from gemcompile.passes.checkpointed_regions import run_in_checkpointed_regions
+from gemcompile.passes.graph import mark_buffer_values, positional_arguments
 from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
 from gemcompile.version import versions
 
@@ -216,33 +217,11 @@ def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass], example_in
         positional_arguments(gm.graph)
         manager(gm.graph)
         gm.recompile()
-        _run_in_checkpointed_bodies(gm, [p for p in passes if p.name in _BODY_PASSES])
+        in_regions = PassManager("pre_grad", [p for p in passes if p.name in _REGION_PASSES])
+        if in_regions:
+            run_in_checkpointed_regions(gm, in_regions)
 
 
-_BODY_PASSES = ("attention", "relative_bias")
-_BODY_DONE = "gemcompile_body_rewritten"
-"""The pre-grad passes that also run inside activation-checkpointed regions: they rewrite ops in place, reading
-only what the region computes or receives (the others change a graph's inputs or its whole-model layout)."""
-
-
-def _run_in_checkpointed_bodies(gm: torch.fx.GraphModule, passes: Sequence[GemPass]) -> None:
-    """torch.utils.checkpoint around a block (HF's gradient_checkpointing, torchtitan's AC) reaches Dynamo's
-    graph as a tag_activation_checkpoint call of a subgraph: its attention is rewritten there, where a mask
-    built inside the block is provable (one built outside reaches it as an input and is refused with that
-    reason). AOTAutograd inlines the region with its recomputation tags, our ops included."""
-    manager = PassManager("pre_grad", passes)
-    if not manager:
-        return
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or "tag_activation_checkpoint" not in str(node.target):
-            continue
-        body_ref = node.args[0]
-        body = getattr(gm, body_ref.target, None) if getattr(body_ref, "op", None) == "get_attr" else None
-        if isinstance(body, torch.fx.GraphModule) and not body.meta.get(_BODY_DONE):  # one body, several calls
-            body.meta[_BODY_DONE] = True
-            for placeholder in body.graph.find_nodes(op="placeholder"):
-                placeholder.meta[CHECKPOINT_REGION_INPUT] = True
-            positional_arguments(body.graph)
-            manager(body.graph)
-            body.recompile()
-            _run_in_checkpointed_bodies(body, passes)
+_REGION_PASSES = ("attention", "relative_bias")
+"""The pre-grad passes that also run inside activation-checkpointed regions (passes/checkpointed_regions.py):
+they rewrite ops in place (the others change a graph's inputs or its whole-model layout)."""

@@ -52,7 +52,7 @@ class Model(nn.Module):
 
     def forward(self, x, lengths):
         for block in self.blocks:
-            if self.mask_outside:  # the mask reaches the checkpointed region as an input
+            if self.mask_outside:  # the mask reaches the checkpointed region as an input (HF's layout)
                 x = torch.utils.checkpoint.checkpoint(_block_with_mask, block, x, _mask(lengths), use_reentrant=False)
             else:
                 x = torch.utils.checkpoint.checkpoint(block, x, lengths, use_reentrant=False)
@@ -91,12 +91,9 @@ def test_attention_inside_checkpointed_regions_of_the_compiled_model(mask_outsid
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     compiled_rewrites = counters["gemcompile"]["jagged_attention"]
     report = explain(model, x, lengths)
-    if mask_outside:  # an input of the region: not provable there, and said so
-        assert report.counts.get("jagged_attention", 0) == 0
-        assert report.refusals and all("torch.utils.checkpoint region" in r.reason for r in report.refusals)
-    else:
-        assert report.counts.get("jagged_attention", 0) == 2
-        assert compiled_rewrites == 2
+    # built outside, the mask's ops are copied into each region (from the lengths, an extra operand)
+    assert report.counts.get("jagged_attention", 0) == 2
+    assert compiled_rewrites == 2
 
 
 def test_torch_func_grad_inside_the_compiled_function():
@@ -117,3 +114,23 @@ def test_torch_func_grad_inside_the_compiled_function():
     got = gem_compile(grads)(params, x, lengths)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_mask_computed_from_activations_outside_a_region_stays_an_input():
+    # a mask that depends on an activation is not copied in (not a function of the batch's metadata alone)
+    class FromActivations(Model):
+        def forward(self, x, lengths):
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(_block_with_mask, block, x, _mask(lengths) & (x[:, None, None, :, 0] > -9),
+                                                      use_reentrant=False)
+            return x
+
+    from gemcompile import explain
+
+    torch._dynamo.reset()
+    model = FromActivations(mask_outside=True)
+    x, lengths = torch.randn(B, L, D, requires_grad=True), torch.tensor([16, 1, 7, 0])
+    report = explain(model, x, lengths)
+    assert report.counts.get("jagged_attention", 0) == 0
+    assert report.refusals and all("torch.utils.checkpoint region" in r.reason for r in report.refusals)
+    torch.testing.assert_close(gem_compile(model)(x, lengths), model(x, lengths), atol=1e-5, rtol=1e-4)
