@@ -289,17 +289,8 @@ class MaskEvaluator:
             return self._compare(_COMPARE[target], args[0], args[1], ndim)
         kind = next((k for k, ops in (("and", _AND), ("or", _OR), ("xor", _XOR), ("not", _NOT))
                      if target in ops or name in ops), None)
-        if kind is not None and (integer := bitwise(self, node, kind)) is not None:  # ~ of uint8 is 255 - x
-            return integer
-        if target in _AND or name in _AND:
-            a, b = self._pred(args[0]), self._pred(args[1])
-            return BoolTensor(ndim, simplify_pred(sympy.And(a, b)))
-        if target in _OR or name in _OR:
-            return BoolTensor(ndim, simplify_pred(sympy.Or(self._pred(args[0]), self._pred(args[1]))))
-        if target in _XOR or name in _XOR:
-            return BoolTensor(ndim, simplify_pred(sympy.Xor(self._pred(args[0]), self._pred(args[1]))))
-        if target in _NOT or name in _NOT:
-            return BoolTensor(ndim, simplify_pred(sympy.Not(self._pred(args[0]))))
+        if kind is not None:
+            return self._logic(node, kind, ndim)
         if name in ("tril", "triu"):
             return self._tril(node, name)
         if target is torch.where or name == "where":
@@ -329,6 +320,16 @@ class MaskEvaluator:
         if target in (operator.neg, torch.neg) or name in ("neg", "__neg__"):
             return self._arith(operator.mul, args[0], -1, ndim, value)
         raise Unproven(f"`{name}` ({node.name}) in the mask is not an op the mask prover models")
+
+    def _logic(self, node: fx.Node, kind: str, ndim: int) -> Abstract:
+        """and / or / xor / not: logic on bool results, bitwise on integer ones (~ of uint8 is 255 - x)."""
+        integer = bitwise(self, node, kind)
+        if integer is not None:
+            return integer
+        if kind == "not":
+            return BoolTensor(ndim, simplify_pred(sympy.Not(self._pred(node.args[0]))))
+        a, b = self._pred(node.args[0]), self._pred(node.args[1])
+        return BoolTensor(ndim, simplify_pred({"and": sympy.And, "or": sympy.Or, "xor": sympy.Xor}[kind](a, b)))
 
     def _pred(self, x) -> Boolean:
         v = self.evaluate(x)
