@@ -70,6 +70,10 @@ class ExplainReport:
     """(the first line of Dynamo's reason, how many times) for each graph break of the capture: code after a
     break runs in another graph, or eagerly when Dynamo skips the frame, and no pass sees across it."""
 
+    stopped: str | None = None
+    """The message of a device-side check of the rewritten graph that stopped the example run (a compiled run
+    would stop there too: e.g. an empty sequence under a fill eager rounds differently); the capture ends there."""
+
     def __rich_console__(self, console, options):
         n_graphs = len(self.graphs)
         yield Text(
@@ -89,6 +93,8 @@ class ExplainReport:
         if not self.passes:
             summary.add_row("(no passes in the pipeline)", "", "", "", "")
         yield summary
+        if self.stopped:
+            yield Text(f"the example run stopped at a check of the rewritten graph: {self.stopped}", style="bold red")
         if self.graph_breaks:
             breaks = Table(title="graph breaks (TORCH_LOGS=graph_breaks shows where)", title_justify="left")
             breaks.add_column("Dynamo's reason")
@@ -250,8 +256,15 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
     # back to eager") goes to "unimplemented" instead
     kinds = ("graph_break", "unimplemented")
     before = {kind: dict(counters[kind]) for kind in kinds}
+    stopped = None
     with recording(log), _eager_backward_compile(), _first_capture():
-        compiled(*example_inputs, **example_kwargs)
+        try:
+            compiled(*example_inputs, **example_kwargs)
+        except RuntimeError as error:  # a device-side check our rewrite emitted: reported, not raised
+            lines = [line for line in str(error).splitlines() if "gemcompile: " in line]
+            if not lines:
+                raise
+            stopped = lines[0][lines[0].index("gemcompile: ") + len("gemcompile: "):]
     graph_breaks: dict[str, int] = {}
     for kind in kinds:  # (a break both count is counted once)
         seen: dict[str, int] = {}
@@ -275,4 +288,5 @@ def explain_with_passes(pass_types: Sequence[type] | None, model_or_fn: Any, *ex
         passes=[(p.name, p.stage, p.enabled) for p in passes],
         memory=log.memory,
         graph_breaks=list(graph_breaks.items()),
+        stopped=stopped,
     )

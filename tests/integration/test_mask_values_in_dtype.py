@@ -103,3 +103,13 @@ def test_a_nan_fill_is_not_a_drop():
     n = torch.tensor([12, 7, 3, 0])
     assert explain(f, q, k, v, n).counts.get("jagged_attention", 0) == 0
     torch.testing.assert_close(gem_compile(f)(q, k, v, n), f(q, k, v, n), equal_nan=True)
+
+
+def test_explain_reports_a_check_that_stops_the_example_run():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    f = _fp16_softmax(-1e4)
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.float16) for _ in range(3))
+    report = explain(f, q, k, v, torch.tensor([12, 7, 3, 0]))
+    assert report.stopped is not None and "does not round to the fill" in report.stopped
+    assert "stopped at a check" in str(report)
