@@ -46,7 +46,8 @@ def _checkpoint_calls(gm: fx.GraphModule) -> dict[fx.GraphModule, list[fx.Node]]
 
 def run_in_checkpointed_regions(gm: fx.GraphModule, run_passes: Callable[[fx.Graph], None]) -> None:
     """Run ``run_passes`` on the subgraph of every checkpointed region of ``gm`` (nested ones too)."""
-    for body, calls in _checkpoint_calls(gm).items():
+    regions = _checkpoint_calls(gm)
+    for body, calls in regions.items():
         if body.meta.get(_DONE):
             continue
         body.meta[_DONE] = True
@@ -57,7 +58,8 @@ def run_in_checkpointed_regions(gm: fx.GraphModule, run_passes: Callable[[fx.Gra
         run_passes(body.graph)
         body.recompile()
         run_in_checkpointed_regions(body, run_passes)
-    gm.recompile()
+    if regions:  # the calls may have gained operands
+        gm.recompile()
 
 
 def _copyable(node: fx.Node) -> bool:

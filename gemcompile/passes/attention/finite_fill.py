@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from gemcompile.lowering.common.reference import compute_dtype
 from gemcompile.passes.attention.family import size_of
-from gemcompile.passes.attention.mha import _MHA_ARGS
+from gemcompile.passes.attention.mha import mha_arguments
 from gemcompile.passes.attention.scores import ADD, SUB, is_call
 from gemcompile.passes.graph import Emitter, Unproven, example_value
 from gemcompile.passes.masks.model import AttentionMask
@@ -265,7 +265,6 @@ def fill_dtype(site) -> torch.dtype:
         dtypes = adds or [example_value(site.anchor.args[0]).dtype]
         return max(dtypes, key=lambda d: torch.finfo(d).eps)
     if site.kind == "mha":
-        a = dict(zip(_MHA_ARGS, site.anchor.args), **site.anchor.kwargs)
-        if a.get("need_weights", True):
+        if mha_arguments(site.anchor).get("need_weights", True):
             return example_value(site.q).dtype
     return torch.float32

@@ -51,7 +51,7 @@ from gemcompile.passes.attention.kept_diagonal import check_kept_diagonal, merge
 from gemcompile.passes.attention.kernels import HEAD_DIMS
 from gemcompile.passes.attention.match import AttentionSite
 from gemcompile.passes.attention.mha import check_mha
-from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, target_name
+from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, fed_by, target_name
 from gemcompile.passes.masks.classify import JAGGED_MASKS, Unclassified, length_refusal, require_padding_or_causal
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.records import describe_nodes
@@ -84,10 +84,10 @@ class JaggedAttention(AttentionFamily):
     def accept(self, site: AttentionSite, mask: AttentionMask) -> None:
         if mask == AttentionMask() and site.bias:  # say what was read instead of "keeps every score"
             names = ", ".join(_bias_name(term) for term, _ in site.bias)
-            learned = _learned_inputs([_bias_node(term) for term, _ in site.bias])
+            learned = _learned_input([_bias_node(term) for term, _ in site.bias])
             if learned:  # s - (~valid) * self.mask_scale
                 raise Unproven(f"no mask among the scores' terms: {names} added as a bias; it is scaled by "
-                               f"{learned[0]}, which requires grad (a learned value), so it is no fixed fill "
+                               f"{learned}, which requires grad (a learned value), so it is no fixed fill "
                                "the kernels could drop keys for")
             raise Unproven(f"no mask among the scores' terms: {names} added as a bias (a float mask handed "
                            "in from outside the graph cannot be proven; build it from lengths or ids in the "
@@ -246,15 +246,17 @@ def _skip_transposes_back(result: fx.Node, rows: fx.Node) -> None:
     erase_dead([result])
 
 
-def _learned_inputs(terms, depth: int = 6) -> list[str]:
-    """Names of the graph inputs requiring grad (parameters) that the bias terms read within ``depth`` ops."""
-    found, frontier = [], list(terms)
-    for _ in range(depth):
-        nxt = []
-        for node in frontier:
-            value = example_value(node)
-            if node.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and value.requires_grad:
-                found.append(node.name)
-            nxt.extend(node.all_input_nodes)
-        frontier = nxt
-    return found
+
+def _learned_input(terms) -> str | None:
+    """The name of a graph input requiring grad (a parameter) that feeds one of the bias terms, if any."""
+    found: list[str] = []
+
+    def learned(node: fx.Node) -> bool:
+        value = example_value(node)
+        if node.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and value.requires_grad:
+            found.append(node.name)
+            return True
+        return False
+
+    any(fed_by(term, learned, limit=32) for term in terms)
+    return found[0] if found else None

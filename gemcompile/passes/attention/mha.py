@@ -22,10 +22,14 @@ _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_pro
              "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
 
 
+def mha_arguments(node: fx.Node) -> dict[str, Any]:
+    """multi_head_attention_forward's arguments by name."""
+    return {**dict(zip(_MHA_ARGS, node.args)), **node.kwargs}
+
+
 def check_mha(node: fx.Node) -> dict[str, Any]:
     """The arguments of an nn.MultiheadAttention configuration the rewrite serves; Unproven otherwise."""
-    a = dict(zip(_MHA_ARGS, node.args))
-    a.update(node.kwargs)
+    a = mha_arguments(node)
     if a.get("bias_k") is not None or a.get("bias_v") is not None or a.get("add_zero_attn"):
         raise Unproven("MultiheadAttention with add_bias_kv or add_zero_attn")
     if a.get("static_k") is not None or a.get("static_v") is not None:

@@ -17,7 +17,7 @@ from gemcompile.passes.masks.values import BoolTensor, IntTensor, PiecewiseTenso
 _OPS = {"and": operator.and_, "or": operator.or_, "xor": operator.xor}
 
 
-def _int_pieces(value, ndim: int):
+def _int_pieces(value):
     if isinstance(value, PiecewiseTensor):
         return [(int(v), c) for v, c in value.pieces]
     if isinstance(value, BoolTensor):  # a bool operand promotes to 0/1
@@ -42,8 +42,8 @@ def bitwise(evaluator, node: fx.Node, kind: str):
             if dtype == torch.uint8:
                 raise Unproven("~ of a uint8 index expression")
             return IntTensor(ndim, -src.expr - 1)  # two's complement
-        return piecewise(ndim, [(~v, c) for v, c in _int_pieces(src, ndim)])  # stored_as wraps uint8
+        return piecewise(ndim, [(~v, c) for v, c in _int_pieces(src)])  # stored_as wraps uint8
     a, b = (evaluator.evaluate(x) for x in node.args[:2])
     op = _OPS[kind]
-    pieces = [(op(x, y), sympy.And(cx, cy)) for x, cx in _int_pieces(a, ndim) for y, cy in _int_pieces(b, ndim)]
+    pieces = [(op(x, y), sympy.And(cx, cy)) for x, cx in _int_pieces(a) for y, cy in _int_pieces(b)]
     return piecewise(ndim, pieces)
