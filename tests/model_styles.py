@@ -398,12 +398,18 @@ class TfSasRecStyleAttention(_Attention):
         return self.merge(torch.matmul(weights, v))
 
 
-def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: int = 0):
-    """generative-recommenders' visibility (as its PyTorch reference builds it): position ids clamped at
-    the first target, causal as eye | (row - col > 0), no key-padding term."""
+def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: int = 0, causal: bool = True,
+                         contextual: int = 0):
+    """generative-recommenders' visibility (as its PyTorch reference builds it): position ids shifted past the
+    contextual prefix and clamped at the first target, causal as eye | (row - col > 0), the distance made
+    absolute by ``torch.where`` when not causal, the contextual rows seeing every history key; no key-padding
+    term."""
     device = seq_lengths.device
     ids = torch.arange(0, n, device=device).view(1, n)
     max_ids = seq_lengths.view(-1, 1, 1)
+    if contextual > 0:
+        ids = torch.clamp(ids - contextual + 1, min=0)
+        max_ids = max_ids - contextual + 1
     if num_targets is not None:
         max_ids = max_ids - num_targets.view(-1, 1, 1)
         ids = torch.clamp(ids, max=max_ids)
@@ -414,9 +420,14 @@ def hstu_valid_attn_mask(n: int, seq_lengths, num_targets=None, max_attn_len: in
         col_ids = row_ids.t()
         row_ids, col_ids = row_ids.view(1, n, n), col_ids.view(1, n, n)
     dist = row_ids - col_ids
-    valid = torch.logical_or(torch.eye(n, dtype=torch.bool, device=device).view(1, n, n), dist > 0)
+    valid = torch.eye(n, dtype=torch.bool, device=device).view(1, n, n)
+    if not causal:
+        dist = torch.where(dist > 0, dist, -dist)
+    valid = torch.logical_or(valid, dist > 0)
     if max_attn_len > 0:
         valid = torch.logical_and(valid, dist <= max_attn_len)
+    if contextual > 0:
+        valid = torch.logical_or(valid, torch.logical_and(row_ids == 0, col_ids < max_ids))
     return valid
 
 
@@ -476,9 +487,10 @@ class HstuUpstreamStyle(nn.Module):
     ``torch.ops.fbgemm.dense_to_jagged``, which drops the padded rows. Needs the fbgemm ops (or
     tests/fbgemm_standin.py)."""
 
-    def __init__(self, heads: int, head_dim: int, max_len: int):
+    def __init__(self, heads: int, head_dim: int, max_len: int, **visibility):
         super().__init__()
         self.heads, self.head_dim, self.max_len = heads, head_dim, max_len
+        self.visibility = visibility  # hstu_valid_attn_mask's causal, contextual, max_attn_len
         self.uvqk = nn.Linear(heads * head_dim, 4 * heads * head_dim)
 
     def _pad(self, x, seq_offsets):
@@ -492,7 +504,7 @@ class HstuUpstreamStyle(nn.Module):
         _, v, q, k = F.silu(self.uvqk(x)).chunk(4, dim=-1)
         q, k, v = self._pad(q, seq_offsets), self._pad(k, seq_offsets), self._pad(v, seq_offsets)
         attn = F.silu(torch.einsum("bhxa,bhya->bhxy", q, k) * (1.0 / math.sqrt(self.head_dim))) / n
-        mask = hstu_valid_attn_mask(n, seq_offsets[1:] - seq_offsets[:-1], num_targets)
+        mask = hstu_valid_attn_mask(n, seq_offsets[1:] - seq_offsets[:-1], num_targets, **self.visibility)
         attn = attn * mask.unsqueeze(1)
         dense = torch.einsum("bhxd,bhdv->bhxv", attn, v)
         return torch.ops.fbgemm.dense_to_jagged(dense.transpose(1, 2).flatten(2, 3), [seq_offsets], total)[0]

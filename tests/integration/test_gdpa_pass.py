@@ -127,6 +127,29 @@ def hstu_targets_and_contextual(q, k, v, n, x):
     return (a * hstu_valid_mask(n, x["targets"], 2)[:, None]) @ v
 
 
+def hstu_bidirectional_mask(n, window, threshold=0):
+    """generative-recommenders' non-causal visibility: the distance made absolute by
+    ``torch.where(d > 0, d, -d)``, kept within ``window`` (0: everywhere), then the padding of both sides.
+    ``threshold`` other than 0 writes a near-miss (``d > 1``: d == 1 is not made positive)."""
+    ids = torch.arange(L)
+    dist = ids[:, None] - ids[None, :]
+    dist = torch.where(dist > threshold, dist, -dist)
+    keep = torch.eye(L, dtype=torch.bool) | (dist > 0)
+    if window:
+        keep = keep & (dist <= window)
+    return keep[None] & valid(n)[:, None, :] & valid(n)[:, :, None]  # (B, L, L)
+
+
+def hstu_bidirectional(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_bidirectional_mask(n, 0)[:, None]) @ v
+
+
+def hstu_bidirectional_window(q, k, v, n, x):
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_bidirectional_mask(n, 3)[:, None]) @ v
+
+
 def identity_linear_attention(q, k, v, n, x):
     """No activation at all (linear attention), key padding by a float mask, a constant normalizer."""
     a = q @ k.transpose(-2, -1) * 0.25
@@ -142,7 +165,7 @@ def identity_causal_masked_fill_with_bias(q, k, v, n, x):
 
 IDIOMS = {f.__name__: f for f in (
     identity_linear_attention, identity_causal_masked_fill_with_bias,
-    hstu_targets, hstu_contextual, hstu_targets_and_contextual,
+    hstu_targets, hstu_contextual, hstu_targets_and_contextual, hstu_bidirectional, hstu_bidirectional_window,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
     sigmoid_mean_over_keys, silu_over_clamped_lengths_per_head, relu_local_window, silu_blhd_einsum,
     pma_learned_queries,
@@ -451,3 +474,20 @@ def test_hstu_targets_of_a_history_longer_than_the_padded_length_equal_eager(tar
     out, ref = rewritten(model)(x, offsets, num_targets), model(x, offsets, num_targets)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def test_hstu_distance_made_absolute_by_a_near_miss_where_is_not_a_two_sided_window():
+    """``where(d > 1, d, -d)`` leaves d == 1 negative: the key right before the query is not kept, so the mask
+    is no window of 3 on both sides: refused, with the mask it is instead, and the compiled model equals eager."""
+    q, k, v, lengths, extra = _inputs()
+
+    def near_miss(q, k, v, n, x):
+        a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+        return (a * hstu_bidirectional_mask(n, 3, threshold=1)[:, None]) @ v
+
+    report = explain(near_miss, q, k, v, lengths, extra)
+    assert report.counts["gdpa"] == 0, [r.detail for r in report.rewrites]
+    assert any("the mask is" in r.reason for r in report.refusals), [r.reason for r in report.refusals]
+    out, ref = gem_compile(near_miss)(q, k, v, lengths, extra), near_miss(q, k, v, lengths, extra)
+    used = _used("near_miss", ref, lengths)
+    torch.testing.assert_close(torch.where(used, out, 0), torch.where(used, ref, 0), atol=2e-5, rtol=1e-4)

@@ -337,23 +337,34 @@ def test_a_query_term_that_drops_rows_is_not_taken_for_one_that_keeps_them():
     assert_same_weighted_grads(out, ref, [hidden, *model.parameters()])
 
 
-@pytest.mark.parametrize("with_targets", [True, False])
-def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packing(with_targets):
-    """q, k, v padded by fbgemm's jagged_to_padded_dense, the target-aware causal mask without a padding term,
-    the output packed back by dense_to_jagged (which drops the padded rows): rewritten to gdpa with the rows
-    past each length skipped; compiled == eager for outputs and every gradient, an empty sequence included.
+HSTU_VISIBILITY = {
+    "causal": {}, "bidirectional": {"causal": False}, "bidirectional_window": {"causal": False, "max_attn_len": 3},
+    "causal_window": {"max_attn_len": 3}, "contextual": {"contextual": 3},
+}
+
+
+@pytest.mark.parametrize("visibility, with_targets", [(name, False) for name in HSTU_VISIBILITY]
+                         + [("causal", True), ("causal_window", True), ("contextual", True)])
+def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packing(visibility, with_targets):
+    """q, k, v padded by fbgemm's jagged_to_padded_dense, the visibility mask (causal with targets, or not causal:
+    the distance made absolute by torch.where, a window, a contextual prefix) without a padding term, the
+    output packed back by dense_to_jagged (which drops the padded rows): rewritten to gdpa with the rows past
+    each length skipped; compiled == eager for outputs and every gradient, an empty sequence included.
     (fbgemm_gpu's own ops where installed, tests/fbgemm_standin.py otherwise.)"""
     fbgemm_standin.ensure()
     torch.manual_seed(0)
-    model = HstuUpstreamStyle(H, D, max_len=L)
+    model = HstuUpstreamStyle(H, D, max_len=L, **HSTU_VISIBILITY[visibility])
     lengths = torch.tensor([L, 5, 0, 9])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = torch.randn(int(lengths.sum()), H * D, requires_grad=True)
     targets = torch.tensor([2, 1, 0, 3]) if with_targets else None
     report = explain(model, x, offsets, targets)
     assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
-    if with_targets:  # the row drop is what makes the mask without a padding term exact
-        assert "the packing into jagged tokens (dense_to_jagged)" in str(report)
+    (detail,) = [r.detail for r in report.rewrites if r.pass_name == "gdpa"]
+    if with_targets or visibility == "contextual":  # the row drop makes the mask without a padding term exact
+        assert "the packing into jagged tokens (dense_to_jagged)" in detail, detail
+    assert ("window" in detail) == ("max_attn_len" in HSTU_VISIBILITY[visibility]), detail
+    assert ("causal" in detail) == HSTU_VISIBILITY[visibility].get("causal", True), detail
     ref = model(x, offsets, targets)
     counters.clear()
     out = rewritten(model)(x, offsets, targets)
@@ -364,6 +375,24 @@ def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packi
     grads = torch.autograd.grad((out * weights).sum(), leaves)
     for g, g_ref in zip(grads, torch.autograd.grad((ref * weights).sum(), leaves)):
         torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+def test_hstu_contextual_mask_with_targets_stops_on_a_negative_target_count():
+    """With a contextual prefix and targets, upstream's mask equals HSTU's on the kept rows only for target
+    counts >= 0 (a negative count lets the prefix see padded keys): the proof assumes it and the rewrite checks
+    it on the device at every call, so a negative count stops the run with the reason instead of a mask the
+    model did not mean."""
+    fbgemm_standin.ensure()
+    torch.manual_seed(0)
+    model = HstuUpstreamStyle(H, D, max_len=L, contextual=3)
+    lengths = torch.tensor([L, 5, 0, 9])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    x = torch.randn(int(lengths.sum()), H * D)
+    compiled = rewritten(model)
+    torch.testing.assert_close(compiled(x, offsets, torch.tensor([2, 1, 0, 3])),
+                               model(x, offsets, torch.tensor([2, 1, 0, 3])), atol=2e-5, rtol=1e-4)
+    with pytest.raises(Exception, match="negative target count"):
+        compiled(x, offsets, torch.tensor([2, -1, 0, 3]))
 
 
 def test_hstu_upstream_form_compiles_once_over_twenty_batches():

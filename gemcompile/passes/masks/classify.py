@@ -16,10 +16,14 @@ the jagged kernel and the unpad pass's row masks take.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import operator
 
 import sympy
+import torch
+from torch import fx
 
 from gemcompile.passes.graph import Unproven, input_hint
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
@@ -52,6 +56,8 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     if batch_is_one:  # the batch index is 0 everywhere: lengths read at 0 are lengths[b] (HSTU's targets too)
         keep = evaluator.lengths_at(keep, b)
     keep = decided_by_index_ranges(evaluator, keep)
+    if keep is not sympy.true and len(keep.free_symbols) <= 8 and equivalent(evaluator, keep, sympy.true):
+        keep = sympy.true  # (i < j) | (i > j) | (i == j): every pair, in a spelling logic alone does not see
     if keep is sympy.true:
         return AttentionMask(formula="True")
     if keep is sympy.false:
@@ -302,47 +308,69 @@ def hstu_visible(evaluator: MaskEvaluator, i, j, n, t, contextual: int, window: 
 
 
 def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMask | None:
-    """Key padding [and query padding] and HSTU's causal target/contextual visibility, or None."""
+    """Key padding [and query padding] and HSTU's causal target/contextual visibility [within a window], or
+    None. The contextual lengths tried are the constants the formula holds (and their neighbours), the
+    windows its `i - j <= w` comparisons (the case of HSTU's clamped distance where neither id is clamped)."""
     b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
     constants = set()
     for a in keep.free_symbols:
         for term in sympy.Add.make_args(evaluator.atoms.expr_of[a][1]):
             if term.is_Integer:
                 constants.update({abs(int(term)) - 1, abs(int(term)), abs(int(term)) + 1})
-    contextual_options = [0] + sorted(c for c in constants if c >= 1)
+    sizes = sorted(c for c in constants if c >= 1)
+    back, _ = window_atoms(evaluator, [evaluator.atoms.expr_of[a] for a in keep.free_symbols])
+    options = [(c, w) for w in [0, *sorted(back)] for c in [0, *sizes]]  # (contextual, window), no window first
     for kv_node, kv_offset, kv_atom in keys:
         if kv_offset != 0:
             continue
         n = sympy.Function(f"len_{kv_node.name}")(b)
         target_options = [None] + [node for node in evaluator.leaves.values() if node is not kv_node]
-        for t_node, contextual in itertools.product(target_options, contextual_options):
+        for t_node, (contextual, window) in itertools.product(target_options, options):
             if t_node is None and not contextual:
-                continue  # plain causal: handled above
+                continue  # plain causal [and window]: handled above
             t = None if t_node is None else sympy.Function(f"len_{t_node.name}")(b)
-            visible = hstu_visible(evaluator, i, j, n, t, contextual, 0)
+            visible = hstu_visible(evaluator, i, j, n, t, contextual, window)
             for q in [None, *[x for x in queries if x[0] is kv_node and x[1] == 0]]:
                 candidate = sympy.And(kv_atom, visible, *([q[2]] if q else []))
                 if equivalent(evaluator, keep, candidate):
                     return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
-                                         num_targets=t_node, contextual_len=contextual)
-    if not keys:
-        return _hstu_without_padding(evaluator, keep, contextual_options)
-    return None
+                                         num_targets=t_node, contextual_len=contextual, window=window or None)
+    # no padding term on the rows (a contextual term may still compare j with n): rows i >= n dropped after?
+    return _hstu_without_padding(evaluator, keep, options)
 
 
-def _hstu_without_padding(evaluator: MaskEvaluator, keep, contextual_options) -> AttentionMask | None:
-    """generative-recommenders' target mask has no `j < n` term (padded keys are zeros there, padded rows
-    are dropped afterwards): the mask that equals HSTU's visibility with key padding on every row i < n,
-    with ``rows_dropped_after`` set (the family must prove the model drops rows i >= n, or refuse)."""
+def _hstu_without_padding(evaluator: MaskEvaluator, keep, options) -> AttentionMask | None:
+    """generative-recommenders' target (or contextual) mask has no `j < n` term (padded keys are zeros there,
+    padded rows are dropped afterwards): the mask that equals HSTU's visibility with key padding on every row
+    i < n, with ``rows_dropped_after`` set (the family must prove the model drops rows i >= n, or refuse)."""
     b, i, j = index_symbol(3), index_symbol(1), index_symbol(0)
-    for n_node, t_node in itertools.permutations(list(evaluator.leaves.values()), 2):
+    leaves = list(evaluator.leaves.values())
+    for n_node, t_node in [*itertools.permutations(leaves, 2), *((n_node, None) for n_node in leaves)]:
         n = sympy.Function(f"len_{n_node.name}")(b)
-        t = sympy.Function(f"len_{t_node.name}")(b)
+        t = None if t_node is None else sympy.Function(f"len_{t_node.name}")(b)
         rows = evaluator.atoms.compare("lt", i, n)
-        for contextual in contextual_options:
-            visible = hstu_visible(evaluator, i, j, n, t, contextual, 0)
-            if equivalent(evaluator, sympy.And(keep, rows),
-                          sympy.And(visible, evaluator.atoms.compare("lt", j, n), rows)):
-                return AttentionMask(kv_lengths=n_node, causal=True, num_targets=t_node, contextual_len=contextual,
-                                     rows_dropped_after=True)
+        for contextual, window in options:
+            if t is None and not contextual:
+                continue  # plain causal [and window] reads no lengths
+            visible = hstu_visible(evaluator, i, j, n, t, contextual, window)
+            lhs, rhs = sympy.And(keep, rows), sympy.And(visible, evaluator.atoms.compare("lt", j, n), rows)
+            if not equivalent(evaluator, lhs, rhs):
+                if t is None or not contextual:
+                    continue
+                # with a contextual prefix, negative target counts let the prefix see padded keys: assume
+                # t >= 0 (what HSTU's data holds) and check it on the device at every call
+                at_least_zero = evaluator.atoms.compare("ge", t, 0)
+                if not equivalent(evaluator, sympy.And(lhs, at_least_zero), sympy.And(rhs, at_least_zero)):
+                    continue
+                evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
+            return AttentionMask(kv_lengths=n_node, causal=True, num_targets=t_node, contextual_len=contextual,
+                                 window=window or None, rows_dropped_after=True)
     return None
+
+
+def _emit_nonnegative_check(emit, node: fx.Node) -> None:
+    """A device-side assert (no host sync) that target counts are >= 0, which the contextual mask's proof
+    assumed: the run stops with this message instead of computing a mask the model did not mean."""
+    ok = emit.call(torch.all, (emit.call(operator.ge, (node, 0)),))
+    emit.call(torch._assert_async, (ok, f"gemcompile: {node.name} holds a negative target count; the attention "
+                                        "rewrite of HSTU's contextual mask assumed counts >= 0"))

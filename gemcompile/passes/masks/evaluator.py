@@ -36,6 +36,7 @@ from gemcompile.passes.masks.bitwise import bitwise
 from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
 from gemcompile.passes.masks.einsum_permutation import einsum_permutation
+from gemcompile.passes.masks.int_select import compare_split, select
 from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import split_reshape
 from gemcompile.passes.masks.zero_one import zero_one_pieces
@@ -517,22 +518,8 @@ class MaskEvaluator:
         return BoolTensor(ndim, simplify_pred(self.compare_exprs(op, ea, eb)))
 
     def compare_exprs(self, op: str, ea, eb) -> Boolean:
-        """ea op eb; an |u|, min(u, w) or max(u, w) inside is split exactly into its two cases."""
-        pieces = sympy.sympify(ea - eb).atoms(sympy.Abs, sympy.Min, sympy.Max)
-        if not pieces:
-            return self.atoms.compare(op, ea, eb)
-        term = sorted(pieces, key=lambda t: (sympy.count_ops(t), sympy.default_sort_key(t)))[0]  # innermost first
-        if isinstance(term, sympy.Abs):
-            u, w = term.args[0], -term.args[0]
-            first = self.atoms.compare("ge", u, 0)  # |u| = u when u >= 0, else -u
-        else:
-            if len(term.args) != 2:
-                raise Unproven("a min/max of more than two index expressions")
-            u, w = term.args
-            first = self.atoms.compare("le" if isinstance(term, sympy.Min) else "ge", u, w)
-        sub = lambda e, r: sympy.sympify(e).xreplace({term: r})  # noqa: E731
-        return sympy.Or(sympy.And(first, self.compare_exprs(op, sub(ea, u), sub(eb, u))),
-                        sympy.And(sympy.Not(first), self.compare_exprs(op, sub(ea, w), sub(eb, w))))
+        """ea op eb, with the cases of an |u|, min, max or integer where inside split (masks/int_select.py)."""
+        return compare_split(self.atoms, op, ea, eb)
 
     def _clamp(self, node: fx.Node, name: str, ndim: int) -> IntTensor:
         """Integer clamp / minimum / maximum (bounds may be per-sample tensors) as sympy Min and Max."""
@@ -561,7 +548,13 @@ class MaskEvaluator:
             return v.expr
         if isinstance(v, sympy.Expr) and v.is_integer:
             return v
-        raise Unproven("a clamp of index expressions by a non-integer bound")
+        pieces = self._as_pieces(v, 0) if isinstance(v, (BoolTensor, PiecewiseTensor)) else ()
+        if pieces and all(float(value).is_integer() for value, _ in pieces):  # a 0/1 mask as an integer
+            expr = sympy.Integer(int(pieces[-1][0]))
+            for value, cond in pieces[:-1]:
+                expr = select(self.atoms, cond, sympy.Integer(int(value)), expr)
+            return expr
+        raise Unproven("integer index expressions combined with a non-integer value")
 
     def _compare_values(self, op: str, va, vb) -> Boolean:
         """A comparison where one side is a mask (bool or piecewise) and the other a constant."""
@@ -596,6 +589,8 @@ class MaskEvaluator:
             px = self._pred(node.args[1]) if isinstance(node.args[1], fx.Node) else sympy.true if x else sympy.false
             py = self._pred(node.args[2]) if isinstance(node.args[2], fx.Node) else sympy.true if y else sympy.false
             return BoolTensor(ndim, simplify_pred(sympy.Or(sympy.And(cond, px), sympy.And(sympy.Not(cond), py))))
+        if example_value(node).dtype in _INT_DTYPES and (isinstance(x, IntTensor) or isinstance(y, IntTensor)):
+            return IntTensor(ndim, select(self.atoms, cond, self._int_expr(node.args[1]), self._int_expr(node.args[2])))
         pieces = [(v, sympy.And(cond, c)) for v, c in self._as_pieces(x, ndim)]
         pieces += [(v, sympy.And(sympy.Not(cond), c)) for v, c in self._as_pieces(y, ndim)]
         return piecewise(ndim, pieces)

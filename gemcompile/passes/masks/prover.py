@@ -127,7 +127,7 @@ def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> b
     return not any(feasible([(kind, e, bit) for (kind, e), bit in zip(exprs, bits)], indices) for bits in rows)
 
 
-_LINEAR_ROWS = 64
+_LINEAR_ROWS = 1024
 """The most differing truth-table rows checked by linear arithmetic (each a Fourier-Motzkin run)."""
 
 
