@@ -240,6 +240,9 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
         ids = shape_of(first)
         if not has_rows(ids, batch, seq):
             return None
+        if target_name(node.target) == "embedding" and (node_argument(node, 3, "max_norm") is not None
+                                                        or node_argument(node, 5, "scale_grad_by_freq", False)):
+            return None  # renormalizes the weight rows of every id looked up / counts every id: pad rows too
         return TokenWise(node, "structural", (first,), _same)
     if name in SOFTMAX:
         translate = _dims_translator(1, "dim", rank, required=True)

@@ -313,3 +313,57 @@ def test_a_key_mask_concatenated_over_the_heads_is_read_as_a_key_mask():
     out, ref = rewritten(model)(x, LENGTHS), model(x, LENGTHS)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def _tiled(keep, heads: int, how: str):
+    """A (B, L, L) mask tiled over the heads into (B * H, L, L) rows, as models write it."""
+    b = keep.shape[0]
+    return {
+        "repeat_flatten": lambda: keep.unsqueeze(1).repeat(1, heads, 1, 1).flatten(end_dim=1),  # FuxiCTR DMIN
+        "repeat_interleave": lambda: keep.repeat_interleave(heads, 0),
+        "expand_reshape": lambda: keep.unsqueeze(1).expand(b, heads, *keep.shape[1:]).reshape(b * heads, L, L),
+        "repeat_view": lambda: keep.unsqueeze(1).repeat(1, heads, 1, 1).view(b * heads, L, L),
+        "repeat_over_batch": lambda: keep.repeat(heads, 1, 1),  # row b * H + h is sample (b * H + h) % B's
+    }[how]()
+
+
+class TiledBackStyle(nn.Module):
+    """FuxiCTR DMIN's attention: a per-sample causal padding mask tiled over the heads into the batch, read back
+    as ``mask.view_as(scores)`` on the (B, H, L, L) scores."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x, lengths):
+        b = x.shape[0]
+        q, k, v = (t.view(b, L, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        s = q @ k.transpose(-1, -2) / D ** 0.5
+        i = torch.arange(L)
+        keep = (i[None, None, :] < lengths[:, None, None]) & (i[:, None] >= i[None, :])
+        mask = _tiled(keep, H, self.how).view_as(s)
+        return (s.masked_fill(~mask, -1e9).softmax(-1) @ v).transpose(1, 2).reshape(b, L, E)
+
+
+@pytest.mark.parametrize("how", ["repeat_flatten", "repeat_interleave", "expand_reshape", "repeat_view",
+                                 "repeat_over_batch"])
+def test_a_mask_tiled_over_the_heads_and_viewed_back_is_each_samples_mask(how):
+    """Tiled so that rows b * H .. b * H + H - 1 are sample b's: merged and split again, the mask is sample b's
+    for every head (``(b * H + h) // H == b``), rewritten, == eager. ``repeat(H, 1, 1)`` gives head h of sample
+    b another sample's mask: refused, == eager."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, L, E, generator=g, requires_grad=True)
+    lengths = torch.tensor([L, 0, 7, 1])
+    torch.manual_seed(0)
+    model = TiledBackStyle(how)
+    report = explain(model, x, lengths)
+    if how == "repeat_over_batch":
+        assert report.counts["jagged_attention"] == 0
+        assert any("differs between heads" in r.reason for r in report.refusals), report.refusals
+    else:
+        assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]
+        assert "causal" in report.rewrites[0].detail
+    out, ref = rewritten(model)(x, lengths), model(x, lengths)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_same_weighted_grads(out, ref, [x, *model.parameters()])

@@ -104,3 +104,38 @@ def test_embedding_lookup_of_padded_ids_is_packed():
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}])
+def test_embedding_lookup_that_reads_every_id_stays_padded(option):
+    """``max_norm`` renormalizes (in place) the weight rows of every id looked up, pad positions' ids too, and
+    ``scale_grad_by_freq`` divides the weight's gradient by each id's count over the whole (B, N) ids: neither
+    is token-wise, so the lookup stays outside the packed region. Pad positions hold real ids; the table is
+    tied to the scoring head (SASRec's), so a row renormalized in eager only would change the output."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(11, D, **option)
+            self.proj = nn.Linear(D, D)
+
+        def forward(self, ids, lengths):
+            valid = (torch.arange(N)[None, :] < lengths[:, None])[..., None]
+            u = (F.gelu(self.proj(self.table(ids))) * valid).sum(1)
+            return u @ self.table.weight.t()
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 11, (B, N), generator=torch.Generator().manual_seed(1))
+    model, ref_model = Tied(), Tied()
+    with torch.no_grad():
+        model.table.weight.mul_(3.0)  # rows above max_norm: eager renormalizes each one it looks up
+    ref_model.load_state_dict(model.state_dict())
+    report = explain(Tied(), ids, LENGTHS)
+    packed = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert all(r.metrics["op_counts"].get("embedding", 0) == 0 for r in packed), packed
+    out, ref = gem_compile(model)(ids, LENGTHS), ref_model(ids, LENGTHS)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(model.table.weight, ref_model.table.weight)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), list(ref_model.parameters()))):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=2e-5)  # sums of squares of outputs near 10

@@ -30,6 +30,7 @@ import sympy
 import torch
 import torch.fx as fx
 from sympy.logic.boolalg import Boolean
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, input_hint, target_name
 from gemcompile.passes.masks.bitwise import bitwise
@@ -38,7 +39,7 @@ from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle
 from gemcompile.passes.masks.einsum_permutation import einsum_permutation
 from gemcompile.passes.masks.int_select import compare_split, select
 from gemcompile.passes.masks.mutation import check_not_updated
-from gemcompile.passes.masks.split_reshape import split_reshape
+from gemcompile.passes.masks.split_reshape import merge_reshape, repeat_interleaved, split_reshape
 from gemcompile.passes.masks.zero_one import zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract,
@@ -96,8 +97,6 @@ def _shape(node: fx.Node) -> tuple:
 
 
 def _is_one(size) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return statically_known_true(size == 1)
 
 
@@ -270,13 +269,16 @@ class MaskEvaluator:
             return self._constant(node, value)
         if name in ("tensor", "as_tensor") and isinstance(args[0], (int, float, bool)):  # torch.tensor(1.0)
             return self._constant_value(value, args[0])
+        if name == "repeat_interleave" and ndim > 1:  # a mask tiled over the heads into the batch
+            return repeat_interleaved(self, node, self.tensor(args[0]))
         if name in ("repeat", "tile"):
             return self._repeat(node, self.tensor(args[0]))
         if target is operator.getitem:
             return self._getitem(node)
         if name in ("unsqueeze",):
             return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis")), ndim)
-        if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as"):
+        if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as", "flatten",
+                    "unflatten"):
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t") or (target is getattr and args[1] in ("T", "mT")):
             return self._permute(node, self.tensor(args[0]))  # getattr: ModernBERT's rows.T
@@ -456,13 +458,12 @@ class MaskEvaluator:
             # expand keeps dims right-aligned; new size>1 dims come from size-1 dims whose index is 0
             return type(src)(len(out_shape), *[getattr(src, f) for f in ("expr", "pred", "pieces")
                                                if hasattr(src, f)])
-        if len(in_dims) != len(out_dims):  # a split of dims (d2l's rows shaped back) is modeled, a merge not
-            split = split_reshape(self, src, in_shape, out_shape, in_dims, out_dims)
+        if len(in_dims) != len(out_dims):  # a split (d2l's rows shaped back) or a merge (heads tiled into the batch)
+            split = split_reshape(self, src, in_shape, out_shape, in_dims, out_dims) or \
+                merge_reshape(self, src, in_shape, out_shape, in_dims, out_dims)
             if split is None:
                 raise Unproven(f"{name} merges or splits mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
             return split
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
         for a, b in zip(in_dims, out_dims):
             if not statically_known_true(in_shape[a] == out_shape[b]):
                 raise Unproven(f"{name} reshapes mask dims ({tuple(in_shape)} -> {tuple(out_shape)})")
@@ -472,8 +473,6 @@ class MaskEvaluator:
     def _repeat(self, node: fx.Node, src: Abstract) -> Abstract:
         """repeat/tile that only copies size-1 dims (and adds leading dims) is an expand: value[..] = src[0..]."""
         in_shape, out_shape = _shape(node.args[0]), _shape(node)
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
         for k in range(1, len(in_shape) + 1):  # right-aligned: repeat's extra dims are leading
             if not _is_one(in_shape[-k]) and not statically_known_true(out_shape[-k] == in_shape[-k]):
                 raise Unproven(f"`{target_name(node.target)}` ({node.name}) tiles a mask dim of size "
