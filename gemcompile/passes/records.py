@@ -37,7 +37,16 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<functio
 
 
 def source_location(node: fx.Node) -> SourceLocation | None:
+    """Where the model's source made ``node``; a node a pass inserted has no trace of its own: the nearest
+    node it is computed from that has one (a view the attention rewrite added reads the model's linear)."""
     trace = node.meta.get("stack_trace")
+    frontier, seen = list(node.all_input_nodes), set()
+    while not trace and frontier and len(seen) < 64:
+        nearest = frontier.pop(0)
+        if nearest not in seen:
+            seen.add(nearest)
+            trace = nearest.meta.get("stack_trace")
+            frontier.extend(nearest.all_input_nodes)
     if not trace:
         return None
     frames = list(_FRAME.finditer(trace))
