@@ -955,6 +955,20 @@ def test_a_pairwise_mask_handed_in_names_graph_breaks_as_a_likely_source():
     assert any("both the query and the key" in r and "graph break" in r for r in reasons), reasons
 
 
+def test_a_float_mask_input_added_to_the_triangle_is_refused_for_the_float_input():
+    """T5's decoder mask as transformers 4.57 builds it, ``(causal[i, j] + attention_mask[b, j]) == 0``, given
+    a float attention_mask: the reason is the float input (not proven), not that the pairwise result it
+    became reads data at both positions."""
+    def attention(q, k, v, attention_mask):
+        causal = torch.tril(torch.ones(L, L))
+        drop = (causal[None, None] + attention_mask[:, None, None, :]) == 0
+        return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(drop, float("-inf")), dim=-1) @ v
+
+    q, k, v, lengths, _ = _inputs(sdpa_key)
+    reasons = [r.reason for r in explain(attention, q, k, v, key_mask(lengths).float()).refusals]
+    assert reasons and all(r.startswith("the mask reads the float input") for r in reasons), reasons
+
+
 def _ids_of(n):
     return (torch.arange(L)[None, :] < n[:, None]) * (torch.arange(L) % 3 + 1)
 

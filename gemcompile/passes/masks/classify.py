@@ -207,6 +207,10 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
         leaf = reads[0][1]
         names = ", ".join(sorted({r.node.name for _, r in reads}))
         why = f" ({leaf.why})" if leaf.why else ""  # the first one's: why the prover reads it as data
+        if {i, j} <= where and leaf.why and leaf.node.name in evaluator._fallback:
+            # a pairwise tensor read as data only because an op building it is not modeled: that op is why
+            raise Unproven(f"{leaf.why}; so {names} is read as data, at both the query and the key position "
+                           "(only a per-key vector (b, j) read from data is served)")
         if {i, j} <= where:
             raise Unproven(f"the mask reads {names}{why} as data at both the query and the key position: only a "
                            "per-key vector (b, j) read from data is served" + _input_hint(reads))
