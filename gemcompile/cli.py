@@ -77,6 +77,9 @@ def run_explain(args: argparse.Namespace) -> int:
             if name not in valid:
                 raise ValueError(f"{flag} {name}: unknown pass; passes: {', '.join(valid)}")
             sections[name] = {"enabled": enabled}
+    both = sorted(set(args.disable) & set(args.enable))  # the last flag silently won
+    if both:
+        raise ValueError(f"--disable {both[0]} and --enable {both[0]}: a pass is either enabled or disabled")
     if args.memory_budget is not None:
         sections["memory"] = {"budget": args.memory_budget}
     if args.fp8_saved:
@@ -159,9 +162,14 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    import torch
+
     from gemcompile.runtime.training.e2e_bench import E2EBenchConfig, available_methods, run_e2e_bench
 
     methods = available_methods() if args.methods == "all" else [m for m in args.methods.split(",") if m]
+    if args.device == "cuda" and not torch.cuda.is_available():  # else every method failed on it, exit 0
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False); "
+                         "use --device cpu")
     cfg = E2EBenchConfig(size=args.size, batch_size=args.batch_size, fill=args.fill, steps=args.steps,
                          warmup=args.warmup, methods=tuple(methods), device=args.device, dtype=args.dtype,
                          layers=args.layers, memory_snapshot=args.memory_snapshot, kernel_steps=args.kernel_steps,
@@ -182,9 +190,15 @@ def run_bench(args: argparse.Namespace) -> int:
         if path is not None:
             path.write_text(json.dumps(payload, indent=1))
 
-    write(run_e2e_bench(cfg, on_progress=write))
+    payload = run_e2e_bench(cfg, on_progress=write)
+    write(payload)
     if path is not None:
         print(f"results in {path}")
+    failed = [r["method"] for r in payload["results"] if "error" in r]
+    if len(failed) == len(payload["results"]):  # nothing measured: not a success (each error is above)
+        print(f"gemcompile bench: error: every method failed: {', '.join(failed)} (each error is above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

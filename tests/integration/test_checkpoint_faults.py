@@ -30,7 +30,7 @@ import gemcompile.runtime.training.train as train_module
 from gemcompile.cli import main
 from gemcompile.runtime.training.checkpoint import checkpoint_path, choose_checkpoint
 from gemcompile.runtime.training.checkpoint_files import KILL_ENV, MANIFEST
-from gemcompile.runtime.training.checkpoint_owner import LOCK_FILE, RUN_FILE, DirectoryInUse, run_id
+from gemcompile.runtime.training.checkpoint_owner import LOCK_FILE, RUN_FILE, DirectoryInUse, name_run, run_id
 from gemcompile.runtime.training.config import TrainConfig
 from gemcompile.runtime.training.train import train
 from tests.integration.torchrun import torchrun
@@ -309,6 +309,29 @@ def test_a_fresh_run_resumes_its_own_steps_not_an_earlier_runs_later_ones(refere
         assert (f"skipping checkpoint {checkpoint_path(tmp_path, step)}: written by an earlier run in this "
                 "directory") in err
     assert choose_checkpoint(tmp_path, run_id(tmp_path)).path == checkpoint_path(tmp_path, 4)
+
+
+def test_resume_never_trains_from_step_0_over_an_earlier_runs_checkpoints(reference, tmp_path, capsys):
+    """A run saved steps 2 and 4; a fresh run in its directory was killed before it saved: it never named
+    itself in run.json, so --resume continues the earlier run. Where run.json names a run without
+    checkpoints there (killed between naming itself and its first save), --resume stops and says how to
+    go on; it said "starting from step 0" and replaced the earlier run's step 4 with its own."""
+    losses, saved = reference
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    _killed(_cfg(tmp_path), "step:1")
+    resumed = train(_cfg(tmp_path, resume=True))
+    assert resumed.start_step == STEPS and resumed.losses == losses
+    name_run(tmp_path, "a-run-killed-before-its-first-checkpoint")
+    step_4 = (checkpoint_path(tmp_path, 4) / MANIFEST).read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--size", "tiny", "--batch-size", str(BATCH), "--steps", "6", "--save-every", "2",
+                 "--checkpoint-dir", str(tmp_path), "--resume", "--quiet"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"gemcompile train: error: cannot resume: the 2 checkpoint(s) in {tmp_path} "
+                            f"(newest {checkpoint_path(tmp_path, 4)}) are an earlier run's")
+    assert f"remove {tmp_path / RUN_FILE} and --resume again" in error and "without --resume" in error
+    assert (checkpoint_path(tmp_path, 4) / MANIFEST).read_bytes() == step_4
+    assert _entries(tmp_path) == ["step_00000002", "step_00000004"]
 
 
 def test_a_second_run_on_a_directory_in_use_stops_before_touching_it(tmp_path):

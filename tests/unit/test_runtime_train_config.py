@@ -46,6 +46,7 @@ def test_defaults():
         ("fill", 0, r"TrainConfig.fill = 0"),
         ("length_dist", "zipf", r"TrainConfig.length_dist = 'zipf'"),
         ("seed", -1, r"TrainConfig.seed = -1"),
+        ("seed", 2**63, r"TrainConfig.seed = 9223372036854775808 is invalid: expected an int in \[0, 2"),
         ("log_every", 0, r"TrainConfig.log_every = 0"),
         ("resume", "yes", r"TrainConfig.resume = 'yes' is invalid: expected a bool"),
     ],
@@ -181,3 +182,22 @@ def test_errors_every_rank_finds_alike_are_said_once_under_torchrun(rank, printe
     for error in (config_error.value, plan_error.value):
         assert report_error("train", error, debug=False) == 2
         assert bool(capsys.readouterr().err) == printed
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_torchrun_without_parallel_is_refused(rank, printed, monkeypatch, capsys):
+    """torchrun started two processes without --parallel: each trained the whole model alone, and with a
+    checkpoint directory rank 1 stopped on rank 0's lock ("another run is writing checkpoints")."""
+    from gemcompile.runtime.training.flags import run_train_from_args
+
+    parser = add_train_arguments(argparse.ArgumentParser())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    assert run_train_from_args(parser.parse_args(["--steps", "1", "--checkpoint-dir", "unused"])) == 2
+    err = capsys.readouterr().err
+    expected = ("gemcompile train: error: WORLD_SIZE=2: 2 processes were started (torchrun) but --parallel "
+                "is not given, so each would train the whole model alone; pass --parallel, or run one "
+                "process\n")
+    assert err == (expected if printed else "")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no --parallel needed
+    assert config_from_args(parser.parse_args([])) == TrainConfig()

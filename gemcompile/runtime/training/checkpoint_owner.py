@@ -4,12 +4,14 @@
   end (the operating system drops it when the process dies, so a killed run never leaves it held). A
   second run pointed at the same directory stops at once with a message instead of deleting the first
   one's half-written folders (``remove_leftovers``) and swapping its steps for its own.
-* **One run's checkpoints.** A fresh run writes a new id into ``<dir>/run.json``; a resumed run keeps the
-  id there (without ``run.json``, checkpoints copied in or written before ids: any checkpoint, and the run
-  takes the id of the one it resumes). Every checkpoint records the id of the run that wrote it, and
-  --resume takes only checkpoints of the id in ``run.json`` (or of none). A fresh run started in a
-  directory where an earlier run saved later steps therefore resumes from its own newest step, not the
-  earlier run's.
+* **One run's checkpoints.** A fresh run writes a new id into ``<dir>/run.json`` before its first
+  checkpoint; a resumed run keeps the id there (without ``run.json``, checkpoints copied in or written
+  before ids: any checkpoint, and the run takes the id of the one it resumes). Every checkpoint records the
+  id of the run that wrote it, and --resume takes only checkpoints of the id in ``run.json`` (or of none).
+  A fresh run started in a directory where an earlier run saved later steps therefore resumes from its own
+  newest step, not the earlier run's; one killed before it saved never named itself, so --resume continues
+  the earlier run. Where ``run.json`` names a run with no checkpoint there and only an earlier run's are
+  left, --resume stops and says so instead of training from step 0 over them.
 """
 
 from __future__ import annotations
@@ -53,9 +55,13 @@ def claim(checkpoint_dir: str | Path) -> str | None:
     return run_id(root)
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
 def name_run(checkpoint_dir: str | Path, run: str | None) -> str:
     """Write ``run`` (a new id when None) into ``run.json``, atomically; returns it."""
-    run = run or uuid.uuid4().hex
+    run = run or new_run_id()
     root = Path(checkpoint_dir)
     if run_id(root) != run:
         tmp = root / f".{RUN_FILE}.tmp"

@@ -101,7 +101,8 @@ class TrainConfig:
 
     resume: bool = False
     """Continue from the newest checkpoint in checkpoint_dir that verifies against its manifest (from step
-    0 if there is none; an error if there are checkpoints and none verifies)."""
+    0 if there is none; an error if there are checkpoints and none verifies, or all are an earlier run's:
+    checkpoint_owner.py)."""
 
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) for the run (restored afterwards). Needed for bit-exact
@@ -183,7 +184,8 @@ class TrainConfig:
         check(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         check(_is_number(self.fill) and 0.0 < self.fill <= 1.0, "fill", "a float in (0, 1]")
         check(self.length_dist in LENGTH_DISTS, "length_dist", f"one of {', '.join(LENGTH_DISTS)}")
-        check(_is_int(self.seed) and self.seed >= 0, "seed", "an int >= 0")
+        # torch seeds with a signed 64-bit int: 2**64 stopped the run with "Overflow when unpacking long long"
+        check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an int in [0, 2**63)")
         check(_is_int(self.log_every) and self.log_every >= 1, "log_every", "an int >= 1")
         check(
             self.checkpoint_dir is None

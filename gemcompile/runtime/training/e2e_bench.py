@@ -233,21 +233,23 @@ class E2EBenchConfig:
     """Free-form notes copied into the results."""
 
     def __post_init__(self) -> None:
-        if self.warmup < 2:
-            raise ValueError(f"E2EBenchConfig.warmup = {self.warmup}: need >= 2 (two batch shapes settle "
-                             "dynamic shapes)")
-        if self.steps < 1:
-            raise ValueError(f"E2EBenchConfig.steps = {self.steps}: need >= 1")
-        if self.kernel_steps < 0 or self.host_profile_steps < 0:
-            raise ValueError(f"E2EBenchConfig: kernel_steps = {self.kernel_steps}, host_profile_steps = "
-                             f"{self.host_profile_steps}: need >= 0")
-        if not 0.0 < self.fill <= 1.0:
-            raise ValueError(f"E2EBenchConfig.fill = {self.fill}: need a float in (0, 1]")
+        for wrong, problem in (
+            (self.warmup < 2, f"warmup = {self.warmup}: need >= 2 (two batch shapes settle dynamic shapes)"),
+            (self.steps < 1, f"steps = {self.steps}: need >= 1"),
+            # 0 ran the size's default and the results said 0 (train refuses it too)
+            (self.batch_size is not None and self.batch_size < 1,
+             f"batch_size = {self.batch_size}: need >= 1 (or None: the size's)"),
+            (self.kernel_steps < 0 or self.host_profile_steps < 0, f"kernel_steps = {self.kernel_steps}, "
+             f"host_profile_steps = {self.host_profile_steps}: need >= 0"),
+            (not 0.0 < self.fill <= 1.0, f"fill = {self.fill}: need a float in (0, 1]"),
+            (not 0 <= self.seed < 2**63, f"seed = {self.seed}: need an int in [0, 2**63)"),  # torch's int64
+            (not self.methods, "methods is empty: name at least one (e.g. --methods eager)"),
+            (self.dtype not in ("bfloat16", "float32"), f"dtype = {self.dtype!r}: need bfloat16 or float32")):
+            if wrong:
+                raise ValueError(f"E2EBenchConfig.{problem}")
         unknown = unknown_methods(self.methods)
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; known: {methods_help()}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"E2EBenchConfig.dtype = {self.dtype!r}: need bfloat16 or float32")
 
 
 def unknown_methods(methods) -> list[str]:
@@ -676,9 +678,7 @@ def _payload(cfg: E2EBenchConfig, results: list[dict]) -> dict[str, Any]:
             both = r.get("ne_meaningful", True) and eager.get("ne_meaningful", True)
             gaps = [abs(a - b) / abs(b) for a, b in zip(r["ne"], eager["ne"]) if b] if both else []
             r["ne_rel_diff_vs_eager"] = max(gaps) if gaps else None
-    batch_size = cfg.batch_size
-    if batch_size is None:
-        batch_size = DEFAULT_BATCH_SIZE[cfg.size]
+    batch_size = cfg.batch_size or DEFAULT_BATCH_SIZE[cfg.size]  # the one _MethodRun.start trains with
     return {
         "benchmark": "e2e",
         "environment": results_environment(),  # the one results writer's block (GPU, versions, commit, command)

@@ -201,5 +201,18 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig | None
         given += ["collective_timeout"] if timeout is not None else []
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --parallel")
+        _check_one_process()
         return None
     return ParallelConfig(enabled=True, embedding_sharding=sharding, collective_timeout_s=timeout, **sizes)
+
+
+def _check_one_process() -> None:
+    """Without --parallel, one process trains: under torchrun each rank trained the whole model alone, and
+    with a checkpoint directory all but one stopped on its lock ("another run is writing checkpoints")."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        error = ValueError(f"WORLD_SIZE={world}: {world} processes were started (torchrun) but --parallel "
+                           "is not given, so each would train the whole model alone; pass --parallel, or run "
+                           "one process")
+        error.same_on_every_rank = True  # every rank finds it: said once
+        raise error

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,6 +169,8 @@ class _TrainingRun:
     """With cfg.resume: the checkpoint chosen (and checked against cfg) before the model was built."""
     run_id: str | None = None
     """The id every checkpoint of this run records (checkpoint_owner.py); None without a directory."""
+    named: bool = False
+    """Whether run.json names run_id yet (written before the run's first checkpoint)."""
     runner: Any = None
     """The model as the loop calls it (compiled or not)."""
     start_step: int = 0
@@ -204,7 +207,9 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
             resume_from = _choose_resume_point(cfg, named)
             resumed = resume_from.meta["extra"].get("run") if resume_from.path is not None else None
             run_id = named or resumed
-        run_id = on_rank0(lambda: checkpoint_owner.name_run(cfg.checkpoint_dir, run_id))
+        # run.json names the run at its first save (_save), not here: a fresh run killed before it saved
+        # leaves --resume to the run whose checkpoints the directory holds
+        run_id = on_rank0(lambda: run_id or checkpoint_owner.new_run_id())
     device = torch.device(cfg.device) if parallel is None else parallel.device
     torch.manual_seed(cfg.seed)
     model = GemRef(model_cfg).to(device)
@@ -224,14 +229,20 @@ def _start(cfg: TrainConfig) -> _TrainingRun:
 def _choose_resume_point(cfg: TrainConfig, run_id: str | None) -> CheckpointChoice:
     """The newest checkpoint of cfg.checkpoint_dir that verifies and belongs to this run (rank 0 verifies,
     every rank takes its answer), each newer one that does not reported in one line on stderr; a
-    checkpoint written under other trajectory settings refused, all before any model state is built or
-    loaded."""
+    checkpoint written under other trajectory settings refused, and so is a directory whose only
+    checkpoints are an earlier run's, all before any model state is built or loaded."""
     choice = on_rank0(lambda: choose_checkpoint(cfg.checkpoint_dir, run_id))
     for line in choice.skipped if _is_rank0() else ():  # on stderr even when quiet: never silent
         print(f"gemcompile: skipping checkpoint {line}", file=sys.stderr, flush=True)
     for path in choice.other_runs if _is_rank0() else ():
         print(f"gemcompile: skipping checkpoint {path}: written by an earlier run in this directory "
               f"(not the one {checkpoint_owner.RUN_FILE} names)", file=sys.stderr, flush=True)
+    if choice.path is None and choice.other_runs:  # never start over on checkpoints another run wrote
+        others, run_file = choice.other_runs, Path(cfg.checkpoint_dir) / checkpoint_owner.RUN_FILE
+        _fail_everywhere(f"cannot resume: the {len(others)} checkpoint(s) in {cfg.checkpoint_dir} (newest "
+                         f"{others[0]}) are an earlier run's, not the one {run_file} names, which has "
+                         f"none; to continue the earlier run remove {run_file} and --resume again, to "
+                         "start over (replacing them) run without --resume")
     if choice.path is None and choice.skipped:
         _fail_everywhere(f"cannot resume: none of the {len(choice.skipped)} checkpoints in "
                          f"{cfg.checkpoint_dir} verifies (each is reported above)")
@@ -362,6 +373,9 @@ def _record_step(run: _TrainingRun, step: int, cpu_batch: GemBatch, batch: GemBa
 
 
 def _save(run: _TrainingRun, step: int) -> None:
+    if not run.named:  # before the checkpoint: one that records this run is never left unnamed in run.json
+        on_rank0(lambda: checkpoint_owner.name_run(run.cfg.checkpoint_dir, run.run_id))
+        run.named = True
     extra = {
         "run": run.run_id,
         "config": run.cfg.trajectory_fingerprint(),
