@@ -367,3 +367,21 @@ def test_a_mask_tiled_over_the_heads_and_viewed_back_is_each_samples_mask(how):
     out, ref = rewritten(model)(x, lengths), model(x, lengths)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+
+
+def test_mha_mask_inverted_after_tiling_names_the_op_and_equals_eager():
+    """nn.MultiheadAttention given ``~(keep tiled over the heads)``: the op after the tiling is named in the
+    refusal (only the tiling itself is read per sample), and the module runs as written."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(4, L, E, generator=torch.Generator().manual_seed(5))
+    i = torch.arange(L)
+
+    def attend(x, lengths):
+        keep = (i[None, None, :] < lengths[:, None, None]) | (i[:, None] == i[None, :])
+        drop = ~keep.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)
+        return mha(x, x, x, attn_mask=drop, need_weights=False)[0]
+
+    report = explain(attend, x, LENGTHS)
+    assert report.counts["jagged_attention"] == 0
+    assert any("of the mask tiled over the heads" in r.reason for r in report.refusals), report.refusals
+    torch.testing.assert_close(rewritten(attend)(x, LENGTHS), attend(x, LENGTHS), atol=2e-5, rtol=1e-4)

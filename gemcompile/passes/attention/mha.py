@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from gemcompile.passes.attention.match import AttentionSite, MaskTerm
 from gemcompile.passes.attention.scores import is_call
-from gemcompile.passes.graph import Unproven, example_value
+from gemcompile.passes.graph import Unproven, example_value, target_name
 
 
 _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
@@ -88,6 +88,11 @@ def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, i
         dim = mask.kwargs.get("dim", mask.args[2] if len(mask.args) > 2 else None)
         if repeats == heads and dim == 0:
             return source, {0: 0, 1: 1, 2: 3}  # right-aligned dims: (B, L, S) -> b, i, j of the scores
+    tiled = source if is_call(source, "flatten", "view", "reshape", "repeat_interleave") else None
+    if tiled is not None and example_value(tiled).shape == example_value(mask).shape:  # ~tiled, 1 - tiled.float()
+        raise Unproven(f"MultiheadAttention's per-head (3-D) attn_mask is `{target_name(mask)}` ({mask.name}) of "
+                       f"the mask tiled over the heads ({tiled.name}): only the tiling itself is read per sample "
+                       "(apply the op before tiling)")
     raise Unproven("MultiheadAttention with a per-head (3-D) attn_mask that is not a per-sample mask "
                    "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0)) or one "
                    "mask for all (expand or repeat of a (1, L, S) or (L, S) mask)")
