@@ -491,3 +491,27 @@ def test_hstu_distance_made_absolute_by_a_near_miss_where_is_not_a_two_sided_win
     out, ref = gem_compile(near_miss)(q, k, v, lengths, extra), near_miss(q, k, v, lengths, extra)
     used = _used("near_miss", ref, lengths)
     torch.testing.assert_close(torch.where(used, out, 0), torch.where(used, ref, 0), atol=2e-5, rtol=1e-4)
+
+
+def test_hstu_targets_with_a_window_stop_on_a_negative_target_count():
+    """HSTU's target mask with a window (max_attn_len) and a key-padding term, every row returned: the kernels'
+    tile ranges with a window assume target counts >= 0 (a negative one gave the padded rows other values):
+    checked on the device, so a negative count stops the run; counts >= 0 (larger than the length too) equal
+    eager on every row."""
+    def attention(q, k, v, n, x):
+        ids = torch.clamp(torch.arange(L).view(1, L), max=(n - x["targets"]).view(-1, 1, 1))
+        dist = ids.view(-1, L, 1) - ids.view(-1, 1, L)
+        keep = (torch.eye(L, dtype=torch.bool) | (dist > 0)) & (dist <= 3) & valid(n)[:, None, :]
+        return (F.silu(q @ k.transpose(-2, -1) * 0.25) / L * keep[:, None]) @ v
+
+    q, k, v, lengths, extra = _inputs()
+    report = explain(attention, q, k, v, lengths, extra)
+    assert report.counts["gdpa"] == 1, [r.reason for r in report.refusals]
+    compiled = gem_compile(attention)
+    for targets in ([2, 1, 1, 0], [0, 9, 1, 0]):
+        extra["targets"] = torch.tensor(targets)
+        torch.testing.assert_close(compiled(q, k, v, lengths, extra), attention(q, k, v, lengths, extra),
+                                   atol=2e-5, rtol=1e-4)
+    extra["targets"] = torch.tensor([2, -1, 1, 0])
+    with pytest.raises(Exception, match="negative target count"):
+        compiled(q, k, v, lengths, extra)

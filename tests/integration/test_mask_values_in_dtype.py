@@ -22,6 +22,11 @@ SPELLINGS = {
     "bitwise_not_long": lambda m: torch.bitwise_not((~m).long()).bool(),
     "bitwise_and_long": lambda m: ((m.long() * 2) & m.long()).bool(),  # 2 & 1 = 0
     "bitwise_xor_uint8": lambda m: (m.to(torch.uint8) ^ 1).bool(),  # the padding, kept as an integer op
+    # an integer where stores its values in its dtype (uint8: -1 is 255; int8: 200 is -56), and a 0-d tensor
+    # compared with a uint8 one is cast to uint8 first (260 is 4): every key kept, or keys 0..3 only
+    "where_uint8_wraps": lambda m: torch.where(m, torch.arange(L, dtype=torch.uint8), torch.tensor(-1)) < 100,
+    "where_int8_wraps": lambda m: torch.where(m, torch.arange(L, dtype=torch.int8), torch.tensor(200)) >= 0,
+    "compare_0d_uint8": lambda m: m & (torch.arange(L, dtype=torch.uint8) < torch.tensor(260)),
     # the same spellings where the values survive: still the lengths mask
     "exact_fp32": lambda m: (m.float() + 1e3 - 1e3) != 0,
     "invert_bool": lambda m: ~~m,

@@ -377,14 +377,15 @@ def test_hstu_as_generative_recommenders_writes_it_with_fbgemm_padding_and_packi
         torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
 
 
-def test_hstu_contextual_mask_with_targets_stops_on_a_negative_target_count():
+@pytest.mark.parametrize("visibility", [{"contextual": 3}, {"max_attn_len": 3}])
+def test_hstu_mask_with_targets_stops_on_a_negative_target_count(visibility):
     """With a contextual prefix and targets, upstream's mask equals HSTU's on the kept rows only for target
-    counts >= 0 (a negative count lets the prefix see padded keys): the proof assumes it and the rewrite checks
-    it on the device at every call, so a negative count stops the run with the reason instead of a mask the
-    model did not mean."""
+    counts >= 0 (a negative count lets the prefix see padded keys); with a window the kernels' tile ranges
+    assume it: the rewrite checks it on the device at every call, so a negative count stops the run with the
+    reason instead of a mask the model did not mean."""
     fbgemm_standin.ensure()
     torch.manual_seed(0)
-    model = HstuUpstreamStyle(H, D, max_len=L, contextual=3)
+    model = HstuUpstreamStyle(H, D, max_len=L, **visibility)
     lengths = torch.tensor([L, 5, 0, 9])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = torch.randn(int(lengths.sum()), H * D)

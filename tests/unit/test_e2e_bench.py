@@ -238,11 +238,15 @@ def test_a_memory_snapshot_on_the_cpu_is_none_and_runs_no_extra_step(monkeypatch
     assert E2EBenchConfig().memory_snapshot is False
 
 
+_MEASURED = {"results": [{"method": "eager"}]}
+"""What a stubbed run_e2e_bench returns: one method measured (a run where every method failed exits 1)."""
+
+
 def test_cli_memory_snapshot_flag_reaches_the_config(monkeypatch):
     from gemcompile.cli import main
 
     seen = []
-    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or {})
+    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or _MEASURED)
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu", "--memory-snapshot"]) == 0
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu"]) == 0
     assert [cfg.memory_snapshot for cfg in seen] == [True, False]
@@ -252,7 +256,7 @@ def test_cli_kernel_steps_reach_the_config(monkeypatch):
     from gemcompile.cli import main
 
     seen = []
-    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or {})
+    monkeypatch.setattr(e2e_bench, "run_e2e_bench", lambda cfg, on_progress=None: seen.append(cfg) or _MEASURED)
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu", "--kernel-steps", "0"]) == 0
     assert main(["bench", "e2e", "--methods", "eager", "--device", "cpu"]) == 0
     assert [cfg.kernel_steps for cfg in seen] == [0, 3]

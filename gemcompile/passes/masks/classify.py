@@ -28,7 +28,7 @@ from torch import fx
 from gemcompile.passes.graph import Unproven, input_hint
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
 from gemcompile.passes.masks.model import AttentionMask, KeyVector
-from gemcompile.passes.masks.prover import decided_by_index_ranges, equivalent, render
+from gemcompile.passes.masks.prover import TRUTH_TABLE_ATOMS, decided_by_index_ranges, equivalent, render
 from gemcompile.passes.masks.terms import block_atoms, check_constant_windows, length_atoms, window_atoms
 
 LENGTH_MASKS = "(key index < lengths) [and query index < lengths] [and causal]"
@@ -336,7 +336,11 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMa
             visible = hstu_visible(evaluator, i, j, n, t, contextual, window)
             for q in [None, *[x for x in queries if x[0] is kv_node and x[1] == 0]]:
                 candidate = sympy.And(kv_atom, visible, *([q[2]] if q else []))
+                if window and not _by_truth_table(keep, candidate):
+                    continue
                 if equivalent(evaluator, keep, candidate):
+                    if t_node is not None and window:  # the kernels' tile ranges with a window assume t >= 0
+                        evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
                     return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
                                          num_targets=t_node, contextual_len=contextual, window=window or None)
     # no padding term on the rows (a contextual term may still compare j with n): rows i >= n dropped after?
@@ -358,8 +362,10 @@ def _hstu_without_padding(evaluator: MaskEvaluator, keep, options) -> AttentionM
                 continue  # plain causal [and window] reads no lengths
             visible = hstu_visible(evaluator, i, j, n, t, contextual, window)
             lhs, rhs = sympy.And(keep, rows), sympy.And(visible, evaluator.atoms.compare("lt", j, n), rows)
+            if window and not _by_truth_table(lhs, rhs):
+                continue
             if not equivalent(evaluator, lhs, rhs):
-                if t is None or not contextual:
+                if t is None or not contextual or not _by_truth_table(lhs, rhs, 1):
                     continue
                 # with a contextual prefix, negative target counts let the prefix see padded keys: assume
                 # t >= 0 (what HSTU's data holds) and check it on the device at every call
@@ -367,14 +373,24 @@ def _hstu_without_padding(evaluator: MaskEvaluator, keep, options) -> AttentionM
                 if not equivalent(evaluator, sympy.And(lhs, at_least_zero), sympy.And(rhs, at_least_zero)):
                     continue
                 evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
+            elif t is not None and window:  # the kernels' tile ranges with a window assume t >= 0
+                evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
             return AttentionMask(kv_lengths=n_node, causal=True, num_targets=t_node, contextual_len=contextual,
                                  window=window or None, rows_dropped_after=True)
     return None
 
 
+def _by_truth_table(keep, candidate, extra: int = 0) -> bool:
+    """Whether the prover decides the pair by its truth table: the windows and assumptions HSTU's search adds
+    are tried only then (past it sympy's SAT took minutes on a prefix, targets and a window together)."""
+    return len(keep.free_symbols | candidate.free_symbols) + extra <= TRUTH_TABLE_ATOMS
+
+
 def _emit_nonnegative_check(emit, node: fx.Node) -> None:
-    """A device-side assert (no host sync) that target counts are >= 0, which the contextual mask's proof
-    assumed: the run stops with this message instead of computing a mask the model did not mean."""
+    """A device-side assert (no host sync) that target counts are >= 0, which the rewrite of HSTU's mask with a
+    contextual prefix or a window assumed: the run stops with this message instead of computing a mask the
+    model did not mean."""
     ok = emit.call(torch.all, (emit.call(operator.ge, (node, 0)),))
     emit.call(torch._assert_async, (ok, f"gemcompile: {node.name} holds a negative target count; the attention "
-                                        "rewrite of HSTU's contextual mask assumed counts >= 0"))
+                                        "rewrite of HSTU's mask with a contextual prefix or a window assumed "
+                                        "counts >= 0"))

@@ -588,8 +588,14 @@ class MaskEvaluator:
             px = self._pred(node.args[1]) if isinstance(node.args[1], fx.Node) else sympy.true if x else sympy.false
             py = self._pred(node.args[2]) if isinstance(node.args[2], fx.Node) else sympy.true if y else sympy.false
             return BoolTensor(ndim, simplify_pred(sympy.Or(sympy.And(cond, px), sympy.And(sympy.Not(cond), py))))
-        if example_value(node).dtype in _INT_DTYPES and (isinstance(x, IntTensor) or isinstance(y, IntTensor)):
-            return IntTensor(ndim, select(self.atoms, cond, self._int_expr(node.args[1]), self._int_expr(node.args[2])))
+        dtype = example_value(node).dtype
+        if dtype in _INT_DTYPES and (isinstance(x, IntTensor) or isinstance(y, IntTensor)):
+            check_no_wrap(dtype)  # a uint8 where stores -1 as 255: the prover's integers do not wrap
+            ex, ey = self._int_expr(node.args[1]), self._int_expr(node.args[2])
+            info = torch.iinfo(dtype)
+            if any(e.is_number and not info.min <= int(e) <= info.max for e in (ex, ey)):
+                raise Unproven(f"an integer where in {dtype} holding a constant outside its range")
+            return IntTensor(ndim, select(self.atoms, cond, ex, ey))
         pieces = [(v, sympy.And(cond, c)) for v, c in self._as_pieces(x, ndim)]
         pieces += [(v, sympy.And(sympy.Not(cond), c)) for v, c in self._as_pieces(y, ndim)]
         return piecewise(ndim, pieces)

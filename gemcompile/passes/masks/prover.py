@@ -110,7 +110,7 @@ def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> b
         return False
     axioms = _order_axioms(evaluator, sympy.And(keep, candidate))
     atoms = sorted(sympy.And(keep, candidate).free_symbols, key=str)
-    if len(atoms) > 20:
+    if len(atoms) > TRUTH_TABLE_ATOMS:
         return not satisfiable(sympy.And(axioms, sympy.Xor(keep, candidate)))
     # few atoms: a truth table is far faster than sympy's CNF conversion of the Xor of two formulas
     differs = sympy.lambdify(atoms, sympy.Xor(keep, candidate), "math")
@@ -126,6 +126,9 @@ def equivalent(evaluator: MaskEvaluator, keep: Boolean, candidate: Boolean) -> b
     exprs = [evaluator.atoms.expr_of[a] for a in atoms]
     return not any(feasible([(kind, e, bit) for (kind, e), bit in zip(exprs, bits)], indices) for bits in rows)
 
+
+TRUTH_TABLE_ATOMS = 20
+"""The most comparisons a formula pair is decided for by a truth table; past it, sympy's SAT (slow on big formulas)."""
 
 _LINEAR_ROWS = 1024
 """The most differing truth-table rows checked by linear arithmetic (each a Fourier-Motzkin run)."""

@@ -177,6 +177,12 @@ def check_constant_fits(a, b) -> None:
     prover's unbounded comparison does not model."""
     for tensor, number in ((a, b), (b, a)):
         value = example_value(tensor) if isinstance(tensor, fx.Node) else None
+        scalar = example_value(number) if isinstance(number, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(scalar, torch.Tensor) \
+                and scalar.dim() == 0 and _wider_int(scalar.dtype, value.dtype):
+            # a 0-d tensor takes the dimensioned one's dtype too (uint8 < tensor(260) compares with 4)
+            raise Unproven(f"{tensor.name} ({value.dtype}) is compared with a 0-d {scalar.dtype} tensor: torch "
+                           "casts it to that dtype first, wrapping values outside its range")
         if not isinstance(value, torch.Tensor) or isinstance(number, (fx.Node, bool)):
             continue
         if isinstance(number, int) and not value.is_floating_point() and value.dtype != torch.bool:  # a float
@@ -186,6 +192,14 @@ def check_constant_fits(a, b) -> None:
                 raise Unproven(f"{tensor.name} ({value.dtype}) is compared with {number!r}, outside its range: "
                                "torch casts the number to that dtype first, wrapping it")
 
+
+
+def _wider_int(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether integer dtype ``wide`` holds values integer dtype ``narrow`` does not."""
+    if wide.is_floating_point or narrow.is_floating_point or torch.bool in (wide, narrow):
+        return False
+    w, n = torch.iinfo(wide), torch.iinfo(narrow)
+    return w.min < n.min or w.max > n.max
 
 
 def stored_as(value, dtype: torch.dtype):
