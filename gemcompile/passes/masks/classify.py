@@ -344,7 +344,11 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMa
                     return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
                                          num_targets=t_node, contextual_len=contextual, window=window or None)
     # no padding term on the rows (a contextual term may still compare j with n): rows i >= n dropped after?
-    return _hstu_without_padding(evaluator, keep, options)
+    # HSTU's masks keep the diagonal (eye | ...): without a key term or that, none of its visibilities
+    diagonal = next(iter(evaluator.atoms.compare("eq", i, j).free_symbols))
+    if not keys or diagonal in keep.free_symbols:
+        return _hstu_without_padding(evaluator, keep, options)
+    return None
 
 
 def _hstu_without_padding(evaluator: MaskEvaluator, keep, options) -> AttentionMask | None:
