@@ -207,7 +207,7 @@ def check_data_positions(evaluator: MaskEvaluator, comparisons) -> None:
         leaf = reads[0][1]
         names = ", ".join(sorted({r.node.name for _, r in reads}))
         why = f" ({leaf.why})" if leaf.why else ""  # the first one's: why the prover reads it as data
-        if {i, j} <= where and leaf.why and leaf.node.name in evaluator._fallback:
+        if {i, j} <= where and leaf.why and leaf.node.name in evaluator.fallback:
             # a pairwise tensor read as data only because an op building it is not modeled: that op is why
             raise Unproven(f"{leaf.why}; so {names} is read as data, at both the query and the key position "
                            "(only a per-key vector (b, j) read from data is served)")
@@ -340,7 +340,7 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMa
                     continue
                 if equivalent(evaluator, keep, candidate):
                     if t_node is not None and window:  # the kernels' tile ranges with a window assume t >= 0
-                        evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
+                        _require_nonnegative(evaluator, t_node)
                     return AttentionMask(kv_lengths=kv_node, q_lengths=q[0] if q else None, causal=True,
                                          num_targets=t_node, contextual_len=contextual, window=window or None)
     # no padding term on the rows (a contextual term may still compare j with n): rows i >= n dropped after?
@@ -376,9 +376,9 @@ def _hstu_without_padding(evaluator: MaskEvaluator, keep, options) -> AttentionM
                 at_least_zero = evaluator.atoms.compare("ge", t, 0)
                 if not equivalent(evaluator, sympy.And(lhs, at_least_zero), sympy.And(rhs, at_least_zero)):
                     continue
-                evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
+                _require_nonnegative(evaluator, t_node)
             elif t is not None and window:  # the kernels' tile ranges with a window assume t >= 0
-                evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=t_node))
+                _require_nonnegative(evaluator, t_node)
             return AttentionMask(kv_lengths=n_node, causal=True, num_targets=t_node, contextual_len=contextual,
                                  window=window or None, rows_dropped_after=True)
     return None
@@ -388,6 +388,13 @@ def _by_truth_table(keep, candidate, extra: int = 0) -> bool:
     """Whether the prover decides the pair by its truth table: the windows and assumptions HSTU's search adds
     are tried only then (past it sympy's SAT took minutes on a prefix, targets and a window together)."""
     return len(keep.free_symbols | candidate.free_symbols) + extra <= TRUTH_TABLE_ATOMS
+
+
+def _require_nonnegative(evaluator: MaskEvaluator, node: fx.Node) -> None:
+    """Ask the rewrite for the device check that ``node``'s target counts are >= 0, once per mask."""
+    if not any(getattr(c, "func", None) is _emit_nonnegative_check and c.keywords["node"] is node
+               for c in evaluator.checks):
+        evaluator.checks.append(functools.partial(_emit_nonnegative_check, node=node))
 
 
 def _emit_nonnegative_check(emit, node: fx.Node) -> None:

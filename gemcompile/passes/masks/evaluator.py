@@ -112,7 +112,7 @@ class MaskEvaluator:
         self.fills: set[float] = set()  # the values an additive mask drops scores with
         self.why: dict[str, str] = {}  # why a lengths leaf is opaque, for refusals
         self._memo: dict[fx.Node, Abstract] = {}
-        self._fallback: set[str] = set()  # names of nodes that are leaves because their op is not modeled
+        self.fallback: set[str] = set()  # names of nodes that are leaves because their op is not modeled
 
     # -- helpers ---------------------------------------------------------------------------------
     def _scalar(self, x) -> sympy.Expr | float | bool:
@@ -213,12 +213,12 @@ class MaskEvaluator:
                 value.dtype in _INT_DTYPES or value.dtype == torch.bool):
             raise error
         leaf = self._leaf(node, why=str(error))
-        self._fallback.add(node.name)
+        self.fallback.add(node.name)
         return leaf
 
     def _from_fallback(self, expr) -> bool:
         """Whether expr reads a tensor that became a leaf only because its op is not modeled."""
-        return any(f.func.__name__[4:] in self._fallback for f in sympy.sympify(expr).atoms(sympy.Function))
+        return any(f.func.__name__[4:] in self.fallback for f in sympy.sympify(expr).atoms(sympy.Function))
 
     def tensor(self, x: Any) -> Abstract:
         v = self.evaluate(x)
