@@ -75,6 +75,7 @@ from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, 
                                                pack_attentions)
 from gemcompile.passes.unpad_masks import RowMask, find_row_masks, keys_within, vector_leaves
 from gemcompile.passes.unpad_row_reads import pack_row_reads
+from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 from gemcompile.env import env_flag
 from gemcompile.passes.masks.mutation import in_place_update
@@ -363,6 +364,7 @@ class UnpadPass(GemPass):
             self.refused(node, reason)
         if not masks:
             return
+        slice_feature_splits(graph, [(m.batch, m.seq) for m in masks.values()], keep=masks)
         # (lengths, offset, padded length) or the token vector's id -> the index nodes of a region already
         # packed: every region over the same rows reuses them (one valid_token_index or valid_mask_index,
         # i.e. one host read of T, per lengths or vector per step)

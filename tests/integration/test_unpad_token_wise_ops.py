@@ -34,7 +34,16 @@ OPS = {
     "view_of_sizes": (lambda h: h.view(h.size(0), h.size(1), 2, 4).flatten(2), "view"),
     "view_size_tuple": (lambda h: h.view(h.size()[:-1] + (4, 2)).sum(-1).repeat_interleave(2, -1), "view"),
     "reshape_minus_one": (lambda h: torch.reshape(h, (B, N, -1, 4)).flatten(2), "reshape"),
+    # pieces of a fused projection (unpad_splits.py: written as the slices they are)
+    "split_fused_qkv": (lambda h: (lambda q, k, v: q * k + v)(*torch.cat([h, 2 * h, -h], -1).split(D, dim=-1)),
+                        "getitem"),
+    "split_sizes_list": (lambda h: torch.cat(h.split([5, 3], dim=2)[::-1], dim=-1), "getitem"),
+    "chunk_uneven": (lambda h: torch.cat(h.chunk(3, dim=-1)[::-1], dim=-1), "getitem"),
+    "tensor_split_indices": (lambda h: torch.cat(torch.tensor_split(h, (2, 6), dim=-1)[::-1], -1), "getitem"),
+    "unbind_heads": (lambda h: (lambda a, b: torch.cat([a * b, a - b], -1))(*h.unflatten(-1, (2, 4)).unbind(2)),
+                     "getitem"),
     # mixing tokens: must stay out of the packed region, result still exact
+    "split_over_tokens": (lambda h: torch.cat(h.split([3, 4], dim=1)[::-1], dim=1), "-getitem"),
     "cumsum_over_tokens": (lambda h: torch.cumsum(h, dim=1), "-cumsum"),
     "mean_over_tokens": (lambda h: h - h.mean(1, keepdim=True), "-mean"),
     "roll_over_tokens": (lambda h: torch.roll(h, 1, dims=1), "-roll"),
@@ -139,3 +148,40 @@ def test_embedding_lookup_that_reads_every_id_stays_padded(option):
     grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
     for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), list(ref_model.parameters()))):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=2e-5)  # sums of squares of outputs near 10
+
+
+class FusedQkv(nn.Module):
+    """GPT-2 / nanoGPT: one Linear for q, k and v, cut with ``split`` before the head split."""
+
+    def __init__(self, e=32, heads=2):  # head dim 16: the smallest the kernel serves
+        super().__init__()
+        self.e, self.heads = e, heads
+        self.emb, self.ln = nn.Embedding(30, e), nn.LayerNorm(e)
+        self.qkv, self.o = nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, ids, lengths):
+        b, n = ids.shape
+        valid = torch.arange(n)[None] < lengths[:, None]
+        x = self.emb(ids)
+        q, k, v = self.qkv(self.ln(x)).split(self.e, dim=2)
+        heads = lambda t: t.view(b, n, self.heads, -1).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=valid[:, None, None, :])
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, self.e))
+        return (x * valid[..., None]).sum(1)
+
+
+def test_fused_qkv_split_packs_the_projection():
+    torch.manual_seed(0)
+    model = FusedQkv()
+    ids, lengths = torch.randint(1, 30, (4, 9)), torch.tensor([9, 1, 0, 5])
+    report = explain(model, ids, lengths)
+    assert not [r for r in report.refusals if r.pass_name == "unpad"], report.refusals
+    (rewrite,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert rewrite.metrics["gemms"] == 2 and rewrite.metrics["op_counts"].get("getitem", 0) >= 3
+    out = gem_compile(model)(ids, lengths)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    ref = model(ids, lengths)
+    refs = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
