@@ -18,7 +18,13 @@ from gemcompile.runtime.training.checkpoint import (
     unwrap_model,
     verify_checkpoint,
 )
-from gemcompile.runtime.training.checkpoint_files import MANIFEST, check_checkpoint_dir, partial_path
+from gemcompile.runtime.training.checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    check_checkpoint_dir,
+    partial_path,
+    write_manifest,
+)
 from gemcompile.runtime.training.optimizers import build_optimizers
 
 
@@ -284,3 +290,47 @@ def test_a_full_disk_names_the_step_and_the_directory_and_keeps_the_earlier_chec
     assert str(tmp_path) in str(info.value)
     monkeypatch.undo()  # the disk has room again: reading works
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+
+
+def _unsealed_copy(tmp_path, drop=()):
+    """The DCP files of a one-process checkpoint, copied into a folder not yet sealed (less `drop`)."""
+    import shutil
+
+    (path,) = _saved(tmp_path / "saved", 1)
+    folder = tmp_path / "run" / partial_path(checkpoint_path(tmp_path / "run", 1)).name
+    folder.mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp"):
+        if name not in drop:
+            shutil.copy(path / name, folder / name)
+    return folder
+
+
+def test_sealing_refuses_a_world_whose_ranks_did_not_all_write_here(tmp_path):
+    """A rank that wrote its shard elsewhere (another --checkpoint-dir): rank 0's folder is not sealed as a
+    world-2 checkpoint."""
+    folder = _unsealed_copy(tmp_path)
+    with pytest.raises(CheckpointError, match=r"cannot seal the checkpoint of step 1 in .*: it lacks the shard of "
+                       r"rank\(s\) \[1\] \(world size 2\): every rank must write into the same checkpoint directory"):
+        write_manifest(folder, 1, 2)
+    assert not (folder / MANIFEST).exists()
+    write_manifest(folder, 1, 1)  # the whole world of 1
+    assert (folder / MANIFEST).exists()
+
+
+def test_sealing_refuses_a_shard_the_metadata_lists_but_the_folder_lacks(tmp_path):
+    folder = _unsealed_copy(tmp_path, drop=("__0_0.distcp",))
+    with pytest.raises(CheckpointError, match=r"it lacks __0_0\.distcp, which its \.metadata lists"):
+        write_manifest(folder, 1, 1)
+    assert not (folder / MANIFEST).exists()
+
+
+def test_a_save_missing_a_shard_is_an_error_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+    import gemcompile.runtime.training.checkpoint as checkpoint
+
+    model, optimizers = _fresh()
+    save_checkpoint(tmp_path, 1, model, optimizers)
+    monkeypatch.setattr(checkpoint, "write_manifest", lambda folder, step, world: write_manifest(folder, step, 2))
+    with pytest.raises(CheckpointError, match=r"cannot seal the checkpoint of step 2"):
+        save_checkpoint(tmp_path, 2, model, optimizers)
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    assert not checkpoint_path(tmp_path, 2).exists()

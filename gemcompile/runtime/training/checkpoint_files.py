@@ -45,6 +45,7 @@ __all__ = [
     "commit_folder",
     "fsync_dir",
     "kill_point",
+    "missing_shards",
     "partial_path",
     "remove_leftovers",
     "step_folders",
@@ -58,6 +59,7 @@ KILL_ENV = "GEMCOMPILE_TEST_KILL_AT"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _LEFTOVER = re.compile(r"^\.step_\d+\.(partial|old)$")
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class CheckpointError(ValueError):
@@ -127,8 +129,35 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+def missing_shards(folder: Path, world_size: int) -> str | None:
+    """What the DCP files of `folder` lack, or None: every file its .metadata lists (rank 0 writes it from
+    all ranks' plans), and a file of each of the world_size ranks (DCP names them __<rank>_<n>.distcp and
+    writes one per rank even when a rank holds nothing). A rank that wrote elsewhere, another
+    --checkpoint-dir or a directory that is not shared between nodes, leaves its shard missing here."""
+    present = {p.name for p in folder.iterdir() if p.is_file()}
+    if ".metadata" not in present:
+        return "DCP wrote no .metadata"
+    try:
+        listed = {info.relative_path for info in FileSystemReader(str(folder)).read_metadata().storage_data.values()}
+    except Exception as e:  # a pickle of anything: any error means unreadable
+        return f".metadata cannot be read ({type(e).__name__}: {_first_line(e)})"
+    ranks = {int(m.group(1)) for name in present if (m := _SHARD.match(name))}
+    absent = [r for r in range(world_size) if r not in ranks] if ranks else []  # no such names: another naming
+    unlisted = sorted(listed - present)
+    if not (absent or unlisted):
+        return None
+    what = [f"the shard of rank(s) {absent} (world size {world_size})"] if absent else []
+    what += [f"{', '.join(unlisted)}, which its .metadata lists"] if unlisted else []
+    return (f"it lacks {' and '.join(what)}: every rank must write into the same checkpoint directory (the same "
+            "--checkpoint-dir, on a file system every node shares)")
+
+
 def write_manifest(folder: Path, step: int, world_size: int) -> None:
-    """Seal `folder`: record every file's size and sha256 in manifest.json (written last, fsynced)."""
+    """Seal `folder`: record every file's size and sha256 in manifest.json (written last, fsynced). A
+    CheckpointError, and no manifest, when a rank's shard is missing (missing_shards)."""
+    problem = missing_shards(folder, world_size)
+    if problem is not None:
+        raise CheckpointError(f"cannot seal the checkpoint of step {step} in {folder.parent}: {problem}")
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size, "files": files}
