@@ -20,6 +20,7 @@ from gemcompile.models.gem import GemRef, gem_ref_config
 from gemcompile.runtime.distributed.apply import ParallelRuntime, init_distributed
 from gemcompile.runtime.distributed.plan import ParallelPlan, plan_for_model
 from gemcompile.runtime.training.flops import PaddedFlopCounter
+from gemcompile.runtime.training.rank_agreement import check_ranks_agree, configuration_fingerprint
 
 __all__ = ["ParallelTraining", "compile_units"]
 
@@ -86,7 +87,8 @@ class ParallelTraining:
     @classmethod
     def start(cls, cfg) -> ParallelTraining:
         """Check the plan against GEM-ref (on the meta device) for torchrun's WORLD_SIZE, then join the
-        process group. Errors in the plan or the batch size are raised before any collective."""
+        process group and check that every rank runs the same configuration. Errors in the plan or the
+        batch size are raised before any collective."""
         world = int(os.environ.get("WORLD_SIZE", "0") or 0) or (dist.get_world_size() if dist.is_initialized()
                                                                 else 0)
         if world < 1:
@@ -102,6 +104,7 @@ class ParallelTraining:
             template = GemRef(gem_ref_config(cfg.size))
         plan = plan_for_model(template, cfg.parallel, world)  # ParallelPlanError before any collective
         init_distributed(cfg.device, cfg.parallel.collective_timeout_s)
+        check_ranks_agree(configuration_fingerprint(cfg, plan.axes))  # the first collective: rank_agreement.py
         if dist.get_rank() != 0 and not cfg.quiet:
             cfg = dataclasses.replace(cfg, quiet=True)
         return cls(cfg, plan)
