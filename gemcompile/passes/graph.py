@@ -134,22 +134,46 @@ def input_hint(node: fx.Node) -> str:
     return REGION_INPUT_HINT if node.meta.get(CHECKPOINT_REGION_INPUT) else INPUT_HINT
 
 
-_POSITIONAL = {"masked_fill": ("self", "mask", "value"), "masked_fill_": ("self", "mask", "value")}
-"""Ops whose keyword arguments the passes read by position (RecBole writes ``masked_fill(mask=m, value=v)``)."""
+_BINARY = ("input", "other")
+_POSITIONAL: dict[str, tuple[str, ...]] = {
+    **{name: _BINARY for name in (
+        "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal", "not_equal",
+        "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "add", "sub",
+        "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide", "remainder", "fmod",
+        "maximum", "minimum", "matmul", "bmm")},
+    **{name: ("input",) for name in ("logical_not", "bitwise_not", "abs", "neg", "exp")},
+    "where": ("condition", "input", "other"),
+    "masked_fill": ("input", "mask", "value"),
+    "masked_fill_": ("input", "mask", "value"),
+    "transpose": ("input", "dim0", "dim1"),
+    "swapaxes": ("input", "axis0", "axis1"),
+    "permute": ("input", "dims"),
+    "unsqueeze": ("input", "dim"),
+    "softmax": ("input", "dim"),
+    "tril": ("input", "diagonal"),
+    "triu": ("input", "diagonal"),
+}
+"""Ops whose leading operands the passes read by position (a method's ``self`` is ``input``): model code may
+name them (RecBole's ``masked_fill(mask=m, value=v)``, ``torch.lt(input=j, other=n)``,
+``torch.where(condition=m, input=s, other=x)``); left named, the matchers raised inside (an internal error) or
+lost an operand. Keyword-only arguments (``alpha``, ``rounding_mode``) stay keywords: readers check them by name."""
 
 
 def positional_arguments(graph: fx.Graph) -> None:
-    """Move the keyword arguments of the ops in _POSITIONAL into their positional places: the same call."""
+    """Move the named leading operands of the ops in _POSITIONAL into their positional places: the same call.
+    A call naming a later operand but not an earlier one is left as written."""
     for node in graph.nodes:
         names = _POSITIONAL.get(target_name(node)) if node.op in ("call_function", "call_method") else None
         if not names or not node.kwargs:
             continue
         args, kwargs = list(node.args), dict(node.kwargs)
         for name in names[len(args):]:
-            if name not in kwargs:
+            key = "self" if name == "input" and "self" in kwargs else name
+            if key not in kwargs:
                 break
-            args.append(kwargs.pop(name))
-        node.args, node.kwargs = tuple(args), kwargs
+            args.append(kwargs.pop(key))
+        if not any(name in kwargs for name in (*names, "self")):
+            node.args, node.kwargs = tuple(args), kwargs
 
 
 def _same(x):

@@ -35,16 +35,7 @@ import torch
 import torch.fx as fx
 
 from gemcompile.passes.attention.scores import (
-    ADD,
-    CASTS,
-    DIV,
-    MATMUL,
-    MUL,
-    PRODUCTS,
-    RESHAPES,
-    SCALE_OPS,
-    SCORE_MAPS,
-    SUB,
+    ADD, CASTS, DIV, MATMUL, MUL, PRODUCTS, RESHAPES, SCALE_OPS, SCORE_MAPS, SUB, check_plain_arithmetic,
     constant_float,
     filled_with,
     heads_view,
@@ -289,6 +280,8 @@ def _merged_heads(info: dict, ops: list, views: list[int], qk: bool, pv: bool) -
 
 def _softmax_step(node: fx.Node, ops: list) -> fx.Node | None:
     """The bias and mask ops a softmax's score chain may hold (walk_to_scores' step)."""
+    if is_call(node, *ADD, *SUB):
+        check_plain_arithmetic(node)
     if is_call(node, *ADD):
         shift = _constant_shift(*node.args[:2])
         if shift is not None:
@@ -554,6 +547,8 @@ def feeds_from_scores(node: fx.Node) -> bool:
 def _is_raw_scores(node: Any) -> bool:
     """node is q @ k^T through constant scales, bias additions and casts only (no activation, no mask)."""
     while isinstance(node, fx.Node):
+        if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+            return False
         if is_call(node, *MATMUL, "einsum"):
             value = node.meta.get("example_value")
             return getattr(value, "ndim", 0) == 4  # (B, H, Lq, Lk) scores

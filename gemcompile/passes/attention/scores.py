@@ -134,6 +134,13 @@ def heads_view(node: fx.Node) -> int | None:
     return int(split.shape[1]) if same else None
 
 
+def check_plain_arithmetic(node: fx.Node) -> None:
+    """Unproven for ``add`` / ``sub`` with ``alpha=`` (s + alpha * m) and ``div`` with ``rounding_mode=``
+    (floor(s / c)): not the sums and scales a score chain is read as."""
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+        raise Unproven(f"{node.name} ({target_name(node)}) with alpha= or rounding_mode= on the scores")
+
+
 def leads_to_matmul(node: Any, depth: int = 12, through: tuple[str, ...] = ()) -> bool:
     """Whether the scores' q @ k^T is upstream of node through the ops a score chain may hold (and the ops
     named in ``through``)."""
@@ -326,6 +333,7 @@ def walk_to_scores(node: fx.Node, matched: list[fx.Node], info: dict, step: Step
             node = node.args[0]
             continue
         if is_call(node, *SCALE_OPS):
+            check_plain_arithmetic(node)
             tensor = _tensor_factor(node)
             if tensor is not None:
                 if tensor_scaled is not None:

@@ -33,6 +33,7 @@ from sympy.logic.boolalg import Boolean
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gemcompile.passes.graph import BUFFER_VALUE, Emitter, Unproven, example_value, input_hint, target_name
+from gemcompile.passes.masks.arange import arange_value
 from gemcompile.passes.masks.bitwise import bitwise
 from gemcompile.passes.masks.broadcast_dims import constant_dims
 from gemcompile.passes.masks.constants import emit_triangle_check, find_triangle, triangle_value
@@ -42,16 +43,9 @@ from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import merge_reshape, repeat_interleaved, split_reshape
 from gemcompile.passes.masks.zero_one import zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
-    Abstract,
-    Atoms,
-    BoolTensor,
-    DataLeaf,
-    IntTensor,
-    PiecewiseTensor,
-    piecewise,
-    simplify_pred,
-    triangle,
-    index_symbol, check_constant_fits, check_fits_int, check_no_wrap, stored_as, trunc_is_floor,
+    Abstract, Atoms, BoolTensor, DataLeaf, IntTensor, PiecewiseTensor, piecewise, simplify_pred, triangle,
+    index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype, float_op,
+    stored_as, trunc_is_floor,
 )
 
 NEG_FILL_LIMIT = -1.0e4
@@ -254,7 +248,7 @@ class MaskEvaluator:
         ndim = value.dim()
 
         if target is torch.arange:
-            return self._arange(node)
+            return arange_value(self.evaluate, node)
         if name == "iota":  # what arange is after Inductor's decompositions (joint and post-grad graphs)
             start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
             return IntTensor(1, self._scalar(start) + self._scalar(step) * index_symbol(0))
@@ -302,6 +296,8 @@ class MaskEvaluator:
             return self._masked_fill(node, ndim)
         if name in _IDENTITY_METHODS or name in _TO_FLOAT or name in _TO_INT or name == "bool":
             return self._cast(node, value)
+        if kwargs.get("alpha", 1) != 1 or (kwargs.get("rounding_mode") and value.dtype not in _INT_DTYPES):
+            raise Unproven(f"`{name}` with alpha= or a float rounding_mode= in the mask")
         if name in ("div", "divide") and value.dtype in _INT_DTYPES and kwargs.get("rounding_mode"):  # floor, trunc
             if kwargs["rounding_mode"] == "trunc" and not trunc_is_floor(*(self.evaluate(a) for a in args[:2])):
                 raise Unproven("integer division rounding toward zero of a value that may be negative")
@@ -343,15 +339,6 @@ class MaskEvaluator:
         if isinstance(v, PiecewiseTensor):
             return v.as_bool()
         raise Unproven("an integer tensor is used as a boolean mask")
-
-    def _arange(self, node: fx.Node) -> IntTensor:
-        args = [self._scalar(a) if not isinstance(a, fx.Node) else self.evaluate(a) for a in node.args]
-        if "end" in node.kwargs:
-            args.append(self.evaluate(node.kwargs["end"]))
-        if any(isinstance(a, float) for a in args):
-            raise Unproven("arange over floats")
-        start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
-        return IntTensor(1, start + step * index_symbol(0))
 
     def _constant(self, node: fx.Node, value: torch.Tensor) -> Abstract:
         name = _NUMPY.get(target_name(node.target), target_name(node.target))
@@ -504,9 +491,10 @@ class MaskEvaluator:
         check_constant_fits(a, b)  # uint8 != -256 compares with -256 cast to uint8: 0
         va, vb = self.evaluate(a), self.evaluate(b)
         if isinstance(va, (BoolTensor, PiecewiseTensor)) or isinstance(vb, (BoolTensor, PiecewiseTensor)):
-            return BoolTensor(ndim, self._compare_values(op, va, vb))
+            return BoolTensor(ndim, self._compare_values(op, va, vb, comparison_dtype(a, b)))
         ea = va.expr if isinstance(va, IntTensor) else va
         eb = vb.expr if isinstance(vb, IntTensor) else vb
+        ea, eb = (sympy.Integer(int(e)) if isinstance(e, bool) else e for e in (ea, eb))  # j < True is j < 1
         if isinstance(ea, float) or isinstance(eb, float):
             if isinstance(ea, float) and ea.is_integer():
                 ea = sympy.Integer(int(ea))
@@ -555,7 +543,7 @@ class MaskEvaluator:
             return expr
         raise Unproven("integer index expressions combined with a non-integer value")
 
-    def _compare_values(self, op: str, va, vb) -> Boolean:
+    def _compare_values(self, op: str, va, vb, dtype: torch.dtype) -> Boolean:
         """A comparison where one side is a mask (bool or piecewise) and the other a constant."""
         if not isinstance(va, (BoolTensor, PiecewiseTensor)):
             va, vb, op = vb, va, {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}.get(op, op)
@@ -564,8 +552,7 @@ class MaskEvaluator:
         pieces = va.pieces if isinstance(va, PiecewiseTensor) else ((1.0, va.pred), (0.0, sympy.Not(va.pred)))
         cmp = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
                "ne": operator.ne}[op]
-        c = float(vb)
-        return simplify_pred(sympy.Or(*[cond for v, cond in pieces if cmp(v, c)]))
+        return simplify_pred(sympy.Or(*[cond for v, cond in pieces if compare_rounded(cmp, v, float(vb), dtype)]))
 
     def _tril(self, node: fx.Node, name: str) -> Abstract:
         k = node.kwargs.get("diagonal", node.kwargs.get("k", node.args[1] if len(node.args) > 1 else 0))  # np: k
@@ -653,13 +640,18 @@ class MaskEvaluator:
             if op is operator.truediv:
                 raise Unproven("true division of integer indices")
             return IntTensor(ndim, op(ea, eb))
+        if value.dtype == torch.bool:  # bool + bool is or, bool * bool is and (True + True is True)
+            logic = {operator.add: sympy.Or, operator.mul: sympy.And}.get(op)
+            if logic is None:
+                raise Unproven("arithmetic on bool masks other than + and *")
+            return BoolTensor(ndim, simplify_pred(logic(self._pred(a), self._pred(b))))
         # an integer mask from data added to a float one (StableLM's causal + attention_mask == 0): 0/1
         va, vb = (v if (read := zero_one_pieces(self, v)) is None else read for v in (va, vb))
         pa, pb = self._as_pieces(va, ndim), self._as_pieces(vb, ndim)
         pieces = []
         for x, cx in pa:
             for y, cy in pb:
-                with_nan = op(x, y) if not (op is operator.truediv and y == 0) else math.nan
+                with_nan = float_op(op, x, y, value.dtype)  # NaN on a division by zero
                 pieces.append((with_nan, sympy.And(cx, cy)))
         if any(math.isnan(v) for v, _ in pieces):
             raise Unproven("the mask arithmetic produces NaN (inf - inf or 0 * inf)")

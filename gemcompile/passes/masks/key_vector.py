@@ -90,13 +90,18 @@ class _Builder:
         for dim, arg in enumerate(f.args):  # f's args are the node's dims, left to right
             if arg == 0:
                 continue
-            if arg not in (self.b, self.j):
-                raise Unproven(f"the key mask reads {node.name} at {arg}: only (b, j) are built")
-            picked.append((dim, arg))
+            shift = sympy.expand(arg - self.j)  # m[b, j + c]: a chunk of m (CANINE's local attention)
+            if arg != self.b and not (shift.is_Integer and shift >= 0):
+                raise Unproven(f"the key mask reads {node.name} at {arg}: only (b, j + c) are built")
+            picked.append((dim, self.b if arg == self.b else self.j, 0 if arg == self.b else int(shift)))
+        dims = [arg for _, arg, _ in picked]
+        if len(set(dims)) < len(dims):  # cm[j, j]: a diagonal, not a (b, j) view of the tensor
+            raise Unproven(f"the key mask reads {node.name} at {f.args}: only (b, j) are built")
+        for dim, arg, start in picked:  # am[:, :Lk] of a longer am reads its first Lk columns only
+            x = self._narrow(x, node, dim, start, self.keys if arg == self.j else self.batch)
         # drop the dims read at index 0 (size-1 or the first element), last first so dims stay valid
         for dim in reversed([d for d, arg in enumerate(f.args) if arg == 0]):
             x = self.emit.call(torch.select, (x, dim, 0))
-        dims = [arg for _, arg in picked]
         if dims == [self.j, self.b]:
             x = self.emit.call(torch.transpose, (x, 0, 1))
         elif len(dims) == 1:
@@ -107,6 +112,18 @@ class _Builder:
         if dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):  # the formula's integers do not wrap:
             x = self.emit.method("to", (x, torch.int64))  # its sums and differences, rebuilt here, must not
         return x
+
+    def _narrow(self, x: fx.Node, node: fx.Node, dim: int, start: int, size) -> fx.Node:
+        """x's ``size`` entries from ``start`` along ``dim`` (the batch or the keys): the formula reads
+        ``node`` there only."""
+        have = example_value(node).shape[dim]
+        want = example_value(size) if isinstance(size, fx.Node) else size
+        if start == 0 and _expr(have) == _expr(want):
+            return x
+        if isinstance(have, int) and isinstance(want, int) and have >= start + want:
+            return self.emit.call(torch.narrow, (x, dim, start, want))
+        raise Unproven(f"the key mask reads {node.name} (size {have} along dim {dim}) at {want} positions "
+                       f"from {start}")
 
     def proposition(self, atom) -> fx.Node:
         kind, e = self.evaluator.atoms.expr_of[atom]
@@ -130,6 +147,11 @@ class _Builder:
         for p in parts[1:]:
             out = self.emit.call(op, (out, p))
         return out
+
+
+def _expr(size):
+    """A size as a comparable value: an int, or a SymInt's expression."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> fx.Node:

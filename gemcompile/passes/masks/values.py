@@ -9,6 +9,8 @@ indices inside those expressions.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 import sympy
@@ -226,3 +228,47 @@ def check_fits_int(value, dtype: torch.dtype) -> None:
         for v, _ in value.pieces:
             if not info.min <= v <= info.max:
                 raise Unproven(f"a float mask value {v!r} cast to {dtype}, outside its range")
+
+
+def float_op(op, x: float, y: float, dtype: torch.dtype) -> float:
+    """``op(x, y)`` as torch computes it for a result of ``dtype``: a float result in its compute type (float32
+    for float16 / bfloat16 / float32, float64 for float64), then rounded to ``dtype``. A Python scalar enters a
+    product or quotient in the compute type on CPU and CUDA alike (float16 ``0 * -1e9`` is 0, not 0 * -inf);
+    a sum's kernels differ (bfloat16 ``x - 3.3`` rounds 3.3 to bfloat16 first on CPU, not on CUDA): Unproven
+    where the two give different values. An integer result is exact (``stored_as`` wraps it); a division by
+    zero is NaN (the mask refuses it)."""
+    if y == 0 and op in (operator.truediv, operator.floordiv, operator.mod):
+        return math.nan
+    if not dtype.is_floating_point:
+        return op(x, y)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    results = set()
+    for operands in {compute} if op in (operator.mul, operator.truediv) else {dtype, compute}:
+        a, b = (torch.tensor(v, dtype=torch.float64).to(operands).to(compute) for v in (x, y))
+        r = op(a, b).to(dtype).item()
+        results.add("nan" if math.isnan(r) else r)
+    if len(results) > 1:
+        raise Unproven(f"a mask computed in {dtype} whose value depends on where torch rounds a scalar")
+    (r,) = results
+    return math.nan if r == "nan" else r
+
+
+def compare_rounded(cmp, x: float, c: float, dtype: torch.dtype) -> bool:
+    """``x cmp c`` for a tensor value x compared with a Python number c in ``dtype`` (torch rounds c to the
+    comparison's dtype first: float32 ``0.1f > 0.1`` is False); Unproven where rounding c to ``dtype``, to its
+    compute type or not at all give different answers."""
+    if not dtype.is_floating_point:
+        return cmp(x, c)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    answers = {cmp(x, torch.tensor(c, dtype=torch.float64).to(d).item()) for d in (dtype, compute)}
+    if len(answers) > 1:
+        raise Unproven(f"a mask compared with {c!r}, which {dtype} does not hold exactly, at a value it rounds to")
+    return answers.pop()
+
+
+def comparison_dtype(a, b) -> torch.dtype:
+    """The dtype torch compares operands ``a`` and ``b`` (nodes or Python numbers) in (float64 if unknown)."""
+    values = [example_value(x) if isinstance(x, fx.Node) else x for x in (a, b)]
+    if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in values):
+        return torch.float64
+    return torch.result_type(*values)
