@@ -1094,3 +1094,22 @@ def test_a_mask_scaled_by_a_learned_value_is_refused_naming_it():
     q, k, v = (torch.randn(3, 10, 16) for _ in range(3))
     reasons = [r.reason for r in explain(Scaled(), q, k, v, torch.tensor([10, 3, 1])).refusals]
     assert any("mask_scale" in r and "requires grad" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("lengths, says", [(torch.tensor([5]), "one value for the whole batch"),
+                                           (torch.arange(L) % 5, "read per position, not per sample")])
+def test_lengths_not_one_per_sample_are_refused_for_what_they_are(lengths, says):
+    """One length shared by the batch (shape (1,), broadcast), or an (L,) integer tensor read at the key
+    position: each refusal says which (both were 'indexed by a position ... broadcast along the wrong dim')."""
+    def attention(q, k, v, n):
+        if n.shape[0] == 1:
+            keep = torch.arange(L)[None, :] < n[:, None]  # (1, L): the same keys for every sample
+        else:
+            keep = (torch.arange(L)[None, :] < n[None, :]) | (torch.arange(L) == 0)  # n[j]: one per key
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    reasons = [r.reason for r in explain(attention, q, k, v, lengths).refusals if r.pass_name == "jagged_attention"]
+    assert reasons and says in reasons[0], reasons
+    torch.testing.assert_close(gem_compile(attention)(q, k, v, lengths), attention(q, k, v, lengths))

@@ -209,3 +209,16 @@ def test_masks_that_are_no_token_vector_are_refused_with_the_reason():
         report = explain(fn, x, arg)
         assert report.counts["unpad"] == 0, fn.__name__
         assert any(reason in r for r in _reasons(report)), (fn.__name__, _reasons(report))
+
+
+def test_row_masks_are_not_searched_for_hstu_visibilities(monkeypatch):
+    """A row mask (B, N) never is one of HSTU's pairwise visibilities, which no length mask takes: unpad's
+    candidates skip that search (seconds each: HF LongT5's transient-global encoder compiled in ~400 s)."""
+    from gemcompile.passes.masks import classify as classify_module
+
+    searched = []
+    search = classify_module._classify_hstu
+    monkeypatch.setattr(classify_module, "_classify_hstu", lambda *a: searched.append(a) or search(*a))
+    g = torch.Generator().manual_seed(1)
+    report = explain(LeftPaddedFfn(), torch.randn(B, L, E), torch.randint(0, L + 1, (B,), generator=g))
+    assert len(_unpad(report)) == 1 and not searched

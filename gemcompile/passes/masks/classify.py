@@ -49,9 +49,10 @@ class Unclassified(Unproven):
         """Whether the formula compares the key index with lengths at all."""
 
 
-def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> AttentionMask:
+def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False, hstu: bool = True) -> AttentionMask:
     """The AttentionMask ``keep`` is (module docstring); with a batch of one the batch index is always 0,
-    so lengths indexed by 0 are per-sample too."""
+    so lengths indexed by 0 are per-sample too. ``hstu=False`` skips the search for HSTU's visibilities (seconds
+    per mask: unpad's row masks tried it on every candidate and never take one)."""
     b, h, i, j = (index_symbol(k) for k in (3, 2, 1, 0))
     if batch_is_one:  # the batch index is 0 everywhere: lengths read at 0 are lengths[b] (HSTU's targets too)
         keep = evaluator.lengths_at(keep, b)
@@ -68,20 +69,23 @@ def classify(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> Atte
     for _, e in comparisons:
         for f in e.atoms(sympy.Function):
             if f.func.__name__ in evaluator.leaves and f.args != (b,):
-                why = evaluator.why.get(f.func.__name__)
-                raise Unproven(f"{evaluator.leaves[f.func.__name__].name} is indexed by a position, not by the "
-                               "batch (the lengths are broadcast along the wrong dim)" + (f"; {why}" if why else ""))
+                why, name = evaluator.why.get(f.func.__name__), evaluator.leaves[f.func.__name__].name
+                if all(a == 0 for a in f.args):
+                    raise Unproven(f"{name} holds one value for the whole batch: the kernels read one length per "
+                                   f"sample (give {name}.expand(B), B lengths)")
+                raise Unproven(f"{name} is read per position, not per sample (lengths broadcast along the wrong "
+                               "dim, or per-position data such as segment ids)" + (f"; {why}" if why else ""))
     check_data_positions(evaluator, comparisons)
     blocks = block_atoms(evaluator, keep)
     keys, queries = length_atoms(evaluator, comparisons, j), length_atoms(evaluator, comparisons, i)
     formula = render(evaluator, keep)
     found = _search(evaluator, keep, comparisons, keys, queries, blocks)
-    if found is None and not blocks:
+    if found is None and not blocks and hstu:
         found = _classify_hstu(evaluator, keep, keys, queries)
     if found is None:
         found = _with_key_vector(evaluator, keep, keys, queries, blocks)
     if found is None:
-        found = _with_diagonal(evaluator, keep, batch_is_one)
+        found = _with_diagonal(evaluator, keep, batch_is_one, hstu)
     if found is not None:
         return dataclasses.replace(found, formula=formula)
     for size, atom in blocks.items():  # a telling reason for the one near-miss people write by accident
@@ -130,7 +134,7 @@ def _with_key_vector(evaluator: MaskEvaluator, keep, keys, queries, blocks) -> A
     return found
 
 
-def _with_diagonal(evaluator: MaskEvaluator, keep, batch_is_one: bool) -> AttentionMask | None:
+def _with_diagonal(evaluator: MaskEvaluator, keep, batch_is_one: bool, hstu: bool) -> AttentionMask | None:
     """keep = M or i == j with M a mask of the other terms (the diagonal is kept even where M drops it: BST,
     XLNet's content stream); None when keep does not split so."""
     diagonal = evaluator.atoms.compare("eq", index_symbol(1), index_symbol(0))
@@ -140,7 +144,7 @@ def _with_diagonal(evaluator: MaskEvaluator, keep, batch_is_one: bool) -> Attent
     if not equivalent(evaluator, keep, sympy.Or(rest, diagonal)):
         return None
     try:
-        found = classify(evaluator, rest, batch_is_one)
+        found = classify(evaluator, rest, batch_is_one, hstu)
     except Unproven:
         return None
     return dataclasses.replace(found, diagonal=True)
@@ -285,7 +289,7 @@ def length_refusal(error: Unclassified) -> Unproven:
 def classify_length_mask(evaluator: MaskEvaluator, keep, batch_is_one: bool = False) -> AttentionMask:
     """``keep`` as key padding [and query padding] [and causal]; Unproven otherwise."""
     try:
-        return require_lengths(classify(evaluator, keep, batch_is_one))
+        return require_lengths(classify(evaluator, keep, batch_is_one, hstu=False))  # HSTU's: never lengths
     except Unclassified as error:
         raise length_refusal(error) from None
 
