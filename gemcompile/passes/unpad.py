@@ -285,8 +285,9 @@ class UnpadPass(GemPass):
         for mask in distinct:
             rules = {}
             for node in graph.nodes:
-                if node in claimed or node in masks or dtype_of(node) == torch.bool:
-                    continue
+                dtype = dtype_of(node)
+                if node in claimed or node in masks or (dtype is not None and not dtype.is_floating_point):
+                    continue  # integer and bool values (ids, the masks' own arithmetic) hold no GEMM work
                 rule = classify(node, mask.batch, mask.seq)
                 if rule is not None:
                     rules[node] = rule
