@@ -235,8 +235,8 @@ class MaskEvaluator:
             if value.dtype in _INT_DTYPES or value.dtype == torch.bool:
                 return self._leaf(node, why=f"the input {node.name!r}")
             if value.requires_grad:  # s - (~valid) * self.mask_scale: learned, not a mask built outside
-                raise Unproven(f"the mask is scaled by {node.name!r}, a tensor that requires grad (a learned "
-                               "parameter): its values are not a fixed fill the kernels can drop keys for")
+                raise Unproven(f"the mask reads {node.name!r}, a float tensor that requires grad (learned: a scale, "
+                               "or a bias from before a graph break), not a fixed fill the kernels can drop keys for")
             raise Unproven(f"the mask reads the float input {node.name!r} ({value.dtype}): float data in a mask "
                            "is not proven (masks from lengths, ids, or a bool or integer mask input are); "
                            + input_hint(node))
