@@ -40,6 +40,8 @@ MASKS = {
     # floor(1.5) is 1: valid or causal
     "float_div_floor": (lambda i, j, n, d: (torch.div((j < n).float() * 3, 2, rounding_mode="floor") == 1)
                         | (j <= i), False),
+    # squeeze drops a size-1 dim (CANINE's molecule mask), nothing else
+    "squeezed": (lambda i, j, n, d: (j < n).float()[..., None].squeeze(-1).bool() & (j <= i), True),
     # a data mask sliced to the key count (HF's attention_mask[:, :key_len]), and its diagonal-like misreads
     "data_mask_sliced": (lambda i, j, n, d: d[:, :L].bool()[:, None, :] & (j <= i), True),
     "data_mask_chunk_at_an_offset": (lambda i, j, n, d: d[:, 2:].bool()[:, None, :] & (j <= i), True),  # CANINE

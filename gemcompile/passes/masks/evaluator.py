@@ -272,7 +272,7 @@ class MaskEvaluator:
         if name in ("unsqueeze",):
             return self._unsqueeze(self.tensor(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis")), ndim)
         if name in ("view", "reshape", "expand", "expand_as", "broadcast_to", "view_as", "reshape_as", "flatten",
-                    "unflatten"):
+                    "unflatten", "squeeze"):  # (squeeze drops size-1 dims only: CANINE's molecule mask)
             return self._reshape(node, self.tensor(args[0]))
         if name in ("transpose", "swapaxes", "permute", "mT", "t") or (target is getattr and args[1] in ("T", "mT")):
             return self._permute(node, self.tensor(args[0]))  # getattr: ModernBERT's rows.T
