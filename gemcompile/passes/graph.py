@@ -163,6 +163,9 @@ def positional_arguments(graph: fx.Graph) -> None:
     """Move the named leading operands of the ops in _POSITIONAL into their positional places: the same call.
     A call naming a later operand but not an earlier one is left as written."""
     for node in graph.nodes:
+        if node.op == "call_method" and node.target == "where":
+            _where_as_function(node)
+            continue
         names = _POSITIONAL.get(target_name(node)) if node.op in ("call_function", "call_method") else None
         if not names or not node.kwargs:
             continue
@@ -174,6 +177,18 @@ def positional_arguments(graph: fx.Graph) -> None:
             args.append(kwargs.pop(key))
         if not any(name in kwargs for name in (*names, "self")):
             node.args, node.kwargs = tuple(args), kwargs
+
+
+def _where_as_function(node: fx.Node) -> None:
+    """``x.where(c, y)`` is ``torch.where(c, x, y)``: written so, every reader of ``where`` reads one order (the
+    method form was read as where(x, c, y))."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    x = args.pop(0) if args else kwargs.pop("self", None)
+    condition = args.pop(0) if args else kwargs.pop("condition", None)
+    other = args.pop(0) if args else kwargs.pop("other", None)
+    if x is not None and condition is not None and other is not None and not args and not kwargs:
+        node.op, node.target = "call_function", torch.where
+        node.args, node.kwargs = (condition, x, other), {}
 
 
 def _same(x):

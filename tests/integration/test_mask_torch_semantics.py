@@ -40,6 +40,10 @@ MASKS = {
     # floor(1.5) is 1: valid or causal
     "float_div_floor": (lambda i, j, n, d: (torch.div((j < n).float() * 3, 2, rounding_mode="floor") == 1)
                         | (j <= i), False),
+    # an int64 mask compared with a float is compared in float32: 2**24 + 1 is 2**24 there
+    "int_mask_vs_float": (lambda i, j, n, d: (torch.where(j < n, 0, 16777217) != 16777216.0) & (j <= i), True),
+    # x.where(c, y) is where(c, x, y): where the key is valid, causal; else not kept
+    "method_where": (lambda i, j, n, d: (j <= i).where(j < n, j < n), True),
     # squeeze drops a size-1 dim (CANINE's molecule mask), nothing else
     "squeezed": (lambda i, j, n, d: (j < n).float()[..., None].squeeze(-1).bool() & (j <= i), True),
     # a data mask sliced to the key count (HF's attention_mask[:, :key_len]), and its diagonal-like misreads
@@ -160,3 +164,22 @@ def test_arange_in_a_dtype_that_wraps_or_rounds_is_not_read_as_positions(dtype, 
     exact = graph.call_function(torch.arange, (100,), {"dtype": dtype})
     exact.meta["example_value"] = torch.arange(100, dtype=dtype)
     assert arange_value(evaluate, exact).expr is not None
+
+
+def test_a_key_mask_sliced_from_a_longer_one_under_dynamic_shapes():
+    """attention_mask[:, :N] with N dynamic: the key vector narrows to the key count (it was refused)."""
+    from torch._dynamo.utils import counters
+
+    def f(q, k, v, am):
+        keep = am[:, :q.shape[2]][:, None, None, :]
+        return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~keep, float("-inf")), -1) @ v
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = gem_compile(f)  # static first, then the sizes that changed (N, the mask's width) dynamic
+    for n, wide in ((8, 10), (10, 13), (6, 11)):
+        q, k, v = (torch.randn(B, H, n, D) for _ in range(3))
+        am = torch.rand(B, wide, generator=torch.Generator().manual_seed(n)) > 0.3
+        am[:, 0] = True
+        torch.testing.assert_close(compiled(q, k, v, am), f(q, k, v, am), atol=1e-5, rtol=1e-5)
+    assert counters["gemcompile"]["jagged_attention"] == 2 and not counters["gemcompile"]["jagged_attention_refused"]

@@ -492,6 +492,8 @@ class MaskEvaluator:
         va, vb = self.evaluate(a), self.evaluate(b)
         if isinstance(va, (BoolTensor, PiecewiseTensor)) or isinstance(vb, (BoolTensor, PiecewiseTensor)):
             return BoolTensor(ndim, self._compare_values(op, va, vb, comparison_dtype(a, b)))
+        if comparison_dtype(a, b) in (torch.float16, torch.bfloat16):  # bf16 arange(257) < n rounds n = 257
+            raise Unproven(f"integer positions compared in {comparison_dtype(a, b)}, which rounds them")
         ea = va.expr if isinstance(va, IntTensor) else va
         eb = vb.expr if isinstance(vb, IntTensor) else vb
         ea, eb = (sympy.Integer(int(e)) if isinstance(e, bool) else e for e in (ea, eb))  # j < True is j < 1
@@ -569,6 +571,8 @@ class MaskEvaluator:
         raise Unproven("an integer-valued tensor mixed into a float mask")
 
     def _where(self, node: fx.Node, ndim: int) -> Abstract:
+        if node.op == "call_method":  # x.where(c, y) is where(c, x, y): graph.positional_arguments writes it so
+            raise Unproven("x.where(...) in a spelling the passes did not rewrite as torch.where")
         cond = self._pred(node.args[0])
         x, y = self.evaluate(node.args[1]), self.evaluate(node.args[2])
         if example_value(node).dtype == torch.bool:

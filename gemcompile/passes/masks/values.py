@@ -254,12 +254,13 @@ def float_op(op, x: float, y: float, dtype: torch.dtype) -> float:
 
 
 def compare_rounded(cmp, x: float, c: float, dtype: torch.dtype) -> bool:
-    """``x cmp c`` for a tensor value x compared with a Python number c in ``dtype`` (torch rounds c to the
-    comparison's dtype first: float32 ``0.1f > 0.1`` is False); Unproven where rounding c to ``dtype``, to its
-    compute type or not at all give different answers."""
+    """``x cmp c`` for a tensor value x compared with a Python number c in ``dtype`` (torch casts both to the
+    comparison's dtype first: float32 ``0.1f > 0.1`` is False, int64 2**24 + 1 is 2**24 against a float);
+    Unproven where rounding c to ``dtype`` or to its compute type give different answers."""
     if not dtype.is_floating_point:
         return cmp(x, c)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.tensor(x, dtype=torch.float64).to(dtype).item()  # an int64 mask compared in float32 is rounded too
     answers = {cmp(x, torch.tensor(c, dtype=torch.float64).to(d).item()) for d in (dtype, compute)}
     if len(answers) > 1:
         raise Unproven(f"a mask compared with {c!r}, which {dtype} does not hold exactly, at a value it rounds to")
