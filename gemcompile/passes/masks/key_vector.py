@@ -120,10 +120,11 @@ class _Builder:
         want = example_value(size) if isinstance(size, fx.Node) else size
         if start == 0 and _expr(have) == _expr(want):
             return x
-        if isinstance(have, int) and isinstance(want, int) and have >= start + want:
-            return self.emit.call(torch.narrow, (x, dim, start, want))
-        raise Unproven(f"the key mask reads {node.name} (size {have} along dim {dim}) at {want} positions "
-                       f"from {start}")
+        if isinstance(have, int) and isinstance(want, int) and have < start + want:
+            raise Unproven(f"the key mask reads {node.name} (size {have} along dim {dim}) at {want} positions "
+                           f"from {start}")
+        # (a dynamic size: the model's slice had these `want` entries, or its mask would not have had that shape)
+        return self.emit.call(torch.narrow, (x, dim, start, size))
 
     def proposition(self, atom) -> fx.Node:
         kind, e = self.evaluator.atoms.expr_of[atom]
