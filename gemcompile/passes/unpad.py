@@ -295,6 +295,12 @@ class UnpadPass(GemPass):
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     continue
+                updated = next(((n, u) for n in component if (u := in_place_update(n)) is not None), None)
+                if updated is not None:  # q = f[..., :E]; q.mul_(2): f's packed copy and its readers would miss it
+                    node, update = updated
+                    self.refused(node, f"{node.name} is updated in place by {update.name} (`{target_name(update)}`, "
+                                       "through an alias): a packed copy would not see the update")
+                    continue
                 region = Region(mask, component, {n: rules[n] for n in component})
                 self._shrink_to_safe_exits(region, analysis)
                 if region.nodes:

@@ -185,3 +185,32 @@ def test_fused_qkv_split_packs_the_projection():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+class SliceUpdatedInPlace(nn.Module):
+    """fairseq's ``q *= scaling`` on a piece of a fused projection: the update reaches f through the view."""
+
+    def __init__(self, e=32):
+        super().__init__()
+        self.e = e
+        self.emb, self.qkv, self.proj = nn.Embedding(30, e), nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, ids, lengths):
+        valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+        x = self.emb(ids)
+        f = self.qkv(x)
+        q, k, v = f[..., :self.e], f[..., self.e:2 * self.e], f[..., 2 * self.e:]
+        q.mul_(2.0)
+        return (x + self.proj(q + k * v)) * valid, f * valid  # f read after the update
+
+
+def test_a_value_updated_in_place_through_a_view_stays_padded():
+    torch.manual_seed(0)
+    model = SliceUpdatedInPlace()
+    ids, lengths = torch.randint(1, 30, (4, 9)), torch.tensor([9, 1, 0, 5])
+    with torch.no_grad():
+        reasons = [r.reason for r in explain(model, ids, lengths).refusals if r.pass_name == "unpad"]
+        assert any("updated in place" in r for r in reasons), reasons
+        torch._dynamo.reset()
+        for out, ref in zip(gem_compile(model)(ids, lengths), model(ids, lengths)):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
