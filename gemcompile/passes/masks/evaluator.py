@@ -492,8 +492,8 @@ class MaskEvaluator:
         va, vb = self.evaluate(a), self.evaluate(b)
         if isinstance(va, (BoolTensor, PiecewiseTensor)) or isinstance(vb, (BoolTensor, PiecewiseTensor)):
             return BoolTensor(ndim, self._compare_values(op, va, vb, comparison_dtype(a, b)))
-        if comparison_dtype(a, b) in (torch.float16, torch.bfloat16):  # bf16 arange(257) < n rounds n = 257
-            raise Unproven(f"integer positions compared in {comparison_dtype(a, b)}, which rounds them")
+        if (dtype := comparison_dtype(a, b)) in (torch.float16, torch.bfloat16):  # bf16 arange(257) < n: n = 256
+            raise Unproven(f"integer positions compared in {dtype}, which rounds them")
         ea = va.expr if isinstance(va, IntTensor) else va
         eb = vb.expr if isinstance(vb, IntTensor) else vb
         ea, eb = (sympy.Integer(int(e)) if isinstance(e, bool) else e for e in (ea, eb))  # j < True is j < 1
