@@ -73,7 +73,8 @@ from gemcompile.passes.token_wise import (
 )
 from gemcompile.passes.unpad_attention import (RegionIndex, emit_token_offsets, lengths_arg_mask,
                                                pack_attentions)
-from gemcompile.passes.unpad_masks import RowMask, find_row_masks, keys_within, vector_leaves
+from gemcompile.passes.unpad_masks import (EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, emit_row_mask_checks,
+                                           find_row_masks, keys_within, vector_leaves)
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
@@ -239,7 +240,8 @@ class PadAnalysis:
             index = spec["kv_lengths"]
             kv_lengths = user.args[index] if index is not None and len(user.args) > index else None
             if self.mask.vector is not None:
-                if not keys_within(self.mask, user, kv_lengths):
+                within = keys_within(self.mask, user, kv_lengths)
+                if not within or (within == EMPTY_SAMPLES_READ_EVERY_KEY and not self.blind(user, ATTENTION_ROWS)):
                     return False
                 continue
             found = lengths_arg_mask(kv_lengths, shape[2])
@@ -377,6 +379,7 @@ class UnpadPass(GemPass):
         # i.e. one host read of T, per lengths or vector per step)
         self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
         self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
+        self._checked: set = set()  # the run-time checks of the masks' data emitted so far
         for region in self.regions(graph, masks):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for root, reason in region.stays_padded.items():
@@ -431,6 +434,8 @@ class UnpadPass(GemPass):
             with graph.inserting_before(first):
                 shared = self._token_indices(emit, mask, seq, example_value(first).device)
         index, batch_index, seq_index, gather_batch = shared
+        with graph.inserting_before(first):  # what the proof of the masks assumed of the data
+            checked = emit_row_mask_checks(emit, mask, masks, self._checked)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -480,6 +485,7 @@ class UnpadPass(GemPass):
         reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(
             graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None))
         self._indices[index_key] = shared
+        self._checked.update(checked)
         self._record(region, first, snapshot, gemms, macs, attention, reads=reads,
                      gathers=len(entries) - attention["gathers"],
                      scatters=n_exits - attention["scatters"] - reads_removed)

@@ -16,9 +16,15 @@ Two token vectors are one row mask only when the prover shows their formulas equ
 row mask (unpad.py's pad analyses), so a product with another vector is an ordinary op there and does not
 make an exit's padding harmless.
 
+A row mask may be tiled over features (sentence-transformers' mean pooling multiplies by
+``attention_mask.unsqueeze(-1).expand(x.size()).float()``): a cast and broadcast of a (B, N, 1...) mask
+whose value the prover shows does not depend on the tiled dims. A mask proven only under a run-time check of
+the data (an integer attention_mask read as 0/1, a registered buffer) carries that check: the rewrite emits it
+with the region (``emit_row_mask_checks``), and a value outside what was assumed stops the run with a message.
+
 Not a row mask, and said so in explain where it multiplies token rows: a bool mask with a dim besides B and
-N (per head, per feature), and one proven only under a run-time check of the data (an integer mask read as
-0/1, a registered buffer). A vector that holds everywhere or nowhere is nothing to pack by.
+N (per head, per feature) along which it differs. A vector that holds everywhere or nowhere is nothing to
+pack by.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class RowMask:
     """Token vectors proven equal share one id."""
     node: fx.Node | None = field(default=None, compare=False)
     """The mask node (for explain): the lengths, or the first node of a token vector."""
+    checks: tuple = field(default=(), compare=False)
+    """Device-side checks of the data this mask node was proven under (masks/zero_one.py: an integer
+    attention_mask read as 0/1): every region that relies on it emits them."""
 
     def same(self, other: RowMask | None) -> bool:
         if other is None or not (same_size(other.batch, self.batch) and same_size(other.seq, self.seq)):
@@ -94,7 +103,7 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
         if value.dim() < 2 or value.is_complex():
             continue
         shape = tuple(value.shape)
-        if not all(same_size(s, 1) for s in shape[2:]) or same_size(shape[1], 1):
+        if same_size(shape[1], 1) or not (all(same_size(s, 1) for s in shape[2:]) or _tiled_rows(node)):
             continue
         if value.dtype != torch.bool and not _zero_one(evaluator, node):
             continue
@@ -126,9 +135,11 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
     """The row mask ``node`` (B, N, 1...) is, None when it keeps every token or none; Unproven when the
     prover reads it only under a run-time check."""
     rank = len(shape)
-    mapping = {rank - 1: 3, rank - 2: 0, **{k: None for k in range(rank - 2)}}
-    checks = len(evaluator.checks)
-    keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4), "bool")
+    tiled = {k: 4 + k for k in range(rank - 2) if not same_size(shape[rank - 1 - k], 1)}  # right-aligned dims
+    mapping = {rank - 1: 3, rank - 2: 0, **{k: tiled.get(k) for k in range(rank - 2)}}
+    keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4 + len(tiled)), "bool")
+    if keep.free_symbols & {index_symbol(j) for j in tiled.values()}:
+        raise Unproven(f"{node.name} differs along a dim besides the batch and the tokens: no row mask")
     try:
         lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
         if lm.q_lengths is None and not lm.causal:
@@ -139,27 +150,59 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
         return None
     if not vector_leaves(KeyVector(keep, evaluator)):
         return None  # positions only (a causal (L, L) mask read as rows): no token marked by data
-    if len(evaluator.checks) > checks or _needs_checks(node, evaluator):
-        raise Unproven(f"{node.name} is proven a row mask only for data checked at run time (an integer "
-                       "mask read as 0/1, or a registered buffer): pass it as a bool mask")
+    checks = _checks_of(node, evaluator)
     for first in vectors:
         if same_size(first.batch, shape[0]) and same_size(first.seq, shape[1]) and \
                 equivalent(evaluator, keep, first.vector.formula):
-            return replace(first, node=node)
+            return replace(first, node=node, checks=checks)
     text = re.sub(r"len_(\w+)\((\w+)\)", r"\1[\2]", render(evaluator, keep, {B: "b", J: "n"}))  # lengths[b]
-    mask = RowMask(None, 0, shape[0], shape[1], KeyVector(keep, evaluator, text), len(vectors), node)
+    mask = RowMask(None, 0, shape[0], shape[1], KeyVector(keep, evaluator, text), len(vectors), node, checks)
     vectors.append(mask)
     return mask
 
 
-def _needs_checks(node: fx.Node, shared: MaskEvaluator) -> bool:
-    """Whether the prover reads ``node`` only under a run-time check (an evaluator shared by many masks adds
-    a check once, for the first mask that reads the checked tensor: ask a fresh one)."""
+def _checks_of(node: fx.Node, shared: MaskEvaluator) -> tuple:
+    """The run-time checks the prover reads ``node`` under (an evaluator shared by many masks adds a check
+    once, for the first mask that reads the checked tensor: ask a fresh one)."""
     if not shared.checks:
-        return False
+        return ()
     fresh = MaskEvaluator()
     fresh.tensor(node)
-    return bool(fresh.checks)
+    return tuple(fresh.checks)
+
+
+_CASTS = {"float", "half", "bfloat16", "double", "long", "int", "bool", "to", "type", "type_as"}
+_TILES = {"expand", "expand_as", "broadcast_to", "repeat", "tile"}
+
+
+def _tiled_rows(node: fx.Node) -> bool:
+    """Whether ``node`` is casts and broadcasts of a (B, N, 1...) tensor (``m.unsqueeze(-1).expand(x.size())
+    .float()``): worth asking the prover whether it is a row mask tiled over features. Other (B, N, E)
+    tensors (every activation) are not evaluated at all."""
+    for _ in range(6):
+        if target_name(node) not in _CASTS | _TILES or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+        shape = shape_of(node)
+        if shape is not None and len(shape) >= 2 and all(same_size(s, 1) for s in shape[2:]):
+            return True
+    return False
+
+
+def emit_row_mask_checks(emit, mask: RowMask, masks: dict[fx.Node, RowMask], done: set) -> list:
+    """Emit the run-time checks of every mask node of ``mask``'s class (the region may rely on any of them
+    where it drops a product with it) not emitted before (``done``: keys of emitted checks). Returns the
+    keys emitted, for the caller to add to ``done`` once the region is rewritten."""
+    emitted = []
+    for found in masks.values():
+        if not mask.same(found):
+            continue
+        for check in found.checks:
+            key = (check.func, check.keywords["node"])  # (each a partial of an emit function, on a node)
+            if key not in done and key not in emitted:
+                check(emit)
+                emitted.append(key)
+    return emitted
 
 
 def _near_misses(graph: fx.Graph, found: dict[fx.Node, RowMask], why_not: dict[fx.Node, str]):
@@ -200,24 +243,61 @@ def vector_leaves(vector: KeyVector) -> list[fx.Node]:
     return sorted({n for n in nodes if n is not None}, key=lambda n: n.name)
 
 
-def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool:
+EMPTY_SAMPLES_READ_EVERY_KEY = "empty samples read every key"
+"""keys_within's answer for an op that, where a sample has no valid key, reads all its keys (finite fills)."""
+
+
+def keys_within(mask: RowMask, op: fx.Node, kv_lengths: Any) -> bool | str:
     """Whether every key the attention ``op`` reads (where its kv_mask and its ``kv_lengths`` argument
-    allow) is a valid token of the token vector ``mask``: then the op ignores the padded key rows."""
+    allow) is a valid token of the token vector ``mask``: then the op ignores the padded key rows.
+
+    A finite fill's rewrite lets a sample with no valid key read every key (``base | ~any(valid)[:, None]``,
+    attention/finite_fill.py). Where the valid keys are exactly the vector's tokens, such a sample has no valid
+    token either, so only its own (padded) query rows read padding: the answer is then
+    EMPTY_SAMPLES_READ_EVERY_KEY, which holds only when the op's output rows are pad-blind too."""
     evaluator = mask.vector.evaluator
     kv_mask = schema_arguments(op).get("kv_mask")
+    empty_rows = _every_key_when_empty(kv_mask) if isinstance(kv_mask, fx.Node) else None
+    if empty_rows is not None:
+        kv_mask = empty_rows[0]
     parts = []
     try:
         if isinstance(kv_mask, fx.Node):  # (B, Lk): its dims are the sample and the token
-            keys = evaluator.relabel(evaluator.tensor(kv_mask), {1: 3, 0: 0}, 4)
-            parts.append(keep_predicate(evaluator, keys, "bool"))
+            parts.append(_keys_predicate(evaluator, kv_mask))
         if isinstance(kv_lengths, fx.Node):
             lengths = evaluator.relabel(evaluator.tensor(kv_lengths), {0: 3}, 4)
             if not hasattr(lengths, "expr"):
                 return False
             parts.append(evaluator.compare_exprs("lt", J, lengths.expr))
+        if not parts:
+            return False
+        keys = sympy.And(*parts)
+        if not equivalent(evaluator, sympy.And(keys, mask.vector.formula), keys):  # keys read => valid tokens
+            return False
+        if empty_rows is None:
+            return True
+        empty_test = _keys_predicate(evaluator, empty_rows[1])  # "no valid key" is judged on these keys
+        exact = equivalent(evaluator, empty_test, keys) and \
+            equivalent(evaluator, sympy.And(keys, mask.vector.formula), mask.vector.formula)
+        return EMPTY_SAMPLES_READ_EVERY_KEY if exact else False
     except Unproven:
         return False
-    if not parts:
-        return False
-    keys = sympy.And(*parts)
-    return equivalent(evaluator, sympy.And(keys, mask.vector.formula), keys)  # keys read => valid tokens
+
+
+def _keys_predicate(evaluator: MaskEvaluator, keys: fx.Node):
+    """A (B, Lk) bool tensor as a condition on the sample and the key."""
+    return keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(keys), {1: 3, 0: 0}, 4), "bool")
+
+
+def _every_key_when_empty(kv_mask: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(base, valid) when kv_mask is ``logical_or(base, unsqueeze(logical_not(any(valid, -1)), 1))``."""
+    if target_name(kv_mask) != "logical_or" or len(kv_mask.args) != 2 or kv_mask.kwargs:
+        return None
+    base, extra = kv_mask.args
+    empty = extra.args[0] if target_name(extra) == "unsqueeze" and tuple(extra.args[1:]) == (1,) else None
+    if not isinstance(empty, fx.Node) or target_name(empty) != "logical_not":
+        return None
+    found = empty.args[0]
+    if target_name(found) != "any" or tuple(found.args[1:]) != (-1,) or found.kwargs:
+        return None
+    return (base, found.args[0]) if isinstance(base, fx.Node) and isinstance(found.args[0], fx.Node) else None

@@ -199,16 +199,79 @@ def test_masks_that_are_no_token_vector_are_refused_with_the_reason():
         heads = ids[..., None] > torch.arange(H)
         return (lin(x).unflatten(-1, (H, D)) * heads[..., None]).sum((1, 2, 3))
 
-    def checked(x, attention_mask):  # the float of an integer mask, compared: proven only for 0/1 values
-        valid = attention_mask.float()[..., None] > 0.5
-        return (lin(x) * valid).sum((1, 2))
+    report = explain(per_head, torch.randn(B, L, E), torch.randint(0, 3, (B, L)))
+    assert report.counts["unpad"] == 0
+    assert any("per head" in r for r in _reasons(report)), _reasons(report)
 
-    x = torch.randn(B, L, E)
-    for fn, arg, reason in ((per_head, torch.randint(0, 3, (B, L)), "per head"),
-                            (checked, torch.randint(0, 2, (B, L)), "checked at run time")):
-        report = explain(fn, x, arg)
-        assert report.counts["unpad"] == 0, fn.__name__
-        assert any(reason in r for r in _reasons(report)), (fn.__name__, _reasons(report))
+
+class SentenceEncoder(nn.Module):
+    """HF BERT's attention (an integer attention_mask from the tokenizer, ``(1 - mask) * finfo.min`` added to
+    the scores, SDPA) and sentence-transformers' mean pooling, as it writes it: the mask cast to float and
+    expanded over the features. Every token-wise op runs packed by the tokens where attention_mask != 0;
+    the prover reads the integer mask as 0/1 only under a device-side check, which the rewrite emits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out, self.ffn = nn.Embedding(ITEMS, E), nn.Linear(E, 3 * E), nn.Linear(E, E), Ffn()
+
+    def forward(self, ids, attention_mask):
+        x = self.emb(ids)
+        extended = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        q, k, v = (t.view(B, L, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=extended)
+        x = x + self.out(a.transpose(1, 2).reshape(B, L, E))
+        token_embeddings = x + self.ffn(x)
+        input_mask_expanded = attention_mask.unsqueeze(-1).expand(token_embeddings.size()).float()
+        sum_embeddings = torch.sum(token_embeddings * input_mask_expanded, 1)
+        return sum_embeddings / torch.clamp(input_mask_expanded.sum(1), min=1e-9)
+
+
+def _attention_mask(g, lengths):
+    return (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def test_integer_attention_mask_expanded_for_mean_pooling_runs_packed():
+    torch.manual_seed(0)
+    model = SentenceEncoder()
+    g = torch.Generator().manual_seed(3)
+    report = explain(model, torch.randint(1, ITEMS, (B, L), generator=g), _attention_mask(g, [L, 5, 1, 9]))
+    (region,) = _unpad(report)
+    assert report.counts["jagged_attention"] == 1 and not _reasons(report), _reasons(report)
+    assert region.metrics["gemms"] == 4, region.detail  # qkv, out, FFN up and down: nothing stays padded
+    compiled, compiles = _compiled(model)
+    for lengths in ([L, 5, 1, 9], [3, 0, L, 7], [L, L, L, L]):  # an empty sentence reads every key in eager
+        _assert_eager(model, compiled, (torch.randint(1, ITEMS, (B, L), generator=g), _attention_mask(g, lengths)))
+    assert len(compiles) == 1
+    nodes = [str(n.target) for n in compiles[0].graph.nodes]
+    assert sum("valid_mask_index" in t for t in nodes) == 1 and sum("_assert_async" in t for t in nodes) >= 1
+    bad = _attention_mask(g, [L, 5, 1, 9])
+    bad[0, 0] = 2  # not the 0/1 mask the rewrite read: the run stops, no silent answer
+    with pytest.raises(Exception, match="holds values other than 0 and 1"):
+        compiled(torch.randint(1, ITEMS, (B, L), generator=g), bad)
+
+
+class ComparedIntegerMask(nn.Module):
+    """The float of an integer mask, compared: a row mask only for 0/1 values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x, attention_mask):
+        valid = attention_mask.float()[..., None] > 0.5
+        return (self.lin(x) * valid).sum((1, 2))
+
+
+def test_integer_mask_read_as_zero_one_packs_under_its_check():
+    """Without attention: unpad alone emits the check of the integer mask it packs by."""
+    model = ComparedIntegerMask()
+    g = torch.Generator().manual_seed(4)
+    report = explain(model, torch.randn(B, L, E), torch.randint(0, 2, (B, L), generator=g))
+    assert report.counts["unpad"] == 1, _reasons(report)
+    compiled, _ = _compiled(model)
+    _assert_eager(model, compiled, (torch.randn(B, L, E), torch.randint(0, 2, (B, L), generator=g)))
+    with pytest.raises(Exception, match="holds values other than 0 and 1"):
+        compiled(torch.randn(B, L, E), torch.randint(0, 3, (B, L), generator=g) + 1)
 
 
 def test_row_masks_are_not_searched_for_hstu_visibilities(monkeypatch):

@@ -54,13 +54,15 @@ def test_float_zero_one_masks_pack_like_bool_ones(name):
         assert not regions, regions
     assert_compiled_matches_eager(model, x, LENGTHS, atol=1e-5)
 
-def test_an_integer_mask_read_from_data_and_cast_is_not_packed_by():
-    """0/1 only if the data says so: the pass does not pack by it (the bool comparison of such a mask is
-    refused with its reason, tests/integration/test_unpad_data_masks.py)."""
+def test_an_integer_mask_read_from_data_and_cast_packs_under_a_device_check():
+    """0/1 only if the data says so: the region packed by it emits the device-side check that it is
+    (tests/integration/test_unpad_data_masks.py runs it on bad data)."""
     lin = nn.Linear(D, D)
 
     def float_of_data(x, attention_mask):
         return (lin(x) * attention_mask.float()[..., None]).sum((1, 2))
 
     report = explain(float_of_data, torch.randn(B, N, D), torch.randint(0, 2, (B, N)))
-    assert report.counts["unpad"] == 0
+    assert report.counts["unpad"] == 1
+    checks = [n for n in report.graph_after.graph.nodes if n.target is torch._assert_async]
+    assert len(checks) == 1 and "holds values other than 0 and 1" in checks[0].args[1]

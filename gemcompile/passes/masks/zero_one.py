@@ -1,7 +1,8 @@
 """Integer masks read from data as 0/1: HF's ``attention_mask`` cast to float (``(1 - mask) * min``) or added
 to a float mask (StableLM's and Falcon's ``causal + attention_mask[:, None, None, :] == 0``). The prover reads
-such a tensor as 1 where it is nonzero and 0 elsewhere, and the rewrite checks on the device that it holds only
-0 and 1: a value outside {0, 1} stops the run with a message instead of a silent wrong answer."""
+such a tensor as 1 where it is nonzero and 0 elsewhere, and the rewrite (an attention pass, or unpad packing
+by it: unpad_masks.py) checks on the device that it holds only 0 and 1: a value outside {0, 1} stops the run
+with a message instead of a silent wrong answer."""
 
 from __future__ import annotations
 
@@ -35,6 +36,6 @@ def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
     with this message instead of computing a mask the model did not mean."""
     ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
     emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
-                                    f"gemcompile: the mask {node.name} holds values other than 0 and 1; the "
-                                    "attention rewrite read it as a 0/1 mask (compile without gemcompile's "
-                                    "attention passes for this model)"))
+                                    f"gemcompile: the mask {node.name} holds values other than 0 and 1; "
+                                    "gemcompile's rewrites (attention, unpad) read it as a 0/1 mask: pass a "
+                                    "bool mask, or turn those passes off for this model"))
