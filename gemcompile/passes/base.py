@@ -35,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemcompile.config import GemConfig
 from gemcompile.passes.checkpointed_regions import run_in_checkpointed_regions
-from gemcompile.passes.graph import mark_buffer_values, positional_arguments
+from gemcompile.passes.graph import erase_dead, mark_buffer_values, positional_arguments
 from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
 from gemcompile.version import versions
 
@@ -215,6 +215,9 @@ def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass], example_in
     if manager:
         mark_buffer_values(gm.graph, example_inputs)
         positional_arguments(gm.graph)
+        # Dynamo leaves values nobody reads (BertModel's pooler under a mean-pooling caller): they would
+        # count as readers of padded rows; AOTAutograd drops them later anyway
+        erase_dead([n for n in gm.graph.nodes if not n.users])
         manager(gm.graph)
         gm.recompile()
         in_regions = PassManager("pre_grad", [p for p in passes if p.name in _REGION_PASSES])

@@ -4,6 +4,7 @@ functionalization."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -212,9 +213,20 @@ def _may_erase(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method") or node.users:
         return False
     name = target_name(node)
-    if name.endswith("_") and not name.endswith("__"):
+    if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs or node.target in _IN_PLACE_OPERATORS:
         return False
+    if name.startswith(("_check", "_constrain", "sym_constrain", "_assert", "rand")) or name in _RANDOM or \
+            "dropout" in name or name == "print":
+        return False  # run-time checks and random draws (the next draws would differ) FX does not count impure
     return not node.is_impure()
+
+
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.imatmul}
+"""``x += y`` on a tensor: Dynamo records operator.iadd, which updates x (FX does not count it impure)."""
+
+_RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "native_dropout", "rrelu"}
 
 
 def erase_dead(nodes: list[fx.Node]) -> None:

@@ -138,3 +138,40 @@ def test_hf_xlnet_whose_padded_rows_attend_to_themselves_is_rewritten_and_equals
     for g, g_ref in zip(grads, grads_ref):
         if g_ref is not None:
             torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hf_bert_under_sentence_transformers_mean_pooling_runs_packed(attention):
+    """sentence-transformers' mean pooling (the integer attention_mask cast to float and expanded over the
+    features) zeroes the padded rows: every GEMM of the encoder runs on the valid tokens only, under the
+    device check that the mask is 0/1, and the sentence vectors and gradients equal eager's (an empty
+    sentence too, whose rows read every key in eager)."""
+    from tests.rewritten import rewritten
+
+    torch.manual_seed(0)
+    bert = _model("bert", attention)
+
+    def encode(ids, attention_mask):
+        token_embeddings = bert(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        input_mask_expanded = attention_mask.unsqueeze(-1).expand(token_embeddings.size()).float()
+        return torch.sum(token_embeddings * input_mask_expanded, 1) / torch.clamp(input_mask_expanded.sum(1), min=1e-9)
+
+    def batch(lengths):
+        valid = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+        return torch.randint(5, 100, (B, L)) * valid, valid.long()
+
+    report = explain(encode, *batch([L, 9, 3, 12]))
+    (region,) = [r for r in report.rewrites if r.pass_name == "unpad"]
+    assert region.metrics["gemms"] == 12 and report.counts["jagged_attention"] == 2, region.detail
+    compiled = rewritten(encode)
+    for lengths in ([L, 9, 3, 12], [4, 0, L, 7]):
+        inputs = batch(lengths)
+        out, ref = compiled(*inputs), encode(*inputs)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+        params = list(bert.parameters())
+        grads = torch.autograd.grad((out * weights).sum(), params, allow_unused=True)
+        grads_ref = torch.autograd.grad((ref * weights).sum(), params, allow_unused=True)
+        for g, g_ref in zip(grads, grads_ref):
+            if g_ref is not None:
+                torch.testing.assert_close(g, g_ref, atol=5e-5, rtol=1e-4)

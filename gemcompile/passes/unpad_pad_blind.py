@@ -1,0 +1,208 @@
+"""The pad-blind analysis of the unpad pass: whether every reader of a value ignores its padded rows.
+
+A region's exit writes zeros at the padded rows (unpad.py); that is exact where every reader ignores them:
+a product with the region's own row mask; the keys and values of a gemcompile attention op with these
+lengths, or whose kv_mask provably keeps only valid tokens of the region's token vector; a token-wise op,
+or an attention query, whose own result is pad-blind, through views, transposes, permutes and the
+selection of one piece of a fused projection (``qkv.unbind(0)``, ``qkv[0]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from gemcompile.passes.graph import target_name
+from gemcompile.passes.token_wise import ELEMENTWISE, classify, same_size, shape_of
+from gemcompile.passes.unpad_attention import lengths_arg_mask
+from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, keys_within
+
+# gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
+# Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
+# where kv_mask[b, j], when the op has one).
+ATTENTION_ARGS: dict[str, dict[str, int | None]] = {
+    "block_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": None, "kv_lengths": 3},
+    "gdpa": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
+    "jagged_attention": {"q": 0, "k": 1, "v": 2, "q_lengths": 3, "kv_lengths": 4},
+}
+ATTENTION_ROWS = (0, 2)
+"""(B, H, N, D): the batch and sequence dims of an attention op's q, k, v and output."""
+
+
+def _attention_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+            target.namespace == "gemcompile":
+        name = target.overloadpacket.__name__
+        return name if name in ATTENTION_ARGS else None
+    return None
+
+
+_VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
+
+
+def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The attention op whose keys or values ``node`` is, read by ``user`` through views (head split,
+    transposes), if any: for explain."""
+    name = _attention_name(user)
+    if name is not None:
+        spec = ATTENTION_ARGS[name]
+        return user if any(len(user.args) > spec[r] and user.args[spec[r]] is node for r in ("k", "v")) else None
+    if depth == 0 or target_name(user) not in _VIEWS:
+        return None
+    return next(filter(None, (_keys_of(u, user, depth - 1) for u in user.users)), None)
+
+
+class PadAnalysis:
+    """The pad-blind analysis over the original graph, for one length mask."""
+
+    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask]):
+        self.mask = mask
+        self.masks = masks
+        self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
+
+    def is_mask(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
+
+    def blind(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> bool:
+        """Every reader of ``node`` ignores its padded rows (rows = the positions of its B and N dims)."""
+        key = (node, rows)
+        if key not in self._memo:
+            self._memo[key] = False  # a cycle cannot occur in a DAG; this guards recursion anyway
+            self._memo[key] = bool(node.users) and all(self.reader_blind(user, node, rows) for user in node.users)
+        return self._memo[key]
+
+    def reader_blind(self, user: fx.Node, node: fx.Node, rows: tuple[int, int]) -> bool:
+        """Whether ``user`` ignores the padded rows of its input ``node``."""
+        if user.op == "output":
+            return False
+        shape = shape_of(node)
+        if shape is None:
+            return False
+        rank = len(shape)
+        name = target_name(user)
+        attention = _attention_name(user)
+        if attention is not None:
+            return self._attention_blind(user, node, rows, attention)
+        if name == "mul" and rows == (0, 1):
+            others = [a for a in user.args if a is not node]
+            if len(user.args) == 2 and len(others) == 1 and self.is_mask(others[0]):
+                return True
+        if name in ("select", "unbind") and user.args[0] is node or \
+                name == "getitem" and user.args[0] is node and type(user.args[1]) is int:
+            return self._piece_blind(user, rows, rank, name)
+        out_shape = shape_of(user)
+        if out_shape is None:
+            return False
+        if name == "transpose":
+            if len(user.args) != 3 or user.kwargs:
+                return False
+            a, b = (d % rank if isinstance(d, int) else None for d in user.args[1:3])
+            if a is None or b is None:
+                return False
+            swap = {a: b, b: a}
+            return self.blind(user, tuple(swap.get(r, r) for r in rows))
+        if name == "type_as" and len(user.args) == 2 and user.args[1] is node and user.args[0] is not node:
+            return True  # mask.type_as(h) reads h's dtype only
+        if name == "permute":  # x.permute(0, 2, 1, 3): the head split of model code
+            dims = user.args[1] if len(user.args) == 2 else user.args[1:]
+            if user.kwargs or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+                return False
+            order = [d % rank for d in dims]
+            return sorted(order) == list(range(rank)) and self.blind(user, tuple(order.index(r) for r in rows))
+        if name in ("unflatten", "flatten"):
+            return self._reshape_blind(user, rows, rank, name)
+        if rows == (0, 1):
+            rule = classify(user, self.mask.batch, self.mask.seq)
+            if rule is not None and node in rule.rows:
+                return self.blind(user, rows)
+            return False
+        # B and N elsewhere (an attention layout): elementwise ops and norms over the last dims keep rows
+        if len(out_shape) != rank or not all(same_size(out_shape[r], shape[r]) for r in rows):
+            return False
+        if name in ("rms_norm", "layer_norm"):
+            normalized = user.args[1]
+            n = 1 if isinstance(normalized, int) else len(normalized)
+            return user.args[0] is node and max(rows) < rank - n and self.blind(user, rows)
+        if name in ELEMENTWISE and all(
+            len(shape_of(a) or ()) < rank - min(rows) or a is node
+            for a in user.all_input_nodes
+        ):
+            return self.blind(user, rows)
+        return False
+
+    def _piece_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
+        """One piece along a dim besides B and N, of a fused projection split into heads (``qkv[0]``,
+        ``qkv.select(0, 1)``, ``qkv.unbind(0)`` of a (3, B, H, N, D) layout): the rows of each piece."""
+        if name == "getitem":
+            dim, index = 0, user.args[1]
+        elif name == "select":
+            dim, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim"), 0
+        else:
+            dim, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), 0
+        if not isinstance(dim, int) or not isinstance(index, int) or isinstance(index, bool) or dim % rank in rows:
+            return False
+        piece = tuple(r - 1 if r > dim % rank else r for r in rows)
+        if name != "unbind":
+            return self.blind(user, piece)
+        return bool(user.users) and all(target_name(u) == "getitem" and self.blind(u, piece) for u in user.users)
+
+    def _reshape_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
+        if name == "unflatten":
+            dim, sizes = user.args[1], user.args[2]
+            dim = dim % rank if isinstance(dim, int) else None
+            if dim is None or dim in rows:
+                return False
+            grow = len(sizes) - 1
+            return self.blind(user, tuple(r + grow if r > dim else r for r in rows))
+        start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
+        end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
+        start, end = start % rank, end % rank
+        if any(start <= r <= end for r in rows) and start != end:
+            return False
+        shrink = end - start
+        return self.blind(user, tuple(r - shrink if r > end else r for r in rows))
+
+    def _attention_blind(self, user: fx.Node, node: fx.Node, rows: tuple[int, int], attention: str) -> bool:
+        if rows != ATTENTION_ROWS:
+            return False
+        spec = ATTENTION_ARGS[attention]
+        roles = [role for role in ("q", "k", "v") if len(user.args) > spec[role] and user.args[spec[role]] is node]
+        if len(roles) != sum(1 for a in user.args if a is node) or not roles:
+            return False  # read through an argument we do not model (cos, sin, bias, ...)
+        shape = shape_of(node)
+        for role in roles:
+            if role == "q":
+                if not self.blind(user, ATTENTION_ROWS):
+                    return False
+                continue
+            if not (same_size(shape[0], self.mask.batch) and same_size(shape[2], self.mask.seq)):
+                return False
+            index = spec["kv_lengths"]
+            kv_lengths = user.args[index] if index is not None and len(user.args) > index else None
+            if self.mask.vector is not None:
+                within = keys_within(self.mask, user, kv_lengths)
+                if not within or (within == EMPTY_SAMPLES_READ_EVERY_KEY and not self.blind(user, ATTENTION_ROWS)):
+                    return False
+                continue
+            found = lengths_arg_mask(kv_lengths, shape[2])
+            if found is None or found[0] is not self.mask.lengths or found[1] != self.mask.offset:
+                return False
+        return True
+
+    def other_mask(self, user: fx.Node, node: fx.Node) -> str:
+        """Why a reader that zeroes or reads rows by a mask does not excuse this region's padding ('' if
+        it does not), for explain."""
+        if target_name(user) == "mul" and len(user.args) == 2:
+            other = next((a for a in user.args if a is not node), None)
+            found = self.masks.get(other) if isinstance(other, fx.Node) else None
+            if found is not None and not self.mask.same(found):
+                return (f"; it zeroes them where {found.condition()}, the region packs the tokens where "
+                        f"{self.mask.condition()}")
+        attention = _keys_of(user, node)
+        if self.mask.vector is not None and attention is not None:
+            return (f"; {attention.name} reads keys not provably among the tokens where "
+                    f"{self.mask.condition()}")
+        return ""
