@@ -35,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemcompile.config import GemConfig
 from gemcompile.passes.checkpointed_regions import run_in_checkpointed_regions
-from gemcompile.passes.graph import erase_dead, mark_buffer_values, positional_arguments
+from gemcompile.passes.graph import drop_dead_tensors, mark_buffer_values, positional_arguments
 from gemcompile.passes.records import Refusal, Rewrite, active_log, describe_nodes, source_location
 from gemcompile.version import versions
 
@@ -217,7 +217,10 @@ def run_pre_grad(gm: torch.fx.GraphModule, passes: Sequence[GemPass], example_in
         positional_arguments(gm.graph)
         # Dynamo leaves values nobody reads (BertModel's pooler under a mean-pooling caller): they would
         # count as readers of padded rows; AOTAutograd drops them later anyway
-        erase_dead([n for n in gm.graph.nodes if not n.users])
+        drop_dead_tensors(gm.graph)
+        from gemcompile.passes.attention.in_place import functionalize_fresh_updates
+
+        functionalize_fresh_updates(gm.graph)  # h.relu_(), s /= c: what every pass reads as the value it is
         manager(gm.graph)
         gm.recompile()
         in_regions = PassManager("pre_grad", [p for p in passes if p.name in _REGION_PASSES])

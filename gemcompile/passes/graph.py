@@ -141,7 +141,10 @@ _POSITIONAL: dict[str, tuple[str, ...]] = {
         "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal", "not_equal",
         "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "add", "sub",
         "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide", "remainder", "fmod",
-        "maximum", "minimum", "matmul", "bmm")},
+        "maximum", "minimum", "matmul")},
+    **{name: ("input", "mat2") for name in ("bmm", "mm")},  # torch names their second operand mat2
+    "baddbmm": ("input", "batch1", "batch2"),
+    "addmm": ("input", "mat1", "mat2"),
     **{name: ("input",) for name in ("logical_not", "bitwise_not", "abs", "neg", "exp")},
     "where": ("condition", "input", "other"),
     "masked_fill": ("input", "mask", "value"),
@@ -210,15 +213,38 @@ def copy_source_meta(original: fx.Node, copy: fx.Node) -> None:
 def _may_erase(node: fx.Node) -> bool:
     """Pure ops only: Dynamo graphs may hold in-place methods whose result is unused but whose effect is
     not (``x.add_(1)``), so a graph-wide dead-code pass is unsafe before functionalization."""
-    if node.op not in ("call_function", "call_method") or node.users:
+    return not node.users and _effect_free(node) and not _draws(node) and not node.is_impure()
+
+
+def _effect_free(node: fx.Node) -> bool:
+    """No in-place write, run-time check or print: its only effect is its value (and random draws)."""
+    if node.op not in ("call_function", "call_method"):
         return False
     name = target_name(node)
     if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs or node.target in _IN_PLACE_OPERATORS:
         return False
-    if name.startswith(("_check", "_constrain", "sym_constrain", "_assert", "rand")) or name in _RANDOM or \
-            "dropout" in name or name == "print":
-        return False  # run-time checks and random draws (the next draws would differ) FX does not count impure
-    return not node.is_impure()
+    return not (name.startswith(("_check", "_constrain", "sym_constrain", "_assert")) or name == "print")
+
+
+def _draws(node: fx.Node) -> bool:
+    """Random draws (erased, the next draws would differ from eager's) FX does not count impure."""
+    name = target_name(node)
+    return name.startswith("rand") or name in _RANDOM or "dropout" in name
+
+
+def unused(node: fx.Node, depth: int = 8) -> bool:
+    """Whether ``node``'s value reaches neither the output nor an effect: every reader is an effect-free op
+    whose value is unused too (a dead dropout of the probabilities an attention rewrite replaced)."""
+    if depth == 0 or not _effect_free(node) or _impure_besides_draws(node):
+        return False
+    return all(unused(user, depth - 1) for user in node.users)
+
+
+def _impure_besides_draws(node: fx.Node) -> bool:
+    try:
+        return node.is_impure(impure_random=False)
+    except TypeError:  # a torch whose is_impure takes no impure_random: draws count as effects there
+        return node.is_impure()
 
 
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -229,20 +255,33 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
 _RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "native_dropout", "rrelu"}
 
 
-def erase_dead(nodes: list[fx.Node]) -> None:
-    """Erase the given nodes and then their inputs, as long as each is pure and has no users left."""
+def erase_dead(nodes: list[fx.Node], only=None) -> None:
+    """Erase the given nodes and then their inputs, as long as each is pure and has no users left (and
+    satisfies ``only``, when given)."""
     work = list(nodes)
     seen: set[fx.Node] = set()
     while work:
         node = work.pop()
         if node in seen or getattr(node, "_erased", False):
             continue
-        if not _may_erase(node):
+        if not _may_erase(node) or only is not None and not only(node):
             continue
         seen.add(node)
         inputs = list(node.all_input_nodes)
         node.graph.erase_node(node)
         work.extend(inputs)
+
+
+def drop_dead_tensors(graph: fx.Graph) -> None:
+    """Erase the tensors nobody reads, made by pure ops of tensors (and what only they read): Dynamo leaves
+    them (BertModel's pooler under a mean-pooling caller), and the passes would count them as readers.
+    Only tensor values: Dynamo's vmap bookkeeping (functorch nesting calls) has no users and is not pure."""
+
+    def tensor_op(node: fx.Node) -> bool:
+        module = getattr(node.target, "__module__", None) or ""
+        return isinstance(example_value(node), torch.Tensor) and not module.startswith(("torch._C._functorch", "torch._functorch"))
+
+    erase_dead([n for n in graph.nodes if not n.users and tensor_op(n)], only=tensor_op)
 
 
 def fed_by(node: fx.Node, predicate, limit: int = 64) -> bool:

@@ -58,8 +58,8 @@ from torch.utils._pytree import tree_map
 
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
-from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, erase_dead, example_value,
-                                     target_name)
+from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, drop_dead_tensors, erase_dead,
+                                     example_value, target_name)
 from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.records import input_path
 from gemcompile.passes.token_wise import (
@@ -125,11 +125,16 @@ class UnpadPass(GemPass):
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     continue
-                updated = next(((n, u) for n in component if (u := in_place_update(n)) is not None), None)
-                if updated is not None:  # q = f[..., :E]; q.mul_(2): f's packed copy and its readers would miss it
+                # q = f[..., :E]; q.mul_(2), or an input h read before and after h.mul_(2): a packed copy
+                # (of f, of h gathered once) would miss the update
+                inputs = {a for n in component for a in n.all_input_nodes if a not in component}
+                updated = next(((n, u) for n in [*component, *inputs] if (u := in_place_update(n)) is not None),
+                               None)
+                if updated is not None:
                     node, update = updated
-                    self.refused(node, f"{node.name} is updated in place by {update.name} (`{target_name(update)}`, "
-                                       "through an alias): a packed copy would not see the update")
+                    how = "" if node in update.all_input_nodes else ", through an alias"
+                    self.refused(node, f"{node.name} is updated in place by {update.name} (`{target_name(update)}`"
+                                       f"{how}): a packed copy would not see the update")
                     continue
                 region = Region(mask, component, {n: rules[n] for n in component})
                 self._shrink_to_safe_exits(region, analysis)
@@ -186,8 +191,10 @@ class UnpadPass(GemPass):
 
     # -- rewriting --------------------------------------------------------------------------------
     def run(self, graph: fx.Graph) -> None:
-        # first: a zeroing of query rows the attention op writes as 0 anyway reads the output's padded rows
+        # first: a zeroing of query rows the attention op writes as 0 anyway reads the output's padded rows;
+        # values the attention rewrites left unread (k.transpose(-1, -2) of a replaced matmul) read them too
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
+        drop_dead_tensors(graph)
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
             masks, near_misses = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
@@ -214,8 +221,9 @@ class UnpadPass(GemPass):
             if not isinstance(region.mask.seq, int):  # the one reason (what stays padded is moot then)
                 if (gemms or region.stays_padded) and region.mask.index_key() not in symbolic:
                     symbolic.add(region.mask.index_key())
-                    self.refused(region.mask.node, "the padded length is symbolic (compile with static sequence "
-                                 "lengths: torch.compile(dynamic=False), or mark only the batch dynamic)")
+                    self.refused(region.mask.node, "the padded length is symbolic (Dynamo makes a size dynamic "
+                                 "once it changes between calls): pad batches to one length, or compile with "
+                                 "dynamic=False (one graph per length)")
                 continue
             for root, reason in region.stays_padded.items():
                 followers = [n for n, r in region.root_of.items() if r is root and n is not root]
@@ -259,7 +267,9 @@ class UnpadPass(GemPass):
         if not isinstance(seq, int):
             raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
         if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
-            raise Unproven("the region has symbolic sizes (dynamic=True): its scatters need static shapes")
+            raise Unproven("the batch size is symbolic (Dynamo makes it dynamic once it changes between calls, "
+                           "or dynamic=True): packed regions need static shapes; compile with dynamic=False "
+                           "(one graph per batch size) or keep the batch size fixed (drop_last=True)")
         if any(0 in shape_of(n) for n in region.nodes):
             raise Unproven("the region is empty (a batch or length of 0): no padding to skip")
         buckets = self._buckets

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import target_name
+from gemcompile.passes.graph import target_name, unused
 from gemcompile.passes.token_wise import ELEMENTWISE, classify, same_size, shape_of
 from gemcompile.passes.unpad_attention import lengths_arg_mask
 from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, keys_within
@@ -78,6 +78,8 @@ class PadAnalysis:
         """Whether ``user`` ignores the padded rows of its input ``node``."""
         if user.op == "output":
             return False
+        if unused(user):  # (what an attention rewrite left of the scores it replaced)
+            return True
         shape = shape_of(node)
         if shape is None:
             return False

@@ -107,9 +107,17 @@ def _scores_where_named(q, k, v, n, data):
     return torch.softmax(torch.where(condition=keep, input=q @ k.transpose(-2, -1), other=float("-inf")), -1) @ v
 
 
+def _scores_bmm_named(q, k, v, n, data):  # torch names bmm's second operand mat2
+    i, j = _positions()
+    b, h, length, d = q.shape
+    s = torch.bmm(q.reshape(b * h, length, d), mat2=k.reshape(b * h, length, d).transpose(1, 2))
+    keep = ((j <= i) & (j < n[:, None, None]))[:, None]
+    return torch.softmax(s.view(b, h, length, length).masked_fill(~keep, float("-inf")), -1) @ v
+
+
 @pytest.mark.parametrize("f, rewritten", [(_scores_alpha, False), (_scores_floor_div, False),
-                                          (_scores_where_named, True)],
-                         ids=["scores_alpha", "scores_floor_div", "scores_where_named"])
+                                          (_scores_where_named, True), (_scores_bmm_named, True)],
+                         ids=["scores_alpha", "scores_floor_div", "scores_where_named", "scores_bmm_named"])
 def test_score_spelling_means_what_torch_computes(f, rewritten):
     inputs = _inputs()
     _check_equal(f, inputs)

@@ -225,3 +225,65 @@ def test_a_value_updated_in_place_through_a_view_stays_padded():
         torch._dynamo.reset()
         for out, ref in zip(gem_compile(model)(ids, lengths), model(ids, lengths)):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+class InputUpdatedBetweenReads(nn.Module):
+    """A region input read, updated in place, and read again: a copy gathered once would miss the update."""
+
+    def __init__(self, e=32):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(e, e), nn.Linear(e, e), nn.Linear(e, 3)
+
+    def forward(self, h, lengths):
+        valid = torch.arange(h.shape[1])[None, :] < lengths[:, None]
+        a = self.fc1(h + 1.0)
+        h.mul_(2.0)
+        return self.head(torch.relu(a + self.fc2(h))) * valid[..., None]
+
+
+def test_an_input_updated_in_place_between_two_reads_stays_padded():
+    from tests.rewritten import rewritten
+
+    torch.manual_seed(0)
+    model = InputUpdatedBetweenReads()
+    h, lengths = torch.randn(4, 9, 32), torch.tensor([9, 1, 0, 5])
+    reasons = [r.reason for r in explain(model, h.clone(), lengths).refusals if r.pass_name == "unpad"]
+    assert any("is updated in place by" in r and "through an alias" not in r for r in reasons), reasons
+    out, ref = rewritten(model)(h.clone(), lengths), model(h.clone(), lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+class InPlaceActivations(nn.Module):
+    """nn.ReLU(inplace=True), F.relu(x, True) and h.relu_() on fresh Linear outputs: the out-of-place ops they
+    equal (attention/in_place.py), so the FFN packs."""
+
+    def __init__(self, spelling: str, e=32):
+        super().__init__()
+        self.spelling = spelling
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, e), nn.Linear(e, 2 * e), nn.Linear(2 * e, e)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        x = self.emb(ids)
+        h = self.fc1(x)
+        h = {"module": lambda: self.act(h), "flag": lambda: F.relu(h, True), "method": lambda: h.relu_()}[
+            self.spelling]()
+        return (x + self.fc2(h)) * valid[..., None]
+
+
+@pytest.mark.parametrize("spelling", ["module", "flag", "method"])
+def test_in_place_activations_pack(spelling):
+    from tests.rewritten import rewritten
+
+    torch.manual_seed(0)
+    model = InPlaceActivations(spelling)
+    ids, lengths = torch.randint(1, 30, (4, 9)), torch.tensor([9, 1, 0, 5])
+    report = explain(model, ids, lengths)
+    assert [r.metrics["gemms"] for r in report.rewrites if r.pass_name == "unpad"] == [2], report.refusals
+    out, ref = rewritten(model)(ids, lengths), model(ids, lengths)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    refs = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)

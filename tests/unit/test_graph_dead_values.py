@@ -50,3 +50,21 @@ def test_a_dead_pooler_is_not_compiled_away_from_the_answer():
     out = rewritten(fn)(x, buf)
     torch.testing.assert_close(out, fn(x, buf_ref))
     torch.testing.assert_close(buf, buf_ref)
+
+
+def _vmapped_causal_mask(q, k, v):
+    """transformers' masks (masking_utils._vmap_for_bhqkv): Dynamo records torch.vmap's nesting calls, whose
+    results nobody reads; erased, the batched ops ran at levels that no longer exist."""
+    fn = lambda b, h, i, j: i.new_ones((), dtype=torch.bool) & (j <= i)  # noqa: E731
+    for dims in [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]:
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    n = q.shape[2]
+    mask = fn(torch.arange(q.shape[0]), torch.arange(1), torch.arange(n), torch.arange(n))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_vmap_bookkeeping_without_users_is_kept():
+    from tests.rewritten import rewritten
+
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    torch.testing.assert_close(rewritten(_vmapped_causal_mask)(q, k, v), _vmapped_causal_mask(q, k, v))

@@ -29,12 +29,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from gemcompile.passes.attention.index_assign import emit_index_assign, index_assign_parts
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import Emitter, example_value, target_name
-from gemcompile.passes.masks.mutation import forget_mutations, returns_new_tensor
+from gemcompile.passes.masks.mutation import INPLACE_FLAG, forget_mutations, has_inplace_flag, returns_new_tensor
 
 _OPERATORS = {operator.itruediv: operator.truediv, operator.iadd: operator.add, operator.isub: operator.sub,
               operator.imul: operator.mul, operator.iand: operator.and_, operator.ior: operator.or_}
 _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div",
-            "tril_": "tril", "triu_": "triu"}  # MEANTIME's attn_mask.tril_()
+            "tril_": "tril", "triu_": "triu",  # MEANTIME's attn_mask.tril_()
+            **{f"{name}_": name for name in ("relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "exp",
+                                             "neg", "abs", "sqrt", "pow")}}  # h.relu_() in an MLP
 _VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
 """Views through which an update of a fresh tensor seen by nothing else is still an update of a fresh one."""
 
@@ -45,6 +47,8 @@ def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
         return "call_function", _OPERATORS[node.target]
     if node.op == "call_method" and node.target in _METHODS:
         return "call_method", _METHODS[node.target]
+    if node.op == "call_function" and node.target in INPLACE_FLAG and has_inplace_flag(node):
+        return "flag", node.target  # nn.ReLU(inplace=True) in an MLP
     if node.op == "call_function" and node.target is operator.setitem and _bool_mask_fill(node):
         return "call_method", "masked_fill"  # x[mask] = value is x.masked_fill_(mask, value): the same args
     if node.op == "call_function" and node.target is operator.setitem and _whole_slice(node):
@@ -52,6 +56,13 @@ def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
     if node.op == "call_function" and node.target is operator.setitem and index_assign_parts(node) is not None:
         return "index_assign", None  # x[:, 0] = v: where(the indexed elements, v, x)
     return None
+
+
+def _without_flag(node: fx.Node) -> tuple[tuple, dict]:
+    """The args and kwargs of an activation called with inplace=True, with inplace=False."""
+    index = INPLACE_FLAG[node.target]
+    args = tuple(False if i == index else a for i, a in enumerate(node.args))
+    return args, {**node.kwargs, **({"inplace": False} if "inplace" in node.kwargs else {})}
 
 
 def _whole_slice(node: fx.Node) -> bool:
@@ -135,6 +146,8 @@ def functionalize_fresh_updates(graph: fx.Graph) -> int:
                     new = emit.method("clone", (emit.method("expand_as", (node.args[2], base)),))
                 elif form[0] == "index_assign":
                     new = emit_index_assign(emit, base, *index_assign_parts(node))
+                elif form[0] == "flag":
+                    new = emit.node("call_function", form[1], *_without_flag(node))
                 else:
                     new = emit.node(*form, node.args, dict(node.kwargs))
             except Exception:  # noqa: BLE001 (an op the fake mode cannot run out of place: keep it as written)

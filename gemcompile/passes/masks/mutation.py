@@ -28,7 +28,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gemcompile.passes.graph import Unproven, example_value, target_name
 
-__all__ = ["check_not_updated", "forget_mutations", "in_place_update", "returns_new_tensor"]
+__all__ = ["INPLACE_FLAG", "check_not_updated", "forget_mutations", "has_inplace_flag", "in_place_update",
+           "returns_new_tensor"]
+
+_F = torch.nn.functional
+INPLACE_FLAG = {_F.relu: 1, _F.relu6: 1, _F.silu: 1, _F.hardswish: 1, _F.hardsigmoid: 1, _F.selu: 1, _F.mish: 1,
+                _F.elu: 2, _F.celu: 2, _F.leaky_relu: 2, _F.hardtanh: 3, _F.threshold: 3, _F.dropout: 3,
+                _F.alpha_dropout: 3, _F.dropout1d: 3, _F.dropout2d: 3, _F.rrelu: 4}
+"""Functions with an ``inplace`` flag (nn.ReLU(inplace=True) is F.relu(x, inplace=True)): its position."""
+
+
+def has_inplace_flag(node: fx.Node) -> bool:
+    """Whether ``node`` calls a function of INPLACE_FLAG with inplace=True, by keyword or by position."""
+    index = INPLACE_FLAG.get(node.target) if node.op == "call_function" else None
+    if node.kwargs.get("inplace") is True:
+        return True
+    return index is not None and len(node.args) > index and node.args[index] is True
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
@@ -68,7 +83,7 @@ def returns_new_tensor(node: fx.Node) -> bool:
         return False
     if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemcompile":
         return True  # gemcompile's own ops return new tensors
-    if node.kwargs.get("inplace") is True:
+    if has_inplace_flag(node):
         return False  # F.relu(x, inplace=True) returns x itself
     if target_name(node) == "einsum":  # einsum("bl->lb", x) of one operand is a view of it
         return len(_tensor_inputs(node)) > 1
@@ -101,7 +116,7 @@ def _updated_by(node: fx.Node) -> list[fx.Node]:
     out = node.kwargs.get("out")
     fx.node.map_arg(out, lambda n: written.append(n))
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is not None and (node.kwargs.get("inplace") is True or _writes_first(node)):
+    if first is not None and (has_inplace_flag(node) or _writes_first(node)):
         written.append(first)
     return written
 
