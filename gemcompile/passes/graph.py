@@ -253,6 +253,7 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
 """``x += y`` on a tensor: Dynamo records operator.iadd, which updates x (FX does not count it impure)."""
 
 _RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "native_dropout", "rrelu"}
+"""Random ops whose names say nothing of it (plus every ``rand*`` and ``*dropout*``)."""
 
 
 def erase_dead(nodes: list[fx.Node], only=None) -> None:
@@ -279,7 +280,8 @@ def drop_dead_tensors(graph: fx.Graph) -> None:
 
     def tensor_op(node: fx.Node) -> bool:
         module = getattr(node.target, "__module__", None) or ""
-        return isinstance(example_value(node), torch.Tensor) and not module.startswith(("torch._C._functorch", "torch._functorch"))
+        return isinstance(example_value(node), torch.Tensor) and \
+            not module.startswith(("torch._C._functorch", "torch._functorch"))
 
     erase_dead([n for n in graph.nodes if not n.users and tensor_op(n)], only=tensor_op)
 

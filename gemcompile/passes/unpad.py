@@ -20,7 +20,8 @@ therefore allowed only where that cannot change the answer, proven by one of two
   sums of such values, a bias-free linear or a zero-preserving activation of one);
 - *pad-blind*: every reader ignores the padded rows (a product with the mask; the keys and values of
   a gemcompile attention op with these lengths, or whose kv_mask provably keeps only valid tokens of this
-  vector; a token-wise op or attention query whose own result is pad-blind, through views and transposes).
+  vector; a token-wise op or attention query whose own result is pad-blind, through views and transposes;
+  a reader whose value nothing uses): unpad_pad_blind.py.
 "The mask" is always the region's own: a product with another vector (one the prover cannot show equal)
 makes nothing harmless, so zeroing with one vector never excuses packing by another.
 A value whose exit is neither stays padded (and the region shrinks around it), reported in explain.

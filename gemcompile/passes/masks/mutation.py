@@ -45,6 +45,7 @@ def has_inplace_flag(node: fx.Node) -> bool:
         return True
     return index is not None and len(node.args) > index and node.args[index] is True
 
+
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
                        operator.ixor, operator.ilshift, operator.irshift}
