@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 2_000_000
+"""The longest collective timeout: gloo takes it as milliseconds in a C int (2**31 - 1 ms, ~24.8 days)."""
+
+
 class ConfigError(ValueError):
     """A GemConfig field has a value outside its valid range."""
 
@@ -503,8 +507,8 @@ class ParallelConfig:
 
     collective_timeout_s: float | None = None
     """Seconds a collective waits for the other ranks before this rank stops with an error (a rank that
-    hangs or was suspended would otherwise hold every other rank). None: torch's default (30 minutes for
-    gloo, 10 for NCCL)."""
+    hangs or was suspended would otherwise hold every other rank), 1 to 2,000,000 (23 days). None: torch's
+    default (30 minutes for gloo, 10 for NCCL)."""
 
     expert_modules: tuple[str, ...] = ("WukongExpert",)
     """Modules whose parameters are experts: class names or fnmatch patterns of module paths
@@ -521,9 +525,10 @@ class ParallelConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"ParallelConfig.{name} = {value} is invalid: expected an int >= 1 or None")
-        if self.collective_timeout_s is not None and not 0 < self.collective_timeout_s < float("inf"):
+        if self.collective_timeout_s is not None and not 1 <= self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:
             raise ConfigError(f"ParallelConfig.collective_timeout_s = {self.collective_timeout_s} is "
-                              "invalid: expected a finite number of seconds > 0 or None")
+                              f"invalid: expected seconds in [1, {MAX_COLLECTIVE_TIMEOUT_S}] (gloo and NCCL "
+                              "take milliseconds in a 32-bit range), or None for torch's default")
         if self.dense_table_max_rows < 0:
             raise ConfigError(f"ParallelConfig.dense_table_max_rows = {self.dense_table_max_rows} is invalid: "
                               "expected >= 0")

@@ -4,6 +4,8 @@ tests/integration/test_parallel_rank_agreement.py)."""
 
 import dataclasses
 
+import pytest
+
 from gemcompile.config import ParallelConfig
 from gemcompile.runtime.distributed.plan import resolve_axes
 from gemcompile.runtime.training.config import TrainConfig
@@ -55,3 +57,17 @@ def test_a_field_only_some_ranks_have_is_a_disagreement():
 def test_every_train_config_field_but_the_per_rank_ones_is_compared():
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"quiet", "parallel"}
     assert names <= set(_fingerprint())
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK = 1 is invalid for WORLD_SIZE = 1"),  # waited 30 min for rank 0
+    ({"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE = -2 is invalid"),  # was called "no WORLD_SIZE"
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE = 'abc' is invalid: expected an integer"),
+])
+def test_a_launch_environment_that_cannot_rendezvous_is_refused_before_joining(monkeypatch, env, message):
+    from gemcompile.runtime.training.parallel import ParallelTraining
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        ParallelTraining.start(None)  # before the configuration is read

@@ -255,6 +255,10 @@ def test_checkpoint_dir_problems_are_found_before_anything_runs(tmp_path):
     afile.write_text("")
     assert check_checkpoint_dir(afile) == "it is a file, not a directory"
     assert check_checkpoint_dir(afile / "sub" / "ckpt") == f"{afile} is a file"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for link in ("dangling", "loop"):  # were called "a file"
+        assert check_checkpoint_dir(tmp_path / link) == "it is a symlink to nothing that exists (dangling, or a loop)"
     assert check_checkpoint_dir(tmp_path / "new" / "ckpt") is None and (tmp_path / "new" / "ckpt").is_dir()
     assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the write probe is removed
 

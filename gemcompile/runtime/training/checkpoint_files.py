@@ -304,6 +304,9 @@ def check_checkpoint_dir(path: str | Path) -> str | None:
     path = Path(path)
     for ancestor in (path, *path.parents):
         if ancestor.exists() or ancestor.is_symlink():
+            if ancestor.is_symlink() and not ancestor.exists():  # dangling, or a loop
+                what = "a symlink to nothing that exists (dangling, or a loop)"
+                return f"it is {what}" if ancestor == path else f"{ancestor} is {what}"
             if not ancestor.is_dir():
                 return "it is a file, not a directory" if ancestor == path else f"{ancestor} is a file"
             break

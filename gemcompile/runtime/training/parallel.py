@@ -71,6 +71,17 @@ class _MetaPaddedFlops:
         return self.counter.train_flops({k: meta(v) for k, v in inputs.items()})
 
 
+def _env_int(name: str) -> int | None:
+    """torchrun's integer environment variable ``name``, None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} = {text!r} is invalid: expected an integer (torchrun sets it)") from None
+
+
 class ParallelTraining:
     """The parallel side of `gemcompile train --parallel`: process group, plan, sharded model, step."""
 
@@ -89,8 +100,13 @@ class ParallelTraining:
         """Check the plan against GEM-ref (on the meta device) for torchrun's WORLD_SIZE, then join the
         process group and check that every rank runs the same configuration. Errors in the plan or the
         batch size are raised before any collective."""
-        world = int(os.environ.get("WORLD_SIZE", "0") or 0) or (dist.get_world_size() if dist.is_initialized()
-                                                                else 0)
+        world = _env_int("WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 0)  # (0: unset)
+        rank = _env_int("RANK")
+        if world < 0:
+            raise ValueError(f"WORLD_SIZE = {world} is invalid: expected the number of processes (>= 1)")
+        if world >= 1 and not dist.is_initialized() and rank is not None and not 0 <= rank < world:
+            raise ValueError(f"RANK = {rank} is invalid for WORLD_SIZE = {world}: expected 0 <= RANK < "
+                             "WORLD_SIZE (the rendezvous would wait for ranks that never come)")
         if world < 1:
             raise ValueError("TrainConfig.parallel is enabled but this process was not started by torchrun "
                              "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "
