@@ -78,7 +78,7 @@ from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 from gemcompile.env import env_flag
-from gemcompile.passes.masks.mutation import in_place_update
+from gemcompile.passes.masks.mutation import in_place_update, update_after
 
 @dataclass
 class Region:
@@ -113,6 +113,7 @@ class UnpadPass(GemPass):
         for m in sorted(masks.values(), key=lambda m: m.vector is not None):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
+        order = {n: i for i, n in enumerate(graph.nodes)}
         for mask in distinct:
             rules = {}
             for node in graph.nodes:
@@ -126,11 +127,7 @@ class UnpadPass(GemPass):
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     continue
-                # q = f[..., :E]; q.mul_(2), or an input h read before and after h.mul_(2): a packed copy
-                # (of f, of h gathered once) would miss the update
-                inputs = {a for n in component for a in n.all_input_nodes if a not in component}
-                updated = next(((n, u) for n in [*component, *inputs] if (u := in_place_update(n)) is not None),
-                               None)
+                updated = _updated_in_place(component, order)
                 if updated is not None:
                     node, update = updated
                     how = "" if node in update.all_input_nodes else ", through an alias"
@@ -459,6 +456,21 @@ class UnpadPass(GemPass):
             return _cached(entries, ("batch", a), lambda: emit.call(
                 torch.ops.aten.index.Tensor, (emit.call(torch.ops.aten.select.int, (a, 1, 0)), [batch_index])))
         raise Unproven(f"{a.name} of shape {shape} does not broadcast over the (B, N) rows")
+
+
+def _updated_in_place(component: list[fx.Node], order: dict) -> tuple[fx.Node, fx.Node] | None:
+    """(value, update) when a packed copy would miss an in-place update: of a member through any alias
+    (``q = f[..., :E]; q.mul_(2)``), or of an input after the region's first read of it (``h`` read, then
+    ``h.mul_(2)``, read again: gathered once before its first reader)."""
+    updated = next(((n, u) for n in component if (u := in_place_update(n)) is not None), None)
+    if updated is not None:
+        return updated
+    members, first_reader = set(component), {}
+    for n in sorted(component, key=order.__getitem__):
+        for a in n.all_input_nodes:
+            if a not in members:
+                first_reader.setdefault(a, n)
+    return next(((a, u) for a, r in first_reader.items() if (u := update_after(a, r)) is not None), None)
 
 
 def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,

@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gemcompile.passes.graph import Unproven, example_value, target_name
 
 __all__ = ["INPLACE_FLAG", "check_not_updated", "forget_mutations", "has_inplace_flag", "in_place_update",
-           "returns_new_tensor"]
+           "returns_new_tensor", "update_after"]
 
 _F = torch.nn.functional
 INPLACE_FLAG = {_F.relu: 1, _F.relu6: 1, _F.silu: 1, _F.hardswish: 1, _F.hardsigmoid: 1, _F.selu: 1, _F.mish: 1,
@@ -159,9 +159,11 @@ class _MutationIndex:
             if storage is not None:
                 self._union(node, storages.setdefault(storage, node))
         self.updates: dict[fx.Node, fx.Node] = {}
+        self.every_update: dict[fx.Node, list[fx.Node]] = {}  # in graph order
         for node in graph.nodes:
             for written in _updated_by(node):
                 self.updates.setdefault(self._find(written), node)
+                self.every_update.setdefault(self._find(written), []).append(node)
 
     def _find(self, node: fx.Node) -> fx.Node:
         root = node
@@ -205,6 +207,20 @@ def forget_mutations(graph: fx.Graph) -> None:
 def in_place_update(node: fx.Node) -> fx.Node | None:
     """The first op that writes ``node``'s tensor or any tensor it may alias in place, or None."""
     return _index(node.graph).update_of(node)
+
+
+def update_after(node: fx.Node, reader: fx.Node) -> fx.Node | None:
+    """An op that writes ``node``'s tensor (or one it may alias) in place after ``reader`` reads it in graph
+    order, or None: a copy of the value taken at ``reader`` would miss it. (None for nodes added after the
+    graph's index was built.)"""
+    index = _index(node.graph)
+    if node not in index.parent or not index.updates:
+        return None
+    updates = index.every_update.get(index._find(node), [])
+    if not updates:
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return next((u for u in updates if order.get(u, -1) > order.get(reader, -1)), None)
 
 
 def check_not_updated(node: fx.Node) -> None:
