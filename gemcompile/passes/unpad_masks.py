@@ -143,7 +143,8 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
     try:
         lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
         if lm.q_lengths is None and not lm.causal:
-            return RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1], node=lm.kv_lengths)
+            return RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1], node=lm.kv_lengths,
+                           checks=_checks_of(node, evaluator))
     except Unproven:
         pass  # not lengths: a token vector, below
     if keep is sympy.true or keep is sympy.false:
@@ -198,7 +199,7 @@ def emit_row_mask_checks(emit, mask: RowMask, masks: dict[fx.Node, RowMask], don
         if not mask.same(found):
             continue
         for check in found.checks:
-            key = (check.func, check.keywords["node"])  # (each a partial of an emit function, on a node)
+            key = (getattr(check, "func", check), getattr(check, "keywords", {}).get("node"))  # partials
             if key not in done and key not in emitted:
                 check(emit)
                 emitted.append(key)
