@@ -221,7 +221,8 @@ def _effect_free(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = target_name(node)
-    if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs or node.target in _IN_PLACE_OPERATORS:
+    if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs or name in IN_PLACE_DUNDERS or \
+            node.target in IN_PLACE_OPERATORS:
         return False
     return not (name.startswith(("_check", "_constrain", "sym_constrain", "_assert")) or name == "print")
 
@@ -247,10 +248,12 @@ def _impure_besides_draws(node: fx.Node) -> bool:
         return node.is_impure()
 
 
-_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                       operator.irshift, operator.imatmul}
-"""``x += y`` on a tensor: Dynamo records operator.iadd, which updates x (FX does not count it impure)."""
+IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul}
+"""``x[i] = v``, ``x += y`` on a tensor: Dynamo records operator.setitem / iadd, which update x in place."""
+IN_PLACE_DUNDERS = {f"__{op.__name__}__" for op in IN_PLACE_OPERATORS}
+"""The same as methods (``x.__iadd__(y)``, ``x.__setitem__(i, v)``)."""
 
 _RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "native_dropout", "rrelu"}
 """Random ops whose names say nothing of it (plus every ``rand*`` and ``*dropout*``)."""

@@ -80,6 +80,7 @@ from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
 from gemcompile.env import env_flag
 from gemcompile.passes.masks.mutation import in_place_update, update_after
 
+
 @dataclass
 class Region:
     """The nodes of one length mask's token-wise region that run packed."""

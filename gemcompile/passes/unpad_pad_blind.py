@@ -138,13 +138,10 @@ class PadAnalysis:
     def _piece_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
         """One piece along a dim besides B and N, of a fused projection split into heads (``qkv[0]``,
         ``qkv.select(0, 1)``, ``qkv.unbind(0)`` of a (3, B, H, N, D) layout): the rows of each piece."""
-        if name == "getitem":
-            dim, index = 0, user.args[1]
-        elif name == "select":
-            dim, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim"), 0
-        else:
-            dim, index = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), 0
-        if not isinstance(dim, int) or not isinstance(index, int) or isinstance(index, bool) or dim % rank in rows:
+        # (which piece does not matter: each has the rows of the others)
+        dim = 0 if name == "getitem" else \
+            user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0 if name == "unbind" else None)
+        if type(dim) is not int or dim % rank in rows:
             return False
         piece = tuple(r - 1 if r > dim % rank else r for r in rows)
         if name != "unbind":

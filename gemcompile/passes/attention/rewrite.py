@@ -112,7 +112,9 @@ class AttentionRewritePass(GemPass):
 
     def run(self, graph: fx.Graph) -> None:
         lower_vmapped_masks(graph)  # transformers' masks built under torch.vmap, as broadcast ops
-        functionalize_fresh_updates(graph)  # `s /= c`, `s.masked_fill_(pad, -inf)`: chains the matchers read
+        # `s /= c`, `s.masked_fill_(pad, -inf)`: chains the matchers read (run_pre_grad did the top graph
+        # already; a checkpointed region's graph comes here directly)
+        functionalize_fresh_updates(graph)
         drop_unit_dim_views(graph)  # fairseq's 5-D view of the scores around its masked_fill
         fold_row_flattened_masks(graph)  # d2l: the scores masked as (M, Lk) rows, then shaped back
         emit = Emitter(graph)

@@ -19,14 +19,13 @@ index of a graph it changes).
 
 from __future__ import annotations
 
-import operator
 import weakref
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gemcompile.passes.graph import Unproven, example_value, target_name
+from gemcompile.passes.graph import IN_PLACE_DUNDERS, IN_PLACE_OPERATORS, Unproven, example_value, target_name
 
 __all__ = ["INPLACE_FLAG", "check_not_updated", "forget_mutations", "has_inplace_flag", "in_place_update",
            "returns_new_tensor", "update_after"]
@@ -46,11 +45,6 @@ def has_inplace_flag(node: fx.Node) -> bool:
     return index is not None and len(node.args) > index and node.args[index] is True
 
 
-_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-                       operator.ixor, operator.ilshift, operator.irshift}
-_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 _NOT_UPDATES = {"requires_grad_", "retain_grad", "record_stream"}
 _FRESH = {
     # arithmetic, comparisons and logic (method, function and operator spellings)
@@ -123,12 +117,12 @@ def _updated_by(node: fx.Node) -> list[fx.Node]:
 
 
 def _writes_first(node: fx.Node) -> bool:
-    if node.target in _IN_PLACE_OPERATORS:
+    if node.target in IN_PLACE_OPERATORS:
         return True
     if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
-        return False  # operator.and_ / or_ / not_ are out of place; the in-place operators are listed above
+        return False  # operator.and_ / or_ / not_ are out of place; the in-place ones are graph.IN_PLACE_OPERATORS
     name = target_name(node)
-    if name in _IN_PLACE_DUNDERS:
+    if name in IN_PLACE_DUNDERS:
         return True
     return name.endswith("_") and not name.startswith("__") and name not in _NOT_UPDATES
 
