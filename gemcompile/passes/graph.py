@@ -120,6 +120,29 @@ class Emitter:
         return node
 
 
+def size_argument(emit: Emitter, size: Any):
+    """A size as an argument of emitted nodes: the int when static; under dynamic shapes, the graph input
+    Dynamo lifts for its symbol, else ``sym_size`` of an input tensor with a dim of exactly that size (a raw
+    SymInt is no valid argument: it would be traced as a constant)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    expr = size.node.expr
+    if expr.is_number:
+        return int(expr)
+    placeholders = list(emit.graph.find_nodes(op="placeholder"))
+    for node in placeholders:
+        value = node.meta.get(emit.value_key)
+        if isinstance(value, torch.SymInt) and value.node.expr == expr:
+            return node
+    for node in placeholders:
+        value = node.meta.get(emit.value_key)
+        if isinstance(value, torch.Tensor):
+            for dim, d in enumerate(value.shape):
+                if isinstance(d, torch.SymInt) and d.node.expr == expr:
+                    return emit.call(torch.ops.aten.sym_size.int, (node, dim))
+    raise Unproven(f"the dynamic size {expr} is held by no graph input")
+
+
 CHECKPOINT_REGION_INPUT = "gemcompile_checkpoint_region_input"
 """Meta flag of a placeholder of an activation-checkpointed region's subgraph (base.run_pre_grad): refusals of
 masks read from it say where such an input comes from."""

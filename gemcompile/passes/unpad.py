@@ -33,6 +33,11 @@ says why that is exact); explain lists them in the record.
 Pad-zero takes 0 * x and 0 / x as 0: where eager's padded rows hold inf or NaN, the packed program has
 zeros there instead (the convention the attention rewrites follow for fully masked rows).
 
+Under dynamic shapes (Dynamo recompiles with symbolic B and N once either changes between calls, as with a
+tokenizer that pads each batch to its longest sequence) the same rewrite applies: the emitted nodes read B and
+N from the size inputs Dynamo lifts (graph.size_argument), never as constants, and add no guard on them, so
+one dynamic graph still serves every later batch. Token buckets need static B and N (refused otherwise).
+
 By default T is a dynamic dimension, not a bucketed capacity: ``valid_token_index`` has an unbacked SymInt size,
 so one compiled graph serves every batch (no recompiles, no capacity to overflow, no rows wasted on a
 bucket's slack). The price is one device-to-host read of T per region per step, measured in the
@@ -60,7 +65,8 @@ from torch.utils._pytree import tree_map
 import gemcompile.lowering.valid_tokens  # noqa: F401  registers gemcompile::valid_token_index
 from gemcompile.passes.base import GemPass
 from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, drop_dead_tensors, erase_dead,
-                                     example_value, target_name)
+                                     example_value, size_argument, target_name)
+from gemcompile.passes.graph_liveness import size_hint
 from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.records import input_path
 from gemcompile.passes.token_wise import (
@@ -106,12 +112,13 @@ class UnpadPass(GemPass):
         return self.options.token_buckets or 0
 
     # -- finding --------------------------------------------------------------------------------
-    def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask]) -> list[Region]:
+    def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask], zeroings: dict[fx.Node, tuple]) -> list[Region]:
         claimed: set[fx.Node] = set()
         regions: list[Region] = []
         distinct: list[RowMask] = []
         # lengths first: a region claims its nodes, and lengths masks are what unpad packed before vectors
-        for m in sorted(masks.values(), key=lambda m: m.vector is not None):
+        kept = [m for _, m in zeroings.values()]
+        for m in sorted([*masks.values(), *kept], key=lambda m: m.vector is not None):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -124,7 +131,7 @@ class UnpadPass(GemPass):
                 rule = classify(node, mask.batch, mask.seq)
                 if rule is not None:
                     rules[node] = rule
-            analysis = PadAnalysis(mask, masks)
+            analysis = PadAnalysis(mask, masks, zeroings)
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     continue
@@ -149,7 +156,7 @@ class UnpadPass(GemPass):
         is read that way too: the q, k, v projections of a model that never masks its input)."""
         inside = set(component)
         return any(
-            (target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args))
+            (target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args)) or analysis.zeroing_of(n)
             or any(u not in inside and analysis.reader_blind(u, n, (0, 1)) for u in n.users)
             for n in component)
 
@@ -185,7 +192,8 @@ class UnpadPass(GemPass):
     def _pad_zero(region: Region, analysis: PadAnalysis) -> dict[fx.Node, bool]:
         zero: dict[fx.Node, bool] = {}
         for node in region.nodes:  # graph order: inputs first
-            zero[node] = zero_preserving(region.rules[node], lambda a: zero.get(a, False), analysis.is_mask)
+            zero[node] = analysis.zeroing_of(node) is not None or \
+                zero_preserving(region.rules[node], lambda a: zero.get(a, False), analysis.is_mask)
         return zero
 
     # -- rewriting --------------------------------------------------------------------------------
@@ -195,7 +203,7 @@ class UnpadPass(GemPass):
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
         drop_dead_tensors(graph)
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
-            masks, near_misses = find_row_masks(graph)
+            masks, near_misses, zeroings = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
                 raise
@@ -214,16 +222,9 @@ class UnpadPass(GemPass):
         self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
         self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
         self._checked: set = set()  # the run-time checks of the masks' data emitted so far
-        symbolic: set[tuple] = set()  # the masks whose symbolic length was said
-        for region in self.regions(graph, masks):
+        self._zeroings = zeroings
+        for region in self.regions(graph, masks, zeroings):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
-            if not isinstance(region.mask.seq, int):  # the one reason (what stays padded is moot then)
-                if (gemms or region.stays_padded) and region.mask.index_key() not in symbolic:
-                    symbolic.add(region.mask.index_key())
-                    self.refused(region.mask.node, "the padded length is symbolic (Dynamo makes a size dynamic "
-                                 "once it changes between calls): pad batches to one length, or compile with "
-                                 "dynamic=False (one graph per length)")
-                continue
             for root, reason in region.stays_padded.items():
                 followers = [n for n, r in region.root_of.items() if r is root and n is not root]
                 if followers:
@@ -262,24 +263,25 @@ class UnpadPass(GemPass):
             if in_place_update(source) is not None:  # through any alias (masks/mutation.py)
                 raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, which the model "
                                "changes in place")
-        seq = mask.seq
-        if not isinstance(seq, int):
-            raise Unproven("the padded length is symbolic (compile with static sequence lengths)")
-        if not all(isinstance(d, int) for n in region.nodes for d in shape_of(n)):
-            raise Unproven("the batch size is symbolic (Dynamo makes it dynamic once it changes between calls, "
-                           "or dynamic=True): packed regions need static shapes; compile with dynamic=False "
-                           "(one graph per batch size) or keep the batch size fixed (drop_last=True)")
-        if any(0 in shape_of(n) for n in region.nodes):
+        if any(same_size(d, 0) for n in region.nodes for d in shape_of(n)):
             raise Unproven("the region is empty (a batch or length of 0): no padding to skip")
         buckets = self._buckets
-        index_key = (*mask.index_key(), seq)
+        if buckets and not all(isinstance(d, int) for d in (mask.batch, mask.seq)):
+            raise Unproven("token_buckets needs a static batch size and padded length (the capacities are "
+                           "fractions of B * N); compile with dynamic=False or keep both fixed")
+        # under dynamic shapes (Dynamo recompiles with symbolic sizes once B or N changes between calls) the
+        # emitted nodes take B and N as graph values: the size inputs Dynamo lifts
+        with graph.inserting_before(first):
+            batch, seq = size_argument(emit, mask.batch), size_argument(emit, mask.seq)
+        index_key = (*mask.index_key(), _size_key(mask.seq))
         shared = self._indices.get(index_key)
         if shared is None or order[shared[0]] > order[first]:  # (regions come in graph order)
             with graph.inserting_before(first):
-                shared = self._token_indices(emit, mask, seq, example_value(first).device)
+                shared = self._token_indices(emit, mask, batch, seq, example_value(first).device)
         index, batch_index, seq_index, gather_batch = shared
         with graph.inserting_before(first):  # what the proof of the masks assumed of the data
-            checked = emit_row_mask_checks(emit, mask, masks, self._checked)
+            checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(m for _, m in self._zeroings.values())],
+                                           self._checked)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -292,7 +294,7 @@ class UnpadPass(GemPass):
                                         entries=entries, emit=emit, batch_index=gather_batch,
                                         seq_index=seq_index, mask=mask)
             with graph.inserting_before(node):
-                identity = _mask_product_identity(node, rule, mask, masks)
+                identity = _mask_product_identity(node, rule, mask, masks, self._zeroings)
                 if identity is not None:
                     packed[node] = operand(identity)
                     continue
@@ -306,15 +308,15 @@ class UnpadPass(GemPass):
             outside = [u for u in node.users if u not in members]
             if not outside:
                 continue
-            with graph.inserting_before(node):
-                shape = [*example_value(node).shape]
-                if buckets:  # one more batch row takes the slack rows, then is sliced away
-                    shape[0] += 1
+            with graph.inserting_before(node):  # (B, N, trailing sizes of the packed value)
+                shape = [batch + 1 if buckets else batch, seq, *(
+                    size_argument(emit, d) if isinstance(d, torch.SymInt) else d
+                    for d in example_value(node).shape[2:])]
                 zeros = emit.call(torch.ops.aten.new_zeros.default, (packed[node], shape))
                 scattered = emit.call(torch.ops.aten.index_put.default, (zeros, [batch_index, seq_index],
                                                                           packed[node]))
                 if buckets:
-                    scattered = emit.call(torch.ops.aten.slice.Tensor, (scattered, 0, 0, mask.batch))
+                    scattered = emit.call(torch.ops.aten.slice.Tensor, (scattered, 0, 0, batch))
             copy_source_meta(node, zeros)
             copy_source_meta(node, scattered)
             n_exits += 1
@@ -327,7 +329,7 @@ class UnpadPass(GemPass):
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
         attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
         reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(
-            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None))
+            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None, seq=seq))
         self._indices[index_key] = shared
         self._checked.update(checked)
         self._record(region, first, snapshot, gemms, macs, attention, reads=reads,
@@ -359,13 +361,14 @@ class UnpadPass(GemPass):
             f"index = gemcompile.{call}  # T valid tokens\n"
             f"{len(region.nodes)} ops on (T, ...) rows; x[index // {seq}, index % {seq}] in"
             + (f", zeros(B, {seq}, ...).index_put(...) out" if scatters else "")), detail,
-            metrics={"lengths": mask.describe(), "seq": seq, "batch": mask.batch, "ops": len(region.nodes),
+            metrics={"lengths": mask.describe(), "seq": _size_metric(seq), "batch": _size_metric(mask.batch),
+                     "ops": len(region.nodes),
                      "lengths_input": input_path(mask.lengths) if mask.vector is None else None,
                      "gemms": len(gemms), "op_counts": ops, "macs_per_token": macs, "gathers": gathers,
                      "scatters": scatters, "packed_attention": attention["ops"], "packed_row_reads": reads,
                      "zeroings_dropped": zeroings})
 
-    def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq: int, index_key: tuple,
+    def _pack_attentions(self, graph: fx.Graph, emit: Emitter, mask: RowMask, seq, index_key: tuple,
                          shared: tuple) -> dict:
         """Attention ops that now read and write this region's packed rows (unpad_attention.py): their
         counts by op, the scatters and gathers that went away, and the text for explain."""
@@ -385,43 +388,41 @@ class UnpadPass(GemPass):
 
         index, batch_index, seq_index, gather_batch = shared
         names, result["scatters"], result["gathers"] = pack_attentions(
-            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets))
+            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets, seq))
         for name in names:
             result["ops"][name] = result["ops"].get(name, 0) + 1
         if names:
             result["text"] = ", ".join(f"{k} x{v}" for k, v in result["ops"].items()) + " on packed tokens; "
         return result
 
-    def _token_indices(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> tuple:
-        """(index, its batch and sequence positions for the scatters, the batch positions for the gathers)."""
+    def _token_indices(self, emit: Emitter, mask: RowMask, batch, seq, device: torch.device) -> tuple:
+        """(index, its batch and sequence positions for the scatters, the batch positions for the gathers);
+        ``batch`` and ``seq`` are ints or size nodes."""
         buckets = self._buckets
-        if buckets and not isinstance(mask.batch, int):
-            raise Unproven("token_buckets needs a static batch size (the capacities are fractions of B * N)")
         # bucketed: slack rows hold the sentinel B * N (their scatter row B is dropped at each exit)
-        index = self._index(emit, mask, seq, device)
+        index = self._index(emit, mask, batch, seq, device)
         batch_index = emit.call(operator.floordiv, (index, seq))
         seq_index = emit.call(operator.mod, (index, seq))
         # gathers read the slack rows from a real position (row B - 1, finite wherever x is)
-        gather_batch = (emit.call(torch.ops.aten.clamp_max.default, (batch_index, mask.batch - 1))
+        gather_batch = (emit.call(torch.ops.aten.clamp_max.default, (batch_index, batch - 1))
                         if buckets else batch_index)
         return index, batch_index, seq_index, gather_batch
 
-    def _hint(self, mask: RowMask, seq: int) -> int:
-        """Inductor's guess of T (0: none, for a symbolic batch)."""
-        if isinstance(mask.batch, int):
-            return max(1, round(int(mask.batch) * seq * self.options.expected_fill))
-        return 0
+    def _hint(self, mask: RowMask) -> int:
+        """Inductor's guess of T: the expected fill of B * N (under dynamic shapes, of their hints: the
+        sizes of the batch that compiled)."""
+        return max(1, round(size_hint(mask.batch) * size_hint(mask.seq) * self.options.expected_fill))
 
-    def _index(self, emit: Emitter, mask: RowMask, seq: int, device: torch.device) -> fx.Node:
+    def _index(self, emit: Emitter, mask: RowMask, batch, seq, device: torch.device) -> fx.Node:
         """The (T,) flat positions of the mask's valid tokens: from lengths, or from the token vector rebuilt
         from the tensors it reads (valid_mask_index)."""
-        hint, buckets = self._hint(mask, seq), self._buckets
+        hint, buckets = self._hint(mask), self._buckets
         if mask.vector is None:
             lengths = mask.lengths
             if mask.offset != 0:
                 lengths = emit.call(operator.add, (lengths, mask.offset))
             return emit.call(torch.ops.gemcompile.valid_token_index.default, (lengths, seq, hint, buckets))
-        valid = emit_token_vector(emit, mask.vector, mask.batch, seq, device, "the packed region")
+        valid = emit_token_vector(emit, mask.vector, batch, seq, device, "the packed region")
         return emit.call(torch.ops.gemcompile.valid_mask_index.default, (valid, hint, buckets))
 
     def _operand(self, a, *, node, rule, members, packed, entries, emit, batch_index, seq_index, mask):
@@ -474,9 +475,13 @@ def _updated_in_place(component: list[fx.Node], order: dict) -> tuple[fx.Node, f
     return next(((a, u) for a, r in first_reader.items() if (u := update_after(a, r)) is not None), None)
 
 
-def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,
-                           masks: dict[fx.Node, RowMask]) -> fx.Node | None:
-    """x * mask on packed rows is x (every packed row is valid): the operand to forward, or None."""
+def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask, masks: dict[fx.Node, RowMask],
+                           zeroings: dict[fx.Node, tuple]) -> fx.Node | None:
+    """x * mask, or a zeroing of x's rows outside the mask (masked_fill, where), on packed rows is x (every
+    packed row is valid): the operand to forward, or None."""
+    if node in zeroings:
+        x, kept = zeroings[node]
+        return x if mask.same(kept) and x in rule.rows else None
     if target_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
@@ -485,6 +490,16 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask,
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
+
+
+def _size_key(size) -> Any:
+    """A size as a dict key (a SymInt is unhashable): its expression."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _size_metric(size) -> int | str:
+    """A size for explain's JSON: the int, or a symbolic size's expression (``s1``)."""
+    return size if isinstance(size, int) else str(size)
 
 
 def _map_node(fn, a: Any) -> Any:

@@ -43,12 +43,13 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, erase_dead, schema_arguments,
-                                     target_name)
+from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, erase_dead, example_value,
+                                     schema_arguments, target_name)
 from gemcompile.passes.token_wise import NORMS, ZERO_PRESERVING_UNARY, same_size, shape_of
 from gemcompile.passes.unpad_masks import RowMask
 
@@ -109,6 +110,8 @@ class RegionIndex:
     gather_batch: fx.Node
     offsets: Callable[[], fx.Node]
     """Emits (or returns) the token offsets of these lengths."""
+    seq: Any = None
+    """The padded length as an argument of emitted nodes: an int, or a size node under dynamic shapes."""
 
 
 def _is_head_transpose(node: fx.Node) -> bool:
@@ -210,7 +213,7 @@ def lengths_arg_mask(arg, seq) -> tuple[fx.Node, int] | None:
     if not isinstance(arg, fx.Node):
         return None
     if target_name(arg) == "clamp" and len(arg.args) == 3 and arg.args[1] == 0 and \
-            same_size(arg.args[2], seq):
+            same_size(example_value(arg.args[2]), seq):  # (a size node under dynamic shapes)
         inner = arg.args[0]
         if isinstance(inner, fx.Node) and target_name(inner) == "add" and isinstance(inner.args[1], int):
             return inner.args[0], inner.args[1]
@@ -318,7 +321,7 @@ def _emit_packed(emit: Emitter, node: fx.Node, layout: PackedLayout, call: dict,
     for a in layout.same_lengths if layout.drop_same_lengths else ():
         call[a] = None
     call[layout.offsets] = index.offsets()
-    call[layout.max_len] = int(index.mask.seq)
+    call[layout.max_len] = index.mask.seq if isinstance(index.mask.seq, int) else index.seq
     out = emit.call(node.target, tuple(call.values()))
     copy_source_meta(node, out)
     return out
@@ -330,4 +333,5 @@ def emit_token_offsets(emit: Emitter, lengths: fx.Node, offset: int, seq: int) -
         lengths = emit.call(operator.add, (lengths, offset))
     clamped = emit.call(torch.ops.aten.clamp.default, (lengths, 0, seq))
     total = emit.call(torch.ops.aten.cumsum.default, (clamped, 0))
-    return emit.call(torch.ops.aten.constant_pad_nd.default, (total, [1, 0]))
+    zero = emit.call(torch.ops.aten.new_zeros.default, (total, [1]))
+    return emit.call(torch.ops.aten.cat.default, ([zero, total],))  # (constant_pad_nd's fake ints B: a guard)

@@ -30,6 +30,7 @@ pack by.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,7 +43,7 @@ from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import KeyVector
 from gemcompile.passes.masks.prover import equivalent, render
-from gemcompile.passes.masks.values import PiecewiseTensor
+from gemcompile.passes.masks.values import PiecewiseTensor, simplify_pred
 from gemcompile.passes.token_wise import same_size, shape_of
 
 B, J = index_symbol(3), index_symbol(0)
@@ -114,7 +115,57 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
             continue
         if mask is not None:
             found[node] = mask
-    return found, _near_misses(graph, found, why_not)
+    return found, _near_misses(graph, found, why_not), _zeroings(graph, evaluator, vectors)
+
+
+def _zeroing_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(x, m, negate) when ``node`` zeroes rows of x by a bool m: ``x.masked_fill(m, 0)`` keeps where m does
+    not hold (negate), ``where(m, x, 0)`` where it holds, ``where(m, 0, x)`` where it does not."""
+    if node.op not in ("call_function", "call_method") or node.kwargs:
+        return None
+    name, args = target_name(node), node.args
+    if name == "masked_fill" and len(args) == 3 and _is_zero(args[2]):
+        x, m, negate = args[0], args[1], True
+    elif name == "where" and len(args) == 3 and _is_zero(args[2]):
+        m, x, negate = args[0], args[1], False
+    elif name == "where" and len(args) == 3 and _is_zero(args[1]):
+        m, x, negate = args[0], args[2], True
+    else:
+        return None
+    if not isinstance(x, fx.Node) or not isinstance(m, fx.Node):
+        return None
+    xv, mv, out = example_value(x), example_value(m), example_value(node)
+    if not all(isinstance(v, torch.Tensor) for v in (xv, mv, out)) or mv.dtype != torch.bool or \
+            not xv.is_floating_point() or xv.dtype != out.dtype or xv.dim() != mv.dim() or xv.dim() < 2 or \
+            not all(same_size(a, b) for a, b in zip(xv.shape, out.shape)):
+        return None  # (a mask of another rank would align its dims with others of x)
+    return x, m, negate
+
+
+def _is_zero(value) -> bool:
+    return type(value) in (int, float) and value == 0
+
+
+def _zeroings(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]) -> dict[fx.Node, tuple]:
+    """{zeroing node: (x, the row mask of the rows it keeps)} for ``masked_fill(m, 0)`` and ``where`` zeroings
+    of token rows x (B, N, ...) by a bool (B, N, 1...) m: to the pad analyses, the product ``x * valid``."""
+    zeroings = {}
+    for node in graph.nodes:
+        form = _zeroing_form(node)
+        if form is None:
+            continue
+        x, m, negate = form
+        shape, rows = tuple(example_value(m).shape), tuple(example_value(x).shape)
+        if same_size(shape[1], 1) or not all(same_size(d, 1) for d in shape[2:]) or \
+                not (same_size(shape[0], rows[0]) and same_size(shape[1], rows[1])):
+            continue
+        try:
+            mask = _row_mask(evaluator, m, shape, vectors, negate=negate)
+        except Unproven:
+            continue
+        if mask is not None:
+            zeroings[node] = (x, replace(mask, node=mask.node if mask.vector is None else m))
+    return zeroings
 
 
 def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:
@@ -131,13 +182,15 @@ def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:
 
 
 def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
-              vectors: list[RowMask]) -> RowMask | None:
-    """The row mask ``node`` (B, N, 1...) is, None when it keeps every token or none; Unproven when the
-    prover reads it only under a run-time check."""
+              vectors: list[RowMask], negate: bool = False) -> RowMask | None:
+    """The row mask ``node`` (B, N, 1...) is (``negate``: the rows where it does not hold), None when it keeps
+    every token or none; Unproven when the prover reads it only under a run-time check."""
     rank = len(shape)
     tiled = {k: 4 + k for k in range(rank - 2) if not same_size(shape[rank - 1 - k], 1)}  # right-aligned dims
     mapping = {rank - 1: 3, rank - 2: 0, **{k: tiled.get(k) for k in range(rank - 2)}}
     keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4 + len(tiled)), "bool")
+    if negate:
+        keep = simplify_pred(sympy.Not(keep))
     if keep.free_symbols & {index_symbol(j) for j in tiled.values()}:
         raise Unproven(f"{node.name} differs along a dim besides the batch and the tokens: no row mask")
     try:
@@ -190,12 +243,12 @@ def _tiled_rows(node: fx.Node) -> bool:
     return False
 
 
-def emit_row_mask_checks(emit, mask: RowMask, masks: dict[fx.Node, RowMask], done: set) -> list:
-    """Emit the run-time checks of every mask node of ``mask``'s class (the region may rely on any of them
-    where it drops a product with it) not emitted before (``done``: keys of emitted checks). Returns the
-    keys emitted, for the caller to add to ``done`` once the region is rewritten."""
+def emit_row_mask_checks(emit, mask: RowMask, masks: Iterable[RowMask], done: set) -> list:
+    """Emit the run-time checks of every mask of ``mask``'s class (the region may rely on any of them where
+    it drops a product with it or a zeroing by it) not emitted before (``done``: keys of emitted checks).
+    Returns the keys emitted, for the caller to add to ``done`` once the region is rewritten."""
     emitted = []
-    for found in masks.values():
+    for found in masks:
         if not mask.same(found):
             continue
         for check in found.checks:

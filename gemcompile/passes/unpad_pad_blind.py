@@ -40,6 +40,9 @@ def _attention_name(node: fx.Node) -> str | None:
     return None
 
 
+SHAPE_READERS = frozenset({"sym_size", "size", "dim", "numel", "sym_numel"})
+"""Readers of a tensor's shape alone (under dynamic shapes the attention passes read sizes of k this way)."""
+
 _VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
 
 
@@ -58,13 +61,21 @@ def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
 class PadAnalysis:
     """The pad-blind analysis over the original graph, for one length mask."""
 
-    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask]):
+    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask], zeroings: dict[fx.Node, tuple] | None = None):
         self.mask = mask
         self.masks = masks
+        self.zeroings = zeroings or {}
+        """{masked_fill / where node: (x, the row mask of the rows it keeps)} (unpad_masks._zeroings)."""
         self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
 
     def is_mask(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
+
+    def zeroing_of(self, node: fx.Node) -> fx.Node | None:
+        """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``,
+        ``where(valid, x, 0)``): like ``x * valid``, it ignores x's padded rows and is zero there."""
+        found = self.zeroings.get(node)
+        return found[0] if found is not None and self.mask.same(found[1]) else None
 
     def blind(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> bool:
         """Every reader of ``node`` ignores its padded rows (rows = the positions of its B and N dims)."""
@@ -80,6 +91,8 @@ class PadAnalysis:
             return False
         if unused(user):  # (what an attention rewrite left of the scores it replaced)
             return True
+        if target_name(user) in SHAPE_READERS and user.args and user.args[0] is node:
+            return True  # the exit's scatter has the value's shape
         shape = shape_of(node)
         if shape is None:
             return False
@@ -92,6 +105,8 @@ class PadAnalysis:
             others = [a for a in user.args if a is not node]
             if len(user.args) == 2 and len(others) == 1 and self.is_mask(others[0]):
                 return True
+        if rows == (0, 1) and self.zeroing_of(user) is node:
+            return True
         if name in ("select", "unbind") and user.args[0] is node or \
                 name == "getitem" and user.args[0] is node and type(user.args[1]) is int:
             return self._piece_blind(user, rows, rank, name)
@@ -106,6 +121,9 @@ class PadAnalysis:
                 return False
             swap = {a: b, b: a}
             return self.blind(user, tuple(swap.get(r, r) for r in rows))
+        if name in ("view", "reshape", "contiguous") and user.args[0] is node and len(out_shape) == rank and \
+                all(same_size(a, b) for a, b in zip(out_shape, shape)):
+            return self.blind(user, rows)  # the same shape: the same rows (HF's reshape(B, -1, N, D) of SDPA's output)
         if name == "type_as" and len(user.args) == 2 and user.args[1] is node and user.args[0] is not node:
             return True  # mask.type_as(h) reads h's dtype only
         if name == "permute":  # x.permute(0, 2, 1, 3): the head split of model code

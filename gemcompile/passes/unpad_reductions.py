@@ -35,12 +35,13 @@ def inductor_splits_unbacked_reductions() -> bool:
 
 
 def _static_bound(size) -> int | None:
-    """The finite integer upper bound of a data-dependent size, None for a static or unbounded one."""
+    """The finite integer upper bound of a data-dependent size, None for a static or unbounded one (under
+    dynamic shapes T's bound B * N is symbolic: torch's int_oo, no integer)."""
     if isinstance(size, int) or not free_unbacked_symbols(size):
         return None
     node = size.node
     upper = node.shape_env.bound_sympy(node.expr).upper
-    return int(upper) if upper.is_finite else None
+    return int(upper) if getattr(upper, "is_Integer", False) else None
 
 
 def _reduced_dims(node: fx.Node, rank: int) -> list[int]:

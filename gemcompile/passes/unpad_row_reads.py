@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 import gemcompile.lowering.packed_row_gather  # noqa: F401  registers gemcompile::packed_row_gather
-from gemcompile.passes.graph import Emitter, erase_dead, target_name
+from gemcompile.passes.graph import Emitter, erase_dead, example_value, size_argument, target_name
 from gemcompile.passes.token_wise import node_argument, same_size, shape_of
 from gemcompile.passes.unpad_attention import RegionIndex, scattered_rows
 
@@ -48,7 +48,14 @@ def _is_batch_arange(node, batch) -> bool:
         return False
     if len(bounds) == 2 and bounds[0] != 0:
         return False
-    return same_size(bounds[-1], batch)
+    return same_size(example_value(bounds[-1]), batch)  # (a size node under dynamic shapes)
+
+
+def _within(position: int, seq) -> bool:
+    """-seq <= position < seq, known without a guard (seq may be symbolic)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(-seq <= position) and statically_known_true(position < seq)
 
 
 def _read_form(user: fx.Node, x: fx.Node, seq) -> tuple[str, object] | None:
@@ -68,12 +75,12 @@ def _read_form(user: fx.Node, x: fx.Node, seq) -> tuple[str, object] | None:
     if name == "select" and node_argument(user, 0, "input") is x and \
             node_argument(user, 1, "dim") in (1, 1 - len(shape)):
         c = node_argument(user, 2, "index")
-        return ("position", c) if isinstance(c, int) and -seq <= c < seq else None
+        return ("position", c) if isinstance(c, int) and _within(c, seq) else None
     if user.target is operator.getitem and user.args[0] is x and isinstance(user.args[1], tuple) \
             and len(user.args[1]) == 2:
         first, second = user.args[1]
         if _is_full_slice(first) and isinstance(second, int) and not isinstance(second, bool):
-            return ("position", second) if -seq <= second < seq else None
+            return ("position", second) if _within(second, seq) else None
         if _is_batch_arange(first, shape[0]) and isinstance(second, fx.Node):
             value = second.meta.get("example_value")
             if value is not None and value.dtype in (torch.int64, torch.int32) and value.dim() == 1 \
@@ -137,11 +144,12 @@ def pack_row_reads(graph: fx.Graph, emit: Emitter, index: RegionIndex) -> tuple[
 
 def _emit_read(emit: Emitter, form: tuple[str, object], pos: fx.Node, packed: fx.Node, shape) -> fx.Node:
     kind, arg = form
+    shape = [size_argument(emit, d) for d in shape]  # (size nodes under dynamic shapes)
     if kind == "gather":  # rows[b, k, f] = pos[b, idx[b, k, f]]
-        idx_shape = list(shape_of(arg))
+        idx_shape = [size_argument(emit, d) for d in shape_of(arg)]
         flat = emit.call(aten.reshape.default, (arg, [idx_shape[0], -1]))
         rows = emit.call(aten.gather.default, (pos, 1, flat))
-        rows = emit.call(aten.reshape.default, (rows, [idx_shape[0] * idx_shape[1], *idx_shape[2:]]))
+        rows = emit.call(aten.reshape.default, (rows, [-1, *idx_shape[2:]]))
         out = emit.call(torch.ops.gemcompile.packed_row_gather.default, (packed, rows))
         return emit.call(aten.reshape.default, (out, idx_shape))
     if kind == "position":  # rows[b] = pos[b, c]

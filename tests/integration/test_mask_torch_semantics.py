@@ -49,6 +49,12 @@ MASKS = {
     # a data mask sliced to the key count (HF's attention_mask[:, :key_len]), and its diagonal-like misreads
     "data_mask_sliced": (lambda i, j, n, d: d[:, :L].bool()[:, None, :] & (j <= i), True),
     "data_mask_chunk_at_an_offset": (lambda i, j, n, d: d[:, 2:].bool()[:, None, :] & (j <= i), True),  # CANINE
+    # masked_fill's value as a 0-dim tensor (RecBole's DIN: value=torch.tensor(mask_value)): the constant
+    "masked_fill_tensor_value": (lambda i, j, n, d: torch.ones(B, L, L).masked_fill(
+        (j >= n) | (j > i), torch.tensor(0.0)) > 0, True),
+    # ... and one read from data: the padded keys are kept where d[0, 3] is 1, so no lengths mask
+    "masked_fill_data_value": (lambda i, j, n, d: (torch.ones(B, L, L).masked_fill(
+        j >= n, d[0, 3].float()) > 0) & (j <= i), False),
 }
 
 

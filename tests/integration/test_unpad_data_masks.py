@@ -285,26 +285,3 @@ def test_row_masks_are_not_searched_for_hstu_visibilities(monkeypatch):
     g = torch.Generator().manual_seed(1)
     report = explain(LeftPaddedFfn(), torch.randn(B, L, E), torch.randint(0, L + 1, (B,), generator=g))
     assert len(_unpad(report)) == 1 and not searched
-
-
-class KeyPaddedSelfAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.attention = nn.Linear(E, E), nn.MultiheadAttention(E, H, batch_first=True)
-
-    def forward(self, x, ids):
-        pad = ids == 0
-        h = self.inp(x)
-        out, _ = self.attention(h, h, h, key_padding_mask=pad)
-        return out * (~pad)[..., None]
-
-
-def test_a_symbolic_padded_length_is_the_one_reason_given():
-    """Under a dynamic sequence length nothing is packed, and explain says why once, instead of blaming the
-    keys of an attention whose mask was proven (the per-value analyses fail on the symbolic sizes)."""
-    g = torch.Generator().manual_seed(5)
-    x, ids = torch.randn(B, L, E), _ids("right", g)
-    torch._dynamo.mark_dynamic(x, 1)
-    torch._dynamo.mark_dynamic(ids, 1)
-    reasons = _reasons(explain(KeyPaddedSelfAttention(), x, ids))
-    assert len(reasons) == 1 and "the padded length is symbolic" in reasons[0], reasons

@@ -50,6 +50,17 @@ def test_packed_sums_padded_with_eager_gradients():
     assert f"[{B * N}]" in rewrite.detail
 
 
+def test_left_alone_under_dynamic_shapes():
+    """With the batch size symbolic (Dynamo's recompile after it changes) T has no integer bound: the sums
+    stay as they are, and the compile goes on (it stopped in the pass on torch 2.11, where the pass is on)."""
+    x, lengths = x_only(torch.tensor(LENGTH_SETS[0]))
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(lengths, 0)
+    report = explain(MaskedResidualFfn(), x, lengths, config=PAD)
+    assert report.counts["unpad"] == 1 and report.counts["unpad_reductions"] == 0
+    assert not [r for r in report.refusals if "internal error" in r.reason], report.refusals
+
+
 def test_left_alone_without_packed_tokens():
     """unpad off: every sum is over static sizes, nothing to pad."""
     model = MaskedResidualFfn()

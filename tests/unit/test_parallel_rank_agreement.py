@@ -63,6 +63,8 @@ def test_every_train_config_field_but_the_per_rank_ones_is_compared():
     ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK = 1 is invalid for WORLD_SIZE = 1"),  # waited 30 min for rank 0
     ({"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE = -2 is invalid"),  # was called "no WORLD_SIZE"
     ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE = 'abc' is invalid: expected an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "abc"}, "MASTER_PORT = 'abc' is invalid: expected an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, r"MASTER_PORT = 70000 is invalid: expected a TCP port"),
 ])
 def test_a_launch_environment_that_cannot_rendezvous_is_refused_before_joining(monkeypatch, env, message):
     from gemcompile.runtime.training.parallel import ParallelTraining

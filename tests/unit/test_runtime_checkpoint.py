@@ -292,6 +292,8 @@ def test_a_full_disk_names_the_step_and_the_directory_and_keeps_the_earlier_chec
         save_checkpoint(tmp_path, 2, model, optimizers)
     assert info.value.errno == (errno.EIO if where == "zip_writer" else errno.ENOSPC)
     assert str(tmp_path) in str(info.value)
+    # DCP's exception is gathered to every rank: under torchrun rank 0 alone says it (flags.report_error)
+    assert getattr(info.value, "same_on_every_rank", False) == (where != "dcp_save")
     monkeypatch.undo()  # the disk has room again: reading works
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
 

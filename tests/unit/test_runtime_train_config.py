@@ -67,6 +67,12 @@ def test_combinations():
     TrainConfig(save_every=5, checkpoint_dir="/tmp/x", resume=True)
 
 
+def test_a_checkpoint_dir_given_as_a_path_is_taken_as_its_string():
+    import pathlib
+
+    assert TrainConfig(checkpoint_dir=pathlib.Path("/tmp/ck")).checkpoint_dir == "/tmp/ck"
+
+
 def test_arguments_round_trip():
     parser = add_train_arguments(argparse.ArgumentParser())
     args = parser.parse_args(

@@ -43,8 +43,8 @@ from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import merge_reshape, repeat_interleaved, split_reshape
 from gemcompile.passes.masks.zero_one import zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
-    Abstract, Atoms, BoolTensor, DataLeaf, IntTensor, PiecewiseTensor, piecewise, simplify_pred, triangle,
-    index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype, float_op,
+    Abstract, Atoms, BoolTensor, DataLeaf, IntTensor, PiecewiseTensor, constant_scalar, piecewise, simplify_pred,
+    triangle, index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype, float_op,
     stored_as, trunc_is_floor,
 )
 
@@ -596,7 +596,7 @@ class MaskEvaluator:
         if target_name(node.target) == "masked_fill_" and len(base.users) > 1:
             raise Unproven("an in-place masked_fill_ on a tensor that is used elsewhere")
         m = self._pred(mask)
-        f = self.evaluate(fill)
+        f = constant_scalar(self.evaluate(fill))
         if example_value(node).dtype == torch.bool:
             return BoolTensor(ndim, simplify_pred(sympy.Or(sympy.And(m, sympy.true if f else sympy.false),
                                                        sympy.And(sympy.Not(m), self._pred(base)))))
@@ -694,3 +694,4 @@ def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boole
         else:
             raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
     return simplify_pred(sympy.Or(*keep))
+

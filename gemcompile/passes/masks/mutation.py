@@ -62,7 +62,11 @@ _FRESH = {
     "sum", "mean", "amax", "amin", "any", "all", "prod", "cumsum", "cumprod", "count_nonzero", "argmax",
     "argmin", "matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "linear", "softmax", "log_softmax",
     "layer_norm", "group_norm", "rms_norm", "embedding", "embedding_bag", "scaled_dot_product_attention",
-    "multi_head_attention_forward", "max", "min", "sort", "topk", "std", "var", "norm",
+    "multi_head_attention_forward", "max", "min", "sort", "topk", "std", "var", "norm", "logsumexp",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution",
+    "batch_norm", "instance_norm", "normalize", "cosine_similarity", "cdist", "outer", "addcmul", "addcdiv",
+    "leaky_relu", "elu", "selu", "celu", "softplus", "mish", "hardswish", "hardsigmoid", "log1p", "expm1",
+    "glu", "pad", "scatter", "scatter_add", "index_add", "index_put", "masked_select", "nonzero",
     # factories and copies
     "arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint", "tensor", "ones_like",
     "zeros_like", "full_like", "empty_like", "rand_like", "randn_like", "new_ones", "new_zeros", "new_full",

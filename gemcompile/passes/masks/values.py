@@ -273,3 +273,17 @@ def comparison_dtype(a, b) -> torch.dtype:
     if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in values):
         return torch.float64
     return torch.result_type(*values)
+
+
+def constant_scalar(value):
+    """A scalar argument as a number (masked_fill's value): a Python scalar, or a 0-dim tensor of one constant
+    (``masked_fill(mask, torch.tensor(-inf))``, RecBole's DIN)."""
+    if isinstance(value, PiecewiseTensor):
+        if value.ndim == 0 and len(value.pieces) == 1 and value.pieces[0][1] == sympy.true:
+            return value.pieces[0][0]
+        raise Unproven("a masked_fill whose value is a tensor other than one constant")
+    if isinstance(value, IntTensor) and value.ndim == 0 and value.expr.is_number:
+        return int(value.expr)
+    if isinstance(value, (BoolTensor, IntTensor)):
+        raise Unproven("a masked_fill whose value is a tensor other than one constant")
+    return value

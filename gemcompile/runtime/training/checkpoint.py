@@ -314,8 +314,12 @@ def save_checkpoint(
             reason, code = f"a file was not written whole, a full disk? ({first})", errno.EIO
         else:  # others say what they are
             raise
-        raise OSError(code, f"writing the checkpoint of step {step} into {path.parent} failed: {reason} "
-                            "(the checkpoints before it are intact)") from e
+        error = OSError(code, f"writing the checkpoint of step {step} into {path.parent} failed: {reason} "
+                              "(the checkpoints before it are intact)")
+        # DCP gathers every rank's failures into one exception that each rank raises, and on_rank0 hands its
+        # error to every rank: the same line everywhere, said once under torchrun
+        error.same_on_every_rank = isinstance(e, CheckpointException) or getattr(e, "same_on_every_rank", False)
+        raise error from e
     kill_point(f"save:{step}:done")
     return path
 

@@ -8,6 +8,7 @@ compile="gem" run uses.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -187,6 +188,8 @@ class TrainConfig:
         # torch seeds with a signed 64-bit int: 2**64 stopped the run with "Overflow when unpacking long long"
         check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an int in [0, 2**63)")
         check(_is_int(self.log_every) and self.log_every >= 1, "log_every", "an int >= 1")
+        if isinstance(self.checkpoint_dir, os.PathLike):  # a pathlib.Path is a directory path too
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         check(
             self.checkpoint_dir is None
             or (isinstance(self.checkpoint_dir, str) and self.checkpoint_dir != ""),

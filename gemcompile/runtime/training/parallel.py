@@ -107,6 +107,9 @@ class ParallelTraining:
         if world >= 1 and not dist.is_initialized() and rank is not None and not 0 <= rank < world:
             raise ValueError(f"RANK = {rank} is invalid for WORLD_SIZE = {world}: expected 0 <= RANK < "
                              "WORLD_SIZE (the rendezvous would wait for ranks that never come)")
+        port = None if dist.is_initialized() else _env_int("MASTER_PORT")
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"MASTER_PORT = {port} is invalid: expected a TCP port in [1, 65535]")
         if world < 1:
             raise ValueError("TrainConfig.parallel is enabled but this process was not started by torchrun "
                              "(no WORLD_SIZE): run `torchrun --nproc_per_node N -m gemcompile.cli train "

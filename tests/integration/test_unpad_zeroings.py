@@ -1,0 +1,73 @@
+"""Padded rows zeroed by masked_fill or where instead of a product with the mask: ``h.masked_fill(pad[..., None],
+0)``, ``torch.where(valid[..., None], h, 0)``, ``torch.where(pad[..., None], 0, h)``. To the pad analyses each is
+``h * valid`` (unpad_masks._zeroings): it ignores h's padded rows and is zero there, so the FFN before it
+runs on packed tokens. Near-misses (another fill, a per-feature mask) must leave it
+padded. Every model: outputs and gradients equal eager's.
+
+Compiled with the pre-grad passes and aot_eager (the same rewritten graph and ops, no C++ compile)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gemcompile import explain
+from tests.rewritten import rewritten
+
+E = 32
+ZEROINGS = {
+    "masked_fill_by_the_padding": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], 0.0),
+    "where_valid_keeps_h": lambda h, valid, pad, ids: torch.where(valid[..., None], h, 0.0),
+    "where_padding_is_zero": lambda h, valid, pad, ids: torch.where(pad.unsqueeze(-1), 0, h),
+    "masked_fill_method_of_ids": lambda h, valid, pad, ids: h.masked_fill((ids == 0)[..., None], 0),
+}
+NEAR_MISSES = {
+    "masked_fill_with_one": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], 1.0),
+    "masked_fill_per_feature": lambda h, valid, pad, ids: h.masked_fill(
+        pad[..., None] | (torch.arange(E) % 2 == 0), 0.0),
+}
+
+
+class ZeroedFfn(nn.Module):
+    """Embeddings, a GELU FFN, its padded rows zeroed by ``zeroing``, a mean over the valid tokens."""
+
+    def __init__(self, zeroing):
+        super().__init__()
+        self.zeroing = zeroing
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        h = self.fc2(F.gelu(self.fc1(self.emb(ids))))
+        h = self.zeroing(h, valid, ~valid, ids)
+        return h.sum(1) / lengths.clamp(min=1)[:, None]
+
+
+def _inputs():
+    """A (4, 9) batch of ids (0 = padding) with a full, a length-1 and an empty sequence."""
+    lengths = torch.tensor([9, 1, 0, 5])
+    ids = torch.randint(1, 30, (4, 9), generator=torch.Generator().manual_seed(2))
+    return ids * (torch.arange(9)[None, :] < lengths[:, None]), lengths
+
+
+def _packed_gemms_and_check_eager(zeroing) -> list[int]:
+    torch.manual_seed(0)
+    model, inputs = ZeroedFfn(zeroing), _inputs()
+    report = explain(model, *inputs)
+    out, ref = rewritten(model)(*inputs), model(*inputs)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(out.square().sum(), params)
+    for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), params)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    return [r.metrics["gemms"] for r in report.rewrites if r.pass_name == "unpad"]
+
+
+@pytest.mark.parametrize("name", list(ZEROINGS))
+def test_a_zeroing_by_masked_fill_or_where_packs_the_ffn(name):
+    assert _packed_gemms_and_check_eager(ZEROINGS[name]) == [2]
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_a_fill_of_another_value_or_by_a_per_feature_mask_stays_padded(name):
+    assert _packed_gemms_and_check_eager(NEAR_MISSES[name]) == []
