@@ -31,6 +31,12 @@ compiled after warm-up (masks change every step: there should be none). On CUDA 
 method run under torch.profiler: ``<method>_kernel_ms`` is the GPU's own time per step (the rest of the
 step's time is the host's) and ``<method>_profile`` its top kernels and kernel classes.
 
+``--varying-lengths``: every batch padded to its own length (uniform in [L/2, L], a multiple of 8), as a
+tokenizer padding to the longest sequence of each batch does; torch.compile's automatic dynamic shapes
+compile the first batch static and recompile once with symbolic B and N (within the warm-up); the
+third method ``gem-unpad-off`` (gem_compile with UnpadConfig.enabled=False) shows what the token-wise layers'
+packing buys on the dynamic graph (before 1f9a9f1 unpad refused symbolic sizes). Right padding only.
+
 Kernel path (``kernel``): gemcompile::jagged_attention forward + backward on one batch (B, H, L, D, bf16,
 causal and not), with the key padding given as lengths (kv_lengths) and as a kv_mask of the same keys
 (right-padded), plus a left-padded kv_mask of the same lengths; ratio = mask ms / lengths ms. Timed with
@@ -67,13 +73,23 @@ def _lengths(batch: int, length: int, fill: float, g: torch.Generator) -> torch.
     return lengths
 
 
+def _padded_length(args, g: torch.Generator) -> int:
+    """The batch's padded length: --length, or with --varying-lengths one drawn in [--length / 2, --length] and
+    rounded up to a multiple of 8 (a tokenizer padding each batch to its longest, pad_to_multiple_of=8)."""
+    if not args.varying_lengths:
+        return args.length
+    drawn = int(torch.randint(args.length // 2, args.length + 1, (1,), generator=g))
+    return min(args.length, -(-drawn // 8) * 8)
+
+
 def _batch(model: str, args, side: str, g: torch.Generator, device):
-    lengths = _lengths(args.batch, args.length, args.fill, g)
-    positions = torch.arange(args.length)[None, :]
-    valid = positions < lengths[:, None] if side == "right" else positions >= args.length - lengths[:, None]
-    hidden = torch.randn(args.batch, args.length, args.heads * args.head_dim, generator=g)
+    n = _padded_length(args, g)
+    lengths = _lengths(args.batch, n, args.fill, g)
+    positions = torch.arange(n)[None, :]
+    valid = positions < lengths[:, None] if side == "right" else positions >= n - lengths[:, None]
+    hidden = torch.randn(args.batch, n, args.heads * args.head_dim, generator=g)
     if model == "sasrec":
-        mask_input = torch.randint(1, 1000, (args.batch, args.length), generator=g) * valid
+        mask_input = torch.randint(1, 1000, (args.batch, n), generator=g) * valid
     else:
         mask_input = valid.long()
     return hidden.to(device).requires_grad_(), mask_input.to(device), int(valid.sum())
@@ -97,15 +113,16 @@ class Stack(torch.nn.Module):
 def _methods(args) -> list[str]:
     """inductor and gem in each of --modes: 'default' (the names inductor, gem) and 'cudagraphs'
     (inductor-cudagraphs, gem-cudagraphs: mode="reduce-overhead", Inductor's CUDA graph trees)."""
-    return [name if mode == "default" else f"{name}-{mode}" for mode in args.modes.split(",")
-            for name in ("inductor", "gem")]
+    names = ("inductor", "gem", "gem-unpad-off") if args.varying_lengths else ("inductor", "gem")
+    return [name if mode == "default" else f"{name}-{mode}" for mode in args.modes.split(",") for name in names]
 
 
 def _compiled(model, method: str):
     mode = "reduce-overhead" if method.endswith("-cudagraphs") else None
     if method.startswith("inductor"):
         return torch.compile(model, mode=mode)
-    return gem_compile(model, config=GemConfig(), mode=mode)
+    config = GemConfig(unpad={"enabled": False}) if "unpad-off" in method else GemConfig()
+    return gem_compile(model, config=config, mode=mode)
 
 
 def _host_profile(fn, batches, device, steps: int = 3, top: int = 20) -> list[dict]:
@@ -222,11 +239,12 @@ def bench_models(args, device, model_name: str) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
     sides = {side: [_batch(model_name, args, side, g, device) for _ in range(args.batches)]
-             for side in ("right", "left")}
+             for side in (("right",) if args.varying_lengths else ("right", "left"))}
     torch.manual_seed(0)
     model = Stack(model_name, args.layers, args.heads, args.head_dim, args.attention_dropout).to(device)
     report = explain(model, *sides["right"][0][:2])
     found = {side: {"model": model_name, "padding": side, "batch": args.batch, "length": args.length,
+                    "padded_lengths": [int(b[0].shape[1]) for b in batches],
                     "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
                     "attention_dropout": args.attention_dropout, "valid_tokens": statistics.mean(b[2] for b in batches) / (args.batch * args.length),
                     "rewrites": {k: v for k, v in report.counts.items() if v},
@@ -245,8 +263,11 @@ def bench_models(args, device, model_name: str) -> list[dict]:
             peer = method.replace("gem", "inductor", 1)
             if method.startswith("gem") and f"{method}_ms" in row and f"{peer}_ms" in row:
                 row[f"speedup_{method}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{method}_ms"]
+        if "gem_ms" in row and "gem-unpad-off_ms" in row:
+            row["speedup_gem_vs_gem-unpad-off"] = row["gem-unpad-off_ms"] / row["gem_ms"]
         rows.append(row)
     columns = _COLUMNS + [(f"{m}_ms", f"{m} ms", ".2f") for m in _methods(args) if m not in ("inductor", "gem")]
+    columns += [("speedup_gem_vs_gem-unpad-off", "x unpad off", ".2f")] * args.varying_lengths
     columns += [(f"speedup_gem-cudagraphs_vs_inductor-cudagraphs", "x graphs", ".2f")] * ("cudagraphs" in args.modes)
     print(format_table(list(found.values()), columns), flush=True)
     return rows
@@ -311,10 +332,14 @@ def main() -> None:
     p.add_argument("--host-profile", action="store_true", help="record each method's top host ops per step")
     p.add_argument("--sync-check", action="store_true",
                    help="record where one step of each method synchronizes with the GPU (sync debug mode)")
+    p.add_argument("--varying-lengths", action="store_true",
+                   help="each batch padded to its own length (right padding only; torch.compile's automatic "
+                        "dynamic shapes recompile once, symbolic), and gem with unpad off as a third method")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = results_path("data_masks" + ("-dropout" if args.attention_dropout else ""), args.out)
+    path = results_path("data_masks" + ("-dropout" if args.attention_dropout else "")
+                        + ("-varying-lengths" if args.varying_lengths else ""), args.out)
     payload = {"environment": environment(), "args": vars(args), "kernel": [], "models": []}
 
     def save():  # after every part: a run cut short keeps what it measured

@@ -1663,6 +1663,40 @@ def data_masks() -> str:
     return "\n".join(lines)
 
 
+DATA_MASK_VARYING_FILES = ["data_masks-varying-lengths-20261207-103641.json",
+                           "data_masks-varying-lengths-20261207-104129.json",
+                           "data_masks-varying-lengths-20261207-104213.json",
+                           "data_masks-varying-lengths-20261207-104250.json"]
+"""Session 34 (one H100): each batch padded to its own length, so the first steps compile a static graph and
+then the dynamic one (unpad packs it since 1f9a9f1); gem with unpad off beside it. Four runs of one command
+but for the warm-up and the host profile (104129), to show the run-to-run spread of the host-bound step."""
+
+
+@block("data-masks-varying-lengths")
+def data_masks_varying_lengths() -> str:
+    loaded = [load(name) for name in DATA_MASK_VARYING_FILES]
+    rows = []
+    for path, payload in loaded:
+        args = payload["args"]
+        for m in payload["models"]:
+            rows.append([cite(path), f"B{m['batch']} N<={m['length']} H{m['heads']}x{m['head_dim']}, {m['layers']} layers",
+                         ", ".join(str(n) for n in m["padded_lengths"]), f"{args['warmup']} / {args['steps']}",
+                         f(m.get("inductor_ms"), ".2f"), f(m.get("gem_ms"), ".2f"), f(m.get("gem-unpad-off_ms"), ".2f"),
+                         f"{f(m.get('inductor_kernel_ms'), '.2f')} / {f(m.get('gem_kernel_ms'), '.2f')} / "
+                         f"{f(m.get('gem-unpad-off_kernel_ms'), '.2f')}",
+                         f(m.get("speedup_gem_vs_inductor")), f(m.get("speedup_gem_vs_gem-unpad-off")),
+                         f"{m.get('inductor_recompiles')} / {m.get('gem_recompiles')} / {m.get('gem-unpad-off_recompiles')}"])
+    lines = ["Sources: " + "; ".join(source_line(item) for item in loaded), "",
+             "SASRec-style stack (model sasrec, right padding), each batch padded to its own length: torch.compile's "
+             "automatic dynamic shapes compile the first batch static and the next one with symbolic B and N. "
+             "Step = forward (bf16 autocast) + backward, CUDA events, median over the timed steps; GPU ms = summed kernel time of a "
+             "step (torch.profiler). `gem unpad off`: gem_compile with UnpadConfig.enabled=False.", ""]
+    lines += table(["file", "shape", "padded lengths of the batches", "warm-up / timed steps", "torch.compile ms / step",
+                    "gem ms / step", "gem unpad off ms / step", "GPU ms / step (torch.compile / gem / unpad off)",
+                    "gem vs torch.compile", "gem vs unpad off", "recompiles after warm-up"], rows)
+    return "\n".join(lines)
+
+
 OP_HOST_TIME_FILES = ["op_host_time-20261202-024518.json", "op_host_time-20261202-025630.json"]
 """Before (6ba9ad2) and after (b67ea93) the op host-time cuts: CUDA kernels at the dispatcher's CUDA key
 (opkit.cuda_kernel) and direct launches of seen specializations (common/tuned_launch.py)."""

@@ -20,3 +20,18 @@ def rewritten(model, compiles: list | None = None):
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     return torch.compile(model, backend=backend)
+
+
+def counting_gem_compile(monkeypatch):
+    """``compile_with(model, compiles)``: gem_compile itself (Inductor and the kernels), each graph handed to
+    its backend appended to ``compiles`` (for the GPU tests that count recompiles)."""
+    from gemcompile import gem_compile
+    from gemcompile.backend import GemBackend
+
+    def compile_with(model, compiles):
+        original = GemBackend.__call__
+        monkeypatch.setattr(GemBackend, "__call__",
+                            lambda self, *a, **kw: compiles.append(1) or original(self, *a, **kw))
+        return gem_compile(model)
+
+    return compile_with
