@@ -126,8 +126,13 @@ def size_argument(emit: Emitter, size: Any):
     SymInt is no valid argument: it would be traced as a constant)."""
     if not isinstance(size, torch.SymInt):
         return size
-    expr = size.node.expr
-    if expr.is_number:
+    return _size_expression(emit, size.node.expr)
+
+
+def _size_expression(emit: Emitter, expr):
+    """A size expression as a graph value: an input holding it, else its sum or product built from its terms
+    (``N + 1`` of a [CLS] token prepended to N tokens)."""
+    if expr.is_Integer:
         return int(expr)
     placeholders = list(emit.graph.find_nodes(op="placeholder"))
     for node in placeholders:
@@ -140,6 +145,12 @@ def size_argument(emit: Emitter, size: Any):
             for dim, d in enumerate(value.shape):
                 if isinstance(d, torch.SymInt) and d.node.expr == expr:
                     return emit.call(torch.ops.aten.sym_size.int, (node, dim))
+    if expr.is_Add or expr.is_Mul:
+        terms = [_size_expression(emit, term) for term in expr.args]
+        out = terms[0]
+        for term in terms[1:]:
+            out = emit.call(operator.add if expr.is_Add else operator.mul, (out, term))
+        return out
     raise Unproven(f"the dynamic size {expr} is held by no graph input")
 
 

@@ -304,14 +304,13 @@ class UnpadPass(GemPass):
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
                 packed[node] = emit.node(node.op, node.target, args, kwargs)
                 copy_source_meta(node, packed[node])
-        for node in region.nodes:
+        exits = [n for n in region.nodes if any(u not in members for u in n.users)]
+        with graph.inserting_before(first):  # the exits' trailing sizes, before any use is rewired (may refuse)
+            trailing = {n: [size_argument(emit, d) for d in example_value(n).shape[2:]] for n in exits}
+        for node in exits:
             outside = [u for u in node.users if u not in members]
-            if not outside:
-                continue
             with graph.inserting_before(node):  # (B, N, trailing sizes of the packed value)
-                shape = [batch + 1 if buckets else batch, seq, *(
-                    size_argument(emit, d) if isinstance(d, torch.SymInt) else d
-                    for d in example_value(node).shape[2:])]
+                shape = [batch + 1 if buckets else batch, seq, *trailing[node]]
                 zeros = emit.call(torch.ops.aten.new_zeros.default, (packed[node], shape))
                 scattered = emit.call(torch.ops.aten.index_put.default, (zeros, [batch_index, seq_index],
                                                                           packed[node]))
@@ -521,8 +520,8 @@ def _macs_per_token(node: fx.Node) -> int:
         return 0
     extra = 1
     for s in x[2:-1]:
-        extra *= int(s)
-    return int(w[0]) * int(w[1]) * extra
+        extra *= size_hint(s)  # (a hint, never int(): that would guard a symbolic size for an explain metric)
+    return size_hint(w[0]) * size_hint(w[1]) * extra
 
 
 def _describe(nodes: Iterable[fx.Node]) -> list[str]:

@@ -142,7 +142,22 @@ def _zeroing_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
     return x, m, negate
 
 
+_ZERO_FACTORIES = frozenset({"zeros_like", "new_zeros", "zeros"})
+_FILL_FACTORIES = {"full_like": 1, "new_full": 2, "full": 1, "tensor": 0, "scalar_tensor": 0}
+"""Factories of a constant tensor: the position of the fill value."""
+
+
 def _is_zero(value) -> bool:
+    """0, or a tensor of zeros built for it (``torch.zeros_like(h)``, ``torch.tensor(0.)``, ``full_like(h, 0)``)."""
+    if isinstance(value, fx.Node):
+        name = target_name(value)
+        if value.op not in ("call_function", "call_method") or not isinstance(example_value(value), torch.Tensor):
+            return False
+        if name in _ZERO_FACTORIES:
+            return True
+        position = _FILL_FACTORIES.get(name)
+        return position is not None and len(value.args) > position and _is_zero(value.args[position]) and \
+            not isinstance(value.args[position], fx.Node)
     return type(value) in (int, float) and value == 0
 
 

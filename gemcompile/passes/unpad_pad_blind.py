@@ -40,8 +40,10 @@ def _attention_name(node: fx.Node) -> str | None:
     return None
 
 
-SHAPE_READERS = frozenset({"sym_size", "size", "dim", "numel", "sym_numel"})
-"""Readers of a tensor's shape alone (under dynamic shapes the attention passes read sizes of k this way)."""
+SHAPE_READERS = frozenset({"sym_size", "size", "dim", "numel", "sym_numel", "zeros_like", "ones_like",
+                           "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"})
+"""Readers of a tensor's shape, dtype and device alone (under dynamic shapes the attention passes read sizes
+of k this way; ``torch.where(valid, h, torch.zeros_like(h))``)."""
 
 _VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
 

@@ -81,9 +81,37 @@ class MeanPooledEncoder(nn.Module):
         return (h * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
 
+class ClsTokenFfn(nn.Module):
+    """A learned [CLS] token prepended (padded length N + 1, a size no graph input holds), an FFN, the padded
+    rows zeroed by masked_fill."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, E))
+        self.fc1, self.fc2 = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, x, lengths):
+        x = torch.cat([self.cls.expand(x.shape[0], 1, E), x], 1)
+        valid = torch.arange(x.shape[1], device=x.device)[None, :] < (lengths + 1)[:, None]
+        return self.fc2(F.gelu(self.fc1(x))).masked_fill(~valid[..., None], 0.0)
+
+
+class AttributeSlotsFfn(nn.Module):
+    """Tokens of K attribute slots each (B, N, K, E), an FFN over them, padded tokens zeroed: K changes too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, x, lengths):
+        valid = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        return self.fc2(F.gelu(self.fc1(x))) * valid[:, :, None, None]
+
+
 MODELS = {"timeline_ids": TimelineStack, "lengths_with_last_token": LengthsEncoder,
-          "integer_mask_mean_pooled": MeanPooledEncoder}
-ATTENTIONS = {"timeline_ids": 2, "lengths_with_last_token": 1, "integer_mask_mean_pooled": 1}
+          "integer_mask_mean_pooled": MeanPooledEncoder, "cls_token_prepended": ClsTokenFfn}
+ATTENTIONS = {"timeline_ids": 2, "lengths_with_last_token": 1, "integer_mask_mean_pooled": 1,
+              "cls_token_prepended": 0}
 
 
 def _batch(name: str, batch: int, n: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -94,7 +122,7 @@ def _batch(name: str, batch: int, n: int, g: torch.Generator) -> list[torch.Tens
     x = torch.randn(batch, n, E, generator=g, requires_grad=True)
     if name == "timeline_ids":
         return [x, torch.randint(1, 50, (batch, n), generator=g) * valid]
-    if name == "lengths_with_last_token":
+    if name in ("lengths_with_last_token", "cls_token_prepended"):
         return [x, lengths]
     return [x, valid.long()]
 
@@ -123,6 +151,23 @@ def check_dynamic_unpad(name: str, device: str = "cpu", compile_with=None) -> No
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_dynamic_recompile_runs_packed(name):
     check_dynamic_unpad(name)
+
+
+def test_a_changing_trailing_size_adds_no_recompile():
+    """The explain metrics read a symbolic trailing size by its hint: an int() there guarded K, and every
+    batch of another K compiled anew."""
+    torch.manual_seed(0)
+    model = AttributeSlotsFfn()
+    counters.clear()
+    compiles: list = []
+    compiled = rewritten(model, compiles)
+    g = torch.Generator().manual_seed(0)
+    for slots in (2, 3, 4, 5):
+        x, lengths = torch.randn(3, 8, slots, E, generator=g, requires_grad=True), torch.tensor([8, 0, 5])
+        out, ref = compiled(x, lengths), model(x, lengths)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        assert_same_weighted_grads(out, ref, [x, *model.parameters()])
+    assert len(compiles) == 2 and counters["gemcompile"]["unpad"] == 2
 
 
 def _dynamic_inputs(name: str):

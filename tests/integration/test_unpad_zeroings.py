@@ -20,6 +20,8 @@ ZEROINGS = {
     "where_valid_keeps_h": lambda h, valid, pad, ids: torch.where(valid[..., None], h, 0.0),
     "where_padding_is_zero": lambda h, valid, pad, ids: torch.where(pad.unsqueeze(-1), 0, h),
     "masked_fill_method_of_ids": lambda h, valid, pad, ids: h.masked_fill((ids == 0)[..., None], 0),
+    "where_zeros_like": lambda h, valid, pad, ids: torch.where(valid[..., None], h, torch.zeros_like(h)),
+    "masked_fill_tensor_zero": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], torch.tensor(0.0)),
 }
 NEAR_MISSES = {
     "masked_fill_with_one": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], 1.0),
