@@ -221,6 +221,7 @@ class UnpadPass(GemPass):
         # i.e. one host read of T, per lengths or vector per step)
         self._indices: dict[tuple, tuple[fx.Node, ...]] = {}
         self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
+        self._sizes: dict[tuple, tuple] = {}  # (B, N) as graph arguments (ints, or size nodes), per index key
         self._checked: set = set()  # the run-time checks of the masks' data emitted so far
         self._zeroings = zeroings
         for region in self.regions(graph, masks, zeroings):
@@ -269,16 +270,16 @@ class UnpadPass(GemPass):
         if buckets and not all(isinstance(d, int) for d in (mask.batch, mask.seq)):
             raise Unproven("token_buckets needs a static batch size and padded length (the capacities are "
                            "fractions of B * N); compile with dynamic=False or keep both fixed")
-        # under dynamic shapes (Dynamo recompiles with symbolic sizes once B or N changes between calls) the
-        # emitted nodes take B and N as graph values: the size inputs Dynamo lifts
-        with graph.inserting_before(first):
-            batch, seq = size_argument(emit, mask.batch), size_argument(emit, mask.seq)
         index_key = (*mask.index_key(), _size_key(mask.seq))
         shared = self._indices.get(index_key)
         if shared is None or order[shared[0]] > order[first]:  # (regions come in graph order)
             with graph.inserting_before(first):
-                shared = self._token_indices(emit, mask, batch, seq, example_value(first).device)
+                # under dynamic shapes (Dynamo recompiles with symbolic sizes once B or N changes between calls)
+                # the emitted nodes take B and N as graph values: the size inputs Dynamo lifts, or sums of them
+                self._sizes[index_key] = size_argument(emit, mask.batch), size_argument(emit, mask.seq)
+                shared = self._token_indices(emit, mask, *self._sizes[index_key], example_value(first).device)
         index, batch_index, seq_index, gather_batch = shared
+        batch, seq = self._sizes[index_key]  # (made with the index: before every use of either)
         with graph.inserting_before(first):  # what the proof of the masks assumed of the data
             checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(m for _, m in self._zeroings.values())],
                                            self._checked)
