@@ -164,3 +164,68 @@ def test_a_window_from_the_padded_length_is_refused_when_it_turns_symbolic():
         reasons += [r.reason for r in log.refusals]
         torch.testing.assert_close(out, band(q, k, v, lengths), atol=2e-5, rtol=1e-4)
     assert any("symbolic size" in r for r in reasons), reasons
+
+
+class Bert4RecWeights(nn.Module):
+    """BERT4Rec's attention: a (B, 1, L, L) mask repeated from ids, masked_fill(mask == 0, -1e9), softmax, @ v."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv = nn.Embedding(30, H * D, padding_idx=0), nn.Linear(H * D, 3 * H * D)
+
+    def forward(self, ids):
+        mask = (ids > 0).unsqueeze(1).repeat(1, ids.size(1), 1).unsqueeze(1)
+        b = ids.size(0)
+        q, k, v = (t.view(b, -1, H, D).transpose(1, 2) for t in self.qkv(self.emb(ids)).chunk(3, -1))
+        scores = torch.matmul(q, k.transpose(-2, -1)) / D ** 0.5
+        return torch.matmul(F.softmax(scores.masked_fill(mask == 0, -1e9), dim=-1), v)
+
+
+def test_a_batch_padded_to_the_head_dim_adds_no_recompile():
+    """Comparing the weights' shape (B, H, L, L) with p @ v's (B, H, L, D) by == guarded L != D: a batch of
+    padded length D compiled a third graph."""
+    torch.manual_seed(0)
+    model, compiles = Bert4RecWeights(), []
+    counters.clear()
+    compiled = rewritten(model, compiles)
+    g = torch.Generator().manual_seed(0)
+    for batch, n in ((4, 9), (3, 12), (4, D), (2, 10)):
+        ids = torch.randint(1, 30, (batch, n), generator=g)
+        ids[1:, n // 2:] = 0
+        torch.testing.assert_close(compiled(ids), model(ids), atol=1e-5, rtol=1e-4)
+    assert len(compiles) == 2 and counters["gemcompile"]["jagged_attention"] == 2
+
+
+class SequenceFirstMha(nn.Module):
+    """nn.MultiheadAttention on (L, B, E) tensors (batch_first=False, as fairseq and pmixer's SASRec feed it),
+    a [CLS] token prepended: L + 1 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.cls = nn.Embedding(30, H * D, padding_idx=0), nn.Parameter(torch.randn(1, 1, H * D))
+        self.mha = nn.MultiheadAttention(H * D, H)
+
+    def forward(self, ids):
+        x = torch.cat([self.cls.expand(1, ids.shape[0], H * D), self.emb(ids).transpose(0, 1)], 0)
+        pad = torch.cat([torch.zeros_like(ids[:, :1], dtype=torch.bool), ids == 0], 1)
+        return self.mha(x, x, x, key_padding_mask=pad)[0]
+
+
+def test_sequence_first_multihead_attention_takes_its_sizes_as_graph_values():
+    """The rewrite's head split reshapes by (L, B) read from the graph (a raw SymInt argument warned on every
+    dynamic compile and was traced as whatever symbol its printed name matched)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, compiles = SequenceFirstMha(), []
+    counters.clear()
+    compiled = rewritten(model, compiles)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch, n in ((4, 9), (3, 12), (2, 7)):
+            lengths = torch.randint(1, n + 1, (batch,), generator=g)
+            ids = torch.randint(1, 30, (batch, n), generator=g) * (torch.arange(n)[None, :] < lengths[:, None])
+            torch.testing.assert_close(compiled(ids), model(ids), atol=1e-5, rtol=1e-4)
+    assert not [w for w in caught if "Raw SymInt" in str(w.message)]
+    assert len(compiles) == 2 and counters["gemcompile"]["jagged_attention"] == 2

@@ -171,3 +171,32 @@ def test_hf_bert_under_sentence_transformers_mean_pooling_runs_packed(attention)
     for lengths in ([L, 9, 3, 12], [4, 0, L, 7]):
         inputs = batch(lengths)
         _assert_same_outputs_and_grads(compiled(*inputs), encode(*inputs), bert)
+
+
+def test_hf_bert_trained_on_batches_of_their_own_padded_length_runs_packed_after_the_recompile():
+    """A tokenizer padding each batch to its longest sequence: the second batch's shapes make Dynamo recompile
+    with symbolic B and N. The key mask the attention rewrite slices from attention_mask (its length a size of
+    its own) moves before the region that packs the K and V projections, so the dynamic graph packs them as the
+    static one does; every batch's outputs and gradients equal eager's."""
+    from torch._dynamo.utils import counters
+
+    from gemcompile.backend import allow_warnings_in_graphs
+    from tests.rewritten import rewritten
+
+    torch.manual_seed(0)
+    bert = _model("bert", "sdpa")
+    allow_warnings_in_graphs()
+    counters.clear()
+    compiles = []
+    compiled = rewritten(lambda ids, mask: bert(input_ids=ids, attention_mask=mask).last_hidden_state, compiles)
+    g = torch.Generator().manual_seed(1)
+    packed = []  # regions packed by each compile
+    for lengths in ([7, 5, 3], [9, 2, 9, 4], [12, 1, 6]):
+        n = max(lengths)
+        valid = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+        ids, mask = torch.randint(5, 100, (len(lengths), n), generator=g) * valid, valid.long()
+        before = counters["gemcompile"]["unpad"]
+        out, ref = compiled(ids, mask), bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        packed.append(counters["gemcompile"]["unpad"] - before)
+        _assert_same_outputs_and_grads(out * valid[..., None], ref * valid[..., None], bert)
+    assert len(compiles) == 2 and packed[0] >= 1 and packed[1] >= packed[0] and packed[2] == 0, packed

@@ -43,6 +43,7 @@ from gemcompile.passes.attention.family import (
     fold_query_rows,
     key_mask_operand,
     lengths_operand,
+    size_of,
     summed_bias,
     zero_query_rows,
 )
@@ -196,7 +197,7 @@ class JaggedAttention(AttentionFamily):
                     split = emit.call(torch.unflatten, (proj, -1, (heads, embed // heads)))
                     heads_view.append(emit.call(torch.transpose, (split, 1, 2)))
                     continue
-                length, batch = example_value(src).shape[:2]
+                length, batch = size_of(emit, src, 0), size_of(emit, src, 1)  # (size nodes when dynamic)
                 split = emit.call(torch.reshape, (proj, (length, batch, heads, embed // heads)))
                 heads_view.append(emit.call(torch.permute, (split, (1, 2, 0, 3))))  # (B, H, L, Dh)
             out, detail = self.emit(emit, site, mask, *heads_view)
@@ -205,7 +206,7 @@ class JaggedAttention(AttentionFamily):
                 rows = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))
                 result = emit.call(torch.transpose, (rows, 0, 1))
             else:
-                length, batch = example_value(site.q).shape[:2]
+                length, batch = size_of(emit, site.q, 0), size_of(emit, site.q, 1)
                 merged = emit.call(torch.permute, (out, (2, 0, 1, 3)))  # (L, B, H, Dh)
                 merged = emit.call(torch.reshape, (merged, (length, batch, embed)))
                 result = emit.call(torch.nn.functional.linear, (merged, a["out_proj_weight"], out_bias))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from gemcompile.passes.attention.scores import CASTS, MUL, NEGATIONS, constant_float, is_call
 from gemcompile.passes.graph import Unproven, example_value
@@ -54,8 +55,9 @@ def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
     ``p.masked_fill(cond, 0)`` (False: cond drops), ``torch.where(cond, p, 0)`` or ``p * cond`` (True: cond
     keeps), the weights' shape kept (a mask that broadcasts them to more dims is something else)."""
     out, weights = example_value(user), example_value(p)
-    if not (isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor) and out.shape == weights.shape):
-        return None
+    if not (isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor) and out.dim() == weights.dim()
+            and all(known(a == b) for a, b in zip(out.shape, weights.shape))):
+        return None  # (known: a plain == of p @ v's (..., L, Dh) with (..., L, L) guarded L != Dh, a recompile)
     return _zeroing_mask(user, p)
 
 

@@ -15,9 +15,10 @@ import operator
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 import torch.fx as fx
 
-from gemcompile.passes.graph import Emitter, Unproven, example_value
+from gemcompile.passes.graph import Emitter, Unproven, example_value, size_argument
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
 from gemcompile.passes.masks.model import KeyVector
 
@@ -118,12 +119,18 @@ class _Builder:
         ``node`` there only."""
         have = example_value(node).shape[dim]
         want = example_value(size) if isinstance(size, fx.Node) else size
-        if start == 0 and _expr(have) == _expr(want):
-            return x
+        if start == 0 and (_expr(have) == _expr(want) or known(have == want)):  # (the shape env's replacements:
+            return x  # am's batch symbol and k's, unified by a broadcast, are one size under dynamic shapes)
         if isinstance(have, int) and isinstance(want, int) and have < start + want:
             raise Unproven(f"the key mask reads {node.name} (size {have} along dim {dim}) at {want} positions "
                            f"from {start}")
-        # (a dynamic size: the model's slice had these `want` entries, or its mask would not have had that shape)
+        # (a dynamic size: the model's slice had these `want` entries, or its mask would not have had that shape);
+        # the size read from the graph's inputs where it can be, so that the slice depends on inputs alone (unpad
+        # moves a token vector's reads before its region)
+        try:
+            size = size_argument(self.emit, want)
+        except Unproven:
+            pass
         return self.emit.call(torch.narrow, (x, dim, start, size))
 
     def proposition(self, atom) -> fx.Node:
