@@ -79,7 +79,7 @@ from gemcompile.passes.token_wise import (
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_masks import RowMask, emit_row_mask_checks, find_row_masks, vector_leaves
-from gemcompile.passes.unpad_pad_blind import PadAnalysis
+from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
@@ -122,6 +122,9 @@ class UnpadPass(GemPass):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
         order = {n: i for i, n in enumerate(graph.nodes)}
+        unanchored: dict[fx.Node, tuple[list[fx.Node], RowMask]] = {}  # first node -> (component, mask)
+        # (said only of the keys and values of an attention that masks them by this mask: other (B, x) tensors
+        # may match the mask's shape by chance)
         for mask in distinct:
             rules = {}
             for node in graph.nodes:
@@ -134,6 +137,9 @@ class UnpadPass(GemPass):
             analysis = PadAnalysis(mask, masks, zeroings)
             for component in _components(rules):
                 if not self._anchored(component, analysis):
+                    if any((a := keys_of(u, n)) is not None and analysis.keys_masked(a)
+                           for n in component for u in n.users):
+                        unanchored.setdefault(component[0], (component, mask))
                     continue
                 updated = _updated_in_place(component, order)
                 if updated is not None:
@@ -147,7 +153,21 @@ class UnpadPass(GemPass):
                 if region.nodes:
                     claimed.update(region.nodes)
                     regions.append(region)
+        self._say_unanchored(unanchored, claimed)
         return regions
+
+    def _say_unanchored(self, unanchored: dict, claimed: set[fx.Node]) -> None:
+        """One line per token-wise component with GEMMs that no row mask anchored (nothing zeroes its padded
+        rows or reads it only where the mask holds): it runs padded, and explain says so instead of nothing."""
+        for first, (component, mask) in unanchored.items():
+            gemms = [n for n in component if target_name(n) == "linear" and n not in claimed]
+            if not gemms:
+                continue
+            names = ", ".join(n.name for n in gemms[:4]) + (", ..." if len(gemms) > 4 else "")
+            self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: nothing shows those "
+                                f"rows unused (no product with the row mask of {mask.describe()} or zeroing by it, "
+                                "no attention that reads them only as keys by it); zero the padded rows where the "
+                                "model ignores them (h * valid[..., None]) to let them skip the padding")
 
     @staticmethod
     def _anchored(component: list[fx.Node], analysis: PadAnalysis) -> bool:

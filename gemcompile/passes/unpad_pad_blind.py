@@ -48,7 +48,7 @@ of k this way; ``torch.where(valid, h, torch.zeros_like(h))``)."""
 _VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
 
 
-def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
+def keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
     """The attention op whose keys or values ``node`` is, read by ``user`` through views (head split,
     transposes), if any: for explain."""
     name = _attention_name(user)
@@ -57,7 +57,7 @@ def _keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
         return user if any(len(user.args) > spec[r] and user.args[spec[r]] is node for r in ("k", "v")) else None
     if depth == 0 or target_name(user) not in _VIEWS:
         return None
-    return next(filter(None, (_keys_of(u, user, depth - 1) for u in user.users)), None)
+    return next(filter(None, (keys_of(u, user, depth - 1) for u in user.users)), None)
 
 
 class PadAnalysis:
@@ -211,6 +211,17 @@ class PadAnalysis:
                 return False
         return True
 
+    def keys_masked(self, attention: fx.Node) -> bool:
+        """Whether the attention op masks its keys by this mask (its lengths, or a kv_mask of no key outside
+        this vector's tokens, where a sample with none may read them all: finite fills)."""
+        spec = ATTENTION_ARGS[_attention_name(attention)]
+        index = spec["kv_lengths"]
+        kv_lengths = attention.args[index] if index is not None and len(attention.args) > index else None
+        if self.mask.vector is not None:
+            return bool(keys_within(self.mask, attention, kv_lengths))
+        found = lengths_arg_mask(kv_lengths, self.mask.seq)
+        return found is not None and found[0] is self.mask.lengths and found[1] == self.mask.offset
+
     def other_mask(self, user: fx.Node, node: fx.Node) -> str:
         """Why a reader that zeroes or reads rows by a mask does not excuse this region's padding ('' if
         it does not), for explain."""
@@ -220,7 +231,7 @@ class PadAnalysis:
             if found is not None and not self.mask.same(found):
                 return (f"; it zeroes them where {found.condition()}, the region packs the tokens where "
                         f"{self.mask.condition()}")
-        attention = _keys_of(user, node)
+        attention = keys_of(user, node)
         if self.mask.vector is not None and attention is not None:
             return (f"; {attention.name} reads keys not provably among the tokens where "
                     f"{self.mask.condition()}")

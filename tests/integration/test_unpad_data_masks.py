@@ -285,3 +285,33 @@ def test_row_masks_are_not_searched_for_hstu_visibilities(monkeypatch):
     g = torch.Generator().manual_seed(1)
     report = explain(LeftPaddedFfn(), torch.randn(B, L, E), torch.randint(0, L + 1, (B,), generator=g))
     assert len(_unpad(report)) == 1 and not searched
+
+
+class RecBoleStyleEncoder(nn.Module):
+    """RecBole's SASRec: the additive mask ``where(item_seq != 0, 0., -10000.)``, the output read at the last
+    valid position; no product with the mask anywhere, so nothing shows the padded rows unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(ITEMS, E, padding_idx=0), nn.Linear(E, 3 * E), nn.Linear(E, E)
+
+    def forward(self, ids, lengths):
+        b, n = ids.shape
+        keep = (ids != 0)[:, None, None, :]
+        additive = torch.where(keep, 0.0, -10000.0)
+        q, k, v = (t.view(b, n, H, D).transpose(1, 2) for t in self.qkv(self.emb(ids)).chunk(3, -1))
+        o = torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5 + additive, -1) @ v
+        h = self.out(o.transpose(1, 2).reshape(b, n, E))
+        return h.gather(1, (lengths - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, E)).squeeze(1)
+
+
+def test_projections_no_row_mask_anchors_are_said_to_run_padded():
+    """explain said nothing about unpad here: the K and V projections feed an attention that masks its keys
+    by the ids, but its finite fill lets an empty sample read every key, so the region has no anchor."""
+    g = torch.Generator().manual_seed(3)
+    ids = _ids("right", g)
+    lengths = (ids != 0).sum(1)
+    report = explain(RecBoleStyleEncoder(), ids, lengths)
+    reasons = _reasons(report)
+    assert report.counts["jagged_attention"] == 1 and not _unpad(report), reasons
+    assert any("run on the padded rows too" in r and "the tokens where" in r for r in reasons), reasons
