@@ -126,10 +126,10 @@ def size_argument(emit: Emitter, size: Any):
     SymInt is no valid argument: it would be traced as a constant)."""
     if not isinstance(size, torch.SymInt):
         return size
-    return _size_expression(emit, size.node.expr)
+    return size_expression(emit, size.node.expr)
 
 
-def _size_expression(emit: Emitter, expr):
+def size_expression(emit: Emitter, expr):
     """A size expression as a graph value: an input holding it, else its sum or product built from its terms
     (``N + 1`` of a [CLS] token prepended to N tokens)."""
     if expr.is_Integer:
@@ -146,7 +146,7 @@ def _size_expression(emit: Emitter, expr):
                 if isinstance(d, torch.SymInt) and d.node.expr == expr:
                     return emit.call(torch.ops.aten.sym_size.int, (node, dim))
     if expr.is_Add or expr.is_Mul:
-        terms = [_size_expression(emit, term) for term in expr.args]
+        terms = [size_expression(emit, term) for term in expr.args]
         out = terms[0]
         for term in terms[1:]:
             out = emit.call(operator.add if expr.is_Add else operator.mul, (out, term))
@@ -342,10 +342,11 @@ def _mutates(node: fx.Node) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or node.is_impure()
 
 
-def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
+def hoist_before(node: fx.Node, anchor: fx.Node, fixed: frozenset | set = frozenset()) -> None:
     """Move ``node`` and the producers it has after ``anchor`` to just before ``anchor``, in their order, so
     that a rewrite at ``anchor`` can read it (a row mask the model computes after the attention). Unproven
-    when ``node`` depends on ``anchor`` or when an op between the two may mutate what they read."""
+    when ``node`` depends on ``anchor`` or on a node of ``fixed`` (which must stay where it is: a packed
+    region's members), or when an op between the two may mutate what they read."""
     order = {n: i for i, n in enumerate(anchor.graph.nodes)}
     start = order[anchor]
     if order[node] < start:
@@ -357,6 +358,8 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
             continue
         if n is anchor:
             raise Unproven(f"{node.name} depends on the attention's output")
+        if n in fixed:
+            raise Unproven(f"{node.name} depends on {n.name}, which stays after {anchor.name}")
         moved.add(n)
         todo.extend(n.all_input_nodes)
     between = [n for n in anchor.graph.nodes if start <= order[n] <= order[node]]

@@ -279,8 +279,11 @@ class UnpadPass(GemPass):
             raise Unproven(f"the lengths {mask.lengths.name} are computed after the region starts")
         for source in [] if mask.vector is None else vector_leaves(mask.vector):
             if order[source] > order[first]:  # (the vector is rebuilt before the region from what it reads)
-                _hoist_read(source, first, set(region.nodes), f"the token vector ({mask.vector.text}) reads "
-                                                             f"{source.name}, computed after the region starts")
+                try:  # (a slice of an input, attention_mask.narrow(1, 0, N), an attention rewrite emitted)
+                    hoist_before(source, first, fixed=set(region.nodes))
+                except Unproven:
+                    raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, computed after "
+                                   "the region starts") from None
                 order = {n: i for i, n in enumerate(graph.nodes)}
             if in_place_update(source) is not None:  # through any alias (masks/mutation.py)
                 raise Unproven(f"the token vector ({mask.vector.text}) reads {source.name}, which the model "
@@ -479,23 +482,6 @@ class UnpadPass(GemPass):
             return _cached(entries, ("batch", a), lambda: emit.call(
                 torch.ops.aten.index.Tensor, (emit.call(torch.ops.aten.select.int, (a, 1, 0)), [batch_index])))
         raise Unproven(f"{a.name} of shape {shape} does not broadcast over the (B, N) rows")
-
-
-def _hoist_read(source: fx.Node, first: fx.Node, members: set[fx.Node], why: str) -> None:
-    """Move ``source`` (a tensor the token vector reads) and its producers after ``first`` before it, when none
-    of them is in the region (a slice of an input, ``attention_mask.narrow(1, 0, N)`` that an attention rewrite
-    emitted at its site); else Unproven(why)."""
-    order = {n: i for i, n in enumerate(first.graph.nodes)}
-    todo, seen = [source], set()
-    while todo:
-        n = todo.pop()
-        if n in seen or order[n] < order[first]:
-            continue
-        if n in members or n is first or n.op not in ("call_function", "call_method"):
-            raise Unproven(why)
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    hoist_before(source, first)  # (Unproven where an in-place op between them might change what it reads)
 
 
 def _updated_in_place(component: list[fx.Node], order: dict) -> tuple[fx.Node, fx.Node] | None:

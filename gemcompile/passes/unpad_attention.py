@@ -110,7 +110,7 @@ class RegionIndex:
     gather_batch: fx.Node
     offsets: Callable[[], fx.Node]
     """Emits (or returns) the token offsets of these lengths."""
-    seq: Any = None
+    seq: Any
     """The padded length as an argument of emitted nodes: an int, or a size node under dynamic shapes."""
 
 
@@ -321,7 +321,7 @@ def _emit_packed(emit: Emitter, node: fx.Node, layout: PackedLayout, call: dict,
     for a in layout.same_lengths if layout.drop_same_lengths else ():
         call[a] = None
     call[layout.offsets] = index.offsets()
-    call[layout.max_len] = index.mask.seq if isinstance(index.mask.seq, int) else index.seq
+    call[layout.max_len] = index.seq
     out = emit.call(node.target, tuple(call.values()))
     copy_source_meta(node, out)
     return out

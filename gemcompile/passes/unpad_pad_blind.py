@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import target_name, unused
 from gemcompile.passes.token_wise import ELEMENTWISE, classify, same_size, shape_of
 from gemcompile.passes.unpad_attention import lengths_arg_mask
@@ -39,11 +40,6 @@ def _attention_name(node: fx.Node) -> str | None:
         return name if name in ATTENTION_ARGS else None
     return None
 
-
-SHAPE_READERS = frozenset({"sym_size", "size", "dim", "numel", "sym_numel", "zeros_like", "ones_like",
-                           "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"})
-"""Readers of a tensor's shape, dtype and device alone (under dynamic shapes the attention passes read sizes
-of k this way; ``torch.where(valid, h, torch.zeros_like(h))``)."""
 
 _VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
 
@@ -93,8 +89,8 @@ class PadAnalysis:
             return False
         if unused(user):  # (what an attention rewrite left of the scores it replaced)
             return True
-        if target_name(user) in SHAPE_READERS and user.args and user.args[0] is node:
-            return True  # the exit's scatter has the value's shape
+        if reads_shape_only(user, node):  # (sym_size under dynamic shapes; torch.where(valid, h, zeros_like(h)))
+            return True  # the exit's scatter has the value's shape, dtype and device
         shape = shape_of(node)
         if shape is None:
             return False
@@ -126,8 +122,6 @@ class PadAnalysis:
         if name in ("view", "reshape", "contiguous") and user.args[0] is node and len(out_shape) == rank and \
                 all(same_size(a, b) for a, b in zip(out_shape, shape)):
             return self.blind(user, rows)  # the same shape: the same rows (HF's reshape(B, -1, N, D) of SDPA's output)
-        if name == "type_as" and len(user.args) == 2 and user.args[1] is node and user.args[0] is not node:
-            return True  # mask.type_as(h) reads h's dtype only
         if name == "permute":  # x.permute(0, 2, 1, 3): the head split of model code
             dims = user.args[1] if len(user.args) == 2 else user.args[1:]
             if user.kwargs or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):

@@ -26,6 +26,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 import gemcompile.lowering.packed_row_gather  # noqa: F401  registers gemcompile::packed_row_gather
 from gemcompile.passes.graph import Emitter, erase_dead, example_value, size_argument, target_name
@@ -53,9 +54,7 @@ def _is_batch_arange(node, batch) -> bool:
 
 def _within(position: int, seq) -> bool:
     """-seq <= position < seq, known without a guard (seq may be symbolic)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(-seq <= position) and statically_known_true(position < seq)
+    return known(-seq <= position) and known(position < seq)
 
 
 def _read_form(user: fx.Node, x: fx.Node, seq) -> tuple[str, object] | None:

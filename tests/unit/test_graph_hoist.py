@@ -52,3 +52,12 @@ def test_an_in_place_op_between_refuses_the_move():
     g, anchor, _, count, _ = _graph(between_in_place=True)
     with pytest.raises(Unproven, match="past an in-place op"):
         hoist_before(count, anchor)
+
+
+def test_a_value_that_reads_a_fixed_node_is_refused_and_nothing_moves():
+    """unpad keeps its region's members where they are: a token vector read computed from one stays after."""
+    g, anchor, doubled, count, _ = _graph()
+    before = list(g.nodes)
+    with pytest.raises(Unproven, match=f"depends on {doubled.name}, which stays after"):
+        hoist_before(count, anchor, fixed={doubled})
+    assert list(g.nodes) == before

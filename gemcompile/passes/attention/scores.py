@@ -68,7 +68,7 @@ def reads_shape_only(user: fx.Node, node: fx.Node, depth: int = 4) -> bool:
         return user.args[0] is node and node not in user.args[1:] and node not in user.kwargs.values()
     if name in _VIEWS and user.args and user.args[0] is node and depth > 0:  # a view only measured
         return bool(user.users) and all(reads_shape_only(u, user, depth - 1) for u in user.users)
-    return name in ("size", "dim") and user.args[0] is node
+    return name in ("size", "sym_size", "dim", "numel", "sym_numel") and user.args[0] is node
 
 
 def max_shift(user: fx.Node, node: fx.Node) -> list[fx.Node] | None:

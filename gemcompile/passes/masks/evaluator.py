@@ -44,8 +44,8 @@ from gemcompile.passes.masks.split_reshape import merge_reshape, repeat_interlea
 from gemcompile.passes.masks.zero_one import zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract, Atoms, BoolTensor, DataLeaf, IntTensor, PiecewiseTensor, constant_scalar, piecewise, simplify_pred,
-    triangle, index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype, float_op,
-    stored_as, trunc_is_floor,
+    triangle, index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype,
+    float_op, stored_as, trunc_is_floor,
 )
 
 NEG_FILL_LIMIT = -1.0e4
@@ -694,4 +694,3 @@ def keep_predicate(evaluator: MaskEvaluator, mask: Abstract, kind: str) -> Boole
         else:
             raise Unproven(f"the additive mask holds {v!r}: neither 0 nor a large negative number (<= -1e4)")
     return simplify_pred(sympy.Or(*keep))
-

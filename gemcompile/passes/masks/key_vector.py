@@ -15,10 +15,10 @@ import operator
 
 import sympy
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-from gemcompile.passes.graph import Emitter, Unproven, example_value, size_argument
+from gemcompile.passes.graph import Emitter, Unproven, example_value, size_argument, size_expression
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol
 from gemcompile.passes.masks.model import KeyVector
 
@@ -59,18 +59,17 @@ class _Builder:
                        "data are)")
 
     def size(self, symbol: sympy.Symbol) -> fx.Node:
-        """The graph value holding a symbolic size: the batch or key count given, else a graph input of
-        Dynamo's (it lifts each dynamic size as a placeholder), which comes before any node emitted."""
+        """The graph value holding a symbolic size: the batch or key count given, else what the graph's inputs
+        hold of it (Dynamo lifts each dynamic size as a placeholder; graph.size_expression)."""
         for size in (self.keys, self.batch):
             value = example_value(size) if isinstance(size, fx.Node) else None
             if isinstance(value, torch.SymInt) and value.node.expr == symbol:
                 return size
-        for node in self.emit.graph.find_nodes(op="placeholder"):
-            value = node.meta.get(self.emit.value_key)
-            if isinstance(value, torch.SymInt) and value.node.expr == symbol:
-                return node
-        raise Unproven(f"the key mask reads the dynamic size {symbol}, which no graph input holds (compile "
-                       "with static sequence lengths)")
+        try:
+            return size_expression(self.emit, symbol)
+        except Unproven:
+            raise Unproven(f"the key mask reads the dynamic size {symbol}, which no graph input holds (compile "
+                           "with static sequence lengths)") from None
 
     def _fold(self, op, args):
         out = None
@@ -119,8 +118,8 @@ class _Builder:
         ``node`` there only."""
         have = example_value(node).shape[dim]
         want = example_value(size) if isinstance(size, fx.Node) else size
-        if start == 0 and (_expr(have) == _expr(want) or known(have == want)):  # (the shape env's replacements:
-            return x  # am's batch symbol and k's, unified by a broadcast, are one size under dynamic shapes)
+        if start == 0 and known(have == want):  # (with the shape env's replacements: am's batch symbol and
+            return x  # k's, unified by a broadcast, are one size under dynamic shapes)
         if isinstance(have, int) and isinstance(want, int) and have < start + want:
             raise Unproven(f"the key mask reads {node.name} (size {have} along dim {dim}) at {want} positions "
                            f"from {start}")
@@ -155,11 +154,6 @@ class _Builder:
         for p in parts[1:]:
             out = self.emit.call(op, (out, p))
         return out
-
-
-def _expr(size):
-    """A size as a comparable value: an int, or a SymInt's expression."""
-    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def emit_key_mask(emit: Emitter, vector: KeyVector, k: fx.Node, batch, keys) -> fx.Node:
