@@ -230,8 +230,8 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
     others = [a for a in tensors if a is not first]
     if any(has_rows(shape_of(a), batch, seq) for a in others):
         return None  # a second row operand in a structural op (e.g. x @ y of two sequences)
-    if name == "linear":
-        return TokenWise(node, "structural", (first,), _same)
+    if name == "linear":  # over a feature dim: on (B, N) it would contract the tokens
+        return TokenWise(node, "structural", (first,), _same) if rank >= 3 else None
     if name in NORMS:
         shape = node_argument(node, 1, "normalized_shape")
         n = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list)) else None

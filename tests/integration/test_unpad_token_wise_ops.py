@@ -316,3 +316,28 @@ def test_a_residual_added_in_place_to_a_conv_output_is_no_update_of_the_input():
     assert not any("updated in place" in r for r in reasons), reasons  # (conv1d was taken for a view of h)
     assert [r.metrics["gemms"] for r in report.rewrites if r.pass_name == "unpad"] == [2], reasons
     _assert_packed_equals_eager(model, ids, lengths)
+
+
+class ScalarPerPositionMixed(nn.Module):
+    """A per-position scalar signal (B, N) mixed across positions by Linear(N, N) (token mixing, MLP-Mixer
+    style): the Linear contracts the sequence dim, so it is no token-wise op."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix, self.mix2 = nn.Linear(9, 9), nn.Linear(9, 9)
+
+    def forward(self, ids, lengths):
+        valid = (torch.arange(ids.size(1))[None, :] < lengths[:, None]).float()
+        r = ids.float() * 0.1
+        return (self.mix2(torch.relu(self.mix(r * valid))) * valid).sum(-1)
+
+
+@pytest.mark.parametrize("lengths", [[9, 1, 0, 5], [3, 2, 0, 4]])
+def test_a_linear_over_the_sequence_dim_of_a_per_position_tensor_stays_padded(lengths):
+    """Linear on (B, N) reads all N positions of a row (packed, it ran on the (T,) vector: wrong values when T
+    == N, Inductor's size assertion otherwise)."""
+    model, (ids, _) = _seeded(ScalarPerPositionMixed), _ids_and_lengths()
+    lengths = torch.tensor(lengths)
+    report = explain(model, ids, lengths)
+    assert not [r for r in report.rewrites if r.pass_name == "unpad"], report
+    _assert_packed_equals_eager(model, ids, lengths)
