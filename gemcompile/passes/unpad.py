@@ -176,7 +176,7 @@ class UnpadPass(GemPass):
         is read that way too: the q, k, v projections of a model that never masks its input)."""
         inside = set(component)
         return any(
-            (target_name(n) == "mul" and any(analysis.is_mask(a) for a in n.args)) or analysis.zeroing_of(n)
+            (target_name(n) == "mul" and any(analysis.mask_factor(n, a) for a in n.args)) or analysis.zeroing_of(n)
             or any(u not in inside and analysis.reader_blind(u, n, (0, 1)) for u in n.users)
             for n in component)
 
@@ -213,7 +213,8 @@ class UnpadPass(GemPass):
         zero: dict[fx.Node, bool] = {}
         for node in region.nodes:  # graph order: inputs first
             zero[node] = analysis.zeroing_of(node) is not None or \
-                zero_preserving(region.rules[node], lambda a: zero.get(a, False), analysis.is_mask)
+                zero_preserving(region.rules[node], lambda a: zero.get(a, False),
+                                lambda a, node=node: analysis.mask_factor(node, a))
         return zero
 
     # -- rewriting --------------------------------------------------------------------------------

@@ -121,9 +121,12 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
 def _zeroing_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
     """(x, m, negate) when ``node`` zeroes rows of x by a bool m: ``x.masked_fill(m, 0)`` keeps where m does
     not hold (negate), ``where(m, x, 0)`` where it holds, ``where(m, 0, x)`` where it does not."""
-    if node.op not in ("call_function", "call_method") or node.kwargs:
+    if node.op not in ("call_function", "call_method"):
         return None
-    name, args = target_name(node), node.args
+    name = target_name(node)
+    args = _call_arguments(node, ("input", "mask", "value") if name == "masked_fill" else ("condition", "input", "other"))
+    if args is None:
+        return None
     if name == "masked_fill" and len(args) == 3 and _is_zero(args[2]):
         x, m, negate = args[0], args[1], True
     elif name == "where" and len(args) == 3 and _is_zero(args[2]):
@@ -140,6 +143,14 @@ def _zeroing_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
             not all(same_size(a, b) for a, b in zip(xv.shape, out.shape)):
         return None  # (a mask of another rank would align its dims with others of x)
     return x, m, negate
+
+
+def _call_arguments(node: fx.Node, names: tuple[str, ...]) -> list | None:
+    """The call's arguments by position, keywords among ``names`` put in their place (RecBole's
+    ``masked_fill(mask=mask, value=torch.tensor(0.0))``); None for any other shape of call."""
+    if len(node.args) + len(node.kwargs) != len(names) or set(node.kwargs) != set(names[len(node.args):]):
+        return None
+    return [node.args[i] if i < len(node.args) else node.kwargs[n] for i, n in enumerate(names)]
 
 
 _ZERO_FACTORIES = frozenset({"zeros_like", "new_zeros", "zeros"})

@@ -16,7 +16,8 @@ from torch import fx
 
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import target_name, unused
-from gemcompile.passes.token_wise import ELEMENTWISE, classify, same_size, shape_of
+from gemcompile.passes.token_wise import ELEMENTWISE, classify, node_argument, same_size, shape_of
+from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind
 from gemcompile.passes.unpad_attention import lengths_arg_mask
 from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, keys_within
 
@@ -69,6 +70,12 @@ class PadAnalysis:
     def is_mask(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
 
+    def mask_factor(self, product: fx.Node, factor: Any) -> bool:
+        """``factor`` is this mask and a factor of ``product`` with its B and N on the product's first two dims:
+        of the product's rank (a (B, N, 1) mask times (B, N) scores broadcasts to (B, N, N) at B == 1)."""
+        shape, out = shape_of(factor), shape_of(product)
+        return self.is_mask(factor) and shape is not None and out is not None and len(shape) == len(out)
+
     def zeroing_of(self, node: fx.Node) -> fx.Node | None:
         """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``,
         ``where(valid, x, 0)``): like ``x * valid``, it ignores x's padded rows and is zero there."""
@@ -101,10 +108,13 @@ class PadAnalysis:
             return self._attention_blind(user, node, rows, attention)
         if name == "mul" and rows == (0, 1):
             others = [a for a in user.args if a is not node]
-            if len(user.args) == 2 and len(others) == 1 and self.is_mask(others[0]):
+            if len(user.args) == 2 and len(others) == 1 and self.mask_factor(user, others[0]) and \
+                    len(shape_of(user) or ()) == rank:
                 return True
         if rows == (0, 1) and self.zeroing_of(user) is node:
             return True
+        if name in CONTRACTIONS:
+            return contraction_blind(self, user, node, rows)
         if name in ("select", "unbind") and user.args[0] is node or \
                 name == "getitem" and user.args[0] is node and type(user.args[1]) is int:
             return self._piece_blind(user, rows, rank, name)
@@ -130,6 +140,8 @@ class PadAnalysis:
             return sorted(order) == list(range(rank)) and self.blind(user, tuple(order.index(r) for r in rows))
         if name in ("unflatten", "flatten"):
             return self._reshape_blind(user, rows, rank, name)
+        if name in ("squeeze", "unsqueeze") and user.args[0] is node:
+            return self._squeeze_blind(user, rows, rank, name)
         if rows == (0, 1):
             rule = classify(user, self.mask.batch, self.mask.seq)
             if rule is not None and node in rule.rows:
@@ -177,6 +189,18 @@ class PadAnalysis:
             return False
         shrink = end - start
         return self.blind(user, tuple(r - shrink if r > end else r for r in rows))
+
+    def _squeeze_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
+        """A size-1 dim dropped or added beside the rows (DIN's ``dense(h).squeeze(-1)``, ``w.unsqueeze(1)``)."""
+        dim = node_argument(user, 1, "dim")
+        if not isinstance(dim, int):
+            return False  # (squeeze() of every size-1 dim would drop B or N when they are 1)
+        if name == "unsqueeze":
+            dim %= rank + 1
+            return self.blind(user, tuple(r + (r >= dim) for r in rows))
+        dim %= rank
+        return dim not in rows and same_size(shape_of(user.args[0])[dim], 1) and \
+            self.blind(user, tuple(r - (r > dim) for r in rows))
 
     def _attention_blind(self, user: fx.Node, node: fx.Node, rows: tuple[int, int], attention: str) -> bool:
         if rows != ATTENTION_ROWS:

@@ -22,6 +22,8 @@ ZEROINGS = {
     "masked_fill_method_of_ids": lambda h, valid, pad, ids: h.masked_fill((ids == 0)[..., None], 0),
     "where_zeros_like": lambda h, valid, pad, ids: torch.where(valid[..., None], h, torch.zeros_like(h)),
     "masked_fill_tensor_zero": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], torch.tensor(0.0)),
+    # RecBole's SequenceAttLayer spelling: keywords, a tensor fill
+    "masked_fill_keywords": lambda h, valid, pad, ids: h.masked_fill(mask=pad[..., None], value=torch.tensor(0.0)),
 }
 NEAR_MISSES = {
     "masked_fill_with_one": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], 1.0),
@@ -73,3 +75,46 @@ def test_a_zeroing_by_masked_fill_or_where_packs_the_ffn(name):
 @pytest.mark.parametrize("name", list(NEAR_MISSES))
 def test_a_fill_of_another_value_or_by_a_per_feature_mask_stays_padded(name):
     assert _packed_gemms_and_check_eager(NEAR_MISSES[name]) == []
+
+
+class ScoresTimesRowMask(nn.Module):
+    """Per-token scores (B, N) times valid[..., None] (B, N, 1): at B == 1 that broadcasts to (1, N, N), each
+    output row reading every token's score, the padded ones too."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, 2 * E), nn.Linear(2 * E, 1)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        s = self.fc2(F.gelu(self.fc1(self.emb(ids)))).squeeze(-1)
+        return s * valid[..., None]
+
+
+class TokensTimesWiderMask(nn.Module):
+    """h (B, N, E) times valid[:, :, None, None]: at B == N the mask's B and N broadcast onto h's N and E."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        return self.fc2(F.gelu(self.fc1(self.emb(ids)))) * valid[:, :, None, None]
+
+
+@pytest.mark.parametrize("model, lengths", [(ScoresTimesRowMask, [3]), (TokensTimesWiderMask, [4, 1, 0, 2])])
+def test_a_mask_of_higher_rank_than_the_tokens_is_no_row_mask_of_them(model, lengths):
+    """The product's dims do not line up with the tokens' (B, N): it reads their padded rows."""
+    torch.manual_seed(0)
+    model, lengths = model(), torch.tensor(lengths)
+    ids = torch.randint(1, 30, (len(lengths), 4), generator=torch.Generator().manual_seed(2))
+    report = explain(model, ids, lengths)
+    assert not [r for r in report.rewrites if r.pass_name == "unpad"], report
+    out, ref = rewritten(model)(ids, lengths), model(ids, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    for g, r in zip(torch.autograd.grad((out * weights).sum(), params),
+                    torch.autograd.grad((ref * weights).sum(), params)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
