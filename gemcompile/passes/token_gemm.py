@@ -2,23 +2,28 @@
 
 Packed tokens (passes/unpad.py) make a GEMM's token dim new at every step, and cuBLAS chooses a kernel on
 the host for each new shape: 0.2 to 4 ms a call on an H200 (benchmarks/gemm_host_time.py), with the GPU
-idle while the forward waits for it. Each ``mm`` / ``addmm`` whose token dim is symbolic becomes
+idle while the forward waits for it. Each ``mm`` / ``addmm`` whose token dim is data-dependent becomes
 gemcompile::token_mm (lowering/token_gemm.py), which covers that dim with GEMMs of a few sizes per
 octave, so that cuBLAS meets each shape once.
 
 Matches (forward and backward graphs alike):
 - ``mm(a, b)`` and ``addmm(bias, a, b)`` (beta = alpha = 1, a bias of N elements) of floating tensors;
 - with a's rows (the tokens of a Linear's forward or dgrad) or the reduction dim (the tokens a weight
-  gradient sums over) symbolic: the first symbolic one of the two is split. A symbolic N only is left
-  alone: the output's columns are not a token dim the op splits.
-Static shapes are left as they are (cuBLAS caches them).
+  gradient sums over) data-dependent (an unbacked symbol: unpad's token count): the first such one of the
+  two is split. A symbolic N only is left alone: the output's columns are not a token dim the op splits.
+Static shapes are left as they are (cuBLAS caches them), and so are sizes that are symbolic only because the
+batch's shape varies (Dynamo's dynamic B and N, backed by the input's sizes): a padded length comes from a
+few values that recur (a tokenizer pads to the batch's longest), so cuBLAS meets each new one once (about
+0.2-0.4 ms a GEMM on an H200, benchmarks/results/gemm_host_time-20261203-005811.json), while token_mm's own
+host time is paid every step (30 such GEMMs of a dynamic SASRec step took 2.5 ms as token_mm,
+benchmarks/results/data_masks-varying-lengths-20261207-125929.json, host profile of gem-unpad-off).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from gemcompile.lowering.token_gemm import token_mm  # noqa: F401 (registers the op)
 from gemcompile.passes.base import GemPass
@@ -29,16 +34,17 @@ _GEMMS = (aten.mm.default, aten.addmm.default)
 
 
 def _symbolic(size) -> bool:
-    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+    """A data-dependent size (module doc): new at nearly every step."""
+    return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size.node.expr))
 
 
 def _split_dim(a: torch.Tensor) -> int | None:
-    """0 when a's rows are symbolic, else 1 when the reduction dim is, else None."""
+    """0 when a's rows are data-dependent, else 1 when the reduction dim is, else None."""
     return next((d for d in (0, 1) if _symbolic(a.shape[d])), None)
 
 
 class TokenGemmPass(GemPass):
-    """mm / addmm with a symbolic token dim -> gemcompile::token_mm (see the module doc)."""
+    """mm / addmm with a data-dependent token dim -> gemcompile::token_mm (see the module doc)."""
 
     name = "token_gemm"
     stage = "post_grad"

@@ -3,6 +3,8 @@
 and gradients over token counts that split and ones that do not, and no recompiles. Static shapes (unpad
 off) and the pass turned off are left alone."""
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -52,3 +54,21 @@ def test_static_shapes_left_alone():
 def test_turned_off():
     _train_and_compare(MaskedResidualFfn(), GemConfig(token_gemm={"enabled": False}))
     assert counters["gemcompile"]["token_gemm"] == 0
+
+
+@pytest.mark.parametrize("unpad", [True, False])
+def test_sizes_symbolic_by_the_batch_shape_alone_are_left_alone(unpad):
+    """Under dynamic shapes B * N is symbolic but recurs from batch to batch (cuBLAS caches it): only unpad's
+    data-dependent token count makes token_mm; with unpad off, no GEMM becomes one."""
+    from tests.integration.test_unpad_dynamic_shapes import LengthsEncoder, _dynamic_inputs
+
+    config = GemConfig(unpad={"enabled": unpad}, token_gemm=SMALL)
+    report = explain(LengthsEncoder(), *_dynamic_inputs("lengths_with_last_token"), config=config)
+    rewrites = [r for r in report.rewrites if r.pass_name == "token_gemm"]
+    if not unpad:
+        assert rewrites == [], [r.reason for r in rewrites]
+        return
+    assert len(rewrites) == 2 and all(r.metrics["gemms"] > 0 for r in rewrites)
+    # the token counts split are unpad's (unbacked u0, ...), never the batch's symbolic s0 * s1
+    symbols = [s for r in rewrites for s in re.findall(r"'([^']*)'", r.before)]
+    assert symbols and all(re.fullmatch(r"u\d+", s) for s in symbols), [r.before for r in rewrites]
