@@ -340,3 +340,17 @@ def test_a_save_missing_a_shard_is_an_error_and_keeps_the_earlier_checkpoint(tmp
         save_checkpoint(tmp_path, 2, model, optimizers)
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
     assert not checkpoint_path(tmp_path, 2).exists()
+
+
+def test_a_full_disk_when_naming_the_run_says_which_file_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """run.json is written before the first checkpoint: a failure there named no file ("[Errno 28] No space
+    left on device") and left .run.json.tmp behind."""
+    from gemcompile.runtime.training import checkpoint_owner
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_owner.os, "replace", full)
+    with pytest.raises(OSError, match=r"writing .*run\.json .*failed: No space left on device"):
+        checkpoint_owner.name_run(tmp_path, None)
+    assert list(tmp_path.iterdir()) == []

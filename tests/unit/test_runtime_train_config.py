@@ -181,6 +181,7 @@ def test_errors_every_rank_finds_alike_are_said_once_under_torchrun(rank, printe
     from gemcompile.runtime.training.flags import report_error
 
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError) as config_error:
         TrainConfig(steps=0)
     with pytest.raises(ParallelPlanError) as plan_error:
@@ -188,6 +189,18 @@ def test_errors_every_rank_finds_alike_are_said_once_under_torchrun(rank, printe
     for error in (config_error.value, plan_error.value):
         assert report_error("train", error, debug=False) == 2
         assert bool(capsys.readouterr().err) == printed
+
+
+def test_a_stray_rank_in_a_one_process_run_hides_no_error(monkeypatch, capsys):
+    """RANK=1 left in the environment of a plain (one-process) run: its errors are still said."""
+    from gemcompile.runtime.training.flags import report_error
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError) as config_error:
+        TrainConfig(lr=-1.0)
+    assert report_error("train", config_error.value, debug=False) == 2
+    assert "TrainConfig.lr" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -65,8 +66,14 @@ def name_run(checkpoint_dir: str | Path, run: str | None) -> str:
     root = Path(checkpoint_dir)
     if run_id(root) != run:
         tmp = root / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"run": run}))
-        os.replace(tmp, root / RUN_FILE)
+        try:
+            tmp.write_text(json.dumps({"run": run}))
+            os.replace(tmp, root / RUN_FILE)
+        except OSError as error:  # a full disk: say which file, leave no partial copy behind
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise OSError(f"writing {root / RUN_FILE} (which run owns the checkpoints) failed: "
+                          f"{error.strerror or error}; no checkpoint of this run was written") from error
     return run
 
 

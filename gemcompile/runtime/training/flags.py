@@ -121,10 +121,22 @@ def report_error(command: str, error: BaseException, debug: bool) -> int:
     line = text.splitlines()[0] if text else ""
     if not expected or not line:
         line = f"{type(error).__name__}: {line}".rstrip(": ") + " (run with --debug for the traceback)"
-    rank = os.environ.get("RANK", "0")
-    if not (getattr(error, "same_on_every_rank", False) and rank != "0"):  # said once under torchrun
+    if not (getattr(error, "same_on_every_rank", False) and _another_rank_says_it()):  # once under torchrun
         print(f"gemcompile {command}: error: {line}", file=sys.stderr, flush=True)
     return 2 if expected else 1
+
+
+def _another_rank_says_it() -> bool:
+    """Whether this process is one of several ranks and not rank 0 (the process group's, or torchrun's
+    RANK and WORLD_SIZE before it exists): a stray RANK=1 in a one-process run must not hide its errors."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1 and dist.get_rank() != 0
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0"
+    except ValueError:  # WORLD_SIZE=abc: said by every process (the flags' own check names it)
+        return False
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
