@@ -68,6 +68,7 @@ from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, drop_d
                                      example_value, hoist_before, size_argument, target_name)
 from gemcompile.passes.graph_liveness import size_hint
 from gemcompile.passes.masks.key_vector import emit_token_vector
+from gemcompile.passes.masks.zero_one import emit_zero_one_check
 from gemcompile.passes.records import input_path
 from gemcompile.passes.token_wise import (
     TokenWise,
@@ -78,7 +79,14 @@ from gemcompile.passes.token_wise import (
     zero_preserving,
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
-from gemcompile.passes.unpad_masks import RowMask, emit_row_mask_checks, find_row_masks, vector_leaves
+from gemcompile.passes.unpad_masks import (
+    RowMask,
+    emit_row_mask_checks,
+    find_row_masks,
+    unchecked_zero_one,
+    vector_leaves,
+    zero_exactly_where_data_is,
+)
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
@@ -96,6 +104,9 @@ class Region:
     rules: dict[fx.Node, TokenWise]
     stays_padded: dict[fx.Node, str] = field(default_factory=dict)
     """Each node dropped from the region because an exit of it would read its padded rows: why (its root's)."""
+    weights: frozenset = frozenset()
+    """Integer tensors the masks read as 0/1 that may hold other values (``_weight_leaves``): no check of
+    them, and products with their masks stay products."""
     root_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
     """Each dropped node's root: itself when something outside reads its padded rows, else the root of the
     dropped node that reads it (explain names each root once, with a count, not a line per tensor up a chain)."""
@@ -135,6 +146,7 @@ class UnpadPass(GemPass):
                 if rule is not None:
                     rules[node] = rule
             analysis = PadAnalysis(mask, masks, zeroings)
+            weights = self._weight_leaves(graph, mask, [*masks.values(), *kept])
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     if any((a := keys_of(u, n)) is not None and analysis.keys_masked(a)
@@ -148,13 +160,26 @@ class UnpadPass(GemPass):
                     self.refused(node, f"{node.name} is updated in place by {update.name} (`{target_name(update)}`"
                                        f"{how}): a packed copy would not see the update")
                     continue
-                region = Region(mask, component, {n: rules[n] for n in component})
+                region = Region(mask, component, {n: rules[n] for n in component}, weights=weights)
                 self._shrink_to_safe_exits(region, analysis)
                 if region.nodes:
                     claimed.update(region.nodes)
                     regions.append(region)
         self._say_unanchored(unanchored, claimed)
         return regions
+
+    @staticmethod
+    def _weight_leaves(graph: fx.Graph, mask: RowMask, masks: list[RowMask]) -> frozenset:
+        """The integer tensors this mask's class reads as 0/1 that no other rewrite checks (an attention pass
+        checks HF's attention_mask), when every mask reading them is their plain cast: zero exactly where the
+        data is, so packing by them is exact for any values (integer weights: counts, ratings) without the
+        device check, which would stop such a valid run. Empty otherwise (the check is emitted)."""
+        leaves = unchecked_zero_one(graph, mask, masks)
+        readers = [m for m in masks if mask.same(m) and m.checks]
+        if not leaves or not all(m.vector is not None and m.node is not None and
+                                 any(zero_exactly_where_data_is(m.node, leaf) for leaf in leaves) for m in readers):
+            return frozenset()
+        return frozenset(leaves)
 
     def _say_unanchored(self, unanchored: dict, claimed: set[fx.Node]) -> None:
         """One line per token-wise component with GEMMs that no row mask anchored (nothing zeroes its padded
@@ -306,8 +331,9 @@ class UnpadPass(GemPass):
         index, batch_index, seq_index, gather_batch = shared
         batch, seq = self._sizes[index_key]  # (made with the index: before every use of either)
         with graph.inserting_before(first):  # what the proof of the masks assumed of the data
+            skipped = {(emit_zero_one_check, leaf) for leaf in region.weights}
             checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(m for _, m in self._zeroings.values())],
-                                           self._checked)
+                                           self._checked | skipped)
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -320,7 +346,8 @@ class UnpadPass(GemPass):
                                         entries=entries, emit=emit, batch_index=gather_batch,
                                         seq_index=seq_index, mask=mask)
             with graph.inserting_before(node):
-                identity = _mask_product_identity(node, rule, mask, masks, self._zeroings)
+                identity = _mask_product_identity(node, rule, mask, {
+                    n: m for n, m in masks.items() if not (region.weights and m.checks)}, self._zeroings)
                 if identity is not None:
                     packed[node] = operand(identity)
                     continue

@@ -44,6 +44,7 @@ from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_
 from gemcompile.passes.masks.model import KeyVector
 from gemcompile.passes.masks.prover import equivalent, render
 from gemcompile.passes.masks.values import PiecewiseTensor, simplify_pred
+from gemcompile.passes.masks.zero_one import ZERO_ONE_CHECKED, emit_zero_one_check
 from gemcompile.passes.token_wise import same_size, shape_of
 
 B, J = index_symbol(3), index_symbol(0)
@@ -283,6 +284,45 @@ def emit_row_mask_checks(emit, mask: RowMask, masks: Iterable[RowMask], done: se
                 check(emit)
                 emitted.append(key)
     return emitted
+
+
+def unchecked_zero_one(graph: fx.Graph, mask: RowMask, masks: Iterable[RowMask]) -> list[fx.Node]:
+    """The integer tensors that the masks of ``mask``'s class read as 0/1 (masks/zero_one.py) and that no
+    other rewrite of the graph checks already: an attention pass relies on HF's attention_mask being 0/1 and
+    checks it, so packing by it adds nothing; but integer weights (counts, ratings) only multiplied into the
+    tokens are no mask, and a check would stop a valid run."""
+    checked = {n.meta[ZERO_ONE_CHECKED] for n in graph.nodes if ZERO_ONE_CHECKED in n.meta}
+    leaves: list[fx.Node] = []
+    for found in masks:
+        if not mask.same(found):
+            continue
+        for check in found.checks:
+            leaf = getattr(check, "keywords", {}).get("node")
+            if getattr(check, "func", None) is emit_zero_one_check and leaf not in checked and leaf not in leaves:
+                leaves.append(leaf)
+    return leaves
+
+
+_INDEX_MAPS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "contiguous", "getitem"}
+
+
+def zero_exactly_where_data_is(node: fx.Node, leaf: fx.Node, depth: int = 8) -> bool:
+    """Whether ``node`` is ``leaf`` (integer data) through index maps and casts that keep zero and nonzero
+    apart (to a float or bool, to int64): 0 exactly where the data is, whatever its other values. A mask
+    read as 0/1 from such a cast is exact for weights too (counts), as long as its product stays a product
+    (UnpadPass: the region keeps it instead of dropping it as the identity)."""
+    while node is not leaf and depth:
+        value = example_value(node)
+        name = target_name(node)
+        if not isinstance(node, fx.Node) or not node.args or not isinstance(value, torch.Tensor):
+            return False
+        if name in _CASTS:
+            if not (value.is_floating_point() or value.dtype in (torch.bool, torch.int64)):
+                return False  # (int64 -> int32 wraps 2**32 to 0)
+        elif name not in _INDEX_MAPS:
+            return False
+        node, depth = node.args[0], depth - 1
+    return node is leaf
 
 
 def _near_misses(graph: fx.Graph, found: dict[fx.Node, RowMask], why_not: dict[fx.Node, str]):

@@ -17,6 +17,10 @@ from gemcompile.passes.graph import Emitter
 from gemcompile.passes.masks.values import IntTensor, piecewise
 
 
+ZERO_ONE_CHECKED = "gemcompile_zero_one_checked"
+"""Node meta of an emitted check: the integer mask it checks."""
+
+
 def zero_one_pieces(evaluator, src):
     """``src`` (an integer data leaf) as the float pieces 1 / 0, the check registered once per leaf; None when
     src is anything else (an index expression, a bool or float mask, a number)."""
@@ -35,7 +39,9 @@ def emit_zero_one_check(emit: Emitter, node: fx.Node) -> None:
     """A device-side assert (no host sync) that an integer mask read as 0/1 holds only 0 and 1: the run stops
     with this message instead of computing a mask the model did not mean."""
     ok = emit.call(torch.logical_or, (emit.call(operator.eq, (node, 0)), emit.call(operator.eq, (node, 1))))
-    emit.call(torch._assert_async, (emit.call(torch.all, (ok,)),
+    ok = emit.call(torch.all, (ok,))
+    ok.meta[ZERO_ONE_CHECKED] = node  # (unpad_masks.unchecked_zero_one: another pass relies on it too)
+    emit.call(torch._assert_async, (ok,
                                     f"gemcompile: the mask {node.name} holds values other than 0 and 1; "
                                     "gemcompile's rewrites (attention, unpad) read it as a 0/1 mask: pass a "
                                     "bool mask, or turn those passes off for this model"))
