@@ -149,9 +149,10 @@ class UnpadPass(GemPass):
             weights = self._weight_leaves(graph, mask, [*masks.values(), *kept])
             for component in _components(rules):
                 if not self._anchored(component, analysis):
-                    if any((a := keys_of(u, n)) is not None and analysis.keys_masked(a)
-                           for n in component for u in n.users):
-                        unanchored.setdefault(component[0], (component, mask))
+                    attention = next((a for n in component for u in n.users
+                                      if (a := keys_of(u, n)) is not None and analysis.keys_masked(a)), None)
+                    if attention is not None:
+                        unanchored.setdefault(component[0], (component, mask, analysis.reads_every_key(attention)))
                     continue
                 updated = _updated_in_place(component, order)
                 if updated is not None:
@@ -184,11 +185,19 @@ class UnpadPass(GemPass):
     def _say_unanchored(self, unanchored: dict, claimed: set[fx.Node]) -> None:
         """One line per token-wise component with GEMMs that no row mask anchored (nothing zeroes its padded
         rows or reads it only where the mask holds): it runs padded, and explain says so instead of nothing."""
-        for first, (component, mask) in unanchored.items():
+        for first, (component, mask, every_key) in unanchored.items():
             gemms = [n for n in component if target_name(n) == "linear" and n not in claimed]
             if not gemms:
                 continue
             names = ", ".join(n.name for n in gemms[:4]) + (", ..." if len(gemms) > 4 else "")
+            if every_key is not None:  # the attention reads them as keys only where its sample has a valid key
+                self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: {every_key.name} "
+                                    "reads them as keys only where its sample has a valid key; a sample with none "
+                                    "reads every key, padded ones included (its mask's fill is finite, as "
+                                    "-1e9 or finfo.min: the softmax over all equal scores is uniform), and that "
+                                    "output is used. Fill with -inf, or zero such samples' output, to let them "
+                                    "skip the padding")
+                continue
             self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: nothing shows those "
                                 f"rows unused (no product with the row mask of {mask.describe()} or zeroing by it, "
                                 "no attention that reads them only as keys by it); zero the padded rows where the "

@@ -240,6 +240,19 @@ class PadAnalysis:
         found = lengths_arg_mask(kv_lengths, self.mask.seq)
         return found is not None and found[0] is self.mask.lengths and found[1] == self.mask.offset
 
+    def reads_every_key(self, attention: fx.Node) -> fx.Node | None:
+        """``attention`` when it reads every key of a sample with no valid key (a finite fill,
+        ``keys_within``'s EMPTY_SAMPLES_READ_EVERY_KEY) and its output rows are not pad-blind: why its keys
+        and values stay padded. None otherwise."""
+        if self.mask.vector is None:
+            return None
+        spec = ATTENTION_ARGS[_attention_name(attention)]
+        index = spec["kv_lengths"]
+        kv_lengths = attention.args[index] if index is not None and len(attention.args) > index else None
+        within = keys_within(self.mask, attention, kv_lengths)
+        return attention if within == EMPTY_SAMPLES_READ_EVERY_KEY and not self.blind(attention, ATTENTION_ROWS) \
+            else None
+
     def other_mask(self, user: fx.Node, node: fx.Node) -> str:
         """Why a reader that zeroes or reads rows by a mask does not excuse this region's padding ('' if
         it does not), for explain."""
