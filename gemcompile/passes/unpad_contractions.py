@@ -8,7 +8,8 @@ Each output element is a sum over the tokens n of h[b, n, ...] * w[b, ..., n]; w
 hold, w is 0, so h's padded rows do not change it (as in ``(h * valid).sum(1)``; h finite). ``zero_at``
 proves a factor zero there: the row mask itself, a zeroing by it (masked_fill / where), and the
 products, quotients, zero-preserving maps, dtype casts and dim shuffles (unsqueeze, squeeze, transpose,
-same-shape views) of such a factor.
+expand, same-shape views) of such a factor. A product with such a factor ignores the padded rows too
+(unpad_pad_blind: sentence-transformers' weighted mean, ``h * (mask * positions)``).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8) -> bool:
         a, b = (d % len(shape) for d in node.args[1:])
         swap = {a: b, b: a}
         return zero_at(analysis, source, tuple(swap.get(r, r) for r in rows), depth - 1)
+    if name in ("expand", "expand_as", "contiguous") and shape_of(source) is not None and \
+            len(shape_of(source)) == len(shape):  # (a (B, N, 1) mask expanded over the features)
+        return zero_at(analysis, source, rows, depth - 1)
     if name in ("view", "reshape") and shape_of(source) is not None and len(shape_of(source)) == len(shape) and \
             all(same_size(x, y) for x, y in zip(shape_of(source), shape)):
         return zero_at(analysis, source, rows, depth - 1)

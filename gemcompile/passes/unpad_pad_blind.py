@@ -17,7 +17,7 @@ from torch import fx
 from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import target_name, unused
 from gemcompile.passes.token_wise import ELEMENTWISE, classify, node_argument, same_size, shape_of
-from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind
+from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind, zero_at
 from gemcompile.passes.unpad_attention import lengths_arg_mask
 from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, keys_within
 
@@ -70,6 +70,13 @@ class PadAnalysis:
     def is_mask(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
 
+    def zero_factor(self, product: fx.Node, factor: Any) -> bool:
+        """``factor`` is zero at this mask's padded rows, its B and N on the product's first two dims
+        (sentence-transformers' weighted mean: ``h * (mask * positions)``; unpad_contractions.zero_at)."""
+        shape, out = shape_of(factor), shape_of(product)
+        return shape is not None and out is not None and len(shape) == len(out) and \
+            same_size(shape[0], out[0]) and same_size(shape[1], out[1]) and zero_at(self, factor, (0, 1))
+
     def mask_factor(self, product: fx.Node, factor: Any) -> bool:
         """``factor`` is this mask and a factor of ``product`` with its B and N on the product's first two dims:
         of the product's rank (a (B, N, 1) mask times (B, N) scores broadcasts to (B, N, N) at B == 1)."""
@@ -108,8 +115,8 @@ class PadAnalysis:
             return self._attention_blind(user, node, rows, attention)
         if name == "mul" and rows == (0, 1):
             others = [a for a in user.args if a is not node]
-            if len(user.args) == 2 and len(others) == 1 and self.mask_factor(user, others[0]) and \
-                    len(shape_of(user) or ()) == rank:
+            if len(user.args) == 2 and len(others) == 1 and len(shape_of(user) or ()) == rank and \
+                    (self.mask_factor(user, others[0]) or self.zero_factor(user, others[0])):
                 return True
         if rows == (0, 1) and self.zeroing_of(user) is node:
             return True

@@ -24,6 +24,12 @@ def _mean_weights(valid):
     return w / w.sum(-1, keepdim=True).clamp(min=1)
 
 
+def _weighted_mean(h, valid):
+    weights = torch.arange(1, h.shape[1] + 1).unsqueeze(0).unsqueeze(-1).expand(h.size()).to(h.dtype)
+    expanded = valid.unsqueeze(-1).expand(h.size()).to(h.dtype) * weights
+    return torch.sum(h * expanded, 1) / torch.clamp(expanded.sum(1), min=1e-9)
+
+
 def _din_scores(model, h, valid, pad):
     """RecBole's SequenceAttLayer: scores (B, 1, N) from a dense layer, zeroed at the padding by keyword
     masked_fill with a tensor fill, scaled, matmul with the keys."""
@@ -42,6 +48,8 @@ POOLINGS = {
         (m.score(h).squeeze(-1) * valid).unsqueeze(1), h).squeeze(1),
     "where_zeroed_weights": lambda m, h, valid, pad: torch.bmm(
         torch.where(valid, torch.sigmoid(m.score(h)[..., 0]), 0.0)[:, None, :], h)[:, 0],
+    # sentence-transformers' Pooling(mode="weightedmean"): a product, then sums
+    "weighted_mean_positions": lambda m, h, valid, pad: _weighted_mean(h, valid),
     # weights of another row mask: the tokens that mask keeps are packed (the padding; one token more)
     "bmm_by_the_padding": lambda m, h, valid, pad: torch.bmm(pad.float().unsqueeze(1), h).squeeze(1),
     "einsum_by_a_longer_mask": lambda m, h, valid, pad: torch.einsum(
@@ -55,6 +63,7 @@ NEAR_MISSES = {
         (valid.float() * 0.5 + pad.float()).unsqueeze(1), h).squeeze(1),
     "bmm_unmasked_softmax": lambda m, h, valid, pad: torch.bmm(
         torch.softmax(m.score(h).squeeze(-1), -1).unsqueeze(1), h).squeeze(1),
+    "product_weights_plus_constant": lambda m, h, valid, pad: (h * (valid.float() + 0.5)[..., None]).sum(1),
     "bmm_weight_plus_constant": lambda m, h, valid, pad: torch.bmm(
         (valid.float() + 0.1).unsqueeze(1), h).squeeze(1),
     "matmul_over_the_features": lambda m, h, valid, pad: (h @ h.new_ones(h.shape[0], E, E)).sum(1),
