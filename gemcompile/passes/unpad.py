@@ -221,6 +221,9 @@ class UnpadPass(GemPass):
             zero = self._pad_zero(region, analysis)
             unsafe = None
             for node in region.nodes:
+                if _one_per_token(node) and any(u not in packed for u in node.users):
+                    unsafe = (node, None)
+                    break
                 for user in node.users:
                     if user in packed or zero[node] or analysis.reader_blind(user, node, (0, 1)):
                         continue
@@ -231,6 +234,10 @@ class UnpadPass(GemPass):
             if unsafe is None:
                 return
             node, user = unsafe
+            if user is None:  # (one value per token: padded, it costs nothing; no line for explain)
+                region.root_of[node] = node
+                region.nodes = [n for n in region.nodes if n is not node]
+                continue
             note = analysis.other_mask(user, node)
             if user in region.root_of and not note:  # read by a node dropped before: part of its chain
                 region.root_of[node] = region.root_of[user]
@@ -551,6 +558,15 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask, masks:
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
+
+
+def _one_per_token(node: fx.Node) -> bool:
+    """A (B, N, 1...) value: its exit would be a scatter of one number per token, which saves nothing over
+    computing it padded, and which Inductor (torch 2.13, CPU) orders wrongly: its buffer's zero fill fused
+    with a reader that feeds a bmm (DIN's ``matmul(scores.squeeze(-1).masked_fill(pad, 0).unsqueeze(1), h)``)
+    read the zeros before the scatter wrote the scores (scratch/dev/inductor_scatter_bmm.py, plain torch)."""
+    shape = shape_of(node)
+    return shape is not None and len(shape) >= 2 and all(same_size(d, 1) for d in shape[2:])
 
 
 def _size_key(size) -> Any:

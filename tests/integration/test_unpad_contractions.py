@@ -118,3 +118,23 @@ def test_pooling_by_weights_zero_at_the_padding_packs_the_ffn(name):
 @pytest.mark.parametrize("name", list(NEAR_MISSES))
 def test_a_sum_over_tokens_not_zeroed_at_every_padded_row_stays_padded(name):
     assert _packed_ffn_gemms_and_check_eager(NEAR_MISSES[name]) == []
+
+
+def test_din_pooling_through_inductor_equals_eager():
+    """The whole gem_compile (Inductor's CPU code, not aot_eager): the (B, N, 1) scores once left the region
+    by a scatter whose zero fill Inductor fused with the masked_fill feeding the bmm, which then read zeros
+    (N = 4: the pooled vector was 0 in every row). One value per token stays padded (unpad._one_per_token)."""
+    from gemcompile import gem_compile
+
+    torch.manual_seed(0)
+    model = PooledFfn(POOLINGS["din_scores_times_mask"])
+    lengths = torch.tensor([4, 1, 0, 4])
+    ids = torch.randint(1, 30, (4, 4), generator=torch.Generator().manual_seed(3))
+    ids = ids * (torch.arange(4)[None, :] < lengths[:, None])
+    out, ref = gem_compile(model)(ids, lengths), model(ids, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    params = list(model.parameters())
+    for g, r in zip(torch.autograd.grad(out.square().sum(), params, allow_unused=True),
+                    torch.autograd.grad(ref.square().sum(), params, allow_unused=True)):
+        if r is not None:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
