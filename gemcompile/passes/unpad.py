@@ -564,7 +564,8 @@ def _one_per_token(node: fx.Node) -> bool:
     """A (B, N, 1...) value: its exit would be a scatter of one number per token, which saves nothing over
     computing it padded, and which Inductor (torch 2.13, CPU) orders wrongly: its buffer's zero fill fused
     with a reader that feeds a bmm (DIN's ``matmul(scores.squeeze(-1).masked_fill(pad, 0).unsqueeze(1), h)``)
-    read the zeros before the scatter wrote the scores (scratch/dev/inductor_scatter_bmm.py, plain torch)."""
+    read the zeros before the scatter wrote the scores (reproduced in plain torch with a custom op of
+    data-dependent size as the index; tests/integration/test_unpad_contractions.py: the model)."""
     shape = shape_of(node)
     return shape is not None and len(shape) >= 2 and all(same_size(d, 1) for d in shape[2:])
 
