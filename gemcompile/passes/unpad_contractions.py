@@ -15,15 +15,15 @@ expand, same-shape views) of such a factor. A product with such a factor ignores
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import fx
 
 from gemcompile.passes.graph import target_name
 from gemcompile.passes.token_wise import ZERO_PRESERVING_UNARY, node_argument, same_size, shape_of
 
-if TYPE_CHECKING:
-    from gemcompile.passes.unpad_pad_blind import PadAnalysis
+PadAnalysis = Any
+"""unpad_pad_blind.PadAnalysis (which imports this module): its is_mask and zeroing_of."""
 
 Rows = tuple[int, int]
 """The positions of the batch and the token dim in a value."""
