@@ -122,6 +122,12 @@ def hstu_contextual(q, k, v, n, x):
     return (a * hstu_valid_mask(n, None, 2)[:, None]) @ v
 
 
+def hstu_contextual_one(q, k, v, n, x):
+    """A prefix of one contextual token: ids - 1 + 1 shifts nothing, so no constant in the mask shows it."""
+    a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
+    return (a * hstu_valid_mask(n, None, 1)[:, None]) @ v
+
+
 def hstu_targets_and_contextual(q, k, v, n, x):
     a = F.silu(q @ k.transpose(-2, -1) * 0.25) / L
     return (a * hstu_valid_mask(n, x["targets"], 2)[:, None]) @ v
@@ -165,7 +171,7 @@ def identity_causal_masked_fill_with_bias(q, k, v, n, x):
 
 IDIOMS = {f.__name__: f for f in (
     identity_linear_attention, identity_causal_masked_fill_with_bias,
-    hstu_targets, hstu_contextual, hstu_targets_and_contextual, hstu_bidirectional, hstu_bidirectional_window,
+    hstu_targets, hstu_contextual, hstu_contextual_one, hstu_targets_and_contextual, hstu_bidirectional, hstu_bidirectional_window,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
     sigmoid_mean_over_keys, silu_over_clamped_lengths_per_head, relu_local_window, silu_blhd_einsum,
     pma_learned_queries,

@@ -325,7 +325,7 @@ def _classify_hstu(evaluator: MaskEvaluator, keep, keys, queries) -> AttentionMa
         for term in sympy.Add.make_args(evaluator.atoms.expr_of[a][1]):
             if term.is_Integer:
                 constants.update({abs(int(term)) - 1, abs(int(term)), abs(int(term)) + 1})
-    sizes = sorted(c for c in constants if c >= 1)
+    sizes = sorted(c for c in constants | {1} if c >= 1)  # (a prefix of 1 shifts no id: no constant shows it)
     back, _ = window_atoms(evaluator, [evaluator.atoms.expr_of[a] for a in keep.free_symbols])
     options = [(c, w) for w in [0, *sorted(back)] for c in [0, *sizes]]  # (contextual, window), no window first
     for kv_node, kv_offset, kv_atom in keys:
