@@ -22,6 +22,25 @@ def rewritten(model, compiles: list | None = None):
     return torch.compile(model, backend=backend)
 
 
+def unpad_gemms_matching_eager(model, *inputs) -> list[int]:
+    """The GEMMs of each region unpad packs in ``model`` (explain), after checking that the rewritten model's
+    outputs and the gradients of every parameter (an unused one: none or zeros on both sides) equal eager's."""
+    from gemcompile import explain
+
+    report = explain(model, *inputs)
+    out, ref = rewritten(model)(*inputs), model(*inputs)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+    refs = torch.autograd.grad(ref.square().sum(), params, allow_unused=True)
+    for g, r in zip(grads, refs):
+        if r is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    return [r.metrics["gemms"] for r in report.rewrites if r.pass_name == "unpad"]
+
+
 def counting_gem_compile(monkeypatch):
     """``compile_with(model, compiles)``: gem_compile itself (Inductor and the kernels), each graph handed to
     its backend appended to ``compiles`` (for the GPU tests that count recompiles)."""

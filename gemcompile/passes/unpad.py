@@ -81,11 +81,13 @@ from gemcompile.passes.token_wise import (
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_masks import (
     RowMask,
+    check_key,
     emit_row_mask_checks,
     find_row_masks,
     unchecked_zero_one,
     vector_leaves,
     zero_exactly_where_data_is,
+    zero_one_checked,
 )
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
 from gemcompile.passes.unpad_row_reads import pack_row_reads
@@ -133,7 +135,8 @@ class UnpadPass(GemPass):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        unanchored: dict[fx.Node, tuple[list[fx.Node], RowMask]] = {}  # first node -> (component, mask)
+        checked = zero_one_checked(graph)
+        unanchored: dict[fx.Node, tuple] = {}  # first node -> (component, mask, attention reading every key | None)
         # (said only of the keys and values of an attention that masks them by this mask: other (B, x) tensors
         # may match the mask's shape by chance)
         for mask in distinct:
@@ -146,7 +149,7 @@ class UnpadPass(GemPass):
                 if rule is not None:
                     rules[node] = rule
             analysis = PadAnalysis(mask, masks, zeroings)
-            weights = self._weight_leaves(graph, mask, [*masks.values(), *kept])
+            weights = self._weight_leaves(checked, mask, [*masks.values(), *kept])
             for component in _components(rules):
                 if not self._anchored(component, analysis):
                     attention = next((a for n in component for u in n.users
@@ -170,12 +173,12 @@ class UnpadPass(GemPass):
         return regions
 
     @staticmethod
-    def _weight_leaves(graph: fx.Graph, mask: RowMask, masks: list[RowMask]) -> frozenset:
+    def _weight_leaves(checked: set[fx.Node], mask: RowMask, masks: list[RowMask]) -> frozenset:
         """The integer tensors this mask's class reads as 0/1 that no other rewrite checks (an attention pass
         checks HF's attention_mask), when every mask reading them is their plain cast: zero exactly where the
         data is, so packing by them is exact for any values (integer weights: counts, ratings) without the
         device check, which would stop such a valid run. Empty otherwise (the check is emitted)."""
-        leaves = unchecked_zero_one(graph, mask, masks)
+        leaves = unchecked_zero_one(checked, mask, masks)
         readers = [m for m in masks if mask.same(m) and m.checks]
         if not leaves or not all(m.vector is not None and m.node is not None and
                                  any(zero_exactly_where_data_is(m.node, leaf) for leaf in leaves) for m in readers):
@@ -347,9 +350,11 @@ class UnpadPass(GemPass):
         index, batch_index, seq_index, gather_batch = shared
         batch, seq = self._sizes[index_key]  # (made with the index: before every use of either)
         with graph.inserting_before(first):  # what the proof of the masks assumed of the data
-            skipped = {(emit_zero_one_check, leaf) for leaf in region.weights}
+            skipped = {check_key(functools.partial(emit_zero_one_check, node=leaf)) for leaf in region.weights}
             checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(m for _, m in self._zeroings.values())],
                                            self._checked | skipped)
+        # products with masks read from integer weights stay products (Region.weights)
+        identities = {n: m for n, m in masks.items() if not m.checks} if region.weights else masks
         packed: dict[fx.Node, fx.Node] = {}
         entries: dict[tuple, fx.Node] = {}
         members = set(region.nodes)
@@ -362,8 +367,7 @@ class UnpadPass(GemPass):
                                         entries=entries, emit=emit, batch_index=gather_batch,
                                         seq_index=seq_index, mask=mask)
             with graph.inserting_before(node):
-                identity = _mask_product_identity(node, rule, mask, {
-                    n: m for n, m in masks.items() if not (region.weights and m.checks)}, self._zeroings)
+                identity = _mask_product_identity(node, rule, mask, identities, self._zeroings)
                 if identity is not None:
                     packed[node] = operand(identity)
                     continue

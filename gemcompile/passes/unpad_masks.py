@@ -279,26 +279,35 @@ def emit_row_mask_checks(emit, mask: RowMask, masks: Iterable[RowMask], done: se
         if not mask.same(found):
             continue
         for check in found.checks:
-            key = (getattr(check, "func", check), getattr(check, "keywords", {}).get("node"))  # partials
+            key = check_key(check)
             if key not in done and key not in emitted:
                 check(emit)
                 emitted.append(key)
     return emitted
 
 
-def unchecked_zero_one(graph: fx.Graph, mask: RowMask, masks: Iterable[RowMask]) -> list[fx.Node]:
+def check_key(check) -> tuple:
+    """What identifies a run-time check (a partial of an emit function over one node): the function and node."""
+    return getattr(check, "func", check), getattr(check, "keywords", {}).get("node")
+
+
+def zero_one_checked(graph: fx.Graph) -> set[fx.Node]:
+    """The integer tensors whose 0/1 check a rewrite already emitted into ``graph`` (an attention pass's)."""
+    return {n.meta[ZERO_ONE_CHECKED] for n in graph.nodes if ZERO_ONE_CHECKED in n.meta}
+
+
+def unchecked_zero_one(checked: set[fx.Node], mask: RowMask, masks: Iterable[RowMask]) -> list[fx.Node]:
     """The integer tensors that the masks of ``mask``'s class read as 0/1 (masks/zero_one.py) and that no
-    other rewrite of the graph checks already: an attention pass relies on HF's attention_mask being 0/1 and
-    checks it, so packing by it adds nothing; but integer weights (counts, ratings) only multiplied into the
-    tokens are no mask, and a check would stop a valid run."""
-    checked = {n.meta[ZERO_ONE_CHECKED] for n in graph.nodes if ZERO_ONE_CHECKED in n.meta}
+    other rewrite of the graph checks already (``checked``: zero_one_checked): an attention pass relies on HF's
+    attention_mask being 0/1 and checks it, so packing by it adds nothing; but integer weights (counts,
+    ratings) only multiplied into the tokens are no mask, and a check would stop a valid run."""
     leaves: list[fx.Node] = []
     for found in masks:
         if not mask.same(found):
             continue
         for check in found.checks:
-            leaf = getattr(check, "keywords", {}).get("node")
-            if getattr(check, "func", None) is emit_zero_one_check and leaf not in checked and leaf not in leaves:
+            function, leaf = check_key(check)
+            if function is emit_zero_one_check and leaf not in checked and leaf not in leaves:
                 leaves.append(leaf)
     return leaves
 

@@ -42,6 +42,12 @@ def _attention_name(node: fx.Node) -> str | None:
     return None
 
 
+def _kv_lengths(attention: fx.Node) -> Any:
+    """The attention op's kv_lengths argument (None where it has none)."""
+    index = ATTENTION_ARGS[_attention_name(attention)]["kv_lengths"]
+    return attention.args[index] if index is not None and len(attention.args) > index else None
+
+
 _VIEWS = ("transpose", "unflatten", "flatten", "getitem", "permute", "view", "reshape")
 
 
@@ -57,6 +63,14 @@ def keys_of(user: fx.Node, node: fx.Node, depth: int = 4) -> fx.Node | None:
     return next(filter(None, (keys_of(u, user, depth - 1) for u in user.users)), None)
 
 
+def _aligned(product: fx.Node, factor: Any) -> bool:
+    """A factor of ``product`` of its rank, with the product's B and N as its first two sizes: its rows line up
+    with the product's (a (B, N, 1) mask times (B, N) scores broadcasts to (B, N, N) at B == 1)."""
+    shape, out = shape_of(factor), shape_of(product)
+    return shape is not None and out is not None and len(shape) == len(out) and \
+        same_size(shape[0], out[0]) and same_size(shape[1], out[1])
+
+
 class PadAnalysis:
     """The pad-blind analysis over the original graph, for one length mask."""
 
@@ -70,18 +84,15 @@ class PadAnalysis:
     def is_mask(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and self.mask.same(self.masks.get(node))
 
-    def zero_factor(self, product: fx.Node, factor: Any) -> bool:
-        """``factor`` is zero at this mask's padded rows, its B and N on the product's first two dims
-        (sentence-transformers' weighted mean: ``h * (mask * positions)``; unpad_contractions.zero_at)."""
-        shape, out = shape_of(factor), shape_of(product)
-        return shape is not None and out is not None and len(shape) == len(out) and \
-            same_size(shape[0], out[0]) and same_size(shape[1], out[1]) and zero_at(self, factor, (0, 1))
-
     def mask_factor(self, product: fx.Node, factor: Any) -> bool:
-        """``factor`` is this mask and a factor of ``product`` with its B and N on the product's first two dims:
-        of the product's rank (a (B, N, 1) mask times (B, N) scores broadcasts to (B, N, N) at B == 1)."""
-        shape, out = shape_of(factor), shape_of(product)
-        return self.is_mask(factor) and shape is not None and out is not None and len(shape) == len(out)
+        """``factor`` is this mask, its B and N on the product's first two dims (``_aligned``)."""
+        return self.is_mask(factor) and _aligned(product, factor)
+
+    def zero_factor(self, product: fx.Node, factor: Any) -> bool:
+        """``factor`` is zero at this mask's padded rows (the mask itself, or sentence-transformers' weighted
+        mean ``h * (mask * positions)``: unpad_contractions.zero_at), its B and N on the product's first two
+        dims."""
+        return _aligned(product, factor) and zero_at(self, factor, (0, 1))
 
     def zeroing_of(self, node: fx.Node) -> fx.Node | None:
         """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``,
@@ -116,7 +127,7 @@ class PadAnalysis:
         if name == "mul" and rows == (0, 1):
             others = [a for a in user.args if a is not node]
             if len(user.args) == 2 and len(others) == 1 and len(shape_of(user) or ()) == rank and \
-                    (self.mask_factor(user, others[0]) or self.zero_factor(user, others[0])):
+                    self.zero_factor(user, others[0]):
                 return True
         if rows == (0, 1) and self.zeroing_of(user) is node:
             return True
@@ -224,8 +235,7 @@ class PadAnalysis:
                 continue
             if not (same_size(shape[0], self.mask.batch) and same_size(shape[2], self.mask.seq)):
                 return False
-            index = spec["kv_lengths"]
-            kv_lengths = user.args[index] if index is not None and len(user.args) > index else None
+            kv_lengths = _kv_lengths(user)
             if self.mask.vector is not None:
                 within = keys_within(self.mask, user, kv_lengths)
                 if not within or (within == EMPTY_SAMPLES_READ_EVERY_KEY and not self.blind(user, ATTENTION_ROWS)):
@@ -239,9 +249,7 @@ class PadAnalysis:
     def keys_masked(self, attention: fx.Node) -> bool:
         """Whether the attention op masks its keys by this mask (its lengths, or a kv_mask of no key outside
         this vector's tokens, where a sample with none may read them all: finite fills)."""
-        spec = ATTENTION_ARGS[_attention_name(attention)]
-        index = spec["kv_lengths"]
-        kv_lengths = attention.args[index] if index is not None and len(attention.args) > index else None
+        kv_lengths = _kv_lengths(attention)
         if self.mask.vector is not None:
             return bool(keys_within(self.mask, attention, kv_lengths))
         found = lengths_arg_mask(kv_lengths, self.mask.seq)
@@ -253,10 +261,7 @@ class PadAnalysis:
         and values stay padded. None otherwise."""
         if self.mask.vector is None:
             return None
-        spec = ATTENTION_ARGS[_attention_name(attention)]
-        index = spec["kv_lengths"]
-        kv_lengths = attention.args[index] if index is not None and len(attention.args) > index else None
-        within = keys_within(self.mask, attention, kv_lengths)
+        within = keys_within(self.mask, attention, _kv_lengths(attention))
         return attention if within == EMPTY_SAMPLES_READ_EVERY_KEY and not self.blind(attention, ATTENTION_ROWS) \
             else None
 
