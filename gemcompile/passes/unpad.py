@@ -18,7 +18,8 @@ rows of the padded one. What packing loses is the padded rows: an exit writes ze
 therefore allowed only where that cannot change the answer, proven by one of two analyses:
 - *pad-zero*: the value is zero at every padded row in the eager model too (a product with the mask,
   sums of such values, a bias-free linear or a zero-preserving activation of one);
-- *pad-blind*: every reader ignores the padded rows (a product with the mask; the keys and values of
+- *pad-blind*: every reader ignores the padded rows (a product with the mask; a fill of the padded rows
+  by it, ``h.masked_fill(~valid[..., None], -inf)`` before a max; the keys and values of
   a gemcompile attention op with these lengths, or whose kv_mask provably keeps only valid tokens of this
   vector; a token-wise op or attention query whose own result is pad-blind, through views and transposes;
   a reader whose value nothing uses): unpad_pad_blind.py.
@@ -80,6 +81,7 @@ from gemcompile.passes.token_wise import (
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_masks import (
+    RowFill,
     RowMask,
     check_key,
     emit_row_mask_checks,
@@ -125,12 +127,12 @@ class UnpadPass(GemPass):
         return self.options.token_buckets or 0
 
     # -- finding --------------------------------------------------------------------------------
-    def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask], zeroings: dict[fx.Node, tuple]) -> list[Region]:
+    def regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask], fills: dict[fx.Node, RowFill]) -> list[Region]:
         claimed: set[fx.Node] = set()
         regions: list[Region] = []
         distinct: list[RowMask] = []
         # lengths first: a region claims its nodes, and lengths masks are what unpad packed before vectors
-        kept = [m for _, m in zeroings.values()]
+        kept = [f.kept for f in fills.values()]
         for m in sorted([*masks.values(), *kept], key=lambda m: m.vector is not None):
             if not any(m.same(d) for d in distinct):
                 distinct.append(m)
@@ -148,7 +150,7 @@ class UnpadPass(GemPass):
                 rule = classify(node, mask.batch, mask.seq)
                 if rule is not None:
                     rules[node] = rule
-            analysis = PadAnalysis(mask, masks, zeroings)
+            analysis = PadAnalysis(mask, masks, fills)
             weights = self._weight_leaves(checked, mask, [*masks.values(), *kept])
             for component in _components(rules):
                 if not self._anchored(component, analysis):
@@ -202,7 +204,7 @@ class UnpadPass(GemPass):
                                     "skip the padding")
                 continue
             self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: nothing shows those "
-                                f"rows unused (no product with the row mask of {mask.describe()} or zeroing by it, "
+                                f"rows unused (no product with the row mask of {mask.describe()} or fill by it, "
                                 "no attention that reads them only as keys by it); zero the padded rows where the "
                                 "model ignores them (h * valid[..., None]) to let them skip the padding")
 
@@ -213,7 +215,7 @@ class UnpadPass(GemPass):
         is read that way too: the q, k, v projections of a model that never masks its input)."""
         inside = set(component)
         return any(
-            (target_name(n) == "mul" and any(analysis.mask_factor(n, a) for a in n.args)) or analysis.zeroing_of(n)
+            (target_name(n) == "mul" and any(analysis.mask_factor(n, a) for a in n.args)) or analysis.fill_of(n)
             or any(u not in inside and analysis.reader_blind(u, n, (0, 1)) for u in n.users)
             for n in component)
 
@@ -268,7 +270,7 @@ class UnpadPass(GemPass):
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
         drop_dead_tensors(graph)
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
-            masks, near_misses, zeroings = find_row_masks(graph)
+            masks, near_misses, fills = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
                 raise
@@ -288,8 +290,8 @@ class UnpadPass(GemPass):
         self._offsets: dict[tuple, fx.Node] = {}  # the token offsets of packed attention, per index key
         self._sizes: dict[tuple, tuple] = {}  # (B, N) as graph arguments (ints, or size nodes), per index key
         self._checked: set = set()  # the run-time checks of the masks' data emitted so far
-        self._zeroings = zeroings
-        for region in self.regions(graph, masks, zeroings):
+        self._fills = fills
+        for region in self.regions(graph, masks, fills):
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for root, reason in region.stays_padded.items():
                 followers = [n for n, r in region.root_of.items() if r is root and n is not root]
@@ -351,7 +353,7 @@ class UnpadPass(GemPass):
         batch, seq = self._sizes[index_key]  # (made with the index: before every use of either)
         with graph.inserting_before(first):  # what the proof of the masks assumed of the data
             skipped = {check_key(functools.partial(emit_zero_one_check, node=leaf)) for leaf in region.weights}
-            checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(m for _, m in self._zeroings.values())],
+            checked = emit_row_mask_checks(emit, mask, [*masks.values(), *(f.kept for f in self._fills.values())],
                                            self._checked | skipped)
         # products with masks read from integer weights stay products (Region.weights)
         identities = {n: m for n, m in masks.items() if not m.checks} if region.weights else masks
@@ -367,7 +369,7 @@ class UnpadPass(GemPass):
                                         entries=entries, emit=emit, batch_index=gather_batch,
                                         seq_index=seq_index, mask=mask)
             with graph.inserting_before(node):
-                identity = _mask_product_identity(node, rule, mask, identities, self._zeroings)
+                identity = _mask_product_identity(node, rule, mask, identities, self._fills)
                 if identity is not None:
                     packed[node] = operand(identity)
                     continue
@@ -548,12 +550,12 @@ def _updated_in_place(component: list[fx.Node], order: dict) -> tuple[fx.Node, f
 
 
 def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask, masks: dict[fx.Node, RowMask],
-                           zeroings: dict[fx.Node, tuple]) -> fx.Node | None:
-    """x * mask, or a zeroing of x's rows outside the mask (masked_fill, where), on packed rows is x (every
+                           fills: dict[fx.Node, RowFill]) -> fx.Node | None:
+    """x * mask, or a fill of x's rows outside the mask (masked_fill, where), on packed rows is x (every
     packed row is valid): the operand to forward, or None."""
-    if node in zeroings:
-        x, kept = zeroings[node]
-        return x if mask.same(kept) and x in rule.rows else None
+    if node in fills:
+        fill = fills[node]
+        return fill.x if mask.same(fill.kept) and fill.x in rule.rows else None
     if target_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args

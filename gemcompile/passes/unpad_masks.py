@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -116,34 +116,54 @@ def find_row_masks(graph: fx.Graph) -> tuple[dict[fx.Node, RowMask], list[tuple[
             continue
         if mask is not None:
             found[node] = mask
-    return found, _near_misses(graph, found, why_not), _zeroings(graph, evaluator, vectors)
+    return found, _near_misses(graph, found, why_not), _row_fills(graph, evaluator, vectors)
 
 
-def _zeroing_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
-    """(x, m, negate) when ``node`` zeroes rows of x by a bool m: ``x.masked_fill(m, 0)`` keeps where m does
-    not hold (negate), ``where(m, x, 0)`` where it holds, ``where(m, 0, x)`` where it does not."""
+class RowFill(NamedTuple):
+    """``x.masked_fill(~valid, value)`` or ``where(valid, x, value)``: x where a row mask holds, ``value``
+    elsewhere. Its result never reads x's padded rows; it is ``x * valid`` (zero there) when value is 0."""
+
+    x: fx.Node
+    kept: RowMask
+    """The row mask of the rows it keeps."""
+    zero: bool
+    """The fill is 0 (a zeroing)."""
+
+
+def _fill_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Any] | None:
+    """(x, m, negate, value) when ``node`` replaces rows of x by ``value`` by a bool m: ``x.masked_fill(m,
+    value)`` keeps where m does not hold (negate), ``where(m, x, value)`` where it holds, ``where(m, value,
+    x)`` where it does not."""
     if node.op not in ("call_function", "call_method"):
         return None
     name = target_name(node)
+    if name not in ("masked_fill", "where"):
+        return None
     args = _call_arguments(node, ("input", "mask", "value") if name == "masked_fill" else ("condition", "input", "other"))
-    if args is None:
+    if args is None or len(args) != 3:
         return None
-    if name == "masked_fill" and len(args) == 3 and _is_zero(args[2]):
-        x, m, negate = args[0], args[1], True
-    elif name == "where" and len(args) == 3 and _is_zero(args[2]):
-        m, x, negate = args[0], args[1], False
-    elif name == "where" and len(args) == 3 and _is_zero(args[1]):
-        m, x, negate = args[0], args[2], True
-    else:
+    out = example_value(node)
+    if name == "masked_fill":
+        (x, m, value), negate = args, True
+    elif _rows_of(args[1], out) and _constant(args[1]) is None:  # where(valid, x, fill)
+        (m, x, value), negate = args, False
+    else:  # where(pad, fill, x)
+        (m, value, x), negate = args, True
+    if not isinstance(x, fx.Node) or not isinstance(m, fx.Node) or value is x:
         return None
-    if not isinstance(x, fx.Node) or not isinstance(m, fx.Node):
-        return None
-    xv, mv, out = example_value(x), example_value(m), example_value(node)
+    xv, mv = example_value(x), example_value(m)
     if not all(isinstance(v, torch.Tensor) for v in (xv, mv, out)) or mv.dtype != torch.bool or \
             not xv.is_floating_point() or xv.dtype != out.dtype or xv.dim() != mv.dim() or xv.dim() < 2 or \
             not all(same_size(a, b) for a, b in zip(xv.shape, out.shape)):
         return None  # (a mask of another rank would align its dims with others of x)
-    return x, m, negate
+    return x, m, negate, value
+
+
+def _rows_of(a: Any, out: Any) -> bool:
+    """``a`` is a tensor of ``out``'s shape (the kept operand of a where, not its fill)."""
+    value = example_value(a) if isinstance(a, fx.Node) else None
+    return isinstance(value, torch.Tensor) and isinstance(out, torch.Tensor) and value.dim() == out.dim() and \
+        all(same_size(x, y) for x, y in zip(value.shape, out.shape))
 
 
 def _call_arguments(node: fx.Node, names: tuple[str, ...]) -> list | None:
@@ -159,29 +179,36 @@ _FILL_FACTORIES = {"full_like": 1, "new_full": 2, "full": 1, "tensor": 0, "scala
 """Factories of a constant tensor: the position of the fill value."""
 
 
-def _is_zero(value) -> bool:
-    """0, or a tensor of zeros built for it (``torch.zeros_like(h)``, ``torch.tensor(0.)``, ``full_like(h, 0)``)."""
+def _constant(value) -> float | None:
+    """The number ``value`` is: a Python number, or a tensor filled with one (``torch.zeros_like(h)``,
+    ``torch.tensor(-1e9)``, ``full_like(h, float("-inf"))``); None for anything else."""
     if isinstance(value, fx.Node):
         name = target_name(value)
         if value.op not in ("call_function", "call_method") or not isinstance(example_value(value), torch.Tensor):
-            return False
+            return None
         if name in _ZERO_FACTORIES:
-            return True
+            return 0.0
         position = _FILL_FACTORIES.get(name)
-        return position is not None and len(value.args) > position and _is_zero(value.args[position]) and \
-            not isinstance(value.args[position], fx.Node)
-    return type(value) in (int, float) and value == 0
+        fill = value.args[position] if position is not None and len(value.args) > position else None
+        return None if isinstance(fill, fx.Node) else _constant(fill)
+    return float(value) if type(value) in (int, float) else None
 
 
-def _zeroings(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]) -> dict[fx.Node, tuple]:
-    """{zeroing node: (x, the row mask of the rows it keeps)} for ``masked_fill(m, 0)`` and ``where`` zeroings
-    of token rows x (B, N, ...) by a bool (B, N, 1...) m: to the pad analyses, the product ``x * valid``."""
-    zeroings = {}
+def _is_zero(value) -> bool:
+    """0, or a tensor of zeros built for it (``_constant``)."""
+    return _constant(value) == 0
+
+
+def _row_fills(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]) -> dict[fx.Node, RowFill]:
+    """{node: its RowFill} for ``masked_fill`` and ``where`` fills of token rows x (B, N, ...) outside a bool
+    (B, N, 1...) row mask m: to the pad analyses, a reader that ignores x's padded rows, and where the fill
+    is 0, the product ``x * valid``."""
+    fills = {}
     for node in graph.nodes:
-        form = _zeroing_form(node)
+        form = _fill_form(node)
         if form is None:
             continue
-        x, m, negate = form
+        x, m, negate, value = form
         shape, rows = tuple(example_value(m).shape), tuple(example_value(x).shape)
         if same_size(shape[1], 1) or not all(same_size(d, 1) for d in shape[2:]) or \
                 not (same_size(shape[0], rows[0]) and same_size(shape[1], rows[1])):
@@ -191,8 +218,8 @@ def _zeroings(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask])
         except Unproven:
             continue
         if mask is not None:
-            zeroings[node] = (x, replace(mask, node=mask.node if mask.vector is None else m))
-    return zeroings
+            fills[node] = RowFill(x, replace(mask, node=mask.node if mask.vector is None else m), _is_zero(value))
+    return fills
 
 
 def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:

@@ -2,7 +2,8 @@
 
 A region's exit writes zeros at the padded rows (unpad.py); that is exact where every reader ignores them:
 a product with the region's own row mask; the keys and values of a gemcompile attention op with these
-lengths, or whose kv_mask provably keeps only valid tokens of the region's token vector; a token-wise op,
+lengths, or whose kv_mask provably keeps only valid tokens of the region's token vector; a fill of the
+padded rows by the row mask (masked max pooling); a token-wise op,
 or an attention query, whose own result is pad-blind, through views, transposes, permutes and the
 selection of one piece of a fused projection (``qkv.unbind(0)``, ``qkv[0]``).
 """
@@ -19,7 +20,7 @@ from gemcompile.passes.graph import target_name, unused
 from gemcompile.passes.token_wise import ELEMENTWISE, classify, node_argument, same_size, shape_of
 from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind, zero_at
 from gemcompile.passes.unpad_attention import lengths_arg_mask
-from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowMask, keys_within
+from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowFill, RowMask, keys_within
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
 # Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
@@ -74,11 +75,11 @@ def _aligned(product: fx.Node, factor: Any) -> bool:
 class PadAnalysis:
     """The pad-blind analysis over the original graph, for one length mask."""
 
-    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask], zeroings: dict[fx.Node, tuple] | None = None):
+    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask], fills: dict[fx.Node, RowFill] | None = None):
         self.mask = mask
         self.masks = masks
-        self.zeroings = zeroings or {}
-        """{masked_fill / where node: (x, the row mask of the rows it keeps)} (unpad_masks._zeroings)."""
+        self.fills = fills or {}
+        """{masked_fill / where node: its RowFill} (unpad_masks._row_fills)."""
         self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
 
     def is_mask(self, node: Any) -> bool:
@@ -94,11 +95,17 @@ class PadAnalysis:
         dims."""
         return _aligned(product, factor) and zero_at(self, factor, (0, 1))
 
+    def fill_of(self, node: fx.Node) -> fx.Node | None:
+        """x when ``node`` replaces x's rows outside this mask (``x.masked_fill(~valid, -inf)``, ``where(valid,
+        x, 0)``): it ignores x's padded rows."""
+        found = self.fills.get(node)
+        return found.x if found is not None and self.mask.same(found.kept) else None
+
     def zeroing_of(self, node: fx.Node) -> fx.Node | None:
-        """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``,
-        ``where(valid, x, 0)``): like ``x * valid``, it ignores x's padded rows and is zero there."""
-        found = self.zeroings.get(node)
-        return found[0] if found is not None and self.mask.same(found[1]) else None
+        """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``): like ``x * valid``,
+        it ignores x's padded rows and is zero there."""
+        found = self.fills.get(node)
+        return self.fill_of(node) if found is not None and found.zero else None
 
     def blind(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> bool:
         """Every reader of ``node`` ignores its padded rows (rows = the positions of its B and N dims)."""
@@ -129,8 +136,8 @@ class PadAnalysis:
             if len(user.args) == 2 and len(others) == 1 and len(shape_of(user) or ()) == rank and \
                     self.zero_factor(user, others[0]):
                 return True
-        if rows == (0, 1) and self.zeroing_of(user) is node:
-            return True
+        if rows == (0, 1) and self.fill_of(user) is node:
+            return True  # (masked max pooling: ``h.masked_fill(~valid[..., None], -inf).amax(1)``)
         if name in CONTRACTIONS:
             return contraction_blind(self, user, node, rows)
         if name in ("select", "unbind") and user.args[0] is node or \

@@ -1,8 +1,9 @@
 """Padded rows zeroed by masked_fill or where instead of a product with the mask: ``h.masked_fill(pad[..., None],
 0)``, ``torch.where(valid[..., None], h, 0)``, ``torch.where(pad[..., None], 0, h)``. To the pad analyses each is
-``h * valid`` (unpad_masks._zeroings): it ignores h's padded rows and is zero there, so the FFN before it
-runs on packed tokens. Near-misses (another fill, a per-feature mask) must leave it
-padded. Every model: outputs and gradients equal eager's.
+``h * valid`` (unpad_masks._row_fills): it ignores h's padded rows and is zero there, so the FFN before it
+runs on packed tokens. A fill of another value (``-inf`` before a max: masked max pooling) also ignores h's
+padded rows, though it is not zero there (unpad_masks.RowFill). Near-misses (a fill read from h's padded rows,
+a per-feature mask) must leave it padded. Every model: outputs and gradients equal eager's.
 
 Compiled with the pre-grad passes and aot_eager (the same rewritten graph and ops, no C++ compile)."""
 
@@ -26,9 +27,11 @@ ZEROINGS = {
     "masked_fill_keywords": lambda h, valid, pad, ids: h.masked_fill(mask=pad[..., None], value=torch.tensor(0.0)),
 }
 NEAR_MISSES = {
-    "masked_fill_with_one": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], 1.0),
     "masked_fill_per_feature": lambda h, valid, pad, ids: h.masked_fill(
         pad[..., None] | (torch.arange(E) % 2 == 0), 0.0),
+    # (the fill is read from h's padded rows: a mean over every row)
+    "where_filled_with_a_mean_of_h": lambda h, valid, pad, ids: torch.where(
+        valid[..., None], h, h.mean(1, keepdim=True)),
 }
 
 
@@ -67,6 +70,66 @@ def test_a_zeroing_by_masked_fill_or_where_packs_the_ffn(name):
 @pytest.mark.parametrize("name", list(NEAR_MISSES))
 def test_a_fill_of_another_value_or_by_a_per_feature_mask_stays_padded(name):
     assert _packed_gemms_and_check_eager(NEAR_MISSES[name]) == []
+
+
+# readers of h's rows filled outside the mask with a value other than 0: they ignore h's padded rows
+FILLS = {
+    "masked_max_pooling_minus_inf": lambda h, valid, pad: h.masked_fill(pad[..., None], float("-inf")).amax(1),
+    "max_values_after_minus_1e9": lambda h, valid, pad: h.masked_fill(~valid.unsqueeze(-1), -1e9).max(dim=1).values,
+    "where_finfo_min_max": lambda h, valid, pad: torch.where(valid[..., None], h, torch.finfo(h.dtype).min).max(1)[0],
+    "where_padding_first_minus_inf": lambda h, valid, pad: torch.where(pad[..., None], float("-inf"), h).amax(1),
+    "masked_fill_tensor_fill": lambda h, valid, pad: h.masked_fill(pad[..., None], torch.tensor(-1e4)).amax(1),
+    "where_full_like_fill": lambda h, valid, pad: torch.where(
+        valid[..., None], h, torch.full_like(h, -1e4)).amax(1),
+    "masked_fill_with_one_then_sum": lambda h, valid, pad: h.masked_fill(pad[..., None], 1.0).sum(1),
+}
+
+
+class FilledPooling(nn.Module):
+    """Embeddings, a GELU FFN, a pooling of its rows filled outside the mask (``pool``), a head; an empty sample
+    pools -inf, which the clamp keeps finite."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        h = self.fc2(F.gelu(self.fc1(self.emb(ids))))
+        return self.head(self.pool(h, valid, ~valid).clamp(min=-100.0))
+
+
+@pytest.mark.parametrize("name", list(FILLS))
+def test_a_fill_of_the_padded_rows_before_a_pooling_packs_the_ffn(name):
+    torch.manual_seed(0)
+    assert unpad_gemms_matching_eager(FilledPooling(FILLS[name]), *_inputs()) == [2]
+
+
+class KeepsTheInputAtPadding(nn.Module):
+    """``where(valid, ffn(x), x)``: the FFN's padded rows are replaced by x's (read there, so x stays padded),
+    then a sum over every row."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        x = self.emb(ids)
+        return torch.where(valid[..., None], self.fc2(F.gelu(self.fc1(x))), x).sum(1)
+
+
+def test_a_where_keeping_another_tensor_at_the_padding_packs_only_the_kept_one():
+    torch.manual_seed(0)
+    assert unpad_gemms_matching_eager(KeepsTheInputAtPadding(), *_inputs()) == [2]
+
+
+def test_a_max_pooling_without_a_fill_stays_padded():
+    torch.manual_seed(0)
+    model = FilledPooling(lambda h, valid, pad: h.amax(1))
+    assert unpad_gemms_matching_eager(model, *_inputs()) == []
 
 
 class ScoresTimesRowMask(nn.Module):
