@@ -92,6 +92,7 @@ from gemcompile.passes.unpad_masks import (
     zero_one_checked,
 )
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
+from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
@@ -150,7 +151,7 @@ class UnpadPass(GemPass):
                 rule = classify(node, mask.batch, mask.seq)
                 if rule is not None:
                     rules[node] = rule
-            analysis = PadAnalysis(mask, masks, fills)
+            analysis = PadAnalysis(mask, masks, fills, self._losses)
             weights = self._weight_leaves(checked, mask, [*masks.values(), *kept])
             for component in _components(rules):
                 if not self._anchored(component, analysis):
@@ -269,7 +270,9 @@ class UnpadPass(GemPass):
         # values the attention rewrites left unread (k.transpose(-1, -2) of a replaced matmul) read them too
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
         drop_dead_tensors(graph)
+        self._losses = {}
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
+            self._losses = insert_label_masks(graph)  # (labels != ignore_index: masks no model node computes)
             masks, near_misses, fills = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
@@ -277,9 +280,16 @@ class UnpadPass(GemPass):
             reason = f"internal error of gemcompile, nothing unpadded: {type(error).__name__}: {error}"
             warnings.warn(f"gemcompile: unpad: {reason}", stacklevel=2)
             self.refused(next(iter(graph.nodes)), reason)
+            remove_unused_label_masks(self._losses)
             return
         for node, reason in near_misses:
             self.refused(node, reason)
+        try:
+            self._run_regions(graph, masks, fills)
+        finally:
+            remove_unused_label_masks(self._losses)
+
+    def _run_regions(self, graph: fx.Graph, masks: dict[fx.Node, RowMask], fills: dict[fx.Node, RowFill]) -> None:
         if not masks:
             return
         slice_feature_splits(graph, [(m.batch, m.seq) for m in masks.values()], keep=masks)
@@ -291,9 +301,13 @@ class UnpadPass(GemPass):
         self._sizes: dict[tuple, tuple] = {}  # (B, N) as graph arguments (ints, or size nodes), per index key
         self._checked: set = set()  # the run-time checks of the masks' data emitted so far
         self._fills = fills
-        for region in self.regions(graph, masks, fills):
+        regions = self.regions(graph, masks, fills)
+        packed = {n for region in regions for n in region.nodes}
+        for region in regions:
             gemms = [n for n in region.nodes if target_name(n) == "linear"]
             for root, reason in region.stays_padded.items():
+                if root in packed:
+                    continue  # (packed by another mask's region: the rows of a loss's labels)
                 followers = [n for n, r in region.root_of.items() if r is root and n is not root]
                 if followers:
                     names = ", ".join(n.name for n in followers[:4]) + (", ..." if len(followers) > 4 else "")
@@ -402,8 +416,12 @@ class UnpadPass(GemPass):
                 graph.erase_node(node)
         erase_dead([a for a in dropped_inputs if not a.users])  # e.g. the valid[..., None] views
         attention = self._pack_attentions(graph, emit, mask, seq, index_key, shared)
-        reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(
-            graph, emit, RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None, seq=seq))
+        index = RegionIndex(mask, batch_index, seq_index, gather_batch, offsets=None, seq=seq)
+        reads, reads_removed = ({}, 0) if not self.options.packed_row_reads else pack_row_reads(graph, emit, index)
+        losses, losses_removed = pack_label_losses(graph, emit, index, self._losses, masks, bool(buckets))
+        if losses:
+            reads = {**reads, "per-token loss": losses}
+            reads_removed += losses_removed
         self._indices[index_key] = shared
         self._checked.update(checked)
         self._record(region, first, snapshot, gemms, macs, attention, reads=reads,

@@ -3,7 +3,8 @@
 A region's exit writes zeros at the padded rows (unpad.py); that is exact where every reader ignores them:
 a product with the region's own row mask; the keys and values of a gemcompile attention op with these
 lengths, or whose kv_mask provably keeps only valid tokens of the region's token vector; a fill of the
-padded rows by the row mask (masked max pooling); a token-wise op,
+padded rows by the row mask (masked max pooling); a per-token loss that ignores the rows outside the mask
+by their labels (unpad_losses.py); a token-wise op,
 or an attention query, whose own result is pad-blind, through views, transposes, permutes and the
 selection of one piece of a fused projection (``qkv.unbind(0)``, ``qkv[0]``).
 """
@@ -19,6 +20,7 @@ from gemcompile.passes.attention.scores import reads_shape_only
 from gemcompile.passes.graph import target_name, unused
 from gemcompile.passes.token_wise import ELEMENTWISE, classify, node_argument, same_size, shape_of
 from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind, zero_at
+from gemcompile.passes.unpad_losses import LabelLoss, loss_reading
 from gemcompile.passes.unpad_attention import lengths_arg_mask
 from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowFill, RowMask, keys_within
 
@@ -75,11 +77,14 @@ def _aligned(product: fx.Node, factor: Any) -> bool:
 class PadAnalysis:
     """The pad-blind analysis over the original graph, for one length mask."""
 
-    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask], fills: dict[fx.Node, RowFill] | None = None):
+    def __init__(self, mask: RowMask, masks: dict[fx.Node, RowMask], fills: dict[fx.Node, RowFill] | None = None,
+                 losses: dict[fx.Node, LabelLoss] | None = None):
         self.mask = mask
         self.masks = masks
         self.fills = fills or {}
         """{masked_fill / where node: its RowFill} (unpad_masks._row_fills)."""
+        self.losses = losses or {}
+        """{flattened input of a per-token loss: its LabelLoss} (unpad_losses.py)."""
         self._memo: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
 
     def is_mask(self, node: Any) -> bool:
@@ -138,6 +143,8 @@ class PadAnalysis:
                 return True
         if rows == (0, 1) and self.fill_of(user) is node:
             return True  # (masked max pooling: ``h.masked_fill(~valid[..., None], -inf).amax(1)``)
+        if rows == (0, 1) and (loss := loss_reading(self.losses, user, node)) is not None:
+            return self.is_mask(loss.mask)  # (cross_entropy(x.view(-1, V), labels.view(-1), ignore_index=k))
         if name in CONTRACTIONS:
             return contraction_blind(self, user, node, rows)
         if name in ("select", "unbind") and user.args[0] is node or \
