@@ -75,6 +75,7 @@ from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
     dtype_of,
+    packed_dropout,
     same_size,
     shape_of,
     zero_preserving,
@@ -209,6 +210,16 @@ class UnpadPass(GemPass):
                                 "no attention that reads them only as keys by it); zero the padded rows where the "
                                 "model ignores them (h * valid[..., None]) to let them skip the padding")
 
+    def _say_checkpointed(self, graph: fx.Graph) -> None:
+        """One line for the activation-checkpointed regions (torch.utils.checkpoint, HF's
+        gradient_checkpointing): unpad does not run inside them, so explain says so instead of nothing."""
+        calls = [n for n in graph.nodes if n.op == "call_function" and "tag_activation_checkpoint" in str(n.target)]
+        if calls:
+            self.refused(calls[0], f"{len(calls)} activation-checkpointed region(s) (torch.utils.checkpoint, "
+                                   "gradient_checkpointing): unpad does not run inside them, so their token-wise "
+                                   "ops run on the padded rows (the attention passes do run there); without "
+                                   "checkpointing, or with GemConfig.memory's budget instead, they can be packed")
+
     @staticmethod
     def _anchored(component: list[fx.Node], analysis: PadAnalysis) -> bool:
         """The component is this mask's: it multiplies by the mask, or a reader outside it ignores the mask's
@@ -270,6 +281,7 @@ class UnpadPass(GemPass):
         # values the attention rewrites left unread (k.transpose(-1, -2) of a replaced matmul) read them too
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
         drop_dead_tensors(graph)
+        self._say_checkpointed(graph)
         self._losses = {}
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
             self._losses = insert_label_masks(graph)  # (labels != ignore_index: masks no model node computes)
@@ -391,6 +403,11 @@ class UnpadPass(GemPass):
                 if translated is None:
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
+                if target_name(node) == "dropout":  # (the identity, where not training)
+                    packed[node] = packed_dropout(emit, args, kwargs)
+                    if packed[node] is not (args[0] if args else kwargs.get("input")):
+                        copy_source_meta(node, packed[node])
+                    continue
                 packed[node] = emit.node(node.op, node.target, args, kwargs)
                 copy_source_meta(node, packed[node])
         exits = [n for n in region.nodes if any(u not in members for u in n.users)]

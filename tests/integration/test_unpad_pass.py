@@ -446,3 +446,23 @@ def test_an_empty_batch_is_not_packed():
     torch._dynamo.reset()
     out, ref = gem_compile(model)(x, lengths), model(x, lengths)
     assert out.shape == ref.shape
+
+
+class CheckpointedFfns(MaskedResidualFfn):
+    """MaskedResidualFfn with each FFN block under torch.utils.checkpoint (HF's gradient_checkpointing)."""
+
+    def forward(self, x, lengths):
+        valid = valid_mask(lengths)[..., None]
+        h = self.inp(x) * valid
+        for ffn in (self.ffn1, self.ffn2):
+            h = h + torch.utils.checkpoint.checkpoint(lambda h, ffn=ffn: ffn(h) * valid, h, use_reentrant=False)
+        return h.sum(1) / lengths.clamp(min=1)[:, None]
+
+
+def test_checkpointed_regions_are_said_to_run_padded():
+    """Unpad does not run inside activation-checkpointed regions: explain says so (it said nothing)."""
+    torch.manual_seed(0)
+    model = CheckpointedFfns()
+    x, lengths = torch.randn(3, N, D_IN), torch.tensor([N, 0, 2])
+    reasons = [r.reason for r in explain(model, x, lengths).refusals if r.pass_name == "unpad"]
+    assert any("2 activation-checkpointed region(s)" in r and "run on the padded rows" in r for r in reasons), reasons

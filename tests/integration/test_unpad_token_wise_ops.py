@@ -341,3 +341,68 @@ def test_a_linear_over_the_sequence_dim_of_a_per_position_tensor_stays_padded(le
     report = explain(model, ids, lengths)
     assert not [r for r in report.rewrites if r.pass_name == "unpad"], report
     _assert_packed_equals_eager(model, ids, lengths)
+
+
+class DropoutFfn(nn.Module):
+    """A GELU FFN with dropout on its output, added to its input as FuxiCTR's BST writes the residual
+    (``s = self.dropout(ffn(x)); s += x``) or out of place, zeroed by the row mask. Returns the output (and
+    with ``with_ffn`` the FFN before dropout, to read which elements dropout kept)."""
+
+    def __init__(self, p: float, in_place: bool, with_ffn: bool = False, e=32):
+        super().__init__()
+        self.in_place, self.with_ffn = in_place, with_ffn
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, e), nn.Linear(e, 2 * e), nn.Linear(2 * e, e)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, ids, lengths):
+        valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+        x = self.emb(ids)
+        f = self.fc2(F.gelu(self.fc1(x)))
+        if self.in_place:
+            s = self.dropout(f)
+            s += x
+        else:
+            s = self.dropout(f) + x
+        return (s * valid, f * valid) if self.with_ffn else s * valid
+
+
+def _packed_gemms(model, *inputs) -> list[int]:
+    return [r.metrics["gemms"] for r in explain(model, *inputs).rewrites if r.pass_name == "unpad"]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("p, train", [(0.0, True), (0.3, False)])
+def test_dropout_that_drops_nothing_packs_exactly(p, train, in_place):
+    model, (ids, lengths) = _seeded(DropoutFfn, p, in_place).train(train), _ids_and_lengths()
+    assert _packed_gemms(model, ids, lengths) == [2]
+    _assert_packed_equals_eager(model, ids, lengths)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_in_training_packs_and_drops_on_packed_rows(in_place):
+    """Dropout draws its own random mask compiled: every element of the output is the FFN's scaled by
+    1 / (1 - p) where kept and 0 where dropped, plus the input; the gradients are eager's through that mask."""
+    from tests.rewritten import rewritten
+
+    p = 0.5
+    model, (ids, lengths) = _seeded(DropoutFfn, p, in_place, True).train(), _ids_and_lengths()
+    assert _packed_gemms(model, ids, lengths) == [2]
+    torch.manual_seed(1)
+    out, f = rewritten(model)(ids, lengths)
+    valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+    x = model.emb(ids) * valid
+    dropped = (out - x) / f.where(f != 0, 1.0)  # 0 where dropped, 1 / (1 - p) where kept
+    kept = (dropped - 1 / (1 - p)).abs() < 1e-4
+    assert bool((kept | (dropped.abs() < 1e-6)).all()), "dropout's output is neither 0 nor the scaled input"
+    share = kept[valid.expand_as(kept)].float().mean().item()
+    assert 0.3 < share < 0.7, share  # (B x N x E = 360 valid draws at p 0.5)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(out.square().sum(), params)
+    with torch.no_grad():
+        keep = kept.float() / (1 - p)
+    x = model.emb(ids)  # (not the model in eval mode: its dropout would return f, which s += x updates)
+    ref = (model.fc2(F.gelu(model.fc1(x))) * keep + x) * valid
+    refs = torch.autograd.grad(ref.square().sum(), params)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)

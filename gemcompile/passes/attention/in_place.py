@@ -39,6 +39,9 @@ _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_":
                                              "neg", "abs", "sqrt", "pow")}}  # h.relu_() in an MLP
 _VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
 """Views through which an update of a fresh tensor seen by nothing else is still an update of a fresh one."""
+_MAY_RETURN_INPUT = ("dropout", "contiguous")
+"""Ops that return their input itself or a new tensor (dropout when not training or p == 0): like a view,
+fresh where their input is fresh and read by nothing else (FuxiCTR BST's ``s = self.dropout1(a); s += x``)."""
 
 
 def _out_of_place(node: fx.Node) -> tuple[str, object] | None:
@@ -109,16 +112,19 @@ def _bool_mask_fill(node: fx.Node) -> bool:
 
 
 def _fresh(node) -> bool:
-    """A new tensor no one else can see: an op that returns one, or a view (reshape, unsqueeze, ...) whose
-    base is such a tensor read by nothing else (d2l writes ``x = s.reshape(-1, L); x[~mask] = v``: s is seen
-    only through x; MEANTIME ``m = pad.repeat(1, L, 1).unsqueeze(1); m.tril_()``)."""
+    """A new tensor no one else can see: an op that returns one, or a view (reshape, unsqueeze, ...) or
+    ``_MAY_RETURN_INPUT`` op whose base is such a tensor read by nothing else (d2l writes ``x = s.reshape(-1,
+    L); x[~mask] = v``: s is seen only through x; MEANTIME ``m = pad.repeat(1, L, 1).unsqueeze(1); m.tril_()``)."""
     if not (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
             and isinstance(example_value(node), torch.Tensor)):
         return False
-    if target_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
+    if returns_new_tensor(node):
+        return True
+    if (target_name(node) in _VIEWS or target_name(node) in _MAY_RETURN_INPUT and not has_inplace_flag(node)) and \
+            node.args and isinstance(node.args[0], fx.Node):
         base = node.args[0]  # (reads of its shape alone, ``shape = s.shape`` under dynamic shapes, see nothing)
         return [u for u in base.users if not reads_shape_only(u, base)] == [node] and _fresh(base)
-    return returns_new_tensor(node)
+    return False
 
 
 def _same_layout(before: torch.Tensor, after) -> bool:

@@ -86,6 +86,10 @@ def returns_new_tensor(node: fx.Node) -> bool:
         return False  # F.relu(x, inplace=True) returns x itself
     if target_name(node) == "einsum":  # einsum("bl->lb", x) of one operand is a view of it
         return len(_tensor_inputs(node)) > 1
+    if target_name(node) == "dropout":  # x itself when not training or p == 0 (or x has no elements)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+        return training is True and isinstance(p, (int, float)) and p > 0
     return target_name(node) in _FRESH
 
 
