@@ -269,6 +269,11 @@ class UnpadConfig:
     from the packed rows, so no B x N scatter is written for it (passes/unpad_row_reads.py). False keeps the
     scatter."""
 
+    packed_losses: bool = True
+    """A per-token loss that ignores rows by their labels (``F.cross_entropy(logits.view(-1, V),
+    labels.view(-1), ignore_index=k)``, nll_loss) runs with what computes its logits on the rows whose label
+    is not k (passes/unpad_losses.py). False leaves such losses on every row."""
+
     pad_reductions: bool | None = None
     """Sum over packed tokens as over zero-padded B * N rows (post-grad), so that Inductor splits the sum
     (bias and norm-weight gradients); see passes/unpad_reductions.py. None (the default): only where

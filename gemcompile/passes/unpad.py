@@ -284,7 +284,8 @@ class UnpadPass(GemPass):
         self._say_checkpointed(graph)
         self._losses = {}
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
-            self._losses = insert_label_masks(graph)  # (labels != ignore_index: masks no model node computes)
+            if self.options.packed_losses:  # (labels != ignore_index: masks no model node computes)
+                self._losses = insert_label_masks(graph)
             masks, near_misses, fills = find_row_masks(graph)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):

@@ -149,3 +149,9 @@ def test_a_masked_item_model_packs_its_head_by_the_labels():
     metrics = _check(MaskedItemModel(), ids, labels, GemConfig())
     by_labels = [m for m in metrics if m["packed_row_reads"].get("per-token loss")]
     assert len(by_labels) == 1 and by_labels[0]["gemms"] >= 3, metrics
+
+
+def test_the_option_off_leaves_the_loss_on_every_row():
+    torch.manual_seed(0)
+    metrics = _check(ItemHead(LOSSES["module"][0]), *_inputs(0), GemConfig(unpad={"packed_losses": False}))
+    assert not any(_loss_reads(metrics)), metrics

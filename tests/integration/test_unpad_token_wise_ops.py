@@ -355,7 +355,7 @@ class DropoutFfn(nn.Module):
         self.dropout = nn.Dropout(p)
 
     def forward(self, ids, lengths):
-        valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+        valid = (torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None])[..., None]
         x = self.emb(ids)
         f = self.fc2(F.gelu(self.fc1(x)))
         if self.in_place:
