@@ -104,9 +104,10 @@ def node_argument(node: fx.Node, index: int, name: str, default: Any = None) -> 
     return node.kwargs.get(name, default)
 
 
-def packed_dropout(emit, args: tuple, kwargs: dict) -> Any:
+def packed_dropout(emit, args: tuple, kwargs: dict, uniform: Callable[[Any], Any]) -> Any:
     """Dropout (``F.dropout(x, p, training)``, ``torch.dropout(x, p, train)``) of packed rows x: the
-    identity when not training or p == 0, else ``aten.native_dropout``'s output. F.dropout itself does not
+    identity when not training or p == 0, else ``x * (u > p) / (1 - p)`` with ``u = uniform(x)`` uniform
+    in [0, 1) of x's shape, what Inductor's decomposition of dropout computes. F.dropout itself does not
     trace there: it tests x for zero elements, which a data-dependent row count cannot answer."""
     x = args[0] if args else kwargs["input"]
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
@@ -115,7 +116,10 @@ def packed_dropout(emit, args: tuple, kwargs: dict) -> Any:
         raise Unproven(f"a dropout with a computed probability or mode ({p!r}, {training!r})")
     if not training or p == 0:
         return x
-    return emit.call(operator.getitem, (emit.call(torch.ops.aten.native_dropout.default, (x, float(p), True)), 0))
+    if p >= 1:
+        return emit.call(operator.mul, (x, 0.0))
+    keep = emit.call(operator.gt, (uniform(x), float(p)))
+    return emit.call(operator.mul, (emit.call(operator.mul, (x, keep)), 1.0 / (1.0 - float(p))))
 
 
 def _set_arg(args: tuple, kwargs: dict, index: int, name: str, value: Any) -> tuple[tuple, dict]:

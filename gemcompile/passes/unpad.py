@@ -405,7 +405,8 @@ class UnpadPass(GemPass):
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
                 if target_name(node) == "dropout":  # (the identity, where not training)
-                    packed[node] = packed_dropout(emit, args, kwargs)
+                    uniform = functools.partial(_uniform, emit, batch, seq, gather_batch, seq_index)
+                    packed[node] = packed_dropout(emit, args, kwargs, uniform)
                     if packed[node] is not (args[0] if args else kwargs.get("input")):
                         copy_source_meta(node, packed[node])
                     continue
@@ -600,6 +601,21 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask, masks:
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
+
+
+def _uniform(emit: Emitter, batch, seq, batch_index: fx.Node, seq_index: fx.Node, x: fx.Node) -> fx.Node:
+    """Uniform [0, 1) numbers of the packed x's shape, for dropout: ``rand_like(x)``, or where that does not
+    trace over a data-dependent row count (torch 2.11's uniform_ decomposition guards on it) drawn for the
+    padded (B, N, ...) rows and gathered at the packed ones."""
+    mark = emit.mark()
+    try:
+        return emit.call(torch.rand_like, (x,))
+    except Unproven:
+        emit.rollback(mark)
+    value = example_value(x)
+    shape = [batch, seq, *(size_argument(emit, d) for d in value.shape[1:])]
+    padded = emit.call(torch.rand, (shape,), {"dtype": value.dtype, "device": value.device})
+    return emit.call(torch.ops.aten.index.Tensor, (padded, [batch_index, seq_index]))
 
 
 def _one_per_token(node: fx.Node) -> bool:
