@@ -1697,6 +1697,37 @@ def data_masks_varying_lengths() -> str:
     return "\n".join(lines)
 
 
+MASKED_ITEM_LOSS_FILES = ["masked_item_loss-20261207-165151.json", "masked_item_loss-20261207-165035.json"]
+"""BERT4Rec's step without and with dropout (H100, 2026-12-07; the second at a tree whose packed dropout did
+not trace on torch 2.11)."""
+
+
+@block("masked-item-loss")
+def masked_item_loss() -> str:
+    loaded = [load(name) for name in MASKED_ITEM_LOSS_FILES]
+    rows = []
+    for path, payload in loaded:
+        row, args = payload["rows"][0], payload["args"]
+        for method in args["methods"].split(","):
+            rows.append([cite(path), f(args["dropout"], ".1f"), method, f(row.get(f"{method}_ms"), ".2f"),
+                         "1.00" if method.startswith("inductor") else f(row.get(f"speedup_{method}_vs_inductor")),
+                         f(row.get(f"{method}_kernel_ms"), ".2f"), f(row.get(f"{method}_peak_gib"), ".2f"),
+                         f(row.get(f"{method}_first_loss"), ".4f")])
+    first = loaded[0][1]["args"]
+    lines = ["Sources: " + "; ".join(source_line(item) for item in loaded), "",
+             f"B {first['batch']}, N {first['length']}, {first['items']} items, hidden {first['hidden']}, "
+             f"{first['layers']} layers, fill {first['fill']}, {first['mask_prob']:.0%} of the valid positions masked "
+             f"({loaded[0][1]['rows'][0]['masked_positions']:.0f} labelled rows of {loaded[0][1]['rows'][0]['tokens']} "
+             "on average). Step = forward (bf16 autocast) + backward, CUDA events, median; GPU ms = summed kernel "
+             "time of a step (torch.profiler). Ratios against torch.compile in the same mode (`-cudagraphs`: "
+             "mode=\"reduce-overhead\"). explain of the model (default GemConfig) at each run's tree: "
+             + "; ".join(f"{cite(path)}: " + ", ".join(f"{k} {v}" for k, v in payload["rows"][0]["explain"].items())
+                         for path, payload in loaded) + ".", ""]
+    lines += table(["file", "dropout", "method", "ms / step", "x torch.compile", "GPU ms / step", "peak GiB",
+                    "first loss"], rows)
+    return "\n".join(lines)
+
+
 OP_HOST_TIME_FILES = ["op_host_time-20261202-024518.json", "op_host_time-20261202-025630.json"]
 """Before (6ba9ad2) and after (b67ea93) the op host-time cuts: CUDA kernels at the dispatcher's CUDA key
 (opkit.cuda_kernel) and direct launches of seen specializations (common/tuned_launch.py)."""
