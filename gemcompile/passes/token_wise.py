@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import Unproven, example_value, target_name
+from gemcompile.passes.graph import example_value, target_name
 
 # f(0) = 0 for every one of these, so a tensor that is zero at the padding stays zero there.
 ZERO_PRESERVING_UNARY = frozenset({
@@ -102,24 +102,6 @@ def node_argument(node: fx.Node, index: int, name: str, default: Any = None) -> 
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def packed_dropout(emit, args: tuple, kwargs: dict, uniform: Callable[[Any], Any]) -> Any:
-    """Dropout (``F.dropout(x, p, training)``, ``torch.dropout(x, p, train)``) of packed rows x: the
-    identity when not training or p == 0, else ``x * (u > p) / (1 - p)`` with ``u = uniform(x)`` uniform
-    in [0, 1) of x's shape, what Inductor's decomposition of dropout computes. F.dropout itself does not
-    trace there: it tests x for zero elements, which a data-dependent row count cannot answer."""
-    x = args[0] if args else kwargs["input"]
-    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
-    if not isinstance(p, (int, float)) or not isinstance(training, bool):
-        raise Unproven(f"a dropout with a computed probability or mode ({p!r}, {training!r})")
-    if not training or p == 0:
-        return x
-    if p >= 1:
-        return emit.call(operator.mul, (x, 0.0))
-    keep = emit.call(operator.gt, (uniform(x), float(p)))
-    return emit.call(operator.mul, (emit.call(operator.mul, (x, keep)), 1.0 / (1.0 - float(p))))
 
 
 def _set_arg(args: tuple, kwargs: dict, index: int, name: str, value: Any) -> tuple[tuple, dict]:

@@ -75,7 +75,6 @@ from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
     dtype_of,
-    packed_dropout,
     same_size,
     shape_of,
     zero_preserving,
@@ -93,6 +92,7 @@ from gemcompile.passes.unpad_masks import (
     zero_one_checked,
 )
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
+from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
 from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
@@ -404,14 +404,8 @@ class UnpadPass(GemPass):
                 if translated is None:
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
-                if target_name(node) == "dropout":  # (the identity, where not training)
-                    uniform = functools.partial(_uniform, emit, batch, seq, gather_batch, seq_index)
-                    packed[node] = packed_dropout(emit, args, kwargs, uniform)
-                    if packed[node] is not (args[0] if args else kwargs.get("input")):
-                        copy_source_meta(node, packed[node])
-                    continue
-                packed[node] = emit.node(node.op, node.target, args, kwargs)
-                copy_source_meta(node, packed[node])
+                uniform = functools.partial(uniform_like_packed, emit, batch, seq, gather_batch, seq_index)
+                packed[node] = packed_op(emit, node, args, kwargs, uniform)
         exits = [n for n in region.nodes if any(u not in members for u in n.users)]
         with graph.inserting_before(first):  # the exits' trailing sizes, before any use is rewired (may refuse)
             trailing = {n: [size_argument(emit, d) for d in example_value(n).shape[2:]] for n in exits}
@@ -601,21 +595,6 @@ def _mask_product_identity(node: fx.Node, rule: TokenWise, mask: RowMask, masks:
                 dtype_of(x) == dtype_of(node) and tuple(shape_of(x)) == tuple(shape_of(node)):
             return x
     return None
-
-
-def _uniform(emit: Emitter, batch, seq, batch_index: fx.Node, seq_index: fx.Node, x: fx.Node) -> fx.Node:
-    """Uniform [0, 1) numbers of the packed x's shape, for dropout: ``rand_like(x)``, or where that does not
-    trace over a data-dependent row count (torch 2.11's uniform_ decomposition guards on it) drawn for the
-    padded (B, N, ...) rows and gathered at the packed ones."""
-    mark = emit.mark()
-    try:
-        return emit.call(torch.rand_like, (x,))
-    except Unproven:
-        emit.rollback(mark)
-    value = example_value(x)
-    shape = [batch, seq, *(size_argument(emit, d) for d in value.shape[1:])]
-    padded = emit.call(torch.rand, (shape,), {"dtype": value.dtype, "device": value.device})
-    return emit.call(torch.ops.aten.index.Tensor, (padded, [batch_index, seq_index]))
 
 
 def _one_per_token(node: fx.Node) -> bool:

@@ -385,7 +385,7 @@ def test_dropout_in_training_packs_and_drops_on_packed_rows(in_place):
 
 def test_dropout_draws_for_the_padded_rows_where_rand_like_does_not_trace(monkeypatch):
     """torch 2.11's rand_like guards on a data-dependent row count (its uniform_ decomposition): the packed
-    dropout then draws for the padded rows and gathers the packed ones (unpad._uniform)."""
+    dropout then draws for the padded rows and gathers the packed ones (unpad_dropout.uniform_like_packed)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
