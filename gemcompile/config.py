@@ -25,6 +25,9 @@ MAX_COLLECTIVE_TIMEOUT_S = 2_000_000
 class ConfigError(ValueError):
     """A GemConfig field has a value outside its valid range."""
 
+    same_on_every_rank = True
+    """Settings come from the command every rank runs: under torchrun the error is said once."""
+
 
 def _describe(annotation: Any) -> str:
     origin = typing.get_origin(annotation)

@@ -175,7 +175,8 @@ def _parser():
     "argv, message",
     [
         (["--fill", "1.5"], "TrainConfig.fill = 1.5 is invalid: expected a float in (0, 1]"),
-        (["--steps", "0"], "TrainConfig.steps = 0 is invalid: expected an int >= 1"),
+        (["--steps", "0"], "TrainConfig.steps = 0 is invalid: expected an int in [1, 2**63)"),
+        (["--log-every", str(2**63)], f"TrainConfig.log_every = {2**63} is invalid: expected an int in [1, 2**63)"),
         (["--save-every", "5"], "TrainConfig.save_every needs TrainConfig.checkpoint_dir"),
         (["--explain"], "TrainConfig.explain = True needs compile='gem'"),
     ],

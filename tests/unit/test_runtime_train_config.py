@@ -27,7 +27,7 @@ def test_defaults():
     "field, value, message",
     [
         ("size", "huge", r"TrainConfig.size = 'huge' is invalid: expected one of tiny, small, medium, large"),
-        ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int >= 1"),
+        ("steps", 0, r"TrainConfig.steps = 0 is invalid: expected an int in \[1, 2\*\*63\)"),
         ("steps", 2.5, r"TrainConfig.steps = 2.5"),
         ("batch_size", -4, r"TrainConfig.batch_size = -4"),
         ("lr", 0.0, r"TrainConfig.lr = 0.0 is invalid: expected a float > 0, at most 1e\+30"),
@@ -48,6 +48,10 @@ def test_defaults():
         ("seed", -1, r"TrainConfig.seed = -1"),
         ("seed", 2**63, r"TrainConfig.seed = 9223372036854775808 is invalid: expected an int in \[0, 2"),
         ("log_every", 0, r"TrainConfig.log_every = 0"),
+        # past a signed 64-bit int: an OverflowError in a deque's maxlen, or torch's "Overflow when unpacking"
+        ("log_every", 2**63, r"TrainConfig.log_every = 9223372036854775808 is invalid: expected an int in \[1, 2"),
+        ("batch_size", 10**20, r"TrainConfig.batch_size = 100000000000000000000 is invalid"),
+        ("save_every", 2**63, r"TrainConfig.save_every = 9223372036854775808 is invalid"),
         ("resume", "yes", r"TrainConfig.resume = 'yes' is invalid: expected a bool"),
     ],
 )
@@ -186,7 +190,9 @@ def test_errors_every_rank_finds_alike_are_said_once_under_torchrun(rank, printe
         TrainConfig(steps=0)
     with pytest.raises(ParallelPlanError) as plan_error:
         resolve_axes(ParallelConfig(dp_shard=3), 8, gpus_per_node=2)
-    for error in (config_error.value, plan_error.value):
+    with pytest.raises(ValueError) as parallel_error:  # (--dp-shard 0: a ParallelConfig value, printed per rank)
+        ParallelConfig(dp_shard=0)
+    for error in (config_error.value, plan_error.value, parallel_error.value):
         assert report_error("train", error, debug=False) == 2
         assert bool(capsys.readouterr().err) == printed
 

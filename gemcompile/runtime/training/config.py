@@ -33,6 +33,15 @@ TRAJECTORY_FIELDS = ("size", "batch_size", "lr", "embedding_lr", "dtype", "fill"
 MXFP8_RECIPES = ("blockwise", "mxfp8", "mxfp8_emulated")
 
 
+_COUNT = "an int in [1, 2**63)"
+"""Counts (steps, batch size, intervals) end up in torch and deque sizes: a signed 64-bit int at most (2**63
+stopped a run with "Overflow when unpacking long long" or an OverflowError instead of this line)."""
+
+
+def _is_count(value) -> bool:
+    return _is_int(value) and 1 <= value < 2**63
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -173,10 +182,10 @@ class TrainConfig:
                 raise error
 
         check(self.size in SIZES, "size", f"one of {', '.join(SIZES)}")
-        check(_is_int(self.steps) and self.steps >= 1, "steps", "an int >= 1")
+        check(_is_count(self.steps), "steps", _COUNT)
         if self.batch_size is None:
             object.__setattr__(self, "batch_size", DEFAULT_BATCH_SIZE[self.size])
-        check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an int >= 1 (or None)")
+        check(_is_count(self.batch_size), "batch_size", f"{_COUNT} (or None)")
         rate = f"a float > 0, at most {_MAX_RATE:g}"  # the optimizers keep (and scale) their rates in fp32
         check(_is_rate(self.lr), "lr", rate)
         check(_is_rate(self.embedding_lr), "embedding_lr", rate)
@@ -187,7 +196,7 @@ class TrainConfig:
         check(self.length_dist in LENGTH_DISTS, "length_dist", f"one of {', '.join(LENGTH_DISTS)}")
         # torch seeds with a signed 64-bit int: 2**64 stopped the run with "Overflow when unpacking long long"
         check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an int in [0, 2**63)")
-        check(_is_int(self.log_every) and self.log_every >= 1, "log_every", "an int >= 1")
+        check(_is_count(self.log_every), "log_every", _COUNT)
         if isinstance(self.checkpoint_dir, os.PathLike):  # a pathlib.Path is a directory path too
             object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         check(
@@ -197,9 +206,9 @@ class TrainConfig:
             "None or a directory path",
         )
         check(
-            self.save_every is None or (_is_int(self.save_every) and self.save_every >= 1),
+            self.save_every is None or _is_count(self.save_every),
             "save_every",
-            "None or an int >= 1",
+            f"None or {_COUNT}",
         )
         check(isinstance(self.resume, bool), "resume", "a bool")
         check(isinstance(self.deterministic, bool), "deterministic", "a bool")
