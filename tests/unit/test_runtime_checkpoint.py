@@ -354,3 +354,27 @@ def test_a_full_disk_when_naming_the_run_says_which_file_and_leaves_no_partial_c
     with pytest.raises(OSError, match=r"writing .*run\.json .*failed: No space left on device"):
         checkpoint_owner.name_run(tmp_path, None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_handed_from_rank_0_reads_as_one_process_prints_it():
+    """on_rank0 hands rank 0's error to every rank: a lock held by another run reads as in one process
+    ("another run is writing ..."), an unexpected error keeps its type's name."""
+    import torch.distributed as dist
+
+    from gemcompile.runtime.training.checkpoint import CheckpointError, on_rank0
+    from gemcompile.runtime.training.checkpoint_owner import DirectoryInUse
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        def locked():
+            raise DirectoryInUse("another run is writing /tmp/ck")
+
+        def broken():
+            raise KeyError("state")
+
+        with pytest.raises(CheckpointError, match=r"^another run is writing /tmp/ck$"):
+            on_rank0(locked)
+        with pytest.raises(CheckpointError, match=r"^KeyError: 'state'$"):
+            on_rank0(broken)
+    finally:
+        dist.destroy_process_group()

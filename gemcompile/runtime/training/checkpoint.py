@@ -151,7 +151,9 @@ def on_rank0(fn):
             box[0] = ("ok", fn())
         except FAILURES as e:
             e = failure_cause(e)
-            box[0] = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+            # (the line one process prints: report_error names the type of unexpected errors only)
+            said = isinstance(e, (CheckpointError, ValueError, TypeError, OSError))
+            box[0] = ("error", str(e) if said else f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "error":
