@@ -1697,9 +1697,10 @@ def data_masks_varying_lengths() -> str:
     return "\n".join(lines)
 
 
-MASKED_ITEM_LOSS_FILES = ["masked_item_loss-20261207-165151.json", "masked_item_loss-20261207-165035.json"]
-"""BERT4Rec's step without and with dropout (H100, 2026-12-07; the second at a tree whose packed dropout did
-not trace on torch 2.11)."""
+MASKED_ITEM_LOSS_FILES = ["masked_item_loss-20261207-165151.json", "masked_item_loss-20261207-165035.json",
+                          "masked_item_loss-20261207-172025.json"]
+"""BERT4Rec's step without and with dropout (H100, 2026-12-07): the second at a tree whose packed dropout did
+not trace on torch 2.11, the third after 23c6abd (random numbers drawn for the padded rows there)."""
 
 
 @block("masked-item-loss")
