@@ -256,7 +256,7 @@ def _effect_free(node: fx.Node) -> bool:
         return False
     name = target_name(node)
     if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs or name in IN_PLACE_DUNDERS or \
-            node.target in IN_PLACE_OPERATORS:
+            node.target in IN_PLACE_OPERATORS or has_inplace_flag(node):  # (F.relu(h, inplace=True) as a statement)
         return False
     return not (name.startswith(("_check", "_constrain", "sym_constrain", "_assert")) or name == "print")
 
@@ -280,6 +280,21 @@ def _impure_besides_draws(node: fx.Node) -> bool:
         return node.is_impure(impure_random=False)
     except TypeError:  # a torch whose is_impure takes no impure_random: draws count as effects there
         return node.is_impure()
+
+
+_F = torch.nn.functional
+INPLACE_FLAG = {_F.relu: 1, _F.relu6: 1, _F.silu: 1, _F.hardswish: 1, _F.hardsigmoid: 1, _F.selu: 1, _F.mish: 1,
+                _F.elu: 2, _F.celu: 2, _F.leaky_relu: 2, _F.hardtanh: 3, _F.threshold: 3, _F.dropout: 3,
+                _F.alpha_dropout: 3, _F.dropout1d: 3, _F.dropout2d: 3, _F.rrelu: 4}
+"""Functions with an ``inplace`` flag (nn.ReLU(inplace=True) is F.relu(x, inplace=True)): its position."""
+
+
+def has_inplace_flag(node: fx.Node) -> bool:
+    """Whether ``node`` calls a function of INPLACE_FLAG with inplace=True, by keyword or by position."""
+    index = INPLACE_FLAG.get(node.target) if node.op == "call_function" else None
+    if node.kwargs.get("inplace") is True:
+        return True
+    return index is not None and len(node.args) > index and node.args[index] is True
 
 
 IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,

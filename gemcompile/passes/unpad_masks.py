@@ -42,6 +42,7 @@ from gemcompile.passes.graph import Unproven, example_value, schema_arguments, t
 from gemcompile.passes.masks.classify import classify_length_mask
 from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_predicate
 from gemcompile.passes.masks.model import KeyVector
+from gemcompile.passes.masks.mutation import in_place_update
 from gemcompile.passes.masks.prover import equivalent, render
 from gemcompile.passes.masks.values import PiecewiseTensor, simplify_pred
 from gemcompile.passes.masks.zero_one import ZERO_ONE_CHECKED, emit_zero_one_check
@@ -181,10 +182,13 @@ _FILL_FACTORIES = {"full_like": 1, "new_full": 2, "full": 1, "tensor": 0, "scala
 
 def _constant(value) -> float | None:
     """The number ``value`` is: a Python number, or a tensor filled with one (``torch.zeros_like(h)``,
-    ``torch.tensor(-1e9)``, ``full_like(h, float("-inf"))``); None for anything else."""
+    ``torch.tensor(-1e9)``, ``full_like(h, float("-inf"))``) and never written in place (``z.fill_(2.0)``);
+    None for anything else."""
     if isinstance(value, fx.Node):
         name = target_name(value)
         if value.op not in ("call_function", "call_method") or not isinstance(example_value(value), torch.Tensor):
+            return None
+        if in_place_update(value) is not None:
             return None
         if name in _ZERO_FACTORIES:
             return 0.0

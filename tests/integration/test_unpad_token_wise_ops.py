@@ -279,12 +279,15 @@ class InPlaceActivations(nn.Module):
         valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
         x = self.emb(ids)
         h = self.fc1(x)
-        h = {"module": lambda: self.act(h), "flag": lambda: F.relu(h, True), "method": lambda: h.relu_()}[
-            self.spelling]()
+        if self.spelling.endswith("_statement"):  # the result unused: h itself is updated (it was dropped as dead)
+            self.act(h) if self.spelling == "module_statement" else F.relu(h, inplace=True)
+        else:
+            h = {"module": lambda: self.act(h), "flag": lambda: F.relu(h, True), "method": lambda: h.relu_()}[
+                self.spelling]()
         return (x + self.fc2(h)) * valid[..., None]
 
 
-@pytest.mark.parametrize("spelling", ["module", "flag", "method"])
+@pytest.mark.parametrize("spelling", ["module", "flag", "method", "module_statement", "flag_statement"])
 def test_in_place_activations_pack(spelling):
     model, (ids, lengths) = _seeded(InPlaceActivations, spelling), _ids_and_lengths()
     report = explain(model, ids, lengths)

@@ -82,7 +82,15 @@ FILLS = {
     "where_full_like_fill": lambda h, valid, pad: torch.where(
         valid[..., None], h, torch.full_like(h, -1e4)).amax(1),
     "masked_fill_with_one_then_sum": lambda h, valid, pad: h.masked_fill(pad[..., None], 1.0).sum(1),
+    # zeros written over in place before the fill: a fill of 2, not of 0 (it was taken for a zeroing)
+    "zeros_filled_in_place_then_sum": lambda h, valid, pad: _where_zeros_filled_in_place(h, valid).sum(1),
 }
+
+
+def _where_zeros_filled_in_place(h, valid):
+    z = torch.zeros_like(h)
+    z.fill_(2.0)
+    return torch.where(valid[..., None], h, z)
 
 
 class FilledPooling(nn.Module):

@@ -25,25 +25,11 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gemcompile.passes.graph import IN_PLACE_DUNDERS, IN_PLACE_OPERATORS, Unproven, example_value, target_name
+from gemcompile.passes.graph import (IN_PLACE_DUNDERS, IN_PLACE_OPERATORS, INPLACE_FLAG, Unproven, example_value,
+                                     has_inplace_flag, target_name)
 
 __all__ = ["INPLACE_FLAG", "check_not_updated", "forget_mutations", "has_inplace_flag", "in_place_update",
            "returns_new_tensor", "update_after"]
-
-_F = torch.nn.functional
-INPLACE_FLAG = {_F.relu: 1, _F.relu6: 1, _F.silu: 1, _F.hardswish: 1, _F.hardsigmoid: 1, _F.selu: 1, _F.mish: 1,
-                _F.elu: 2, _F.celu: 2, _F.leaky_relu: 2, _F.hardtanh: 3, _F.threshold: 3, _F.dropout: 3,
-                _F.alpha_dropout: 3, _F.dropout1d: 3, _F.dropout2d: 3, _F.rrelu: 4}
-"""Functions with an ``inplace`` flag (nn.ReLU(inplace=True) is F.relu(x, inplace=True)): its position."""
-
-
-def has_inplace_flag(node: fx.Node) -> bool:
-    """Whether ``node`` calls a function of INPLACE_FLAG with inplace=True, by keyword or by position."""
-    index = INPLACE_FLAG.get(node.target) if node.op == "call_function" else None
-    if node.kwargs.get("inplace") is True:
-        return True
-    return index is not None and len(node.args) > index and node.args[index] is True
-
 
 _NOT_UPDATES = {"requires_grad_", "retain_grad", "record_stream"}
 _FRESH = {
