@@ -32,6 +32,8 @@ def test_ranks_that_agree_pass_and_per_rank_fields_may_differ():
     # a size given on one rank that equals the others' default is the same plan
     assert disagreement([_fingerprint(), _fingerprint(parallel={"emb_inner": 2})]) is None
     assert disagreement([_fingerprint(parallel={"collective_timeout_s": 5}), _fingerprint()]) is None
+    # one directory spelled three ways (it was a disagreement by text)
+    assert disagreement([_fingerprint(checkpoint_dir=d) for d in ("ck", "./ck", "ck/")]) is None
 
 
 def test_each_differing_field_is_named_with_the_ranks_that_hold_each_value():

@@ -12,6 +12,7 @@ the same one-line error naming each field they disagree on.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ def configuration_fingerprint(cfg, axes) -> dict[str, Any]:
     fields.update({f.name: getattr(cfg.parallel, f.name) for f in dataclasses.fields(cfg.parallel)
                    if f.name not in skipped})
     fields.update({name: value for name, value in axes.as_dict().items() if name != "efsdp"})  # efsdp: derived
+    if fields.get("checkpoint_dir") is not None:  # `ck`, `./ck` and `ck/` name one directory (by text alone:
+        # on several nodes the same relative path may lie under other working directories, legitimately)
+        fields["checkpoint_dir"] = os.path.normpath(fields["checkpoint_dir"])
     return fields
 
 
