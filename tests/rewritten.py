@@ -10,13 +10,14 @@ from gemcompile.passes import PIPELINE
 from gemcompile.passes.base import instantiate, run_pre_grad
 
 
-def rewritten(model, compiles: list | None = None):
-    """``model`` (or a function) compiled so; each graph Dynamo hands over is appended to ``compiles``."""
+def rewritten(model, compiles: list | None = None, config: GemConfig | None = None):
+    """``model`` (or a function) compiled so (with ``config``, default GemConfig()); each graph Dynamo hands
+    over is appended to ``compiles``."""
 
     def backend(gm, example_inputs):
         if compiles is not None:
             compiles.append(gm)
-        run_pre_grad(gm, instantiate(PIPELINE, GemConfig()), example_inputs)
+        run_pre_grad(gm, instantiate(PIPELINE, config or GemConfig()), example_inputs)
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     return torch.compile(model, backend=backend)

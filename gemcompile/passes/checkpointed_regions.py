@@ -32,10 +32,15 @@ _VIEWS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "expand", "expan
           "size", "sym_size", "dim"}
 
 
+def is_checkpoint_call(node: fx.Node) -> bool:
+    """A call of torch.utils.checkpoint's region (the ``tag_activation_checkpoint`` higher-order op)."""
+    return node.op == "call_function" and "tag_activation_checkpoint" in str(node.target)
+
+
 def _checkpoint_calls(gm: fx.GraphModule) -> dict[fx.GraphModule, list[fx.Node]]:
     calls: dict[fx.GraphModule, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or "tag_activation_checkpoint" not in str(node.target):
+        if not is_checkpoint_call(node):
             continue
         ref = node.args[0]
         body = getattr(gm, ref.target, None) if getattr(ref, "op", None) == "get_attr" else None

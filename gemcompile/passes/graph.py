@@ -297,6 +297,14 @@ def has_inplace_flag(node: fx.Node) -> bool:
     return index is not None and len(node.args) > index and node.args[index] is True
 
 
+def dropout_arguments(args: tuple, kwargs: dict) -> tuple:
+    """(x, p, training) of ``F.dropout(x, p=0.5, training=True)`` or ``torch.dropout(x, p, train)``."""
+    x = args[0] if args else kwargs.get("input")
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    return x, p, training
+
+
 IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                       operator.ilshift, operator.irshift, operator.imatmul}

@@ -71,6 +71,7 @@ from gemcompile.passes.graph_liveness import size_hint
 from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.masks.zero_one import emit_zero_one_check
 from gemcompile.passes.records import input_path
+from gemcompile.passes.checkpointed_regions import is_checkpoint_call
 from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
@@ -80,6 +81,8 @@ from gemcompile.passes.token_wise import (
     zero_preserving,
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
+from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
+from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_masks import (
     RowFill,
     RowMask,
@@ -92,8 +95,6 @@ from gemcompile.passes.unpad_masks import (
     zero_one_checked,
 )
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
-from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
-from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
 from gemcompile.passes.unpad_zeroed_rows import drop_zeroed_query_rows
@@ -213,7 +214,7 @@ class UnpadPass(GemPass):
     def _say_checkpointed(self, graph: fx.Graph) -> None:
         """One line for the activation-checkpointed regions (torch.utils.checkpoint, HF's
         gradient_checkpointing): unpad does not run inside them, so explain says so instead of nothing."""
-        calls = [n for n in graph.nodes if n.op == "call_function" and "tag_activation_checkpoint" in str(n.target)]
+        calls = [n for n in graph.nodes if is_checkpoint_call(n)]
         if calls:
             self.refused(calls[0], f"{len(calls)} activation-checkpointed region(s) (torch.utils.checkpoint, "
                                    "gradient_checkpointing): unpad does not run inside them, so their token-wise "
@@ -390,6 +391,7 @@ class UnpadPass(GemPass):
         snapshot = _describe(region.nodes)
         macs = sum(_macs_per_token(n) for n in gemms)
         n_exits = 0
+        uniform = functools.partial(uniform_like_packed, emit, batch, seq, gather_batch, seq_index)  # (dropout)
         for node in sorted(region.nodes, key=order.__getitem__):
             rule = region.rules[node]
             operand = functools.partial(self._operand, node=node, rule=rule, members=members, packed=packed,
@@ -404,7 +406,6 @@ class UnpadPass(GemPass):
                 if translated is None:
                     raise Unproven(f"{node.name}: its dims cannot be moved to the packed layout")
                 args, kwargs = tree_map(functools.partial(_map_node, operand), translated)
-                uniform = functools.partial(uniform_like_packed, emit, batch, seq, gather_batch, seq_index)
                 packed[node] = packed_op(emit, node, args, kwargs, uniform)
         exits = [n for n in region.nodes if any(u not in members for u in n.users)]
         with graph.inserting_before(first):  # the exits' trailing sizes, before any use is rewired (may refuse)

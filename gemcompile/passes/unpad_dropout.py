@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import Emitter, Unproven, copy_source_meta, example_value, size_argument, target_name
+from gemcompile.passes.graph import (Emitter, Unproven, copy_source_meta, dropout_arguments, example_value, size_argument,
+                                     target_name)
 
 
 def packed_dropout(emit, args: tuple, kwargs: dict, uniform: Callable[[Any], Any]) -> Any:
@@ -24,9 +25,7 @@ def packed_dropout(emit, args: tuple, kwargs: dict, uniform: Callable[[Any], Any
     identity when not training or p == 0, else ``x * (u > p) / (1 - p)`` with ``u = uniform(x)`` uniform
     in [0, 1) of x's shape, what Inductor's decomposition of dropout computes. F.dropout itself does not
     trace there: it tests x for zero elements, which a data-dependent row count cannot answer."""
-    x = args[0] if args else kwargs["input"]
-    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    x, p, training = dropout_arguments(args, kwargs)
     if not isinstance(p, (int, float)) or not isinstance(training, bool):
         raise Unproven(f"a dropout with a computed probability or mode ({p!r}, {training!r})")
     if not training or p == 0:
@@ -41,7 +40,7 @@ def packed_op(emit: Emitter, node: fx.Node, args: tuple, kwargs: dict, uniform) 
     """``node``'s op on packed operands (dropout: packed_dropout, the identity where not training)."""
     if target_name(node) == "dropout":
         out = packed_dropout(emit, args, kwargs, uniform)
-        if out is not (args[0] if args else kwargs.get("input")):
+        if out is not dropout_arguments(args, kwargs)[0]:
             copy_source_meta(node, out)
         return out
     out = emit.node(node.op, node.target, args, kwargs)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-from gemcompile.passes.graph import Emitter, erase_dead, example_value, size_argument, target_name
+from gemcompile.passes.graph import Emitter, copy_source_meta, erase_dead, example_value, size_argument, target_name
 from gemcompile.passes.token_wise import same_size, shape_of
 from gemcompile.passes.unpad_attention import RegionIndex, scattered_rows
 
@@ -153,9 +153,7 @@ def _replace(emit: Emitter, loss: LabelLoss, packed: fx.Node, index: RegionIndex
         if buckets:
             out = emit.call(aten.slice.Tensor, (out, 0, 0, batch))
         out = emit.call(aten.reshape.default, (out, [-1]))
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in loss.loss.meta:
-            out.meta[key] = loss.loss.meta[key]
+    copy_source_meta(loss.loss, out)
     loss.loss.replace_all_uses_with(out)
     inputs = loss.loss.all_input_nodes
     loss.loss.graph.erase_node(loss.loss)

@@ -7,7 +7,6 @@ Run on the GPU machine:  python -m pytest -q tests/gpu/test_unpad_losses_gpu.py
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
@@ -15,19 +14,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from gemcompile import GemConfig, explain, gem_compile
+from tests.compiled_vs_eager import assert_compiled_matches_eager
 from tests.integration.test_unpad_losses import LOSSES, ItemHead, MaskedItemModel, _inputs
-from tests.integration.test_unpad_token_wise_ops import DropoutFfn, _ids_and_lengths, _seeded
+from tests.integration.test_unpad_token_wise_ops import _check_dropout_on_packed_rows
 
 DEV = "cuda"
-
-
-def _matches_eager(model, *inputs, config=GemConfig()):
-    params = list(model.parameters())
-    out, ref = gem_compile(model, config=config)(*inputs), model(*inputs)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
-    for g, r in zip(torch.autograd.grad(out, params, materialize_grads=True, allow_unused=True),
-                    torch.autograd.grad(ref, params, materialize_grads=True, allow_unused=True), strict=True):
-        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("buckets", [0, 3])
@@ -42,30 +33,16 @@ def test_a_loss_on_the_labels_rows_matches_eager(name, buckets):
     reads = [r.metrics["packed_row_reads"] for r in explain(model, ids, labels, config=config).rewrites
              if r.pass_name == "unpad"]
     assert reads == [{"per-token loss": 1}], reads
-    _matches_eager(model, ids, labels, config=config)
+    assert_compiled_matches_eager(model, ids, labels, atol=1e-4, config=config)
 
 
 def test_a_masked_item_model_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MaskedItemModel().to(DEV)
-    _matches_eager(model, *(t.to(DEV) for t in _inputs(0)))
+    assert_compiled_matches_eager(model, *(t.to(DEV) for t in _inputs(0)), atol=1e-4)
 
 
 def test_dropout_on_packed_rows_keeps_or_drops_each_element():
     torch._dynamo.reset()
-    p = 0.5
-    model = _seeded(DropoutFfn, p, True, True).to(DEV).train()
-    ids, lengths = (t.to(DEV) for t in _ids_and_lengths())
-    out, f = gem_compile(model)(ids, lengths)
-    valid = (torch.arange(ids.shape[1], device=DEV)[None, :] < lengths[:, None])[..., None]
-    x = model.emb(ids) * valid
-    close = lambda a, b: (a - b).abs() <= 1e-4 + 1e-4 * b.abs()  # noqa: E731
-    kept, dropped = close(out, x + f / (1 - p)), close(out, x)
-    assert bool((kept | dropped).all()), "dropout's output is neither 0 nor the scaled input"
-    kept &= ~dropped | (f == 0)
-    assert 0.3 < kept[valid.expand_as(kept)].float().mean().item() < 0.7
-    keep = kept.float() / (1 - p)
-    e = model.emb(ids)
-    ref = (model.fc2(F.gelu(model.fc1(e))) * keep + e) * valid
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    _check_dropout_on_packed_rows(True, compile_fn=gem_compile, device=DEV, atol=1e-4)

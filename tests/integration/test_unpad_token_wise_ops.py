@@ -403,19 +403,21 @@ def test_dropout_draws_for_the_padded_rows_where_rand_like_does_not_trace(monkey
     _check_dropout_on_packed_rows(False)
 
 
-def _check_dropout_on_packed_rows(in_place):
-    """Dropout draws its own random mask compiled: every element of the output is the FFN's scaled by
-    1 / (1 - p) where kept and 0 where dropped, plus the input; the gradients are eager's through that mask."""
+def _check_dropout_on_packed_rows(in_place, compile_fn=None, device="cpu", atol=1e-5):
+    """Dropout draws its own random mask compiled (``compile_fn``, the pre-grad passes under aot_eager by
+    default; tests/gpu passes gem_compile): every element of the output is the FFN's scaled by 1 / (1 - p)
+    where kept and 0 where dropped, plus the input; the gradients are eager's through that mask."""
     from tests.rewritten import rewritten
 
     p = 0.5
-    model, (ids, lengths) = _seeded(DropoutFfn, p, in_place, True).train(), _ids_and_lengths()
+    model = _seeded(DropoutFfn, p, in_place, True).to(device).train()
+    ids, lengths = (t.to(device) for t in _ids_and_lengths())
     assert _packed_gemms(model, ids, lengths) == [2]
     torch.manual_seed(1)
-    out, f = rewritten(model)(ids, lengths)
-    valid = (torch.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+    out, f = (compile_fn or rewritten)(model)(ids, lengths)
+    valid = (torch.arange(ids.shape[1], device=device)[None, :] < lengths[:, None])[..., None]
     x = model.emb(ids) * valid
-    close = lambda a, b: (a - b).abs() <= 1e-5 + 1e-4 * b.abs()  # noqa: E731
+    close = lambda a, b: (a - b).abs() <= atol + 1e-4 * b.abs()  # noqa: E731
     kept, dropped = close(out, x + f / (1 - p)), close(out, x)
     assert bool((kept | dropped).all()), "dropout's output is neither 0 nor the scaled input"
     kept &= ~dropped | (f == 0)
@@ -428,6 +430,6 @@ def _check_dropout_on_packed_rows(in_place):
     x = model.emb(ids)  # (not the model in eval mode: its dropout would return f, which s += x updates)
     ref = (model.fc2(F.gelu(model.fc1(x))) * keep + x) * valid
     refs = torch.autograd.grad(ref.square().sum(), params)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4)
     for g, r in zip(grads, refs):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(g, r, atol=atol, rtol=1e-4)

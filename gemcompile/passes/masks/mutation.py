@@ -25,8 +25,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gemcompile.passes.graph import (IN_PLACE_DUNDERS, IN_PLACE_OPERATORS, INPLACE_FLAG, Unproven, example_value,
-                                     has_inplace_flag, target_name)
+from gemcompile.passes.graph import (IN_PLACE_DUNDERS, IN_PLACE_OPERATORS, INPLACE_FLAG, Unproven, dropout_arguments,
+                                     example_value, has_inplace_flag, target_name)
 
 __all__ = ["INPLACE_FLAG", "check_not_updated", "forget_mutations", "has_inplace_flag", "in_place_update",
            "returns_new_tensor", "update_after"]
@@ -73,8 +73,7 @@ def returns_new_tensor(node: fx.Node) -> bool:
     if target_name(node) == "einsum":  # einsum("bl->lb", x) of one operand is a view of it
         return len(_tensor_inputs(node)) > 1
     if target_name(node) == "dropout":  # x itself when not training or p == 0 (or x has no elements)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+        _, p, training = dropout_arguments(node.args, node.kwargs)
         return training is True and isinstance(p, (int, float)) and p > 0
     return target_name(node) in _FRESH
 
