@@ -94,8 +94,8 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8) -> bool:
     shape = shape_of(node)
     if shape is None or max(rows) >= len(shape):
         return False
-    if rows == (0, 1) and (analysis.is_mask(node) or analysis.zeroing_of(node) is not None):
-        return True
+    if rows == (0, 1) and analysis.is_mask(node) or analysis.zeroing_of(node, rows) is not None:
+        return True  # (a zeroing of scores transposed to (B, 1, N): DeepCTR-Torch's DIN, rows (0, 2))
     name = target_name(node)
     tensors = [a for a in node.args if isinstance(a, fx.Node)]
     if name == "mul":

@@ -129,6 +129,9 @@ class RowFill(NamedTuple):
     """The row mask of the rows it keeps."""
     zero: bool
     """The fill is 0 (a zeroing)."""
+    rows: tuple[int, int] = (0, 1)
+    """The dims of x that are the mask's batch and tokens: (0, 1), or (0, 2) for scores transposed to (B, 1, N)
+    (DeepCTR-Torch's DIN fills ``att.transpose(1, 2)`` by a (B, 1, N) mask before its matmul with the keys)."""
 
 
 def _fill_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Any] | None:
@@ -213,17 +216,25 @@ def _row_fills(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]
         if form is None:
             continue
         x, m, negate, value = form
-        shape, rows = tuple(example_value(m).shape), tuple(example_value(x).shape)
-        if same_size(shape[1], 1) or not all(same_size(d, 1) for d in shape[2:]) or \
-                not (same_size(shape[0], rows[0]) and same_size(shape[1], rows[1])):
+        shape, x_shape = tuple(example_value(m).shape), tuple(example_value(x).shape)
+        tokens = _token_dim(shape)
+        if tokens is None or not (same_size(shape[0], x_shape[0]) and same_size(shape[tokens], x_shape[tokens])):
             continue
         try:
-            mask = _row_mask(evaluator, m, shape, vectors, negate=negate)
+            mask = _row_mask(evaluator, m, shape, vectors, negate=negate, rows=(0, tokens))
         except Unproven:
             continue
         if mask is not None:
-            fills[node] = RowFill(x, replace(mask, node=mask.node if mask.vector is None else m), _is_zero(value))
+            fills[node] = RowFill(x, replace(mask, node=mask.node if mask.vector is None else m), _is_zero(value),
+                                  (0, tokens))
     return fills
+
+
+def _token_dim(shape: tuple) -> int | None:
+    """The tokens' dim of a fill's mask: 1 for (B, N, 1...), the one dim past the batch that is not 1 for
+    (B, 1, N) and the like; None when more than one is (a mask per head or feature) or none."""
+    rest = [d for d in range(1, len(shape)) if not same_size(shape[d], 1)]
+    return rest[0] if len(rest) == 1 else None
 
 
 def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:
@@ -239,13 +250,15 @@ def _zero_one(evaluator: MaskEvaluator, node: fx.Node) -> bool:
     return isinstance(value, PiecewiseTensor) and all(v in (0, 1) for v, _ in value.pieces)
 
 
-def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
-              vectors: list[RowMask], negate: bool = False) -> RowMask | None:
+def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple, vectors: list[RowMask],
+              negate: bool = False, rows: tuple[int, int] = (0, 1)) -> RowMask | None:
     """The row mask ``node`` (B, N, 1...) is (``negate``: the rows where it does not hold), None when it keeps
-    every token or none; Unproven when the prover reads it only under a run-time check."""
+    every token or none; Unproven when the prover reads it only under a run-time check. ``rows``: the dims of
+    the batch and the tokens, when not the first two (a (B, 1, N) fill's mask)."""
     rank = len(shape)
-    tiled = {k: 4 + k for k in range(rank - 2) if not same_size(shape[rank - 1 - k], 1)}  # right-aligned dims
-    mapping = {rank - 1: 3, rank - 2: 0, **{k: tiled.get(k) for k in range(rank - 2)}}
+    others = [k for k in range(rank) if rank - 1 - k not in rows]  # right-aligned positions of the other dims
+    tiled = {k: 4 + i for i, k in enumerate(k for k in others if not same_size(shape[rank - 1 - k], 1))}
+    mapping = {rank - 1 - rows[0]: 3, rank - 1 - rows[1]: 0, **{k: tiled.get(k) for k in others}}
     keep = keep_predicate(evaluator, evaluator.relabel(evaluator.tensor(node), mapping, 4 + len(tiled)), "bool")
     if negate:
         keep = simplify_pred(sympy.Not(keep))
@@ -254,7 +267,7 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
     try:
         lm = classify_length_mask(evaluator, keep, batch_is_one=same_size(shape[0], 1))
         if lm.q_lengths is None and not lm.causal:
-            return RowMask(lm.kv_lengths, lm.kv_offset, shape[0], shape[1], node=lm.kv_lengths,
+            return RowMask(lm.kv_lengths, lm.kv_offset, shape[rows[0]], shape[rows[1]], node=lm.kv_lengths,
                            checks=_checks_of(node, evaluator))
     except Unproven:
         pass  # not lengths: a token vector, below
@@ -264,11 +277,12 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple,
         return None  # positions only (a causal (L, L) mask read as rows): no token marked by data
     checks = _checks_of(node, evaluator)
     for first in vectors:
-        if same_size(first.batch, shape[0]) and same_size(first.seq, shape[1]) and \
+        if same_size(first.batch, shape[rows[0]]) and same_size(first.seq, shape[rows[1]]) and \
                 equivalent(evaluator, keep, first.vector.formula):
             return replace(first, node=node, checks=checks)
     text = re.sub(r"len_(\w+)\((\w+)\)", r"\1[\2]", render(evaluator, keep, {B: "b", J: "n"}))  # lengths[b]
-    mask = RowMask(None, 0, shape[0], shape[1], KeyVector(keep, evaluator, text), len(vectors), node, checks)
+    mask = RowMask(None, 0, shape[rows[0]], shape[rows[1]], KeyVector(keep, evaluator, text), len(vectors), node,
+                   checks)
     vectors.append(mask)
     return mask
 

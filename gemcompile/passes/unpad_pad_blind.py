@@ -100,17 +100,17 @@ class PadAnalysis:
         dims."""
         return _aligned(product, factor) and zero_at(self, factor, (0, 1))
 
-    def fill_of(self, node: fx.Node) -> fx.Node | None:
+    def fill_of(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> fx.Node | None:
         """x when ``node`` replaces x's rows outside this mask (``x.masked_fill(~valid, -inf)``, ``where(valid,
-        x, 0)``): it ignores x's padded rows."""
+        x, 0)``), its B and N at ``rows``: it ignores x's padded rows."""
         found = self.fills.get(node)
-        return found.x if found is not None and self.mask.same(found.kept) else None
+        return found.x if found is not None and found.rows == rows and self.mask.same(found.kept) else None
 
-    def zeroing_of(self, node: fx.Node) -> fx.Node | None:
-        """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``): like ``x * valid``,
-        it ignores x's padded rows and is zero there."""
+    def zeroing_of(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> fx.Node | None:
+        """x when ``node`` zeroes x's rows outside this mask (``x.masked_fill(~valid, 0)``), its B and N at
+        ``rows``: like ``x * valid``, it ignores x's padded rows and is zero there."""
         found = self.fills.get(node)
-        return self.fill_of(node) if found is not None and found.zero else None
+        return self.fill_of(node, rows) if found is not None and found.zero else None
 
     def blind(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> bool:
         """Every reader of ``node`` ignores its padded rows (rows = the positions of its B and N dims)."""
@@ -141,7 +141,7 @@ class PadAnalysis:
             if len(user.args) == 2 and len(others) == 1 and len(shape_of(user) or ()) == rank and \
                     self.zero_factor(user, others[0]):
                 return True
-        if rows == (0, 1) and self.fill_of(user) is node:
+        if self.fill_of(user, rows) is node:
             return True  # (masked max pooling: ``h.masked_fill(~valid[..., None], -inf).amax(1)``)
         if rows == (0, 1) and (loss := loss_reading(self.losses, user, node)) is not None:
             return self.is_mask(loss.mask)  # (cross_entropy(x.view(-1, V), labels.view(-1), ignore_index=k))

@@ -181,3 +181,74 @@ def test_a_mask_of_higher_rank_than_the_tokens_is_no_row_mask_of_them(model, len
     for g, r in zip(torch.autograd.grad((out * weights).sum(), params),
                     torch.autograd.grad((ref * weights).sum(), params)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+# scores transposed to (B, 1, N) and filled there by a (B, 1, N) mask before they weigh the keys: DeepCTR-Torch's
+# DIN (AttentionSequencePoolingLayer: ``torch.where(keys_masks, att.transpose(1, 2), paddings)``, then a
+# softmax when weight_normalization, then ``torch.matmul(att, keys)``); the fill rows are (0, 2)
+TRANSPOSED_FILLS = {
+    "deepctr_zeros": lambda s, km: torch.where(km, s, torch.zeros_like(s)),
+    "deepctr_weight_normalization": lambda s, km: F.softmax(torch.where(km, s, torch.ones_like(s) * (-2 ** 32 + 1)),
+                                                            dim=-1),
+    "masked_fill_minus_inf_softmax": lambda s, km: F.softmax(s.masked_fill(~km, float("-inf")), dim=-1).nan_to_num(),
+    "masked_fill_zero": lambda s, km: s.masked_fill(~km, 0.0),
+}
+TRANSPOSED_NEAR_MISSES = {
+    # (the fill reads the padded scores: their mean over every key)
+    "fill_with_the_mean_score": lambda s, km: torch.where(km, s, s.mean(-1, keepdim=True)),
+    # (two rows of scores, the second filled by a mask that also drops the odd keys: it differs along dim 1)
+    "fill_by_a_mask_per_row": lambda s, km: torch.where(
+        torch.cat([km, km & (torch.arange(km.shape[-1]) % 2 == 0)], 1), torch.cat([s, 2 * s], 1), 0.0),
+}
+
+
+class TransposedScorePooling(nn.Module):
+    """DIN's attention pooling as DeepCTR-Torch writes it: an MLP scores each key against the query (its
+    rows over (B, N)), the scores are transposed to (B, 1, N), filled outside the keys' mask by ``fill``, and
+    weigh the keys, which are a projection of the embeddings when ``projected`` (so that the pooling itself
+    must ignore their padded rows for them to pack)."""
+
+    def __init__(self, fill, projected=False):
+        super().__init__()
+        self.fill, self.projected = fill, projected
+        self.emb = nn.Embedding(30, E)
+        self.proj = nn.Linear(E, E)
+        self.mlp = nn.Sequential(nn.Linear(4 * E, 2 * E), nn.ReLU(), nn.Linear(2 * E, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, ids, lengths):
+        B, N = ids.shape
+        keys_masks = (torch.arange(N).repeat(B, 1) < lengths.view(-1, 1)).unsqueeze(1)
+        keys = self.emb(ids)
+        if self.projected:
+            keys = self.proj(keys)
+        query = self.emb(ids[:, :1] + 1)  # (B, 1, E): the target item's embedding, expanded over the keys
+        q = query.expand(-1, N, -1)
+        scores = self.mlp(torch.cat([q, keys, q - keys, q * keys], dim=-1)).transpose(1, 2)
+        return torch.matmul(self.fill(scores, keys_masks), keys).sum(1)
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED_FILLS))
+def test_scores_filled_after_a_transpose_pack_the_score_mlp(name):
+    torch.manual_seed(0)
+    # (the last Linear gives one score per token: it stays padded, unpad._one_per_token)
+    assert unpad_gemms_matching_eager(TransposedScorePooling(TRANSPOSED_FILLS[name]), *_inputs()) == [2]
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED_NEAR_MISSES))
+def test_scores_filled_after_a_transpose_from_their_padding_stay_padded(name):
+    torch.manual_seed(0)
+    assert unpad_gemms_matching_eager(TransposedScorePooling(TRANSPOSED_NEAR_MISSES[name]), *_inputs()) == []
+
+
+def test_keys_weighed_by_transposed_zeroed_scores_pack_with_them():
+    """A zero fill: the matmul ignores the projected keys' padded rows, so the projection packs too. A finite
+    fill before a softmax weighs every key of an empty sample (uniformly): the projection stays padded, the
+    score MLP still packs."""
+    torch.manual_seed(0)
+    zeroed = TransposedScorePooling(TRANSPOSED_FILLS["deepctr_zeros"], projected=True)
+    assert unpad_gemms_matching_eager(zeroed, *_inputs()) == [3]
+    torch.manual_seed(0)
+    normalized = TransposedScorePooling(TRANSPOSED_FILLS["deepctr_weight_normalization"], projected=True)
+    assert unpad_gemms_matching_eager(normalized, *_inputs()) == [2]
+    report = str(explain(normalized, *_inputs()))
+    assert "stays padded" in report and "matmul" in report
