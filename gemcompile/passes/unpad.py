@@ -76,12 +76,14 @@ from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
     dtype_of,
+    has_rows,
     same_size,
     shape_of,
     zero_preserving,
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
+from gemcompile.passes.unpad_flat_rows import unflatten_token_rows
 from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_masks import (
     RowFill,
@@ -94,6 +96,7 @@ from gemcompile.passes.unpad_masks import (
     zero_exactly_where_data_is,
     zero_one_checked,
 )
+from gemcompile.passes.unpad_contractions import zero_at
 from gemcompile.passes.unpad_pad_blind import PadAnalysis, keys_of
 from gemcompile.passes.unpad_row_reads import pack_row_reads
 from gemcompile.passes.unpad_splits import slice_feature_splits
@@ -270,9 +273,20 @@ class UnpadPass(GemPass):
     @staticmethod
     def _pad_zero(region: Region, analysis: PadAnalysis) -> dict[fx.Node, bool]:
         zero: dict[fx.Node, bool] = {}
+
+        def zero_input(a, node: fx.Node) -> bool:
+            """A region node's value, or an operand from outside the region aligned with the node's rows and
+            zero at the padding by its formula (FuxiCTR's ``(w * mask).unsqueeze(-1) * h``: the one score per
+            token stays padded, unpad._one_per_token)."""
+            if a in zero or not isinstance(a, fx.Node):
+                return zero.get(a, False)
+            shape = shape_of(a)
+            return shape is not None and len(shape) == len(shape_of(node)) and \
+                has_rows(shape, analysis.mask.batch, analysis.mask.seq) and zero_at(analysis, a, (0, 1))
+
         for node in region.nodes:  # graph order: inputs first
             zero[node] = analysis.zeroing_of(node) is not None or \
-                zero_preserving(region.rules[node], lambda a: zero.get(a, False),
+                zero_preserving(region.rules[node], lambda a, node=node: zero_input(a, node),
                                 lambda a, node=node: analysis.mask_factor(node, a))
         return zero
 
@@ -288,6 +302,8 @@ class UnpadPass(GemPass):
             if self.options.packed_losses:  # (labels != ignore_index: masks no model node computes)
                 self._losses = insert_label_masks(graph)
             masks, near_misses, fills = find_row_masks(graph)
+            if masks and unflatten_token_rows(graph, [(m.batch, m.seq) for m in masks.values()]):
+                masks, near_misses, fills = find_row_masks(graph)  # (the flattened chains' nodes were replaced)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
                 raise
