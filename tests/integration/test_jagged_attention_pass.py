@@ -59,6 +59,17 @@ def hand_causal_integer_tril_and_numpy(q, k, v, n, x):
     return torch.softmax(s.masked_fill(drop, -1e9), dim=-1) @ v
 
 
+def hand_key_mask_from_numpy_arange(q, k, v, n, x):
+    """ReChorus' BERT4RecEncoder (ContraRec, KDA): the positions from numpy, ``torch.from_numpy(np.arange(L))``
+    (Dynamo's wrapped_arange), compared with the lengths, filled with -inf."""
+    import numpy as np
+
+    len_range = torch.from_numpy(np.arange(L)).to(q.device)
+    valid_mask = len_range[None, :] < n[:, None]
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
+    return torch.softmax(s.masked_fill(valid_mask.view(q.shape[0], 1, 1, L) == 0, -np.inf), dim=-1) @ v
+
+
 def _hf_4d_mask_written_in_place(q, n, upto):
     """transformers 4.4x's _prepare_4d_causal_attention_mask_with_cache_position: the triangle scaled in place,
     expanded and cloned, then its first `upto` keys refilled through a slice assignment."""
@@ -222,7 +233,7 @@ def hand_weights_times_row_weights(q, k, v, n, x):
 IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_query_rows_zeroed_in_the_weights, hand_weights_times_row_weights, sdpa_key_mask_from_input,
           sdpa_keys_below_float_lengths, hand_float_mask_input_expanded_over_heads,
           hand_causal_from_ones_like_scores, sdpa_key, sdpa_every_argument_by_keyword, hand_causal_plus_int_mask,
-          hand_causal_integer_tril_and_numpy,
+          hand_causal_integer_tril_and_numpy, hand_key_mask_from_numpy_arange,
           hand_hf_mask_slice_assigned, sdpa_key_causal_tril, sdpa_key_causal_index,
           sdpa_additive, sdpa_key_and_query, hand_masked_fill_inf, hand_masked_fill_large_negative,
           hand_where, hand_where_ones_times_fill, hand_additive, hand_blhd_einsum, hand_blhd_permute, relative_bias,
@@ -231,7 +242,7 @@ IDIOMS = [hand_global_max_shifted, hand_row_max_shifted_before_the_mask, hand_qu
 # those idioms are compared with eager on lengths >= 1, and the empty sequence, where the two differ, is
 # checked against the documented semantics (_empty_sequence_is_zero; finite fills: test_finite_fills.py)
 NO_EMPTY_ROWS = {hand_masked_fill_inf, hand_causal_from_ones_like_scores, hand_blhd_einsum, hand_blhd_permute,
-                 relative_bias}
+                 relative_bias, hand_key_mask_from_numpy_arange}
 
 
 def _empty_sequence_is_zero(compiled, idiom, q, k, v, lengths, extra, weights, empty=3):

@@ -198,7 +198,8 @@ TRANSPOSED_NEAR_MISSES = {
     "fill_with_the_mean_score": lambda s, km: torch.where(km, s, s.mean(-1, keepdim=True)),
     # (two rows of scores, the second filled by a mask that also drops the odd keys: it differs along dim 1)
     "fill_by_a_mask_per_row": lambda s, km: torch.where(
-        torch.cat([km, km & (torch.arange(km.shape[-1]) % 2 == 0)], 1), torch.cat([s, 2 * s], 1), 0.0),
+        torch.cat([km, km & (torch.arange(km.shape[-1], device=km.device) % 2 == 0)], 1), torch.cat([s, 2 * s], 1),
+        0.0),
 }
 
 
@@ -217,7 +218,7 @@ class TransposedScorePooling(nn.Module):
 
     def forward(self, ids, lengths):
         B, N = ids.shape
-        keys_masks = (torch.arange(N).repeat(B, 1) < lengths.view(-1, 1)).unsqueeze(1)
+        keys_masks = (torch.arange(N, device=ids.device).repeat(B, 1) < lengths.view(-1, 1)).unsqueeze(1)
         keys = self.emb(ids)
         if self.projected:
             keys = self.proj(keys)

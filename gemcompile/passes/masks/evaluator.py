@@ -76,7 +76,8 @@ _IDENTITY_METHODS = {"contiguous", "clone", "detach", "to", "type", "type_as", "
                      "alias", "_to_copy", "convert_element_type", "as_tensor", "from_numpy", "asarray"}
 _CONSTANT_MAKERS = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",
                     "new_full"}
-_NUMPY = {"wrapped_ones": "ones", "wrapped_zeros": "zeros", "wrapped_tril": "tril", "wrapped_triu": "triu"}  # np.*
+_NUMPY = {"wrapped_ones": "ones", "wrapped_zeros": "zeros", "wrapped_tril": "tril", "wrapped_triu": "triu",
+          "wrapped_arange": "arange"}  # np.* as Dynamo traces them (ReChorus: torch.from_numpy(np.arange(N)))
 _TO_FLOAT = {"float", "half", "bfloat16", "double"}
 _TO_INT = {"long", "int", "short"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -247,7 +248,7 @@ class MaskEvaluator:
         args, kwargs = node.args, node.kwargs
         ndim = value.dim()
 
-        if target is torch.arange:
+        if target is torch.arange or name == "arange" and node.op == "call_function":
             return arange_value(self.evaluate, node)
         if name == "iota":  # what arange is after Inductor's decompositions (joint and post-grad graphs)
             start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
