@@ -44,7 +44,7 @@ from gemcompile.passes.masks.evaluator import MaskEvaluator, index_symbol, keep_
 from gemcompile.passes.masks.model import KeyVector
 from gemcompile.passes.masks.mutation import in_place_update
 from gemcompile.passes.masks.prover import equivalent, render
-from gemcompile.passes.masks.values import PiecewiseTensor, simplify_pred
+from gemcompile.passes.masks.values import BoolTensor, PiecewiseTensor, simplify_pred
 from gemcompile.passes.masks.zero_one import ZERO_ONE_CHECKED, emit_zero_one_check
 from gemcompile.passes.token_wise import same_size, shape_of
 
@@ -285,6 +285,58 @@ def _row_mask(evaluator: MaskEvaluator, node: fx.Node, shape: tuple, vectors: li
                    checks)
     vectors.append(mask)
     return mask
+
+
+def kept_at(mask: RowMask, position) -> bool:
+    """Whether ``mask`` keeps token ``position`` (an int, or a sympy expression of the sizes) of every sample,
+    by its formula alone: BST's ``cat([hist == 0, zeros(B, 1)])`` keeps the appended target at N - 1 whatever
+    the history. Each comparison that the position decides is replaced by its value; what is left must hold
+    for any value of the others. A lengths mask keeps no position for every sample (a length may be 0)."""
+    if mask.vector is None:
+        return False
+    vector = mask.vector
+    token = index_symbol(vector.position)
+    values = {}
+    for atom in vector.formula.free_symbols:
+        kind, e = vector.evaluator.atoms.expr_of[atom]
+        at = e.xreplace({token: position})
+        reads = {read: value for read in at.atoms(sympy.Function)
+                 if (value := _constant_read(vector.evaluator, read)) is not None}
+        at = sympy.expand(at.xreplace(reads))
+        if at.is_number:
+            values[atom] = sympy.true if (at < 0 if kind == "lt" else at == 0) else sympy.false
+    return simplify_pred(vector.formula.xreplace(values)) is sympy.true
+
+
+def _constant_read(evaluator: MaskEvaluator, read: sympy.Expr) -> int | None:
+    """The value of a data read ``dat_x(b, p)`` at a constant token p where x is a ``cat`` along its tokens
+    whose part there is a constant (BST's ``cat([hist == 0, zeros(B, 1)])`` at the appended target); None
+    otherwise."""
+    leaf = evaluator.data.get(type(read).__name__)
+    node = leaf.node if leaf is not None else None
+    if node is None or target_name(node) not in ("cat", "concat") or len(read.args) != 2 or \
+            not read.args[1].is_Integer or not node.args or not isinstance(node.args[0], (list, tuple)):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % 2 != 1:
+        return None
+    position, start = int(read.args[1]), 0
+    for part in node.args[0]:
+        size = shape_of(part)[1] if isinstance(part, fx.Node) and shape_of(part) is not None else None
+        if not isinstance(size, int):
+            return None
+        if start <= position < start + size:
+            try:
+                value = MaskEvaluator().tensor(part)
+            except Unproven:
+                return None
+            if isinstance(value, BoolTensor) and value.pred in (sympy.true, sympy.false):
+                return int(value.pred is sympy.true)
+            if isinstance(value, PiecewiseTensor) and len(value.pieces) == 1 and float(value.pieces[0][0]).is_integer():
+                return int(value.pieces[0][0])
+            return None
+        start += size
+    return None
 
 
 def _checks_of(node: fx.Node, shared: MaskEvaluator) -> tuple:

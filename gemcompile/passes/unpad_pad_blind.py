@@ -22,7 +22,7 @@ from gemcompile.passes.token_wise import ELEMENTWISE, classify, node_argument, s
 from gemcompile.passes.unpad_contractions import CONTRACTIONS, contraction_blind, zero_at
 from gemcompile.passes.unpad_losses import LabelLoss, loss_reading
 from gemcompile.passes.unpad_attention import lengths_arg_mask
-from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowFill, RowMask, keys_within
+from gemcompile.passes.unpad_masks import EMPTY_SAMPLES_READ_EVERY_KEY, RowFill, RowMask, kept_at, keys_within
 
 # gemcompile attention ops: argument positions of (q, k, v) and of the lengths that mask q and k/v.
 # Output row (b, i) reads query row (b, i) only, and key/value rows (b, j) only for j < kv_lengths[b] (and
@@ -72,6 +72,37 @@ def _aligned(product: fx.Node, factor: Any) -> bool:
     shape, out = shape_of(factor), shape_of(product)
     return shape is not None and out is not None and len(shape) == len(out) and \
         same_size(shape[0], out[0]) and same_size(shape[1], out[1])
+
+
+_MOST_POSITIONS = 64
+"""The most token positions a constant slice may read for ``_constant_positions`` to list them."""
+
+
+def _constant_positions(user: fx.Node, node: fx.Node, shape: tuple) -> list | None:
+    """The token positions (dim 1 of ``node``) that ``user`` reads, when they are constants and nothing else
+    of ``node`` is read: ``node[:, p, ...]``, ``node[:, a:b, ...]`` (a static token count for slices and
+    negative positions), ``node.select(1, p)``; None otherwise."""
+    name = target_name(user)
+    if not user.args or user.args[0] is not node or user.kwargs or len(shape) < 2:
+        return None
+    if name == "select" and len(user.args) == 3 and type(user.args[1]) is int and user.args[1] % len(shape) == 1:
+        index = user.args[2]
+    elif name == "getitem" and isinstance(user.args[1], tuple) and len(user.args[1]) >= 2 and \
+            user.args[1][0] == slice(None) and not any(isinstance(i, fx.Node) or i is None or i is Ellipsis
+                                                       for i in user.args[1]):
+        index = user.args[1][1]
+    else:
+        return None
+    n = shape[1]
+    if type(index) is int:
+        if index >= 0:
+            return [index]
+        return [n + index] if isinstance(n, int) else [n.node.expr + index] if isinstance(n, torch.SymInt) else None
+    if isinstance(index, slice) and isinstance(n, int) and \
+            all(v is None or type(v) is int for v in (index.start, index.stop, index.step)):
+        positions = list(range(n))[index]
+        return positions if 0 < len(positions) <= _MOST_POSITIONS else None
+    return None
 
 
 class PadAnalysis:
@@ -147,6 +178,8 @@ class PadAnalysis:
             return self.is_mask(loss.mask)  # (cross_entropy(x.view(-1, V), labels.view(-1), ignore_index=k))
         if name in CONTRACTIONS:
             return contraction_blind(self, user, node, rows)
+        if rows == (0, 1) and self._kept_positions_read(user, node, shape):
+            return True  # (BST's target appended after the history, read alone: out[:, -1])
         if name in ("select", "unbind") and user.args[0] is node or \
                 name == "getitem" and user.args[0] is node and type(user.args[1]) is int:
             return self._piece_blind(user, rows, rank, name)
@@ -192,6 +225,12 @@ class PadAnalysis:
         ):
             return self.blind(user, rows)
         return False
+
+    def _kept_positions_read(self, user: fx.Node, node: fx.Node, shape: tuple) -> bool:
+        """``user`` reads only constant token positions (``x[:, -1]``, ``x[:, 0]``, ``x.select(1, -1)``,
+        ``x[:, -4:]``) that the mask keeps in every sample (unpad_masks.kept_at): it reads no padded row."""
+        positions = _constant_positions(user, node, shape)
+        return positions is not None and all(kept_at(self.mask, p) for p in positions)
 
     def _piece_blind(self, user: fx.Node, rows: tuple[int, int], rank: int, name: str) -> bool:
         """One piece along a dim besides B and N, of a fused projection split into heads (``qkv[0]``,

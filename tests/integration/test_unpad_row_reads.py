@@ -133,3 +133,65 @@ def test_the_option_off_keeps_the_scatter():
     config = GemConfig(unpad={"packed_row_reads": False, "min_gemms": 1})
     (metrics,) = _unpad(model, x, LENGTHS, config=config)
     assert not metrics["packed_row_reads"] and metrics["scatters"] == 1
+
+
+class AppendedTarget(nn.Module):
+    """BST (torch-rechub, the BST paper): the target item appended after the padded history, the padding mask
+    ``cat([hist == 0, zeros(B, 1)])``, an encoder that never zeroes its padded rows (nn.TransformerEncoder with
+    that key padding mask, or SDPA with it and a GELU FFN), and only the rows at ``read`` read (the target's:
+    ``out[:, -1]``). Every sample keeps position N - 1 by the mask's formula, so the encoder packs."""
+
+    def __init__(self, read, transformer=True):
+        super().__init__()
+        self.read, self.transformer = read, transformer
+        self.emb = nn.Embedding(30, D)
+        self.qkv, self.up, self.down = nn.Linear(D, 3 * D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        layer = nn.TransformerEncoderLayer(D, 1, 2 * D, dropout=0.0, batch_first=True)  # (head dim 16)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, hist, target):
+        seq = torch.cat([self.emb(hist), self.emb(target).unsqueeze(1)], dim=1)
+        pad = torch.cat([hist == 0, torch.zeros(hist.size(0), 1, dtype=torch.bool, device=hist.device)], dim=1)
+        if self.transformer:
+            return self.read(self.encoder(seq, src_key_padding_mask=pad))
+        q, k, v = self.qkv(seq).unflatten(-1, (3, 1, D)).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :]).transpose(1, 2).flatten(2)
+        h = seq + a
+        return self.read(h + self.down(F.gelu(self.up(h))))
+
+
+def _history():
+    """(B, N - 1) ids with 0 as padding: empty, partial and full histories."""
+    lengths = LENGTHS.clamp(max=N - 1)
+    hist = torch.randint(1, 30, (B, N - 1), generator=torch.Generator().manual_seed(4))
+    return hist * (torch.arange(N - 1)[None, :] < lengths[:, None]), torch.arange(B) + 1
+
+
+READS_OF_KEPT_POSITIONS = {
+    "last": lambda out: out[:, -1, :],
+    "select_last": lambda out: out.select(1, -1),
+    "last_as_slice": lambda out: out[:, -1:].sum(1),
+}
+READS_OF_OTHER_POSITIONS = {  # position 0 and N - 2 are history: padded in some samples
+    "first": lambda out: out[:, 0],
+    "last_two": lambda out: out[:, -2:].sum(1),
+}
+
+
+@pytest.mark.parametrize("name", list(READS_OF_KEPT_POSITIONS))
+@pytest.mark.parametrize("transformer", [False, True])
+def test_a_read_of_a_position_every_sample_keeps_packs_the_encoder(name, transformer):
+    torch.manual_seed(0)
+    model = AppendedTarget(READS_OF_KEPT_POSITIONS[name], transformer).eval()
+    metrics = _unpad(model, *_history(), config=_config(0))
+    # (the in- and out-projections and the FFN; the SDPA form's qkv projection and its FFN)
+    assert len(metrics) == 1 and metrics[0]["gemms"] == (4 if transformer else 3), metrics
+    assert_compiled_matches_eager(model, *_history(), config=_config(0))
+
+
+@pytest.mark.parametrize("name", list(READS_OF_OTHER_POSITIONS))
+def test_a_read_of_a_position_some_sample_pads_keeps_the_encoder_padded(name):
+    torch.manual_seed(0)
+    model = AppendedTarget(READS_OF_OTHER_POSITIONS[name])
+    assert _unpad(model, *_history(), config=_config(0)) == []
+    assert_compiled_matches_eager(model, *_history(), config=_config(0))
