@@ -1729,6 +1729,35 @@ def masked_item_loss() -> str:
     return "\n".join(lines)
 
 
+DIN_POOLING = "din_pooling-20261207-193251.json"
+
+
+@block("din-pooling")
+def din_pooling() -> str:
+    path, payload = load(DIN_POOLING)
+    args = payload["args"]
+    rows = []
+    for row in payload["rows"]:
+        for method in args["methods"].split(","):
+            rows.append([row["form"], method, f(row.get(f"{method}_ms"), ".2f"),
+                         "1.00" if method.startswith("inductor") else f(row.get(f"speedup_{method}_vs_inductor")),
+                         f(row.get(f"{method}_kernel_ms"), ".2f"), f(row.get(f"{method}_peak_gib"), ".2f"),
+                         f(row.get(f"{method}_first_loss"), ".4f")])
+    first = payload["rows"][0]
+    lines = ["Source: " + source_line((path, payload)), "",
+             f"B {args['batch']}, history N {args['length']}, {args['items']} items, dim {args['dim']}, attention "
+             f"unit {args['att_hidden']}, top MLP {args['top_hidden']}, fill {args['fill']} "
+             f"({first['valid_tokens']:.0f} valid history items of {first['tokens']} on average). Step = forward "
+             "(bf16 autocast) + backward, CUDA events, median; GPU ms = summed kernel time of a step "
+             "(torch.profiler). Ratios against torch.compile in the same mode (`-cudagraphs`: "
+             "mode=\"reduce-overhead\"). explain per form: "
+             + "; ".join(f"{r['form']}: " + ", ".join(f"{k} {v}" for k, v in r["explain"].items())
+                         for r in payload["rows"]) + ".", ""]
+    lines += table(["form", "method", "ms / step", "x torch.compile", "GPU ms / step", "peak GiB", "first loss"],
+                   rows)
+    return "\n".join(lines)
+
+
 OP_HOST_TIME_FILES = ["op_host_time-20261202-024518.json", "op_host_time-20261202-025630.json"]
 """Before (6ba9ad2) and after (b67ea93) the op host-time cuts: CUDA kernels at the dispatcher's CUDA key
 (opkit.cuda_kernel) and direct launches of seen specializations (common/tuned_launch.py)."""
