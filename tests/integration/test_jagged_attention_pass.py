@@ -396,21 +396,26 @@ class PerHeadMaskMHA(nn.Module):
             mask = dropped.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)
         elif self.spelling == "repeat_interleave":
             mask = dropped.repeat_interleave(H, dim=0)
+        elif self.spelling == "negated_after_tiling":  # FuxiCTR DMIN's get_mask: ~ after the tiling, read back
+            keep = ~dropped.unsqueeze(1).repeat(1, H, 1, 1).flatten(end_dim=1)
+            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
         else:
             mask = dropped.repeat(H, 1, 1)
         return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
 
 
-@pytest.mark.parametrize("spelling", ["flatten", "repeat_interleave", "repeat", "shared_expand", "shared_window"])
+@pytest.mark.parametrize("spelling", ["flatten", "repeat_interleave", "repeat", "shared_expand", "shared_window",
+                                      "negated_after_tiling"])
 def test_multihead_attention_with_a_mask_repeated_over_the_heads(spelling):
     torch.manual_seed(0)
     model = PerHeadMaskMHA(spelling)
     x = torch.randn(B, L, H * D, requires_grad=True)
     lengths = torch.tensor([L, 5, 1, 9])
     report = explain(model, x, lengths)
-    if spelling in ("repeat", "shared_window"):
+    if spelling in ("repeat", "shared_window", "negated_after_tiling"):
         assert report.counts["jagged_attention"] == report.counts["block_attention"] == 0
-        expected = "not a per-sample mask repeated" if spelling == "repeat" else "not MultiheadAttention"
+        expected = {"repeat": "not a per-sample mask repeated", "shared_window": "not MultiheadAttention",
+                    "negated_after_tiling": "apply the op before tiling"}[spelling]
         assert any(expected in r.reason for r in report.refusals), [r.reason for r in report.refusals]
         return
     assert report.counts["jagged_attention"] == 1, [r.reason for r in report.refusals]

@@ -88,14 +88,30 @@ def split_per_head_mask(mask: fx.Node, heads: int) -> tuple[fx.Node, dict[int, i
         dim = mask.kwargs.get("dim", mask.args[2] if len(mask.args) > 2 else None)
         if repeats == heads and dim == 0:
             return source, {0: 0, 1: 1, 2: 3}  # right-aligned dims: (B, L, S) -> b, i, j of the scores
-    tiled = source if is_call(source, "flatten", "view", "reshape", "repeat_interleave") else None
-    if tiled is not None and example_value(tiled).shape == example_value(mask).shape:  # ~tiled, 1 - tiled.float()
+    tiled = _tiling_before(mask)
+    if tiled is not None:  # ~tiled, 1 - tiled.float(), ~(~tiled), zeros.masked_fill(~tiled, -inf)
         raise Unproven(f"MultiheadAttention's per-head (3-D) attn_mask is `{target_name(mask)}` ({mask.name}) of "
                        f"the mask tiled over the heads ({tiled.name}): only the tiling itself is read per sample "
                        "(apply the op before tiling)")
     raise Unproven("MultiheadAttention with a per-head (3-D) attn_mask that is not a per-sample mask "
                    "repeated over the heads (flatten of (B, H, L, S), or repeat_interleave(H, dim=0)) or one "
                    "mask for all (expand or repeat of a (1, L, S) or (L, S) mask)")
+
+
+def _tiling_before(mask: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The tiling over the heads (flatten / view / reshape / repeat_interleave) that ``mask`` is computed from
+    by ops of its own shape (an invert, a cast, a fill: FuxiCTR DMIN's ``get_mask`` negates after tiling),
+    for explain's advice; None when there is none within ``depth`` ops."""
+    shape = example_value(mask).shape
+    node = mask
+    for _ in range(depth):
+        inputs = [a for a in node.all_input_nodes if getattr(example_value(a), "shape", None) == shape]
+        if not inputs:
+            return None
+        node = inputs[-1]  # (a fill's mask operand comes after the tensor it fills)
+        if is_call(node, "flatten", "view", "reshape", "repeat_interleave"):
+            return node
+    return None
 
 
 def match_mha(node: fx.Node) -> AttentionSite:
