@@ -17,8 +17,11 @@ rows are exactly the rows the loss does not ignore, so sums, the mean's count an
 ``reduction="none"``, the zeros of the ignored rows are the loss's own. With token buckets the slack rows
 get the label k, so the loss ignores them too.
 
-Not covered (the loss then reads every row, as before): a loss reading the logits in another layout
-(``logits.transpose(1, 2)`` against (B, N) labels), probabilities as targets, the deprecated
+The classes may also be the loss's dim 1, ``F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=k)``
+(or ``permute(0, 2, 1)``) against (B, N) labels: the same rows, the same rewrite; ``reduction="none"`` then
+gives the (B, N) losses.
+
+Not covered (the loss then reads every row, as before): probabilities as targets, the deprecated
 ``size_average`` / ``reduce`` arguments, an ignore_index that is not a constant.
 """
 
@@ -56,6 +59,8 @@ class LabelLoss:
     reduction: str
     mask: fx.Node
     """The inserted ``labels != ignore_index`` (B, N) node: the row mask of the rows the loss reads."""
+    classes_dim_one: bool = False
+    """The loss reads x as (B, V, N) (``x.transpose(1, 2)``) against (B, N) labels, not flattened."""
 
 
 def _flattened(node, rank: int) -> fx.Node | None:
@@ -70,6 +75,21 @@ def _flattened(node, rank: int) -> fx.Node | None:
     if not known(out[0] == shape[0] * shape[1]) or not all(same_size(a, b) for a, b in zip(out[1:], shape[2:])):
         return None
     return x
+
+
+def _classes_moved(node) -> fx.Node | None:
+    """x when ``node`` is a (B, N, V) x with its classes moved to dim 1: ``x.transpose(1, 2)``,
+    ``x.transpose(-1, 1)``, ``x.permute(0, 2, 1)``."""
+    if not isinstance(node, fx.Node) or not node.args or node.kwargs or len(shape_of(node.args[0]) or ()) != 3:
+        return None
+    name, dims = target_name(node), node.args[1:]
+    if name == "permute" and len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = tuple(dims[0])
+    if not all(type(d) is int for d in dims):
+        return None
+    dims = tuple(d % 3 for d in dims)
+    moved = name == "transpose" and sorted(dims) == [1, 2] or name == "permute" and dims == (0, 2, 1)
+    return node.args[0] if moved else None
 
 
 def _arguments(node: fx.Node) -> dict | None:
@@ -98,6 +118,9 @@ def insert_label_masks(graph: fx.Graph) -> dict[fx.Node, LabelLoss]:
             continue
         flat, target = args["input"], args["target"]
         x, labels = _flattened(flat, 3), _flattened(target, 2)
+        moved = x is None and len(shape_of(target) or ()) == 2
+        if moved:  # (B, V, N) logits against (B, N) labels
+            x, labels = _classes_moved(flat), target
         value = example_value(labels) if labels is not None else None
         if x is None or value is None or value.dtype != torch.int64 or flat in found or \
                 not (same_size(shape_of(x)[0], value.shape[0]) and same_size(shape_of(x)[1], value.shape[1])):
@@ -107,7 +130,7 @@ def insert_label_masks(graph: fx.Graph) -> dict[fx.Node, LabelLoss]:
         emit = Emitter(graph)
         with graph.inserting_before(node):
             mask = emit.call(torch.ne, (labels, ignore))
-        found[flat] = LabelLoss(node, flat, labels, ignore, reduction, mask)
+        found[flat] = LabelLoss(node, flat, labels, ignore, reduction, mask, moved)
     return found
 
 
@@ -147,12 +170,13 @@ def _replace(emit: Emitter, loss: LabelLoss, packed: fx.Node, index: RegionIndex
     args = _arguments(loss.loss)
     args.update(input=packed, target=labels)
     out = emit.call(loss.loss.target, (), args)
-    if loss.reduction == "none":  # (B * N,) with the ignored rows' zeros, as the loss writes them
+    if loss.reduction == "none":  # (B * N,) or (B, N) with the ignored rows' zeros, as the loss writes them
         zeros = emit.call(aten.new_zeros.default, (out, [batch + 1 if buckets else batch, index.seq]))
         out = emit.call(aten.index_put.default, (zeros, [index.batch_index, index.seq_index], out))
         if buckets:
             out = emit.call(aten.slice.Tensor, (out, 0, 0, batch))
-        out = emit.call(aten.reshape.default, (out, [-1]))
+        if not loss.classes_dim_one:
+            out = emit.call(aten.reshape.default, (out, [-1]))
     copy_source_meta(loss.loss, out)
     loss.loss.replace_all_uses_with(out)
     inputs = loss.loss.all_input_nodes

@@ -22,7 +22,8 @@ DEV = "cuda"
 
 
 @pytest.mark.parametrize("buckets", [0, 3])
-@pytest.mark.parametrize("name", ["module", "none_over_the_count", "nll_of_log_softmax", "class_weights"])
+@pytest.mark.parametrize("name", ["module", "none_over_the_count", "nll_of_log_softmax", "class_weights",
+                                  "logits_permuted_none"])
 def test_a_loss_on_the_labels_rows_matches_eager(name, buckets):
     torch._dynamo.reset()
     loss, ignore = LOSSES[name]

@@ -5,7 +5,8 @@ reads only the rows whose label is not k: the region that computes the logits pa
 and the loss reads the packed rows. Matches, as model code writes them: the loss module, the functional
 form with reshape / flatten, each reduction, label smoothing, class weights, nll_loss of log_softmax, with
 exact token counts and with token buckets. Near-misses keep the loss on every row: the flattened logits
-read by an accuracy too, the logits transposed to (B, V, N). Every model: outputs and gradients equal
+read by an accuracy too, seq-first (N, B, V) logits permuted to (B, V, N). The classes may be dim 1: ``logits.transpose(1,
+2)`` against (B, N) labels. Every model: outputs and gradients equal
 eager's, for a batch with an empty, a full and a one-token sequence.
 
 Compiled with the pre-grad passes and aot_eager (the same rewritten graph and ops, no C++ compile)."""
@@ -45,12 +46,18 @@ LOSSES = {  # name: (loss of (logits (B, N, V), labels (B, N), class weights), i
     "class_weights": (lambda x, y, w: F.cross_entropy(x.view(-1, V), y.view(-1), weight=w, ignore_index=0), 0),
     "nll_of_log_softmax": (lambda x, y, w: F.nll_loss(F.log_softmax(x, dim=-1).view(-1, V), y.view(-1),
                                                       ignore_index=-100), -100),
+    # the classes at dim 1, (B, V, N) against (B, N) labels
+    "logits_transposed": (lambda x, y, w: F.cross_entropy(x.transpose(1, 2), y, ignore_index=0), 0),
+    "logits_permuted_none": (lambda x, y, w: (F.cross_entropy(x.permute(0, 2, 1), y, ignore_index=0,
+                                                              reduction="none") * torch.arange(1, N + 1)).sum(), 0),
 }
 NEAR_MISSES = {
     "flat_logits_read_by_an_accuracy": (lambda x, y, w: F.cross_entropy(f := x.view(-1, V), y.view(-1),
                                                                         ignore_index=0)
                                         + 0.0 * (f.argmax(-1) == y.view(-1)).float().mean(), 0),
-    "logits_transposed": (lambda x, y, w: F.cross_entropy(x.transpose(1, 2), y, ignore_index=0), 0),
+    # (seq-first (N, B, V) logits permuted to (B, V, N): not the form of a transpose of (B, N, V) rows)
+    "seq_first_logits_permuted": (lambda x, y, w: F.cross_entropy(x.transpose(0, 1).contiguous().permute(1, 2, 0),
+                                                                  y, ignore_index=0), 0),
 }
 
 
