@@ -315,17 +315,23 @@ def _constant_read(evaluator: MaskEvaluator, read: sympy.Expr) -> int | None:
     leaf = evaluator.data.get(type(read).__name__)
     node = leaf.node if leaf is not None else None
     if node is None or target_name(node) not in ("cat", "concat") or len(read.args) != 2 or \
-            not read.args[1].is_Integer or not node.args or not isinstance(node.args[0], (list, tuple)):
+            read.args[1].free_symbols & {index_symbol(k) for k in range(4)} or not node.args or \
+            not isinstance(node.args[0], (list, tuple)):
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(dim, int) or dim % 2 != 1:
         return None
-    position, start = int(read.args[1]), 0
+    position, start = read.args[1], sympy.Integer(0)  # (symbolic under dynamic shapes: N - 1 is s0 + 1 - 1)
     for part in node.args[0]:
         size = shape_of(part)[1] if isinstance(part, fx.Node) and shape_of(part) is not None else None
-        if not isinstance(size, int):
+        size = size.node.expr if isinstance(size, torch.SymInt) else size
+        if not isinstance(size, (int, sympy.Expr)):
             return None
-        if start <= position < start + size:
+        after_start, before_end = sympy.expand(position - start), sympy.expand(start + size - position)
+        inside = after_start.is_nonnegative and before_end.is_positive  # (sizes' symbols are positive integers)
+        if not inside and not (after_start.is_negative or before_end.is_nonpositive):
+            return None  # (undecided: a position not fixed relative to this part)
+        if inside:
             try:
                 value = MaskEvaluator().tensor(part)
             except Unproven:

@@ -195,3 +195,15 @@ def test_a_read_of_a_position_some_sample_pads_keeps_the_encoder_padded(name):
     model = AppendedTarget(READS_OF_OTHER_POSITIONS[name])
     assert _unpad(model, *_history(), config=_config(0)) == []
     assert_compiled_matches_eager(model, *_history(), config=_config(0))
+
+
+def test_a_read_of_the_appended_target_packs_under_a_symbolic_length():
+    """The history's length symbolic (Dynamo's recompile once batches differ in length): the target's position
+    is N - 1 = s0 and the mask's constant part starts at s0, decided by the sizes' expressions."""
+    torch.manual_seed(0)
+    model = AppendedTarget(READS_OF_KEPT_POSITIONS["last"], transformer=False)
+    hist, target = _history()
+    torch._dynamo.mark_dynamic(hist, 1)
+    metrics = _unpad(model, hist, target, config=_config(0))
+    assert len(metrics) == 1 and metrics[0]["gemms"] == 3, metrics
+    assert_compiled_matches_eager(model, hist, target, config=_config(0))
