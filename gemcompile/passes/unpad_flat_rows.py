@@ -113,9 +113,10 @@ def unflatten_token_rows(graph: fx.Graph, row_dims: list[tuple]) -> int:
         source = _flattened(node, row_dims)
         if source is None or in_place_update(node) is not None:
             continue
-        moved += _unflatten_chain(graph, node, source, row_dims)
-    if moved:
-        forget_mutations(graph)
+        count = _unflatten_chain(graph, node, source, row_dims)
+        if count:
+            forget_mutations(graph)  # (the alias index of the graph's in-place updates: rebuilt for the next chain)
+        moved += count
     return moved
 
 
@@ -140,6 +141,7 @@ def _unflatten_chain(graph: fx.Graph, view: fx.Node, source: fx.Node, row_dims: 
     ops = [n for n in rows if n is not view]
     if not ops:
         return 0
+    replaced = []  # the views back to (B, N, ...) rows, read through the row form instead
     for flat in ops:  # readers outside the chain read the rows back through a view (the source's own view stays)
         row_form = rows[flat]
         for user in [u for u in flat.users if u not in rows]:
@@ -148,10 +150,11 @@ def _unflatten_chain(graph: fx.Graph, view: fx.Node, source: fx.Node, row_dims: 
                     back = graph.call_method("reshape", (row_form, *user.args[1:]))
                     back.meta.update(user.meta)
                     user.replace_all_uses_with(back)
+                    replaced.append(user)
                     continue
                 back = graph.call_method("flatten", (row_form, 0, 1))
                 back.meta.update(flat.meta)
             user.replace_input_with(flat, back)
-    erase_dead([*reversed(ops), view])
+    erase_dead([*replaced, *reversed(ops), view])
     return len(ops)
 
