@@ -274,6 +274,41 @@ def test_integer_mask_read_as_zero_one_packs_under_its_check():
         compiled(torch.randn(B, L, E), torch.randint(0, 3, (B, L), generator=g) + 1)
 
 
+class AugmentedView(nn.Module):
+    """A crop / item-masking view as contrastive sequence models write it: the ids times a per-position or
+    per-item 0/1 integer (``keep``), then ``!= 0`` as the token mask. The ids are item ids (any integer),
+    not a 0/1 mask: reading them as one stopped the run with the 0/1 check's message."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x, ids, drop):
+        valid = (ids * self.keep(ids, drop)) != 0
+        return (self.lin(x) * valid[..., None]).sum(1)
+
+
+KEEPS = {
+    "crop_positions_long": lambda ids, drop: (torch.arange(ids.shape[1]) >= 2).long(),
+    "bool_data": lambda ids, drop: ~drop,
+    "bool_data_long": lambda ids, drop: (~drop).long(),
+}
+
+
+@pytest.mark.parametrize("name", list(KEEPS))
+def test_ids_times_a_zero_one_keep_are_ids_not_a_mask(name):
+    model = AugmentedView(KEEPS[name])
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([2, L, 5, 0])
+    ids = torch.randint(1, ITEMS, (B, L), generator=g) * (torch.arange(L)[None] < lengths[:, None])
+    inputs = (torch.randn(B, L, E), ids, torch.rand(B, L, generator=g) < 0.3)
+    report = explain(model, *inputs)
+    assert report.counts["unpad"] == 1, _reasons(report)
+    compiled, _ = _compiled(model)
+    _assert_eager(model, compiled, inputs)
+
+
 def test_row_masks_are_not_searched_for_hstu_visibilities(monkeypatch):
     """A row mask (B, N) never is one of HSTU's pairwise visibilities, which no length mask takes: unpad's
     candidates skip that search (seconds each: HF LongT5's transient-global encoder compiled in ~400 s)."""

@@ -533,7 +533,9 @@ class MaskEvaluator:
         return IntTensor(ndim, x)
 
     def _int_expr(self, x) -> sympy.Expr:
-        v = self.evaluate(x)
+        return self._as_int_expr(self.evaluate(x))
+
+    def _as_int_expr(self, v) -> sympy.Expr:
         if isinstance(v, IntTensor):
             return v.expr
         if isinstance(v, sympy.Expr) and v.is_integer:
@@ -633,10 +635,11 @@ class MaskEvaluator:
 
     def _arith(self, op, a, b, ndim: int, value: torch.Tensor) -> Abstract:
         va, vb = self.evaluate(a), self.evaluate(b)
-        if value.dtype in _INT_DTYPES and all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)):
+        if value.dtype in _INT_DTYPES and (all(isinstance(v, (IntTensor, sympy.Expr)) for v in (va, vb)) or
+                                           any(isinstance(v, IntTensor) for v in (va, vb))):
+            # (ids * keep.long(): an integer, not a 0/1 mask; keep's pieces become a Select)
             check_no_wrap(value.dtype)  # int8 16 + 120 is -120: the prover's integers do not wrap
-            ea = va.expr if isinstance(va, IntTensor) else va
-            eb = vb.expr if isinstance(vb, IntTensor) else vb
+            ea, eb = self._as_int_expr(va), self._as_int_expr(vb)
             if ndim == 1 and (self._from_fallback(ea) or self._from_fallback(eb) or _shifted_reads(ea - eb)):
                 # lengths = offsets[1:] - offsets[:-1]: one per-sample integer, not two unknowns
                 raise Unproven("integer arithmetic on a tensor the prover reads as data")
