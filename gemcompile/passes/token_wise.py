@@ -232,6 +232,10 @@ def classify(node: fx.Node, batch, seq) -> TokenWise | None:
         return None  # a second row operand in a structural op (e.g. x @ y of two sequences)
     if name == "linear":  # over a feature dim: on (B, N) it would contract the tokens
         return TokenWise(node, "structural", (first,), _same) if rank >= 3 else None
+    if name == "matmul":  # x @ W by a weight of at most 2 dims (UniSRec's MoE gate x @ self.w_gate): per token
+        weight = node.args[1] if len(node.args) == 2 and not node.kwargs else None
+        return TokenWise(node, "structural", (first,), _same) \
+            if rank >= 3 and weight in others and 1 <= len(shape_of(weight) or ()) <= 2 else None
     if name in NORMS:
         shape = node_argument(node, 1, "normalized_shape")
         n = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list)) else None
@@ -286,6 +290,8 @@ def zero_preserving(tw: TokenWise, zero: Callable[[Any], bool], is_mask: Callabl
     if name == "linear":
         bias = node_argument(tw.node, 2, "bias")
         return bias is None and zero(tw.node.args[0])
+    if name == "matmul":
+        return zero(tw.node.args[0])
     if name == "cat":
         return all(zero(r) for r in tw.rows)
     return False

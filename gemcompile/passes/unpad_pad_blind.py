@@ -176,8 +176,8 @@ class PadAnalysis:
             return True  # (masked max pooling: ``h.masked_fill(~valid[..., None], -inf).amax(1)``)
         if rows == (0, 1) and (loss := loss_reading(self.losses, user, node)) is not None:
             return self.is_mask(loss.mask)  # (cross_entropy(x.view(-1, V), labels.view(-1), ignore_index=k))
-        if name in CONTRACTIONS:
-            return contraction_blind(self, user, node, rows)
+        if name in CONTRACTIONS and contraction_blind(self, user, node, rows):
+            return True  # (else a token-wise x @ W, below)
         if rows == (0, 1) and self._kept_positions_read(user, node, shape):
             return True  # (BST's target appended after the history, read alone: out[:, -1])
         if name in ("select", "unbind") and user.args[0] is node or \

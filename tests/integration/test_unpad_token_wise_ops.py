@@ -42,7 +42,12 @@ OPS = {
     "tensor_split_indices": (lambda h: torch.cat(torch.tensor_split(h, (2, 6), dim=-1)[::-1], -1), "getitem"),
     "unbind_heads": (lambda h: (lambda a, b: torch.cat([a * b, a - b], -1))(*h.unflatten(-1, (2, 4)).unbind(2)),
                      "getitem"),
+    # x @ W by a weight of its own (UniSRec's MoE gate ``x @ self.w_gate``) beside another reader of x
+    "matmul_by_a_weight": (lambda h: torch.cat([h[..., :5], h @ torch.linspace(-1, 1, D * 3).view(D, 3)], -1),
+                           "matmul"),
+    "matmul_by_a_vector": (lambda h: h * (h @ torch.linspace(-1, 1, D))[..., None], "matmul"),
     # mixing tokens: must stay out of the packed region, result still exact
+    "matmul_over_tokens": (lambda h: (h.transpose(1, 2) @ h).sum(1, keepdim=True).expand(-1, N, -1), "-matmul"),
     "split_over_tokens": (lambda h: torch.cat(h.split([3, 4], dim=1)[::-1], dim=1), "-getitem"),
     "cumsum_over_tokens": (lambda h: torch.cumsum(h, dim=1), "-cumsum"),
     "mean_over_tokens": (lambda h: h - h.mean(1, keepdim=True), "-mean"),
