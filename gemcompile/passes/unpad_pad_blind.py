@@ -74,6 +74,34 @@ def _aligned(product: fx.Node, factor: Any) -> bool:
         same_size(shape[0], out[0]) and same_size(shape[1], out[1])
 
 
+def _indexed_rows(index, rows: tuple[int, int], rank: int) -> tuple[int, int] | None:
+    """Where the batch and token dims at ``rows`` of a rank-``rank`` tensor go in ``x[index]`` when the index
+    keeps both whole: full slices there, None (a new dim) or ints (a dim dropped) elsewhere, an Ellipsis for
+    the dims it skips; None for any other index."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if consumed > rank:
+        return None
+    where, dim, out = {}, 0, 0
+    for i in index:
+        if i is Ellipsis:
+            for _ in range(rank - consumed):
+                where[dim], dim, out = out, dim + 1, out + 1
+        elif i is None:
+            out += 1
+        elif i == slice(None):
+            where[dim], dim, out = out, dim + 1, out + 1
+        elif type(i) is int and dim not in rows:
+            dim += 1
+        else:
+            return None
+    for rest in range(dim, rank):
+        where[rest], out = out, out + 1
+    return (where[rows[0]], where[rows[1]]) if rows[0] in where and rows[1] in where else None
+
+
 _MOST_POSITIONS = 64
 """The most token positions a constant slice may read for ``_constant_positions`` to list them."""
 
@@ -180,6 +208,9 @@ class PadAnalysis:
             return True  # (else a token-wise x @ W, below)
         if rows == (0, 1) and self._kept_positions_read(user, node, shape):
             return True  # (BST's target appended after the history, read alone: out[:, -1])
+        if name == "getitem" and user.args[0] is node and (moved := _indexed_rows(user.args[1], rows, rank)) \
+                is not None and moved != rows:
+            return self.blind(user, moved)  # (x[:, None] adds a head dim: single-head SDPA's q[:, None], o[:, 0])
         if name in ("select", "unbind") and user.args[0] is node or \
                 name == "getitem" and user.args[0] is node and type(user.args[1]) is int:
             return self._piece_blind(user, rows, rank, name)

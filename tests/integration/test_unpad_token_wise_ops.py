@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemcompile import explain, gem_compile
+from tests.rewritten import unpad_gemms_matching_eager
 
 B, N, D = 3, 7, 8
 LENGTHS = torch.tensor([7, 0, 4])
@@ -438,3 +439,36 @@ def _check_dropout_on_packed_rows(in_place, compile_fn=None, device="cpu", atol=
     torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4)
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, atol=atol, rtol=1e-4)
+
+
+class SingleHeadAttention(nn.Module):
+    """Single-head SDPA with the head dim added by ``add`` and dropped by ``drop`` (``q[:, None]`` and
+    ``o[:, 0]``, or unsqueeze / squeeze), the output projection zeroed at the padding and summed."""
+
+    def __init__(self, add, drop):
+        super().__init__()
+        self.add, self.drop = add, drop
+        self.q, self.k, self.v = nn.Linear(5, 16), nn.Linear(5, 16), nn.Linear(5, 16)
+        self.o = nn.Linear(16, 16)
+
+    def forward(self, x, lengths):
+        valid = torch.arange(N)[None, :] < lengths[:, None]
+        q, k, v = (self.add(p(x)) for p in (self.q, self.k, self.v))
+        h = self.drop(F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :]))
+        return (self.o(h) * valid[..., None]).sum(1)
+
+
+HEAD_DIM_SPELLINGS = {
+    "index_none_and_zero": (lambda t: t[:, None], lambda t: t[:, 0]),
+    "index_with_ellipsis": (lambda t: t[:, None, ...], lambda t: t[:, 0, :, :]),
+    "unsqueeze_squeeze": (lambda t: t.unsqueeze(1), lambda t: t.squeeze(1)),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_DIM_SPELLINGS))
+def test_a_head_dim_added_by_indexing_keeps_the_projections_packed(name):
+    torch.manual_seed(0)
+    model = SingleHeadAttention(*HEAD_DIM_SPELLINGS[name])
+    lengths = torch.tensor([7, 1, 4])  # (eager's SDPA gives NaN for an empty row: no empty sequence here)
+    assert sum(unpad_gemms_matching_eager(model, torch.randn(B, N, 5), lengths)) == 4
+    assert not [r for r in explain(model, torch.randn(B, N, 5), lengths).refusals if r.pass_name == "unpad"]
