@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,10 +38,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, results_path, rewrite_results  # noqa: E402
+from harness import environment, format_table, results_path  # noqa: E402
+from train_step_methods import add_step_arguments, autocast_step, measure_methods, record_explain  # noqa: E402
 
-from gemcompile import explain, gem_compile  # noqa: E402
-from gemcompile.runtime.training.kernel_time import kernel_profile  # noqa: E402
+from gemcompile import gem_compile  # noqa: E402
 
 
 def _mlp(widths: list[int]) -> nn.Sequential:
@@ -88,64 +87,6 @@ def _batch(args, g: torch.Generator, device):
     return target.to(device), history.to(device), labels.to(device), int(valid.sum())
 
 
-def _compiled(model, method: str):
-    mode = "reduce-overhead" if method.endswith("-cudagraphs") else None
-    return torch.compile(model, mode=mode) if method.startswith("inductor") else gem_compile(model, mode=mode)
-
-
-def _step(fn, model, batch, device):
-    for p in model.parameters():
-        p.grad = None
-    torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees; a no-op otherwise
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss = fn(*batch[:3])
-    loss.backward()
-    return loss
-
-
-def _time(fn, model, batches, args, device) -> tuple[float, float]:
-    first = float(_step(fn, model, batches[0], device).detach())
-    for i in range(args.warmup):
-        _step(fn, model, batches[i % len(batches)], device)
-    times = []
-    for i in range(args.steps):
-        batch = batches[i % len(batches)]
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _step(fn, model, batch, device)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            _step(fn, model, batch, device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), first
-
-
-def _measure(row: dict, model, batches, args, device, path, payload) -> None:
-    for method in args.methods.split(","):
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        fn = _compiled(model, method)
-        t0 = time.perf_counter()
-        _step(fn, model, batches[0], device)
-        row[f"{method}_compile_s"] = time.perf_counter() - t0
-        row[f"{method}_ms"], row[f"{method}_first_loss"] = _time(fn, model, batches, args, device)
-        profiled = kernel_profile(lambda b: _step(fn, model, b, device), batches, steps=3, top=8)
-        if profiled is not None:
-            row[f"{method}_kernel_ms"] = profiled.ms_per_step
-            row[f"{method}_profile"] = profiled.as_json()
-        if device.type == "cuda":
-            row[f"{method}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        peer = "inductor-cudagraphs" if method.endswith("-cudagraphs") else "inductor"
-        if f"{peer}_ms" in row and not method.startswith("inductor"):  # (each mode against inductor's)
-            row[f"speedup_{method}_vs_inductor"] = row[f"{peer}_ms"] / row[f"{method}_ms"]
-        rewrite_results(path, payload)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=2048)
@@ -156,11 +97,7 @@ def main() -> None:
     p.add_argument("--top-hidden", default="200,80")
     p.add_argument("--fill", type=float, default=0.3)
     p.add_argument("--forms", default="flat,transposed")
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--methods", default="inductor,gem,inductor-cudagraphs,gem-cudagraphs")
-    p.add_argument("--out", default=None)
+    add_step_arguments(p, methods="inductor,gem,inductor-cudagraphs,gem-cudagraphs")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = results_path("din_pooling", args.out)
@@ -174,10 +111,10 @@ def main() -> None:
         payload["rows"].append(row)
         torch.manual_seed(0)
         model = Din(args.items, args.dim, widths(args.att_hidden), widths(args.top_hidden), form).to(device)
-        report = explain(model, *batches[0][:3])
-        row["explain"] = {k: v for k, v in report.counts.items() if v}
-        row["explain_refusals"] = [f"{r.pass_name}: {r.reason}" for r in report.refusals]
-        _measure(row, model, batches, args, device, path, payload)
+        record_explain(row, model, *batches[0][:3])
+        measure_methods(row, args.methods.split(","), lambda m, method, mode: gem_compile(m, mode=mode), model,
+                        lambda fn, batch: autocast_step(fn, model, batch[:3], device), batches, args, device, path,
+                        payload)
     methods = args.methods.split(",")
     columns = [("form", "form", "s"), ("valid_tokens", "valid of B x N", ".0f")] + [
         (f"{m}_ms", f"{m} ms", ".2f") for m in methods] + [

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,10 +38,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, results_path, rewrite_results  # noqa: E402
+from harness import environment, format_table, results_path  # noqa: E402
+from train_step_methods import add_step_arguments, autocast_step, measure_methods, record_explain  # noqa: E402
 
-from gemcompile import GemConfig, explain, gem_compile  # noqa: E402
-from gemcompile.runtime.training.kernel_time import kernel_profile  # noqa: E402
+from gemcompile import GemConfig, gem_compile  # noqa: E402
 
 
 class Block(nn.Module):
@@ -95,43 +94,9 @@ def _batch(args, g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor
     return ids.to(device), labels.to(device), int(masked.sum())
 
 
-def _compiled(model, method: str):
-    mode = "reduce-overhead" if method.endswith("-cudagraphs") else None
-    if method.startswith("inductor"):
-        return torch.compile(model, mode=mode)
+def _compiled(model, method: str, mode: str | None):
     config = GemConfig(unpad={"packed_losses": not method.startswith("gem-losses-padded")})
     return gem_compile(model, config=config, mode=mode)
-
-
-def _step(fn, model, ids, labels, device):
-    for p in model.parameters():
-        p.grad = None
-    torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees; a no-op otherwise
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss = fn(ids, labels)
-    loss.backward()
-    return loss
-
-
-def _time(fn, model, batches, args, device) -> tuple[float, float]:
-    first = float(_step(fn, model, *batches[0][:2], device).detach())
-    for i in range(args.warmup):
-        _step(fn, model, *batches[i % len(batches)][:2], device)
-    times = []
-    for i in range(args.steps):
-        ids, labels, _ = batches[i % len(batches)]
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _step(fn, model, ids, labels, device)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            _step(fn, model, ids, labels, device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), first
 
 
 def main() -> None:
@@ -145,11 +110,7 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--fill", type=float, default=0.5)
     p.add_argument("--mask-prob", type=float, default=0.2)
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--methods", default="inductor,gem,gem-losses-padded")
-    p.add_argument("--out", default=None)
+    add_step_arguments(p, methods="inductor,gem,gem-losses-padded")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = results_path("masked_item_loss", args.out)
@@ -160,28 +121,10 @@ def main() -> None:
     payload = {"environment": environment(), "args": vars(args), "rows": [row]}
     torch.manual_seed(0)
     model = MaskedItemModel(args.items, args.length, args.hidden, args.heads, args.layers, args.dropout).to(device)
-    report = explain(model, *batches[0][:2])
-    row["explain"] = {k: v for k, v in report.counts.items() if v}
-    row["explain_refusals"] = [f"{r.pass_name}: {r.reason}" for r in report.refusals]
-    for method in args.methods.split(","):
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        fn = _compiled(model, method)
-        t0 = time.perf_counter()
-        _step(fn, model, *batches[0][:2], device)
-        row[f"{method}_compile_s"] = time.perf_counter() - t0
-        row[f"{method}_ms"], row[f"{method}_first_loss"] = _time(fn, model, batches, args, device)
-        profiled = kernel_profile(lambda b: _step(fn, model, b[0], b[1], device), batches, steps=3, top=8)
-        if profiled is not None:
-            row[f"{method}_kernel_ms"] = profiled.ms_per_step
-            row[f"{method}_profile"] = profiled.as_json()
-        if device.type == "cuda":
-            row[f"{method}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        peer = "inductor-cudagraphs" if method.endswith("-cudagraphs") else "inductor"
-        if f"{peer}_ms" in row and not method.startswith("inductor"):  # (each mode against inductor's)
-            row[f"speedup_{method}_vs_inductor"] = row[f"{peer}_ms"] / row[f"{method}_ms"]
-        rewrite_results(path, payload)
+    record_explain(row, model, *batches[0][:2])
+    measure_methods(row, args.methods.split(","), _compiled, model,
+                    lambda fn, batch: autocast_step(fn, model, batch[:2], device), batches, args, device, path,
+                    payload)
     columns = [("tokens", "B x N", "d"), ("masked_positions", "masked", ".0f")] + [
         (f"{m}_ms", f"{m} ms", ".2f") for m in args.methods.split(",")] + [
         (f"speedup_{m}_vs_inductor", f"{m} x", ".2f") for m in args.methods.split(",") if not m.startswith("inductor")]
