@@ -169,7 +169,20 @@ def identity_causal_masked_fill_with_bias(q, k, v, n, x):
     return s.masked_fill(~keep, 0.0) @ v
 
 
+def silu_filled_before_the_activation(q, k, v, n, x):
+    """torch-rechub's HSTULayer: the dropped pairs filled with -1e4 before the SiLU (silu(-1e4) is exactly 0)."""
+    i = torch.arange(L)
+    keep = valid(n)[:, None, None, :] & (i[None, :] <= i[:, None])
+    return F.silu((q @ k.transpose(-2, -1)).masked_fill(~keep, -1e4)) / L @ v
+
+
+def gelu_filled_then_scaled(q, k, v, n, x):
+    """A fill, then a scale, then the GELU: it sees -5e3, and gelu(-5e3) is exactly 0."""
+    return F.gelu((q @ k.transpose(-2, -1)).masked_fill(~valid(n)[:, None, None, :], -1e4) * 0.5) / L @ v
+
+
 IDIOMS = {f.__name__: f for f in (
+    silu_filled_before_the_activation, gelu_filled_then_scaled,
     identity_linear_attention, identity_causal_masked_fill_with_bias,
     hstu_targets, hstu_contextual, hstu_contextual_one, hstu_targets_and_contextual, hstu_bidirectional, hstu_bidirectional_window,
     hstu_silu_causal, gelu_key_padding_float_mask, gelu_tanh_masked_fill, relu_squared_where,
@@ -313,8 +326,24 @@ def miss_mask_on_heads(q, k, v, n, x):
     return (F.silu(q @ k.transpose(-2, -1)) * m) @ v
 
 
+def miss_fill_before_silu_minus_inf(q, k, v, n, x):
+    return F.silu((q @ k.transpose(-2, -1)).masked_fill(~valid(n)[:, None, None, :], float("-inf"))) @ v
+
+
+def miss_fill_before_silu_too_small(q, k, v, n, x):
+    return F.silu((q @ k.transpose(-2, -1)).masked_fill(~valid(n)[:, None, None, :], -10.0)) @ v  # -4.5e-4
+
+
+def miss_fill_then_a_bias_before_silu(q, k, v, n, x):
+    s = (q @ k.transpose(-2, -1)).masked_fill(~valid(n)[:, None, None, :], -1e4)
+    return F.silu(s + x["rab_table"]) @ v
+
+
 NEAR_MISSES = {
-    miss_mask_inside_the_activation: "not to a matmul with the values|between the scores and the activation",
+    miss_mask_inside_the_activation: "before the activation",
+    miss_fill_before_silu_minus_inf: "does not turn into 0",
+    miss_fill_before_silu_too_small: "not exactly 0",
+    miss_fill_then_a_bias_before_silu: "does not turn into 0",
     miss_mask_from_input: "mask reads the float input",
     miss_weighted_not_masked: "values other than 0 and 1",
     miss_block_diagonal: "not a combination of key padding",

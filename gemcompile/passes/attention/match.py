@@ -27,6 +27,7 @@ left alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gemcompile.passes.attention.activation_fills import fill_dropped
 from gemcompile.passes.attention.scores import (
     ADD, CASTS, DIV, MATMUL, MUL, PRODUCTS, RESHAPES, SCALE_OPS, SCORE_MAPS, SUB, check_plain_arithmetic,
     constant_float,
@@ -619,13 +621,14 @@ def match_pointwise(anchor: fx.Node, identity: bool = False) -> AttentionSite:
         raise Unproven("identity attention without a mask: two plain matmuls, nothing to rewrite")
     info: dict[str, Any] = {}
     values(forward["user"], forward["node"], info, "the activated scores go")
-    ops = walk_to_scores(anchor if identity else anchor.args[0], matched, info, _pointwise_step, positive=False,
+    ops = walk_to_scores(anchor if identity else anchor.args[0], matched, info,
+                         functools.partial(_pointwise_step, activation=activation), positive=False,
                          what="the activation is not a scale, bias or cast")
-    scale, bias, _ = replay(ops)
+    scale, bias, filled = replay(ops)
     return _site(anchor, forward["user"], info, matched + [forward["user"]], scale=scale, bias=bias,
                  activation=activation, out_scale=forward["out_scale"], divisor=forward["divisor"],
                  divided_then_replaced=forward["replaced_after"],
-                 masks=forward["masks"], kind="pointwise", q_factor=tensor_factor(ops))
+                 masks=forward["masks"] + filled, kind="pointwise", q_factor=tensor_factor(ops))
 
 
 def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Node]) -> dict[str, Any]:
@@ -676,8 +679,12 @@ def _activated_to_values(anchor: fx.Node, act_out: fx.Node, matched: list[fx.Nod
         node = user
 
 
-def _pointwise_step(node: fx.Node, ops: list) -> fx.Node | None:
-    """The bias ops an activation's score chain may hold (walk_to_scores' step)."""
+def _pointwise_step(node: fx.Node, ops: list, activation: str = "identity") -> fx.Node | None:
+    """The bias ops and drop fills (activation_fills.py) an activation's score chain may hold (a step)."""
+    if is_call(node, "masked_fill") and len(node.args) == 3 and isinstance(node.args[1], fx.Node):
+        fill_dropped(node.args[2], ops, activation)
+        ops.append(("mask", MaskTerm(node.args[1], "drop")))
+        return node.args[0]
     if not is_call(node, *ADD, *SUB):
         return None
     a, b = node.args[:2]
