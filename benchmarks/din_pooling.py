@@ -38,8 +38,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, results_path  # noqa: E402
-from train_step_methods import add_step_arguments, autocast_step, measure_methods, record_explain  # noqa: E402
+from harness import format_table  # noqa: E402
+from train_step_methods import (add_step_arguments, autocast_step, measure_methods, prepare,  # noqa: E402
+                                record_explain)
 
 from gemcompile import gem_compile  # noqa: E402
 
@@ -98,12 +99,7 @@ def main() -> None:
     p.add_argument("--fill", type=float, default=0.3)
     p.add_argument("--forms", default="flat,transposed")
     add_step_arguments(p, methods="inductor,gem,inductor-cudagraphs,gem-cudagraphs")
-    args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = results_path("din_pooling", args.out)
-    g = torch.Generator().manual_seed(0)
-    batches = [_batch(args, g, device) for _ in range(args.batches)]
-    payload = {"environment": environment(), "args": vars(args), "rows": []}
+    args, device, path, batches, payload = prepare(p, "din_pooling", _batch)
     widths = lambda text: [int(w) for w in text.split(",")]  # noqa: E731
     for form in args.forms.split(","):
         row = {"form": form, "tokens": args.batch * args.length,

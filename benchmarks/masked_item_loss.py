@@ -38,8 +38,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
-from harness import environment, format_table, results_path  # noqa: E402
-from train_step_methods import add_step_arguments, autocast_step, measure_methods, record_explain  # noqa: E402
+from harness import format_table  # noqa: E402
+from train_step_methods import (add_step_arguments, autocast_step, measure_methods, prepare,  # noqa: E402
+                                record_explain)
 
 from gemcompile import GemConfig, gem_compile  # noqa: E402
 
@@ -111,14 +112,10 @@ def main() -> None:
     p.add_argument("--fill", type=float, default=0.5)
     p.add_argument("--mask-prob", type=float, default=0.2)
     add_step_arguments(p, methods="inductor,gem,gem-losses-padded")
-    args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = results_path("masked_item_loss", args.out)
-    g = torch.Generator().manual_seed(0)
-    batches = [_batch(args, g, device) for _ in range(args.batches)]
+    args, device, path, batches, payload = prepare(p, "masked_item_loss", _batch)
     row = {"tokens": args.batch * args.length,
            "masked_positions": statistics.mean(b[2] for b in batches)}
-    payload = {"environment": environment(), "args": vars(args), "rows": [row]}
+    payload["rows"].append(row)
     torch.manual_seed(0)
     model = MaskedItemModel(args.items, args.length, args.hidden, args.heads, args.layers, args.dropout).to(device)
     record_explain(row, model, *batches[0][:2])

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from harness import rewrite_results
+from harness import environment, results_path, rewrite_results
 
 from gemcompile import explain
 from gemcompile.runtime.training.kernel_time import kernel_profile
@@ -28,6 +28,17 @@ def add_step_arguments(parser, methods: str) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", default=methods)
     parser.add_argument("--out", default=None)
+
+
+def prepare(parser, name: str, make_batch: Callable) -> tuple:
+    """(args, device, results path, the batches, the JSON payload with no rows yet): the options parsed, the
+    GPU if there is one, ``--batches`` batches from ``make_batch(args, generator, device)`` seeded with 0."""
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [make_batch(args, g, device) for _ in range(args.batches)]
+    return args, device, results_path(name, args.out), batches, {"environment": environment(), "args": vars(args),
+                                                                  "rows": []}
 
 
 def record_explain(row: dict, model, *inputs) -> None:

@@ -91,7 +91,7 @@ def _indexed_rows(index, rows: tuple[int, int], rank: int) -> tuple[int, int] | 
                 where[dim], dim, out = out, dim + 1, out + 1
         elif i is None:
             out += 1
-        elif i == slice(None):
+        elif isinstance(i, slice) and i == slice(None):
             where[dim], dim, out = out, dim + 1, out + 1
         elif type(i) is int and dim not in rows:
             dim += 1
@@ -116,7 +116,7 @@ def _constant_positions(user: fx.Node, node: fx.Node, shape: tuple) -> list | No
     if name == "select" and len(user.args) == 3 and type(user.args[1]) is int and user.args[1] % len(shape) == 1:
         index = user.args[2]
     elif name == "getitem" and isinstance(user.args[1], tuple) and len(user.args[1]) >= 2 and \
-            user.args[1][0] == slice(None) and not any(isinstance(i, fx.Node) or i is None or i is Ellipsis
+            isinstance(user.args[1][0], slice) and user.args[1][0] == slice(None) and not any(isinstance(i, fx.Node) or i is None or i is Ellipsis
                                                        for i in user.args[1]):
         index = user.args[1][1]
     else:
