@@ -84,6 +84,7 @@ from gemcompile.passes.token_wise import (
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
 from gemcompile.passes.unpad_flat_rows import unflatten_token_rows
+from gemcompile.passes.unpad_transposed_rows import untranspose_token_rows
 from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
 from gemcompile.passes.unpad_masks import (
     RowFill,
@@ -302,8 +303,11 @@ class UnpadPass(GemPass):
             if self.options.packed_losses:  # (labels != ignore_index: masks no model node computes)
                 self._losses = insert_label_masks(graph)
             masks, near_misses, fills = find_row_masks(graph)
-            if masks and unflatten_token_rows(graph, [(m.batch, m.seq) for m in masks.values()]):
-                masks, near_misses, fills = find_row_masks(graph)  # (the flattened chains' nodes were replaced)
+            row_dims = [(m.batch, m.seq) for m in masks.values()]  # ops on (B*N, ...) or (B, F, N) rows, moved
+            flat, transposed = (unflatten_token_rows(graph, row_dims), untranspose_token_rows(graph, row_dims)) \
+                if row_dims else ((0, []), (0, []))  # (no row mask: no graph walk)
+            if flat[0] or transposed[0]:
+                masks, near_misses, fills = find_row_masks(graph)  # (onto (B, N, ...): their old nodes are gone)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
                 raise
@@ -312,7 +316,7 @@ class UnpadPass(GemPass):
             self.refused(next(iter(graph.nodes)), reason)
             remove_unused_label_masks(self._losses)
             return
-        for node, reason in near_misses:
+        for node, reason in [*near_misses, *flat[1], *transposed[1]]:  # (ops across laid-out rows)
             self.refused(node, reason)
         try:
             self._run_regions(graph, masks, fills)

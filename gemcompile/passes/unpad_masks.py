@@ -356,7 +356,7 @@ def _checks_of(node: fx.Node, shared: MaskEvaluator) -> tuple:
 
 
 _CASTS = {"float", "half", "bfloat16", "double", "long", "int", "bool", "to", "type", "type_as"}
-_TILES = {"expand", "expand_as", "broadcast_to", "repeat", "tile"}
+_TILES = {"expand", "expand_as", "broadcast_to", "repeat", "tile", "repeat_interleave"}
 
 
 def _tiled_rows(node: fx.Node) -> bool:

@@ -116,8 +116,8 @@ def _constant_positions(user: fx.Node, node: fx.Node, shape: tuple) -> list | No
     if name == "select" and len(user.args) == 3 and type(user.args[1]) is int and user.args[1] % len(shape) == 1:
         index = user.args[2]
     elif name == "getitem" and isinstance(user.args[1], tuple) and len(user.args[1]) >= 2 and \
-            isinstance(user.args[1][0], slice) and user.args[1][0] == slice(None) and not any(isinstance(i, fx.Node) or i is None or i is Ellipsis
-                                                       for i in user.args[1]):
+            isinstance(user.args[1][0], slice) and user.args[1][0] == slice(None) and \
+            not any(isinstance(i, fx.Node) or i is None or i is Ellipsis for i in user.args[1]):
         index = user.args[1][1]
     else:
         return None

@@ -1,5 +1,6 @@
 """packed_row_gather on CUDA against its reference (an empty packed tensor included), and the row reads of
-tests/integration/test_unpad_row_reads.py compiled on CUDA, with token buckets and CUDA graphs.
+tests/integration/test_unpad_row_reads.py compiled on CUDA, with token buckets and CUDA graphs (the last
+valid row, the recent rows, the target appended after the history and read alone).
 
 Run on the GPU machine:  python -m pytest -q tests/gpu/test_packed_row_gather_gpu.py
 """
@@ -12,9 +13,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gemcompile import GemConfig, gem_compile
+from gemcompile import GemConfig, explain, gem_compile
 from gemcompile.lowering.packed_row_gather import packed_row_gather, packed_row_gather_reference
-from tests.integration.test_unpad_row_reads import B, D, LENGTHS, N, Last, Recent
+from tests.compiled_vs_eager import assert_compiled_matches_eager
+from tests.integration.test_unpad_row_reads import (READS_OF_KEPT_POSITIONS, AppendedTarget, B, D, LENGTHS, N, Last,
+                                                   Recent, _history)
 
 
 @pytest.mark.parametrize("total", [0, 1, 300])
@@ -51,3 +54,17 @@ def test_row_reads_compiled_on_cuda(model_type, mode):
         want.square().sum().backward()
         got.square().sum().backward()
         torch.testing.assert_close(xc.grad, xe.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transformer", [False, True])
+def test_an_appended_target_read_alone_packs_the_encoder_on_cuda(transformer):
+    """BST's encoder (the target appended after the padded history, only ``out[:, -1]`` read) packed on CUDA."""
+    torch._dynamo.reset()
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(0)
+    model = AppendedTarget(READS_OF_KEPT_POSITIONS["last"], transformer).eval().cuda()
+    inputs = [t.cuda() for t in _history()]
+    config = GemConfig(unpad={"min_gemms": 1})
+    gemms = [r.metrics["gemms"] for r in explain(model, *inputs, config=config).rewrites if r.pass_name == "unpad"]
+    assert gemms == [4 if transformer else 3], gemms
+    assert_compiled_matches_eager(model, *inputs, atol=1e-4, config=config)

@@ -352,3 +352,53 @@ def test_projections_no_row_mask_anchors_are_said_to_run_padded():
     # the reason is the finite fill (not "no attention reads them only as keys": the rewritten one does)
     assert any("run on the padded rows too" in r and "a sample with none reads every key" in r and
                "Fill with -inf" in r for r in reasons), reasons
+
+
+class ClsTokensFloatMask(nn.Module):
+    """torch-rechub's InterFormer: the float mask ``(ids != 0).float()`` with float ones ``prepend``ed for the
+    CLS tokens (``torch.cat([torch.ones(B, k), mask], 1)``), the attention filled where it is 0, the FFN, and a
+    mean pooled by it. A cat of 0/1 masks holds 0 and 1 only: the encoder packs by it as by the bool cat."""
+
+    def __init__(self, prepend):
+        super().__init__()
+        self.prepend = prepend
+        self.emb = nn.Embedding(ITEMS, E, padding_idx=0)
+        self.cls = nn.Parameter(torch.randn(1, 2, E))
+        self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E, E)
+        self.ffn = nn.Sequential(nn.Linear(E, 2 * E), nn.ReLU(), nn.Linear(2 * E, E))
+
+    def forward(self, ids):
+        batch = ids.shape[0]
+        m = self.prepend((ids != 0).float(), batch)
+        x = torch.cat([self.cls.expand(batch, -1, -1), self.emb(ids)], 1)
+        q, k, v = self.qkv(x).view(batch, -1, 3, H, D).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(m[:, None, None, :] == 0, float("-inf"))
+        h = x + self.out((s.softmax(-1) @ v).transpose(1, 2).flatten(2))
+        h = h + self.ffn(h)
+        return (h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True)
+
+
+PREPENDS = {
+    "cat_ones": lambda m, b: torch.cat([torch.ones(b, 2), m], 1),
+    "cat_ones_like": lambda m, b: torch.cat([torch.ones_like(m[:, :2]), m], dim=1),
+    "concat_full_of_one": lambda m, b: torch.concat([torch.full((b, 2), 1.0), m], dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", list(PREPENDS))
+def test_a_float_mask_cat_with_ones_for_cls_tokens_packs(name):
+    torch.manual_seed(0)
+    model = ClsTokensFloatMask(PREPENDS[name])
+    ids = _ids("holes", torch.Generator().manual_seed(2))
+    report = explain(model, ids)
+    assert report.counts["unpad"] == 1 and report.counts["jagged_attention"] == 1, _reasons(report)
+    _assert_eager(model, _compiled(model)[0], (ids,))
+
+
+def test_a_float_mask_cat_with_a_weight_that_is_no_mask_stays_padded():
+    """Half weights prepended (0.5 is neither 0 nor 1): the cat is no 0/1 mask, the pooling is a weighted sum."""
+    torch.manual_seed(0)
+    model = ClsTokensFloatMask(lambda m, b: torch.cat([torch.full((b, 2), 0.5), m], 1))
+    ids = _ids("holes", torch.Generator().manual_seed(2))
+    assert explain(model, ids).counts["unpad"] == 0
+    _assert_eager(model, _compiled(model)[0], (ids,))

@@ -78,13 +78,14 @@ FLATTENS = {
 
 
 class FlatFfn(nn.Module):
-    """A LayerNorm / GELU FFN with dropout on flattened token rows, viewed back as (B, N, E) (``back``) or read
-    by the head flattened, then a residual and a masked mean; ``mixes`` is applied to the FFN's hidden rows
-    while flattened (identity, or an op across rows)."""
+    """A LayerNorm / GELU FFN with dropout on flattened token rows, viewed back as (B, N, E) (``back``) or
+    zeroed while flattened by ``zeroing`` and summed per sample, then a residual and a masked mean; ``mixes`` is
+    applied to the FFN's hidden rows while flattened (identity, or an op across rows)."""
 
-    def __init__(self, flatten, back=True, mixes=None):
+    def __init__(self, flatten, back=True, mixes=None, zeroing=None):
         super().__init__()
         self.flatten, self.back, self.mixes = flatten, back, mixes
+        self.zeroing = zeroing or (lambda h, valid, x: h * valid.view(-1, 1))
         self.emb = nn.Embedding(30, E)
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(E), nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
         self.drop = nn.Dropout(0.0)
@@ -98,7 +99,7 @@ class FlatFfn(nn.Module):
             h = self.mixes(h)
         h = self.drop(self.fc2(h)) * 0.5 + 1.0
         if not self.back:  # the flattened rows zeroed by the flattened mask, summed per sample
-            return (h * valid.view(-1, 1)).view(B, N, E).sum(1) + target[:, None]
+            return self.zeroing(h, valid, x).view(B, N, E).sum(1) + target[:, None]
         h = x + h.view(B, N, E)
         return (h * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1) + target[:, None]
 
@@ -109,11 +110,25 @@ def test_a_ffn_on_flattened_rows_viewed_back_packs(name):
     assert unpad_gemms_matching_eager(FlatFfn(FLATTENS[name]), *_inputs()) == [2]
 
 
-def test_flattened_rows_zeroed_by_a_flattened_mask_stay_padded():
-    # a limit, not a proof: the mask flattened to (B*N, 1) is no row mask, so the product with it stays on
-    # flattened rows (it reads the FFN back through flatten(0, 1)) and nothing shows the padded rows unused
+FLAT_ZEROINGS = {  # the flattened rows zeroed by the token mask, itself flattened to (B*N, 1)
+    "times_the_mask_viewed": lambda h, valid, x: h * valid.view(-1, 1),
+    "times_the_mask_reshaped": lambda h, valid, x: valid.reshape(-1, 1) * h,
+    "where_by_the_bool_mask_viewed": lambda h, valid, x: torch.where(valid.bool().view(-1, 1), h, 0.0),
+    "residual_viewed_then_the_mask": lambda h, valid, x: (h + x.view(-1, E)) * valid.view(-1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(FLAT_ZEROINGS))
+def test_flattened_rows_zeroed_by_a_flattened_mask_pack(name):
     torch.manual_seed(0)
-    assert unpad_gemms_matching_eager(FlatFfn(FLATTENS["view_minus_one"], back=False), *_inputs()) == []
+    model = FlatFfn(FLATTENS["view_minus_one"], back=False, zeroing=FLAT_ZEROINGS[name])
+    assert unpad_gemms_matching_eager(model, *_inputs()) == [2]
+
+
+def test_flattened_rows_times_a_per_row_weight_that_is_no_mask_stay_padded():
+    torch.manual_seed(0)
+    model = FlatFfn(FLATTENS["view_minus_one"], back=False, zeroing=lambda h, valid, x: h * (valid.view(-1, 1) + 1))
+    assert unpad_gemms_matching_eager(model, *_inputs()) == []
 
 
 MIXES = {
@@ -126,4 +141,104 @@ MIXES = {
 @pytest.mark.parametrize("name", list(MIXES))
 def test_an_op_across_the_flattened_rows_keeps_what_feeds_it_padded(name):
     torch.manual_seed(0)
-    assert unpad_gemms_matching_eager(FlatFfn(FLATTENS["view_minus_one"], mixes=MIXES[name]), *_inputs()) == []
+    model = FlatFfn(FLATTENS["view_minus_one"], mixes=MIXES[name])
+    assert unpad_gemms_matching_eager(model, *_inputs()) == []
+    reasons = [r.reason for r in explain(model, *_inputs()).refusals if r.pass_name == "unpad"]
+    assert any("2 GEMM(s)" in r and "reads every row" in r for r in reasons), reasons
+
+
+def test_an_op_on_the_flattened_rows_that_does_not_mix_them_is_not_blamed():
+    """An in-place update on the flattened rows (not moved: it updates the flattened view of the moved rows,
+    read back through it) reads no other row: explain does not name it as an op across the rows."""
+    torch.manual_seed(0)
+    model = FlatFfn(FLATTENS["view_minus_one"], mixes=lambda h: h.add_(1.0))
+    reasons = [r.reason for r in explain(model, *_inputs()).refusals if r.pass_name == "unpad"]
+    assert not any("reads every row" in r for r in reasons), reasons
+    assert unpad_gemms_matching_eager(model, *_inputs()) == [2]
+
+
+def test_a_batch_norm_in_a_flattened_mlp_is_said_in_explain():
+    """FuxiCTR's MLP_Block with batch_norm: its GEMMs and the projection before stay padded; explain says why."""
+    reasons = [r.reason for r in explain(FuxiDinAttention(batch_norm=True).train(), *_inputs()).refusals
+               if r.pass_name == "unpad"]
+    assert any(r.startswith("4 GEMM(s)") and "(`batch_norm`) reads every row" in r for r in reasons), reasons
+
+
+class PairwiseFlatRows(nn.Module):
+    """Every flattened token row against every other (``y.view(-1, 1, E) - y.view(-1, E)``: (B*N, B*N, E)),
+    beside a masked pooling that gives unpad its rows. The two flattened operands broadcast against each
+    other: no row-by-row op (moved onto (B, N, ...) rows it would be (B, N, N, E) when B == N)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(30, E), nn.Linear(E, E)
+
+    def forward(self, ids):
+        B, N = ids.shape
+        valid = (ids != 0).float()
+        pooled = (self.fc(self.emb(ids)) * valid[..., None]).sum(1)
+        y = self.emb(ids)
+        return (y.view(-1, 1, E) - y.view(-1, E)).abs().sum(1).view(B, N, E).sum(1) + pooled
+
+
+def test_flattened_rows_broadcast_against_each_other_stay_as_written():
+    torch.manual_seed(0)
+    ids = torch.randint(1, 30, (4, 4), generator=torch.Generator().manual_seed(1))
+    ids[1, 2:] = 0
+    assert unpad_gemms_matching_eager(PairwiseFlatRows(), ids) == [1]
+
+
+class FlatSkipTakenBeforeAnUpdate(nn.Module):
+    """A flattened skip taken from a conv output transposed back (``s.reshape(-1, E)`` copies it: not
+    mergeable), then ``s`` or the copy updated in place before the flattened MLP adds the skip: the op must
+    read the skip as it was taken, not ``s`` at the op."""
+
+    def __init__(self, update_the_copy):
+        super().__init__()
+        self.update_the_copy = update_the_copy
+        self.emb, self.conv, self.fc = nn.Embedding(30, E), nn.Conv1d(E, E, 3, padding=1), nn.Linear(E, E)
+
+    def forward(self, target, ids):
+        B, N = ids.shape
+        x = self.emb(ids)
+        s = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        skip = s.reshape(-1, E)
+        if self.update_the_copy:
+            skip.mul_(0.5)
+        else:
+            s.relu_()
+        h = self.fc(x.view(-1, E)) + skip
+        return (h.view(B, N, E) * (ids != 0)[..., None]).sum(1) + s.sum(1) + target[:, None]
+
+
+@pytest.mark.parametrize("update_the_copy", [False, True])
+def test_a_flattened_operand_updated_in_place_is_read_as_taken(update_the_copy):
+    torch.manual_seed(0)
+    # (the skip updated in place is not read through s: the flattened MLP beside it stays as written)
+    assert unpad_gemms_matching_eager(FlatSkipTakenBeforeAnUpdate(update_the_copy), *_inputs()) == []
+
+
+class FlatCat(nn.Module):
+    """An MLP on flattened rows whose second layer reads ``cat([h, x.view(-1, E)], dim)``: along the features
+    the cat is row by row (packs); along dim 0 it stacks the rows of both (stays as written)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+        self.emb, self.fc1, self.fc2 = nn.Embedding(30, E), nn.Linear(E, E), nn.Linear(2 * E, E)
+
+    def forward(self, target, ids):
+        B, N = ids.shape
+        x = self.emb(ids)
+        h = torch.relu(self.fc1(x.view(-1, E)))
+        if self.dim == 0:
+            h = self.fc2(torch.cat([h, x.view(-1, E)], 0).view(2 * B * N // 2, 2 * E))
+        else:
+            h = self.fc2(torch.cat([h, x.view(-1, E)], self.dim))
+        return (h.view(B, N, E) * (ids != 0)[..., None]).sum(1) + target[:, None]
+
+
+@pytest.mark.parametrize("dim, gemms", [(-1, [2]), (1, [2]), (0, [])])
+def test_a_cat_of_flattened_rows_along_the_features_packs(dim, gemms):
+    torch.manual_seed(0)
+    assert unpad_gemms_matching_eager(FlatCat(dim), *_inputs()) == gemms

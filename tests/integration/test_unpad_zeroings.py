@@ -25,6 +25,10 @@ ZEROINGS = {
     "masked_fill_tensor_zero": lambda h, valid, pad, ids: h.masked_fill(pad[..., None], torch.tensor(0.0)),
     # RecBole's SequenceAttLayer spelling: keywords, a tensor fill
     "masked_fill_keywords": lambda h, valid, pad, ids: h.masked_fill(mask=pad[..., None], value=torch.tensor(0.0)),
+    # DeepCTR-Torch's SequencePoolingLayer: the (B, N, 1) mask widened over the features before the product
+    "times_the_mask_repeat_interleaved": lambda h, valid, pad, ids: h * torch.repeat_interleave(
+        valid.float().unsqueeze(2), E, dim=2),
+    "times_the_mask_repeated": lambda h, valid, pad, ids: h * valid.float().unsqueeze(2).repeat(1, 1, E),
 }
 NEAR_MISSES = {
     "masked_fill_per_feature": lambda h, valid, pad, ids: h.masked_fill(

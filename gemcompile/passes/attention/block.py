@@ -40,6 +40,7 @@ from torch import fx
 
 from gemcompile.passes.attention.family import (
     AttentionFamily,
+    apart_from_updates,
     check_lengths_device,
     check_qkv,
     dropout_keywords,
@@ -168,7 +169,7 @@ class BlockAttention(AttentionFamily):
                                 args + ((kv_mask,) if kv_mask is not None else ()), extra)
             except (TypeError, ValueError) as error:
                 raise Unproven(f"gemcompile::block_attention rejects the arguments: {error}") from None
-            out = permuted(emit, out, site.out_perm)
+            out = apart_from_updates(emit, site, permuted(emit, out, site.out_perm))
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         if pair is not None:

@@ -22,6 +22,7 @@ from gemcompile.lowering.common.dropout import new_seed
 from gemcompile.passes.graph import Emitter, Unproven, erase_dead, example_value, hoist_before
 from gemcompile.passes.masks.classify import Unclassified
 from gemcompile.passes.masks.key_vector import emit_key_mask
+from gemcompile.passes.masks.mutation import in_place_update
 from gemcompile.passes.masks.model import AttentionMask
 from gemcompile.passes.masks.rows import RowFold, downstream_row_mask
 from gemcompile.passes.records import describe_nodes
@@ -63,6 +64,7 @@ class AttentionFamily(GemPass):
                 out = emit.call(torch.reshape, (out, (-1, size_of(emit, out, 2), size_of(emit, out, 3))))
                 # the weights were (N, Lq, Lk) (one head a batch row: match.py), so are their row factors
                 out = _rows_as_the_weights_were(emit, out, site.row_ops)
+            out = apart_from_updates(emit, site, out)
         site.output.replace_all_uses_with(out)
         erase_dead(site.matched)
         return before, detail
@@ -284,3 +286,11 @@ def check_qkv(q, k, v, head_dims: tuple[int, int]) -> None:
     lo, hi = head_dims
     if not isinstance(q.shape[-1], int) or not lo <= q.shape[-1] <= hi:
         raise Unproven(f"head dim {q.shape[-1]} is outside what the kernel serves ({lo}..{hi})")
+
+
+def apart_from_updates(emit: Emitter, site: AttentionSite, out: fx.Node) -> fx.Node:
+    """The op's output, copied when the model updates the attention output (or a view of it) in place and
+    reads it elsewhere too (``a.permute(0, 2, 1, 3).add_(x)``, then ``a``: attention/in_place.py leaves such an
+    update as written): the op saves its output for its backward, and autograd stops a backward whose saved
+    tensor was changed; the matmul it replaces saved none of its output."""
+    return out if in_place_update(site.output) is None else emit.method("clone", (out,))

@@ -37,7 +37,7 @@ _METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_":
             "tril_": "tril", "triu_": "triu",  # MEANTIME's attn_mask.tril_()
             **{f"{name}_": name for name in ("relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "exp",
                                              "neg", "abs", "sqrt", "pow")}}  # h.relu_() in an MLP
-_VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
+_VIEWS = ("reshape", "view", "unsqueeze", "squeeze", "flatten", "unflatten", "permute", "transpose")
 """Views through which an update of a fresh tensor seen by nothing else is still an update of a fresh one."""
 _MAY_RETURN_INPUT = ("dropout", "contiguous")
 """Ops that return their input itself or a new tensor (dropout when not training or p == 0): like a view,

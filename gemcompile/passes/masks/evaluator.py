@@ -41,7 +41,7 @@ from gemcompile.passes.masks.einsum_permutation import einsum_permutation
 from gemcompile.passes.masks.int_select import compare_split, select
 from gemcompile.passes.masks.mutation import check_not_updated
 from gemcompile.passes.masks.split_reshape import merge_reshape, repeat_interleaved, split_reshape
-from gemcompile.passes.masks.zero_one import zero_one_pieces
+from gemcompile.passes.masks.zero_one import selected_zero_one, zero_one_pieces
 from gemcompile.passes.masks.values import (  # noqa: F401  (index_symbol and the values are read from here too)
     Abstract, Atoms, BoolTensor, DataLeaf, IntTensor, PiecewiseTensor, constant_scalar, piecewise, simplify_pred,
     triangle, index_symbol, check_constant_fits, check_fits_int, check_no_wrap, compare_rounded, comparison_dtype,
@@ -164,14 +164,12 @@ class MaskEvaluator:
         value = example_value(node)
         if value.dim() == 1 and value.dtype != torch.bool:
             fname = f"len_{node.name}"
-            self.leaves[fname] = node
-            self.why[fname] = why
+            self.leaves[fname], self.why[fname] = node, why
             return IntTensor(1, sympy.Function(fname)(index_symbol(0)))
         if value.dim() == 0:
             raise Unproven(f"{node.name} is an integer tensor of shape () that the mask prover does not model"
                            + (f" ({why})" if why else ""))
-        fname = f"dat_{node.name}"
-        ndim = value.dim()
+        fname, ndim = f"dat_{node.name}", value.dim()
         self.data[fname] = DataLeaf(node, why)
         copies = constant_dims(node)  # e.g. the heads of mask.view(B, 1, 1, L).expand(-1, H, -1, -1): index 0
         expr = sympy.Function(fname)(*[0 if ndim - 1 - d in copies else index_symbol(ndim - 1 - d)
@@ -201,15 +199,17 @@ class MaskEvaluator:
         return self._memo[x]
 
     def _opaque(self, node: fx.Node, error: Unproven) -> Abstract:
-        """An integer or boolean tensor the evaluator cannot derive is still an exact function of its
-        indices: a leaf (masks read from data). Float tensors and 0-d values re-raise ``error``."""
+        """An integer or boolean tensor the evaluator cannot derive is still an exact function of its indices: a
+        leaf (masks read from data); a float one too when it selects from 0/1 masks (a cat: masks/zero_one.py).
+        Other float tensors and 0-d values re-raise ``error``."""
+        if (selected := selected_zero_one(self, node)) is not None:
+            return selected
         value = example_value(node)
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or not (
                 value.dtype in _INT_DTYPES or value.dtype == torch.bool):
             raise error
-        leaf = self._leaf(node, why=str(error))
         self.fallback.add(node.name)
-        return leaf
+        return self._leaf(node, why=str(error))
 
     def _from_fallback(self, expr) -> bool:
         """Whether expr reads a tensor that became a leaf only because its op is not modeled."""

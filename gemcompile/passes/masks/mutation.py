@@ -93,7 +93,13 @@ def _aliased_inputs(node: fx.Node) -> list[fx.Node]:
         return written
     if returns_new_tensor(node):
         return []
+    if target_name(node) in _SELF_ONLY and node.args and isinstance(node.args[0], fx.Node):
+        return [node.args[0]]  # x.to(q), x.type_as(q): x itself or a copy of it, never q
     return _tensor_inputs(node)
+
+
+_SELF_ONLY = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
+"""Ops whose result may alias their first tensor only: the other gives a dtype, device or shape."""
 
 
 def _updated_by(node: fx.Node) -> list[fx.Node]:

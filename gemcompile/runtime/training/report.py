@@ -101,7 +101,9 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return format(value, spec)
 
 
-def _fmt_flops(value: float) -> str:
+def _fmt_flops(value: float | None) -> str:
+    if value is None or math.isnan(value):  # (a resumed run with no step left measured none)
+        return "n/a"
     for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
         if value >= scale:
             return f"{value / scale:.3f} {unit}"
