@@ -10,6 +10,12 @@ proves a factor zero there: the row mask itself, a zeroing by it (masked_fill / 
 products, quotients, zero-preserving maps, dtype casts and dim shuffles (unsqueeze, squeeze, transpose,
 expand, same-shape views) of such a factor. A product with such a factor ignores the padded rows too
 (unpad_pad_blind: sentence-transformers' weighted mean, ``h * (mask * positions)``).
+
+A reader computed on the padded rows (the exit's zeros there) may also take a factor that is 0 or NaN at the
+padding (``empty_nan``): the softmax of scores filled with -inf outside the row mask (NARM's and DIN's
+``softmax(s.masked_fill(~valid, -inf), 1)``) is exactly 0 at the padding, or NaN over a whole row with no
+valid token, and 0 * h and NaN * h do not depend on a finite h. A finite fill (-1e9) does not qualify: a
+sample with no valid token spreads its weights over the padded rows.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import fx
 
-from gemcompile.passes.graph import target_name
+from gemcompile.passes.graph import example_value, target_name
 from gemcompile.passes.token_wise import ZERO_PRESERVING_UNARY, node_argument, same_size, shape_of
 
 PadAnalysis = Any
@@ -52,7 +59,7 @@ def contraction_blind(analysis: PadAnalysis, user: fx.Node, node: fx.Node, rows:
         factor_rows = (0, other_token_dim) if rows[1] == token_dim else None
     if factor_rows is None or not all(same_size(other_shape[f], shapes[mine][r]) for f, r in zip(factor_rows, rows)):
         return False
-    return zero_at(analysis, other, factor_rows)
+    return zero_at(analysis, other, factor_rows, empty_nan=True)
 
 
 def _operands(user: fx.Node) -> list | None:
@@ -86,9 +93,9 @@ def _einsum_factor_rows(equation: str, mine: int, rows: Rows) -> Rows | None:
     return other.index(batch), other.index(token)
 
 
-def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8) -> bool:
+def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8, empty_nan: bool = False) -> bool:
     """Whether ``node`` is 0 wherever the analysis' row mask does not hold, its batch and token dims at
-    ``rows`` (module doc)."""
+    ``rows`` (module doc); with ``empty_nan``, 0 or NaN there."""
     if not isinstance(node, fx.Node) or depth == 0:
         return False
     shape = shape_of(node)
@@ -98,20 +105,23 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8) -> bool:
         return True  # (a zeroing of scores transposed to (B, 1, N): DeepCTR-Torch's DIN, rows (0, 2))
     name = target_name(node)
     tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if empty_nan and name in ("softmax", "_softmax") and tensors and node.args[0] is tensors[0]:
+        fill = analysis.fills.get(tensors[0])
+        return fill is not None and fill.value == float("-inf") and analysis.fill_of(tensors[0], rows) is not None
     if name == "mul":
-        return any(_zero_broadcast(analysis, a, shape, rows, depth) for a in tensors)
+        return any(_zero_broadcast(analysis, a, shape, rows, depth, empty_nan) for a in tensors)
     if name in ("truediv", "div"):
-        return bool(node.args) and _zero_broadcast(analysis, node.args[0], shape, rows, depth)
-    if name in ZERO_PRESERVING_UNARY:
+        return bool(node.args) and _zero_broadcast(analysis, node.args[0], shape, rows, depth, empty_nan)
+    if name in ZERO_PRESERVING_UNARY and not (empty_nan and not _floating(node)):  # (NaN cast to an integer)
         return len(tensors) == 1 and node.args[0] is tensors[0] and \
-            _zero_broadcast(analysis, tensors[0], shape, rows, depth)
+            _zero_broadcast(analysis, tensors[0], shape, rows, depth, empty_nan)
     source = node.args[0] if node.args else None
     if name == "unsqueeze":
         dim = node_argument(node, 1, "dim")
         if not isinstance(dim, int) or dim % len(shape) in rows:
             return False
         dim %= len(shape)
-        return zero_at(analysis, source, tuple(r - (r > dim) for r in rows), depth - 1)
+        return zero_at(analysis, source, tuple(r - (r > dim) for r in rows), depth - 1, empty_nan)
     if name == "squeeze":
         dim = node_argument(node, 1, "dim")
         source_shape = shape_of(source)
@@ -119,23 +129,28 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8) -> bool:
             return False
         dim %= len(source_shape)
         return same_size(source_shape[dim], 1) and \
-            zero_at(analysis, source, tuple(r + (r >= dim) for r in rows), depth - 1)
+            zero_at(analysis, source, tuple(r + (r >= dim) for r in rows), depth - 1, empty_nan)
     if name == "getitem" and len(node.args) == 2 and shape_of(source) is not None:
         dims = _new_axes(node.args[1], len(shape_of(source)))  # w[:, None, :]
         if dims is None or any(dims[r] is None for r in rows):
             return False
-        return zero_at(analysis, source, tuple(dims[r] for r in rows), depth - 1)
+        return zero_at(analysis, source, tuple(dims[r] for r in rows), depth - 1, empty_nan)
     if name == "transpose" and len(node.args) == 3 and all(isinstance(d, int) for d in node.args[1:]):
         a, b = (d % len(shape) for d in node.args[1:])
         swap = {a: b, b: a}
-        return zero_at(analysis, source, tuple(swap.get(r, r) for r in rows), depth - 1)
+        return zero_at(analysis, source, tuple(swap.get(r, r) for r in rows), depth - 1, empty_nan)
     if name in ("expand", "expand_as", "contiguous") and shape_of(source) is not None and \
             len(shape_of(source)) == len(shape):  # (a (B, N, 1) mask expanded over the features)
-        return zero_at(analysis, source, rows, depth - 1)
+        return zero_at(analysis, source, rows, depth - 1, empty_nan)
     if name in ("view", "reshape") and shape_of(source) is not None and len(shape_of(source)) == len(shape) and \
             all(same_size(x, y) for x, y in zip(shape_of(source), shape)):
-        return zero_at(analysis, source, rows, depth - 1)
+        return zero_at(analysis, source, rows, depth - 1, empty_nan)
     return False
+
+
+def _floating(node: fx.Node) -> bool:
+    value = example_value(node)
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _new_axes(index, rank: int) -> list[int | None] | None:
@@ -163,7 +178,8 @@ def _new_axes(index, rank: int) -> list[int | None] | None:
     return dims
 
 
-def _zero_broadcast(analysis: PadAnalysis, operand, shape: tuple, rows: Rows, depth: int) -> bool:
+def _zero_broadcast(analysis: PadAnalysis, operand, shape: tuple, rows: Rows, depth: int,
+                    empty_nan: bool = False) -> bool:
     """An elementwise operand zero at the padding, its dims right-aligned with the output's (not broadcast
     along the batch or the tokens)."""
     operand_shape = shape_of(operand)
@@ -173,4 +189,4 @@ def _zero_broadcast(analysis: PadAnalysis, operand, shape: tuple, rows: Rows, de
     mapped = tuple(r - shift for r in rows)
     if min(mapped) < 0 or not all(same_size(operand_shape[m], shape[r]) for m, r in zip(mapped, rows)):
         return False
-    return zero_at(analysis, operand, mapped, depth - 1)
+    return zero_at(analysis, operand, mapped, depth - 1, empty_nan)

@@ -132,6 +132,8 @@ class RowFill(NamedTuple):
     rows: tuple[int, int] = (0, 1)
     """The dims of x that are the mask's batch and tokens: (0, 1), or (0, 2) for scores transposed to (B, 1, N)
     (DeepCTR-Torch's DIN fills ``att.transpose(1, 2)`` by a (B, 1, N) mask before its matmul with the keys)."""
+    value: float | None = None
+    """The fill when it is a constant (``-inf``: a softmax over it is 0 or NaN at the padding)."""
 
 
 def _fill_form(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Any] | None:
@@ -226,7 +228,7 @@ def _row_fills(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]
             continue
         if mask is not None:
             fills[node] = RowFill(x, replace(mask, node=mask.node if mask.vector is None else m), _is_zero(value),
-                                  (0, tokens))
+                                  (0, tokens), _constant(value))
     return fills
 
 

@@ -155,9 +155,10 @@ class PadAnalysis:
 
     def zero_factor(self, product: fx.Node, factor: Any) -> bool:
         """``factor`` is zero at this mask's padded rows (the mask itself, or sentence-transformers' weighted
-        mean ``h * (mask * positions)``: unpad_contractions.zero_at), its B and N on the product's first two
-        dims."""
-        return _aligned(product, factor) and zero_at(self, factor, (0, 1))
+        mean ``h * (mask * positions)``: unpad_contractions.zero_at), or NaN there (a softmax over a -inf
+        fill: the product, computed on the padded rows, is then the same at any finite h), its B and N on the
+        product's first two dims."""
+        return _aligned(product, factor) and zero_at(self, factor, (0, 1), empty_nan=True)
 
     def fill_of(self, node: fx.Node, rows: tuple[int, int] = (0, 1)) -> fx.Node | None:
         """x when ``node`` replaces x's rows outside this mask (``x.masked_fill(~valid, -inf)``, ``where(valid,

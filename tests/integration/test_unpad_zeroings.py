@@ -257,3 +257,85 @@ def test_keys_weighed_by_transposed_zeroed_scores_pack_with_them():
     assert unpad_gemms_matching_eager(normalized, *_inputs()) == [2]
     report = str(explain(normalized, *_inputs()))
     assert "stays padded" in report and "matmul" in report
+
+
+# weights from a softmax over scores filled with -inf outside the mask: exactly 0 at the padding, or NaN on a whole
+# sample with no valid token, where eager's pooling is NaN whatever the tokens hold; so the pooling ignores the
+# tokens' padded rows (unpad_contractions.zero_at, empty_nan) and their projection packs. NARM's and DIN's
+# ``softmax(s.masked_fill(~valid, -inf), 1)``, the weights squeezed to (B, N) or kept (B, N, 1).
+SOFTMAX_POOLINGS = {
+    "times_weights_kept_then_summed": lambda s, h, valid: (
+        F.softmax(s.masked_fill(~valid[..., None], float("-inf")), dim=1) * h).sum(1),
+    "squeezed_weights_bmm": lambda s, h, valid: torch.bmm(
+        torch.softmax(s.squeeze(-1).masked_fill(~valid, float("-inf")), dim=-1).unsqueeze(1), h).squeeze(1),
+    "where_einsum": lambda s, h, valid: torch.einsum(
+        "bn,bnd->bd", F.softmax(torch.where(valid, s.squeeze(-1), float("-inf")), dim=-1), h),
+    "transposed_matmul_with_dropout": lambda s, h, valid: torch.matmul(F.dropout(F.softmax(
+        torch.where(valid[:, None], s.transpose(1, 2), torch.full_like(s.transpose(1, 2), float("-inf"))), -1),
+        0.0), h).squeeze(1),
+    "squeezed_weights_unsqueezed_times_h": lambda s, h, valid: (
+        torch.softmax(s.squeeze(2).masked_fill(~valid, -torch.inf), 1).unsqueeze(-1) * h).sum(1),
+    # (a mask with holes besides the padding: the tokens it drops are packed away too)
+    "fill_by_a_mask_with_holes": lambda s, h, valid: torch.bmm(torch.softmax(s.squeeze(-1).masked_fill(
+        ~valid | (torch.arange(valid.shape[1]) % 3 == 0), float("-inf")), -1).unsqueeze(1), h)[:, 0],
+}
+SOFTMAX_NEAR_MISSES = {
+    # (a finite fill: a sample with no valid token weighs every padded row alike)
+    "finite_fill": lambda s, h, valid: torch.bmm(
+        torch.softmax(s.squeeze(-1).masked_fill(~valid, -1e9), dim=-1).unsqueeze(1), h).squeeze(1),
+    # (NaN cast to an integer is no NaN)
+    "weights_cast_to_an_integer": lambda s, h, valid: torch.bmm(
+        torch.softmax(s.squeeze(-1).masked_fill(~valid, float("-inf")), -1).long().float().unsqueeze(1), h)[:, 0],
+    # (weights no longer 0 at the padding)
+    "weights_plus_a_constant": lambda s, h, valid: torch.bmm(
+        (torch.softmax(s.squeeze(-1).masked_fill(~valid, float("-inf")), -1) + 1e-3).unsqueeze(1), h)[:, 0],
+}
+
+
+class SoftmaxPooling(nn.Module):
+    """Projected embeddings pooled by weights a score MLP gives each token (``weigh(scores, h, valid)``)."""
+
+    def __init__(self, weigh):
+        super().__init__()
+        self.weigh = weigh
+        self.emb, self.proj = nn.Embedding(30, E), nn.Linear(E, E)
+        self.score = nn.Sequential(nn.Linear(E, E), nn.Tanh(), nn.Linear(E, 1))
+
+    def forward(self, ids, lengths):
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        h = self.proj(self.emb(ids))
+        return self.weigh(self.score(h), h, valid)
+
+
+def _softmax_pooling_gemms_matching_eager(weigh) -> list[int]:
+    """Unpad's GEMMs; outputs equal eager's on _inputs() (an empty sample's NaN row too) and every gradient
+    on lengths without an empty sample (eager's NaN weights there make every gradient NaN)."""
+    torch.manual_seed(0)
+    model = SoftmaxPooling(weigh)
+    ids, lengths = _inputs()
+    out, ref = rewritten(model)(ids, lengths), model(ids, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    lengths = lengths.clamp(min=2)
+    ids = torch.randint(1, 30, ids.shape, generator=torch.Generator().manual_seed(3)) * \
+        (torch.arange(ids.shape[1])[None, :] < lengths[:, None])
+    out, ref = rewritten(model)(ids, lengths), model(ids, lengths)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+    for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), params, allow_unused=True)):
+        assert (g is None) == (r is None)
+        if r is not None:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    return [r.metrics["gemms"] for r in explain(model, *_inputs()).rewrites if r.pass_name == "unpad"]
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_POOLINGS))
+def test_a_pooling_by_a_softmax_over_a_minus_inf_fill_packs_the_tokens(name):
+    # (the projection and the score MLP's first Linear; its last gives one score per token and stays padded)
+    assert _softmax_pooling_gemms_matching_eager(SOFTMAX_POOLINGS[name]) == [2]
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_NEAR_MISSES))
+def test_a_pooling_by_a_softmax_over_a_finite_or_data_fill_keeps_the_tokens_padded(name):
+    # (the score MLP's first Linear still packs where the fill ignores the padded scores; the projection not)
+    assert _softmax_pooling_gemms_matching_eager(SOFTMAX_NEAR_MISSES[name]) == [1]
