@@ -139,8 +139,20 @@ class SasrecTfStyle(nn.Module):
         s = torch.bmm(q, k.transpose(1, 2)) / D ** 0.5
         s = s.masked_fill(keep.repeat(H, 1).unsqueeze(1) == 0, float("-inf"))
         w = torch.nan_to_num(torch.softmax(s, dim=-1))
-        w = w * keep.repeat(H, 1).unsqueeze(-1)  # query masking
+        w = self.query_masked(w, keep.repeat(H, 1))
         return torch.cat(torch.bmm(w, v).chunk(H, dim=0), dim=2)
+
+    def query_masked(self, w, query_keep):
+        return w * query_keep.unsqueeze(-1)
+
+
+class GsasrecStyle(SasrecTfStyle):
+    """gSASRec's port of the same: the query mask copied along the keys first, as the TF original tiles it
+    (``query_masks.unsqueeze(-1).repeat(1, 1, keys.size(1))``), and applied in place."""
+
+    def query_masked(self, w, query_keep):
+        w *= query_keep.unsqueeze(-1).repeat(1, 1, w.shape[-1])
+        return w
 
 
 def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slice(None)):
@@ -153,7 +165,7 @@ def _inputs(name: str, seed: int = 1, device: str = "cpu", samples: slice = slic
 
 
 MODELS = {"fairseq": FairseqStyle, "fairseq_5d": FairseqFiveDimStyle, "deberta": DebertaStyle,
-          "single_head": SingleHead, "alibi": AlibiStyle, "sasrec_tf": SasrecTfStyle}
+          "single_head": SingleHead, "alibi": AlibiStyle, "sasrec_tf": SasrecTfStyle, "gsasrec": GsasrecStyle}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -36,18 +36,34 @@ def row_op(user: fx.Node, p: fx.Node) -> tuple[str, fx.Node] | None:
     if weights.dim() not in (3, 4) or not user.args:
         return None
     if is_call(user, *MUL) and len(user.args) == 2:
-        other = user.args[1] if user.args[0] is p else user.args[0]
+        other = _along_keys_source(user.args[1] if user.args[0] is p else user.args[0])
         # a float, integer or bool factor (``p * valid[..., None]``): the weights keep their dtype
         if other is not p and per_row(other) and not example_value(other).is_complex():
             return "mul", other
     if is_call(user, "masked_fill") and user.args[0] is p and len(user.args) > 1:
         fill = user.args[2] if len(user.args) > 2 else user.kwargs.get("value")
-        if per_row(user.args[1]) and constant_float(fill) == 0.0:
-            return "masked_fill", user.args[1]
+        if per_row(_along_keys_source(user.args[1])) and constant_float(fill) == 0.0:
+            return "masked_fill", _along_keys_source(user.args[1])
     if is_call(user, "where") and len(user.args) == 3 and user.args[1] is p:
-        if per_row(user.args[0]) and constant_float(user.args[2]) == 0.0:
-            return "where", user.args[0]
+        if per_row(_along_keys_source(user.args[0])) and constant_float(user.args[2]) == 0.0:
+            return "where", _along_keys_source(user.args[0])
     return None
+
+
+def _along_keys_source(x):
+    """x's (..., Lq, 1) source when x only copies it along the keys (the TF original's query mask, as gSASRec
+    writes it: ``query_masks.unsqueeze(-1).repeat(1, 1, Lk)``, or ``expand(-1, -1, Lk)``); x otherwise."""
+    if not isinstance(x, fx.Node) or not is_call(x, "repeat", "expand", "tile") or not x.args or \
+            not isinstance(x.args[0], fx.Node) or x.kwargs:
+        return x
+    source, out = example_value(x.args[0]), example_value(x)
+    sizes = x.args[1] if len(x.args) == 2 and isinstance(x.args[1], (tuple, list)) else x.args[1:]
+    if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor) or source.dim() != out.dim() or \
+            len(sizes) != out.dim() or source.shape[-1] != 1:
+        return x
+    copies_only_the_last = all(s == 1 for s in sizes[:-1]) if not is_call(x, "expand") else \
+        all(s == -1 or known(s == d) for s, d in zip(sizes[:-1], source.shape[:-1]))
+    return x.args[0] if copies_only_the_last else x
 
 
 def key_mask_op(user: fx.Node, p: fx.Node) -> tuple[bool, fx.Node] | None:
