@@ -71,7 +71,6 @@ from gemcompile.passes.graph_liveness import size_hint
 from gemcompile.passes.masks.key_vector import emit_token_vector
 from gemcompile.passes.masks.zero_one import emit_zero_one_check
 from gemcompile.passes.records import input_path
-from gemcompile.passes.checkpointed_regions import is_checkpoint_call
 from gemcompile.passes.token_wise import (
     TokenWise,
     classify,
@@ -83,9 +82,9 @@ from gemcompile.passes.token_wise import (
 )
 from gemcompile.passes.unpad_attention import RegionIndex, emit_token_offsets, pack_attentions
 from gemcompile.passes.unpad_dropout import packed_op, uniform_like_packed
-from gemcompile.passes.unpad_flat_rows import unflatten_token_rows
-from gemcompile.passes.unpad_transposed_rows import untranspose_token_rows
 from gemcompile.passes.unpad_losses import insert_label_masks, pack_label_losses, remove_unused_label_masks
+from gemcompile.passes.unpad_reasons import checkpointed_reasons, unanchored_reasons
+from gemcompile.passes.unpad_row_layouts import move_row_layouts
 from gemcompile.passes.unpad_masks import (
     RowFill,
     RowMask,
@@ -107,6 +106,7 @@ from gemcompile.passes.masks.mutation import in_place_update, update_after
 
 
 @dataclass
+
 class Region:
     """The nodes of one length mask's token-wise region that run packed."""
 
@@ -178,7 +178,8 @@ class UnpadPass(GemPass):
                 if region.nodes:
                     claimed.update(region.nodes)
                     regions.append(region)
-        self._say_unanchored(unanchored, claimed)
+        for node, reason in unanchored_reasons(unanchored, claimed):
+            self.refused(node, reason)
         return regions
 
     @staticmethod
@@ -193,37 +194,6 @@ class UnpadPass(GemPass):
                                  any(zero_exactly_where_data_is(m.node, leaf) for leaf in leaves) for m in readers):
             return frozenset()
         return frozenset(leaves)
-
-    def _say_unanchored(self, unanchored: dict, claimed: set[fx.Node]) -> None:
-        """One line per token-wise component with GEMMs that no row mask anchored (nothing zeroes its padded
-        rows or reads it only where the mask holds): it runs padded, and explain says so instead of nothing."""
-        for first, (component, mask, every_key) in unanchored.items():
-            gemms = [n for n in component if target_name(n) == "linear" and n not in claimed]
-            if not gemms:
-                continue
-            names = ", ".join(n.name for n in gemms[:4]) + (", ..." if len(gemms) > 4 else "")
-            if every_key is not None:  # the attention reads them as keys only where its sample has a valid key
-                self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: {every_key.name} "
-                                    "reads them as keys only where its sample has a valid key; a sample with none "
-                                    "reads every key, padded ones included (its mask's fill is finite, as "
-                                    "-1e9 or finfo.min: the softmax over all equal scores is uniform), and that "
-                                    "output is used. Fill with -inf, or zero such samples' output, to let them "
-                                    "skip the padding")
-                continue
-            self.refused(first, f"{len(gemms)} GEMM(s) ({names}) run on the padded rows too: nothing shows those "
-                                f"rows unused (no product with the row mask of {mask.describe()} or fill by it, "
-                                "no attention that reads them only as keys by it); zero the padded rows where the "
-                                "model ignores them (h * valid[..., None]) to let them skip the padding")
-
-    def _say_checkpointed(self, graph: fx.Graph) -> None:
-        """One line for the activation-checkpointed regions (torch.utils.checkpoint, HF's
-        gradient_checkpointing): unpad does not run inside them, so explain says so instead of nothing."""
-        calls = [n for n in graph.nodes if is_checkpoint_call(n)]
-        if calls:
-            self.refused(calls[0], f"{len(calls)} activation-checkpointed region(s) (torch.utils.checkpoint, "
-                                   "gradient_checkpointing): unpad does not run inside them, so their token-wise "
-                                   "ops run on the padded rows (the attention passes do run there); without "
-                                   "checkpointing, or with GemConfig.memory's budget instead, they can be packed")
 
     @staticmethod
     def _anchored(component: list[fx.Node], analysis: PadAnalysis) -> bool:
@@ -297,17 +267,17 @@ class UnpadPass(GemPass):
         # values the attention rewrites left unread (k.transpose(-1, -2) of a replaced matmul) read them too
         self._zeroings_dropped = drop_zeroed_query_rows(graph)
         drop_dead_tensors(graph)
-        self._say_checkpointed(graph)
+        for node, reason in checkpointed_reasons(graph):
+            self.refused(node, reason)
         self._losses = {}
         try:  # analysis only: a bug of ours there leaves the graph as it is instead of failing the compile
             if self.options.packed_losses:  # (labels != ignore_index: masks no model node computes)
                 self._losses = insert_label_masks(graph)
             masks, near_misses, fills = find_row_masks(graph)
-            row_dims = [(m.batch, m.seq) for m in masks.values()]  # ops on (B*N, ...) or (B, F, N) rows, moved
-            flat, transposed = (unflatten_token_rows(graph, row_dims), untranspose_token_rows(graph, row_dims)) \
-                if row_dims else ((0, []), (0, []))  # (no row mask: no graph walk)
-            if flat[0] or transposed[0]:
-                masks, near_misses, fills = find_row_masks(graph)  # (onto (B, N, ...): their old nodes are gone)
+            # ops on (B*N, ...), (B, F, N) or (N, B, ...) rows, moved onto (B, N, ...)
+            moved, layout_stops = move_row_layouts(graph, [(m.batch, m.seq) for m in masks.values()])
+            if moved:
+                masks, near_misses, fills = find_row_masks(graph)  # (their old nodes are gone)
         except Exception as error:  # noqa: BLE001
             if env_flag("GEMCOMPILE_STRICT", False):
                 raise
@@ -316,7 +286,7 @@ class UnpadPass(GemPass):
             self.refused(next(iter(graph.nodes)), reason)
             remove_unused_label_masks(self._losses)
             return
-        for node, reason in [*near_misses, *flat[1], *transposed[1]]:  # (ops across laid-out rows)
+        for node, reason in [*near_misses, *layout_stops]:  # (ops across laid-out rows)
             self.refused(node, reason)
         try:
             self._run_regions(graph, masks, fills)

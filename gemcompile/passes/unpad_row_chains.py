@@ -108,7 +108,10 @@ def _move_chain(graph: fx.Graph, start: fx.Node, source: fx.Node, layout: RowLay
                 back = layout.back(graph, row_form)
                 back.meta.update(laid_out.meta)
             user.replace_input_with(laid_out, back)
-    erase_dead([*replaced, *reversed(ops), start])
+    for node in [*replaced, *reversed(ops)]:  # (every reader moved or redirected; a dropout too, which
+        if not node.users:                    # erase_dead keeps as impure, and would keep the chain alive)
+            graph.erase_node(node)
+    erase_dead([start])
     return len(ops)
 
 

@@ -354,6 +354,38 @@ def test_projections_no_row_mask_anchors_are_said_to_run_padded():
                "Fill with -inf" in r for r in reasons), reasons
 
 
+class FftFilterEncoder(nn.Module):
+    """BSARec's layer: projected tokens read by an attention with the key padding mask and by a filter over
+    the sequence (an FFT: every token mixed into every other, padded ones included), the two summed, then a
+    product with the mask."""
+
+    def __init__(self, masked_pooling):
+        super().__init__()
+        self.masked_pooling = masked_pooling
+        self.emb, self.proj = nn.Embedding(ITEMS, E, padding_idx=0), nn.Linear(E, E)
+        self.weight = nn.Parameter(torch.randn(L // 2 + 1, E, dtype=torch.cfloat))
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.proj(self.emb(ids))
+        heads = x.view(b, n, H, D).transpose(1, 2)
+        keep = (ids != 0)[:, None, None, :]
+        a = F.scaled_dot_product_attention(heads, heads, heads, attn_mask=keep).transpose(1, 2).reshape(b, n, E)
+        y = torch.fft.irfft(torch.fft.rfft(x, dim=1, norm="ortho") * self.weight, n=n, dim=1, norm="ortho")
+        return ((a + y) * (ids != 0)[..., None]).sum(1) if self.masked_pooling else (a + y)[:, 0]
+
+
+@pytest.mark.parametrize("masked_pooling", [True, False])
+def test_projections_before_an_fft_over_the_tokens_are_said_to_be_read_by_it(masked_pooling):
+    """explain advised zeroing the padded rows first (when no product with the mask anchored the projection),
+    which would change the model: the FFT reads them into every valid row."""
+    report = explain(FftFilterEncoder(masked_pooling), _ids("right", torch.Generator().manual_seed(3)))
+    reasons = _reasons(report)
+    assert not _unpad(report)
+    assert any("fft_rfft" in r and ("mixes every token" in r or "reads them" in r) for r in reasons), reasons
+    assert not any("zero the padded rows" in r for r in reasons), reasons
+
+
 class ClsTokensFloatMask(nn.Module):
     """torch-rechub's InterFormer: the float mask ``(ids != 0).float()`` with float ones ``prepend``ed for the
     CLS tokens (``torch.cat([torch.ones(B, k), mask], 1)``), the attention filled where it is 0, the FFN, and a
