@@ -67,15 +67,18 @@ def test_kernel_matches_each_tables_embedding_bag(rows, dim, bags, hot, mode, pa
 
 
 @interpreter
-@pytest.mark.parametrize("bad", [7, -3, 1 << 40])
-def test_kernel_refuses_an_id_outside_its_table(bad):
+@pytest.mark.parametrize("padding_idx", [0, -1])
+@pytest.mark.parametrize("bad", [7, -3, -1, 1 << 40])
+def test_kernel_refuses_an_id_outside_its_table(bad, padding_idx):
+    """-1 too where the tables have no padding id (passed as -1): it was skipped as padding."""
     from gemcompile.lowering.sparse_embedding.bags_triton import embedding_bags_triton
 
     weights = _tables((7, 100), 4, torch.float32)
-    ids = _ids((7, 7), 3, 2, 0)
+    ids = _ids((7, 7), 3, 2, 0).clamp(min=1)
     ids[0, 2, 1] = bad  # table 0 has 7 rows; 7 is in table 1's range, not in table 0's
-    with pytest.raises(RuntimeError, match="outside its table's rows"):
-        embedding_bags_triton(ids, weights, False, 0)
+    for mean in (False, True):
+        with pytest.raises(RuntimeError, match="outside its table's rows"):
+            embedding_bags_triton(ids, weights, mean, padding_idx)
 
 
 def test_op_refuses_mixed_tables_and_bad_shapes():

@@ -26,7 +26,8 @@ __all__ = ["embedding_bags_triton"]
 
 @triton.jit
 def _bags_fwd_kernel(Ids, Meta, Out, Ok, bags, dim, padding_idx, stride_it, stride_ib, stride_ih,
-                     stride_ot, stride_ob, HOT: tl.constexpr, MEAN: tl.constexpr, W_DTYPE: tl.constexpr,
+                     stride_ot, stride_ob, HOT: tl.constexpr, MEAN: tl.constexpr, HAS_PADDING: tl.constexpr,
+                     W_DTYPE: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     table = tl.program_id(1)
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -43,8 +44,12 @@ def _bags_fwd_kernel(Ids, Meta, Out, Ok, bags, dim, padding_idx, stride_it, stri
     for h in range(0, HOT):  # HOT constexpr: a model's features keep their width
         i = tl.load(ids + h * stride_ih, mask=bag_ok, other=padding_idx).to(tl.int64)
         inside = (i >= 0) & (i < rows)
-        use = bag_ok & inside & (i != padding_idx)
-        bad += (bag_ok & (i != padding_idx) & ~inside).to(tl.int32)
+        use = bag_ok & inside
+        outside = bag_ok & ~inside
+        if HAS_PADDING:  # (else padding_idx is -1, and an id of -1 is outside the table, not padding)
+            use = use & (i != padding_idx)
+            outside = outside & (i != padding_idx)
+        bad += outside.to(tl.int32)
         row = tl.load(weight + i[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :],
                       other=0.0)
         acc += row.to(tl.float32)
@@ -75,7 +80,7 @@ def embedding_bags_triton(ids: torch.Tensor, weights: list[torch.Tensor], mean: 
     meta = device_table(tuple((w.data_ptr(), w.shape[0], w.stride(0)) for w in weights), ids.device)
     _bags_fwd_kernel[grid](
         ids, meta, out, ok, bags, dim, padding_idx, ids.stride(0), ids.stride(1),
-        ids.stride(2), out.stride(0), out.stride(1), HOT=hot, MEAN=mean, W_DTYPE=TL_DTYPES[dtype], BLOCK_B=block_b,
-        BLOCK_D=block_d, num_warps=4)
+        ids.stride(2), out.stride(0), out.stride(1), HOT=hot, MEAN=mean, HAS_PADDING=padding_idx >= 0,
+        W_DTYPE=TL_DTYPES[dtype], BLOCK_B=block_b, BLOCK_D=block_d, num_warps=4)
     torch._assert_async(ok, "gemcompile::sparse_embedding_bags: an id lies outside its table's rows")
     return out
