@@ -150,6 +150,20 @@ def test_an_existing_step_is_replaced_whole_never_rewritten_in_place(tmp_path):
     assert verify_checkpoint(path) is None
 
 
+def test_a_step_that_is_a_symlink_to_another_runs_step_is_replaced_and_its_target_kept(tmp_path):
+    """A run directory seeded with a link to another run's step: the save replaced it, then rmtree refused
+    the swapped-out link and the run stopped with a save failure although the new checkpoint was in place."""
+    (source,) = _saved(tmp_path / "other_run", 2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / source.name).symlink_to(source, target_is_directory=True)
+    (run / ".step_00000007.partial").symlink_to(source, target_is_directory=True)  # (a leftover that is a link)
+    (path,) = _saved(run, 2)
+    assert not path.is_symlink() and verify_checkpoint(path) is None
+    assert sorted(p.name for p in run.iterdir()) == ["step_00000002"]
+    assert verify_checkpoint(source) is None  # (the other run's checkpoint is untouched)
+
+
 def _flip(path, count=64):
     data = bytearray(path.read_bytes())
     middle = len(data) // 2

@@ -107,7 +107,20 @@ def remove_leftovers(checkpoint_dir: Path) -> None:
     if checkpoint_dir.is_dir():
         for p in checkpoint_dir.iterdir():
             if _LEFTOVER.match(p.name):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p, ignore_errors=True)
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Remove a step folder, or a symlink to one (a run directory seeded with links to another run's steps):
+    the link itself, never what it points to (rmtree refuses a link)."""
+    if path.is_symlink():
+        try:
+            path.unlink()
+        except OSError:
+            if not ignore_errors:
+                raise
+    else:
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def fsync_dir(path: Path) -> None:
@@ -193,14 +206,14 @@ def commit_folder(partial: Path, final: Path, step: int) -> None:
         os.rename(partial, final)
     elif _rename_exchange(partial, final):  # `partial` now holds the old checkpoint
         kill_point(f"save:{step}:swapped")
-        shutil.rmtree(partial)
+        _remove(partial)
     else:
         old = final.parent / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old, ignore_errors=True)
         os.rename(final, old)
         kill_point(f"save:{step}:swapped")
         os.rename(partial, final)
-        shutil.rmtree(old)
+        _remove(old)
     fsync_dir(final.parent)
 
 
