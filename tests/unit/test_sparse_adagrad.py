@@ -7,6 +7,7 @@ backward adds a row's contributions in another order than the order of the ids."
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -223,6 +224,19 @@ def test_add_param_group_refuses_weights_it_was_not_built_with():
     other = use_sparse_row_gradients(Lookups(nn.Embedding(ROWS, DIM)))
     with pytest.raises(TypeError, match="tables it was built with"):
         sparse_opts[0].add_param_group({"params": other[0].weight})
+
+
+def test_a_grad_scaler_is_refused_by_name_and_no_row_is_updated():
+    """torch.amp.GradScaler stopped with its own 'No inf checks were recorded for this optimizer'."""
+    _, _, sparse, sparse_opts = _pair("embedding")
+    before = sparse.table.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(sparse(*_batch("embedding", 0))[0]).backward()
+    scaler.step(sparse_opts[1])  # (the dense head's SGD: scaled as usual)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="does not take torch.amp.GradScaler"):
+        warnings.simplefilter("ignore", FutureWarning)  # (torch 2.13 warns that the grad_scaler argument goes)
+        scaler.step(sparse_opts[0])
+    assert torch.equal(sparse.table.weight, before)
 
 
 def test_zero_grad_drops_rows_of_a_step_never_taken():

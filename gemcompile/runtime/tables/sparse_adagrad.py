@@ -78,8 +78,17 @@ class SparseAdagrad(torch.optim.Adagrad):
                             "another SparseAdagrad for other tables")
         super().add_param_group(param_group)
 
+    # torch.amp.GradScaler hands an optimizer with this flag itself to step (grad_scaler=...): the rows filed
+    # by the tables are no .grad it could unscale or check for inf, so step refuses it by name
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise RuntimeError("SparseAdagrad does not take torch.amp.GradScaler: the sparse tables file their "
+                               "looked-up rows' gradients, no .grad the scaler could unscale or check for inf. "
+                               "Train them without loss scaling (bfloat16 autocast needs none), or with dense "
+                               "tables: build_optimizers(..., sparse_embeddings=False) / --dense-tables")
         loss = run_closure(closure)
         dense_pending = False
         atomic_ok = not torch.are_deterministic_algorithms_enabled()  # the batched launch adds atomically
