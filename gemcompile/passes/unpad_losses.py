@@ -77,6 +77,19 @@ def _flattened(node, rank: int) -> fx.Node | None:
     return x
 
 
+def _moved_in_place(node):
+    """The labels under casts and moves that keep their int64 values on their device (transformers' loss
+    helpers: ``labels.view(-1).to(logits.device)``, a no-op there)."""
+    while isinstance(node, fx.Node) and target_name(node) in ("to", "long", "contiguous", "clone") and node.args \
+            and isinstance(node.args[0], fx.Node):
+        value, source = example_value(node), example_value(node.args[0])
+        if not (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and
+                value.dtype == source.dtype == torch.int64 and value.device == source.device):
+            break
+        node = node.args[0]
+    return node
+
+
 def _classes_moved(node) -> fx.Node | None:
     """x when ``node`` is a (B, N, V) x with its classes moved to dim 1: ``x.transpose(1, 2)``,
     ``x.transpose(-1, 1)``, ``x.permute(0, 2, 1)``."""
@@ -117,7 +130,7 @@ def insert_label_masks(graph: fx.Graph) -> dict[fx.Node, LabelLoss]:
         if type(ignore) is not int or reduction not in ("mean", "sum", "none"):
             continue
         flat, target = args["input"], args["target"]
-        x, labels = _flattened(flat, 3), _flattened(target, 2)
+        x, labels = _flattened(flat, 3), _flattened(_moved_in_place(target), 2)
         moved = x is None and len(shape_of(target) or ()) == 2
         if moved:  # (B, V, N) logits against (B, N) labels
             x, labels = _classes_moved(flat), target

@@ -46,6 +46,9 @@ LOSSES = {  # name: (loss of (logits (B, N, V), labels (B, N), class weights), i
     "class_weights": (lambda x, y, w: F.cross_entropy(x.view(-1, V), y.view(-1), weight=w, ignore_index=0), 0),
     "nll_of_log_softmax": (lambda x, y, w: F.nll_loss(F.log_softmax(x, dim=-1).view(-1, V), y.view(-1),
                                                       ignore_index=-100), -100),
+    # transformers' ForMaskedLMLoss: logits upcast, labels moved to the logits' device after the view (a no-op)
+    "transformers_loss_helper": (lambda x, y, w: F.cross_entropy(x.float().view(-1, V), y.view(-1).to(x.device),
+                                                                 ignore_index=-100), -100),
     # the classes at dim 1, (B, V, N) against (B, N) labels
     "logits_transposed": (lambda x, y, w: F.cross_entropy(x.transpose(1, 2), y, ignore_index=0), 0),
     "logits_permuted_none": (lambda x, y, w: (F.cross_entropy(x.permute(0, 2, 1), y, ignore_index=0,
