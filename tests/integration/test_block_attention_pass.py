@@ -226,6 +226,16 @@ def sdpa_rope_half_time_gaps(q, k, v, n, x):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=blocks(16) & key_mask(n)[:, None, None, :])
 
 
+def sdpa_rope_half_upcast_and_cast_back(q, k, v, n, x):
+    """transformers 5's ModernBERT: ``(q.float() * cos) + (rotate_half(q.float()) * sin)`` then
+    ``.to(original_dtype)``, each ``.float()`` its own node; in float32 every cast is a no-op."""
+    cos, sin = half_tables(position_angles())
+    dtype = q.dtype
+    q = ((q.float() * cos) + (rotate_half_chunk(q.float()) * sin)).to(dtype)
+    k = ((k.float() * cos) + (rotate_half_chunk(k.float()) * sin)).to(dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band(3) & key_mask(n)[:, None, None, :])
+
+
 def hand_rope_interleaved_time_gaps(q, k, v, n, x):
     cos, sin = interleaved_tables(time_gap_angles(x["times"]))
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, L, D)
@@ -300,6 +310,7 @@ IDIOMS = {
     sdpa_rope_half_minus_spelling: (32, -1, False, "half"),
     sdpa_rope_interleaved_positions: (0, 6, True, "interleaved"),
     sdpa_rope_half_time_gaps: (16, -1, False, "half"),
+    sdpa_rope_half_upcast_and_cast_back: (0, 3, False, "half"),
     hand_rope_interleaved_time_gaps: (16, -1, False, "interleaved"),
     rope_rotated_q_also_returned: (16, -1, False, "half"),
     sdpa_block_query_rows_masked_after: (16, -1, False, "none"),

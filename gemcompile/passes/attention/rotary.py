@@ -102,6 +102,7 @@ class _RotationInterpreter:
     def run(self, node: Any) -> Any:
         if not isinstance(node, fx.Node):
             raise Unproven(f"a constant {node!r} inside the rotation")
+        node = through_noop_casts(node)  # (ModernBERT's rotate_half(q.float()) of a float32 q: q itself)
         if node is self.x:
             if not isinstance(self.d, int):
                 raise Unproven("a symbolic head dim")
@@ -242,6 +243,30 @@ def rotation_style(x: fx.Node, rotated: fx.Node, sign: int = 1) -> str:
                    f"[-x[1::2], x[::2]]: it computes {_describe(src, signs)}")
 
 
+_CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type")
+
+
+def _rotary_or_reason(node: fx.Node) -> bool:
+    """Whether ``node`` is a RoPE sum, exact or not (a reason to give rather than none)."""
+    try:
+        return match_rotary(node) is not None
+    except Unproven:
+        return True
+
+
+def through_noop_casts(node: Any) -> Any:
+    """``node`` under casts that change nothing (``q.float()`` of a float32 q, ``.to(q.dtype)``: the same dtype,
+    device and shape)."""
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
+            target_name(node) in _CASTS and node.args and isinstance(node.args[0], fx.Node):
+        value, source = example_value(node), example_value(node.args[0])
+        if not (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and value.dtype == source.dtype
+                and value.device == source.device and _same_shape(node, node.args[0])):
+            break
+        node = node.args[0]
+    return node
+
+
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     """Whether two nodes' shapes are provably equal (symbolic sizes too, without adding guards)."""
     sa, sb = example_value(a).shape, example_value(b).shape
@@ -259,10 +284,15 @@ def match_rotary(node: Any) -> RotaryMatch | None:
     """``node = x * cos + rotate(x) * sin`` (or ``x * cos - rotate'(x) * sin``) with rotate one of the two
     conventions: the match; None when node is not a sum of two products (no RoPE at all); Unproven when it
     is one but not an exact RoPE (a wrong sign or split), with the reason."""
+    outer, node = node, through_noop_casts(node)  # (``q_embed.to(original_dtype)``, a no-op in that dtype)
     name = target_name(node) if isinstance(node, fx.Node) else ""
+    if name in _CASTS and node.args and isinstance(node.args[0], fx.Node) and _rotary_or_reason(node.args[0]):
+        raise Unproven(f"RoPE is computed in {example_value(node.args[0]).dtype} and cast to "
+                       f"{example_value(node).dtype} (`{name}`): the kernel rotates in q's dtype")
     if name not in _ADD + _SUB or len(node.args) < 2 or node.kwargs:
         return None  # also add(..., alpha=...): not a plain sum
-    terms = (_products(node.args[0]), _products(node.args[1]))
+    terms = [_products(node.args[0]), _products(node.args[1])]
+    terms = [t if t is None else tuple(through_noop_casts(a) for a in t) for t in terms]
     if terms[0] is None or terms[1] is None:
         return None
     reasons = []
@@ -282,7 +312,7 @@ def match_rotary(node: Any) -> RotaryMatch | None:
                 except Unproven as reason:
                     reasons.append(str(reason))
                     continue
-                return RotaryMatch(node, x, cos, sin, style)
+                return RotaryMatch(outer, x, cos, sin, style)
     if not reasons:
         return None
     # the most telling reason: one where the rotation was read completely but is the wrong one
