@@ -199,6 +199,9 @@ class ShardedCollection:
         if len(dims) != 1:
             raise ValueError(f"collection {self.name}: tables of one exchange need one dim, got {sorted(dims)}")
         self.exchanges += 1
+        for table, ids in features:  # (else an id past the rows reads another shard's row, a negative one wraps)
+            torch._assert_async(((ids >= 0) & (ids < table.num_embeddings)).all(),
+                                f"collection {self.name}: an id lies outside its table's {table.num_embeddings} rows")
         ids_list = [ids.reshape(ids.shape[0], -1) for _, ids in features]
         b = ids_list[0].shape[0]
         device = ids_list[0].device
