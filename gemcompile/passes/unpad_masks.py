@@ -219,7 +219,7 @@ def _row_fills(graph: fx.Graph, evaluator: MaskEvaluator, vectors: list[RowMask]
             continue
         x, m, negate, value = form
         shape, x_shape = tuple(example_value(m).shape), tuple(example_value(x).shape)
-        tokens = _token_dim(shape)
+        tokens = _token_dim(shape) if not _tiled_condition(m) else 1
         if tokens is None or not (same_size(shape[0], x_shape[0]) and same_size(shape[tokens], x_shape[tokens])):
             continue
         try:
@@ -359,6 +359,15 @@ def _checks_of(node: fx.Node, shared: MaskEvaluator) -> tuple:
 
 _CASTS = {"float", "half", "bfloat16", "double", "long", "int", "bool", "to", "type", "type_as"}
 _TILES = {"expand", "expand_as", "broadcast_to", "repeat", "tile", "repeat_interleave"}
+
+
+def _tiled_condition(node: fx.Node) -> bool:
+    """A fill's condition on a row mask tiled over the features (sentence-transformers' max pooling:
+    ``mask = attention_mask.unsqueeze(-1).expand_as(h).to(h.dtype)``, then ``masked_fill(mask == 0, -inf)``)."""
+    while target_name(node) in ("eq", "ne", "logical_not", "invert", "bool") and node.args and \
+            isinstance(node.args[0], fx.Node) and all(not isinstance(a, fx.Node) for a in node.args[1:]):
+        node = node.args[0]
+    return _tiled_rows(node)
 
 
 def _tiled_rows(node: fx.Node) -> bool:

@@ -86,6 +86,9 @@ FILLS = {
     "where_full_like_fill": lambda h, valid, pad: torch.where(
         valid[..., None], h, torch.full_like(h, -1e4)).amax(1),
     "masked_fill_with_one_then_sum": lambda h, valid, pad: h.masked_fill(pad[..., None], 1.0).sum(1),
+    # sentence-transformers' max pooling: the mask expanded over the features as a float, then compared with 0
+    "mask_expanded_over_the_features": lambda h, valid, pad: h.masked_fill(
+        valid.long().unsqueeze(-1).expand_as(h).to(h.dtype) == 0, float("-inf")).max(dim=1).values,
     # zeros written over in place before the fill: a fill of 2, not of 0 (it was taken for a zeroing)
     "zeros_filled_in_place_then_sum": lambda h, valid, pad: _where_zeros_filled_in_place(h, valid).sum(1),
 }
