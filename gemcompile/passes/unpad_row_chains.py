@@ -128,11 +128,13 @@ def _stop_reasons(stops: list, layout: RowLayout) -> list[tuple[fx.Node, str]]:
         if not gemms:
             continue
         names = ", ".join(n.name for n in gemms[:4]) + (", ..." if len(gemms) > 4 else "")
+        reads = ("reads its neighbouring rows, padded ones included (a convolution wider than one token)"
+                 if target_name(stop).startswith("conv") else "reads every row, padded ones included (a batch "
+                 "norm's statistics, an op across the rows)")
         reasons.append((stop, f"{len(gemms)} GEMM(s) ({names}) around {layout.name} run on the padded rows too: "
-                              f"{stop.name} (`{target_name(stop)}`) reads every row, padded ones included (a "
-                              "batch norm's statistics, an op across the rows), so what feeds it and what follows "
-                              "it depend on the padding; a norm over each row (LayerNorm) keeps the rows "
-                              "independent"))
+                              f"{stop.name} (`{target_name(stop)}`) {reads}, so what feeds it and what follows it "
+                              "depend on the padding; an op over each row (a LayerNorm, a kernel-1 convolution) "
+                              "keeps the rows independent"))
     return reasons
 
 
