@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import torch
 from torch import fx
 
-from gemcompile.passes.graph import Emitter, copy_source_meta, erase_dead, target_name
+from gemcompile.passes.graph import Emitter, copy_source_meta, erase_dead, example_value, target_name
 from gemcompile.passes.masks.mutation import forget_mutations, in_place_update
 
 
@@ -107,6 +108,10 @@ def _move_chain(graph: fx.Graph, start: fx.Node, source: fx.Node, layout: RowLay
                     continue
                 back = layout.back(graph, row_form)
                 back.meta.update(laid_out.meta)
+                value = example_value(laid_out)
+                if isinstance(value, torch.Tensor) and value.is_contiguous():  # (eager's strides: a reader may
+                    back = graph.call_method("contiguous", (back,))             # view it, the graph return it)
+                    back.meta.update(laid_out.meta)
             user.replace_input_with(laid_out, back)
     for node in [*replaced, *reversed(ops)]:  # (every reader moved or redirected; a dropout too, which
         if not node.users:                    # erase_dead keeps as impure, and would keep the chain alive)

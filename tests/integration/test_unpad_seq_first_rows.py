@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gemcompile import explain
-from tests.rewritten import unpad_gemms_matching_eager
+from tests.rewritten import rewritten, unpad_gemms_matching_eager
 
 E, N = 32, 9
 TO_SEQUENCE_FIRST = {
@@ -100,3 +100,29 @@ def test_a_sequence_first_block_with_positions_and_per_user_vectors_packs():
 def test_a_reduction_over_sequence_first_tokens_keeps_them_padded(name):
     torch.manual_seed(0)
     assert unpad_gemms_matching_eager(SequenceFirstFfn(READS_EVERY_ROW[name]), _ids()) == []
+
+
+class SequenceFirstLanguageModel(nn.Module):
+    """PyTorch's word_language_model: (N, B) ids, an encoder layer of the default layout, a decoder, and the
+    (N, B, V) output flattened by ``view(-1, V)`` for the loss, as its training loop does: the moved chain's
+    output must keep eager's contiguous strides (a transpose of the rows failed the view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.dec = nn.Embedding(30, E), nn.Linear(E, 30)
+        self.layer = nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0)
+
+    def forward(self, src, targets):
+        h = self.layer(self.emb(src), src_key_padding_mask=(src == 0).t())
+        out = F.log_softmax(self.dec(h), dim=-1)
+        return F.nll_loss(out.view(-1, 30), targets.view(-1), ignore_index=0), out
+
+
+def test_a_sequence_first_output_keeps_eagers_strides():
+    torch.manual_seed(0)
+    model = SequenceFirstLanguageModel().eval()
+    src = _ids().t().contiguous()
+    (loss, out), (ref_loss, ref) = rewritten(model)(src, src), model(src, src)
+    torch.testing.assert_close(loss, ref_loss)
+    assert out.is_contiguous() and out.stride() == ref.stride()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
