@@ -106,8 +106,9 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8, empty_nan: 
     name = target_name(node)
     tensors = [a for a in node.args if isinstance(a, fx.Node)]
     if empty_nan and name in ("softmax", "_softmax") and tensors and node.args[0] is tensors[0]:
-        fill = analysis.fills.get(tensors[0])
-        return fill is not None and fill.value == float("-inf") and analysis.fill_of(tensors[0], rows) is not None
+        filled = _scaled_by_a_positive_number(tensors[0])  # (a temperature after the fill keeps -inf)
+        fill = analysis.fills.get(filled)
+        return fill is not None and fill.value == float("-inf") and analysis.fill_of(filled, rows) is not None
     if name == "mul":
         return any(_zero_broadcast(analysis, a, shape, rows, depth, empty_nan) for a in tensors)
     if name in ("truediv", "div"):
@@ -146,6 +147,16 @@ def zero_at(analysis: PadAnalysis, node, rows: Rows, depth: int = 8, empty_nan: 
             all(same_size(x, y) for x, y in zip(shape_of(source), shape)):
         return zero_at(analysis, source, rows, depth - 1, empty_nan)
     return False
+
+
+def _scaled_by_a_positive_number(node: fx.Node) -> fx.Node:
+    """x under ``x / c`` and ``x * c`` by positive finite numbers (RecBole's SequenceAttLayer divides the filled
+    scores by sqrt(E) before its softmax): -inf stays -inf, finite values stay finite."""
+    while target_name(node) in ("truediv", "div", "mul") and len(node.args) == 2 and not node.kwargs and \
+            isinstance(node.args[0], fx.Node) and type(node.args[1]) in (int, float) and \
+            0 < node.args[1] < float("inf"):
+        node = node.args[0]
+    return node
 
 
 def _floating(node: fx.Node) -> bool:

@@ -278,6 +278,9 @@ SOFTMAX_POOLINGS = {
         0.0), h).squeeze(1),
     "squeezed_weights_unsqueezed_times_h": lambda s, h, valid: (
         torch.softmax(s.squeeze(2).masked_fill(~valid, -torch.inf), 1).unsqueeze(-1) * h).sum(1),
+    # RecBole's SequenceAttLayer: the filled scores divided by sqrt(E) before the softmax (-inf stays -inf)
+    "temperature_after_the_fill": lambda s, h, valid: torch.bmm(torch.softmax(
+        s.squeeze(-1).masked_fill(~valid, float("-inf")) / E ** 0.5, dim=-1).unsqueeze(1), h)[:, 0],
     # (a mask with holes besides the padding: the tokens it drops are packed away too)
     "fill_by_a_mask_with_holes": lambda s, h, valid: torch.bmm(torch.softmax(s.squeeze(-1).masked_fill(
         ~valid | (torch.arange(valid.shape[1]) % 3 == 0), float("-inf")), -1).unsqueeze(1), h)[:, 0],
