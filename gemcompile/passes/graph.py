@@ -36,6 +36,48 @@ def target_name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
+NOOP_CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type")
+"""The casts ``through_noop_casts`` peels by default."""
+
+
+def through_noop_casts(node: Any, names: tuple[str, ...] = NOOP_CASTS) -> Any:
+    """``node`` under calls of ``names`` that change nothing: the same dtype, device and shape (``q.float()`` of
+    a float32 q, ``labels.to(logits.device)`` on that device)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    while isinstance(node, fx.Node) and target_name(node) in names and node.args and isinstance(node.args[0], fx.Node):
+        value, source = example_value(node), example_value(node.args[0])
+        if not (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and value.dtype == source.dtype
+                and value.device == source.device and value.dim() == source.dim()
+                and all(statically_known_true(a == b) for a, b in zip(value.shape, source.shape))):
+            break
+        node = node.args[0]
+    return node
+
+
+def permutation(node: Any) -> list[int] | None:
+    """The dims a ``transpose`` / ``swapaxes`` / ``swapdims`` / ``permute`` node reads its input in (output dim i
+    is input dim order[i]), all given as ints; None for any other node."""
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    name, args = target_name(node), node.args
+    value = example_value(args[0])
+    rank = value.dim() if isinstance(value, torch.Tensor) else 0
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 3 and all(type(d) is int for d in args[1:]):
+        a, b = (d % rank for d in args[1:]) if rank else (None, None)
+        if a is None:
+            return None
+        order = list(range(rank))
+        order[a], order[b] = b, a
+        return order
+    if name == "permute":
+        order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        if rank and len(order) == rank and all(type(d) is int for d in order):
+            order = [d % rank for d in order]
+            return order if sorted(order) == list(range(rank)) else None
+    return None
+
+
 def schema_arguments(node: fx.Node) -> dict[str, Any]:
     """An OpOverload call's arguments by their schema names, defaults filled in (never by position: a
     schema may grow)."""

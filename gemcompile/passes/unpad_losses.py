@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-from gemcompile.passes.graph import Emitter, copy_source_meta, erase_dead, example_value, size_argument, target_name
+from gemcompile.passes.graph import (Emitter, copy_source_meta, erase_dead, example_value, permutation,
+                                     size_argument, target_name, through_noop_casts)
 from gemcompile.passes.token_wise import same_size, shape_of
 from gemcompile.passes.unpad_attention import RegionIndex, scattered_rows
 
@@ -44,6 +45,7 @@ aten = torch.ops.aten
 LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
 """The per-token losses with an ignore_index, and their signatures (to read arguments given either way)."""
 _FLATTENS = ("view", "reshape", "flatten")
+_LABEL_MOVES = ("to", "long", "contiguous", "clone")
 
 
 @dataclass(frozen=True)
@@ -77,32 +79,10 @@ def _flattened(node, rank: int) -> fx.Node | None:
     return x
 
 
-def _moved_in_place(node):
-    """The labels under casts and moves that keep their int64 values on their device (transformers' loss
-    helpers: ``labels.view(-1).to(logits.device)``, a no-op there)."""
-    while isinstance(node, fx.Node) and target_name(node) in ("to", "long", "contiguous", "clone") and node.args \
-            and isinstance(node.args[0], fx.Node):
-        value, source = example_value(node), example_value(node.args[0])
-        if not (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and
-                value.dtype == source.dtype == torch.int64 and value.device == source.device):
-            break
-        node = node.args[0]
-    return node
-
-
 def _classes_moved(node) -> fx.Node | None:
     """x when ``node`` is a (B, N, V) x with its classes moved to dim 1: ``x.transpose(1, 2)``,
     ``x.transpose(-1, 1)``, ``x.permute(0, 2, 1)``."""
-    if not isinstance(node, fx.Node) or not node.args or node.kwargs or len(shape_of(node.args[0]) or ()) != 3:
-        return None
-    name, dims = target_name(node), node.args[1:]
-    if name == "permute" and len(dims) == 1 and isinstance(dims[0], (list, tuple)):
-        dims = tuple(dims[0])
-    if not all(type(d) is int for d in dims):
-        return None
-    dims = tuple(d % 3 for d in dims)
-    moved = name == "transpose" and sorted(dims) == [1, 2] or name == "permute" and dims == (0, 2, 1)
-    return node.args[0] if moved else None
+    return node.args[0] if permutation(node) == [0, 2, 1] else None
 
 
 def _arguments(node: fx.Node) -> dict | None:
@@ -130,7 +110,8 @@ def insert_label_masks(graph: fx.Graph) -> dict[fx.Node, LabelLoss]:
         if type(ignore) is not int or reduction not in ("mean", "sum", "none"):
             continue
         flat, target = args["input"], args["target"]
-        x, labels = _flattened(flat, 3), _flattened(_moved_in_place(target), 2)
+        # (transformers' loss helpers move the labels after the view: labels.view(-1).to(logits.device))
+        x, labels = _flattened(flat, 3), _flattened(through_noop_casts(target, _LABEL_MOVES), 2)
         moved = x is None and len(shape_of(target) or ()) == 2
         if moved:  # (B, V, N) logits against (B, N) labels
             x, labels = _classes_moved(flat), target

@@ -21,7 +21,7 @@ import operator
 
 from torch import fx
 
-from gemcompile.passes.graph import Emitter, target_name
+from gemcompile.passes.graph import Emitter, permutation, target_name
 from gemcompile.passes.masks.mutation import in_place_update
 from gemcompile.passes.token_wise import ELEMENTWISE, NORMS, SOFTMAX, dtype_of, has_rows, node_argument, \
     same_size, shape_of
@@ -29,26 +29,9 @@ from gemcompile.passes.unpad_row_chains import RowLayout, move_chains
 
 
 def _order(node: fx.Node) -> list[int] | None:
-    """The permutation a ``transpose`` / ``swapaxes`` / ``permute`` node applies to its input's dims (output
-    dim i is input dim order[i]), for an input of 3 or more dims; None for any other node."""
-    name, args = target_name(node), node.args
-    if node.op not in ("call_function", "call_method") or node.kwargs or not args or \
-            not isinstance(args[0], fx.Node):
-        return None
-    rank = len(shape_of(args[0]) or ())
-    if rank < 3:
-        return None
-    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 3 and all(isinstance(d, int) for d in args[1:]):
-        a, b = (d % rank for d in args[1:])
-        order = list(range(rank))
-        order[a], order[b] = b, a
-        return order
-    if name == "permute":
-        order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-        if len(order) == rank and all(isinstance(d, int) for d in order):
-            order = [d % rank for d in order]
-            return order if sorted(order) == list(range(rank)) else None
-    return None
+    """The permutation a transpose / permute node applies to an input of 3 or more dims (graph.permutation)."""
+    order = permutation(node)
+    return order if order is not None and len(order) >= 3 else None
 
 
 def _sequence_first(emit: Emitter, node: fx.Node, row_dims: list[tuple]) -> fx.Node | None:

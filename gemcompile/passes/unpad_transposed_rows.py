@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from gemcompile.passes.graph import Emitter, target_name
+from gemcompile.passes.graph import Emitter, permutation, target_name
 from gemcompile.passes.token_wise import ELEMENTWISE, SOFTMAX, dtype_of, has_rows, node_argument, \
     same_size, shape_of
 from gemcompile.passes.unpad_row_chains import RowLayout, move_chains
@@ -27,16 +27,7 @@ from gemcompile.passes.unpad_row_chains import RowLayout, move_chains
 
 def _swaps_last_two(node: fx.Node) -> bool:
     """``x.transpose(1, 2)``, ``x.transpose(-1, -2)``, ``x.permute(0, 2, 1)`` of a 3-D x."""
-    name, args = target_name(node), node.args
-    if node.op not in ("call_function", "call_method") or node.kwargs or not args or \
-            not isinstance(args[0], fx.Node) or len(shape_of(args[0]) or ()) != 3:
-        return False
-    if name in ("transpose", "swapaxes") and len(args) == 3:
-        return all(isinstance(d, int) for d in args[1:]) and sorted(d % 3 for d in args[1:]) == [1, 2]
-    if name == "permute":
-        order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-        return [d % 3 if isinstance(d, int) else None for d in order] == [0, 2, 1]
-    return False
+    return permutation(node) == [0, 2, 1]
 
 
 def _transposed(node: fx.Node, row_dims: list[tuple]) -> fx.Node | None:

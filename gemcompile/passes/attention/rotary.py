@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gemcompile.passes.graph import Unproven, example_value, target_name
+from gemcompile.passes.graph import NOOP_CASTS, Unproven, example_value, target_name, through_noop_casts
 
 ROTARY_STYLES = ("half", "interleaved")
 """The conventions the block-attention kernel applies (its ``rotary`` argument, besides "none")."""
@@ -243,28 +243,12 @@ def rotation_style(x: fx.Node, rotated: fx.Node, sign: int = 1) -> str:
                    f"[-x[1::2], x[::2]]: it computes {_describe(src, signs)}")
 
 
-_CASTS = ("to", "float", "double", "half", "bfloat16", "type_as", "type")
-
-
 def _rotary_or_reason(node: fx.Node) -> bool:
     """Whether ``node`` is a RoPE sum, exact or not (a reason to give rather than none)."""
     try:
         return match_rotary(node) is not None
     except Unproven:
         return True
-
-
-def through_noop_casts(node: Any) -> Any:
-    """``node`` under casts that change nothing (``q.float()`` of a float32 q, ``.to(q.dtype)``: the same dtype,
-    device and shape)."""
-    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
-            target_name(node) in _CASTS and node.args and isinstance(node.args[0], fx.Node):
-        value, source = example_value(node), example_value(node.args[0])
-        if not (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and value.dtype == source.dtype
-                and value.device == source.device and _same_shape(node, node.args[0])):
-            break
-        node = node.args[0]
-    return node
 
 
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
@@ -286,7 +270,7 @@ def match_rotary(node: Any) -> RotaryMatch | None:
     is one but not an exact RoPE (a wrong sign or split), with the reason."""
     outer, node = node, through_noop_casts(node)  # (``q_embed.to(original_dtype)``, a no-op in that dtype)
     name = target_name(node) if isinstance(node, fx.Node) else ""
-    if name in _CASTS and node.args and isinstance(node.args[0], fx.Node) and _rotary_or_reason(node.args[0]):
+    if name in NOOP_CASTS and node.args and isinstance(node.args[0], fx.Node) and _rotary_or_reason(node.args[0]):
         raise Unproven(f"RoPE is computed in {example_value(node.args[0]).dtype} and cast to "
                        f"{example_value(node).dtype} (`{name}`): the kernel rotates in q's dtype")
     if name not in _ADD + _SUB or len(node.args) < 2 or node.kwargs:

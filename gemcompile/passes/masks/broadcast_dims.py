@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from gemcompile.passes.graph import example_value, target_name
+from gemcompile.passes.graph import example_value, permutation, target_name
 from gemcompile.passes.masks.mutation import in_place_update
 
 _EXPANDS = ("expand", "expand_as", "broadcast_to")
@@ -81,7 +81,7 @@ def constant_dims(node, depth: int = 16) -> frozenset[int]:
         mapped = {(r if r < ndim - 1 - dim else r + 1) for r in inner}
         return unit | frozenset(mapped)
     if name in _PERMUTES:
-        order = _permutation(node, ndim)
+        order = permutation(node)
         if order is None:
             return unit
         inner = constant_dims(args[0], depth - 1)
@@ -117,17 +117,6 @@ def _through_reshape(node: fx.Node, depth: int) -> frozenset[int]:
     inner = constant_dims(node.args[0], depth - 1)
     n_in, n_out = source.dim(), value.dim()
     return frozenset(n_out - 1 - b for a, b in zip(in_dims, out_dims) if n_in - 1 - a in inner)
-
-
-def _permutation(node: fx.Node, ndim: int) -> list[int] | None:
-    name = target_name(node.target)
-    if name in ("transpose", "swapaxes"):
-        a, b = (d % ndim for d in node.args[1:3])
-        order = list(range(ndim))
-        order[a], order[b] = order[b], order[a]
-        return order
-    dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
-    return [d % ndim for d in dims] if len(dims) == ndim else None
 
 
 def _tensor(x) -> torch.Tensor | None:
